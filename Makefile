@@ -1,0 +1,36 @@
+# attnlab: the two commands a newcomer needs are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# A pinned torch keeps pip from pulling the newest CUDA build (several GB) on a CPU machine;
+# override with `make TORCH_SPEC=torch demo` to take whatever your index serves.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install install-test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e .
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[test]"
+	@touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/attnlab explain
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/attnlab bench
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,272 @@
+"""Validation and normalisation of one attention call, shared by every backend.
+
+``build_call`` checks the user's arguments once and returns an :class:`AttentionCall` whose
+tensors are always 4-D: q ``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``.
+Backends read this object and never re-validate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from attnlab import masks as _masks
+
+__all__ = ["AttentionCall", "build_call"]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call with 4-D tensors and resolved options.
+
+    Attributes:
+        q: queries ``(B, Hq, Tq, D)``.
+        k: keys ``(B, Hkv, Tk, D)``; ``Hq`` is a multiple of ``Hkv`` (grouped-query).
+        v: values ``(B, Hkv, Tk, Dv)``.
+        mask: ``None``, a bool/float tensor that broadcasts to ``(B, Hq, Tq, Tk)`` (every dim is
+            1 or full size, always 4-D), or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
+        causal: whether the causal mask is ANDed with ``mask``.
+        align: ``"top_left"`` or ``"bottom_right"`` causal alignment.
+        scale: multiplier of ``q @ k^T``.
+        dropout_p: probability of dropping an attention weight.
+        generator: random generator for dropout (``None`` = PyTorch's default).
+        input_rank: rank of the user's q (2, 3 or 4), to restore the output layout.
+        return_weights: whether the caller also wants the attention weights.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | Callable | None
+    causal: bool
+    align: str
+    scale: float
+    dropout_p: float
+    generator: torch.Generator | None
+    input_rank: int
+    return_weights: bool = False
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # Sizes, named as in the docs.
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def tq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def tk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+    @property
+    def mask_kind(self) -> str:
+        """``"none"``, ``"bool"``, ``"float"`` or ``"mod"``."""
+        if self.mask is None:
+            return "none"
+        if isinstance(self.mask, Tensor):
+            return "bool" if self.mask.dtype == torch.bool else "float"
+        return "mod"
+
+    @property
+    def causal_offset(self) -> int:
+        """Query ``i`` may see keys ``j <= i + causal_offset`` when ``causal`` is set."""
+        return _masks.causal_offset(self.tq, self.tk, self.align)
+
+    def mask_mod(self) -> Callable | None:
+        """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
+        parts = []
+        if self.causal:
+            parts.append(_masks.CausalMod(self.causal_offset))
+        if self.mask_kind == "mod":
+            parts.append(self.mask)
+        return _masks.and_masks(*parts)
+
+    def allowed(self) -> Tensor | None:
+        """Dense bool mask of attendable positions, broadcastable to ``(B, Hq, Tq, Tk)``.
+
+        Combines ``causal``, a bool mask and a mask mod; a float mask is not included (see
+        :meth:`bias`). Returns ``None`` when nothing is masked. Cached per call.
+        """
+        if "allowed" not in self._cache:
+            parts = []
+            mod = self.mask_mod()
+            if mod is not None:
+                parts.append(
+                    _masks.materialize(
+                        mod, tq=self.tq, tk=self.tk, batch=self.batch, heads=self.q_heads,
+                        device=self.device,
+                    )
+                )
+            if self.mask_kind == "bool":
+                parts.append(self.mask)
+            self._cache["allowed"] = _masks.and_masks(*parts)
+        return self._cache["allowed"]
+
+    def bias(self) -> Tensor | None:
+        """The float (additive) mask, broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
+        return self.mask if self.mask_kind == "float" else None
+
+
+def _check_tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must have a floating-point dtype, got {value.dtype}")
+    if value.ndim not in (2, 3, 4):
+        raise ValueError(
+            f"{name} must have rank 2 (T, D), 3 (B, T, D) or 4 (B, H, T, D); "
+            f"got rank {value.ndim} with shape {tuple(value.shape)}"
+        )
+    return value
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"q, k and v must have the same rank; got {shapes}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on one device; got q {q.device}, k {k.device}, v {v.device}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k must have the same last dim D as q; got {shapes}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"v must have as many positions Tk as k; got {shapes}")
+    if q.shape[0] != k.shape[0] and q.ndim >= 3:
+        raise ValueError(f"k must have the same batch size as q; got {shapes}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"v must match k in every dim but the last; got {shapes}")
+    if q.ndim == 4 and q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
+            f"key/value heads ({k.shape[1]}); got {shapes}"
+        )
+
+
+def _to_4d(t: Tensor) -> Tensor:
+    if t.ndim == 2:
+        return t[None, None]  # (1, 1, T, D)
+    if t.ndim == 3:
+        return t[:, None]  # (B, 1, T, D)
+    return t
+
+
+def _normalize_mask(mask: object, q: Tensor, tk: int) -> Tensor | Callable | None:
+    """Check a mask against q's leading dims and return it 4-D (dims 1 or full size)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        if callable(mask):
+            return mask
+        raise TypeError(
+            f"mask must be a bool/float tensor or a mask mod callable, got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating point (added to the scores); "
+            f"got dtype {mask.dtype}. Use mask.bool() for a 0/1 mask."
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask must be on q's device {q.device}, got {mask.device}")
+    target = tuple(q.shape[:-1]) + (tk,)  # (..., Tq, Tk)
+    try:
+        broadcast = torch.broadcast_shapes(tuple(mask.shape), target)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != target:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (..., Tq, Tk) = {target}"
+        )
+    mask = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))
+    return _to_4d(mask)  # (B|1, H|1, Tq|1, Tk|1)
+
+
+def _check_options(causal: object, align: object, scale: object, dropout_p: object) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _masks.check_align(align)  # type: ignore[arg-type]
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def build_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: object = None,
+    causal: bool = False,
+    align: str = "top_left",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_weights: bool = False,
+) -> AttentionCall:
+    """Validate the arguments of :func:`attnlab.attention` and return a 4-D :class:`AttentionCall`.
+
+    Raises:
+        TypeError: a non-tensor, a non-float dtype, mixed dtypes, or an integer mask.
+        ValueError: wrong rank, mismatched sizes, a mask that does not broadcast, options out
+            of range. Every message names the argument and the shapes seen.
+    """
+    _check_qkv(q, k, v)
+    _check_options(causal, align, scale, dropout_p)
+    norm_mask = _normalize_mask(mask, q, k.shape[-2])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return AttentionCall(
+        q=_to_4d(q),
+        k=_to_4d(k),
+        v=_to_4d(v),
+        mask=norm_mask,
+        causal=causal,
+        align=align,
+        scale=scale,
+        dropout_p=float(dropout_p),
+        generator=generator,
+        input_rank=q.ndim,
+        return_weights=return_weights,
+    )

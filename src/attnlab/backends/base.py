@@ -1,0 +1,72 @@
+"""The backend protocol and the registry every backend adds itself to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from attnlab._call import AttentionCall
+
+__all__ = ["AttentionResult", "Backend", "register", "registry"]
+
+
+@dataclass
+class AttentionResult:
+    """What a backend returns.
+
+    Attributes:
+        out: ``(B, Hq, Tq, Dv)`` context vectors.
+        lse: optional ``(B, Hq, Tq)`` log-sum-exp of the scaled, masked scores (``-inf`` for
+            fully masked rows); lets the weights be recomputed without a second softmax pass.
+        weights: optional ``(B, Hq, Tq, Tk)`` attention weights (before dropout).
+    """
+
+    out: Tensor
+    lse: Tensor | None = None
+    weights: Tensor | None = None
+
+
+class Backend:
+    """One way of computing attention under attnlab's single contract.
+
+    Subclasses set ``name``, ``memory`` (``"quadratic"`` or ``"linear"`` in the sequence
+    length), ``description``, and implement :meth:`forward`. They override
+    :meth:`not_supported_reasons` to decline calls they cannot serve exactly and
+    :meth:`unavailable_reason` when they cannot run in this installation at all.
+    """
+
+    name: str = ""
+    memory: str = "quadratic"
+    description: str = ""
+
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot run here at all (None when it can)."""
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        """Every reason this backend cannot serve ``call`` exactly; empty when it can."""
+        return []
+
+    def cost(self, call: AttentionCall) -> float:
+        """Relative expected time for ``call``; lower wins under ``backend="auto"``."""
+        return 1.0
+
+    def forward(self, call: AttentionCall) -> AttentionResult:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add ``backend`` to the registry under ``backend.name`` (replacing one of that name)."""
+    if not backend.name:
+        raise ValueError("backend.name must be a non-empty string")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def registry() -> dict[str, Backend]:
+    """The registered backends by name, in registration order."""
+    return dict(_REGISTRY)

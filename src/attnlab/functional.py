@@ -1,0 +1,118 @@
+"""``attnlab.attention``: one function, one set of semantics, several backends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from attnlab import backends as _backends
+from attnlab._call import AttentionCall, build_call
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Callable | None = None,
+    causal: bool = False,
+    align: str = "top_left",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
+
+    Shapes (``...`` is nothing, ``B`` or ``B, H``; all three tensors have the same rank):
+        q: ``(..., Tq, D)``, k: ``(..., Tk, D)``, v: ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
+        With rank 4, k and v may have fewer heads than q (grouped-query attention): ``Hq`` must
+        be a multiple of ``Hkv`` and query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
+
+    Args:
+        q, k, v: query, key and value tensors of one floating dtype on one device.
+        mask: what each query may attend to. A **bool** tensor (True = may attend) or a
+            **float** tensor (added to the scaled scores; ``-inf`` blocks), broadcasting to
+            ``(..., Tq, Tk)``; or a **mask mod** ``(b, h, q_idx, kv_idx) -> bool`` written with
+            tensor ops (see :mod:`attnlab.masks`). A padding mask for ``(B, H, T, D)`` inputs has
+            shape ``(B, 1, 1, Tk)``.
+        causal: also block future keys. It is ANDed with ``mask`` when both are given.
+        align: causal alignment when ``Tq != Tk``: ``"top_left"`` (default, as PyTorch's
+            ``is_causal``: query ``i`` sees keys ``<= i``) or ``"bottom_right"`` (query ``i``
+            sees keys ``<= i + Tk - Tq``, what decoding with a KV cache needs).
+        scale: multiplier of the scores; defaults to ``1 / sqrt(D)``.
+        dropout_p: probability of zeroing each attention weight (the rest are scaled by
+            ``1 / (1 - dropout_p)``); must be in ``[0, 1)``. Pass 0 in evaluation.
+        generator: random generator for dropout; same seed, same output.
+        backend: ``"auto"`` (the fastest backend that serves the call, never an O(T^2)-memory
+            one when an O(T) one serves) or a name from :func:`attnlab.backends.available`.
+            A named backend that cannot serve the call raises ``ValueError`` with its reasons.
+        return_weights: also return the attention weights ``(..., Hq, Tq, Tk)`` per head (never
+            averaged), before dropout. Asking for them does not change how ``out`` is computed.
+
+    Returns:
+        ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
+        A query that may attend to no key gets a zero output row and zero gradient.
+
+    Raises:
+        TypeError: non-tensor input, a non-float or mixed dtype, an integer mask.
+        ValueError: wrong rank, mismatched sizes, heads not divisible, a mask that does not
+            broadcast, ``dropout_p`` outside ``[0, 1)``, an unknown or unable backend.
+
+    Example:
+        >>> import torch, attnlab
+        >>> q = torch.randn(2, 4, 10, 16)                    # (B, H, T, D)
+        >>> k, v = torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 8)   # 2 key/value heads
+        >>> out, weights = attnlab.attention(q, k, v, causal=True, return_weights=True)
+        >>> out.shape, weights.shape
+        (torch.Size([2, 4, 10, 8]), torch.Size([2, 4, 10, 10]))
+        >>> bool(weights[0, 0, 0, 1:].eq(0).all())           # the first token sees only itself
+        True
+    """
+    call = build_call(
+        q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
+        generator=generator, return_weights=return_weights,
+    )
+    result = _backends.select(call, backend).forward(call)
+    out = _restore_rank(result.out, call.input_rank)
+    if not return_weights:
+        return out
+    weights = result.weights if result.weights is not None else attention_weights(call, result.lse)
+    return out, _restore_rank(weights, call.input_rank)
+
+
+def attention_weights(call: AttentionCall, lse: Tensor | None = None) -> Tensor:
+    """Attention weights ``(B, Hq, Tq, Tk)`` (before dropout) recomputed from q and k.
+
+    With the row log-sum-exp ``lse`` ``(B, Hq, Tq)`` from a fast backend, the weights are
+    ``exp(scores - lse)`` without a second softmax reduction; without it, a plain softmax.
+    Rows with no attendable key are zero.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> attention_weights(build_call(q, q, q)).sum(-1)
+        tensor([[[1.0000, 1.0000, 1.0000]]])
+    """
+    from attnlab.backends.reference import masked_scores, repeat_kv, softmax_rows
+
+    with torch.no_grad():
+        attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
+        if lse is None:
+            return softmax_rows(attn_scores)
+        lse = lse.to(attn_scores.dtype).unsqueeze(-1)  # (B, H, Tq, 1)
+        finite = torch.isfinite(lse)
+        return torch.where(finite, torch.exp(attn_scores - torch.where(finite, lse, 0)), 0)
+
+
+def _restore_rank(t: Tensor, rank: int) -> Tensor:
+    if rank == 2:
+        return t[0, 0]  # (T, D)
+    if rank == 3:
+        return t[:, 0]  # (B, T, D)
+    return t

@@ -1,0 +1,407 @@
+"""Attention masks: dense tensors and mask mods with one polarity, True = may attend.
+
+Two forms describe the same patterns:
+
+* **Dense masks** are tensors that broadcast to ``(B, H, Tq, Tk)``. A bool mask says which key
+  positions a query may attend to (True = attend); a float mask is added to the scores (``-inf``
+  blocks a position, other values bias it).
+* **Mask mods** are callables ``mod(b, h, q_idx, kv_idx) -> bool tensor`` with the same polarity,
+  written with tensor operations so that they broadcast over index tensors (and so that
+  FlexAttention can trace them). The mods in this module also know which key range a block of
+  queries can reach (:meth:`MaskMod.kv_bounds`), which lets tiled backends skip whole tiles.
+
+Causal alignment when ``Tq != Tk``:
+
+* ``"top_left"``: query ``i`` sees keys ``j <= i`` (PyTorch's ``is_causal`` convention).
+* ``"bottom_right"``: query ``i`` sees keys ``j <= i + Tk - Tq``; the last query sees every key.
+  This is what decoding with a KV cache needs: new queries are the *last* ``Tq`` positions.
+
+Example:
+    >>> from attnlab import masks
+    >>> masks.causal_mask(2, 3, align="bottom_right")
+    tensor([[ True,  True, False],
+            [ True,  True,  True]])
+    >>> mod = masks.and_masks(masks.causal_mod(4, 4), masks.sliding_window_mod(4, 4, window=2))
+    >>> masks.materialize(mod, tq=4, tk=4).int()
+    tensor([[[[1, 0, 0, 0],
+              [1, 1, 0, 0],
+              [0, 1, 1, 0],
+              [0, 0, 1, 1]]]], dtype=torch.int32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ALIGNMENTS",
+    "MaskMod",
+    "CausalMod",
+    "SlidingWindowMod",
+    "PaddingMod",
+    "CombinedMod",
+    "causal_mod",
+    "sliding_window_mod",
+    "padding_mod",
+    "and_masks",
+    "or_masks",
+    "materialize",
+    "causal_mask",
+    "sliding_window_mask",
+    "padding_mask",
+    "causal_offset",
+]
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+MaskLike = Union[Tensor, Callable, None]
+
+
+def check_align(align: str) -> None:
+    """Raise ``ValueError`` unless ``align`` is one of :data:`ALIGNMENTS`."""
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+
+
+def causal_offset(tq: int, tk: int, align: str = "top_left") -> int:
+    """How far the causal diagonal is shifted: query ``i`` sees keys ``j <= i + offset``.
+
+    Args:
+        tq: number of queries.
+        tk: number of keys.
+        align: ``"top_left"`` (offset 0) or ``"bottom_right"`` (offset ``tk - tq``).
+
+    Returns:
+        The offset as an int.
+
+    Example:
+        >>> causal_offset(1, 5, "bottom_right")
+        4
+    """
+    check_align(align)
+    return 0 if align == "top_left" else tk - tq
+
+
+class MaskMod:
+    """Base class of attnlab's structured mask mods.
+
+    A subclass implements ``__call__(b, h, q_idx, kv_idx)`` with tensor operations (True = may
+    attend) and may implement :meth:`kv_bounds` so that tiled backends can skip key blocks that
+    no query in a block can reach. Any plain callable with the same signature is accepted
+    wherever a mask mod is; it simply has no bounds.
+    """
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def kv_bounds(self, q_start: int, q_end: int) -> tuple[int, int] | None:
+        """Half-open key range ``[lo, hi)`` that queries ``q_start..q_end-1`` may reach.
+
+        Returns ``None`` when the mod cannot tell (every key may be reachable).
+        """
+        return None
+
+    def __and__(self, other: Callable) -> "CombinedMod":
+        return CombinedMod((self, other), "and")
+
+    def __or__(self, other: Callable) -> "CombinedMod":
+        return CombinedMod((self, other), "or")
+
+
+class CausalMod(MaskMod):
+    """Causal mask mod: query ``i`` may attend key ``j`` when ``j <= i + offset``.
+
+    Example:
+        >>> mod = CausalMod(offset=0)
+        >>> bool(mod(0, 0, torch.tensor(2), torch.tensor(3)))
+        False
+    """
+
+    def __init__(self, offset: int = 0):
+        self.offset = int(offset)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + self.offset
+
+    def kv_bounds(self, q_start, q_end):
+        return 0, max(0, q_end - 1 + self.offset + 1)
+
+    def __repr__(self) -> str:
+        return f"CausalMod(offset={self.offset})"
+
+
+class SlidingWindowMod(MaskMod):
+    """Causal sliding window: query ``i`` sees the ``window`` keys ending at ``i + offset``.
+
+    Query ``i`` may attend key ``j`` when ``i + offset - window < j <= i + offset``; with
+    ``window=1`` each query sees one key.
+
+    Example:
+        >>> mod = SlidingWindowMod(window=2)
+        >>> [bool(mod(0, 0, torch.tensor(3), torch.tensor(j))) for j in range(4)]
+        [False, False, True, True]
+    """
+
+    def __init__(self, window: int, offset: int = 0):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self.window = window
+        self.offset = int(offset)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        last = q_idx + self.offset
+        return (kv_idx <= last) & (kv_idx > last - self.window)
+
+    def kv_bounds(self, q_start, q_end):
+        lo = max(0, q_start + self.offset - self.window + 1)
+        hi = max(lo, q_end - 1 + self.offset + 1)
+        return lo, hi
+
+    def __repr__(self) -> str:
+        return f"SlidingWindowMod(window={self.window}, offset={self.offset})"
+
+
+class PaddingMod(MaskMod):
+    """Key padding: in batch row ``b`` only keys ``j < lengths[b]`` are real tokens.
+
+    Example:
+        >>> mod = PaddingMod(torch.tensor([1, 3]))
+        >>> bool(mod(torch.tensor(0), 0, 0, torch.tensor(2)))
+        False
+    """
+
+    def __init__(self, lengths: Tensor):
+        lengths = torch.as_tensor(lengths)
+        if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(
+                f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
+                f"dtype {lengths.dtype}"
+            )
+        self.lengths = lengths
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        lengths = self.lengths.to(kv_idx.device) if isinstance(kv_idx, Tensor) else self.lengths
+        return kv_idx < lengths[b]
+
+    def __repr__(self) -> str:
+        return f"PaddingMod(lengths={self.lengths.tolist()})"
+
+
+class CombinedMod(MaskMod):
+    """Logical AND or OR of several mask mods; the bounds are combined when every part has some.
+
+    Example:
+        >>> mod = CombinedMod((CausalMod(), SlidingWindowMod(2)), "and")
+        >>> mod.kv_bounds(4, 6)
+        (3, 6)
+    """
+
+    def __init__(self, mods: tuple[Callable, ...], op: str):
+        if op not in ("and", "or"):
+            raise ValueError(f"op must be 'and' or 'or', got {op!r}")
+        self.mods = tuple(mods)
+        self.op = op
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        result = self.mods[0](b, h, q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            other = mod(b, h, q_idx, kv_idx)
+            result = (result & other) if self.op == "and" else (result | other)
+        return result
+
+    def kv_bounds(self, q_start, q_end):
+        bounds = [_bounds_of(mod, q_start, q_end) for mod in self.mods]
+        known = [bound for bound in bounds if bound is not None]
+        if self.op == "and":
+            if not known:
+                return None
+            lo = max(bound[0] for bound in known)
+            return lo, max(lo, min(bound[1] for bound in known))
+        if len(known) < len(bounds):
+            return None
+        return min(bound[0] for bound in known), max(bound[1] for bound in known)
+
+    def __repr__(self) -> str:
+        return f"CombinedMod({', '.join(map(repr, self.mods))}, op={self.op!r})"
+
+
+def _bounds_of(mod: Callable, q_start: int, q_end: int) -> tuple[int, int] | None:
+    return mod.kv_bounds(q_start, q_end) if isinstance(mod, MaskMod) else None
+
+
+def causal_mod(tq: int, tk: int, *, align: str = "top_left") -> CausalMod:
+    """Causal mask mod for ``tq`` queries over ``tk`` keys with the given alignment.
+
+    Example:
+        >>> causal_mod(1, 4, align="bottom_right")
+        CausalMod(offset=3)
+    """
+    return CausalMod(causal_offset(tq, tk, align))
+
+
+def sliding_window_mod(tq: int, tk: int, window: int, *, align: str = "top_left") -> SlidingWindowMod:
+    """Causal sliding-window mask mod: each query sees its last ``window`` keys.
+
+    Example:
+        >>> sliding_window_mod(4, 4, 2)
+        SlidingWindowMod(window=2, offset=0)
+    """
+    return SlidingWindowMod(window, causal_offset(tq, tk, align))
+
+
+def padding_mod(lengths: Tensor) -> PaddingMod:
+    """Key-padding mask mod from per-row lengths (keys ``j < lengths[b]`` are real).
+
+    Example:
+        >>> padding_mod(torch.tensor([2, 5]))
+        PaddingMod(lengths=[2, 5])
+    """
+    return PaddingMod(lengths)
+
+
+def materialize(
+    mod: Callable,
+    *,
+    tq: int,
+    tk: int,
+    batch: int = 1,
+    heads: int = 1,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Evaluate a mask mod on every index and return a dense bool mask.
+
+    Args:
+        mod: a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
+        tq, tk: numbers of queries and keys.
+        batch, heads: sizes of the batch and head axes to evaluate.
+        device: where to build the index tensors.
+
+    Returns:
+        Bool tensor of shape ``(batch, heads, tq, tk)`` (a broadcast view where the mod
+        ignores an axis), True = may attend.
+
+    Example:
+        >>> materialize(causal_mod(2, 2), tq=2, tk=2).shape
+        torch.Size([1, 1, 2, 2])
+    """
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    q_idx = torch.arange(tq, device=device).view(1, 1, tq, 1)
+    kv_idx = torch.arange(tk, device=device).view(1, 1, 1, tk)
+    allowed = torch.as_tensor(mod(b, h, q_idx, kv_idx), device=device)
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"mask mod {mod!r} must return a bool tensor, got dtype {allowed.dtype}")
+    return allowed.expand(batch, heads, tq, tk)
+
+
+def causal_mask(tq: int, tk: int | None = None, *, align: str = "top_left", device=None) -> Tensor:
+    """Dense causal mask ``(tq, tk)``, True = may attend.
+
+    Example:
+        >>> causal_mask(3).int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [1, 1, 1]], dtype=torch.int32)
+    """
+    tk = tq if tk is None else tk
+    return materialize(causal_mod(tq, tk, align=align), tq=tq, tk=tk, device=device)[0, 0]
+
+
+def sliding_window_mask(
+    tq: int, tk: int, window: int, *, align: str = "top_left", device=None
+) -> Tensor:
+    """Dense causal sliding-window mask ``(tq, tk)``: each query sees its last ``window`` keys.
+
+    Example:
+        >>> sliding_window_mask(3, 3, 2).int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [0, 1, 1]], dtype=torch.int32)
+    """
+    mod = sliding_window_mod(tq, tk, window, align=align)
+    return materialize(mod, tq=tq, tk=tk, device=device)[0, 0]
+
+
+def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
+    """Dense key-padding mask of shape ``(B, 1, 1, max_len)`` for ``(B, H, T, D)`` inputs.
+
+    Position ``j`` of batch row ``b`` is True (may be attended) when ``j < lengths[b]``.
+    For 3-D inputs ``(B, T, D)`` take ``mask[:, 0]``, shape ``(B, 1, max_len)``.
+
+    Args:
+        lengths: 1-D integer tensor ``(B,)`` of real sequence lengths.
+        max_len: padded length; defaults to ``lengths.max()``.
+
+    Example:
+        >>> padding_mask(torch.tensor([1, 3]), 3)[:, 0, 0]
+        tensor([[ True, False, False],
+                [ True,  True,  True]])
+    """
+    mod = PaddingMod(lengths)
+    max_len = int(mod.lengths.max()) if max_len is None else max_len
+    if max_len < 0:
+        raise ValueError(f"max_len must be non-negative, got {max_len}")
+    dense = materialize(mod, tq=1, tk=max_len, batch=len(mod.lengths), device=mod.lengths.device)
+    return dense.contiguous()  # (B, 1, 1, Tk)
+
+
+def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as an additive bias (0 where allowed, -inf elsewhere); float masks cast."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def and_masks(*masks: MaskLike) -> MaskLike:
+    """Combine masks so that a position may be attended only if every mask allows it.
+
+    All dense tensors: bool masks are ANDed; if any is a float mask the result is a float mask
+    (bool masks become 0 / ``-inf`` and the biases add). All callables: a :class:`CombinedMod`.
+    ``None`` entries are skipped. Mixing tensors and mask mods is a ``TypeError``: materialize
+    the mod first.
+
+    Example:
+        >>> and_masks(causal_mask(2), torch.tensor([[True, True], [False, True]])).int()
+        tensor([[1, 0],
+                [0, 1]], dtype=torch.int32)
+    """
+    return _combine(masks, "and")
+
+
+def or_masks(*masks: MaskLike) -> MaskLike:
+    """Combine bool masks or mask mods: a position may be attended if any mask allows it.
+
+    Example:
+        >>> or_masks(causal_mask(2), torch.tensor([[False, True], [False, False]])).int()
+        tensor([[1, 1],
+                [1, 1]], dtype=torch.int32)
+    """
+    return _combine(masks, "or")
+
+
+def _combine(masks: tuple[MaskLike, ...], op: str) -> MaskLike:
+    parts = [mask for mask in masks if mask is not None]
+    if not parts:
+        return None
+    if all(callable(mask) and not isinstance(mask, Tensor) for mask in parts):
+        return parts[0] if len(parts) == 1 else CombinedMod(tuple(parts), op)
+    if not all(isinstance(mask, Tensor) for mask in parts):
+        raise TypeError(
+            "masks to combine must be all tensors or all mask mods; materialize() a mod to mix"
+        )
+    if all(mask.dtype == torch.bool for mask in parts):
+        result = parts[0]
+        for mask in parts[1:]:
+            result = (result & mask) if op == "and" else (result | mask)
+        return result
+    if op == "or":
+        raise TypeError("or_masks combines bool masks or mask mods only, not float masks")
+    dtype = next(mask.dtype for mask in parts if mask.dtype != torch.bool)
+    result = _as_additive(parts[0], dtype)
+    for mask in parts[1:]:
+        result = result + _as_additive(mask, dtype)
+    return result
