@@ -93,6 +93,15 @@ class MaskMod:
     attend) and may implement :meth:`kv_bounds` so that tiled backends can skip key blocks that
     no query in a block can reach. Any plain callable with the same signature is accepted
     wherever a mask mod is; it simply has no bounds.
+
+    Example:
+        >>> class EvenKeys(MaskMod):
+        ...     def __call__(self, b, h, q_idx, kv_idx):
+        ...         return kv_idx % 2 == 0
+        >>> materialize(EvenKeys() & CausalMod(), tq=3, tk=3)[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 0, 0],
+                [1, 0, 1]], dtype=torch.int32)
     """
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

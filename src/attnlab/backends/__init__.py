@@ -48,7 +48,12 @@ def available() -> list[str]:
 
 
 def get(name: str) -> Backend:
-    """The registered backend called ``name``; ``ValueError`` listing the names otherwise."""
+    """The registered backend called ``name``; ``ValueError`` listing the names otherwise.
+
+    Example:
+        >>> get("reference").memory
+        'quadratic'
+    """
     backends = registry()
     if name not in backends:
         raise ValueError(f"backend must be 'auto' or one of {sorted(backends)}, got {name!r}")
@@ -56,7 +61,13 @@ def get(name: str) -> Backend:
 
 
 def reasons(call: AttentionCall) -> dict[str, list[str]]:
-    """For every registered backend, why it cannot serve ``call`` (empty list: it can)."""
+    """For every registered backend, why it cannot serve ``call`` (empty list: it can).
+
+    Example:
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> reasons(build_call(q, q, q))["reference"]
+        []
+    """
     result = {}
     for name, backend in registry().items():
         unavailable = backend.unavailable_reason()
@@ -74,6 +85,11 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     Raises:
         ValueError: the named backend cannot serve the call (the message lists why), or the
             name is unknown.
+
+    Example:
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> select(build_call(q, q, q), "reference").name
+        'reference'
     """
     if name != "auto":
         backend = get(name)

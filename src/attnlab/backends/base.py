@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
@@ -20,6 +21,10 @@ class AttentionResult:
         lse: optional ``(B, Hq, Tq)`` log-sum-exp of the scaled, masked scores (``-inf`` for
             fully masked rows); lets the weights be recomputed without a second softmax pass.
         weights: optional ``(B, Hq, Tq, Tk)`` attention weights (before dropout).
+
+    Example:
+        >>> AttentionResult(out=torch.zeros(1, 1, 2, 4)).lse is None
+        True
     """
 
     out: Tensor
@@ -34,6 +39,16 @@ class Backend:
     length), ``description``, and implement :meth:`forward`. They override
     :meth:`not_supported_reasons` to decline calls they cannot serve exactly and
     :meth:`unavailable_reason` when they cannot run in this installation at all.
+
+    Example:
+        >>> class Zeros(Backend):
+        ...     name, memory = "zeros", "linear"
+        ...     def forward(self, call):
+        ...         return AttentionResult(out=call.q.new_zeros(*call.q.shape[:3], call.value_dim))
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> Zeros().forward(build_call(q, q, q)).out.shape
+        torch.Size([1, 1, 3, 4])
     """
 
     name: str = ""
@@ -60,7 +75,12 @@ _REGISTRY: dict[str, Backend] = {}
 
 
 def register(backend: Backend) -> Backend:
-    """Add ``backend`` to the registry under ``backend.name`` (replacing one of that name)."""
+    """Add ``backend`` to the registry under ``backend.name`` (replacing one of that name).
+
+    Example:
+        >>> register(registry()["reference"]).name
+        'reference'
+    """
     if not backend.name:
         raise ValueError("backend.name must be a non-empty string")
     _REGISTRY[backend.name] = backend
@@ -68,5 +88,10 @@ def register(backend: Backend) -> Backend:
 
 
 def registry() -> dict[str, Backend]:
-    """The registered backends by name, in registration order."""
+    """The registered backends by name, in registration order.
+
+    Example:
+        >>> list(registry())[0]
+        'reference'
+    """
     return dict(_REGISTRY)

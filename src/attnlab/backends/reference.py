@@ -38,6 +38,13 @@ def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
 
     Returns:
         ``(B, H, Tq, Tk)`` scores.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.ones(1, 1, 2, 4)
+        >>> masked_scores(build_call(q, q, q, causal=True), q, q)
+        tensor([[[[2., -inf],
+                  [2., 2.]]]])
     """
     attn_scores = (q @ k.transpose(-2, -1)) * call.scale  # (B, H, Tq, Tk)
     bias = call.bias()
@@ -54,6 +61,11 @@ def softmax_rows(attn_scores: Tensor) -> Tensor:
 
     A plain softmax of a row of ``-inf`` is NaN. Such rows are replaced by zeros before the
     softmax (so the backward pass sees finite numbers) and multiplied by 0 afterwards.
+
+    Example:
+        >>> softmax_rows(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
+        tensor([[0.5000, 0.5000],
+                [0.0000, 0.0000]])
     """
     row_alive = (attn_scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Tq, 1)
     safe_scores = torch.where(row_alive, attn_scores, torch.zeros_like(attn_scores))
@@ -66,6 +78,11 @@ def apply_dropout(attn_weights: Tensor, p: float, generator: torch.Generator | N
     Draws the keep-mask with ``bernoulli_`` on ``generator`` (PyTorch's default generator when
     None), which consumes random numbers exactly as ``torch.nn.Dropout`` does on CPU, so the
     seed documents' dropout outputs are reproduced.
+
+    Example:
+        >>> kept = apply_dropout(torch.ones(1000), 0.5, torch.Generator().manual_seed(0))
+        >>> sorted(set(kept.tolist()))
+        [0.0, 2.0]
     """
     if p == 0.0:
         return attn_weights
@@ -74,7 +91,15 @@ def apply_dropout(attn_weights: Tensor, p: float, generator: torch.Generator | N
 
 
 class ReferenceBackend(Backend):
-    """Explicit math on the full score matrix; supports every option; returns weights."""
+    """Explicit math on the full score matrix; supports every option; returns weights.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+        >>> result = ReferenceBackend().forward(build_call(q, q, q, return_weights=True))
+        >>> result.out.shape, result.weights.shape
+        (torch.Size([1, 2, 5, 8]), torch.Size([1, 2, 5, 5]))
+    """
 
     name = "reference"
     memory = "quadratic"
