@@ -20,6 +20,7 @@ from attnlab.backends.base import AttentionResult, Backend, register, registry
 
 # Importing a backend module registers it. Order is the order `attnlab backends` lists them in.
 from attnlab.backends import reference  # noqa: E402,F401  (registers "reference")
+from attnlab.backends import chunked  # noqa: E402,F401
 
 __all__ = [
     "AttentionResult",
