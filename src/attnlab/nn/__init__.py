@@ -1,5 +1,6 @@
 """Attention modules built on :func:`attnlab.attention`."""
 
+from attnlab.nn.cache import KVCache
 from attnlab.nn.multihead import MultiHeadAttention
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "KVCache"]

@@ -1,41 +1,147 @@
-"""Multi-head attention as one module on top of :func:`attnlab.attention`."""
+"""Multi-head attention as one production module on top of :func:`attnlab.attention`.
+
+The module keeps the seed documents' constructor ``MultiHeadAttention(d_in, d_out,
+context_length, dropout, num_heads)`` and grows into what a model needs: one fused Q/K/V
+projection, grouped-query and multi-query attention (``num_kv_heads``), cross-attention to a
+``context`` of another width, padding masks, a KV cache for decoding, rotary embeddings, and
+interoperability with ``torch.nn.MultiheadAttention``.
+
+Masks follow attnlab's polarity everywhere: **True = may be attended**. ``padding_mask`` is
+True at real tokens. This is the opposite of ``torch.nn.MultiheadAttention``'s
+``key_padding_mask`` (True = ignore), which is why the argument has a different name.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import backends as _backends
+from attnlab import masks as _masks
 from attnlab.functional import attention
+from attnlab.nn.cache import KVCache
+from attnlab.nn.positional import RotaryEmbedding
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "ProjectionView"]
+
+_PARTS = ("query", "key", "value")
+
+
+class ProjectionView:
+    """Read-only view of one of the query/key/value projections inside the fused weights.
+
+    ``weight`` and ``bias`` share storage with the module's parameters (editing them in place
+    under ``torch.no_grad()`` edits the module); calling the view applies the projection.
+    Gradients accumulate on the module's parameters, not on the view.
+
+    Example:
+        >>> mha = MultiHeadAttention(4, 6, num_heads=2)
+        >>> mha.W_key.weight.shape, mha.W_key(torch.randn(3, 4)).shape
+        (torch.Size([6, 4]), torch.Size([3, 6]))
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def __repr__(self) -> str:
+        out_f, in_f = self.weight.shape
+        return f"ProjectionView(in_features={in_f}, out_features={out_f}, bias={self.bias is not None})"
+
+
+class _KeyPaddingMod(_masks.MaskMod):
+    """A ``(B, Tk)`` padding tensor as a mask mod, to combine with a user's mask mod."""
+
+    def __init__(self, padding_mask: Tensor):
+        self.padding_mask = padding_mask
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.padding_mask[b, kv_idx]
+
+
+def _check_size(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class MultiHeadAttention(nn.Module):
-    """Causal multi-head self-attention with the seed documents' constructor.
+    """Multi-head attention: self-attention (causal by default) or cross-attention.
 
-    Projects ``x`` to queries, keys and values, splits ``d_out`` into ``num_heads`` heads of
-    ``d_out // num_heads`` features, attends per head, merges the heads and applies an output
-    projection. ``W_query``, ``W_key``, ``W_value`` and ``out_proj`` are created in that order,
-    so ``torch.manual_seed(s)`` before construction reproduces the documents' printed numbers.
+    ``x`` is projected to ``num_heads`` query heads and ``num_kv_heads`` key/value heads of
+    ``head_dim = d_out // num_heads`` features, each query head attends (through
+    :func:`attnlab.attention`, on ``backend``), the heads are concatenated and projected by
+    ``out_proj``. With ``context`` the keys and values come from ``context`` instead
+    (cross-attention).
+
+    **Weights.** When keys and values have the input's width (``kdim == vdim == d_in``) the
+    three projections are stored fused in ``in_proj_weight`` ``(d_out + 2 * d_kv, d_in)``
+    (rows: query, key, value; ``d_kv = num_kv_heads * head_dim``) and ``in_proj_bias``, so
+    self-attention is one matmul. Otherwise they are ``q_proj_weight`` ``(d_out, d_in)``,
+    ``k_proj_weight`` ``(d_kv, kdim)``, ``v_proj_weight`` ``(d_kv, vdim)`` plus
+    ``in_proj_bias`` -- the layout of ``torch.nn.MultiheadAttention``. ``W_query``, ``W_key``
+    and ``W_value`` are :class:`ProjectionView` s of those rows (``.weight``, ``.bias``,
+    callable), and the parameters are initialised exactly as the seed documents' three
+    ``nn.Linear`` layers created in that order, then ``out_proj``: after
+    ``torch.manual_seed(s)`` the module reproduces the documents' outputs. A ``state_dict``
+    in the documents' layout (``W_query.weight``, ...) loads into the fused layout.
+
+    **Masks** (True = may attend). ``mask`` broadcasts to ``(B, H, Tq, Tk)`` (a 2-D
+    ``(Tq, Tk)`` or a 4-D tensor), is a float bias (e.g. ALiBi), or a mask mod.
+    ``padding_mask`` ``(B, Tk)`` is True at real key tokens -- the **opposite** of
+    ``torch.nn.MultiheadAttention(key_padding_mask=...)``; convert with ``~key_padding_mask``.
+    A query with nothing to attend to gets a zero context vector (so its output is
+    ``out_proj.bias``), never NaN.
+
+    **Causal** applies to self-attention only: query ``i`` sees keys up to its own position,
+    aligned bottom-right when a KV cache holds earlier tokens. With ``context``
+    (cross-attention) ``causal`` is ignored -- every query may see every real context token;
+    pass ``mask`` for any other pattern.
 
     Shapes:
-        x: ``(B, T, d_in)`` or unbatched ``(T, d_in)`` -> ``(B, T, d_out)`` / ``(T, d_out)``.
+        x: ``(B, Tq, d_in)`` or unbatched ``(Tq, d_in)``.
+        context: ``(B, Tk, kdim)`` / ``(Tk, kdim)``; keys and values both read ``context``.
+        mask: broadcastable to ``(B, H, Tq, Tk)``; padding_mask: ``(B, Tk)`` / ``(Tk,)``.
+        output: ``(B, Tq, d_out)`` / ``(Tq, d_out)``; weights: ``(B, H, Tq, Tk)`` /
+        ``(H, Tq, Tk)``. With a cache, ``Tk`` = cached length + ``Tq``.
 
     Args:
-        d_in: input features.
-        d_out: output features; a multiple of ``num_heads``.
-        context_length: optional bound on the sequence length.
-        dropout: dropout on the attention weights, applied in training mode only.
-        num_heads: number of heads.
+        d_in: width of ``x`` (the query input).
+        d_out: width of the output; ``num_heads`` heads of ``d_out // num_heads`` features.
+        context_length: optional bound on the number of (cached + new) tokens.
+        dropout: dropout probability on the attention weights, applied in training only.
+        num_heads: number of query heads.
         qkv_bias: bias in the query/key/value projections.
-        causal: mask future tokens (the documents' GPT-style module is causal).
+        causal: causal self-attention (default True, as in the seed documents).
+        num_kv_heads: key/value heads for grouped-query attention (``1`` = multi-query);
+            must divide ``num_heads``. Defaults to ``num_heads``.
+        kdim: width of the key input (``context``); defaults to ``d_in``.
+        vdim: width of the value input; defaults to ``kdim``. When it differs from ``kdim``
+            pass the values' input as ``forward(..., value_input=...)``.
+        out_bias: bias in ``out_proj``.
+        rope: rotary embeddings for self-attention: ``True`` (a
+            :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``), a
+            ``RotaryEmbedding``, or ``None``/``False``.
+        backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
 
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
-        >>> mha = MultiHeadAttention(3, 2, 12, 0.0, 2)
+        >>> mha = MultiHeadAttention(3, 2, 12, 0.0, 2)        # the seed documents' call
         >>> mha(torch.rand(2, 12, 3)).shape
         torch.Size([2, 12, 2])
+        >>> gqa = MultiHeadAttention(64, 64, num_heads=8, num_kv_heads=2, rope=True)
+        >>> cache = gqa.new_cache(batch_size=1, max_len=16)
+        >>> with torch.no_grad():
+        ...     prefill = gqa(torch.randn(1, 5, 64), cache=cache)
+        ...     step = gqa(torch.randn(1, 1, 64), cache=cache)
+        >>> cache.length, step.shape
+        (6, torch.Size([1, 1, 64]))
     """
 
     def __init__(
@@ -48,36 +154,422 @@ class MultiHeadAttention(nn.Module):
         *,
         qkv_bias: bool = False,
         causal: bool = True,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        out_bias: bool = True,
+        rope: RotaryEmbedding | bool | None = None,
+        backend: str = "auto",
     ):
         super().__init__()
-        if num_heads < 1 or d_out % num_heads != 0:
-            raise ValueError(f"d_out ({d_out}) must be a positive multiple of num_heads ({num_heads})")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        kdim = d_in if kdim is None else kdim
+        vdim = kdim if vdim is None else vdim
+        self._check_args(d_in, d_out, context_length, dropout, num_heads, num_kv_heads, kdim, vdim)
+        _check_backend(backend)
+        self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = d_out // num_heads
+        self.d_kv = num_kv_heads * self.head_dim
+        self.context_length, self.dropout, self.causal = context_length, float(dropout), causal
+        self.backend = backend
+        self.fused = kdim == d_in and vdim == d_in
+        self._make_projections(qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.rope = self._make_rope(rope)
+        self.register_load_state_dict_pre_hook(_seed_layout_hook)
+
+    @staticmethod
+    def _check_args(d_in, d_out, context_length, dropout, num_heads, num_kv_heads, kdim, vdim):
+        for name, size in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads),
+                           ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
+            _check_size(name, size)
+        if d_out % num_heads != 0:
+            raise ValueError(f"d_out ({d_out}) must be a multiple of num_heads ({num_heads})")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if context_length is not None:
+            _check_size("context_length", context_length)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.d_out, self.num_heads = d_out, num_heads
-        self.head_dim = d_out // num_heads
-        self.context_length, self.dropout, self.causal = context_length, dropout, causal
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
 
-    def _split_heads(self, t: Tensor) -> Tensor:
+    def _make_projections(self, qkv_bias: bool) -> None:
+        """Create the Q/K/V parameters and initialise them as three ``nn.Linear`` in order."""
+        sizes = (self.d_out, self.d_kv, self.d_kv)
+        if self.fused:
+            self.in_proj_weight = nn.Parameter(torch.empty(sum(sizes), self.d_in))
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(self.d_out, self.d_in))
+            self.k_proj_weight = nn.Parameter(torch.empty(self.d_kv, self.kdim))
+            self.v_proj_weight = nn.Parameter(torch.empty(self.d_kv, self.vdim))
+        self.in_proj_bias = nn.Parameter(torch.empty(sum(sizes))) if qkv_bias else None
+        self._reset_qkv()
+
+    def _reset_qkv(self) -> None:
+        # nn.Linear.reset_parameters on each part in turn: same random numbers, same values.
+        with torch.no_grad():
+            for part in _PARTS:
+                weight, bias = self._part(part)
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+                if bias is not None:
+                    bound = 1.0 / math.sqrt(weight.shape[1])
+                    nn.init.uniform_(bias, -bound, bound)
+
+    def _make_rope(self, rope: RotaryEmbedding | bool | None) -> RotaryEmbedding | None:
+        if rope is None or rope is False:
+            return None
+        if rope is True:
+            return RotaryEmbedding(self.head_dim)
+        if not isinstance(rope, RotaryEmbedding) or rope.head_dim != self.head_dim:
+            raise ValueError(
+                f"rope must be True, None or a RotaryEmbedding(head_dim={self.head_dim}); got {rope!r}"
+            )
+        return rope
+
+    def _part(self, part: str) -> tuple[Tensor, Tensor | None]:
+        """``(weight, bias)`` of the query, key or value projection (views when fused)."""
+        index = _PARTS.index(part)
+        starts = (0, self.d_out, self.d_out + self.d_kv, self.d_out + 2 * self.d_kv)
+        rows = slice(starts[index], starts[index + 1])
+        if self.fused:
+            weight = self.in_proj_weight[rows]
+        else:
+            weight = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[index]
+        bias = None if self.in_proj_bias is None else self.in_proj_bias[rows]
+        return weight, bias
+
+    @property
+    def W_query(self) -> ProjectionView:
+        """The query projection ``(d_out, d_in)`` as in the seed documents."""
+        return ProjectionView(*self._part("query"))
+
+    @property
+    def W_key(self) -> ProjectionView:
+        """The key projection ``(d_kv, kdim)`` as in the seed documents."""
+        return ProjectionView(*self._part("key"))
+
+    @property
+    def W_value(self) -> ProjectionView:
+        """The value projection ``(d_kv, vdim)`` as in the seed documents."""
+        return ProjectionView(*self._part("value"))
+
+    # ----------------------------------------------------------------- projections
+    def _heads(self, t: Tensor, num_heads: int) -> Tensor:
         B, T, _ = t.shape
-        return t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        return t.view(B, T, num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention projections, one matmul when the weights are fused.
+
+        Shapes:
+            x: ``(B, T, d_in)`` -> q ``(B, H, T, hd)``, k and v ``(B, Hkv, T, hd)``.
+
+        Example:
+            >>> q, k, v = MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=2).project_qkv(
+            ...     torch.randn(1, 3, 8))
+            >>> q.shape, k.shape
+            (torch.Size([1, 4, 3, 2]), torch.Size([1, 2, 3, 2]))
+        """
+        if not self.fused:
+            return self.project_q(x), *self.project_kv(x)
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, T, d_out + 2 d_kv)
+        q, k, v = qkv.split((self.d_out, self.d_kv, self.d_kv), dim=-1)
+        return (self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads),
+                self._heads(v, self.num_kv_heads))
+
+    def project_q(self, x: Tensor) -> Tensor:
+        """Query projection ``(B, T, d_in) -> (B, H, T, hd)``.
+
+        Example:
+            >>> MultiHeadAttention(8, 8, num_heads=4).project_q(torch.randn(1, 3, 8)).shape
+            torch.Size([1, 4, 3, 2])
+        """
+        return self._heads(self.W_query(x), self.num_heads)
+
+    def project_kv(self, context: Tensor, value_input: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Key and value projections of ``context`` (values of ``value_input`` if given).
+
+        Shapes:
+            context: ``(B, Tk, kdim)``; value_input: ``(B, Tk, vdim)`` -> k, v ``(B, Hkv, Tk, hd)``.
+
+        Example:
+            >>> k, v = MultiHeadAttention(8, 8, num_heads=2, kdim=5).project_kv(torch.randn(1, 3, 5))
+            >>> k.shape
+            torch.Size([1, 2, 3, 4])
+        """
+        if self.fused and value_input is None:
+            weight, bias = self.in_proj_weight[self.d_out :], None
+            if self.in_proj_bias is not None:
+                bias = self.in_proj_bias[self.d_out :]
+            k, v = F.linear(context, weight, bias).split((self.d_kv, self.d_kv), dim=-1)
+        else:
+            k = self.W_key(context)
+            v = self.W_value(context if value_input is None else value_input)
+        return self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+
+    # --------------------------------------------------------------------- forward
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        context: Tensor | None = None,
+        mask: Tensor | Callable | None = None,
+        padding_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+        value_input: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend and project; see the class docstring for shapes and mask polarity.
+
+        Args:
+            x: queries' input ``(B, Tq, d_in)`` or ``(Tq, d_in)``.
+            context: keys' and values' input for cross-attention; None = self-attention.
+            mask: bool (True = may attend) / float (added to scores) tensor broadcastable to
+                ``(B, H, Tq, Tk)``, or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
+            padding_mask: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache).
+            cache: a :class:`KVCache` from :meth:`new_cache`; the new keys/values are appended
+                and the queries attend to everything cached (self-attention only).
+            need_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
+                (before dropout); ``out`` is computed exactly as without them.
+            value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``
+                (torch's ``value`` argument; used by interop).
+
+        Returns:
+            ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``need_weights``.
+        """
         unbatched = x.ndim == 2
+        x, context, value_input, mask, padding_mask = self._batch_inputs(
+            x, context, value_input, mask, padding_mask, unbatched
+        )
+        B, Tq, _ = x.shape
+        q, k, v, offset = self._qkv(x, context, value_input, cache)
+        Tk = k.shape[2]
+        if self.context_length is not None and context is None and Tk > self.context_length:
+            raise ValueError(f"{Tk} tokens (cached + new) exceed context_length={self.context_length}")
+        mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
+        result = attention(
+            q, k, v, mask=mask, causal=self.causal and context is None,
+            align="bottom_right" if offset else "top_left",
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend, return_weights=need_weights,
+        )
+        context_vec = result[0] if need_weights else result  # (B, H, Tq, hd)
+        context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
+        out = self.out_proj(context_vec)
         if unbatched:
-            x = x.unsqueeze(0)  # (1, T, d_in)
-        B, T, _ = x.shape
-        if self.context_length is not None and T > self.context_length:
-            raise ValueError(f"x has {T} tokens, more than context_length={self.context_length}")
-        q = self._split_heads(self.W_query(x))
-        k = self._split_heads(self.W_key(x))
-        v = self._split_heads(self.W_value(x))
-        p = self.dropout if self.training else 0.0
-        context = attention(q, k, v, causal=self.causal, dropout_p=p)  # (B, H, T, hd)
-        context = context.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T, d_out)
-        out = self.out_proj(context)
-        return out[0] if unbatched else out
+            out = out[0]
+        if not need_weights:
+            return out
+        return out, (result[1][0] if unbatched else result[1])
+
+    def _qkv(self, x, context, value_input, cache):
+        """Project, apply RoPE at the right positions, and append to the cache."""
+        if context is None:
+            if x.shape[-1] != self.d_in or not self.fused:
+                raise ValueError(
+                    f"self-attention needs x (B, T, {self.d_in}) and kdim == vdim == d_in; got x "
+                    f"{tuple(x.shape)}, kdim={self.kdim}, vdim={self.vdim} (pass context=)"
+                )
+            q, k, v = self.project_qkv(x)
+        else:
+            if cache is not None:
+                raise ValueError("cache is for self-attention; it cannot be used with context")
+            if x.shape[-1] != self.d_in or context.shape[-1] != self.kdim or context.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"x must be (B, Tq, {self.d_in}) and context (B, Tk, {self.kdim}); got x "
+                    f"{tuple(x.shape)}, context {tuple(context.shape)}"
+                )
+            q, (k, v) = self.project_q(x), self.project_kv(context, value_input)
+            return q, k, v, 0
+        offset = 0 if cache is None else cache.length
+        if self.rope is not None:
+            q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            _check_cache(cache, x.shape[0], self.num_kv_heads)
+            k, v = cache.update(k, v)  # (B, Hkv, offset + T, hd)
+        return q, k, v, offset
+
+    @staticmethod
+    def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
+        """Add a batch axis of 1 to unbatched inputs (and masks)."""
+        if x.ndim not in (2, 3):
+            raise ValueError(f"x must be (B, T, d_in) or (T, d_in), got shape {tuple(x.shape)}")
+        if context is not None and context.ndim != x.ndim:
+            raise ValueError(
+                f"context must have x's rank; got x {tuple(x.shape)}, context {tuple(context.shape)}"
+            )
+        if isinstance(mask, Tensor) and mask.ndim == 3 and not unbatched:
+            raise ValueError(
+                f"a 3-D mask {tuple(mask.shape)} is ambiguous for batched input; pass (Tq, Tk) "
+                "or (B|1, H|1, Tq, Tk)"
+            )
+        if not unbatched:
+            return x, context, value_input, mask, padding_mask
+        if isinstance(mask, Tensor) and mask.ndim == 3:
+            mask = mask[None]  # (1, H, Tq, Tk)
+        if padding_mask is not None:
+            padding_mask = padding_mask[None]  # (1, Tk)
+        add = (lambda t: None if t is None else t[None])
+        return add(x), add(context), add(value_input), mask, padding_mask
+
+    # ------------------------------------------------------------------- helpers
+    def new_cache(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty :class:`KVCache` for this module (``num_kv_heads`` heads of ``head_dim``).
+
+        Example:
+            >>> MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=1).new_cache(2, 32)
+            KVCache(batch_size=2, num_kv_heads=1, length=0, max_len=32, head_dim=2, dtype=torch.float32)
+        """
+        weight = self.in_proj_weight if self.fused else self.q_proj_weight
+        return KVCache(
+            batch_size, self.num_kv_heads, max_len, self.head_dim,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
+            f"causal={self.causal}, dropout={self.dropout}, backend={self.backend!r}"
+        )
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
+        """An equivalent attnlab module built from a ``torch.nn.MultiheadAttention``.
+
+        The copy is non-causal (as torch's module is), has torch's ``kdim``/``vdim``, biases,
+        dropout, dtype and device, and the same weights. attnlab modules are always batch
+        first: for a torch module with ``batch_first=False`` transpose ``(T, B, C)`` inputs.
+        torch's ``key_padding_mask`` (True = ignore) becomes ``padding_mask=~key_padding_mask``,
+        and its ``key``/``value`` arguments become ``context=key, value_input=value``.
+
+        Raises:
+            TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
+            ValueError: it uses ``add_bias_kv`` or ``add_zero_attn`` (no attnlab equivalent).
+
+        Example:
+            >>> ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+            >>> mha = MultiHeadAttention.from_torch(ref)
+            >>> x = torch.randn(2, 5, 8)
+            >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
+            True
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("torch modules with add_bias_kv or add_zero_attn have no attnlab equivalent")
+        weight = module.out_proj.weight
+        new = cls(
+            module.embed_dim, module.embed_dim, None, module.dropout, module.num_heads,
+            qkv_bias=module.in_proj_bias is not None, causal=False, kdim=module.kdim,
+            vdim=module.vdim, out_bias=module.out_proj.bias is not None, backend=backend,
+        ).to(device=weight.device, dtype=weight.dtype)
+        _copy_projections(new, module, to_torch=False)
+        return new.train(module.training)
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """An equivalent ``torch.nn.MultiheadAttention`` with the same weights.
+
+        torch's module has one ``bias`` switch: when only one of ``qkv_bias``/``out_bias`` is
+        set, the other bias is created as zeros (same outputs). torch's module is never causal
+        by itself: for a causal attnlab module pass ``attn_mask``/``is_causal`` when calling it.
+
+        Raises:
+            ValueError: ``d_in != d_out``, grouped-query heads, or rotary embeddings (torch's
+                module cannot express them).
+
+        Example:
+            >>> mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).eval()
+            >>> ref = mha.to_torch()
+            >>> x = torch.randn(2, 5, 8)
+            >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
+            True
+        """
+        if self.d_in != self.d_out or self.num_kv_heads != self.num_heads or self.rope is not None:
+            raise ValueError(
+                "torch.nn.MultiheadAttention needs d_in == d_out, num_kv_heads == num_heads and no "
+                f"rope; got d_in={self.d_in}, d_out={self.d_out}, num_kv_heads={self.num_kv_heads}, "
+                f"rope={self.rope is not None}"
+            )
+        weight = self.out_proj.weight
+        has_bias = self.in_proj_bias is not None or self.out_proj.bias is not None
+        module = nn.MultiheadAttention(
+            self.d_out, self.num_heads, dropout=self.dropout, bias=has_bias, kdim=self.kdim,
+            vdim=self.vdim, batch_first=batch_first, device=weight.device, dtype=weight.dtype,
+        )
+        _copy_projections(self, module, to_torch=True)
+        return module.train(self.training)
+
+
+def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *, to_torch: bool) -> None:
+    """Copy Q/K/V and output weights between the two layouts (they share names by design)."""
+    names = ["in_proj_weight"] if ours.fused else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    pairs = [(getattr(ours, n), getattr(theirs, n)) for n in names]
+    pairs += [(ours.in_proj_bias, theirs.in_proj_bias), (ours.out_proj.weight, theirs.out_proj.weight),
+              (ours.out_proj.bias, theirs.out_proj.bias)]
+    with torch.no_grad():
+        for mine, other in pairs:
+            source, target = (mine, other) if to_torch else (other, mine)
+            if target is None:
+                continue
+            target.copy_(torch.zeros_like(target) if source is None else source)
+
+
+def _check_backend(backend: object) -> None:
+    names = list(_backends.registry())
+    if not isinstance(backend, str) or (backend != "auto" and backend not in names):
+        raise ValueError(f"backend must be 'auto' or one of {names}, got {backend!r}")
+
+
+def _check_cache(cache: object, batch: int, num_kv_heads: int) -> None:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache (from module.new_cache), got {type(cache).__name__}")
+    if cache.batch_size != batch or cache.num_kv_heads != num_kv_heads:
+        raise ValueError(
+            f"cache holds batch {cache.batch_size} x {cache.num_kv_heads} kv heads; the input "
+            f"needs batch {batch} x {num_kv_heads} kv heads"
+        )
+
+
+def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
+    """AND the user's mask with the key padding mask ``(B, Tk)`` (True = real token)."""
+    if padding_mask is None:
+        return mask
+    if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
+        raise TypeError(
+            "padding_mask must be a bool tensor, True at real tokens (the opposite of torch's "
+            f"key_padding_mask); got {type(padding_mask).__name__} "
+            f"{getattr(padding_mask, 'dtype', '')}"
+        )
+    if tuple(padding_mask.shape) != (batch, tk):
+        raise ValueError(
+            f"padding_mask must be (B, Tk) = {(batch, tk)}, got {tuple(padding_mask.shape)}"
+        )
+    if mask is not None and not isinstance(mask, Tensor):
+        return _masks.and_masks(mask, _KeyPaddingMod(padding_mask))
+    return _masks.and_masks(mask, padding_mask[:, None, None, :])  # (B, 1, 1, Tk)
+
+
+def _seed_layout_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """Accept the seed documents' ``W_query.weight`` ... keys (and drop their ``mask`` buffer)."""
+    state_dict.pop(prefix + "mask", None)
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}W_{part}.{kind}" for part in _PARTS]
+        if not all(key in state_dict for key in keys):
+            continue
+        tensors = [state_dict.pop(key) for key in keys]
+        if kind == "bias":
+            state_dict[prefix + "in_proj_bias"] = torch.cat(tensors)
+        elif module.fused:
+            state_dict[prefix + "in_proj_weight"] = torch.cat(tensors)
+        else:
+            for part, tensor in zip(("q", "k", "v"), tensors):
+                state_dict[f"{prefix}{part}_proj_weight"] = tensor

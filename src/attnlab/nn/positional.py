@@ -1,0 +1,271 @@
+"""Position information for attention: absolute embeddings, rotary embeddings (RoPE), ALiBi.
+
+* **Sinusoidal** (Vaswani et al., 2017) and **learned** absolute embeddings are added to the
+  token embeddings before the first layer.
+* **Rotary embeddings** (Su et al., 2021) rotate each query and key head so that
+  ``q_m . k_n`` depends on the positions only through ``m - n``. attnlab pairs feature ``i``
+  with feature ``i + D/2`` (the "rotate half" layout of GPT-NeoX and Llama) and rotates the
+  pair by ``position * base**(-2i/D)``. Under a KV cache the new tokens' positions start at
+  the cache length (``offset``).
+* **ALiBi** (Press et al., 2022) adds ``-slope_h * |i - j|`` to the scores of head ``h``; pass
+  :func:`alibi_bias` as a float ``mask`` (any backend that accepts float masks serves it).
+
+Example:
+    >>> rope = RotaryEmbedding(8)
+    >>> q = torch.randn(1, 2, 5, 8)                     # (B, H, T, D)
+    >>> rope(q, offset=3).shape                         # positions 3..7
+    torch.Size([1, 2, 5, 8])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "sinusoidal_table",
+    "SinusoidalPositionalEmbedding",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "alibi_slopes",
+    "alibi_bias",
+]
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _angle_dtype(device: torch.device) -> torch.dtype:
+    # Angles grow with the position; compute them in fp64 where the device has it.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def sinusoidal_table(
+    num_positions: int,
+    dim: int,
+    *,
+    offset: int = 0,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The sinusoidal position table of "Attention Is All You Need".
+
+    ``P[pos, 2i] = sin(pos / base**(2i/dim))`` and ``P[pos, 2i+1] = cos(pos / base**(2i/dim))``
+    for positions ``offset .. offset + num_positions - 1``.
+
+    Shapes:
+        returns ``(num_positions, dim)``.
+
+    Example:
+        >>> sinusoidal_table(3, 4)[0]
+        tensor([0., 1., 0., 1.])
+    """
+    _check_positive("dim", dim)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    work = _angle_dtype(device)
+    pos = torch.arange(offset, offset + num_positions, dtype=work, device=device)
+    even = torch.arange(0, dim, 2, dtype=work, device=device)  # the "2i" of the formula
+    angles = pos[:, None] / base ** (even / dim)  # (T, ceil(dim/2))
+    table = torch.empty(num_positions, dim, dtype=work, device=device)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : dim // 2])
+    return table.to(dtype)
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Adds the fixed sinusoidal table (:func:`sinusoidal_table`) to token embeddings.
+
+    Shapes:
+        x: ``(B, T, C)`` or ``(T, C)`` -> same shape; positions ``offset .. offset + T - 1``.
+
+    Args:
+        dim: ``C``, the embedding width.
+        base: the wavelength base (10000 in the paper).
+
+    Example:
+        >>> emb = SinusoidalPositionalEmbedding(4)
+        >>> emb(torch.zeros(2, 3, 4))[0, 0]
+        tensor([0., 1., 0., 1.])
+    """
+
+    def __init__(self, dim: int, *, base: float = 10000.0):
+        super().__init__()
+        _check_positive("dim", dim)
+        self.dim, self.base = dim, base
+
+    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have last dim {self.dim}, got shape {tuple(x.shape)}")
+        table = sinusoidal_table(
+            x.shape[-2], self.dim, offset=offset, base=self.base, dtype=x.dtype, device=x.device
+        )
+        return x + table  # broadcasts over the batch
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Adds a trained embedding per absolute position (GPT-2 / BERT style).
+
+    Shapes:
+        x: ``(B, T, C)`` or ``(T, C)`` -> same shape; positions ``offset .. offset + T - 1``
+        must be below ``max_len``.
+
+    Args:
+        max_len: number of positions with an embedding.
+        dim: ``C``, the embedding width.
+
+    Example:
+        >>> emb = LearnedPositionalEmbedding(16, 4)
+        >>> emb(torch.zeros(2, 3, 4)).shape
+        torch.Size([2, 3, 4])
+    """
+
+    def __init__(self, max_len: int, dim: int):
+        super().__init__()
+        _check_positive("max_len", max_len)
+        _check_positive("dim", dim)
+        self.embedding = nn.Embedding(max_len, dim)
+
+    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
+        T = x.shape[-2]
+        max_len = self.embedding.num_embeddings
+        if offset < 0 or offset + T > max_len:
+            raise ValueError(
+                f"positions {offset}..{offset + T - 1} are outside the {max_len} learned positions"
+            )
+        return x + self.embedding.weight[offset : offset + T]  # (T, C) broadcasts
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate feature pairs ``(i, i + D/2)`` of ``x`` by the angles whose cos/sin are given.
+
+    Shapes:
+        x: ``(..., T, D)``; cos, sin: ``(T, D/2)`` -> ``(..., T, D)``.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.0]])                 # one position, one pair
+        >>> apply_rotary(x, torch.zeros(1, 1), torch.ones(1, 1))   # 90 degrees
+        tensor([[0., 1.]])
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # (..., T, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE) for query and key heads.
+
+    Pair ``(i, i + D/2)`` of the vector at position ``p`` is rotated by ``p * base**(-2i/D)``,
+    so the dot product of a rotated query at ``m`` and key at ``n`` depends only on ``m - n``.
+    The module has no parameters; angles are computed in fp64 (fp32 on MPS) and cast to the
+    input's dtype.
+
+    Shapes:
+        x: ``(..., T, D)`` (typically ``(B, H, T, D)``) -> same shape, positions
+        ``offset .. offset + T - 1``. With a KV cache, ``offset`` is the cache length.
+
+    Args:
+        head_dim: ``D``, even.
+        base: the wavelength base (10000 in RoFormer and Llama 2).
+
+    Example:
+        >>> rope = RotaryEmbedding(4)
+        >>> x = torch.randn(1, 1, 6, 4)
+        >>> torch.allclose(rope(x)[..., 2:, :], rope(x[..., 2:, :], offset=2))
+        True
+    """
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0):
+        super().__init__()
+        _check_positive("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        self.head_dim, self.base = head_dim, float(base)
+
+    def cos_sin(self, num_positions: int, *, offset: int = 0, dtype=torch.float32, device=None):
+        """``(cos, sin)`` tables of shape ``(num_positions, D/2)`` for positions from ``offset``.
+
+        Example:
+            >>> cos, sin = RotaryEmbedding(4).cos_sin(3)
+            >>> cos.shape
+            torch.Size([3, 2])
+        """
+        device = torch.device("cpu") if device is None else torch.device(device)
+        work = _angle_dtype(device)
+        pos = torch.arange(offset, offset + num_positions, dtype=work, device=device)
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=work, device=device)
+                                 / self.head_dim)  # (D/2,)
+        angles = pos[:, None] * inv_freq[None, :]  # (T, D/2)
+        return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+
+    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must have last dim {self.head_dim}, got shape {tuple(x.shape)}")
+        cos, sin = self.cos_sin(x.shape[-2], offset=offset, dtype=x.dtype, device=x.device)
+        return apply_rotary(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """Per-head ALiBi slopes: the geometric sequence ``2**(-8 i / n)``, ``i = 1..n``.
+
+    For a head count that is not a power of two, the slopes of the closest lower power of two
+    are followed by every other slope of the next power of two (as in the paper's code).
+
+    Shapes:
+        returns ``(num_heads,)`` float32.
+
+    Example:
+        >>> alibi_slopes(4)
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+    _check_positive("num_heads", num_heads)
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(closest)
+    if closest < num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(
+    num_heads: int,
+    tq: int,
+    tk: int | None = None,
+    *,
+    align: str = "bottom_right",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """ALiBi score bias ``-slope_h * |pos(i) - j|``, to pass as a float ``mask``.
+
+    Query ``i`` sits at position ``i + tk - tq`` with ``align="bottom_right"`` (the default:
+    new tokens after a KV cache) and at ``i`` with ``"top_left"``. Combine with ``causal=True``
+    for decoders; without it the bias is symmetric (encoders).
+
+    Shapes:
+        returns ``(1, num_heads, tq, tk)``.
+
+    Example:
+        >>> alibi_bias(1, 2, 3)[0, 0]
+        tensor([[-0.0039, -0.0000, -0.0039],
+                [-0.0078, -0.0039, -0.0000]])
+    """
+    tk = tq if tk is None else tk
+    offset = tk - tq if align == "bottom_right" else 0
+    if align not in ("bottom_right", "top_left"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    q_pos = torch.arange(tq, device=device)[:, None] + offset  # (Tq, 1)
+    k_pos = torch.arange(tk, device=device)[None, :]  # (1, Tk)
+    distance = (q_pos - k_pos).abs().to(dtype)  # (Tq, Tk)
+    slopes = alibi_slopes(num_heads).to(device=device, dtype=dtype)
+    return -(slopes[:, None, None] * distance)[None]  # (1, H, Tq, Tk)
