@@ -2,5 +2,36 @@
 
 from attnlab.nn.cache import KVCache
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.tutorial import (
+    AttentionHead,
+    CausalAttention,
+    CrossAttention,
+    MultiHeadAttentionWrapper,
+    ScoreVariance,
+    SelfAttention,
+    SimpleSelfAttention,
+    causal_average,
+    cross_attention,
+    multi_head_attention,
+    project,
+    score_variance,
+    softmax_peakiness,
+)
 
-__all__ = ["MultiHeadAttention", "KVCache"]
+__all__ = [
+    "MultiHeadAttention",
+    "KVCache",
+    "AttentionHead",
+    "SimpleSelfAttention",
+    "SelfAttention",
+    "CausalAttention",
+    "CrossAttention",
+    "MultiHeadAttentionWrapper",
+    "project",
+    "multi_head_attention",
+    "cross_attention",
+    "causal_average",
+    "ScoreVariance",
+    "score_variance",
+    "softmax_peakiness",
+]
