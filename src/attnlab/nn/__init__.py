@@ -1,7 +1,15 @@
 """Attention modules built on :func:`attnlab.attention`."""
 
+from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
 from attnlab.nn.cache import KVCache
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+    alibi_bias,
+    alibi_slopes,
+)
 from attnlab.nn.tutorial import (
     AttentionHead,
     CausalAttention,
@@ -21,6 +29,15 @@ from attnlab.nn.tutorial import (
 __all__ = [
     "MultiHeadAttention",
     "KVCache",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEmbedding",
+    "LearnedPositionalEmbedding",
+    "alibi_bias",
+    "alibi_slopes",
+    "FeedForward",
+    "TransformerBlock",
+    "TransformerEncoder",
+    "TransformerDecoder",
     "AttentionHead",
     "SimpleSelfAttention",
     "SelfAttention",

@@ -1,0 +1,218 @@
+"""Pre-norm Transformer blocks and encoder/decoder stacks built from attnlab modules.
+
+Each block is ``x + Attn(LN(x))`` [``+ CrossAttn(LN(.), memory)``] ``+ MLP(LN(.))`` (the
+"pre-norm" arrangement of GPT-2 and most later models); the stacks end with a LayerNorm.
+Masks follow attnlab's polarity: ``padding_mask`` is True at real tokens.
+
+Example:
+    >>> enc = TransformerEncoder(2, 32, 4)
+    >>> dec = TransformerDecoder(2, 32, 4, cross_attention=True)
+    >>> src, tgt = torch.randn(2, 7, 32), torch.randn(2, 5, 32)
+    >>> src_real = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    >>> memory = enc(src, padding_mask=src_real)
+    >>> dec(tgt, memory=memory, memory_padding_mask=src_real).shape
+    torch.Size([2, 5, 32])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.nn.cache import KVCache
+from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.positional import RotaryEmbedding
+
+__all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
+
+
+class FeedForward(nn.Module):
+    """The position-wise MLP: ``Linear(d, d_ff) -> GELU -> Linear(d_ff, d) -> Dropout``.
+
+    Shapes:
+        x: ``(..., d_model)`` -> ``(..., d_model)``.
+
+    Example:
+        >>> FeedForward(8, d_ff=32)(torch.randn(2, 3, 8)).shape
+        torch.Size([2, 3, 8])
+    """
+
+    def __init__(self, d_model: int, *, d_ff: int | None = None, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        d_ff = 4 * d_model if d_ff is None else d_ff
+        self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
+        self.act = nn.GELU()
+        self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm Transformer layer: self-attention, optional cross-attention, MLP.
+
+    Shapes:
+        x: ``(B, T, d_model)``; memory: ``(B, Tm, d_memory)``; padding_mask: ``(B, T)`` (or
+        ``(B, cached + T)`` with a cache); memory_padding_mask: ``(B, Tm)`` -> ``(B, T, d_model)``.
+
+    Args:
+        d_model: width of the residual stream.
+        num_heads: attention heads.
+        d_ff: hidden width of the MLP (default ``4 * d_model``).
+        dropout: attention-weight and residual dropout (training only).
+        causal: causal self-attention (decoders) or not (encoders).
+        num_kv_heads: grouped-query key/value heads (default ``num_heads``).
+        cross_attention: add a cross-attention sub-layer reading ``memory``.
+        d_memory: width of ``memory`` (default ``d_model``).
+        rope: rotary embeddings in self-attention (``True`` or a ``RotaryEmbedding``).
+        bias: biases in the linear layers.
+        norm_eps: LayerNorm epsilon.
+        backend: attention backend name or ``"auto"``.
+
+    Example:
+        >>> block = TransformerBlock(16, 2, causal=True)
+        >>> block(torch.randn(3, 5, 16)).shape
+        torch.Size([3, 5, 16])
+    """
+
+    def __init__(
+        self, d_model: int, num_heads: int, *, d_ff: int | None = None, dropout: float = 0.0,
+        causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
+        d_memory: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
+        norm_eps: float = 1e-5, backend: str = "auto",
+    ):
+        super().__init__()
+        common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
+        self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
+        self.attn = MultiHeadAttention(
+            d_model, d_model, None, dropout, num_heads, causal=causal, num_kv_heads=num_kv_heads,
+            rope=rope, **common,
+        )
+        self.norm_cross = self.cross_attn = None
+        if cross_attention:
+            self.norm_cross = nn.LayerNorm(d_model, eps=norm_eps)
+            self.cross_attn = MultiHeadAttention(
+                d_model, d_model, None, dropout, num_heads, causal=False,
+                num_kv_heads=num_kv_heads, kdim=d_memory, **common,
+            )
+        self.norm_mlp = nn.LayerNorm(d_model, eps=norm_eps)
+        self.mlp = FeedForward(d_model, d_ff=d_ff, dropout=dropout, bias=bias)
+        self.residual_dropout = nn.Dropout(dropout)
+
+    def forward(
+        self, x: Tensor, *, padding_mask: Tensor | None = None, mask: Tensor | Callable | None = None,
+        memory: Tensor | None = None, memory_padding_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
+        x = x + self.residual_dropout(attn_out)
+        if (memory is None) != (self.cross_attn is None):
+            raise ValueError(
+                "memory must be given exactly when the block has cross-attention; "
+                f"cross_attention={self.cross_attn is not None}, memory given={memory is not None}"
+            )
+        if self.cross_attn is not None:
+            cross_out = self.cross_attn(self.norm_cross(x), context=memory, padding_mask=memory_padding_mask)
+            x = x + self.residual_dropout(cross_out)
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class _Stack(nn.Module):
+    """``num_layers`` blocks and a final LayerNorm; the encoder and decoder configure it."""
+
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, *, causal: bool,
+                 cross_attention: bool, norm_eps: float = 1e-5, **block_options):
+        super().__init__()
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        self.layers = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, causal=causal, cross_attention=cross_attention,
+                             norm_eps=norm_eps, **block_options)
+            for _ in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps)
+
+    def _run(self, x: Tensor, caches: list[KVCache] | None, **kwargs) -> Tensor:
+        if caches is not None and len(caches) != len(self.layers):
+            raise ValueError(f"caches must hold one KVCache per layer ({len(self.layers)}), got {len(caches)}")
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cache=None if caches is None else caches[index], **kwargs)
+        return self.norm(x)
+
+
+class TransformerEncoder(_Stack):
+    """A stack of non-causal pre-norm blocks (BERT-style encoder) with a final LayerNorm.
+
+    Padded positions (``padding_mask`` False) are never attended, so they do not change the
+    outputs at real positions; their own outputs are computed but meaningless.
+
+    Shapes:
+        x: ``(B, T, d_model)``; padding_mask: ``(B, T)`` True at real tokens -> ``(B, T, d_model)``.
+
+    Args:
+        num_layers: number of blocks.
+        d_model, num_heads: width and heads.
+        **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout``,
+            ``num_kv_heads``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
+
+    Example:
+        >>> enc = TransformerEncoder(2, 16, 2, d_ff=32)
+        >>> enc(torch.randn(2, 6, 16), padding_mask=torch.ones(2, 6, dtype=torch.bool)).shape
+        torch.Size([2, 6, 16])
+    """
+
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, **options):
+        super().__init__(num_layers, d_model, num_heads, causal=False, cross_attention=False, **options)
+
+    def forward(self, x: Tensor, *, padding_mask: Tensor | None = None,
+                mask: Tensor | Callable | None = None) -> Tensor:
+        return self._run(x, None, padding_mask=padding_mask, mask=mask)
+
+
+class TransformerDecoder(_Stack):
+    """A stack of causal pre-norm blocks (GPT-style), optionally cross-attending to a memory.
+
+    Shapes:
+        x: ``(B, T, d_model)``; memory: ``(B, Tm, d_memory)``; padding_mask: ``(B, T)`` (or
+        ``(B, cached + T)`` with caches); memory_padding_mask: ``(B, Tm)`` -> ``(B, T, d_model)``.
+
+    Args:
+        num_layers: number of blocks.
+        d_model, num_heads: width and heads.
+        cross_attention: each block also attends to ``memory`` (encoder-decoder models).
+        **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout``,
+            ``num_kv_heads``, ``d_memory``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
+
+    Example:
+        >>> dec = TransformerDecoder(2, 16, 2, rope=True)
+        >>> caches = dec.new_cache(1, max_len=8)
+        >>> with torch.no_grad():
+        ...     _ = dec(torch.randn(1, 3, 16), caches=caches)
+        ...     step = dec(torch.randn(1, 1, 16), caches=caches)
+        >>> step.shape, caches[0].length
+        (torch.Size([1, 1, 16]), 4)
+    """
+
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, *,
+                 cross_attention: bool = False, **options):
+        super().__init__(num_layers, d_model, num_heads, causal=True,
+                         cross_attention=cross_attention, **options)
+
+    def forward(
+        self, x: Tensor, *, memory: Tensor | None = None, padding_mask: Tensor | None = None,
+        memory_padding_mask: Tensor | None = None, caches: list[KVCache] | None = None,
+    ) -> Tensor:
+        return self._run(x, caches, padding_mask=padding_mask, memory=memory,
+                         memory_padding_mask=memory_padding_mask)
+
+    def new_cache(self, batch_size: int, max_len: int, **options) -> list[KVCache]:
+        """One empty self-attention :class:`KVCache` per layer.
+
+        Example:
+            >>> len(TransformerDecoder(3, 8, 2).new_cache(1, 4))
+            3
+        """
+        return [layer.attn.new_cache(batch_size, max_len, **options) for layer in self.layers]
