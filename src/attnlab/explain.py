@@ -31,7 +31,9 @@ from torch import Tensor, nn
 from attnlab.backends.reference import apply_dropout, softmax_rows
 from attnlab.masks import causal_mask
 
-__all__ = ["DEFAULT_SENTENCE", "MODES", "Step", "Trace", "Link", "tokenize", "split_for_cross", "trace"]
+__all__ = [
+    "DEFAULT_SENTENCE", "MODES", "Step", "Trace", "Link", "tokenize", "split_for_cross", "format_value", "trace",
+]
 
 DEFAULT_SENTENCE = "The chef prepared a delicious meal, and it was served with wine."
 MODES = ("self", "causal", "multihead", "cross")
@@ -175,6 +177,22 @@ class Trace:
         visible = [j for j in keys if allowed is None or bool(allowed[query_index, j])]
         ranked = sorted(visible, key=lambda j: (-float(row[j]), j))
         return [Link(j, self.context_tokens[j], float(row[j])) for j in ranked]
+
+
+def format_value(value: float | int | bool) -> str:
+    """How every number is printed, in the terminal and in the report alike.
+
+    Example:
+        >>> [format_value(v) for v in (3, 0.31023, float("-inf"), True, False)]
+        ['3', '0.3102', '-inf', '1', '0']
+    """
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "-inf" if value < 0 else "inf"
+    return f"{value:.4f}"
 
 
 def tokenize(text: str) -> list[str]:

@@ -1,0 +1,281 @@
+"""A self-contained HTML report of one :class:`attnlab.explain.Trace`.
+
+One file that works from ``file://`` with no network: the CSS (``report.css``), the script
+(``report.js``) and the data are inlined, the heatmaps are inline SVG, and only system fonts are
+named. Without JavaScript the page still shows every number; with it, a head selector switches
+heads and hovering (or clicking) a word shows where it attends.
+
+Every heatmap cell is an SVG ``<rect class="cell">`` carrying ``data-head``, ``data-row``,
+``data-col``, ``data-value`` (4 decimals) and ``data-masked``, so tests can read what is drawn.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from importlib import resources
+from pathlib import Path
+
+from attnlab.explain import Trace, format_value
+from attnlab.viz.heatmap import Blocks, aggregate_blocks
+
+__all__ = ["build_report", "write_report", "viridis"]
+
+MAX_TABLE = 24  # rows/columns shown per step table; longer tables are cut with a note
+MAX_LINKS = 12  # bars in the "where it attends" list
+_VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
+
+
+def viridis(t: float) -> str:
+    """The viridis colour for ``t`` in [0, 1] (linear between 9 anchors), as ``#rrggbb``.
+
+    Example:
+        >>> viridis(0.0), viridis(1.0)
+        ('#440154', '#fde725')
+    """
+    t = min(max(t, 0.0), 1.0) * (len(_VIRIDIS) - 1)
+    i = min(int(t), len(_VIRIDIS) - 2)
+    a, b = _VIRIDIS[i], _VIRIDIS[i + 1]
+    mix = [round(int(a[k:k + 2], 16) * (1 - (t - i)) + int(b[k:k + 2], 16) * (t - i)) for k in (1, 3, 5)]
+    return "#" + "".join(f"{c:02x}" for c in mix)
+
+
+def _e(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _asset(name: str) -> str:
+    return resources.files("attnlab.viz").joinpath(name).read_text(encoding="utf-8")
+
+
+def write_report(trace: Trace, path: str | Path, *, focus: int | None = None) -> Path:
+    """Write :func:`build_report`'s page to ``path`` (UTF-8) and return the path.
+
+    Example:
+        >>> import tempfile
+        >>> from attnlab.explain import trace
+        >>> p = write_report(trace("The sun rises"), Path(tempfile.mkdtemp()) / "report.html")
+        >>> p.read_text().startswith("<!DOCTYPE html>")
+        True
+    """
+    path = Path(path)
+    path.write_text(build_report(trace, focus=focus), encoding="utf-8")
+    return path
+
+
+def build_report(trace: Trace, *, focus: int | None = None) -> str:
+    """The report page as one HTML string (inline CSS, JS, data and SVG).
+
+    Args:
+        trace: what to show.
+        focus: index of the query token focused first (default: ``trace.query_index()``).
+
+    Example:
+        >>> from attnlab.explain import trace
+        >>> page = build_report(trace("The sun rises", mode="causal"))
+        >>> page.count('class="cell'), "http" in page
+        (9, False)
+    """
+    focus = trace.query_index() if focus is None else focus
+    weights = trace.weights()  # (H, Tq, Tk)
+    blocks = aggregate_blocks(weights, rows=trace.tokens, cols=trace.context_tokens, allowed=trace.allowed())
+    data = {
+        "mode": trace.mode, "heads": trace.heads, "tokens": trace.tokens, "context_tokens": trace.context_tokens,
+        "weights": [[[round(float(w), 4) for w in row] for row in head] for head in weights.tolist()],
+        "allowed": None if trace.allowed() is None else trace.allowed().tolist(),
+        "focus": focus, "block": list(blocks.size), "max_links": MAX_LINKS,
+    }
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    body = "\n".join([_header(trace), "<main><div class=\"wrap\">", _sentence_card(trace, focus),
+                      '<div class="grid2">', _heatmap_card(trace, blocks), _links_card(trace, focus), "</div>",
+                      _steps(trace, focus), "</div></main>", _footer()])
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        f"<title>attnlab explain: {_e(trace.sentence)}</title>"
+        f"<style>{_asset('report.css')}</style></head>\n<body>\n{body}\n"
+        f"<script id=\"attnlab-data\" type=\"application/json\">{payload}</script>\n"
+        f"<script>{_asset('report.js')}</script>\n</body></html>\n"
+    )
+
+
+def _header(trace: Trace) -> str:
+    kind = {"self": "self-attention", "causal": "causal self-attention", "multihead": "multi-head attention",
+            "cross": "cross-attention"}[trace.mode]
+    badges = [kind, f"{trace.heads} head{'s' if trace.heads > 1 else ''}", f"d_model = {trace.d_model}",
+              f"d_k = {trace.d_kq}", f"d_v = {trace.d_v}", f"seed {trace.seed}"]
+    if trace.causal and trace.mode != "causal":
+        badges.append("causal mask")
+    if trace.dropout:
+        badges.append(f"dropout {trace.dropout}")
+    badges.append("random, untrained weights")
+    return (
+        '<header class="top"><div class="wrap"><h1>Attention, step by step</h1>'
+        f"<p>How {_e(kind)} turns each word of a sentence into a context-aware vector.</p>"
+        f'<div class="badges">{"".join(f"<span class=badge>{_e(b)}</span>" for b in badges)}</div>'
+        "</div></header>"
+    )
+
+
+def _chips(tokens, cls: str) -> str:
+    return "".join(f'<span class="token {cls}" data-index="{i}">{_e(t)}<span class="w"></span></span>'
+                   for i, t in enumerate(tokens))
+
+
+def _sentence_card(trace: Trace, focus: int) -> str:
+    options = "".join(f'<option value="{h}">head {h}</option>' for h in range(trace.heads))
+    disabled = "" if trace.heads > 1 else " disabled"
+    parts = ['<section class="card"><div class="controls">',
+             f'<div><label for="head-select">Head</label><select id="head-select"{disabled}>{options}</select></div>',
+             f'<div class="muted">Hover a word to see where it attends; click to pin it. '
+             f'Pinned now: <b>{_e(trace.tokens[focus])}</b>.</div></div>']
+    if trace.mode == "cross":
+        parts += ['<div class="side-label">queries (from the first sentence)</div>',
+                  f'<div class="sentence">{_chips(trace.tokens, "q")}</div>',
+                  '<div class="side-label">keys and values (from the context sentence)</div>',
+                  f'<div class="sentence">{_chips(trace.context_tokens, "k")}</div>']
+    else:
+        parts.append(f'<div class="sentence">{_chips(trace.tokens, "q")}</div>')
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _heatmap_card(trace: Trace, blocks: Blocks) -> str:
+    vmax = max(float(blocks.weights.max()), 1e-12)
+    panels = "".join(
+        f'<div class="per-head heatmap-box" data-head="{h}"{"" if h == 0 else " hidden"}>{_heatmap_svg(blocks, h, vmax)}</div>'
+        for h in range(trace.heads))
+    note = ""
+    if blocks.size != (1, 1):
+        note = (f'<p class="note">{len(trace.tokens)} x {len(trace.context_tokens)} tokens are drawn in blocks of '
+                f"{blocks.size[0]} x {blocks.size[1]}: a cell is a block's total weight, averaged over its queries.</p>")
+    ramp = ", ".join(viridis(i / 8) for i in range(9))
+    return (
+        '<section class="card"><h2>Attention weights</h2>'
+        '<p class="muted">Row = the word that looks (query); column = the word it looks at (key). '
+        "Each row sums to 1.</p>"
+        f"{panels}"
+        f'<div class="legend"><span>0</span><span class="ramp" style="background: linear-gradient(90deg, {ramp})">'
+        f"</span><span>{vmax:.2f}</span>"
+        + ('<span class="hatch"></span><span>masked (not allowed to attend)</span>' if trace.causal else "")
+        + f"</div>{note}</section>"
+    )
+
+
+def _heatmap_svg(blocks: Blocks, h: int, vmax: float) -> str:
+    """One head's weights as SVG cells with token labels on both axes."""
+    n_rows, n_cols = len(blocks.rows), len(blocks.cols)
+    cell = max(8, min(40, 560 // max(n_rows, n_cols)))
+    left = 12 + 7 * max(len(r) for r in blocks.rows)
+    top = 16 + int(5.2 * max(len(c) for c in blocks.cols))
+    width, height = left + n_cols * cell + 8, top + n_rows * cell + 8
+    show_values = cell >= 34
+    out = [f'<svg class="heatmap" data-head="{h}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+           f'height="{height}" viewBox="0 0 {width} {height}" role="img">',
+           f'<defs><pattern id="hatch-{h}" width="6" height="6" patternUnits="userSpaceOnUse" '
+           'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eceff3"/>'
+           '<line x1="0" y1="0" x2="0" y2="6" stroke="#b9bfca" stroke-width="2"/></pattern></defs>']
+    label_size = 12 if cell >= 16 else 8
+    for j, label in enumerate(blocks.cols):
+        x, y = left + j * cell + cell / 2, top - 6
+        out.append(f'<text class="col-label" data-col="{j}" x="{x:.1f}" y="{y}" font-size="{label_size}" '
+                   f'transform="rotate(-45 {x:.1f} {y})">{_e(label)}</text>')
+    values = blocks.weights[h].tolist()
+    for i, label in enumerate(blocks.rows):
+        y = top + i * cell
+        out.append(f'<text class="row-label" data-row="{i}" x="{left - 6}" y="{y + cell / 2 + 4:.1f}" '
+                   f'text-anchor="end" font-size="{label_size}">{_e(label)}</text>')
+        for j, value in enumerate(values[i]):
+            masked = blocks.allowed is not None and not bool(blocks.allowed[i, j])
+            fill = f"url(#hatch-{h})" if masked else viridis(value / vmax)
+            text = "masked" if masked else format_value(value)
+            out.append(f'<rect class="cell{" masked" if masked else ""}" data-head="{h}" data-row="{i}" '
+                       f'data-col="{j}" data-value="{format_value(value)}" data-masked="{str(masked).lower()}" '
+                       f'x="{left + j * cell}" y="{y}" width="{cell}" height="{cell}" fill="{fill}">'
+                       f"<title>{_e(blocks.rows[i])} \u2192 {_e(blocks.cols[j])}: {text}</title></rect>")
+            if show_values and not masked:
+                ink = "#111827" if value / vmax > 0.6 else "#ffffff"
+                out.append(f'<text class="v" x="{left + j * cell + cell / 2}" y="{y + cell / 2 + 3.5}" '
+                           f'text-anchor="middle" fill="{ink}" style="fill:{ink}">{value:.2f}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _links_card(trace: Trace, focus: int) -> str:
+    links = trace.links(focus, head=0)
+    top, low = links[0], links[-1]
+    word = trace.tokens[focus]
+    rows = "".join(
+        f'<li><span class="word">{_e(link.key)}</span><span class="bar"><span style="width:'
+        f'{100 * link.weight / (top.weight or 1):.1f}%"></span></span><span class="val">{format_value(link.weight)}</span></li>'
+        for link in links[:MAX_LINKS])
+    return (
+        f'<section class="card"><h2>Where \u2018<span id="links-word">{_e(word)}</span>\u2019 attends<span id="links-head">'
+        f'{" (head 0)" if trace.heads > 1 else ""}</span></h2>'
+        f'<p class="summary" id="links-summary">\u2018<b>{_e(word)}</b>\u2019 attends most to \u2018<b>{_e(top.key)}</b>'
+        f"\u2019 ({format_value(top.weight)}) and least to \u2018<b>{_e(low.key)}</b>\u2019 ({format_value(low.weight)}).</p>"
+        f'<ul class="links" id="links-list">{rows}</ul>'
+        '<p class="note">These weights come from random, untrained W_q and W_k, so the pattern is arbitrary. '
+        "A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019.</p></section>"
+    )
+
+
+def _footer() -> str:
+    return ('<footer>Made by <code>attnlab explain</code>. This page is one self-contained file: '
+            "it loads nothing from the network.</footer>")
+
+
+def _steps(trace: Trace, focus: int) -> str:
+    """One card per step; a per-head step has one card per head, only the selected head's shown."""
+    names = list(dict.fromkeys(s.name for s in trace.steps))
+    cards = ['<h2 style="margin:26px 0 10px">The computation, one step at a time</h2>']
+    for number, name in enumerate(names, start=1):
+        for step in (s for s in trace.steps if s.name == name):
+            per_head = step.head is not None and trace.heads > 1
+            attrs = f' class="card step per-head" data-head="{step.head}"' if per_head else ' class="card step"'
+            hidden = " hidden" if per_head and step.head != 0 else ""
+            head_tag = f'<span class="headtag">head {step.head}</span>' if per_head else ""
+            cards.append(
+                f'<section{attrs} data-step="{_e(name)}"{hidden}><header><span class="num">{number}</span>'
+                f"<h3>{_title(step.title)}</h3>{head_tag}<span class=\"shape\">shape {_e(tuple(step.shape))}</span></header>"
+                f'<p class="explain">{_e(step.explanation)}</p>{_table(step, focus)}</section>')
+    return "".join(cards)
+
+
+def _title(title: str) -> str:
+    name, _, formula = title.partition("  ")
+    return _e(name) + (f' <code class="formula">{_e(formula)}</code>' if formula else "")
+
+
+def _table(step, focus: int) -> str:
+    """A step's tensor as a labelled table, tinted by value, cut to MAX_TABLE rows and columns."""
+    values = step.tensor.tolist()
+    matrix = values if step.tensor.ndim == 2 else [values]
+    rows = list(step.rows) if step.rows is not None else [""]
+    n_rows, n_cols = len(matrix), len(step.cols)
+    floats = [v for row in matrix for v in row if isinstance(v, float) and abs(v) != float("inf")]
+    scale = max((abs(v) for v in floats), default=1.0) or 1.0
+    head = "".join(f"<th>{_e(c)}</th>" for c in step.cols[:MAX_TABLE])
+    body = []
+    for i, row in enumerate(matrix[:MAX_TABLE]):
+        cells = "".join(_td(v, scale, step.name) for v in row[:MAX_TABLE])
+        hl = ' class="hl"' if step.rows is not None and i == focus and step.rows == tuple(step.rows) else ""
+        data_row = f' data-row="{i}"' if step.rows is not None and len(step.rows) == n_rows else ""
+        body.append(f"<tr{data_row}{hl}><th>{_e(rows[i])}</th>{cells}</tr>")
+    note = ""
+    if n_rows > MAX_TABLE or n_cols > MAX_TABLE:
+        note = (f'<div class="truncated">showing {min(n_rows, MAX_TABLE)} of {n_rows} rows and '
+                f"{min(n_cols, MAX_TABLE)} of {n_cols} columns</div>")
+    return (f'<div class="table-box"><table class="values"><thead><tr><th></th>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>{note}')
+
+
+def _td(value, scale: float, name: str) -> str:
+    text = format_value(value)
+    if (isinstance(value, bool) and not value) or (isinstance(value, float) and value == float("-inf")):
+        return f'<td class="masked">{text}</td>'
+    if isinstance(value, (bool, int)):
+        return f"<td>{text}</td>"
+    alpha = 0.06 + 0.5 * min(abs(value) / scale, 1.0)
+    rgb = "var(--neg)" if value < 0 else "var(--pos)"
+    return f'<td style="background: rgba({rgb}, {alpha:.2f})">{text}</td>'
