@@ -114,6 +114,10 @@ class AttentionHead(nn.Module):
 
     Attributes:
         W_query, W_key, W_value: the projections, created in this order.
+        backend: the :func:`attnlab.attention` backend, ``"reference"`` by default: the
+            readable math, and the only one whose dropout draws random numbers exactly as
+            ``nn.Dropout`` does (other backends use their own streams), which the documents'
+            seeded dropout outputs need. Set it to ``"auto"`` for speed.
 
     Example:
         >>> head = AttentionHead(3, 2, 4, causal=True)
@@ -142,6 +146,7 @@ class AttentionHead(nn.Module):
         d_out_v = d_out_kq if d_out_v is None else d_out_v
         self.d_in, self.d_out_kq, self.d_out_v = d_in, d_out_kq, d_out_v
         self.causal, self.dropout, self.context_length = causal, dropout, context_length
+        self.backend = "reference"
         self.W_query = _make_projection(d_in, d_out_kq, init=init, bias=qkv_bias)
         self.W_key = _make_projection(d_in, d_out_kq, init=init, bias=qkv_bias)
         self.W_value = _make_projection(d_in, d_out_v, init=init, bias=qkv_bias)
@@ -188,7 +193,8 @@ class AttentionHead(nn.Module):
         values = _apply_projection(self.W_value, x_kv)  # (..., Tk, d_out_v)
         return attention(
             queries, keys, values, causal=self.causal, scale=1.0 / math.sqrt(self.d_out_kq),
-            dropout_p=self.dropout if self.training else 0.0, return_weights=return_weights,
+            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+            return_weights=return_weights,
         )
 
 
