@@ -1,33 +1,204 @@
-"""``attnlab explain``: walk a sentence through attention step by step."""
+"""``attnlab explain``: walk a sentence through attention step by step.
+
+Prints every intermediate (tokens, embeddings, W_q/W_k/W_v, queries, keys, values, scores,
+mask, weights, context vectors) as labelled tables, says where the focused word attends most
+and least, and writes heatmaps (PNG, SVG) and a self-contained HTML report.
+
+Bad input (an empty sentence, an unknown ``--query`` word, a bad ``--mode``, a malformed
+option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
-from rich.console import Console
+from typer.core import TyperCommand
+
+try:  # typer >= 0.16 vendors click
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer with click installed
+    from click.exceptions import UsageError
 
 DEFAULT_SENTENCE = "The chef prepared a delicious meal, and it was served with wine."
+FORMATS = ("png", "svg", "html", "all")
+MODELS = ("tutorial",)
+TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
+
+
+class _OneLineErrors(TyperCommand):
+    """Report malformed options (``--heads x``) as one ``error:`` line instead of a usage box."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except UsageError as err:
+            _fail(err.format_message())
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
+    raise typer.Exit(code=2)
 
 
 def explain(
     sentence: str = typer.Argument(DEFAULT_SENTENCE, help="The sentence to walk through."),
-    seed: int = typer.Option(123, "--seed", help="Random seed for embeddings and weights."),
-    causal: bool = typer.Option(False, "--causal", help="Mask future tokens."),
+    mode: str = typer.Option("self", "--mode", help="self, causal, multihead or cross."),
+    context: str = typer.Option(None, "--context",
+                                help="cross mode: the sentence keys and values come from "
+                                     "(default: the second half of SENTENCE; queries use the first half)."),
+    heads: int = typer.Option(None, "--heads", help="Number of heads (multihead; default 4)."),
+    d_model: int = typer.Option(3, "--d-model", help="Embedding size."),
+    d_kq: int = typer.Option(2, "--d-kq", help="Query/key size per head."),
+    d_v: int = typer.Option(4, "--d-v", help="Value size per head."),
+    seed: int = typer.Option(123, "--seed", help="Random seed for the embeddings and the weights."),
+    causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
+    dropout: float = typer.Option(0.0, "--dropout", help="Dropout probability on the attention weights."),
+    model: str = typer.Option("tutorial", "--model", help="Weights to use; only 'tutorial' (seeded random) for now."),
+    query: str = typer.Option(None, "--query", help="Word to focus on (default: 'it' if present, else the last word)."),
+    out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
+    fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
+    no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
 ) -> None:
-    """Walk SENTENCE through scaled dot-product self-attention, printing every step."""
-    import torch
+    """Walk SENTENCE through attention, printing every step, and write heatmaps and an HTML report."""
+    if model not in MODELS:
+        _fail(f"--model {model!r} is not available; only 'tutorial' (seeded random weights) exists for now")
+    if fmt not in FORMATS:
+        _fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    from attnlab.explain import trace
 
-    import attnlab
+    try:
+        result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
+                       d_v=d_v, seed=seed, causal=causal, dropout=dropout)
+        focus = result.query_index(query)
+    except ValueError as err:
+        _fail(str(err))
+    from rich.console import Console
 
-    console = Console()
-    words = sentence.replace(",", "").replace(".", "").split()
-    torch.manual_seed(seed)
-    x = torch.nn.Embedding(len(words), 3)(torch.arange(len(words))).detach()
-    out, weights = attnlab.attention(x, x, x, causal=causal, return_weights=True)
-    console.print(f"tokens: {words}")
-    console.print(f"weights {tuple(weights.shape)}:\n{weights}")
-    console.print(f"context vectors {tuple(out.shape)}:\n{out}")
+    console = Console(no_color=no_color, highlight=False, soft_wrap=False)
+    _narrate(console, result, focus)
+    try:
+        written = _write_files(result, focus, out, fmt)
+    except OSError as err:
+        _fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+    console.print()
+    console.print("[bold]Files written:[/bold]")
+    for path in written:
+        console.print(f"  {path}")
+    if any(p.suffix == ".html" for p in written):
+        console.print(f"Open [bold]{out / 'report.html'}[/bold] in a browser: it works offline.")
+
+
+_KIND = {"self": "self-attention", "causal": "causal self-attention", "multihead": "multi-head attention",
+         "cross": "cross-attention"}
+
+
+def _narrate(console, result, focus: int) -> None:
+    """The walk-through: every step of head 0 (and every head's weights), then the focus summary."""
+    kind = _KIND[result.mode] + (" (causal)" if result.causal and result.mode == "multihead" else "")
+    console.rule(f"[bold]attnlab explain[/bold]: {kind}, {result.heads} head(s), seed {result.seed}")
+    if result.mode == "cross":
+        console.print(f"Queries from:          {result.sentence!r}")
+        console.print(f"Keys and values from:  {result.context_sentence!r}")
+    else:
+        console.print(f"Sentence: {result.sentence!r}")
+    console.print("[dim]Words are split off punctuation (which is dropped), case kept. The embeddings and "
+                  "W_q/W_k/W_v are seeded random numbers (an untrained model), so the pattern is arbitrary.[/dim]")
+    names = list(dict.fromkeys(s.name for s in result.steps))
+    for number, name in enumerate(names, start=1):
+        _print_step(console, number, result.step(name, 0), focus, result.heads)
+    if result.heads > 1:
+        console.print(f"\n[dim]Heads 1..{result.heads - 1} repeat steps 4-{names.index('context') + 1} with their "
+                      "own weights; their attention weights:[/dim]")
+        for h in range(1, result.heads):
+            _print_step(console, names.index("weights") + 1, result.step("weights", h), focus, result.heads)
+    _print_links(console, result, focus)
+
+
+def _print_step(console, number: int, step, focus: int, heads: int) -> None:
+    head = f", head {step.head}" if step.head is not None and heads > 1 else ""
+    console.print()
+    console.print(f"[bold cyan]Step {number}[/bold cyan]  [bold]{step.title}[/bold]  "
+                  f"[dim]shape {tuple(step.shape)}{head}[/dim]")
+    console.print(f"[italic]{step.explanation}[/italic]")
+    for table in _tables(console, step, focus):
+        console.print(table)
+
+
+def _tables(console, step, focus: int):
+    """The step as rich tables with token labels, split into column chunks that fit the terminal."""
+    from rich import box
+    from rich.table import Table
+
+    from attnlab.explain import format_value
+
+    values = step.tensor.tolist()
+    matrix = values if step.tensor.ndim == 2 else [values]
+    rows = list(step.rows or [""])[:TERMINAL_MAX]
+    cols = list(step.cols)[:TERMINAL_MAX]
+    texts = [[format_value(v) for v in row[:TERMINAL_MAX]] for row in matrix[:TERMINAL_MAX]]
+    label_w = max(len(r) for r in rows)
+    cell_w = max([len(c) for c in cols] + [len(t) for row in texts for t in row])
+    per_chunk = max(1, (console.width - label_w - 4) // (cell_w + 2))
+    for start in range(0, len(cols), per_chunk):
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
+        table.add_column("", style="bold", no_wrap=True)
+        for c in cols[start:start + per_chunk]:
+            table.add_column(c, justify="right", no_wrap=True)
+        for i, row in enumerate(texts):
+            style = "bold yellow" if step.rows is not None and i == focus and len(step.rows) == len(matrix) else None
+            table.add_row(rows[i], *row[start:start + per_chunk], style=style)
+        yield table
+    if len(matrix) > TERMINAL_MAX or len(step.cols) > TERMINAL_MAX:
+        yield f"[dim](first {TERMINAL_MAX} rows and columns shown; the HTML report has all of them)[/dim]"
+
+
+def link_sentence(word: str, links) -> str:
+    """``'it' attends most to 'meal' (0.3102) and least to 'a' (0.0247).``"""
+    from attnlab.explain import format_value
+
+    top, low = links[0], links[-1]
+    return (f"'{word}' attends most to '{top.key}' ({format_value(top.weight)}) "
+            f"and least to '{low.key}' ({format_value(low.weight)}).")
+
+
+def _print_links(console, result, focus: int) -> None:
+    from attnlab.explain import format_value
+
+    word = result.tokens[focus]
+    console.print()
+    console.rule(f"[bold]Where '{word}' attends[/bold]")
+    if result.heads == 1:
+        links = result.links(focus)
+        console.print(link_sentence(word, links), markup=False)
+        ranked = ", ".join(f"{link.key} {format_value(link.weight)}" for link in links[:5])
+        console.print(f"[dim]Strongest first: {ranked}[/dim]")
+    else:
+        for h in range(result.heads):
+            console.print(f"head {h}: " + link_sentence(word, result.links(focus, head=h)), markup=False)
+        console.print("mean of heads: " + link_sentence(word, result.links(focus)), markup=False)
+    console.print("[dim]With trained weights, 'it' would attend to 'meal'; these weights are random.[/dim]")
+
+
+def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    images = [f for f in ("png", "svg") if fmt in (f, "all")]
+    if images:
+        from attnlab.viz.heatmap import heatmap, save_figure
+
+        kind = _KIND[result.mode]
+        text = result.sentence if len(result.sentence) <= 70 else result.sentence[:67] + "..."
+        fig = heatmap(result.weights(), rows=result.tokens, cols=result.context_tokens, allowed=result.allowed(),
+                      title=f"{kind}: \u201c{text}\u201d (seed {result.seed})")
+        written += save_figure(fig, out / "attention", formats=images)
+    if fmt in ("html", "all"):
+        from attnlab.viz.html import write_report
+
+        written.append(write_report(result, out / "report.html", focus=focus))
+    return written
 
 
 def register(app: typer.Typer) -> None:
     """Add the ``explain`` command to ``app``."""
-    app.command("explain")(explain)
+    app.command("explain", cls=_OneLineErrors)(explain)
