@@ -1,0 +1,292 @@
+"""The ``sdpa`` backend: PyTorch's fused ``scaled_dot_product_attention`` kernels.
+
+On CPU PyTorch runs a flash-attention kernel (O(T) memory) for unmasked and top-left causal
+calls and for calls with an explicit ``attn_mask``, and falls back to its "math" path (the
+full score matrix, O(T^2)) for dropout and for ``Dv != D``. On CUDA it chooses between
+flash, memory-efficient, cuDNN and math kernels. This module translates an attnlab call into
+SDPA's arguments faithfully:
+
+* bool masks keep their polarity (SDPA's bool ``attn_mask`` also means True = attend);
+  float masks are passed as additive biases in the query dtype;
+* ``causal`` with ``align="top_left"`` (or any alignment when ``Tq == Tk``) and no other mask
+  uses ``is_causal=True``; bottom-right causal with ``Tq != Tk``, causal together with a mask,
+  and mask mods are materialised into one dense mask -- O(Tq*Tk) memory, and
+  :meth:`SdpaBackend.memory_for` says so for that call;
+* grouped-query attention uses ``enable_gqa=True`` (heads are repeated on PyTorch < 2.5);
+* rows with no attendable key are given a harmless mask row before the kernel runs and are
+  zeroed afterwards with ``torch.where``, so they are zeros with zero gradient whatever the
+  PyTorch version does with fully masked rows;
+* dropout: SDPA draws from PyTorch's global RNG. With a ``generator`` the call draws one seed
+  from it and runs SDPA under a forked, freshly seeded global RNG, so the same generator seed
+  gives bitwise the same output and the caller's global RNG is untouched. Without one, SDPA
+  uses the global RNG as usual. (SDPA's dropout mask differs from the reference's; both keep
+  each weight with probability ``1 - p`` and scale by ``1 / (1 - p)``.)
+
+SDPA does not expose the row log-sum-exp, so ``return_weights`` recomputes the weights with
+:func:`attnlab.attention_weights`; ``out`` is computed exactly as without weights.
+
+Example:
+    >>> import torch, attnlab
+    >>> q = torch.randn(1, 4, 16, 8)
+    >>> out = attnlab.attention(q, q, q, causal=True, backend="sdpa")
+    >>> torch.allclose(out, attnlab.attention(q, q, q, causal=True, backend="reference"), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab._call import AttentionCall
+from attnlab.backends.base import AttentionResult, Backend, register
+from attnlab.backends.reference import repeat_kv
+
+__all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for"]
+
+_HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+_HAS_GQA = _TORCH_VERSION >= (2, 5)  # enable_gqa= appeared in PyTorch 2.5
+
+# Measured on the 2-core AMD EPYC CPU of BENCHMARKS.md (fp32, forward, torch 2.13): the CPU
+# flash kernel sustains about 40 GFLOP/s, the math path about 15 GFLOP/s, and a call costs
+# about 30 microseconds of fixed overhead. bf16 runs at about the same rate on CPU.
+_CPU_RATE = {"flash": 40e9, "math": 15e9}
+_CUDA_RATE = {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12}
+_CALL_OVERHEAD_S = {"cpu": 30e-6, "cuda": 15e-6}
+_BACKWARD_FACTOR = 2.5  # DESIGN.md's FLOP convention: backward = 2.5 x forward
+
+
+@dataclass(frozen=True)
+class SdpaPlan:
+    """How one call is handed to SDPA, decided without building any tensor.
+
+    Attributes:
+        mask_source: ``"none"`` (no mask), ``"is_causal"`` (SDPA's own top-left causal),
+            ``"user"`` (the user's bool/float mask passed as is) or ``"materialised"``
+            (causal/mask mod/bottom-right folded into one dense mask).
+        kernel: the SDPA kernel PyTorch will pick (``"flash"``, ``"efficient"``, ``"cudnn"``
+            or ``"math"``).
+        memory: ``"linear"`` or ``"quadratic"`` extra memory in the sequence length.
+        memory_note: why, in words.
+    """
+
+    mask_source: str
+    kernel: str
+    memory: str
+    memory_note: str
+
+
+def _mask_source(call: AttentionCall) -> str:
+    if call.mask_kind == "none":
+        if not call.causal:
+            return "none"
+        return "is_causal" if call.causal_offset == 0 else "materialised"
+    if call.mask_kind in ("bool", "float") and not call.causal:
+        return "user"
+    return "materialised"
+
+
+def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
+    """A zero-stride tensor with the shape/dtype of the mask SDPA will see (for kernel choice)."""
+    if source in ("none", "is_causal"):
+        return None
+    if source == "user":
+        shape = tuple(call.mask.shape)
+        dtype = torch.bool if call.mask_kind == "bool" else call.dtype
+    else:
+        shape = (call.batch, call.q_heads, call.tq, call.tk)
+        dtype = call.dtype if call.mask_kind == "float" else torch.bool
+    return torch.zeros((), dtype=dtype, device=call.device).expand(shape)
+
+
+def kernel_for(call: AttentionCall) -> str:
+    """The SDPA kernel PyTorch will choose for ``call``: flash, efficient, cudnn or math.
+
+    Uses PyTorch's own selector (``torch._fused_sdp_choice``) where it exists; otherwise the
+    documented CPU rules (math for dropout and for ``Dv != D``, flash otherwise).
+
+    Example:
+        >>> from attnlab.backends import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> kernel_for(build_call(q, q, q))
+        'flash'
+    """
+    source = _mask_source(call)
+    gqa = call.q_heads != call.kv_heads
+    k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
+        repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
+    chooser = getattr(torch, "_fused_sdp_choice", None)
+    if chooser is not None:
+        extra = {"enable_gqa": True} if (gqa and _HAS_GQA) else {}
+        try:
+            index = chooser(
+                call.q, k, v, _mask_stand_in(call, source), call.dropout_p,
+                source == "is_causal", scale=call.scale, **extra,
+            )
+            name = torch.nn.attention.SDPBackend(index).name
+            return {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+                    "CUDNN_ATTENTION": "cudnn"}.get(name, "math")
+        except (RuntimeError, TypeError, ValueError, AttributeError):
+            pass
+    if call.dropout_p > 0.0 or call.value_dim != call.head_dim:
+        return "math"
+    return "flash"
+
+
+def sdpa_plan(call: AttentionCall) -> SdpaPlan:
+    """Decide how SDPA will run ``call`` and which memory class that is.
+
+    Example:
+        >>> from attnlab.backends import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> sdpa_plan(build_call(q, q, q, causal=True)).memory
+        'linear'
+    """
+    source = _mask_source(call)
+    kernel = kernel_for(call)
+    if kernel == "math":
+        return SdpaPlan(source, kernel, "quadratic",
+                        "SDPA's math kernel materialises the (Tq, Tk) scores")
+    if source == "materialised":
+        return SdpaPlan(source, kernel, "quadratic",
+                        "the causal/mask-mod mask is materialised as a dense (Tq, Tk) mask")
+    if source == "user" and _full_size(call.mask, call) and (
+        call.mask_kind == "bool" or call.mask.dtype != call.dtype
+    ):
+        return SdpaPlan(source, kernel, "quadratic",
+                        "the dense (Tq, Tk) mask is converted to an additive mask in the query dtype")
+    return SdpaPlan(source, kernel, "linear", f"SDPA's {kernel} kernel keeps O(T) memory")
+
+
+def _full_size(mask: Tensor, call: AttentionCall) -> bool:
+    """Whether a user mask spans both sequence axes (so a converted copy is O(Tq*Tk))."""
+    return mask.shape[-2] == call.tq > 1 and mask.shape[-1] == call.tk > 1
+
+
+def _build_mask(call: AttentionCall, source: str) -> tuple[Tensor | None, Tensor | None]:
+    """The ``attn_mask`` to pass and the rows that may attend at least one key.
+
+    Returns:
+        ``(attn_mask, row_alive)``: attn_mask is bool (True = attend) or float in q's dtype,
+        broadcastable to ``(B, Hq, Tq, Tk)``; row_alive is ``(B|1, H|1, Tq|1, 1)`` bool or None
+        when every row may attend something. Dead rows get a harmless all-allowed mask row.
+    """
+    if source in ("none", "is_causal"):
+        return None, None
+    allowed = call.allowed()  # bool (causal, bool mask, mask mod) or None
+    bias = call.bias()
+    if bias is None:
+        row_alive = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
+        if bool(row_alive.all()):
+            return allowed, None
+        return allowed | ~row_alive, row_alive
+    attn_mask = bias.to(call.dtype)
+    if allowed is not None:
+        attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
+    row_alive = (attn_mask > float("-inf")).any(dim=-1, keepdim=True)
+    if bool(row_alive.all()):
+        return attn_mask, None
+    return torch.where(row_alive, attn_mask, 0.0), row_alive
+
+
+def _dropout_rng(call: AttentionCall):
+    """Context in which SDPA's dropout draws from a seed taken from ``call.generator``."""
+    if call.dropout_p == 0.0 or call.generator is None:
+        return contextlib.nullcontext()
+    gen = call.generator
+    seed = int(torch.randint(0, 2**62, (), generator=gen, device=gen.device, dtype=torch.int64))
+    return _seeded(call.device, seed)
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    if device.type == "cuda":
+        with torch.random.fork_rng(devices=[device.index or 0], device_type="cuda"):
+            torch.cuda.manual_seed(seed)
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+
+
+def sdpa_forward(call: AttentionCall) -> Tensor:
+    """Run ``call`` through SDPA and return out ``(B, Hq, Tq, Dv)``.
+
+    Example:
+        >>> from attnlab.backends import build_call
+        >>> q = torch.randn(2, 3, 5, 4)
+        >>> sdpa_forward(build_call(q, q, q)).shape
+        torch.Size([2, 3, 5, 4])
+    """
+    source = _mask_source(call)
+    attn_mask, row_alive = _build_mask(call, source)
+    k, v, extra = call.k, call.v, {}
+    if call.q_heads != call.kv_heads:
+        if _HAS_GQA:
+            extra["enable_gqa"] = True
+        else:
+            k, v = repeat_kv(k, call.q_heads), repeat_kv(v, call.q_heads)  # (B, Hq, Tk, D)
+    with _dropout_rng(call):
+        out = F.scaled_dot_product_attention(
+            call.q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
+            is_causal=source == "is_causal", scale=call.scale, **extra,
+        )  # (B, Hq, Tq, Dv)
+    if row_alive is not None:
+        out = torch.where(row_alive, out, 0.0)  # zeros, zero gradient
+    return out
+
+
+def _attention_flops(call: AttentionCall) -> float:
+    flops = 2.0 * call.batch * call.q_heads * call.tq * call.tk * (call.head_dim + call.value_dim)
+    return flops / 2 if _mask_source(call) == "is_causal" else flops
+
+
+class SdpaBackend(Backend):
+    """PyTorch's ``scaled_dot_product_attention`` (CPU flash; CUDA flash/efficient/cuDNN).
+
+    Example:
+        >>> import attnlab
+        >>> q = torch.randn(2, 4, 12, 16)
+        >>> attnlab.attention(q, q, q, mask=torch.rand(12, 12) > 0.3, backend="sdpa").shape
+        torch.Size([2, 4, 12, 16])
+    """
+
+    name = "sdpa"
+    memory = "linear"
+    description = (
+        "torch.nn.functional.scaled_dot_product_attention (CPU flash; CUDA flash, efficient, "
+        "cuDNN); O(T) memory unless a mask must be materialised or the math kernel runs"
+    )
+
+    def unavailable_reason(self) -> str | None:
+        if not _HAS_SDPA:
+            return f"torch {torch.__version__} has no scaled_dot_product_attention (needs 2.0+)"
+        return None
+
+    def memory_for(self, call: AttentionCall) -> str:
+        """Memory class of this call: ``"linear"`` or ``"quadratic"`` (see :func:`sdpa_plan`)."""
+        return sdpa_plan(call).memory
+
+    def memory_note(self, call: AttentionCall) -> str:
+        """Why the call has its memory class, in words."""
+        return sdpa_plan(call).memory_note
+
+    def cost(self, call: AttentionCall) -> float:
+        """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
+        kernel = kernel_for(call)
+        on_cuda = call.device.type == "cuda"
+        rate = (_CUDA_RATE if on_cuda else _CPU_RATE).get(kernel, _CPU_RATE["math"])
+        flops = _attention_flops(call) * (1.0 + _BACKWARD_FACTOR * call.requires_grad)
+        return _CALL_OVERHEAD_S["cuda" if on_cuda else "cpu"] + flops / rate
+
+    def forward(self, call: AttentionCall) -> AttentionResult:
+        return AttentionResult(out=sdpa_forward(call))
+
+
+register(SdpaBackend())
