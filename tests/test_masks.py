@@ -1,0 +1,175 @@
+"""attnlab.masks against explicit index formulas, and the mask mods' key bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnlab import masks
+
+sizes = st.integers(1, 12)
+
+
+def explicit(tq, tk, rule):
+    """Dense (tq, tk) bool mask from a Python rule(i, j), element by element."""
+    return torch.tensor([[bool(rule(i, j)) for j in range(tk)] for i in range(tq)]).view(tq, tk)
+
+
+# ----------------------------------------------------------------------------- dense masks
+
+
+@given(sizes, sizes)
+def test_causal_mask_top_left(tq, tk):
+    assert torch.equal(masks.causal_mask(tq, tk), explicit(tq, tk, lambda i, j: j <= i))
+
+
+@given(sizes, sizes)
+def test_causal_mask_bottom_right(tq, tk):
+    expected = explicit(tq, tk, lambda i, j: j <= i + (tk - tq))
+    assert torch.equal(masks.causal_mask(tq, tk, align="bottom_right"), expected)
+    if tq <= tk:
+        assert masks.causal_mask(tq, tk, align="bottom_right")[-1].all()  # last query sees all
+
+
+def test_causal_mask_square_is_lower_triangle():
+    assert torch.equal(masks.causal_mask(6), torch.ones(6, 6, dtype=torch.bool).tril())
+
+
+@given(sizes, sizes, st.integers(1, 6), st.sampled_from(masks.ALIGNMENTS))
+def test_sliding_window_mask(tq, tk, window, align):
+    offset = 0 if align == "top_left" else tk - tq
+    expected = explicit(tq, tk, lambda i, j: i + offset - window < j <= i + offset)
+    assert torch.equal(masks.sliding_window_mask(tq, tk, window, align=align), expected)
+
+
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=4), st.integers(0, 3))
+def test_padding_mask(lengths, extra):
+    max_len = max(lengths) + extra
+    dense = masks.padding_mask(torch.tensor(lengths), max_len)
+    assert dense.shape == (len(lengths), 1, 1, max_len)
+    for b, n in enumerate(lengths):
+        assert dense[b, 0, 0].tolist() == [j < n for j in range(max_len)]
+
+
+def test_padding_mask_default_length_and_bad_lengths():
+    assert masks.padding_mask(torch.tensor([2, 4])).shape == (2, 1, 1, 4)
+    with pytest.raises(ValueError, match="lengths"):
+        masks.padding_mask(torch.tensor([[1, 2]]))
+
+
+def test_bad_align_and_window():
+    with pytest.raises(ValueError, match="align"):
+        masks.causal_mask(3, align="top")
+    with pytest.raises(ValueError, match="window"):
+        masks.sliding_window_mod(3, 3, 0)
+
+
+# ----------------------------------------------------------------------------- combinators
+
+
+def _random_bool(seed, shape=(5, 6)):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+
+
+@given(st.integers(0, 1000), st.integers(0, 1000))
+def test_and_or_bool_masks(seed_a, seed_b):
+    a, b = _random_bool(seed_a), _random_bool(seed_b)
+    assert torch.equal(masks.and_masks(a, b), a & b)
+    assert torch.equal(masks.or_masks(a, b), a | b)
+    assert torch.equal(masks.and_masks(a, None), a)
+    assert masks.and_masks(None, None) is None
+
+
+def test_and_masks_float_and_bool_add_biases():
+    bias = torch.tensor([[0.5, -1.0], [2.0, 0.0]])
+    allowed = torch.tensor([[True, False], [True, True]])
+    combined = masks.and_masks(bias, allowed, bias)
+    expected = torch.tensor([[1.0, float("-inf")], [4.0, 0.0]])
+    assert torch.equal(combined, expected)
+
+
+def test_or_masks_rejects_float_and_mixing_rejects_mods_with_tensors():
+    with pytest.raises(TypeError, match="or_masks"):
+        masks.or_masks(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="materialize"):
+        masks.and_masks(masks.causal_mod(2, 2), torch.ones(2, 2, dtype=torch.bool))
+
+
+@given(sizes, sizes, st.integers(1, 5))
+def test_and_or_mask_mods_match_dense(tq, tk, window):
+    causal, sliding = masks.causal_mod(tq, tk), masks.sliding_window_mod(tq, tk, window)
+    even = lambda b, h, qi, ki: ki % 2 == 0  # noqa: E731  (a plain callable mod)
+    dense_causal = explicit(tq, tk, lambda i, j: j <= i)
+    dense_even = explicit(tq, tk, lambda i, j: j % 2 == 0)
+    dense_sliding = masks.sliding_window_mask(tq, tk, window)
+    anded = masks.materialize(masks.and_masks(causal, even), tq=tq, tk=tk)[0, 0]
+    ored = masks.materialize(masks.or_masks(sliding, even), tq=tq, tk=tk)[0, 0]
+    assert torch.equal(anded, dense_causal & dense_even)
+    assert torch.equal(ored, dense_sliding | dense_even)
+    assert torch.equal(masks.materialize(causal & sliding, tq=tq, tk=tk)[0, 0], dense_sliding)
+
+
+# ----------------------------------------------------------------------------- materialize
+
+
+@given(sizes, sizes, st.integers(1, 5), st.sampled_from(masks.ALIGNMENTS))
+def test_materialize_each_mod_equals_dense(tq, tk, window, align):
+    causal = masks.materialize(masks.causal_mod(tq, tk, align=align), tq=tq, tk=tk)
+    assert causal.shape == (1, 1, tq, tk)
+    assert torch.equal(causal[0, 0], masks.causal_mask(tq, tk, align=align))
+    sliding = masks.materialize(masks.sliding_window_mod(tq, tk, window, align=align), tq=tq, tk=tk)
+    assert torch.equal(sliding[0, 0], masks.sliding_window_mask(tq, tk, window, align=align))
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=3), sizes)
+def test_materialize_padding_mod_equals_padding_mask(lengths, tq):
+    lengths_t = torch.tensor(lengths)
+    tk = max(lengths) + 1
+    dense = masks.materialize(masks.padding_mod(lengths_t), tq=tq, tk=tk, batch=len(lengths), heads=2)
+    assert dense.shape == (len(lengths), 2, tq, tk)
+    expected = masks.padding_mask(lengths_t, tk)  # (B, 1, 1, Tk)
+    assert torch.equal(dense, expected.expand(len(lengths), 2, tq, tk))
+
+
+def test_materialize_rejects_non_bool_mod():
+    with pytest.raises(TypeError, match="bool"):
+        masks.materialize(lambda b, h, qi, ki: qi + ki, tq=2, tk=2)
+
+
+# ----------------------------------------------------------------------------- kv_bounds
+
+
+def _mods(tq, tk, window, align):
+    causal = masks.causal_mod(tq, tk, align=align)
+    sliding = masks.sliding_window_mod(tq, tk, window, align=align)
+    return {
+        "causal": causal,
+        "sliding": sliding,
+        "causal_and_sliding": causal & sliding,
+        "causal_or_sliding": causal | sliding,
+        "and_with_plain_callable": masks.and_masks(sliding, lambda b, h, qi, ki: ki >= 0),
+    }
+
+
+@given(sizes, sizes, st.integers(1, 5), st.sampled_from(masks.ALIGNMENTS), st.data())
+def test_kv_bounds_are_conservative(tq, tk, window, align, data):
+    q_start = data.draw(st.integers(0, tq - 1))
+    q_end = data.draw(st.integers(q_start + 1, tq))
+    for name, mod in _mods(tq, tk, window, align).items():
+        bounds = mod.kv_bounds(q_start, q_end)
+        if bounds is None:
+            continue  # "cannot tell" is always conservative
+        lo, hi = bounds
+        assert lo <= hi, name
+        allowed = masks.materialize(mod, tq=tq, tk=tk)[0, 0, q_start:q_end]  # (q_end-q_start, Tk)
+        reachable = allowed.any(dim=0).nonzero().flatten().tolist()
+        assert all(lo <= j < hi for j in reachable), (name, bounds, reachable)
+
+
+def test_kv_bounds_are_tight_for_causal_and_sliding():
+    assert masks.causal_mod(8, 8).kv_bounds(2, 5) == (0, 5)
+    assert masks.sliding_window_mod(8, 8, 3).kv_bounds(4, 6) == (2, 6)
+    assert masks.causal_mod(2, 8, align="bottom_right").kv_bounds(0, 1) == (0, 7)
+    assert masks.padding_mod(torch.tensor([3])).kv_bounds(0, 4) is None
