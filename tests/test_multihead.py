@@ -1,0 +1,167 @@
+"""attnlab.nn.MultiHeadAttention: seed layout, grouped-query, cross-attention, masks, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import attnlab.backends
+from attnlab import masks
+from attnlab.nn import MultiHeadAttention, alibi_bias
+
+BACKENDS = ["reference", "sdpa", "chunked", "flex"]
+
+
+class DocMultiHeadAttention(nn.Module):
+    """Document 001's MultiHeadAttention, verbatim in its math (explicit masked softmax)."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        split = lambda y: y.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        keys, queries, values = split(self.W_key(x)), split(self.W_query(x)), split(self.W_value(x))
+        attn_scores = queries @ keys.transpose(2, 3)
+        attn_scores.masked_fill_(self.mask.bool()[:t, :t], -torch.inf)
+        attn_weights = self.dropout(torch.softmax(attn_scores / self.head_dim**0.5, dim=-1))
+        context_vec = (attn_weights @ values).transpose(1, 2).contiguous().view(b, t, self.d_out)
+        return self.out_proj(context_vec)
+
+
+def test_seed_initialisation_and_state_dict_layout_match_the_document():
+    torch.manual_seed(1240)
+    doc = DocMultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
+    torch.manual_seed(1240)
+    ours = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
+    for part in ("W_query", "W_key", "W_value"):
+        assert torch.equal(getattr(ours, part).weight, getattr(doc, part).weight)
+        assert torch.equal(getattr(ours, part).bias, getattr(doc, part).bias)
+    x = torch.rand(2, 12, 3)
+    torch.testing.assert_close(ours(x), doc(x), rtol=0, atol=1e-6)
+    fresh = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
+    fresh.load_state_dict(doc.state_dict())  # the document's W_query.weight ... keys
+    torch.testing.assert_close(fresh(x), doc(x), rtol=0, atol=1e-6)
+
+
+def _repeat_rows(weight, groups, head_dim):
+    """(Hkv*hd, ...) -> (Hkv*groups*hd, ...): K/V head h serves query heads h*groups ..."""
+    rows = weight.view(-1, head_dim, *weight.shape[1:])  # (Hkv, hd, ...)
+    return rows.repeat_interleave(groups, dim=0).reshape(-1, *weight.shape[1:])
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_grouped_query_equals_mha_with_repeated_kv_heads(num_kv_heads):
+    torch.manual_seed(num_kv_heads)
+    H, hd, d = 4, 5, 12
+    gqa = MultiHeadAttention(d, H * hd, num_heads=H, num_kv_heads=num_kv_heads, qkv_bias=True).double()
+    mha = MultiHeadAttention(d, H * hd, num_heads=H, qkv_bias=True).double()
+    groups = H // num_kv_heads
+    with torch.no_grad():
+        for part in ("W_query", "W_key", "W_value"):
+            src, dst = getattr(gqa, part), getattr(mha, part)
+            repeat = (lambda t: t) if part == "W_query" else (lambda t: _repeat_rows(t, groups, hd))
+            dst.weight.copy_(repeat(src.weight))
+            dst.bias.copy_(repeat(src.bias))
+        mha.out_proj.load_state_dict(gqa.out_proj.state_dict())
+    x = torch.randn(3, 9, d, dtype=torch.float64)
+    real = torch.ones(3, 9, dtype=torch.bool)
+    real[2, 6:] = False
+    torch.testing.assert_close(gqa(x, padding_mask=real), mha(x, padding_mask=real), rtol=0, atol=1e-12)
+
+
+def test_cross_attention_padding_and_fully_padded_row():
+    torch.manual_seed(5)
+    mod = MultiHeadAttention(8, 8, num_heads=2, kdim=6, out_bias=False, qkv_bias=True)
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    context = torch.randn(3, 7, 6, requires_grad=True)
+    real = torch.ones(3, 7, dtype=torch.bool)
+    real[1, 3:] = False
+    real[2] = False  # nothing to attend to
+    out, weights = mod(x, context=context, padding_mask=real, need_weights=True)
+    assert out.shape == (3, 4, 8) and weights.shape == (3, 2, 4, 7)
+    assert torch.equal(out[2], torch.zeros(4, 8))
+    assert weights[1, :, :, 3:].eq(0).all()
+    # Row 1 equals attending to its 3 real context tokens only (causal is ignored for context).
+    alone = mod(x[1:2], context=context[1:2, :3])
+    torch.testing.assert_close(out[1:2], alone, rtol=0, atol=1e-6)
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(context.grad).all()
+    assert context.grad[2].eq(0).all() and context.grad[1, 3:].eq(0).all()
+
+
+def test_unbatched_equals_batched_and_mask_forms():
+    torch.manual_seed(6)
+    mod = MultiHeadAttention(8, 8, num_heads=2, causal=False)
+    x = torch.randn(5, 8)
+    bias = alibi_bias(2, 5)
+    torch.testing.assert_close(mod(x, mask=bias[0]), mod(x[None], mask=bias)[0], rtol=0, atol=1e-6)
+    real = torch.tensor([True, True, False, True, False])
+    mod_mask = masks.PaddingMod(torch.tensor([3]))
+    via_mod = mod(x[None], mask=mod_mask, padding_mask=real[None])
+    via_tensor = mod(x[None], padding_mask=(real & (torch.arange(5) < 3))[None])
+    torch.testing.assert_close(via_mod, via_tensor, rtol=0, atol=1e-6)
+
+
+def test_float_mask_is_added_to_scores():
+    torch.manual_seed(7)
+    mod = MultiHeadAttention(6, 6, num_heads=3).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    bias = alibi_bias(3, 5, dtype=torch.float64)
+    _, weights = mod(x, mask=bias, need_weights=True)
+    q, k, _ = mod.project_qkv(x)
+    scores = q @ k.transpose(-2, -1) / 2**0.5 + bias  # head_dim 2
+    scores = scores.masked_fill(~masks.causal_mask(5), float("-inf"))
+    torch.testing.assert_close(weights, torch.softmax(scores, -1), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_need_weights_does_not_change_output(backend):
+    if backend not in attnlab.backends.available():
+        pytest.skip(f"backend {backend} is not available here")
+    torch.manual_seed(8)
+    mod = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, backend=backend).eval()
+    x = torch.randn(2, 33, 16)
+    real = torch.ones(2, 33, dtype=torch.bool)
+    real[1, 20:] = False
+    out = mod(x, padding_mask=real)
+    out_w, weights = mod(x, padding_mask=real, need_weights=True)
+    assert torch.equal(out, out_w)
+    reference = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, backend="reference").eval()
+    reference.load_state_dict(mod.state_dict())
+    torch.testing.assert_close(weights, reference(x, padding_mask=real, need_weights=True)[1],
+                               rtol=0, atol=1e-6)
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(9)
+    mod = MultiHeadAttention(8, 8, num_heads=2, dropout=0.5)
+    plain = MultiHeadAttention(8, 8, num_heads=2)
+    plain.load_state_dict(mod.state_dict())
+    x = torch.randn(2, 6, 8)
+    assert not torch.allclose(mod.train()(x), plain(x))
+    assert torch.equal(mod.eval()(x), plain.eval()(x))
+
+
+def test_errors_name_the_argument():
+    mod = MultiHeadAttention(8, 8, context_length=4, num_heads=2)
+    with pytest.raises(ValueError, match="context_length=4"):
+        mod(torch.randn(1, 5, 8))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        mod(torch.randn(1, 3, 8), padding_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="padding_mask must be"):
+        mod(torch.randn(1, 3, 8), padding_mask=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="3-D mask"):
+        mod(torch.randn(2, 3, 8), mask=torch.ones(2, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="backend"):
+        MultiHeadAttention(8, 8, backend="nope")

@@ -1,0 +1,96 @@
+"""Position encodings against their papers' formulas, written out independently in fp64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlab.nn import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEmbedding,
+    alibi_bias,
+    alibi_slopes,
+)
+from attnlab.nn.positional import sinusoidal_table
+
+
+def _rope_by_formula(x, positions, base=10000.0):
+    """RoPE with a loop over pairs (i, i + D/2): angle = p * base**(-2i/D)."""
+    D = x.shape[-1]
+    out = x.clone()
+    for row, p in enumerate(positions):
+        for i in range(D // 2):
+            angle = p * base ** (-2 * i / D)
+            a, b = x[..., row, i], x[..., row, i + D // 2]
+            out[..., row, i] = a * math.cos(angle) - b * math.sin(angle)
+            out[..., row, i + D // 2] = a * math.sin(angle) + b * math.cos(angle)
+    return out
+
+
+def test_rope_equals_formula_with_offset():
+    x = torch.randn(2, 3, 7, 10, dtype=torch.float64)
+    rope = RotaryEmbedding(10, base=500.0)
+    torch.testing.assert_close(rope(x, offset=41), _rope_by_formula(x, range(41, 48), base=500.0),
+                               rtol=0, atol=1e-12)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rope = RotaryEmbedding(16)
+    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+
+    def score(m, n):
+        rq = rope(q.expand(m + 1, 16).clone())[m]  # q placed at position m
+        rk = rope(k.expand(n + 1, 16).clone())[n]
+        return float(rq @ rk)
+
+    for shift in (1, 7, 100):
+        assert score(5, 2) == pytest.approx(score(5 + shift, 2 + shift), abs=1e-10)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-6)
+    assert score(0, 0) == pytest.approx(float(q @ k), abs=1e-12)  # position 0: no rotation
+
+
+def test_rope_rejects_odd_head_dim():
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding(5)
+
+
+def test_sinusoidal_matches_paper_formula():
+    d, T = 9, 30  # odd width too
+    table = sinusoidal_table(T, d, offset=3, dtype=torch.float64)
+    for pos in range(T):
+        for i in range(d):
+            freq = (pos + 3) / 10000 ** ((i - i % 2) / d)
+            expected = math.sin(freq) if i % 2 == 0 else math.cos(freq)
+            assert table[pos, i].item() == pytest.approx(expected, abs=1e-12)
+    x = torch.randn(2, T, d, dtype=torch.float64)
+    torch.testing.assert_close(SinusoidalPositionalEmbedding(d)(x, offset=3), x + table)
+
+
+def test_learned_positions_offset_and_bounds():
+    emb = LearnedPositionalEmbedding(8, 4)
+    x = torch.zeros(1, 3, 4)
+    assert torch.equal(emb(x, offset=5)[0], emb.embedding.weight[5:8].detach())
+    with pytest.raises(ValueError, match="outside the 8 learned positions"):
+        emb(x, offset=6)
+
+
+def test_alibi_slopes_follow_the_paper():
+    # Press et al.: for 8 heads the slopes are 1/2, 1/4, ..., 1/256.
+    assert alibi_slopes(8).tolist() == [2.0**-i for i in range(1, 9)]
+    # 6 heads: the 4-head sequence 2^-2, 2^-4, 2^-6, 2^-8, then 8-head slopes 2^-1, 2^-3.
+    assert alibi_slopes(6).tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+
+
+def test_alibi_bias_formula_and_alignment():
+    H, tq, tk = 4, 3, 6
+    bias = alibi_bias(H, tq, tk, dtype=torch.float64)
+    slopes = [2.0 ** (-8 * (h + 1) / H) for h in range(H)]
+    for h in range(H):
+        for i in range(tq):
+            for j in range(tk):
+                assert bias[0, h, i, j].item() == pytest.approx(-slopes[h] * abs(i + tk - tq - j))
+    top_left = alibi_bias(H, tq, tk, align="top_left", dtype=torch.float64)
+    assert top_left[0, 1, 2, 0].item() == pytest.approx(-slopes[1] * 2)
