@@ -265,6 +265,7 @@ def trace(
     """
     config = _resolve(sentence, mode, context, heads, causal, dropout, d_model, d_kq, d_v)
     query_text, kv_text, heads, causal = config
+    mode = "causal" if mode == "self" and causal else mode  # --causal is the same as --mode causal
     tokens, kv_tokens = tokenize(query_text), tokenize(kv_text)
     vocabulary = {w: i for i, w in enumerate(sorted(set(tokens) | set(kv_tokens)))}
     if len(vocabulary) > vocab_size:

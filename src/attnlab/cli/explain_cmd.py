@@ -84,9 +84,9 @@ def explain(
     console.print()
     console.print("[bold]Files written:[/bold]")
     for path in written:
-        console.print(f"  {path}")
+        console.print(f"  {path}", soft_wrap=True, markup=False)
     if any(p.suffix == ".html" for p in written):
-        console.print(f"Open [bold]{out / 'report.html'}[/bold] in a browser: it works offline.")
+        console.print(f"Open {out / 'report.html'} in a browser: it works offline.", soft_wrap=True, markup=False)
 
 
 _KIND = {"self": "self-attention", "causal": "causal self-attention", "multihead": "multi-head attention",
@@ -170,13 +170,14 @@ def _print_links(console, result, focus: int) -> None:
     console.rule(f"[bold]Where '{word}' attends[/bold]")
     if result.heads == 1:
         links = result.links(focus)
-        console.print(link_sentence(word, links), markup=False)
+        console.print(link_sentence(word, links), markup=False, soft_wrap=True)
         ranked = ", ".join(f"{link.key} {format_value(link.weight)}" for link in links[:5])
-        console.print(f"[dim]Strongest first: {ranked}[/dim]")
+        console.print(f"[dim]Strongest first: {ranked}[/dim]", soft_wrap=True)
     else:
         for h in range(result.heads):
-            console.print(f"head {h}: " + link_sentence(word, result.links(focus, head=h)), markup=False)
-        console.print("mean of heads: " + link_sentence(word, result.links(focus)), markup=False)
+            console.print(f"head {h}: " + link_sentence(word, result.links(focus, head=h)), markup=False,
+                          soft_wrap=True)
+        console.print("mean of heads: " + link_sentence(word, result.links(focus)), markup=False, soft_wrap=True)
     console.print("[dim]With trained weights, 'it' would attend to 'meal'; these weights are random.[/dim]")
 
 

@@ -94,16 +94,19 @@ def aggregate_blocks(weights: Tensor, *, rows, cols, allowed: Tensor | None = No
     nq, nk = math.ceil(tq / bq), math.ceil(tk / bk)
     q_index = torch.arange(tq) // bq  # block of each query
     k_index = torch.arange(tk) // bk
-    summed = torch.zeros(weights.shape[0], nq, nk, dtype=weights.dtype)
-    summed.index_put_((slice(None), q_index[:, None], k_index[None, :]), weights, accumulate=True)
+    blocked = _block_sum(weights, q_index, k_index, nq, nk)  # (H, nq, nk)
     rows_per_block = torch.bincount(q_index, minlength=nq).to(weights.dtype)  # (nq,)
-    blocked = summed / rows_per_block[None, :, None]  # (H, nq, nk)
+    blocked = blocked / rows_per_block[None, :, None]
     blocked_allowed = None
     if allowed is not None:
-        hits = torch.zeros(nq, nk, dtype=torch.long)
-        hits.index_put_((q_index[:, None], k_index[None, :]), allowed.long(), accumulate=True)
-        blocked_allowed = hits > 0
+        blocked_allowed = _block_sum(allowed[None].to(weights.dtype), q_index, k_index, nq, nk)[0] > 0
     return Blocks(blocked, blocked_allowed, _block_labels(rows, bq), _block_labels(cols, bk), (bq, bk))
+
+
+def _block_sum(t: Tensor, q_index: Tensor, k_index: Tensor, nq: int, nk: int) -> Tensor:
+    """Sum ``(H, Tq, Tk)`` over blocks: ``(H, nq, nk)``."""
+    by_key = t.new_zeros(t.shape[0], t.shape[1], nk).index_add_(2, k_index, t)  # (H, Tq, nk)
+    return t.new_zeros(t.shape[0], nq, nk).index_add_(1, q_index, by_key)  # (H, nq, nk)
 
 
 def masked_runs(allowed: Tensor) -> list[tuple[int, int, int]]:
@@ -194,7 +197,7 @@ def _draw_panel(ax, blocks: Blocks, h: int, vmax: float, annotate: bool):
         for (i, j), value in np.ndenumerate(values):
             if not masked[i, j]:
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                        color="black" if value > 0.6 * vmax else "white")
+                        color="black" if value > 0.6 * vmax else "white", in_layout=False)
     small = 8 if len(blocks.cols) <= 24 else 6 if len(blocks.cols) <= 64 else 4
     ax.set_xticks(range(len(blocks.cols)), blocks.cols, rotation=60, ha="right", rotation_mode="anchor",
                   fontsize=small)
@@ -222,7 +225,7 @@ def save_figure(fig: Figure, stem: str | Path, formats=("png", "svg")) -> list[P
     for fmt in formats:
         path = Path(f"{stem}.{fmt}")
         metadata = {"Date": None, "Creator": "attnlab"} if fmt == "svg" else {"Software": "attnlab"}
-        with matplotlib.rc_context({"svg.hashsalt": SVG_SALT, "svg.id": "attnlab", "svg.fonttype": "path"}):
+        with matplotlib.rc_context({"svg.hashsalt": SVG_SALT, "svg.id": "attnlab", "svg.fonttype": "none"}):
             fig.savefig(path, format=fmt, metadata=metadata)
         paths.append(path)
     return paths

@@ -170,7 +170,7 @@ def _heatmap_svg(blocks: Blocks, h: int, vmax: float) -> str:
     top = 16 + int(5.2 * max(len(c) for c in blocks.cols))
     width, height = left + n_cols * cell + 8, top + n_rows * cell + 8
     show_values = cell >= 34
-    out = [f'<svg class="heatmap" data-head="{h}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+    out = [f'<svg class="heatmap" data-head="{h}" width="{width}" '
            f'height="{height}" viewBox="0 0 {width} {height}" role="img">',
            f'<defs><pattern id="hatch-{h}" width="6" height="6" patternUnits="userSpaceOnUse" '
            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eceff3"/>'
