@@ -432,9 +432,43 @@ class ChunkedBackend(Backend):
         return chunked_attention(call)
 
 
+# Cost model, fitted on a 2-core x86 CPU (fp32, D=64, B*H=1..4, T=1024..8192): the two tile
+# matmuls run near the machine's matmul rate, the softmax costs about 1 ns per score, and every
+# tile pays some Python overhead; backward costs 2.5x forward (the FLOP convention in DESIGN.md).
+_MATMUL_FLOPS_PER_S = 170e9
+_SECONDS_PER_SCORE = 1e-9
+_SECONDS_PER_TILE = 50e-6
+_DROPOUT_SECONDS_PER_SCORE = 2e-9
+
+
+def _visited_keys(call: AttentionCall, q_block: int, kv_block: int) -> tuple[int, int]:
+    """Keys summed over query rows, and the number of tiles, after skipping by kv_bounds."""
+    mod = call.mask_mod()
+    keys = tiles = 0
+    for qs in range(0, call.tq, q_block):
+        qe = min(qs + q_block, call.tq)
+        lo, hi = 0, call.tk
+        if isinstance(mod, _masks.MaskMod) and (bounds := mod.kv_bounds(qs, qe)) is not None:
+            lo, hi = max(0, bounds[0]), min(call.tk, bounds[1])
+        keys += (qe - qs) * max(0, hi - lo)
+        tiles += math.ceil(max(0, hi - lo) / kv_block)
+    return keys, tiles
+
+
 def _estimated_seconds(call: AttentionCall) -> float:
-    """Rough time on a CPU: matmul FLOPs at a modest rate plus a fixed cost per tile."""
-    return 1.0  # replaced below once measured
+    """Expected wall time in seconds on a small CPU (the unit every backend's cost uses).
+
+    Tiles that ``kv_bounds`` rules out (causal, sliding window) are not counted; a dense mask
+    is assumed to leave every tile alive.
+    """
+    keys, tiles = _visited_keys(call, DEFAULT_Q_BLOCK, DEFAULT_KV_BLOCK)
+    scores = call.batch * call.q_heads * keys
+    flops = 2 * scores * (call.head_dim + call.value_dim)
+    seconds = flops / _MATMUL_FLOPS_PER_S + scores * _SECONDS_PER_SCORE
+    if call.dropout_p > 0.0:
+        seconds += scores * _DROPOUT_SECONDS_PER_SCORE
+    seconds += tiles * _SECONDS_PER_TILE
+    return seconds * (3.5 if call.requires_grad else 1.0)
 
 
 register(ChunkedBackend())
