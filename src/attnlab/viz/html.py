@@ -128,7 +128,7 @@ def _sentence_card(trace: Trace, focus: int) -> str:
     parts = ['<section class="card"><div class="controls">',
              f'<div><label for="head-select">Head</label><select id="head-select"{disabled}>{options}</select></div>',
              f'<div class="muted">Hover a word to see where it attends; click to pin it. '
-             f'Pinned now: <b>{_e(trace.tokens[focus])}</b>.</div></div>']
+             f'Pinned now: <b id="pinned">{_e(trace.tokens[focus])}</b>.</div></div>']
     if trace.mode == "cross":
         parts += ['<div class="side-label">queries (from the first sentence)</div>',
                   f'<div class="sentence">{_chips(trace.tokens, "q")}</div>',
@@ -228,18 +228,19 @@ def _footer() -> str:
 def _steps(trace: Trace, focus: int) -> str:
     """One card per step; a per-head step has one card per head, only the selected head's shown."""
     names = list(dict.fromkeys(s.name for s in trace.steps))
-    cards = ['<h2 style="margin:26px 0 10px">The computation, one step at a time</h2>']
+    cards = ['<h2 class="steps-title">The computation, one step at a time</h2><div class="steps">']
     for number, name in enumerate(names, start=1):
         for step in (s for s in trace.steps if s.name == name):
             per_head = step.head is not None and trace.heads > 1
-            attrs = f' class="card step per-head" data-head="{step.head}"' if per_head else ' class="card step"'
+            classes = "card step" + (" wide" if len(step.cols) > 6 else "") + (" per-head" if per_head else "")
+            attrs = f' class="{classes}"' + (f' data-head="{step.head}"' if per_head else "")
             hidden = " hidden" if per_head and step.head != 0 else ""
             head_tag = f'<span class="headtag">head {step.head}</span>' if per_head else ""
             cards.append(
                 f'<section{attrs} data-step="{_e(name)}"{hidden}><header><span class="num">{number}</span>'
                 f"<h3>{_title(step.title)}</h3>{head_tag}<span class=\"shape\">shape {_e(tuple(step.shape))}</span></header>"
                 f'<p class="explain">{_e(step.explanation)}</p>{_table(step, focus)}</section>')
-    return "".join(cards)
+    return "".join(cards) + "</div>"
 
 
 def _title(title: str) -> str:

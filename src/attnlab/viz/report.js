@@ -91,7 +91,10 @@
     var i = Number(el.dataset.index);
     el.addEventListener("mouseenter", function () { state.preview = i; show(i); });
     el.addEventListener("mouseleave", function () { state.preview = null; show(state.focus); });
-    el.addEventListener("click", function () { state.focus = i; state.preview = null; show(i); });
+    el.addEventListener("click", function () {
+      state.focus = i; state.preview = null; show(i);
+      document.getElementById("pinned").textContent = data.tokens[i];
+    });
   });
   document.querySelectorAll("svg.heatmap [data-row]").forEach(function (el) {
     var i = Math.min(Number(el.dataset.row) * data.block[0], data.tokens.length - 1);
