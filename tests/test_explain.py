@@ -186,6 +186,7 @@ def test_each_mode_of_the_command_works(mode, tmp_path):
     result = _run("--mode", mode, "--out", str(tmp_path), "--format", "html", "--no-color")
     assert result.exit_code == 0, result.output
     assert "Step 1" in result.output and "Attention weights" in result.output
+    assert "X = E[ids]" in result.output  # titles are printed literally, not read as rich markup
     assert "Files written" in result.output and str(tmp_path / "report.html") in result.output
     assert (tmp_path / "report.html").stat().st_size > 1000
     assert _LINK.search(result.output)

@@ -98,10 +98,10 @@ def _narrate(console, result, focus: int) -> None:
     kind = _KIND[result.mode] + (" (causal)" if result.causal and result.mode == "multihead" else "")
     console.rule(f"[bold]attnlab explain[/bold]: {kind}, {result.heads} head(s), seed {result.seed}")
     if result.mode == "cross":
-        console.print(f"Queries from:          {result.sentence!r}")
-        console.print(f"Keys and values from:  {result.context_sentence!r}")
+        console.print(f"Queries from:          {result.sentence!r}", markup=False)
+        console.print(f"Keys and values from:  {result.context_sentence!r}", markup=False)
     else:
-        console.print(f"Sentence: {result.sentence!r}")
+        console.print(f"Sentence: {result.sentence!r}", markup=False)
     console.print("[dim]Words are split off punctuation (which is dropped), case kept. The embeddings and "
                   "W_q/W_k/W_v are seeded random numbers (an untrained model), so the pattern is arbitrary.[/dim]")
     names = list(dict.fromkeys(s.name for s in result.steps))
@@ -118,9 +118,11 @@ def _narrate(console, result, focus: int) -> None:
 def _print_step(console, number: int, step, focus: int, heads: int) -> None:
     head = f", head {step.head}" if step.head is not None and heads > 1 else ""
     console.print()
-    console.print(f"[bold cyan]Step {number}[/bold cyan]  [bold]{step.title}[/bold]  "
+    from rich.markup import escape
+
+    console.print(f"[bold cyan]Step {number}[/bold cyan]  [bold]{escape(step.title)}[/bold]  "
                   f"[dim]shape {tuple(step.shape)}{head}[/dim]")
-    console.print(f"[italic]{step.explanation}[/italic]")
+    console.print(f"[italic]{escape(step.explanation)}[/italic]")
     for table in _tables(console, step, focus):
         console.print(table)
 
@@ -128,6 +130,7 @@ def _print_step(console, number: int, step, focus: int, heads: int) -> None:
 def _tables(console, step, focus: int):
     """The step as rich tables with token labels, split into column chunks that fit the terminal."""
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     from attnlab.explain import format_value
@@ -144,10 +147,10 @@ def _tables(console, step, focus: int):
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
         table.add_column("", style="bold", no_wrap=True)
         for c in cols[start:start + per_chunk]:
-            table.add_column(c, justify="right", no_wrap=True)
+            table.add_column(escape(c), justify="right", no_wrap=True)
         for i, row in enumerate(texts):
             style = "bold yellow" if step.rows is not None and i == focus and len(step.rows) == len(matrix) else None
-            table.add_row(rows[i], *row[start:start + per_chunk], style=style)
+            table.add_row(escape(rows[i]), *row[start:start + per_chunk], style=style)
         yield table
     if len(matrix) > TERMINAL_MAX or len(step.cols) > TERMINAL_MAX:
         yield f"[dim](first {TERMINAL_MAX} rows and columns shown; the HTML report has all of them)[/dim]"
