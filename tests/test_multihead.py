@@ -165,3 +165,14 @@ def test_errors_name_the_argument():
         MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="backend"):
         MultiHeadAttention(8, 8, backend="nope")
+
+
+def test_benchmark_contenders_compute_the_same_function():
+    from attnlab.nn.benchmark import ModulesConfig, build_modules
+
+    modules = build_modules(ModulesConfig(batch=2, seq_len=9, d_model=24, num_heads=3, dtype=torch.float64))
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    with torch.no_grad():
+        outs = {name: module(x) for name, module in modules.items()}
+    for name, out in outs.items():
+        torch.testing.assert_close(out, outs["seed document"], rtol=0, atol=1e-12, msg=name)
