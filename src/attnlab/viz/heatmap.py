@@ -141,7 +141,7 @@ def heatmap(weights: Tensor, *, rows, cols, allowed: Tensor | None = None, title
         allowed: ``(Tq, Tk)`` bool, False = masked (drawn hatched), or None.
         title: figure title; head_titles: one title per head (default ``"head h"``).
         value_label: colour bar label.
-        annotate: print the value in every cell (default: when at most 16 columns).
+        annotate: print the value in every cell (default: up to 16 columns, 24 rows and 300 cells in all).
         max_tokens: longer inputs are drawn in blocks (see :func:`aggregate_blocks`).
 
     Returns:
@@ -161,11 +161,12 @@ def heatmap(weights: Tensor, *, rows, cols, allowed: Tensor | None = None, title
     n_heads, n_rows, n_cols = blocks.weights.shape
     grid_cols = min(n_heads, 2 if n_heads == 4 else 3)
     grid_rows = math.ceil(n_heads / grid_cols)
-    cell = min(0.5, max(0.07, 7.0 / max(n_rows, n_cols)))  # inches per cell
+    cell = min(0.5 if n_heads == 1 else 0.36, max(0.07, 7.0 / max(n_rows, n_cols)))  # inches per cell
     panel_w, panel_h = max(3.0, n_cols * cell) + 1.0, max(2.4, n_rows * cell) + 0.9
     fig = Figure(figsize=(grid_cols * panel_w + 1.0, grid_rows * panel_h + 0.6), layout="constrained", dpi=110)
     vmax = max(float(blocks.weights.max()), 1e-12)
-    annotate = n_cols <= 16 and n_rows <= 24 if annotate is None else annotate
+    if annotate is None:  # numbers in cells help on small maps; hundreds of them cost seconds of text layout
+        annotate = n_cols <= 16 and n_rows <= 24 and n_heads * n_rows * n_cols <= 300
     axes = [fig.add_subplot(grid_rows, grid_cols, h + 1) for h in range(n_heads)]
     for h, ax in enumerate(axes):
         image = _draw_panel(ax, blocks, h, vmax, annotate)
@@ -222,10 +223,13 @@ def save_figure(fig: Figure, stem: str | Path, formats=("png", "svg")) -> list[P
     import matplotlib
 
     paths = []
+    engine = fig.get_layout_engine()
     for fmt in formats:
         path = Path(f"{stem}.{fmt}")
         metadata = {"Date": None, "Creator": "attnlab"} if fmt == "svg" else {"Software": "attnlab"}
         with matplotlib.rc_context({"svg.hashsalt": SVG_SALT, "svg.id": "attnlab", "svg.fonttype": "none"}):
             fig.savefig(path, format=fmt, metadata=metadata)
+        fig.set_layout_engine("none")  # the layout is done: later formats reuse it (saves a pass)
         paths.append(path)
+    fig.set_layout_engine(engine)
     return paths
