@@ -217,6 +217,19 @@ def test_nan_in_masked_keys_and_values_does_not_leak(kind):
         torch.testing.assert_close(got[keep.expand_as(got)], want[keep.expand_as(want)])
 
 
+def test_large_negative_finite_float_mask_is_a_bias_not_a_block():
+    # A row biased by finfo.min everywhere is still a softmax over finite scores (uniform
+    # weights), as in the reference; only -inf blocks.
+    (q, k, v), _ = _inputs(1, 1, 1, 6, 6, 4, 4)
+    bias = torch.zeros(1, 1, 6, 6)
+    bias[..., 2, :] = torch.finfo(torch.float32).min
+    bias[..., 4, :] = float("-inf")
+    out = chunked_attention(build_call(q, k, v, mask=bias), q_block=2, kv_block=4).out
+    torch.testing.assert_close(out[0, 0, 2], v[0, 0].mean(0))
+    assert out[0, 0, 4].eq(0).all()
+    torch.testing.assert_close(out, _reference(build_call(q, k, v, mask=bias)).out)
+
+
 def test_causality_future_tokens_do_not_change_earlier_outputs():
     (q, k, v), _ = _inputs(1, 2, 2, 50, 50, 8, 8)
     out = chunked_attention(build_call(q, k, v, causal=True), q_block=16, kv_block=8).out
