@@ -75,6 +75,10 @@ def explain(
         _fail(str(err))
     from rich.console import Console
 
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # fail before the walk-through, not after it
+    except OSError as err:
+        _fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     _narrate(console, result, focus)
     try:
@@ -185,7 +189,6 @@ def _print_links(console, result, focus: int) -> None:
 
 
 def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
     written = []
     images = [f for f in ("png", "svg") if fmt in (f, "all")]
     if images:

@@ -143,12 +143,13 @@ def _sentence_card(trace: Trace, focus: int) -> str:
 def _heatmap_card(trace: Trace, blocks: Blocks) -> str:
     vmax = max(float(blocks.weights.max()), 1e-12)
     panels = "".join(
-        f'<div class="per-head heatmap-box" data-head="{h}"{"" if h == 0 else " hidden"}>{_heatmap_svg(blocks, h, vmax)}</div>'
-        for h in range(trace.heads))
+        f'<div class="per-head heatmap-box" data-head="{h}"{"" if h == 0 else " hidden"}>'
+        f"{_heatmap_svg(blocks, h, vmax)}</div>" for h in range(trace.heads))
     note = ""
     if blocks.size != (1, 1):
-        note = (f'<p class="note">{len(trace.tokens)} x {len(trace.context_tokens)} tokens are drawn in blocks of '
-                f"{blocks.size[0]} x {blocks.size[1]}: a cell is a block's total weight, averaged over its queries.</p>")
+        note = (f'<p class="note">{len(trace.tokens)} x {len(trace.context_tokens)} tokens are drawn in blocks '
+                f"of {blocks.size[0]} x {blocks.size[1]}: a cell is a block's total weight, averaged over its "
+                "queries.</p>")
     ramp = ", ".join(viridis(i / 8) for i in range(9))
     return (
         '<section class="card"><h2>Attention weights</h2>'
@@ -207,13 +208,14 @@ def _links_card(trace: Trace, focus: int) -> str:
     word = trace.tokens[focus]
     rows = "".join(
         f'<li><span class="word">{_e(link.key)}</span><span class="bar"><span style="width:'
-        f'{100 * link.weight / (top.weight or 1):.1f}%"></span></span><span class="val">{format_value(link.weight)}</span></li>'
-        for link in links[:MAX_LINKS])
+        f'{100 * link.weight / (top.weight or 1):.1f}%"></span></span>'
+        f'<span class="val">{format_value(link.weight)}</span></li>' for link in links[:MAX_LINKS])
     return (
-        f'<section class="card"><h2>Where \u2018<span id="links-word">{_e(word)}</span>\u2019 attends<span id="links-head">'
-        f'{" (head 0)" if trace.heads > 1 else ""}</span></h2>'
-        f'<p class="summary" id="links-summary">\u2018<b>{_e(word)}</b>\u2019 attends most to \u2018<b>{_e(top.key)}</b>'
-        f"\u2019 ({format_value(top.weight)}) and least to \u2018<b>{_e(low.key)}</b>\u2019 ({format_value(low.weight)}).</p>"
+        f'<section class="card"><h2>Where \u2018<span id="links-word">{_e(word)}</span>\u2019 attends'
+        f'<span id="links-head">{" (head 0)" if trace.heads > 1 else ""}</span></h2>'
+        f'<p class="summary" id="links-summary">\u2018<b>{_e(word)}</b>\u2019 attends most to '
+        f"\u2018<b>{_e(top.key)}</b>\u2019 ({format_value(top.weight)}) and least to "
+        f"\u2018<b>{_e(low.key)}</b>\u2019 ({format_value(low.weight)}).</p>"
         f'<ul class="links" id="links-list">{rows}</ul>'
         '<p class="note">These weights come from random, untrained W_q and W_k, so the pattern is arbitrary. '
         "A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019.</p></section>"
@@ -238,7 +240,8 @@ def _steps(trace: Trace, focus: int) -> str:
             head_tag = f'<span class="headtag">head {step.head}</span>' if per_head else ""
             cards.append(
                 f'<section{attrs} data-step="{_e(name)}"{hidden}><header><span class="num">{number}</span>'
-                f"<h3>{_title(step.title)}</h3>{head_tag}<span class=\"shape\">shape {_e(tuple(step.shape))}</span></header>"
+                f"<h3>{_title(step.title)}</h3>{head_tag}"
+                f'<span class="shape">shape {_e(tuple(step.shape))}</span></header>'
                 f'<p class="explain">{_e(step.explanation)}</p>{_table(step, focus)}</section>')
     return "".join(cards) + "</div>"
 
