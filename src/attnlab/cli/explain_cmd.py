@@ -185,7 +185,10 @@ def _print_links(console, result, focus: int) -> None:
             console.print(f"head {h}: " + link_sentence(word, result.links(focus, head=h)), markup=False,
                           soft_wrap=True)
         console.print("mean of heads: " + link_sentence(word, result.links(focus)), markup=False, soft_wrap=True)
-    console.print("[dim]With trained weights, 'it' would attend to 'meal'; these weights are random.[/dim]")
+    if {"it", "meal"} <= set(result.tokens):
+        console.print("[dim]A trained model learns to make 'it' attend to 'meal'; these weights are random.[/dim]")
+    else:
+        console.print("[dim]These weights are seeded random numbers (untrained), so the pattern is arbitrary.[/dim]")
 
 
 def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
@@ -195,7 +198,7 @@ def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
         from attnlab.viz.heatmap import heatmap, save_figure
 
         kind = _KIND[result.mode]
-        text = result.sentence if len(result.sentence) <= 70 else result.sentence[:67] + "..."
+        text = result.sentence if len(result.sentence) <= 64 else result.sentence[:61] + "..."
         fig = heatmap(result.weights(), rows=result.tokens, cols=result.context_tokens, allowed=result.allowed(),
                       title=f"{kind}: \u201c{text}\u201d (seed {result.seed})")
         written += save_figure(fig, out / "attention", formats=images)

@@ -217,8 +217,9 @@ def _links_card(trace: Trace, focus: int) -> str:
         f"\u2018<b>{_e(top.key)}</b>\u2019 ({format_value(top.weight)}) and least to "
         f"\u2018<b>{_e(low.key)}</b>\u2019 ({format_value(low.weight)}).</p>"
         f'<ul class="links" id="links-list">{rows}</ul>'
-        '<p class="note">These weights come from random, untrained W_q and W_k, so the pattern is arbitrary. '
-        "A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019.</p></section>"
+        '<p class="note">These weights come from random, untrained W_q and W_k, so the pattern is arbitrary.'
+        + (" A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019."
+           if {"it", "meal"} <= set(trace.tokens) else "") + "</p></section>"
     )
 
 
