@@ -31,6 +31,7 @@ from attnlab.backends.base import AttentionResult, Backend, register, registry
 from attnlab.backends import reference  # noqa: E402,F401  (registers "reference")
 from attnlab.backends import sdpa  # noqa: E402,F401  (registers "sdpa")
 from attnlab.backends import chunked  # noqa: E402,F401
+from attnlab.backends import flex  # noqa: E402,F401  (registers "flex")
 
 __all__ = [
     "AttentionResult",

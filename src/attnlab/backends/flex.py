@@ -1,0 +1,262 @@
+"""The ``flex`` backend: ``torch.nn.attention.flex_attention``, compiled, with block-sparse masks.
+
+FlexAttention takes the mask as a *mask mod* and skips whole blocks that no query of a block
+may attend (a ``BlockMask`` built with ``create_block_mask``). attnlab folds causal (either
+alignment), bool masks and mask mods into one dense bool mask read by a single mask mod class
+(:class:`DenseMaskMod`), and a float mask into a score mod (:class:`BiasScoreMod`); GQA uses
+``enable_gqa=True``. One mask mod *class* for every mask means the compiled kernel is reused:
+each new mask-mod function would otherwise cost a recompilation (4-13 s here). Block sparsity
+is kept -- the block mask is computed from the dense mask. Masked calls therefore hold an
+O(Tq*Tk) mask (reported by :meth:`FlexBackend.memory_for`); unmasked calls are O(T). Block
+masks are cached per (mask identity and version, sizes, causal offset).
+
+``flex_attention`` is compiled once with ``torch.compile``. Limits found on this
+installation (torch 2.13, CPU): the compiled CPU kernel is inference only and cannot return
+the log-sum-exp, so on CPU this backend declines calls that need gradients ("FlexAttention
+has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes the weights).
+Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
+score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
+declared), so each new shape/dtype/masked-or-not variant compiles once. Measured on the 2-core
+CPU: the first compilation takes 15-35 s, each further variant 4-13 s (the machine was shared);
+the cost estimate adds that until a variant has been compiled, so ``backend="auto"`` does not
+pick flex for one-off shapes on CPU. FlexAttention
+has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
+run and the ``lse`` is returned.
+
+Example:
+    >>> import torch, attnlab
+    >>> "flex" in attnlab.backends.available()
+    True
+"""
+
+from __future__ import annotations
+
+import shutil
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from attnlab import masks as _masks
+from attnlab._call import AttentionCall
+from attnlab.backends.base import AttentionResult, Backend, register
+
+try:  # FlexAttention appeared in PyTorch 2.5
+    from torch.nn.attention import flex_attention as _flex_module
+except ImportError:  # pragma: no cover - depends on the installed torch
+    _flex_module = None
+
+__all__ = ["FlexBackend", "DenseMaskMod", "BiasScoreMod"]
+
+_COMPILE_FIRST_S = 20.0  # measured: first torch.compile of flex_attention on a 2-core CPU
+_COMPILE_VARIANT_S = 8.0  # measured: each further variant (shape, dtype, masked or not)
+_CPU_RATE = 25e9  # measured: compiled CPU kernel, fp32, GFLOP/s on visited blocks (2 cores)
+_CUDA_RATE = 250e12
+_CALL_OVERHEAD_S = 200e-6  # measured: Python + guard checks per call
+_BLOCK_CACHE_SIZE = 32
+
+
+class BiasScoreMod:
+    """A float mask ``(B, Hq, Tq, Tk)`` added to each score (a FlexAttention score mod).
+
+    Blocked positions hold ``-inf``; :meth:`allows` is the matching mask mod, so the block
+    mask and the scores come from one tensor.
+
+    Example:
+        >>> mod = BiasScoreMod(torch.tensor([[[[-1.0, float("-inf")]]]]))
+        >>> i = torch.tensor(0)
+        >>> float(mod(torch.tensor(0.5), i, i, i, i)), bool(mod.allows(i, i, i, torch.tensor(1)))
+        (-0.5, False)
+    """
+
+    def __init__(self, bias: Tensor):
+        self.bias = bias
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias[b, h, q_idx, kv_idx].to(score.dtype)
+
+    @property
+    def allows(self) -> "_FiniteBias":
+        """The mask mod "this score is not blocked" over the same tensor."""
+        return _FiniteBias(self.bias)
+
+
+class _FiniteBias(_masks.MaskMod):
+    """Mask mod: True where the dense bias is finite (create_block_mask wants a plain callable)."""
+
+    def __init__(self, bias: Tensor):
+        self.bias = bias
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.bias[b, h, q_idx, kv_idx] > float("-inf")
+
+
+def _dense_bias(call: AttentionCall) -> Tensor | None:
+    """Every mask of the call (causal, bool, float, mask mod) as one additive ``(B, Hq, Tq, Tk)``.
+
+    One score mod class and one layout for every mask means the compiled kernel is reused:
+    a new mask-mod *function* would otherwise cost a recompilation (10-40 s on this 2-core CPU).
+    """
+    allowed, bias = call.allowed(), call.bias()  # broadcastable to (B, Hq, Tq, Tk)
+    if allowed is None and bias is None:
+        return None
+    shape = (call.batch, call.q_heads, call.tq, call.tk)
+    dense = torch.zeros(shape, dtype=call.dtype, device=call.device)
+    if bias is not None:
+        dense += bias.to(call.dtype)
+    if allowed is not None:
+        dense.masked_fill_(~allowed, float("-inf"))
+    return dense  # (B, Hq, Tq, Tk), contiguous: torch.compile guards on strides
+
+
+class _BlockMaskCache:
+    """(score mod, block mask) pairs keyed by the user's mask identity (held weakly) and the sizes."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def key(call: AttentionCall) -> tuple | None:
+        if call.mask_kind == "none" and not call.causal:
+            return None
+        version = call.mask._version if isinstance(call.mask, Tensor) else 0
+        offset = call.causal_offset if call.causal else None
+        return (id(call.mask), version, offset, call.batch, call.q_heads, call.tq, call.tk,
+                call.dtype, str(call.device))
+
+    def get(self, call: AttentionCall):
+        key = self.key(call)
+        entry = None if key is None else self.entries.get(key)
+        if entry is None:
+            return None
+        ref, block_mask = entry
+        if (ref() if ref is not None else None) is not call.mask:  # id() was reused
+            return None
+        self.entries.move_to_end(key)
+        return block_mask
+
+    def put(self, call: AttentionCall, block_mask) -> None:
+        user = call.mask
+        self.entries[self.key(call)] = (weakref.ref(user) if user is not None else None, block_mask)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+class FlexBackend(Backend):
+    """FlexAttention, compiled once; block-sparse masks cached per mask; CPU forward only.
+
+    Example:
+        >>> import attnlab
+        >>> q = torch.randn(1, 2, 32, 16)
+        >>> with torch.no_grad():
+        ...     out = attnlab.attention(q, q, q, causal=True, backend="flex")
+        >>> torch.allclose(out, attnlab.attention(q, q, q, causal=True, backend="reference"), atol=1e-5)
+        True
+    """
+
+    name = "flex"
+    memory = "linear"
+    description = (
+        "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
+        "(cached); CPU: forward only, no lse; no dropout"
+    )
+
+    def __init__(self):
+        self._compiled = None
+        self._compile_error: dict[str, str] = {}
+        self._variants: set[tuple] = set()
+        self._block_masks = _BlockMaskCache(_BLOCK_CACHE_SIZE)
+
+    def unavailable_reason(self) -> str | None:
+        if _flex_module is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs 2.5+)"
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        found = []
+        device = call.device.type
+        if device not in ("cpu", "cuda"):
+            found.append(f"FlexAttention runs on CPU and CUDA only, not {device}")
+        if call.dropout_p > 0.0:
+            found.append("FlexAttention has no dropout (dropout_p > 0)")
+        if device == "cpu" and call.requires_grad:
+            found.append("FlexAttention has no backward on CPU (torch.compile's CPU kernel is inference only)")
+        if device == "cpu" and call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            found.append(f"FlexAttention's CPU kernel supports fp32/bf16/fp16, not {call.dtype}")
+        if device == "cpu" and shutil.which("c++") is None and shutil.which("g++") is None:
+            found.append("torch.compile on CPU needs a C++ compiler and none was found")
+        if device in self._compile_error:
+            found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
+        return found
+
+    def memory_for(self, call: AttentionCall) -> str:
+        """O(T^2) for any masked call (the mask is held densely for the kernel), else O(T).
+
+        Deliberately independent of the block-mask cache, so that dispatch does not change
+        between two identical calls.
+        """
+        return "linear" if call.mask_kind == "none" and not call.causal else "quadratic"
+
+    def memory_note(self, call: AttentionCall) -> str:
+        if self.memory_for(call) == "quadratic":
+            return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
+        return "fused kernel, O(T) memory"
+
+    def _variant(self, call: AttentionCall) -> tuple:
+        """What the compiled kernel is specialised on (static shapes, see the module doc)."""
+        masked = call.mask_kind != "none" or call.causal
+        return (call.device.type, call.dtype, masked, tuple(call.q.shape), tuple(call.k.shape),
+                tuple(call.v.shape))
+
+    def cost(self, call: AttentionCall) -> float:
+        """Estimated seconds: FLOPs at the kernel's rate, plus compilation while not yet compiled."""
+        flops = 2.0 * call.batch * call.q_heads * call.tq * call.tk * (call.head_dim + call.value_dim)
+        if call.causal:
+            flops /= 2
+        on_cuda = call.device.type == "cuda"
+        seconds = _CALL_OVERHEAD_S + flops * (3.5 if call.requires_grad else 1.0) / (
+            _CUDA_RATE if on_cuda else _CPU_RATE)
+        if self._variant(call) not in self._variants:
+            seconds += _COMPILE_VARIANT_S if self._compiled is not None else _COMPILE_FIRST_S
+        return seconds
+
+    def _kernel(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(_flex_module.flex_attention, dynamic=False)
+        return self._compiled
+
+    def _mods(self, call: AttentionCall):
+        """(score_mod, block_mask) for the call; both None when nothing is masked."""
+        cached = self._block_masks.get(call)
+        if cached is not None:
+            return cached
+        bias = _dense_bias(call)
+        if bias is None:
+            return None, None
+        score_mod = BiasScoreMod(bias)
+        block_mask = _flex_module.create_block_mask(
+            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device
+        )
+        self._block_masks.put(call, (score_mod, block_mask))
+        return score_mod, block_mask
+
+    def forward(self, call: AttentionCall) -> AttentionResult:
+        score_mod, block_mask = self._mods(call)
+        want_lse = call.device.type == "cuda"
+        try:
+            result = self._kernel()(
+                call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask,
+                scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
+            )
+        except Exception as error:  # compile failures surface here; decline from now on
+            if "Inductor" in type(error).__name__ or "Backend" in type(error).__name__:
+                self._compile_error[call.device.type] = str(error).splitlines()[0][:200]
+            raise
+        self._variants.add(self._variant(call))
+        out, lse = result if want_lse else (result, None)  # lse: natural log, -inf on dead rows
+        return AttentionResult(out=out, lse=lse)
+
+
+register(FlexBackend())
