@@ -348,6 +348,27 @@ def test_dropout_keeps_one_minus_p_of_the_weights():
     assert torch.equal(kept.round().bool(), mask[0, 0])
 
 
+def test_dropout_bits_of_neighbours_heads_and_seeds_are_uncorrelated():
+    def keep(seed):
+        return dropout_keep(seed, 0.5, batch=2, heads=2, q_idx=torch.arange(512),
+                            kv_idx=torch.arange(512)).double()  # (2, 2, 512, 512)
+
+    def corr(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return ((a * b).mean() / (a.std() * b.std())).item()
+
+    bits, other_seed = keep(5), keep(6)
+    pairs = {
+        "rows": (bits[..., 1:, :], bits[..., :-1, :]),
+        "columns": (bits[..., 1:], bits[..., :-1]),
+        "heads": (bits[:, 1], bits[:, 0]),
+        "batch": (bits[1], bits[0]),
+        "seeds": (bits, other_seed),
+    }
+    for name, (a, b) in pairs.items():  # ~5e5..1e6 pairs: the std of corr is <= 0.0015
+        assert abs(corr(a, b)) < 0.006, name
+
+
 def _dropout_reference(tensors, d_out, keep, p, **options):
     """out and grads of softmax(...) * keep / (1 - p) @ v, from the reference's helpers."""
     leaves = [t.detach().clone().requires_grad_() for t in tensors]

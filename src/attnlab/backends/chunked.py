@@ -73,13 +73,21 @@ def draw_dropout_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**32, (), generator=generator, dtype=torch.int64))
 
 
+# Odd multipliers below 2**31: products of 32-bit values stay below 2**63, so int64 never wraps.
+_MIX1, _MIX2 = 0x7FEB352D, 0x2C1B3C6D
+
+
+def _mix32_(x: Tensor) -> Tensor:
+    """Multiply-xorshift mixing of 32-bit values held in an int64 tensor, in place."""
+    x.mul_(_MIX1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    return x.mul_(_MIX2).bitwise_and_(_MASK32)
+
+
 def _hash32(x: Tensor) -> Tensor:
-    """A 32-bit integer mixing function (the 'lowbias32' constants) on int64 tensors < 2**32."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32  # int64 products wrap; the low 32 bits are exact
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """A full 32-bit hash (mix, then fold the high bits down) of int64 values < 2**32."""
+    x = _mix32_(x.clone())
+    return x.bitwise_xor_(x >> 16)
 
 
 def dropout_keep(
@@ -87,10 +95,11 @@ def dropout_keep(
 ) -> Tensor:
     """Which attention weights dropout keeps, as a pure function of the seed and the indices.
 
-    The bit for ``(b, h, i, j)`` is a hash of ``(seed, b * heads + h, i, j)`` compared with
-    ``p * 2**32``, so it is kept with probability ``1 - p`` independently of how the score
-    matrix is tiled. Calling it with ``q_idx = arange(Tq)`` and ``kv_idx = arange(Tk)`` gives
-    the full mask a chunked call with that seed uses.
+    Rows ``(b, h, i)`` and columns ``j`` get independent 32-bit hashes (of the seed, ``b * heads
+    + h`` and ``i``; of ``j``); the bit for ``(b, h, i, j)`` mixes the two once more and compares
+    the result with ``p * 2**32``. It is kept with probability ``1 - p``, independently of how
+    the score matrix is tiled, so ``q_idx = arange(Tq)`` and ``kv_idx = arange(Tk)`` give the
+    full mask a chunked call with that seed uses.
 
     Args:
         seed: the call's seed from :func:`draw_dropout_seed`.
@@ -111,8 +120,9 @@ def dropout_keep(
     bh = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads, 1, 1)
     row = _hash32(_hash32(bh) ^ (seed & _MASK32))  # (B, H, 1, 1)
     row = _hash32(row ^ q_idx.to(torch.int64).view(1, 1, -1, 1))  # (B, H, tq, 1)
-    bits = _hash32(row ^ kv_idx.to(device=device, dtype=torch.int64).view(1, 1, 1, -1))
-    return bits >= round(p * 2**32)  # (B, H, tq, tk)
+    col = _hash32(kv_idx.to(device=device, dtype=torch.int64).view(1, 1, 1, -1) ^ 0x5BD1E995)
+    bits = _mix32_(row ^ col)  # (B, H, tq, tk); the high bits are the well-mixed ones
+    return bits >= round(p * 2**32)
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -433,13 +443,18 @@ class ChunkedBackend(Backend):
         return chunked_attention(call)
 
 
-# Cost model, fitted on a 2-core x86 CPU (fp32, D=64, B*H=1..4, T=1024..8192): the two tile
-# matmuls run near the machine's matmul rate, the softmax costs about 1 ns per score, and every
-# tile pays some Python overhead; backward costs 2.5x forward (the FLOP convention in DESIGN.md).
-_MATMUL_FLOPS_PER_S = 170e9
-_SECONDS_PER_SCORE = 1e-9
-_SECONDS_PER_TILE = 50e-6
-_DROPOUT_SECONDS_PER_SCORE = 2e-9
+# Cost model, on the scale of sdpa.py's (its CPU flash kernel: ~40 GFLOP/s forward on the 2-core
+# CPU of BENCHMARKS.md). Interleaved runs of both backends on that CPU (fp32, D=64, T=256..4096,
+# one thread so that the machine's load hits both alike) put chunked at ~0.55x the flash rate
+# forward (22 GFLOP/s) and at 2.7x its own forward time for forward+backward (~0.7x flash's
+# forward+backward rate). Masks add per-tile work (measured at T=1024): a float bias x1.2, a
+# dense bool mask x1.75, a mask mod x1.5, causal's diagonal tiles ~x1.2; dropout's hashing x1.85.
+_FORWARD_FLOPS_PER_S = 22e9
+_FORWARD_BACKWARD_FACTOR = 2.7
+_SECONDS_PER_TILE = 30e-6
+_MASK_FACTOR = {"none": 1.0, "float": 1.2, "bool": 1.75, "mod": 1.5}
+_CAUSAL_FACTOR = 1.2
+_DROPOUT_FACTOR = 1.85
 
 
 def _visited_keys(call: AttentionCall, q_block: int, kv_block: int) -> tuple[int, int]:
@@ -457,19 +472,20 @@ def _visited_keys(call: AttentionCall, q_block: int, kv_block: int) -> tuple[int
 
 
 def _estimated_seconds(call: AttentionCall) -> float:
-    """Expected wall time in seconds on a small CPU (the unit every backend's cost uses).
+    """Expected wall time in seconds on the CPU of BENCHMARKS.md (the unit of every cost).
 
     Tiles that ``kv_bounds`` rules out (causal, sliding window) are not counted; a dense mask
     is assumed to leave every tile alive.
     """
     keys, tiles = _visited_keys(call, DEFAULT_Q_BLOCK, DEFAULT_KV_BLOCK)
-    scores = call.batch * call.q_heads * keys
-    flops = 2 * scores * (call.head_dim + call.value_dim)
-    seconds = flops / _MATMUL_FLOPS_PER_S + scores * _SECONDS_PER_SCORE
+    flops = 2 * call.batch * call.q_heads * keys * (call.head_dim + call.value_dim)
+    seconds = flops / _FORWARD_FLOPS_PER_S + tiles * _SECONDS_PER_TILE
+    seconds *= _MASK_FACTOR[call.mask_kind]
+    if call.causal and call.mask_kind == "none":
+        seconds *= _CAUSAL_FACTOR
     if call.dropout_p > 0.0:
-        seconds += scores * _DROPOUT_SECONDS_PER_SCORE
-    seconds += tiles * _SECONDS_PER_TILE
-    return seconds * (3.5 if call.requires_grad else 1.0)
+        seconds *= _DROPOUT_FACTOR
+    return seconds * (_FORWARD_BACKWARD_FACTOR if call.requires_grad else 1.0)
 
 
 register(ChunkedBackend())
