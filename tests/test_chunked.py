@@ -437,6 +437,26 @@ def test_registered_and_preferred_over_the_quadratic_reference():
     assert 0 < causal < get("chunked").cost(build_call(q, q, q))
 
 
+@pytest.mark.parametrize("rank", [2, 3])
+def test_rank_2_and_3_inputs_through_attention(rank):
+    (q, k, v), _ = _inputs(1, 1, 1, 11, 13, 6, 5)
+    q, k, v = (t[0, 0] if rank == 2 else t[:, 0] for t in (q, k, v))  # (T, D) or (B, T, D)
+    out = attnlab.attention(q, k, v, causal=True, align="bottom_right", backend="chunked")
+    want = attnlab.attention(q.double(), k.double(), v.double(), causal=True,
+                             align="bottom_right", backend="reference")
+    assert out.shape == want.shape
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
+
+
+def test_double_backward_raises_instead_of_returning_wrong_gradients():
+    (q, k, v), _ = _inputs(1, 1, 1, 4, 4, 2, 2, dtype=torch.float64)
+    q.requires_grad_()
+    out = chunked_attention(build_call(q, k, v)).out
+    (grad,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad.sum().backward()
+
+
 @pytest.mark.parametrize("name,value", [("q_block", 0), ("kv_block", -3), ("q_block", 2.5)])
 def test_bad_block_sizes_raise_naming_the_argument(name, value):
     q = torch.randn(1, 1, 4, 2)

@@ -19,6 +19,11 @@ Dropout draws one seed per call from the call's generator and derives every kept
 from a hash of ``(seed, batch*head, query, key)``, so the mask does not depend on the tiling
 and the backward pass regenerates exactly the forward pass's mask (see :func:`dropout_keep`).
 
+Performance note: each tile is a few dozen small PyTorch ops, each a parallel region of the
+intra-op thread pool. On an oversubscribed CPU (more busy threads than cores) every region waits
+for a descheduled thread and the backend can slow down ten-fold or more; there,
+``torch.set_num_threads(1)`` is faster. Fused kernels (``sdpa``) do not have this problem.
+
 Example:
     >>> import torch
     >>> from attnlab.backends import build_call
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
@@ -342,6 +348,7 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_out, _d_lse):
         q, k, v, bias, out, lse = ctx.saved_tensors
         need_bias_grad = bias is not None and ctx.needs_input_grad[3]
