@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import shutil
 import weakref
 from collections import OrderedDict
@@ -144,6 +145,17 @@ class _BlockMaskCache:
             self.entries.popitem(last=False)
 
 
+def _prescaled_q(call: AttentionCall) -> Tensor:
+    """q such that FlexAttention's default scale 1/sqrt(D) gives ``call.scale``.
+
+    torch.compile guards on a float ``scale`` argument, so passing each user scale would
+    recompile per value; the default scale is passed as None and a custom one folded into q
+    (one extra rounding of q in its dtype).
+    """
+    factor = call.scale * math.sqrt(call.head_dim)
+    return call.q if abs(factor - 1.0) < 1e-12 else call.q * factor
+
+
 class FlexBackend(Backend):
     """FlexAttention, compiled once; block-sparse masks cached per mask; CPU forward only.
 
@@ -247,8 +259,8 @@ class FlexBackend(Backend):
         want_lse = call.device.type == "cuda"
         try:
             result = self._kernel()(
-                call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask,
-                scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
+                _prescaled_q(call), call.k, call.v, score_mod=score_mod, block_mask=block_mask,
+                scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
             )
         except Exception as error:  # compile failures surface here; decline from now on
             if "Inductor" in type(error).__name__ or "Backend" in type(error).__name__:
