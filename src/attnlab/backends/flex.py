@@ -119,13 +119,21 @@ class _BlockMaskCache:
         self.entries: OrderedDict = OrderedDict()
 
     @staticmethod
+    def owner(call: AttentionCall):
+        """The user's object behind the call's mask (the call holds a reshaped view of it)."""
+        mask = call.mask
+        return mask._base if isinstance(mask, Tensor) and mask._base is not None else mask
+
+    @staticmethod
     def key(call: AttentionCall) -> tuple | None:
         if call.mask_kind == "none" and not call.causal:
             return None
-        version = call.mask._version if isinstance(call.mask, Tensor) else 0
+        mask = call.mask
+        layout = ((mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version)
+                  if isinstance(mask, Tensor) else None)
         offset = call.causal_offset if call.causal else None
-        return (id(call.mask), version, offset, call.batch, call.q_heads, call.tq, call.tk,
-                call.dtype, str(call.device))
+        return (id(_BlockMaskCache.owner(call)), layout, offset, call.batch, call.q_heads,
+                call.tq, call.tk, call.dtype, str(call.device))
 
     def get(self, call: AttentionCall):
         key = self.key(call)
@@ -133,13 +141,13 @@ class _BlockMaskCache:
         if entry is None:
             return None
         ref, block_mask = entry
-        if (ref() if ref is not None else None) is not call.mask:  # id() was reused
+        if (ref() if ref is not None else None) is not self.owner(call):  # id() was reused
             return None
         self.entries.move_to_end(key)
         return block_mask
 
     def put(self, call: AttentionCall, block_mask) -> None:
-        user = call.mask
+        user = self.owner(call)
         self.entries[self.key(call)] = (weakref.ref(user) if user is not None else None, block_mask)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
