@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from attnlab.cli import explain_cmd
+from attnlab.cli import verify_cmd, backends_cmd, bench_cmd  # noqa: E401
 
 app = typer.Typer(
     name="attnlab",
@@ -25,6 +26,8 @@ def _root() -> None:
 
 
 explain_cmd.register(app)
+for _command in (verify_cmd, backends_cmd, bench_cmd):
+    _command.register(app)
 
 
 def main() -> None:

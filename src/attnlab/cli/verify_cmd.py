@@ -1,0 +1,80 @@
+"""``attnlab verify``: every available backend against the fp64 reference on this machine."""
+
+from __future__ import annotations
+
+import typer
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def verify(
+    quick: bool = typer.Option(False, "--quick", help="A short sweep (well under a minute)."),
+    backend: list[str] = typer.Option(None, "--backend", help="Check only this backend (repeatable)."),
+    configs: int = typer.Option(0, "--configs", help="Configurations per dtype (default 200, quick 16)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the configuration draw."),
+) -> None:
+    """Sweep seeded configurations (odd sizes, GQA, masks, causal alignments, fully masked rows)
+    through every backend, forward and backward, in fp32 and bf16, and compare with the fp64
+    reference: error <= 2x the same-dtype reference error + floor (gradients 3x). Exits 1 on
+    any failure."""
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from attnlab import backends, verify as _verify
+
+    console = Console(width=max(120, Console().width))  # the table needs ~110 columns
+    names = backend or backends.available()
+    unknown = [n for n in names if n not in backends.available()]
+    if unknown:
+        raise typer.BadParameter(f"not available here: {unknown}; available: {backends.available()}",
+                                 param_hint="--backend")
+    n = configs or (16 if quick else 200)
+    flex_n = min(n, 8) if quick else n
+    dtypes = [torch.float32, torch.bfloat16]
+    total = sum((flex_n if name == "flex" else n) for name in names) * len(dtypes)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("verifying", total=total)
+        results = _verify.sweep(names, dtypes, n=n, seed=seed, small=quick, flex_n=flex_n,
+                                progress=lambda r: progress.advance(task))
+    failed = _print_summary(console, results, names, dtypes)
+    if failed:
+        for result in [r for r in results if r.served and not r.passed][:10]:
+            console.print(f"[red]FAIL[/red] {result.backend} {result.dtype} {result.config}: "
+                          f"errors {['%.2e' % e for e in result.errors]} allowed "
+                          f"{['%.2e' % a for a in result.allowed]}")
+        raise typer.Exit(code=1)
+    console.print("[green]all backends conform[/green]")
+
+
+def _print_summary(console, results, names, dtypes) -> bool:
+    from rich.table import Table
+
+    table = Table(title="conformance vs the fp64 reference (error / allowed)")
+    for column in ("backend", "dtype", "served", "declined", "fwd err", "allowed", "worst err/allowed",
+                   "checked", "result"):
+        table.add_column(column)
+    any_failed = False
+    for name in names:
+        for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            group = [r for r in results if r.backend == name and r.dtype == dname]
+            served = [r for r in group if r.served]
+            failed = [r for r in served if not r.passed]
+            any_failed |= bool(failed)
+            worst = max(served, key=lambda r: r.worst_ratio(), default=None)
+            table.add_row(
+                name, dname, str(len(served)), str(len(group) - len(served)),
+                "-" if worst is None else f"{worst.errors[0]:.2e}",
+                "-" if worst is None else f"{worst.allowed[0]:.2e}",
+                "-" if worst is None else f"{worst.worst_ratio():.2f}",
+                "fwd+bwd" if any(r.grad for r in served) else "fwd",
+                "[red]FAIL[/red]" if failed else "[green]pass[/green]",
+            )
+    console.print(table)
+    return any_failed
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``verify`` command to ``app``."""
+    app.command("verify")(verify)

@@ -1,0 +1,65 @@
+"""``attnlab verify``, ``attnlab backends`` and ``attnlab bench`` through typer's CliRunner."""
+
+import torch
+from typer.testing import CliRunner
+
+from attnlab import backends
+from attnlab.cli import app
+
+runner = CliRunner()
+
+
+def test_verify_quick_passes_on_this_machine():
+    result = runner.invoke(app, ["verify", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert "all backends conform" in result.output
+    for name in backends.available():
+        assert name in result.output
+
+
+def test_verify_fails_on_a_broken_backend():
+    class Broken(backends.Backend):
+        name = "broken-test"
+        memory = "quadratic"
+
+        def forward(self, call):
+            result = backends.get("reference").forward(call)
+            return backends.AttentionResult(out=result.out.flip(-2))  # rows swapped
+
+    backends.register(Broken())
+    try:
+        result = runner.invoke(app, ["verify", "--quick", "--backend", "broken-test"])
+    finally:
+        backends.base._REGISTRY.pop("broken-test")
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.output
+
+
+def test_backends_explains_a_causal_bf16_call():
+    result = runner.invoke(app, ["backends", "--dtype", "bfloat16", "--causal", "--tq", "512"])
+    assert result.exit_code == 0, result.output
+    assert "bfloat16" in result.output and "causal (top_left)" in result.output
+    q = torch.empty(1, 8, 512, 64, dtype=torch.bfloat16)
+    chosen = backends.select(backends.build_call(q, q, q, causal=True)).name
+    assert f"runs on {chosen!r}" in result.output
+    for name in backends.registry():
+        if name != chosen:
+            assert f"  {name}: " in result.output
+
+
+def test_backends_explains_a_padding_mask_call():
+    result = runner.invoke(app, ["backends", "--padding", "--tq", "256", "--grad"])
+    assert result.exit_code == 0, result.output
+    assert "mask=bool (1, 1, 1, 256)" in result.output
+    assert "no backward on CPU" in result.output  # flex's reason, for a training call
+
+
+def test_backends_rejects_a_bad_dtype():
+    result = runner.invoke(app, ["backends", "--dtype", "int8"])
+    assert result.exit_code != 0
+    assert "dtype" in result.output
+
+
+def test_bench_rejects_an_unknown_suite():
+    result = runner.invoke(app, ["bench", "--suite", "nope"])
+    assert result.exit_code != 0
