@@ -10,22 +10,21 @@ In one run, with the same weights in every module, causal self-attention on ``(B
 * ``nanoGPT-style`` -- one fused projection and ``F.scaled_dot_product_attention(is_causal=True)``
   (:class:`NanoGPTAttention`).
 
-Each is timed forward (``torch.no_grad()``, eval) and forward+backward (gradients of the input
-and every weight); rounds are interleaved across the modules so that a change in machine load
-hits them alike, and the median is reported. FLOPs count the module: projections
+Each is timed forward (``torch.no_grad()``) and forward+backward (gradients of the input and
+every weight) with :func:`attnlab.bench.compare`: rounds are interleaved across the modules so
+that a change in machine load hits them alike, and the median is reported beside the fp32
+matmul rate measured in the same run (:func:`attnlab.bench.matmul_peak`). FLOPs count the module: projections
 ``2*B*T*C*4C`` plus causal attention ``4*B*H*T*T*D / 2`` forward; forward+backward is 3x the
 projections plus 3.5x the attention (DESIGN.md's convention for the attention part).
 
 Example:
     >>> rows = run_modules_suite(quick=True, repeats=1, console=False)   # doctest: +SKIP
-    >>> [row["name"] for row in rows][:1]                                 # doctest: +SKIP
+    >>> [row.name for row in rows][:1]                                    # doctest: +SKIP
     ['attnlab']
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab import backends as _backends
+from attnlab import bench
 from attnlab.nn.multihead import MultiHeadAttention
 
 __all__ = ["SeedMultiHeadAttention", "NanoGPTAttention", "ModulesConfig", "build_modules", "run_modules_suite"]
@@ -168,15 +168,8 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
     return contenders
 
 
-def _median_seconds(fn: Callable[[], object]) -> float:
-    """One timed call through torch.utils.benchmark (the caller interleaves and takes medians)."""
-    from torch.utils import benchmark
-
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.timeit(1).median
-
-
 def _step(module: Callable, x: Tensor, grad_out: Tensor | None) -> Callable[[], object]:
+    """One timed unit: a no-grad forward, or a forward and a backward to input and weights."""
     if grad_out is None:
         def forward():
             with torch.no_grad():
@@ -189,26 +182,6 @@ def _step(module: Callable, x: Tensor, grad_out: Tensor | None) -> Callable[[], 
     return forward_backward
 
 
-def _interleaved_medians(steps: dict[str, Callable], repeats: int) -> dict[str, float]:
-    """Warm up, then time each step once per round, ``repeats`` rounds; median per step."""
-    times = {name: [] for name in steps}
-    for step in steps.values():
-        step()
-    for _ in range(repeats):
-        for name, step in steps.items():
-            times[name].append(_median_seconds(step))
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def _matmul_rate(dtype: torch.dtype) -> float | None:
-    """Matrix-multiply FLOP/s measured now by :mod:`attnlab.bench` (None if it is missing)."""
-    try:
-        from attnlab import bench
-    except ImportError:
-        return None
-    return bench.matmul_peak(dtype=dtype)
-
-
 def _max_differences(modules: dict[str, Callable], x: Tensor) -> dict[str, float]:
     """Largest |out - attnlab's out| per module: the contenders compute the same function."""
     with torch.no_grad():
@@ -216,37 +189,39 @@ def _max_differences(modules: dict[str, Callable], x: Tensor) -> dict[str, float
     return {name: (out - outs["attnlab"]).abs().max().item() for name, out in outs.items()}
 
 
-def _rows(config, medians, mode, peak, diffs) -> list[dict]:
-    flops = config.flops(backward=mode == "forward+backward")
+def _rows(config: ModulesConfig, medians: dict[str, float], mode: str, peak: float,
+          diffs: dict[str, float]) -> list[bench.BenchRow]:
+    flops = config.flops(backward=mode == "fwd+bwd")
     fastest_other = min(t for name, t in medians.items() if not name.startswith("attnlab"))
+    case = f"{mode} B={config.batch} T={config.seq_len} C={config.d_model} H={config.num_heads}"
     return [
-        dict(name=name, mode=mode, median_s=seconds, gflops=flops / seconds / 1e9,
-             peak_fraction=None if peak is None else flops / seconds / peak,
-             ratio=seconds / fastest_other, max_abs_diff=diffs[name])
+        bench.BenchRow("modules", case, name, seconds, flops, peak, seconds / fastest_other,
+                       note=f"max |out - attnlab| {diffs[name]:.1e}")
         for name, seconds in medians.items()
     ]
 
 
-def run_modules_suite(*, quick: bool = False, console=None, repeats: int | None = None) -> list[dict]:
+def run_modules_suite(*, quick: bool = False, console=None, repeats: int | None = None
+                      ) -> list[bench.BenchRow]:
     """Time attnlab's module beside torch's, the seed document's and a nanoGPT-style one.
 
     Args:
         quick: a small configuration (B=2, T=256) instead of B=8, T=1024, d_model=768.
         console: a ``rich.console.Console`` to print the table to; ``None`` makes one, ``False``
             prints nothing.
-        repeats: timed rounds per module and mode (default 5, quick 3); the median is reported.
+        repeats: interleaved timing rounds (default 5, quick 3); the median is reported.
 
     Returns:
-        One dict per module and mode (``"forward"``, ``"forward+backward"``) with ``name``,
-        ``mode``, ``median_s``, ``gflops``, ``peak_fraction`` (of the fp32 matmul rate measured
-        in the same run; None without :mod:`attnlab.bench`), ``ratio`` (median time / the
-        fastest of the non-attnlab modules; attnlab's target is <= 1.00) and ``max_abs_diff``
-        (largest output difference from attnlab's module).
+        :class:`attnlab.bench.BenchRow` s, one per module and mode (``case`` starts with
+        ``"fwd"`` or ``"fwd+bwd"``). ``flops`` is the module's (see :meth:`ModulesConfig.flops`),
+        ``peak`` the fp32 matmul rate measured in the same run, ``ratio`` the median time over
+        the fastest non-attnlab module's (attnlab's target: <= 1.00), ``note`` the largest
+        output difference from attnlab's module.
 
     Example:
         >>> rows = run_modules_suite(quick=True, repeats=1, console=False)  # doctest: +SKIP
-        >>> {row["mode"] for row in rows} == {"forward", "forward+backward"}  # doctest: +SKIP
-        True
+        >>> rows[0].name, rows[0].ratio <= 1.2                              # doctest: +SKIP
+        ('attnlab', True)
     """
     config = ModulesConfig.for_run(quick=quick)
     repeats = (3 if quick else 5) if repeats is None else repeats
@@ -254,35 +229,29 @@ def run_modules_suite(*, quick: bool = False, console=None, repeats: int | None 
     modules = build_modules(config)
     x = torch.randn(config.batch, config.seq_len, config.d_model, dtype=config.dtype)
     diffs = _max_differences(modules, x)
-    peak = _matmul_rate(config.dtype)
+    peak = bench.matmul_peak(config.dtype)
     rows = []
-    for mode in ("forward", "forward+backward"):
-        grad_out = None if mode == "forward" else torch.randn_like(x)
+    for mode in ("fwd", "fwd+bwd"):
+        grad_out = None if mode == "fwd" else torch.randn_like(x)
         x_in = x if grad_out is None else x.clone().requires_grad_(True)
         steps = {name: _step(module, x_in, grad_out) for name, module in modules.items()}
-        rows += _rows(config, _interleaved_medians(steps, repeats), mode, peak, diffs)
+        medians = bench.compare(steps, rounds=repeats, min_run_time=0.2)
+        rows += _rows(config, medians, mode, peak, diffs)
     if console is not False:
-        _print_table(rows, config, peak, repeats, console)
+        _print(rows, config, peak, repeats, console)
     return rows
 
 
-def _print_table(rows, config, peak, repeats, console) -> None:
+def _print(rows, config: ModulesConfig, peak: float, repeats: int, console) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console() if console is None else console
-    title = (f"causal self-attention modules, B={config.batch} T={config.seq_len} "
-             f"C={config.d_model} H={config.num_heads} {str(config.dtype).replace('torch.', '')}, "
-             f"{torch.get_num_threads()} threads, median of {repeats}")
-    table = Table(title=title)
-    for column in ("module", "mode", "median ms", "GFLOP/s", "% of matmul", "ratio", "max |diff|"):
-        table.add_column(column, justify="left" if column in ("module", "mode") else "right")
-    for row in rows:
-        share = "n/a" if row["peak_fraction"] is None else f"{100 * row['peak_fraction']:.0f}%"
-        table.add_row(row["name"], row["mode"], f"{1e3 * row['median_s']:.1f}",
-                      f"{row['gflops']:.1f}", share, f"{row['ratio']:.2f}", f"{row['max_abs_diff']:.1e}")
-    console.print(table)
-    rate = "not measured" if peak is None else f"{peak / 1e9:.1f} GFLOP/s"
-    console.print(f"fp32 matmul rate this run: {rate}. FLOPs: projections 2*B*T*C*4C + causal "
-                  "attention 4*B*H*T*T*D/2 (forward); forward+backward 3x projections + 3.5x "
-                  "attention. ratio = median / fastest non-attnlab module (attnlab target <= 1.00).")
+    dtype = str(config.dtype).replace("torch.", "")
+    bench.print_rows(rows, title=f"causal self-attention modules, {dtype}, median of {repeats} "
+                                 "interleaved rounds", console=console)
+    console.print(
+        f"machine: {bench.machine_line()}; fp32 matmul {peak / 1e9:.1f} GFLOP/s this run.\n"
+        "FLOPs (module): projections 2*B*T*C*4C + causal attention 4*B*H*T*T*D/2 forward; "
+        "fwd+bwd = 3x projections + 3.5x attention. ratio = median / fastest non-attnlab module "
+        "(attnlab's target <= 1.00)."
+    )
