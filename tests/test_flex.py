@@ -29,18 +29,19 @@ def test_cpu_declines_backward_and_dropout():
 
 
 def test_block_mask_is_cached_per_mask_identity():
-    flex = backends.get("flex")
+    cache = backends.get("flex")._block_masks
     q, k, v = _qkv()
     mask = torch.rand(17, 17, generator=torch.Generator().manual_seed(1)) > 0.3
     with torch.no_grad():
         first = attnlab.attention(q, k, v, mask=mask, backend="flex")
-        entries = len(flex._block_masks.entries)
+        cached = cache.get(build_call(q, k, v, mask=mask))
         again = attnlab.attention(q, k, v, mask=mask, backend="flex")
-        assert len(flex._block_masks.entries) == entries  # reused, not rebuilt
-        mask[0, 0] = not mask[0, 0]  # in-place edit bumps the version: a new block mask
+        assert cached is not None and cache.get(build_call(q, k, v, mask=mask)) is cached
+        assert cache.get(build_call(q, k, v, mask=mask.clone())) is None  # another tensor
+        mask[0, 0] = not mask[0, 0]  # an in-place edit bumps the version: not the cached one
+        assert cache.get(build_call(q, k, v, mask=mask)) is None
         changed = attnlab.attention(q, k, v, mask=mask, backend="flex")
         want = attnlab.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
-    assert len(flex._block_masks.entries) == entries + 1
     assert torch.equal(first, again)
     torch.testing.assert_close(changed.double(), want, atol=1e-5, rtol=1e-5)
 
