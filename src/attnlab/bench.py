@@ -88,7 +88,7 @@ def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.5) -> float:
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
-                n: int = 1024, min_run_time: float = 0.3) -> float:
+                n: int = 2048, min_run_time: float = 0.3) -> float:
     """Measured ``n x n`` matrix-multiply rate in FLOP/s for ``dtype`` on ``device``.
 
     Example:
