@@ -52,10 +52,12 @@ _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 _HAS_GQA = _TORCH_VERSION >= (2, 5)  # enable_gqa= appeared in PyTorch 2.5
 
-# Measured on the 2-core AMD EPYC CPU of BENCHMARKS.md (fp32, forward, torch 2.13): the CPU
-# flash kernel sustains about 40 GFLOP/s, the math path about 15 GFLOP/s, and a call costs
-# about 30 microseconds of fixed overhead. bf16 runs at about the same rate on CPU.
-_CPU_RATE = {"flash": 40e9, "math": 15e9}
+# Measured on the 2-core AMD EPYC CPU of BENCHMARKS.md (fp32, forward, B=1 H=8 T=4096 D=64,
+# torch 2.13; FLOPs as DESIGN.md, causal halved): the CPU flash kernel runs unmasked calls at
+# ~145 GFLOP/s, is_causal at ~65, with an explicit mask at ~75; the math path at ~15; a call
+# costs ~30 microseconds of fixed overhead.
+_CPU_FLASH_RATE = {"none": 145e9, "is_causal": 65e9, "user": 75e9, "materialised": 60e9}
+_CPU_RATE = {"flash": 145e9, "math": 15e9}
 _CUDA_RATE = {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12}
 _CALL_OVERHEAD_S = {"cpu": 30e-6, "cuda": 15e-6}
 _BACKWARD_FACTOR = 2.5  # DESIGN.md's FLOP convention: backward = 2.5 x forward
@@ -281,7 +283,12 @@ class SdpaBackend(Backend):
         """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
         kernel = kernel_for(call)
         on_cuda = call.device.type == "cuda"
-        rate = (_CUDA_RATE if on_cuda else _CPU_RATE).get(kernel, _CPU_RATE["math"])
+        if on_cuda:
+            rate = _CUDA_RATE.get(kernel, _CUDA_RATE["math"])
+        elif kernel == "flash":
+            rate = _CPU_FLASH_RATE[_mask_source(call)]
+        else:
+            rate = _CPU_RATE["math"]
         flops = _attention_flops(call) * (1.0 + _BACKWARD_FACTOR * call.requires_grad)
         return _CALL_OVERHEAD_S["cuda" if on_cuda else "cpu"] + flops / rate
 
