@@ -229,7 +229,7 @@ def run_modules_suite(*, quick: bool = False, console=None, repeats: int | None 
     modules = build_modules(config)
     x = torch.randn(config.batch, config.seq_len, config.d_model, dtype=config.dtype)
     diffs = _max_differences(modules, x)
-    peak = bench.matmul_peak(config.dtype)
+    peak = bench.matmul_peak(config.dtype, n=2048)  # the size bench_backends.py uses
     rows = []
     for mode in ("fwd", "fwd+bwd"):
         grad_out = None if mode == "fwd" else torch.randn_like(x)
