@@ -256,6 +256,8 @@ def build_call(
     _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
     norm_mask = _normalize_mask(mask, q, k.shape[-2])
+    if causal and _masks.causal_offset(q.shape[-2], k.shape[-2], align) >= k.shape[-2] - 1:
+        causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return AttentionCall(
         q=_to_4d(q),
