@@ -246,7 +246,9 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
     """Time every available backend and ``auto`` side by side on causal/padding/unmasked calls.
 
     Forward only, under ``torch.no_grad()`` (flex's CPU kernel is inference only). B=1, H=8,
-    D=64; T=4096 (quick: 512). The note says which backend ``auto`` picked.
+    D=64; T=4096 (quick: 512). The note says which backend ``auto`` picked. The matmul peak
+    is timed as one more candidate in the same interleaved rounds, so that load from other
+    jobs on a shared machine depresses the peak and the candidates alike.
 
     Example:
         >>> rows = backends_suite(quick=True, t=32, rounds=1)  # doctest: +SKIP
@@ -258,7 +260,7 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
     min_run = 0.05 if quick else 0.3
     b, h, d = 1, 8, 64
     q, k, v = _attention_inputs(b, h, t, d, dtype, device)
-    peak = matmul_peak(dtype, device, min_run_time=min_run)
+    matmul, matmul_flops = _matmul_candidate(dtype, device)
     rows: list[BenchRow] = []
     for case, options in backend_cases(t, batch=b).items():
         options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
@@ -270,12 +272,24 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
         candidates["auto"] = _no_grad(attention, q, k, v, backend="auto", **options)
         if not quick and t >= 4096:
             candidates.pop("reference", None)  # O(T^2): minutes at T=4096 on 2 cores
+        candidates[_PEAK] = matmul  # timed in the same rounds: same load as the candidates
         seconds = compare(candidates, rounds=rounds, min_run_time=min_run)
+        peak = matmul_flops / seconds.pop(_PEAK)
         flops = attention_flops(b, h, t, t, d, causal=case == "causal")
         for name, sec in seconds.items():
             note = f"auto -> {chosen}" if name == "auto" else ""
             rows.append(BenchRow("backends", f"{case} T={t}", name, sec, flops, peak, note=note))
     return _fill_ratios(rows)
+
+
+_PEAK = "matmul (peak)"
+
+
+def _matmul_candidate(dtype: torch.dtype, device: str, n: int = 2048):
+    """A square matmul to time beside the candidates, and its FLOPs."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    return (lambda: a @ b), 2.0 * n**3
 
 
 def _no_grad(fn, *args, **kwargs):
