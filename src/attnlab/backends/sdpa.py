@@ -75,6 +75,12 @@ class SdpaPlan:
             or ``"math"``).
         memory: ``"linear"`` or ``"quadratic"`` extra memory in the sequence length.
         memory_note: why, in words.
+
+    Example:
+        >>> from attnlab.backends import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> sdpa_plan(build_call(q, q, q, mask=lambda b, h, i, j: i >= j)).mask_source
+        'materialised'
     """
 
     mask_source: str
