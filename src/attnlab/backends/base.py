@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 
-__all__ = ["AttentionResult", "Backend", "register", "registry"]
+__all__ = ["AttentionResult", "Backend", "register", "registry", "call_flops"]
 
 
 @dataclass
@@ -69,6 +69,31 @@ class Backend:
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         raise NotImplementedError
+
+
+def call_flops(call: AttentionCall, *, causal: bool | None = None) -> float:
+    """FLOPs ``call`` will cost under DESIGN.md's convention, for backends' cost estimates.
+
+    Forward only, or forward+backward (3.5x) when the call needs gradients.
+
+    Args:
+        call: the call.
+        causal: whether to halve the count for a causal mask the kernel really skips; defaults
+            to ``call.causal``.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> call_flops(build_call(q, q, q, causal=True))
+        256.0
+    """
+    from attnlab.bench import attention_flops
+
+    return attention_flops(
+        call.batch, call.q_heads, call.tq, call.tk, call.head_dim, call.value_dim,
+        causal=call.causal if causal is None else causal,
+        mode="fwd+bwd" if call.requires_grad else "fwd",
+    )
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import weakref
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab.backends.base import AttentionResult, Backend, register
+from attnlab.backends.base import AttentionResult, Backend, call_flops, register
 
 try:  # FlexAttention appeared in PyTorch 2.5
     from torch.nn.attention import flex_attention as _flex_module
@@ -164,6 +165,12 @@ def _prescaled_q(call: AttentionCall) -> Tensor:
     return call.q if abs(factor - 1.0) < 1e-12 else call.q * factor
 
 
+@functools.lru_cache(maxsize=1)
+def _has_cpp_compiler() -> bool:
+    """Whether torch.compile's CPU code generation can find a C++ compiler (looked up once)."""
+    return shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
 class FlexBackend(Backend):
     """FlexAttention, compiled once; block-sparse masks cached per mask; CPU forward only.
 
@@ -205,7 +212,7 @@ class FlexBackend(Backend):
             found.append("FlexAttention has no backward on CPU (torch.compile's CPU kernel is inference only)")
         if device == "cpu" and call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             found.append(f"FlexAttention's CPU kernel supports fp32/bf16/fp16, not {call.dtype}")
-        if device == "cpu" and shutil.which("c++") is None and shutil.which("g++") is None:
+        if device == "cpu" and not _has_cpp_compiler():
             found.append("torch.compile on CPU needs a C++ compiler and none was found")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
@@ -232,12 +239,8 @@ class FlexBackend(Backend):
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: FLOPs at the kernel's rate, plus compilation while not yet compiled."""
-        flops = 2.0 * call.batch * call.q_heads * call.tq * call.tk * (call.head_dim + call.value_dim)
-        if call.causal:
-            flops /= 2
         on_cuda = call.device.type == "cuda"
-        seconds = _CALL_OVERHEAD_S + flops * (3.5 if call.requires_grad else 1.0) / (
-            _CUDA_RATE if on_cuda else _CPU_RATE)
+        seconds = _CALL_OVERHEAD_S + call_flops(call) / (_CUDA_RATE if on_cuda else _CPU_RATE)
         if self._variant(call) not in self._variants:
             seconds += _COMPILE_VARIANT_S if self._compiled is not None else _COMPILE_FIRST_S
         return seconds

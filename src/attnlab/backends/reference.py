@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab.backends.base import AttentionResult, Backend, register
+from attnlab.backends.base import AttentionResult, Backend, call_flops, register
 
 __all__ = ["ReferenceBackend", "repeat_kv", "masked_scores", "softmax_rows", "apply_dropout"]
 
@@ -104,6 +104,15 @@ class ReferenceBackend(Backend):
     name = "reference"
     memory = "quadratic"
     description = "explicit softmax(q k^T * scale + mask) v; O(T^2) memory; the fp64 oracle"
+
+    # Unfused matmul + softmax + matmul on CPU, measured like the other backends' rates.
+    cpu_rate = 15e9
+    cuda_rate = 5e12
+
+    def cost(self, call: AttentionCall) -> float:
+        """Estimated seconds: every score is computed (no causal saving) at an unfused rate."""
+        rate = self.cuda_rate if call.device.type == "cuda" else self.cpu_rate
+        return call_flops(call, causal=False) / rate
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         q, k, v = call.q, repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads)

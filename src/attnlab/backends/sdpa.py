@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab.backends.base import AttentionResult, Backend, register
+from attnlab.backends.base import AttentionResult, Backend, call_flops, register
 from attnlab.backends.reference import repeat_kv
 
 __all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for"]
@@ -60,7 +60,6 @@ _CPU_FLASH_RATE = {"none": 145e9, "is_causal": 65e9, "user": 75e9, "materialised
 _CPU_RATE = {"flash": 145e9, "math": 15e9}
 _CUDA_RATE = {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12}
 _CALL_OVERHEAD_S = {"cpu": 30e-6, "cuda": 15e-6}
-_BACKWARD_FACTOR = 2.5  # DESIGN.md's FLOP convention: backward = 2.5 x forward
 
 
 @dataclass(frozen=True)
@@ -250,11 +249,6 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
     return out
 
 
-def _attention_flops(call: AttentionCall) -> float:
-    flops = 2.0 * call.batch * call.q_heads * call.tq * call.tk * (call.head_dim + call.value_dim)
-    return flops / 2 if _mask_source(call) == "is_causal" else flops
-
-
 class SdpaBackend(Backend):
     """PyTorch's ``scaled_dot_product_attention`` (CPU flash; CUDA flash/efficient/cuDNN).
 
@@ -295,7 +289,7 @@ class SdpaBackend(Backend):
             rate = _CPU_FLASH_RATE[_mask_source(call)]
         else:
             rate = _CPU_RATE["math"]
-        flops = _attention_flops(call) * (1.0 + _BACKWARD_FACTOR * call.requires_grad)
+        flops = call_flops(call, causal=_mask_source(call) == "is_causal")
         return _CALL_OVERHEAD_S["cuda" if on_cuda else "cpu"] + flops / rate
 
     def forward(self, call: AttentionCall) -> AttentionResult:
