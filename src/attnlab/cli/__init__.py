@@ -4,29 +4,32 @@ from __future__ import annotations
 
 import typer
 
-from attnlab.cli import explain_cmd
-from attnlab.cli import verify_cmd, backends_cmd, bench_cmd  # noqa: E401
+from attnlab.cli import backends_cmd, bench_cmd, explain_cmd, verify_cmd
+
+HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
+
+Start with `attnlab explain` to watch a sentence go through self-attention step by step
+(it also writes heatmaps and an offline HTML report). `attnlab verify` checks every fast
+backend against the fp64 reference on this machine, `attnlab backends` says which backend
+a call would use and why, and `attnlab bench` times them. `attnlab COMMAND --help` for more.
+"""
 
 app = typer.Typer(
     name="attnlab",
-    help=(
-        "attnlab: attention mechanisms on PyTorch.\n\n"
-        "Start with `attnlab explain` to watch a sentence go through self-attention step by step."
-    ),
+    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
-
 
 
 @app.callback()
 def _root() -> None:
-    """attnlab: attention mechanisms on PyTorch."""
+    """Keep `attnlab` a group of commands (typer collapses a one-command app)."""
 
 
-explain_cmd.register(app)
-for _command in (verify_cmd, backends_cmd, bench_cmd):
+for _command in (explain_cmd, verify_cmd, backends_cmd, bench_cmd):
     _command.register(app)
 
 

@@ -11,7 +11,7 @@ def bench(
 ) -> None:
     """Time attnlab's implementations side by side on this machine and print GFLOP/s, the
     fraction of the same-dtype matrix-multiply rate measured in the same run, and ratios to the
-    fastest. FLOPs follow DESIGN.md (forward 4*B*H*Tq*Tk*D, halved for causal)."""
+    fastest. FLOPs follow DESIGN.md (forward 4·B·H·Tq·Tk·D, halved for causal)."""
     from attnlab import bench as _bench
 
     if suite not in _bench.SUITES + ("all",):
