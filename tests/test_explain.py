@@ -198,6 +198,16 @@ def test_causal_flag_equals_causal_mode(tmp_path):
     assert "Causal mask" in flag and flag == mode
 
 
+def test_sentence_option_equals_sentence_argument(tmp_path):
+    common = ("--out", str(tmp_path), "--format", "html", "--no-color")
+    by_option = _run("--sentence", "The sun rises in the east", *common)
+    by_argument = _run("The sun rises in the east", *common)
+    assert by_option.exit_code == 0 and "'east'" in by_option.output
+    assert by_option.output == by_argument.output
+    both = _run("The cat sat", "--sentence", "The dog ran", *common)
+    assert both.exit_code != 0 and both.output.strip().startswith("error: give the sentence once")
+
+
 @pytest.mark.parametrize("args, word, mode", [
     ((), "it", "self"),
     (("--query", "meal"), "meal", "self"),

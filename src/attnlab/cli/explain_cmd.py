@@ -43,6 +43,8 @@ def _fail(message: str) -> None:
 
 def explain(
     sentence: str = typer.Argument(DEFAULT_SENTENCE, help="The sentence to walk through."),
+    sentence_option: str = typer.Option(None, "--sentence",
+                                        help="The sentence, as an option (same as SENTENCE)."),
     mode: str = typer.Option("self", "--mode", help="self, causal, multihead or cross."),
     context: str = typer.Option(None, "--context",
                                 help="cross mode: the sentence keys and values come from "
@@ -61,6 +63,10 @@ def explain(
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
 ) -> None:
     """Walk SENTENCE through attention, printing every step, and write heatmaps and an HTML report."""
+    if sentence_option is not None:
+        if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
+            _fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
+        sentence = sentence_option
     if model not in MODELS:
         _fail(f"--model {model!r} is not available; only 'tutorial' (seeded random weights) exists for now")
     if fmt not in FORMATS:
