@@ -9,37 +9,14 @@ from torch import nn
 import attnlab.backends
 from attnlab import masks
 from attnlab.nn import MultiHeadAttention, alibi_bias
+from attnlab.nn.benchmark import SeedMultiHeadAttention  # document 001's module, as written
 
 BACKENDS = ["reference", "sdpa", "chunked", "flex"]
 
 
-class DocMultiHeadAttention(nn.Module):
-    """Document 001's MultiHeadAttention, verbatim in its math (explicit masked softmax)."""
-
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
-        super().__init__()
-        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
-        self.dropout = nn.Dropout(dropout)
-        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        split = lambda y: y.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
-        keys, queries, values = split(self.W_key(x)), split(self.W_query(x)), split(self.W_value(x))
-        attn_scores = queries @ keys.transpose(2, 3)
-        attn_scores.masked_fill_(self.mask.bool()[:t, :t], -torch.inf)
-        attn_weights = self.dropout(torch.softmax(attn_scores / self.head_dim**0.5, dim=-1))
-        context_vec = (attn_weights @ values).transpose(1, 2).contiguous().view(b, t, self.d_out)
-        return self.out_proj(context_vec)
-
-
 def test_seed_initialisation_and_state_dict_layout_match_the_document():
     torch.manual_seed(1240)
-    doc = DocMultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
+    doc = SeedMultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
     torch.manual_seed(1240)
     ours = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
     for part in ("W_query", "W_key", "W_value"):
