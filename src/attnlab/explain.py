@@ -282,7 +282,7 @@ def trace(
     contexts = [_head_steps(result, unit, h, x, x_kv, generator) for h, unit in enumerate(_units(result.module))]
     result.output = torch.cat(contexts, dim=-1)  # (Tq, heads * d_v)
     if heads > 1:
-        result.steps.append(_step("output", f"Output  concat(heads)", result.output,
+        result.steps.append(_step("output", "Output  concat(heads)", result.output,
                                   f"The {heads} heads' context vectors side by side: each token gets "
                                   f"{heads} x {d_v} = {heads * d_v} numbers.", tokens, _dims("o", heads * d_v)))
     return result

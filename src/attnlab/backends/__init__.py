@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch  # noqa: F401  (the doctest examples use it)
+
 from attnlab._call import AttentionCall, build_call
 from attnlab.backends.base import AttentionResult, Backend, register, registry
 
@@ -257,5 +259,3 @@ def _describe(call: AttentionCall) -> str:
         parts.append("needs grad")
     return "call: " + ", ".join(parts)
 
-
-import torch  # noqa: E402  (used by the doctest examples above)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor
 
 from attnlab._call import AttentionCall

@@ -49,7 +49,7 @@ try:  # FlexAttention appeared in PyTorch 2.5
 except ImportError:  # pragma: no cover - depends on the installed torch
     _flex_module = None
 
-__all__ = ["FlexBackend", "DenseMaskMod", "BiasScoreMod"]
+__all__ = ["FlexBackend", "BiasScoreMod"]
 
 _COMPILE_FIRST_S = 20.0  # measured: first torch.compile of flex_attention on a 2-core CPU
 _COMPILE_VARIANT_S = 8.0  # measured: each further variant (shape, dtype, masked or not)

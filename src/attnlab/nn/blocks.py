@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
 from attnlab.nn.cache import KVCache
