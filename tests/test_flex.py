@@ -74,3 +74,19 @@ def test_cuda_forward_backward_and_lse():
     torch.testing.assert_close(weights.double(), want_weights, atol=1e-4, rtol=1e-4)
     for got, exp in zip((q, k, v), ref):
         torch.testing.assert_close(got.grad.double(), exp.grad, atol=1e-3, rtol=1e-3)
+
+
+def test_declines_a_new_shape_past_its_compile_bound(monkeypatch):
+    """Past Dynamo's recompile limit flex would run unfused (O(T^2)); it must decline instead."""
+    flex = backends.get("flex")
+    q, k, v = _qkv()
+    with torch.no_grad():
+        attnlab.attention(q, k, v, backend="flex")  # compiled: this variant stays served
+        monkeypatch.setattr("attnlab.backends.flex._MAX_VARIANTS", len(flex._variants))
+        assert backends.reasons(build_call(q, k, v))["flex"] == []
+        other = torch.randn(1, 1, 5, 40)
+        reasons = backends.reasons(build_call(other, other, other))["flex"]
+        assert any("unfused with O(T^2) memory" in r for r in reasons)
+        with pytest.raises(ValueError, match="shapes are compiled"):
+            attnlab.attention(other, other, other, backend="flex")
+        assert attnlab.backends.select(build_call(other, other, other)).name != "flex"

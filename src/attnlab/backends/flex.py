@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 import shutil
 import weakref
@@ -165,10 +164,14 @@ def _prescaled_q(call: AttentionCall) -> Tensor:
     return call.q if abs(factor - 1.0) < 1e-12 else call.q * factor
 
 
-@functools.lru_cache(maxsize=1)
-def _has_cpp_compiler() -> bool:
-    """Whether torch.compile's CPU code generation can find a C++ compiler (looked up once)."""
-    return shutil.which("c++") is not None or shutil.which("g++") is not None
+# torch.compile's CPU code generation needs a C++ compiler; looked up once, at import, so that
+# neither dispatch nor a torch.compile'd caller ever traces the lookup.
+_HAS_CPP_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+
+# Dynamo compiles at most `recompile_limit` (default 8) variants of one function per process and
+# then silently runs flex_attention unfused, materialising the O(T^2) scores. The kernel call
+# raises that limit for flex alone, and the backend declines a new variant past this bound.
+_MAX_VARIANTS = 64
 
 
 class FlexBackend(Backend):
@@ -212,8 +215,11 @@ class FlexBackend(Backend):
             found.append("FlexAttention has no backward on CPU (torch.compile's CPU kernel is inference only)")
         if device == "cpu" and call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             found.append(f"FlexAttention's CPU kernel supports fp32/bf16/fp16, not {call.dtype}")
-        if device == "cpu" and not _has_cpp_compiler():
+        if device == "cpu" and not _HAS_CPP_COMPILER:
             found.append("torch.compile on CPU needs a C++ compiler and none was found")
+        if self._variant(call) not in self._variants and len(self._variants) >= _MAX_VARIANTS:
+            found.append(f"{_MAX_VARIANTS} shapes are compiled in this process already; another would "
+                         "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
         return found
@@ -269,10 +275,11 @@ class FlexBackend(Backend):
         score_mod, block_mask = self._mods(call)
         want_lse = call.device.type == "cuda"
         try:
-            result = self._kernel()(
-                _prescaled_q(call), call.k, call.v, score_mod=score_mod, block_mask=block_mask,
-                scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
-            )
+            with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS):
+                result = self._kernel()(
+                    _prescaled_q(call), call.k, call.v, score_mod=score_mod, block_mask=block_mask,
+                    scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
+                )
         except Exception as error:  # compile failures surface here; decline from now on
             if "Inductor" in type(error).__name__ or "Backend" in type(error).__name__:
                 self._compile_error[call.device.type] = str(error).splitlines()[0][:200]
