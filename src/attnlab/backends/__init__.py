@@ -87,11 +87,12 @@ def reasons(call: AttentionCall) -> dict[str, list[str]]:
         >>> reasons(build_call(q, q, q))["reference"]
         []
     """
-    result = {}
-    for name, backend in registry().items():
-        unavailable = backend.unavailable_reason()
-        result[name] = [unavailable] if unavailable else backend.not_supported_reasons(call)
-    return result
+    return {name: _reasons_of(backend, call) for name, backend in registry().items()}
+
+
+def _reasons_of(backend: Backend, call: AttentionCall) -> list[str]:
+    unavailable = backend.unavailable_reason()
+    return [unavailable] if unavailable else backend.not_supported_reasons(call)
 
 
 def memory_class(backend: Backend, call: AttentionCall) -> str:
@@ -132,7 +133,7 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     """
     if name != "auto":
         backend = get(name)
-        why_not = reasons(call)[name]
+        why_not = _reasons_of(backend, call)  # only the named backend's, not every one's
         if why_not:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(why_not))
         return backend

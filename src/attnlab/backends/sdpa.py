@@ -154,6 +154,12 @@ def sdpa_plan(call: AttentionCall) -> SdpaPlan:
         >>> sdpa_plan(build_call(q, q, q, causal=True)).memory
         'linear'
     """
+    if "sdpa_plan" not in call._cache:  # dispatch asks for it from memory_for and cost
+        call._cache["sdpa_plan"] = _plan(call)
+    return call._cache["sdpa_plan"]
+
+
+def _plan(call: AttentionCall) -> SdpaPlan:
     source = _mask_source(call)
     kernel = kernel_for(call)
     if kernel == "math":
@@ -281,15 +287,15 @@ class SdpaBackend(Backend):
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
-        kernel = kernel_for(call)
+        plan = sdpa_plan(call)
         on_cuda = call.device.type == "cuda"
         if on_cuda:
-            rate = _CUDA_RATE.get(kernel, _CUDA_RATE["math"])
-        elif kernel == "flash":
-            rate = _CPU_FLASH_RATE[_mask_source(call)]
+            rate = _CUDA_RATE.get(plan.kernel, _CUDA_RATE["math"])
+        elif plan.kernel == "flash":
+            rate = _CPU_FLASH_RATE[plan.mask_source]
         else:
             rate = _CPU_RATE["math"]
-        flops = call_flops(call, causal=_mask_source(call) == "is_causal")
+        flops = call_flops(call, causal=plan.mask_source == "is_causal")
         return _CALL_OVERHEAD_S["cuda" if on_cuda else "cpu"] + flops / rate
 
     def forward(self, call: AttentionCall) -> AttentionResult:
