@@ -351,10 +351,8 @@ class MultiHeadAttention(nn.Module):
         if self.context_length is not None and context is None and Tk > self.context_length:
             raise ValueError(f"{Tk} tokens (cached + new) exceed context_length={self.context_length}")
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
-        # One query per step sees every cached key anyway: no causal mask to build.
-        causal = self.causal and context is None and Tq > 1
-        result = attention(
-            q, k, v, mask=mask, causal=causal,
+        result = attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
+            q, k, v, mask=mask, causal=self.causal and context is None,
             align="bottom_right" if offset else "top_left",
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, return_weights=need_weights,
