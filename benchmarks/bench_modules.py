@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.nn.benchmark import run_modules_suite
+from attnlab.bench.modules import run_modules_suite
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from attnlab import masks
 from attnlab._memory import PeakMemory
 from attnlab.backends import build_call, get, select
 from attnlab.backends.chunked import chunked_attention, draw_dropout_seed, dropout_keep
-from attnlab.backends.reference import masked_scores, repeat_kv, softmax_rows
+from attnlab._math import masked_scores, repeat_kv, softmax_rows
 
 FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 

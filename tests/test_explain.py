@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from attnlab.cli import app
 from attnlab.explain import DEFAULT_SENTENCE, split_for_cross, tokenize, trace
-from attnlab.nn import tutorial
+from attnlab import tutorial
 
 DOC_SENTENCE = "The sun rises in the east"
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from attnlab import attention, masks
-from attnlab.backends.reference import apply_dropout
-from attnlab.nn import (
+from attnlab._math import apply_dropout
+from attnlab.nn import MultiHeadAttention
+from attnlab.tutorial import (
     CausalAttention,
     CrossAttention,
-    MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention,
     SimpleSelfAttention,

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from attnlab import attention
-from attnlab.nn import (
+from attnlab.nn import MultiHeadAttention
+from attnlab.tutorial import (
     AttentionHead,
     CausalAttention,
     CrossAttention,
-    MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention,
     SimpleSelfAttention,

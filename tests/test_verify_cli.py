@@ -30,7 +30,7 @@ def test_verify_fails_on_a_broken_backend():
     try:
         result = runner.invoke(app, ["verify", "--quick", "--backend", "broken-test"])
     finally:
-        backends.base._REGISTRY.pop("broken-test")
+        backends.unregister("broken-test")
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.output
 

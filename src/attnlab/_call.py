@@ -15,8 +15,13 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
+from attnlab._checks import finite_number, probability
 
-__all__ = ["AttentionCall", "build_call"]
+__all__ = ["AttentionCall", "build_call", "MEMO_KEYS"]
+
+# What a call may remember once computed: the dense mask of attendable positions, and sdpa's
+# plan (the kernel choice, asked for by dispatch's memory and cost questions and by forward).
+MEMO_KEYS = ("allowed", "sdpa_plan")
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class AttentionCall:
     generator: torch.Generator | None
     input_rank: int
     return_weights: bool = False
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     # Sizes, named as in the docs.
     @property
@@ -106,6 +111,21 @@ class AttentionCall:
         """Query ``i`` may see keys ``j <= i + causal_offset`` when ``causal`` is set."""
         return _masks.causal_offset(self.tq, self.tk, self.align)
 
+    def memo(self, key: str, compute: Callable[[], object]):
+        """The value of ``compute()`` under ``key`` (one of :data:`MEMO_KEYS`), computed once per call.
+
+        Example:
+            >>> q = torch.randn(1, 1, 2, 4)
+            >>> call = build_call(q, q, q)
+            >>> call.memo("sdpa_plan", lambda: "plan"), call.memo("sdpa_plan", lambda: "other")
+            ('plan', 'plan')
+        """
+        if key not in MEMO_KEYS:
+            raise KeyError(f"memo key must be one of {MEMO_KEYS}, got {key!r}")
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def mask_mod(self) -> Callable | None:
         """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
         parts = []
@@ -121,20 +141,21 @@ class AttentionCall:
         Combines ``causal``, a bool mask and a mask mod; a float mask is not included (see
         :meth:`bias`). Returns ``None`` when nothing is masked. Cached per call.
         """
-        if "allowed" not in self._cache:
-            parts = []
-            mod = self.mask_mod()
-            if mod is not None:
-                parts.append(
-                    _masks.materialize(
-                        mod, tq=self.tq, tk=self.tk, batch=self.batch, heads=self.q_heads,
-                        device=self.device,
-                    )
+        return self.memo("allowed", self._dense_allowed)
+
+    def _dense_allowed(self) -> Tensor | None:
+        parts = []
+        mod = self.mask_mod()
+        if mod is not None:
+            parts.append(
+                _masks.materialize(
+                    mod, tq=self.tq, tk=self.tk, batch=self.batch, heads=self.q_heads,
+                    device=self.device,
                 )
-            if self.mask_kind == "bool":
-                parts.append(self.mask)
-            self._cache["allowed"] = _masks.and_masks(*parts)
-        return self._cache["allowed"]
+            )
+        if self.mask_kind == "bool":
+            parts.append(self.mask)
+        return _masks.and_masks(*parts)
 
     def bias(self) -> Tensor | None:
         """The float (additive) mask, broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
@@ -223,14 +244,9 @@ def _check_options(causal: object, align: object, scale: object, dropout_p: obje
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     _masks.check_align(align)  # type: ignore[arg-type]
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-    ):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None:
+        finite_number("scale", scale)
+    probability("dropout_p", dropout_p)
 
 
 def build_call(

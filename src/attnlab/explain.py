@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from attnlab.backends.reference import apply_dropout, softmax_rows
+from attnlab import tutorial
+from attnlab._math import apply_dropout, softmax_rows
 from attnlab.masks import causal_mask
 
 __all__ = [
@@ -335,8 +336,6 @@ def _build_module(mode: str, d_model: int, d_kq: int, d_v: int, heads: int, caus
     CausalAttention that also allows d_v != d_kq. All create W_query, W_key, W_value in that
     order, so one seed gives every mode the same first-head weights.
     """
-    from attnlab.nn import tutorial
-
     if mode == "multihead":
         return tutorial.MultiHeadAttentionWrapper(d_model, d_kq, d_v, heads, causal=causal, dropout=dropout, init=init)
     if causal or dropout > 0:

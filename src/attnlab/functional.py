@@ -7,10 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnlab import backends as _backends
 from attnlab._call import AttentionCall, build_call
+from attnlab._math import masked_scores, repeat_kv, softmax_rows
+from attnlab.backends.dispatch import select
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_weights"]
 
 
 def attention(
@@ -78,30 +79,48 @@ def attention(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         generator=generator, return_weights=return_weights,
     )
-    result = _backends.select(call, backend).forward(call)
+    result = select(call, backend).forward(call)
     out = _restore_rank(result.out, call.input_rank)
     if not return_weights:
         return out
-    weights = result.weights if result.weights is not None else attention_weights(call, result.lse)
+    weights = result.weights if result.weights is not None else _weights_of(call, result.lse)
     return out, _restore_rank(weights, call.input_rank)
 
 
-def attention_weights(call: AttentionCall, lse: Tensor | None = None) -> Tensor:
-    """Attention weights ``(B, Hq, Tq, Tk)`` (before dropout) recomputed from q and k.
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Callable | None = None,
+    causal: bool = False,
+    align: str = "top_left",
+    scale: float | None = None,
+) -> Tensor:
+    """The attention weights ``softmax(q k^T * scale + mask)`` that :func:`attention` applies.
 
-    With the row log-sum-exp ``lse`` ``(B, Hq, Tq)`` from a fast backend, the weights are
-    ``exp(scores - lse)`` without a second softmax reduction; without it, a plain softmax.
-    Rows with no attendable key are zero.
+    The same weights as ``attention(..., return_weights=True)`` returns, without computing the
+    output: rows sum to 1, blocked keys get 0, and a query with no attendable key gets a zero
+    row. Arguments mean what they mean for :func:`attention`; no gradient is recorded.
+
+    Shapes:
+        q ``(..., Tq, D)``, k ``(..., Tk, D)`` -> weights ``(..., Hq, Tq, Tk)`` for rank-4 input,
+        ``(..., Tq, Tk)`` for rank 2 and 3.
 
     Example:
-        >>> from attnlab._call import build_call
-        >>> q = torch.randn(1, 1, 3, 4)
-        >>> weights = attention_weights(build_call(q, q, q))   # (1, 1, 3, 3)
-        >>> torch.allclose(weights.sum(-1), torch.ones(1, 1, 3))
-        True
+        >>> q = torch.randn(1, 2, 3, 4)                 # (B, H, T, D)
+        >>> weights = attention_weights(q, q, causal=True)
+        >>> weights.shape, bool(torch.allclose(weights.sum(-1), torch.ones(1, 2, 3)))
+        (torch.Size([1, 2, 3, 3]), True)
     """
-    from attnlab.backends.reference import masked_scores, repeat_kv, softmax_rows
+    # v only fixes the shapes for validation; it is never read.
+    v = k.new_zeros(()).expand(k.shape) if isinstance(k, Tensor) else k
+    call = build_call(q, k, v, mask=mask, causal=causal, align=align, scale=scale)
+    return _restore_rank(_weights_of(call), call.input_rank)
 
+
+def _weights_of(call: AttentionCall, lse: Tensor | None = None) -> Tensor:
+    """Weights ``(B, Hq, Tq, Tk)`` of a validated call; with a backend's row log-sum-exp
+    ``lse`` ``(B, Hq, Tq)`` they are ``exp(scores - lse)`` without a second softmax reduction."""
     with torch.no_grad():
         attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
         if lse is None:

@@ -37,6 +37,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from attnlab._checks import one_of, positive_int
+
 __all__ = [
     "ALIGNMENTS",
     "MaskMod",
@@ -61,10 +63,14 @@ ALIGNMENTS = ("top_left", "bottom_right")
 MaskLike = Union[Tensor, Callable, None]
 
 
-def check_align(align: str) -> None:
-    """Raise ``ValueError`` unless ``align`` is one of :data:`ALIGNMENTS`."""
-    if align not in ALIGNMENTS:
-        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+def check_align(align: str) -> str:
+    """``align`` if it is one of :data:`ALIGNMENTS`; ``ValueError`` otherwise.
+
+    Example:
+        >>> check_align("bottom_right")
+        'bottom_right'
+    """
+    return one_of("align", align, ALIGNMENTS)
 
 
 def causal_offset(tq: int, tk: int, align: str = "top_left") -> int:
@@ -156,9 +162,7 @@ class SlidingWindowMod(MaskMod):
     """
 
     def __init__(self, window: int, offset: int = 0):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
-        self.window = window
+        self.window = positive_int("window", window)
         self.offset = int(offset)
 
     def __call__(self, b, h, q_idx, kv_idx):

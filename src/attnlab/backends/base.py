@@ -1,15 +1,33 @@
-"""The backend protocol and the registry every backend adds itself to."""
+"""The backend protocol: what a backend declares, and the refusal reasons derived from it.
+
+A backend states its capabilities as class attributes (devices, dtypes, dropout, where its
+backward runs, its memory class); :meth:`Backend.not_supported_reasons` turns them into
+reasons in words and adds whatever :meth:`Backend.limits` says about one call. Dispatch
+(:mod:`attnlab.backends.dispatch`) reads only this interface.
+
+Example:
+    >>> import torch
+    >>> from attnlab._call import build_call
+    >>> class CpuOnly(Backend):
+    ...     name, devices, dropout = "cpu-only", ("cpu",), False
+    >>> q = torch.randn(1, 1, 3, 4)
+    >>> CpuOnly().not_supported_reasons(build_call(q, q, q, dropout_p=0.1))
+    ['cpu-only has no dropout (dropout_p > 0)']
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch  # noqa: F401  (the doctest examples use it)
+import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
+from attnlab._flops import attention_flops
 
-__all__ = ["AttentionResult", "Backend", "register", "registry", "call_flops"]
+__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES"]
+
+MEMORY_CLASSES = ("linear", "quadratic")  # extra memory in the sequence length: O(T), O(T^2)
 
 
 @dataclass
@@ -35,10 +53,20 @@ class AttentionResult:
 class Backend:
     """One way of computing attention under attnlab's single contract.
 
-    Subclasses set ``name``, ``memory`` (``"quadratic"`` or ``"linear"`` in the sequence
-    length), ``description``, and implement :meth:`forward`. They override
-    :meth:`not_supported_reasons` to decline calls they cannot serve exactly and
-    :meth:`unavailable_reason` when they cannot run in this installation at all.
+    Subclasses set ``name`` and ``description``, declare their capabilities, and implement
+    :meth:`forward` and :meth:`cost`. Where a capability depends on more than these attributes,
+    :meth:`limits` adds reasons for one call and :meth:`unavailable_reason` says why the backend
+    cannot run in this installation at all.
+
+    Attributes:
+        name: registry key, as passed to ``attnlab.attention(..., backend=name)``.
+        description: one line for ``attnlab backends``.
+        memory: ``"linear"`` or ``"quadratic"`` extra memory in T, unless :meth:`memory_for`
+            refines it per call.
+        devices: device types it runs on (``None``: any).
+        dtypes: per device type, the dtypes it supports (a device not listed: every float dtype).
+        dropout: whether it implements ``dropout_p > 0``.
+        backward_devices: device types where its output can be differentiated (``None``: any).
 
     Example:
         >>> class Zeros(Backend):
@@ -52,27 +80,103 @@ class Backend:
     """
 
     name: str = ""
-    memory: str = "quadratic"
     description: str = ""
+    memory: str = "quadratic"
+    devices: tuple[str, ...] | None = None
+    dtypes: dict[str, tuple[torch.dtype, ...]] = {}
+    dropout: bool = True
+    backward_devices: tuple[str, ...] | None = None
 
     def unavailable_reason(self) -> str | None:
-        """Why this backend cannot run here at all (None when it can)."""
+        """Why this backend cannot run in this installation at all (None when it can).
+
+        Example:
+            >>> Backend().unavailable_reason() is None
+            True
+        """
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        """Every reason this backend cannot serve ``call`` exactly; empty when it can."""
+        """Every reason this backend cannot serve ``call`` exactly; empty when it can.
+
+        Derived from the declared capabilities, then :meth:`limits`.
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().not_supported_reasons(build_call(q, q, q))
+            []
+        """
+        device = _device_word(call.device.type)
+        found = []
+        if self.devices is not None and call.device.type not in self.devices:
+            found.append(f"{self.name} runs on {'/'.join(map(_device_word, self.devices))} only, not {device}")
+        allowed_dtypes = self.dtypes.get(call.device.type)
+        if allowed_dtypes is not None and call.dtype not in allowed_dtypes:
+            names = "/".join(str(d).replace("torch.", "") for d in allowed_dtypes)
+            found.append(f"{self.name} supports {names} on {device}, not {call.dtype}")
+        if not self.dropout and call.dropout_p > 0.0:
+            found.append(f"{self.name} has no dropout (dropout_p > 0)")
+        if (call.requires_grad and self.backward_devices is not None
+                and call.device.type not in self.backward_devices):
+            found.append(f"{self.name} has no backward on {device}")
+        return found + self.limits(call)
+
+    def limits(self, call: AttentionCall) -> list[str]:
+        """Reasons beyond the declared capabilities why ``call`` cannot be served (default none).
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().limits(build_call(q, q, q))
+            []
+        """
         return []
 
+    def memory_for(self, call: AttentionCall) -> str:
+        """``"linear"`` or ``"quadratic"``: the extra memory this backend needs for ``call``.
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().memory_for(build_call(q, q, q))
+            'quadratic'
+        """
+        return self.memory
+
+    def memory_note(self, call: AttentionCall) -> str:
+        """Why ``call`` has its memory class, in a few words ("" when there is nothing to add).
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().memory_note(build_call(q, q, q))
+            ''
+        """
+        return ""
+
     def cost(self, call: AttentionCall) -> float:
-        """Relative expected time for ``call``; lower wins under ``backend="auto"``."""
+        """Estimated seconds for ``call`` (rates in :mod:`attnlab.backends.rates`); lower wins.
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().cost(build_call(q, q, q))
+            1.0
+        """
         return 1.0
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        raise NotImplementedError
+        """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement forward")
+
+
+def _device_word(device_type: str) -> str:
+    return device_type.upper() if device_type in ("cpu", "cuda", "mps", "xpu") else device_type
 
 
 def call_flops(call: AttentionCall, *, causal: bool | None = None) -> float:
-    """FLOPs ``call`` will cost under DESIGN.md's convention, for backends' cost estimates.
+    """FLOPs ``call`` will cost under attnlab's convention, for backends' cost estimates.
 
     Forward only, or forward+backward (3.5x) when the call needs gradients.
 
@@ -87,36 +191,8 @@ def call_flops(call: AttentionCall, *, causal: bool | None = None) -> float:
         >>> call_flops(build_call(q, q, q, causal=True))
         256.0
     """
-    from attnlab.bench import attention_flops
-
     return attention_flops(
         call.batch, call.q_heads, call.tq, call.tk, call.head_dim, call.value_dim,
         causal=call.causal if causal is None else causal,
         mode="fwd+bwd" if call.requires_grad else "fwd",
     )
-
-
-_REGISTRY: dict[str, Backend] = {}
-
-
-def register(backend: Backend) -> Backend:
-    """Add ``backend`` to the registry under ``backend.name`` (replacing one of that name).
-
-    Example:
-        >>> register(registry()["reference"]).name
-        'reference'
-    """
-    if not backend.name:
-        raise ValueError("backend.name must be a non-empty string")
-    _REGISTRY[backend.name] = backend
-    return backend
-
-
-def registry() -> dict[str, Backend]:
-    """The registered backends by name, in registration order.
-
-    Example:
-        >>> list(registry())[0]
-        'reference'
-    """
-    return dict(_REGISTRY)

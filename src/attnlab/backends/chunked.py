@@ -45,8 +45,10 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab.backends.base import AttentionResult, Backend, register
-from attnlab.backends.reference import repeat_kv
+from attnlab._math import repeat_kv
+from attnlab.backends.base import AttentionResult, Backend
+from attnlab.backends.rates import RATES
+from attnlab.backends.registry import register
 
 __all__ = [
     "ChunkedBackend",
@@ -450,18 +452,6 @@ class ChunkedBackend(Backend):
         return chunked_attention(call)
 
 
-# Cost model, on the scale of sdpa.py's (its CPU flash kernel: ~40 GFLOP/s forward on the 2-core
-# CPU of BENCHMARKS.md). Interleaved runs of both backends on that CPU (fp32, D=64, T=256..4096,
-# one thread so that the machine's load hits both alike) put chunked at ~0.55x the flash rate
-# forward (22 GFLOP/s) and at 2.7x its own forward time for forward+backward (~0.7x flash's
-# forward+backward rate). Masks add per-tile work (measured at T=1024): a float bias x1.2, a
-# dense bool mask x1.75, a mask mod x1.5, causal's diagonal tiles ~x1.2; dropout's hashing x1.85.
-_FORWARD_FLOPS_PER_S = 22e9
-_FORWARD_BACKWARD_FACTOR = 2.7
-_SECONDS_PER_TILE = 30e-6
-_MASK_FACTOR = {"none": 1.0, "float": 1.2, "bool": 1.75, "mod": 1.5}
-_CAUSAL_FACTOR = 1.2
-_DROPOUT_FACTOR = 1.85
 
 
 def _visited_keys(call: AttentionCall, q_block: int, kv_block: int) -> tuple[int, int]:
@@ -484,15 +474,16 @@ def _estimated_seconds(call: AttentionCall) -> float:
     Tiles that ``kv_bounds`` rules out (causal, sliding window) are not counted; a dense mask
     is assumed to leave every tile alive.
     """
+    rates = RATES["chunked"]
     keys, tiles = _visited_keys(call, DEFAULT_Q_BLOCK, DEFAULT_KV_BLOCK)
     flops = 2 * call.batch * call.q_heads * keys * (call.head_dim + call.value_dim)
-    seconds = flops / _FORWARD_FLOPS_PER_S + tiles * _SECONDS_PER_TILE
-    seconds *= _MASK_FACTOR[call.mask_kind]
+    seconds = flops / rates["forward_flops_per_s"] + tiles * rates["seconds_per_tile"]
+    seconds *= rates["mask_factor"][call.mask_kind]
     if call.causal and call.mask_kind == "none":
-        seconds *= _CAUSAL_FACTOR
+        seconds *= rates["causal_factor"]
     if call.dropout_p > 0.0:
-        seconds *= _DROPOUT_FACTOR
-    return seconds * (_FORWARD_BACKWARD_FACTOR if call.requires_grad else 1.0)
+        seconds *= rates["dropout_factor"]
+    return seconds * (rates["forward_backward_factor"] if call.requires_grad else 1.0)
 
 
 register(ChunkedBackend())

@@ -41,7 +41,9 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab.backends.base import AttentionResult, Backend, call_flops, register
+from attnlab.backends.base import AttentionResult, Backend, call_flops
+from attnlab.backends.rates import RATES
+from attnlab.backends.registry import register
 
 try:  # FlexAttention appeared in PyTorch 2.5
     from torch.nn.attention import flex_attention as _flex_module
@@ -50,11 +52,6 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 
 __all__ = ["FlexBackend", "BiasScoreMod"]
 
-_COMPILE_FIRST_S = 20.0  # measured: first torch.compile of flex_attention on a 2-core CPU
-_COMPILE_VARIANT_S = 8.0  # measured: each further variant (shape, dtype, masked or not)
-_CPU_RATE = 60e9  # measured: compiled CPU kernel, fp32 forward, T=4096 (55-70 GFLOP/s, 2 cores)
-_CUDA_RATE = 250e12
-_CALL_OVERHEAD_S = 200e-6  # measured: Python + guard checks per call
 _BLOCK_CACHE_SIZE = 32
 
 
@@ -188,6 +185,10 @@ class FlexBackend(Backend):
 
     name = "flex"
     memory = "linear"
+    devices = ("cpu", "cuda")
+    dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
+    dropout = False
+    backward_devices = ("cuda",)  # torch.compile's CPU flex kernel is inference only
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
         "(cached); CPU: forward only, no lse; no dropout"
@@ -204,17 +205,10 @@ class FlexBackend(Backend):
             return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs 2.5+)"
         return None
 
-    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+    def limits(self, call: AttentionCall) -> list[str]:
+        """Compiler, variant budget and earlier compile failures (capabilities cover the rest)."""
         found = []
         device = call.device.type
-        if device not in ("cpu", "cuda"):
-            found.append(f"FlexAttention runs on CPU and CUDA only, not {device}")
-        if call.dropout_p > 0.0:
-            found.append("FlexAttention has no dropout (dropout_p > 0)")
-        if device == "cpu" and call.requires_grad:
-            found.append("FlexAttention has no backward on CPU (torch.compile's CPU kernel is inference only)")
-        if device == "cpu" and call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            found.append(f"FlexAttention's CPU kernel supports fp32/bf16/fp16, not {call.dtype}")
         if device == "cpu" and not _HAS_CPP_COMPILER:
             found.append("torch.compile on CPU needs a C++ compiler and none was found")
         if self._variant(call) not in self._variants and len(self._variants) >= _MAX_VARIANTS:
@@ -245,10 +239,10 @@ class FlexBackend(Backend):
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: FLOPs at the kernel's rate, plus compilation while not yet compiled."""
-        on_cuda = call.device.type == "cuda"
-        seconds = _CALL_OVERHEAD_S + call_flops(call) / (_CUDA_RATE if on_cuda else _CPU_RATE)
+        rates = RATES["flex"]
+        seconds = rates["call_overhead_s"] + call_flops(call) / rates[call.device.type]
         if self._variant(call) not in self._variants:
-            seconds += _COMPILE_VARIANT_S if self._compiled is not None else _COMPILE_FIRST_S
+            seconds += rates["compile_variant_s" if self._compiled is not None else "compile_first_s"]
         return seconds
 
     def _kernel(self):

@@ -43,8 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab.backends.base import AttentionResult, Backend, call_flops, register
-from attnlab.backends.reference import repeat_kv
+from attnlab._math import repeat_kv
+from attnlab.backends.base import AttentionResult, Backend, call_flops
+from attnlab.backends.rates import RATES
+from attnlab.backends.registry import register
 
 __all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for"]
 
@@ -52,14 +54,6 @@ _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 _HAS_GQA = _TORCH_VERSION >= (2, 5)  # enable_gqa= appeared in PyTorch 2.5
 
-# Measured on the 2-core AMD EPYC CPU of BENCHMARKS.md (fp32, forward, B=1 H=8 T=4096 D=64,
-# torch 2.13; FLOPs as DESIGN.md, causal halved): the CPU flash kernel runs unmasked calls at
-# ~145 GFLOP/s, is_causal at ~65, with an explicit mask at ~75; the math path at ~15; a call
-# costs ~30 microseconds of fixed overhead.
-_CPU_FLASH_RATE = {"none": 145e9, "is_causal": 65e9, "user": 75e9, "materialised": 60e9}
-_CPU_RATE = {"flash": 145e9, "math": 15e9}
-_CUDA_RATE = {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12}
-_CALL_OVERHEAD_S = {"cpu": 30e-6, "cuda": 15e-6}
 
 
 @dataclass(frozen=True)
@@ -154,9 +148,7 @@ def sdpa_plan(call: AttentionCall) -> SdpaPlan:
         >>> sdpa_plan(build_call(q, q, q, causal=True)).memory
         'linear'
     """
-    if "sdpa_plan" not in call._cache:  # dispatch asks for it from memory_for and cost
-        call._cache["sdpa_plan"] = _plan(call)
-    return call._cache["sdpa_plan"]
+    return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_for and cost
 
 
 def _plan(call: AttentionCall) -> SdpaPlan:
@@ -288,15 +280,16 @@ class SdpaBackend(Backend):
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
         plan = sdpa_plan(call)
+        rates = RATES["sdpa"]
         on_cuda = call.device.type == "cuda"
         if on_cuda:
-            rate = _CUDA_RATE.get(plan.kernel, _CUDA_RATE["math"])
+            rate = rates["cuda"].get(plan.kernel, rates["cuda"]["math"])
         elif plan.kernel == "flash":
-            rate = _CPU_FLASH_RATE[plan.mask_source]
+            rate = rates["cpu_flash"][plan.mask_source]
         else:
-            rate = _CPU_RATE["math"]
+            rate = rates["cpu_math"]
         flops = call_flops(call, causal=plan.mask_source == "is_causal")
-        return _CALL_OVERHEAD_S["cuda" if on_cuda else "cpu"] + flops / rate
+        return rates["call_overhead_s"]["cuda" if on_cuda else "cpu"] + flops / rate
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return AttentionResult(out=sdpa_forward(call))

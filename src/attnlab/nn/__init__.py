@@ -1,4 +1,14 @@
-"""Attention modules built on :func:`attnlab.attention`."""
+"""Production attention modules built on :func:`attnlab.attention`.
+
+Multi-head (grouped-query, cross) attention, the KV cache, positional encodings and transformer
+blocks. The tutorials' small teaching modules live in :mod:`attnlab.tutorial`.
+
+Example:
+    >>> import torch
+    >>> from attnlab.nn import MultiHeadAttention
+    >>> MultiHeadAttention(16, 16, 32, 0.0, 4)(torch.randn(2, 5, 16)).shape
+    torch.Size([2, 5, 16])
+"""
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
 from attnlab.nn.cache import KVCache
@@ -9,21 +19,6 @@ from attnlab.nn.positional import (
     SinusoidalPositionalEmbedding,
     alibi_bias,
     alibi_slopes,
-)
-from attnlab.nn.tutorial import (
-    AttentionHead,
-    CausalAttention,
-    CrossAttention,
-    MultiHeadAttentionWrapper,
-    ScoreVariance,
-    SelfAttention,
-    SimpleSelfAttention,
-    causal_average,
-    cross_attention,
-    multi_head_attention,
-    project,
-    score_variance,
-    softmax_peakiness,
 )
 
 __all__ = [
@@ -38,17 +33,4 @@ __all__ = [
     "TransformerBlock",
     "TransformerEncoder",
     "TransformerDecoder",
-    "AttentionHead",
-    "SimpleSelfAttention",
-    "SelfAttention",
-    "CausalAttention",
-    "CrossAttention",
-    "MultiHeadAttentionWrapper",
-    "project",
-    "multi_head_attention",
-    "cross_attention",
-    "causal_average",
-    "ScoreVariance",
-    "score_variance",
-    "softmax_peakiness",
 ]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab import backends as _backends
+from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.functional import attention
 from attnlab.nn.cache import KVCache
@@ -166,7 +166,7 @@ class MultiHeadAttention(nn.Module):
         kdim = d_in if kdim is None else kdim
         vdim = kdim if vdim is None else vdim
         self._check_args(d_in, d_out, context_length, dropout, num_heads, num_kv_heads, kdim, vdim)
-        _check_backend(backend)
+        check_backend_name(backend)
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
@@ -521,12 +521,6 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
             if target is None:
                 continue
             target.copy_(torch.zeros_like(target) if source is None else source)
-
-
-def _check_backend(backend: object) -> None:
-    names = list(_backends.registry())
-    if not isinstance(backend, str) or (backend != "auto" and backend not in names):
-        raise ValueError(f"backend must be 'auto' or one of {names}, got {backend!r}")
 
 
 def _check_cache(cache: object, batch: int, num_kv_heads: int) -> None:

@@ -1,11 +1,21 @@
-"""The seed documents' attention modules, written once, on top of :func:`attnlab.attention`.
+"""The tutorials' attention modules, written once, on top of :func:`attnlab.attention`.
 
-Each class or function here is the readable version of a cell in the seed tutorials
-(``shared/seeds/000..004``); constructed with the documents' seeds and arguments it reproduces
-their printed tensors. Every forward pass goes through the one functional core,
-:func:`attnlab.attention`: the modules only project their inputs and pick options (causal mask,
-dropout, scale). Where a document has a bug, the code here does the right thing and the
-docstring says what differs (see also ``docs/seeds.md``).
+attnlab grew out of five tutorials: "The Clear Tutorial for Attention Mechanism in
+Transformers", "Attention for your Transformers", "Causal Self Attention", "Mathematical trick
+in self-attention" and "Self-Attention and Multi-head Attention Mechanism". Each class or
+function here is the readable version of one of their cells; constructed with the tutorial's
+seed and arguments it reproduces the printed tensors. Every forward pass goes through the one
+functional core, :func:`attnlab.attention`: the modules only project their inputs and pick
+options (causal mask, dropout, scale). Where a tutorial has a bug, the code here does the right
+thing and the docstring says what differs (see also ``docs/seeds.md``). Production modules
+(grouped-query attention, KV cache, RoPE, blocks) live in :mod:`attnlab.nn`.
+
+Example:
+    >>> import torch
+    >>> torch.manual_seed(123)
+    <torch._C.Generator object at ...>
+    >>> CausalAttention(3, 2, 6, 0.0)(torch.rand(6, 3)).shape
+    torch.Size([6, 2])
 
 Conventions:
     ``x`` is ``(B, T, d_in)`` or unbatched ``(T, d_in)``; every module accepts both.

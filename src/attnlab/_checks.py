@@ -1,0 +1,97 @@
+"""Argument checks shared by every layer: one home, one wording for each kind of bad value.
+
+Every check raises ``ValueError`` (or ``TypeError`` for a value of the wrong kind) whose message
+names the argument and shows the value seen, as the contract in ``docs/design.md`` asks.
+
+Example:
+    >>> positive_int("num_heads", 4)
+    4
+    >>> positive_int("num_heads", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_heads must be a positive int, got 0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+__all__ = ["positive_int", "non_negative_int", "probability", "one_of", "divisible", "finite_number"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int ``>= 1``; ``ValueError`` naming ``name`` otherwise.
+
+    Example:
+        >>> positive_int("d_model", 8)
+        8
+    """
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """``value`` if it is an int ``>= 0``; ``ValueError`` naming ``name`` otherwise.
+
+    Example:
+        >>> non_negative_int("offset", 0)
+        0
+    """
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def probability(name: str, value: object) -> float:
+    """``value`` as a float in ``[0, 1)`` (a dropout probability); ``TypeError``/``ValueError``.
+
+    Example:
+        >>> probability("dropout_p", 0.1)
+        0.1
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+def finite_number(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite real number; ``ValueError`` otherwise.
+
+    Example:
+        >>> finite_number("scale", 0.5)
+        0.5
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def one_of(name: str, value: object, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices``; ``ValueError`` listing them otherwise.
+
+    Example:
+        >>> one_of("align", "top_left", ("top_left", "bottom_right"))
+        'top_left'
+    """
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
+    """``ValueError`` unless ``value`` is a multiple of ``divisor`` (both already positive).
+
+    Example:
+        >>> divisible("d_model", 12, "num_heads", 4)
+    """
+    if value % divisor != 0:
+        raise ValueError(f"{name} ({value}) must be a multiple of {divisor_name} ({divisor})")

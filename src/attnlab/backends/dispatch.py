@@ -1,0 +1,103 @@
+"""Dispatch: which backend runs a call.
+
+``backend="auto"`` picks, among the backends that serve a call, the one with the best memory
+class for *this call* (never an O(T^2) path when an O(T) one serves) and, within that class,
+the lowest estimated time (:meth:`Backend.cost`). A named backend runs if it can serve the call
+and raises ``ValueError`` with its reasons otherwise.
+
+Example:
+    >>> import torch
+    >>> from attnlab._call import build_call
+    >>> q = torch.randn(1, 2, 5, 8)
+    >>> select(build_call(q, q, q), "reference").name
+    'reference'
+"""
+
+from __future__ import annotations
+
+from attnlab._call import AttentionCall
+from attnlab._checks import one_of
+from attnlab.backends.base import MEMORY_CLASSES, Backend
+from attnlab.backends.registry import get, registry
+
+__all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select"]
+
+
+def check_backend_name(name: object) -> str:
+    """``name`` if it is ``"auto"`` or a registered backend; ``ValueError`` listing them otherwise.
+
+    Example:
+        >>> check_backend_name("auto")
+        'auto'
+    """
+    return one_of("backend", name, ("auto", *registry()))
+
+
+def reasons_of(backend: Backend, call: AttentionCall) -> list[str]:
+    """Why ``backend`` cannot serve ``call`` (empty list: it can).
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> reasons_of(get("reference"), build_call(q, q, q))
+        []
+    """
+    unavailable = backend.unavailable_reason()
+    return [unavailable] if unavailable else backend.not_supported_reasons(call)
+
+
+def reasons(call: AttentionCall) -> dict[str, list[str]]:
+    """For every registered backend, why it cannot serve ``call`` (empty list: it can).
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> reasons(build_call(q, q, q))["reference"]
+        []
+    """
+    return {name: reasons_of(backend, call) for name, backend in registry().items()}
+
+
+def memory_class(backend: Backend, call: AttentionCall) -> str:
+    """``"linear"`` or ``"quadratic"``: the extra memory ``backend`` needs for ``call``.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> memory_class(get("reference"), build_call(q, q, q))
+        'quadratic'
+    """
+    return backend.memory_for(call)
+
+
+def select(call: AttentionCall, name: str = "auto") -> Backend:
+    """The backend that will run ``call``.
+
+    Args:
+        call: a validated call from :func:`attnlab._call.build_call`.
+        name: ``"auto"`` or a backend name.
+
+    Raises:
+        ValueError: the named backend cannot serve the call (the message lists why), or the
+            name is unknown.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> select(build_call(q, q, q), "auto").name in registry()
+        True
+    """
+    if check_backend_name(name) != "auto":
+        backend = get(name)
+        why_not = reasons_of(backend, call)  # only the named backend's, not every one's
+        if why_not:
+            raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(why_not))
+        return backend
+    serving = [registry()[n] for n, why_not in reasons(call).items() if not why_not]
+    if not serving:  # the reference serves every valid call; this is a programming error
+        raise RuntimeError("no attention backend can serve this call")
+    return min(serving, key=lambda b: (MEMORY_CLASSES.index(memory_class(b, call)), b.cost(call)))

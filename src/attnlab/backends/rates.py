@@ -1,0 +1,53 @@
+"""The cost model's measured rates, in one table.
+
+``backend="auto"`` ranks the backends that serve a call by estimated seconds: FLOPs (the
+convention of :mod:`attnlab._flops`) divided by a rate measured on a real machine, plus fixed
+per-call and per-tile overheads. Every CPU figure below was measured on the 2-core AMD EPYC
+(AVX2) of BENCHMARKS.md, fp32, B=1 H=8 D=64, T=256..4096, torch 2.13, in interleaved rounds on
+an idle machine (BENCHMARKS.md, sections "Backends" and "Dispatch overhead"). The CUDA figures
+are order-of-magnitude guesses for an H100-class GPU; they have not been measured (no GPU was
+lent to the session that wrote them) and only rank CUDA backends against each other.
+
+Only the ratios between rates matter for dispatch, so a faster or slower machine keeps its
+choices as long as the kernels keep their relative speeds.
+
+Example:
+    >>> RATES["sdpa"]["cpu_flash"]["none"] > RATES["reference"]["cpu"]
+    True
+"""
+
+from __future__ import annotations
+
+__all__ = ["RATES"]
+
+RATES: dict = {
+    "reference": {
+        # Unfused matmul + softmax + matmul: every score computed, no causal saving.
+        "cpu": 15e9,
+        "cuda": 5e12,
+    },
+    "sdpa": {
+        # The CPU flash kernel by how the mask reaches it (causal halves the FLOPs counted).
+        "cpu_flash": {"none": 145e9, "is_causal": 65e9, "user": 75e9, "materialised": 60e9},
+        "cpu_math": 15e9,
+        "cuda": {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12},
+        "call_overhead_s": {"cpu": 30e-6, "cuda": 15e-6},
+    },
+    "chunked": {
+        # ~0.55x the flash rate forward; forward+backward 2.7x its forward time.
+        "forward_flops_per_s": 22e9,
+        "forward_backward_factor": 2.7,
+        "seconds_per_tile": 30e-6,
+        # Per-tile extra work at T=1024: a float bias, a dense bool mask, a mask mod.
+        "mask_factor": {"none": 1.0, "float": 1.2, "bool": 1.75, "mod": 1.5},
+        "causal_factor": 1.2,  # diagonal tiles
+        "dropout_factor": 1.85,  # hashing the dropout bits
+    },
+    "flex": {
+        "cpu": 60e9,  # compiled CPU kernel, forward (55-70 GFLOP/s)
+        "cuda": 250e12,
+        "call_overhead_s": 200e-6,  # Python and guard checks per call
+        "compile_first_s": 20.0,  # first torch.compile of flex_attention
+        "compile_variant_s": 8.0,  # each further variant (shape, dtype, masked or not)
+    },
+}

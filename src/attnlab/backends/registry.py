@@ -1,0 +1,83 @@
+"""The registry every backend adds itself to, and lookups by name.
+
+Example:
+    >>> "reference" in names()
+    True
+"""
+
+from __future__ import annotations
+
+from attnlab._checks import one_of
+from attnlab.backends.base import Backend
+
+__all__ = ["register", "unregister", "registry", "names", "get", "available"]
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add ``backend`` to the registry under ``backend.name`` (replacing one of that name).
+
+    Example:
+        >>> register(registry()["reference"]).name
+        'reference'
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be an attnlab Backend, got {type(backend).__name__}")
+    if not backend.name or backend.name == "auto":
+        raise ValueError(f"backend.name must be a non-empty string other than 'auto', got {backend.name!r}")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def unregister(name: str) -> Backend:
+    """Remove the backend called ``name`` and return it (``ValueError`` if there is none).
+
+    Example:
+        >>> from attnlab.backends.base import Backend
+        >>> class Noop(Backend):
+        ...     name = "noop"
+        >>> unregister(register(Noop()).name).name
+        'noop'
+    """
+    return _REGISTRY.pop(one_of("backend", name, _REGISTRY))
+
+
+def registry() -> dict[str, Backend]:
+    """The registered backends by name, in registration order.
+
+    Example:
+        >>> list(registry())[0]
+        'reference'
+    """
+    return dict(_REGISTRY)
+
+
+def names() -> list[str]:
+    """Every registered backend's name, available here or not.
+
+    Example:
+        >>> names()[:2]
+        ['reference', 'sdpa']
+    """
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    """The registered backend called ``name``; ``ValueError`` listing the names otherwise.
+
+    Example:
+        >>> get("reference").memory
+        'quadratic'
+    """
+    return _REGISTRY[one_of("backend", name, _REGISTRY)]
+
+
+def available() -> list[str]:
+    """Names of the backends that can run in this installation.
+
+    Example:
+        >>> available()[0]
+        'reference'
+    """
+    return [name for name, b in _REGISTRY.items() if b.unavailable_reason() is None]

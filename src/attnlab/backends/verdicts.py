@@ -1,0 +1,142 @@
+"""Dispatch explained: each backend's standing for one call, and :func:`why` in words.
+
+Example:
+    >>> import torch
+    >>> q = torch.randn(1, 2, 6, 4)
+    >>> why(q, q, q).splitlines()[1].startswith("runs on ")
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch  # noqa: F401  (the doctest examples use it)
+
+from attnlab._call import AttentionCall, build_call
+from attnlab.backends.base import MEMORY_CLASSES
+from attnlab.backends.dispatch import memory_class, reasons, select
+from attnlab.backends.registry import registry
+
+__all__ = ["Verdict", "verdicts", "why"]
+
+_MEMORY_WORDS = {"linear": "O(T)", "quadratic": "O(T^2)"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One backend's standing for one call, as :func:`why` reports it.
+
+    Attributes:
+        name: the backend.
+        chosen: whether this backend runs the call.
+        serves: whether it could serve the call at all.
+        memory: ``"linear"``/``"quadratic"`` for this call (``""`` when it cannot serve).
+        cost_s: estimated seconds (None when it cannot serve).
+        reason: one line: why chosen, or why passed over.
+
+    Example:
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> any(v.chosen for v in verdicts(build_call(q, q, q)))
+        True
+    """
+
+    name: str
+    chosen: bool
+    serves: bool
+    memory: str
+    cost_s: float | None
+    reason: str
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
+    """Every registered backend's :class:`Verdict` for ``call`` under ``backend=name``.
+
+    Raises:
+        ValueError: as :func:`select`, when a named backend cannot serve the call.
+
+    Example:
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> [v.name for v in verdicts(build_call(q, q, q))][0]
+        'reference'
+    """
+    chosen = select(call, name)
+    chosen_memory, chosen_cost = memory_class(chosen, call), chosen.cost(call)
+    result = []
+    for backend_name, why_not in reasons(call).items():
+        backend = registry()[backend_name]
+        if why_not:
+            result.append(Verdict(backend_name, False, False, "", None,
+                                  "cannot serve: " + "; ".join(why_not)))
+            continue
+        memory, cost = memory_class(backend, call), backend.cost(call)
+        note = f" ({backend.memory_note(call)})" if backend.memory_note(call) else ""
+        if backend is chosen:
+            how = "named explicitly" if name != "auto" else "fastest of the best memory class"
+            reason = f"chosen ({how}): {_MEMORY_WORDS[memory]} memory{note}, est. {_format_seconds(cost)}"
+        elif name != "auto":
+            reason = f"not asked for (backend={name!r})"
+        elif MEMORY_CLASSES.index(memory) > MEMORY_CLASSES.index(chosen_memory):
+            reason = f"O(T^2) memory where an O(T) path serves{note}"
+        else:
+            reason = f"slower: cost {_format_seconds(cost)} vs {_format_seconds(chosen_cost)}"
+        result.append(Verdict(backend_name, backend is chosen, True, memory, cost, reason))
+    return result
+
+
+def why(q, k, v, *, backend: str = "auto", echo: bool = False, **options) -> str:
+    """Explain which backend :func:`attnlab.attention` would run for these arguments, and why.
+
+    Args:
+        q, k, v: the tensors you would pass to :func:`attnlab.attention`.
+        backend: ``"auto"`` or a backend name, as in :func:`attnlab.attention`.
+        echo: also print the explanation.
+        **options: any keyword option of :func:`attnlab.attention` (mask, causal, align,
+            scale, dropout_p, generator, return_weights).
+
+    Returns:
+        A few lines: the call's shape, the backend that runs, and one line per other backend
+        (cannot serve: reasons / O(T^2) memory where an O(T) path serves / slower: cost).
+
+    Example:
+        >>> q = torch.randn(1, 8, 256, 64)
+        >>> text = why(q, q, q, causal=True)
+        >>> text.splitlines()[1].startswith("runs on ")
+        True
+    """
+    call = build_call(q, k, v, **options)
+    lines = [_describe(call)]
+    table = verdicts(call, backend)
+    chosen = next(verdict for verdict in table if verdict.chosen)
+    lines.append(f"runs on {chosen.name!r}: {chosen.reason}")
+    lines += [f"  {verdict.name}: {verdict.reason}" for verdict in table if not verdict.chosen]
+    text = "\n".join(lines)
+    if echo:
+        print(text)
+    return text
+
+
+def _describe(call: AttentionCall) -> str:
+    """One line naming the call's sizes and options."""
+    parts = [
+        f"B={call.batch} Hq={call.q_heads} Hkv={call.kv_heads} Tq={call.tq} Tk={call.tk} "
+        f"D={call.head_dim} Dv={call.value_dim} {str(call.dtype).replace('torch.', '')} "
+        f"on {call.device.type}",
+        f"mask={call.mask_kind}" + (f" {tuple(call.mask.shape)}" if call.mask_kind in ("bool", "float") else ""),
+    ]
+    if call.causal:
+        parts.append(f"causal ({call.align})")
+    if call.dropout_p:
+        parts.append(f"dropout_p={call.dropout_p}")
+    if call.requires_grad:
+        parts.append("needs grad")
+    return "call: " + ", ".join(parts)
+

@@ -1,0 +1,162 @@
+"""The ``backends`` and ``memory`` suites behind ``attnlab bench``, and :func:`run_suite`.
+
+* ``backends`` -- each backend and ``auto`` on causal / padding-masked / unmasked calls;
+* ``memory`` -- peak memory of the reference vs the O(T) backends as T grows, via
+  :class:`attnlab._memory.PeakMemory`;
+* ``modules`` -- :func:`attnlab.bench.modules.run_modules_suite`.
+
+Example:
+    >>> sorted(backend_cases(64))
+    ['causal', 'none', 'padding']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from attnlab import backends, masks
+from attnlab._flops import attention_flops
+from attnlab._memory import PeakMemory
+from attnlab.bench.modules import run_modules_suite
+from attnlab.bench.timing import BenchRow, compare, machine_line, matmul_peak, print_rows
+from attnlab.functional import attention
+
+__all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite"]
+
+SUITES = ("backends", "memory", "modules")
+
+def _attention_inputs(b, h, t, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, t, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
+
+
+def backend_cases(t: int, *, batch: int = 1) -> dict[str, dict]:
+    """The calls the backends suite times: causal, padding-masked (3/4 real keys), unmasked.
+
+    Example:
+        >>> sorted(backend_cases(8))
+        ['causal', 'none', 'padding']
+    """
+
+    lengths = torch.full((batch,), (3 * t) // 4)
+    return {
+        "causal": dict(causal=True),
+        "padding": dict(mask=masks.padding_mask(lengths, t)),
+        "none": dict(),
+    }
+
+
+def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu", rounds: int | None = None) -> list[BenchRow]:
+    """Time every available backend and ``auto`` side by side on causal/padding/unmasked calls.
+
+    Forward only, under ``torch.no_grad()`` (flex's CPU kernel is inference only). B=1, H=8,
+    D=64; T=4096 (quick: 512). The note says which backend ``auto`` picked. The matmul peak
+    is timed as one more candidate in the same interleaved rounds, so that load from other
+    jobs on a shared machine depresses the peak and the candidates alike.
+
+    Example:
+        >>> rows = backends_suite(quick=True, t=32, rounds=1)  # doctest: +SKIP
+    """
+
+    t = t if t is not None else (512 if quick else 4096)
+    rounds = rounds if rounds is not None else (1 if quick else 3)
+    min_run = 0.05 if quick else 0.3
+    b, h, d = 1, 8, 64
+    q, k, v = _attention_inputs(b, h, t, d, dtype, device)
+    matmul, matmul_flops = _matmul_candidate(dtype, device)
+    rows: list[BenchRow] = []
+    for case, options in backend_cases(t, batch=b).items():
+        options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
+        with torch.no_grad():
+            call = backends.build_call(q, k, v, **options)
+            chosen = backends.select(call).name
+            names = [n for n, why in backends.reasons(call).items() if not why]
+        candidates = {n: _no_grad(attention, q, k, v, backend=n, **options) for n in names}
+        candidates["auto"] = _no_grad(attention, q, k, v, backend="auto", **options)
+        if not quick and t >= 4096:
+            candidates.pop("reference", None)  # O(T^2): minutes at T=4096 on 2 cores
+        candidates[_PEAK] = matmul  # timed in the same rounds: same load as the candidates
+        seconds = compare(candidates, rounds=rounds, min_run_time=min_run)
+        peak = matmul_flops / seconds.pop(_PEAK)
+        flops = attention_flops(b, h, t, t, d, causal=case == "causal")
+        for name, sec in seconds.items():
+            note = f"auto -> {chosen}" if name == "auto" else ""
+            rows.append(BenchRow("backends", f"{case} T={t}", name, sec, flops, peak, note=note))
+    return _fill_ratios(rows)
+
+
+_PEAK = "matmul (peak)"
+
+
+def _matmul_candidate(dtype: torch.dtype, device: str, n: int = 2048):
+    """A square matmul to time beside the candidates, and its FLOPs."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    return (lambda: a @ b), 2.0 * n**3
+
+
+def _no_grad(fn, *args, **kwargs):
+    def run():
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return run
+
+
+def memory_suite(*, quick: bool = False) -> list[BenchRow]:
+    """Peak tensor memory (forward+backward, causal) of the reference vs the O(T) backends.
+
+    Measured with :class:`attnlab._memory.PeakMemory` (storages created during the call).
+
+    Example:
+        >>> rows = memory_suite(quick=True)  # doctest: +SKIP
+    """
+
+    lengths = (256, 1024) if quick else (1024, 2048, 4096)
+    names = [n for n in ("reference", "chunked", "sdpa") if n in backends.available()]
+    rows = []
+    for t in lengths:
+        for name in names:
+            q, k, v = (x.requires_grad_() for x in _attention_inputs(1, 4, t, 64, torch.float32, "cpu"))
+            with PeakMemory() as meter:
+                attention(q, k, v, causal=True, backend=name).sum().backward()
+            rows.append(BenchRow("memory", f"causal fwd+bwd T={t}", name, None,
+                                 note=f"peak {meter.peak_bytes / 2**20:.1f} MiB"))
+    return rows
+
+
+def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]:
+    """Run one suite (``backends``, ``memory``, ``modules``) or ``all`` and print its tables.
+
+    Example:
+        >>> run_suite("nope")
+        Traceback (most recent call last):
+        ...
+        ValueError: suite must be one of ('backends', 'memory', 'modules', 'all'), got 'nope'
+    """
+    if name not in SUITES + ("all",):
+        raise ValueError(f"suite must be one of {SUITES + ('all',)}, got {name!r}")
+    from rich.console import Console
+
+    console = Console() if console is None else console
+    console.print(f"machine: {machine_line()}")
+    console.print("FLOPs: forward 2*B*H*Tq*Tk*(D+Dv), halved for causal (docs/design.md); "
+                  "% of matmul = GFLOP/s over the same-dtype matmul rate measured in this run")
+    rows: list[BenchRow] = []
+    for suite in (SUITES if name == "all" else (name,)):
+        if suite == "backends":
+            rows += (found := backends_suite(quick=quick))
+            print_rows(found, title="backends, forward, B=1 H=8 D=64 fp32", console=console)
+        elif suite == "memory":
+            rows += (found := memory_suite(quick=quick))
+            print_rows(found, title="peak memory, causal forward+backward, B=1 H=4 D=64", console=console)
+        else:
+            _modules_suite(quick, console)
+    return rows
+
+
+def _modules_suite(quick: bool, console) -> None:
+    run_modules_suite(quick=quick, console=console)
