@@ -8,7 +8,7 @@ Run: ``.venv/bin/python benchmarks/bench_backends.py [--t 4096] [--rounds 3]``
    padding-masked call at T=4096, fp32, B=1 H=8 D=64, interleaved round by round; the script
    prints auto's time over the fastest single backend's (target: within 5%).
 
-FLOPs follow DESIGN.md: forward 4*B*H*Tq*Tk*D, halved for causal; GFLOP/s are divided by the
+FLOPs follow docs/design.md: forward 4*B*H*Tq*Tk*D, halved for causal; GFLOP/s are divided by the
 fp32 matmul rate measured in the same run.
 """
 

@@ -1,4 +1,4 @@
-"""Benchmark attnlab.nn.MultiHeadAttention against torch's, the seed document's and nanoGPT's.
+"""Benchmark attnlab.nn.MultiHeadAttention against torch's, the tutorial's and nanoGPT's.
 
 Usage:
     python benchmarks/bench_modules.py            # B=8, T=1024, d_model=768, 12 heads, fp32

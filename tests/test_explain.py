@@ -1,6 +1,6 @@
 """attnlab.explain.trace and the `attnlab explain` command.
 
-References: the first seed document's printed numbers, the tutorial modules run on their own,
+References: "Clear Tutorial"'s printed numbers, the tutorial modules run on their own,
 and fp64 recomputations from the trace's recorded inputs.
 """
 
@@ -18,7 +18,7 @@ from attnlab import tutorial
 
 DOC_SENTENCE = "The sun rises in the east"
 
-# Document 000, printed tensors (4 decimals).
+# "Clear Tutorial", printed tensors (4 decimals).
 DOC_DICT = {"The": 0, "east": 1, "in": 2, "rises": 3, "sun": 4, "the": 5}
 DOC_IDS = [0, 4, 3, 2, 5, 1]
 DOC_EMBEDDED = [[0.3374, -0.1778, -0.3035], [0.1794, 1.8951, 0.4954], [-1.1925, 0.6984, -1.4097],
@@ -42,7 +42,7 @@ def _close(actual, expected, atol=6e-5):
                                torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
 
 
-# --- the seed document's numbers -------------------------------------------------------------
+# --- the tutorial's numbers -------------------------------------------------------------
 
 def test_trace_reproduces_document_000_self_attention():
     t = trace(DOC_SENTENCE, mode="self", seed=123, d_model=3, d_kq=2, d_v=4)

@@ -1,6 +1,6 @@
 """attnlab's MultiHeadAttention against torch.nn.MultiheadAttention, and torch.compile.
 
-Tolerance (DESIGN.md): with fp64 copies of torch's module as the oracle, attnlab's fp32 error
+Tolerance (docs/design.md): with fp64 copies of torch's module as the oracle, attnlab's fp32 error
 must be at most 2x torch's own fp32 error (+1e-6) for outputs and 3x for input gradients.
 """
 

@@ -1,8 +1,8 @@
-"""The seed documents' printed tensors, reproduced with attnlab's modules.
+"""The tutorials' printed tensors, reproduced with attnlab's modules.
 
 Each test builds the module exactly as its document does (same seed, same construction order,
 same inputs) and compares with the numbers the document printed, typed in here (4 decimals,
-atol 1e-4). Test ids name the document and the cell. Document 003 prints no tensors; its
+atol 1e-4). Test ids name the tutorial (doc000..doc004, in the order docs/seeds.md lists them) and the cell. "Mathematical trick" prints no tensors; its
 ideas are tested in test_tutorial.py.
 """
 
@@ -34,7 +34,7 @@ def assert_printed(actual: torch.Tensor, printed: list) -> None:
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
-# ---------------------------------------------------------------- document 000 (Medium tutorial)
+# ---------------------------------------------------------------- "Clear Tutorial"
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_doc000_cell22_self_attention_module(doc000_sentence):
     ])
 
 
-# Document 000 concatenates the heads along the token axis: a (24, 1) column, 6 rows per head.
+# "Clear Tutorial" concatenates the heads along the token axis: a (24, 1) column, 6 rows per head.
 DOC000_WRAPPER_PRINTED = [
     -0.0185, 0.4003, -0.1827, 0.0668, -0.1103, 0.1180,
     0.0170, 1.7137, -0.2060, 0.3534, -0.1609, 0.6949,
@@ -155,7 +155,7 @@ def test_doc000_cells31_33_causal_weights(doc000_sentence):
     ])
 
 
-# ------------------------------------------------------------ document 001 ("Attention for ...")
+# ------------------------------------------------------------ "Attention for your Transformers"
 
 DOC001_WORDS = [
     [0.32, 0.68, 0.45], [0.71, 0.23, 0.89], [0.55, 0.92, 0.37], [0.18, 0.79, 0.60],
@@ -234,7 +234,7 @@ def test_doc001_bonus_cross_attention_seed42(doc001_words):
     assert_printed(result[5], [0.532193660736084, 0.26424530148506165])
 
 
-# ------------------------------------------------------------ document 002 (causal attention)
+# ------------------------------------------------------------ "Causal Self Attention"
 
 DOC002_INPUTS = [
     [0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
@@ -374,7 +374,7 @@ def test_doc002_cell25_causal_attention_dropout_printed(doc002_inputs):
 
 
 class Doc002CausalAttention(torch.nn.Module):
-    """Document 002's CausalAttention, transcribed (nn.Dropout; mask buffer)."""
+    """The CausalAttention of "Causal Self Attention", transcribed (nn.Dropout; mask buffer)."""
 
     def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
         super().__init__()
@@ -404,7 +404,7 @@ def test_doc002_cell25_causal_attention_dropout_as_document(doc002_inputs):
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
 
 
-# ------------------------------------------------------------ document 004 (Notion recap)
+# ------------------------------------------------------------ "Self-Attention recap"
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,14 @@ def _randn(*shape, seed=0):
 @pytest.mark.parametrize("T", [1, 2, 6, 17])
 def test_mask_after_softmax_then_renormalise_equals_mask_before_softmax(T):
     q, k = _randn(T, 4, seed=1), _randn(T, 4, seed=2)
-    full = torch.softmax(q @ k.T / math.sqrt(4), dim=-1)  # documents 000/002, first way
+    full = torch.softmax(q @ k.T / math.sqrt(4), dim=-1)  # "Clear Tutorial" and "Causal Self Attention", first way
     kept = full * torch.tril(torch.ones(T, T, dtype=DT))
     renormalised = kept / kept.sum(dim=-1, keepdim=True)
     _, weights = attention(q, k, k, causal=True, return_weights=True)  # mask before softmax
     torch.testing.assert_close(weights, renormalised, atol=1e-12, rtol=0)
 
 
-# ------------------------------------------------------------------ document 003's averaging trick
+# ------------------------------------------------------------------ "Mathematical trick"'s averaging trick
 
 
 @pytest.mark.parametrize("shape", [(8, 2), (4, 8, 2), (1, 1, 3), (3, 17, 5)])
@@ -61,7 +61,7 @@ def test_causal_average_rejects_unknown_method():
         causal_average(torch.zeros(3, 2), method="cumsum")
 
 
-# ------------------------------------------------------------------ scaling (document 003)
+# ------------------------------------------------------------------ scaling ("Mathematical trick")
 
 
 def test_score_variance_matches_the_sum_of_head_size_products():
@@ -120,7 +120,7 @@ def test_wrapper_fused_and_functional_multihead_agree(causal, batched):
 
 
 def test_functional_forms_use_query_weights_for_queries():
-    # Document 004's calc_attn/cross_attn swap W_Q and W_K; the scores q.k^T are not symmetric
+    # "Self-Attention recap"'s calc_attn/cross_attn swap W_Q and W_K; the scores q.k^T are not symmetric
     # in the swap, so a test against the plain formula catches it.
     x1, x2 = _randn(4, 3, seed=5), _randn(6, 3, seed=6)
     W_q, W_k, W_v = _randn(2, 3, seed=7), _randn(2, 3, seed=8), _randn(5, 3, seed=9)
@@ -131,7 +131,7 @@ def test_functional_forms_use_query_weights_for_queries():
 
 
 def test_functional_multihead_scales_by_its_own_head_dim():
-    # Document 004's multi_head_attn divides by a global d_k; here d_k comes from the weights.
+    # "Self-Attention recap"'s multi_head_attn divides by a global d_k; here d_k comes from the weights.
     x = _randn(5, 3, seed=10)
     W_q, W_k, W_v = _randn(2, 7, 3, seed=11), _randn(2, 7, 3, seed=12), _randn(2, 2, 3, seed=13)
     q, k, v = x @ W_q.transpose(-2, -1), x @ W_k.transpose(-2, -1), x @ W_v.transpose(-2, -1)

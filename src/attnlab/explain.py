@@ -5,7 +5,7 @@ seed, reads its weights, and recomputes the module's forward pass one readable s
 the reference path, keeping every intermediate tensor with a name, token labels and a one-line
 explanation. The last step equals the module's own output (the tests check it).
 
-The text pipeline is the seed documents' one:
+The text pipeline is the tutorials' one:
 
 * **Tokens**: words with punctuation stripped, case kept (``"meal,"`` -> ``"meal"``; ``"don't"``
   stays one word). See :func:`tokenize`.
@@ -38,7 +38,7 @@ __all__ = [
 
 DEFAULT_SENTENCE = "The chef prepared a delicious meal, and it was served with wine."
 MODES = ("self", "causal", "multihead", "cross")
-DOC_VOCAB_SIZE = 50_000  # the first seed document's embedding table size
+DOC_VOCAB_SIZE = 50_000  # "Clear Tutorial"'s embedding table size
 _WORD = re.compile(r"\w+(?:['\u2019]\w+)*")
 
 
@@ -150,7 +150,7 @@ class Trace:
         """Index of the focused query token.
 
         ``word`` matches a token exactly (first occurrence), else case-insensitively. With no word:
-        ``"it"`` when present (the seed document's example), else the last token.
+        ``"it"`` when present (the tutorial's example), else the last token.
 
         Raises:
             ValueError: ``word`` is not one of the tokens.
@@ -207,7 +207,7 @@ def tokenize(text: str) -> list[str]:
 
 
 def split_for_cross(sentence: str) -> tuple[str, str]:
-    """Split one sentence into two halves by words, as the second seed document does for cross-attention.
+    """Split one sentence into two halves by words, as "Attention for your Transformers" does for cross-attention.
 
     Example:
         >>> split_for_cross("The chef prepared a delicious meal, and it was served with wine.")
@@ -241,7 +241,7 @@ def trace(
         sentence: the text the queries come from.
         mode: ``"self"``, ``"causal"`` (self + causal mask), ``"multihead"`` or ``"cross"``.
         context: cross mode only: the text keys and values come from. Default: the second half of
-            ``sentence`` (queries from the first half), as the second seed document does.
+            ``sentence`` (queries from the first half), as "Attention for your Transformers" does.
         heads: number of heads (multihead: default 4; other modes: 1).
         d_model: embedding size (the documents use 3).
         d_kq: query/key size per head; ``d_v``: value size per head.

@@ -20,8 +20,8 @@ Example:
 Conventions:
     ``x`` is ``(B, T, d_in)`` or unbatched ``(T, d_in)``; every module accepts both.
     ``init="uniform"`` creates ``nn.Parameter(torch.rand(d_in, d_out))`` weights used as
-    ``x @ W`` (documents 000 and 001's cross-attention); ``init="linear"`` creates
-    ``nn.Linear(d_in, d_out)`` layers (documents 001 and 002). Query, key and value weights are
+    ``x @ W`` ("Clear Tutorial" and "Attention for your Transformers"'s cross-attention); ``init="linear"`` creates
+    ``nn.Linear(d_in, d_out)`` layers ("Attention for your Transformers" and "Causal Self Attention"). Query, key and value weights are
     always created in that order, so seeding before construction reproduces the documents.
 """
 
@@ -65,12 +65,12 @@ def _check_features(name: str, x: Tensor, d_in: int) -> None:
 
 
 class SimpleSelfAttention(nn.Module):
-    """Self-attention without trainable weights (document 001, "Level 1").
+    """Self-attention without trainable weights ("Attention for your Transformers", "Level 1").
 
     Scores are plain dot products ``x x^T`` (no ``1/sqrt(d)`` scaling, as in the document's
     code), softmax over keys, and a weighted sum of the inputs themselves.
 
-    Document 001 shows the formula with ``1/sqrt(d_k)`` next to code that does not scale; the
+    "Attention for your Transformers" shows the formula with ``1/sqrt(d_k)`` next to code that does not scale; the
     printed numbers come from the unscaled code, which is what this module computes.
 
     Shapes:
@@ -211,8 +211,8 @@ class AttentionHead(nn.Module):
 class SelfAttention(AttentionHead):
     """Scaled dot-product self-attention with trainable W_query, W_key, W_value.
 
-    Document 000's ``SelfAttention(d_in, d_out_kq, d_out_v)`` (``init="uniform"``) and
-    documents 001/002's ``SelfAttention(d_in, d_out)`` (``init="linear"``, the default).
+    "Clear Tutorial"'s ``SelfAttention(d_in, d_out_kq, d_out_v)`` (``init="uniform"``) and
+    "Attention for your Transformers" and "Causal Self Attention"'s ``SelfAttention(d_in, d_out)`` (``init="linear"``, the default).
     Unlike the documents' versions (``keys.T``), it also takes batched ``(B, T, d_in)`` input.
 
     Shapes:
@@ -229,7 +229,7 @@ class SelfAttention(AttentionHead):
         >>> _ = torch.manual_seed(123)
         >>> x = torch.nn.Embedding(50_000, 3)(torch.tensor([0, 4, 3, 2, 5, 1])).detach()
         >>> _ = torch.manual_seed(123)
-        >>> SelfAttention(3, 2, 4, init="uniform")(x)[2]   # document 000's context_vector_3
+        >>> SelfAttention(3, 2, 4, init="uniform")(x)[2]   # "Clear Tutorial"'s context_vector_3
         tensor([-0.5296, -0.2799, -0.4107, -0.6006], grad_fn=<SelectBackward0>)
     """
 
@@ -250,12 +250,12 @@ class SelfAttention(AttentionHead):
 
 
 class CausalAttention(AttentionHead):
-    """Causal (masked) self-attention with dropout on the weights (documents 001 and 002).
+    """Causal (masked) self-attention with dropout on the weights ("Attention for your Transformers" and "Causal Self Attention").
 
     Query ``i`` attends to keys ``j <= i``. Dropout is applied to the attention weights in
     training mode only (``module.eval()`` turns it off), drawing random numbers exactly as the
     documents' ``nn.Dropout`` does, so ``torch.manual_seed(123)`` before construction
-    reproduces document 002's dropout output.
+    reproduces "Causal Self Attention"'s dropout output.
 
     The documents keep a ``(context_length, context_length)`` mask buffer; attnlab builds the
     causal mask inside :func:`attnlab.attention` and only uses ``context_length`` to reject
@@ -301,7 +301,7 @@ class CausalAttention(AttentionHead):
 
 
 class CrossAttention(AttentionHead):
-    """Cross-attention: queries from ``x_1``, keys and values from ``x_2`` (documents 000, 001).
+    """Cross-attention: queries from ``x_1``, keys and values from ``x_2`` ("Clear Tutorial" and "Attention for your Transformers").
 
     The two sequences may differ in length but must share the feature dim ``d_in``; a
     mismatch raises ``ValueError`` naming both shapes (the documents only state the rule).
@@ -338,11 +338,11 @@ class CrossAttention(AttentionHead):
 
 
 class MultiHeadAttentionWrapper(nn.Module):
-    """Multi-head attention as a list of independent heads (document 000).
+    """Multi-head attention as a list of independent heads ("Clear Tutorial").
 
     Each head is an :class:`AttentionHead` with its own projections, created in order; the
     heads' outputs are concatenated along the **feature** axis, giving
-    ``(..., T, num_heads * d_out_v)``. Document 000 concatenates along the token axis
+    ``(..., T, num_heads * d_out_v)``. "Clear Tutorial" concatenates along the token axis
     (``torch.cat(...)`` with the default ``dim=0``), which stacks the heads' tokens into a
     ``(num_heads * T, d_out_v)`` column; here column ``h`` is that document's ``h``-th block.
 
@@ -356,7 +356,7 @@ class MultiHeadAttentionWrapper(nn.Module):
         num_heads: number of heads ``H``.
         causal: mask future tokens in every head.
         dropout: dropout on each head's weights in training mode.
-        init: ``"uniform"`` (document 000's) or ``"linear"``.
+        init: ``"uniform"`` ("Clear Tutorial"'s) or ``"linear"``.
         context_length: optional bound on the number of tokens.
 
     Example:
@@ -406,7 +406,7 @@ class MultiHeadAttentionWrapper(nn.Module):
 
 
 def project(x: Tensor, weight: Tensor) -> Tensor:
-    """Project tokens with document 004's ``W @ x`` convention, per head when W has a head axis.
+    """Project tokens with "Self-Attention recap"'s ``W @ x`` convention, per head when W has a head axis.
 
     Shapes:
         x: ``(T, d_in)`` or ``(B, T, d_in)``.
@@ -436,9 +436,9 @@ def multi_head_attention(
     causal: bool = False,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Functional (multi-head) attention with explicit weight tensors (document 004).
+    """Functional (multi-head) attention with explicit weight tensors ("Self-Attention recap").
 
-    With 2-D weights this is document 004's ``calc_attn`` (one head); with 3-D weights its
+    With 2-D weights this is "Self-Attention recap"'s ``calc_attn`` (one head); with 3-D weights its
     ``multi_head_attn``; with ``x_kv`` its ``cross_attn``. Unlike the document, the weights are
     arguments (the document draws fresh random ones on every call), queries use ``W_query`` and
     keys ``W_key`` (the document swaps them in ``calc_attn`` and ``cross_attn``), and the scale
@@ -474,7 +474,7 @@ def cross_attention(
 ) -> Tensor:
     """Functional cross-attention: queries from ``x_1``, keys and values from ``x_2``.
 
-    Document 004's ``cross_attn`` with the query/key weights the right way round; the
+    "Self-Attention recap"'s ``cross_attn`` with the query/key weights the right way round; the
     weights may carry a head axis as in :func:`multi_head_attention`.
 
     Shapes:
@@ -493,7 +493,7 @@ CAUSAL_AVERAGE_METHODS = ("loop", "matmul", "softmax")
 
 
 def causal_average(x: Tensor, *, method: str = "softmax") -> Tensor:
-    """Average every token with all tokens before it (document 003's "mathematical trick").
+    """Average every token with all tokens before it (the trick of "Mathematical trick").
 
     Three equal ways, as in the document: ``"loop"`` (explicit mean of ``x[:t+1]``),
     ``"matmul"`` (a row-normalised lower-triangular matrix times ``x``) and ``"softmax"``
@@ -544,7 +544,7 @@ def score_variance(
     tokens: int = 8,
     generator: torch.Generator | None = None,
 ) -> ScoreVariance:
-    """Why attention scales by ``1/sqrt(head_size)`` (document 003's "scaled attention").
+    """Why attention scales by ``1/sqrt(head_size)`` ("Mathematical trick", "scaled attention").
 
     With unit-variance queries and keys, ``q . k`` sums ``head_size`` unit-variance products,
     so its variance is about ``head_size``; multiplying by ``head_size**-0.5`` brings it back
@@ -577,7 +577,7 @@ def score_variance(
 def softmax_peakiness(logits: Tensor, *, factor: float = 8.0) -> tuple[Tensor, Tensor]:
     """Softmax of ``logits`` and of ``logits * factor``: large scores make softmax one-hot.
 
-    Document 003's illustration: ``softmax([0.1, -0.2, 0.3, -0.2, 0.5])`` is diffuse, the same
+    "Mathematical trick"'s illustration: ``softmax([0.1, -0.2, 0.3, -0.2, 0.5])`` is diffuse, the same
     logits times 8 put most of the weight on the largest one.
 
     Shapes:

@@ -142,7 +142,7 @@ def _rows(config: ModulesConfig, medians: dict[str, float], mode: str, peak: flo
 
 def run_modules_suite(*, quick: bool = False, console=None, repeats: int | None = None
                       ) -> list[BenchRow]:
-    """Time attnlab's module beside torch's, the seed document's and a nanoGPT-style one.
+    """Time attnlab's module beside torch's, the tutorial's and a nanoGPT-style one.
 
     Args:
         quick: a small configuration (B=2, T=256) instead of B=8, T=1024, d_model=768.
