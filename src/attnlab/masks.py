@@ -10,6 +10,21 @@ Two forms describe the same patterns:
   FlexAttention can trace them). The mods in this module also know which key range a block of
   queries can reach (:meth:`MaskMod.kv_bounds`), which lets tiled backends skip whole tiles.
 
+One constructor per pattern and form:
+
+=================  ===========================  ==========================
+pattern            dense (bool tensor)          mask mod
+=================  ===========================  ==========================
+causal             :func:`causal_mask`          :func:`causal_mod`
+sliding window     :func:`sliding_window_mask`  :func:`sliding_window_mod`
+key padding        :func:`padding_mask`         :func:`padding_mod`
+combination        :func:`and_masks` / :func:`or_masks` (either form)
+=================  ===========================  ==========================
+
+The classes :class:`CausalMod`, :class:`SlidingWindowMod`, :class:`PaddingMod` and
+:class:`CombinedMod` are the types those functions return (for ``isinstance`` and reading);
+:class:`MaskMod` is the base class for writing a mod that declares its key range.
+
 Causal alignment when ``Tq != Tk``:
 
 * ``"top_left"``: query ``i`` sees keys ``j <= i`` (PyTorch's ``is_causal`` convention).
@@ -42,16 +57,14 @@ from attnlab._checks import one_of, positive_int
 __all__ = [
     "ALIGNMENTS",
     "MaskMod",
-    "CausalMod",
-    "SlidingWindowMod",
-    "PaddingMod",
-    "CombinedMod",
     "causal_mod",
     "sliding_window_mod",
     "padding_mod",
     "and_masks",
     "or_masks",
     "materialize",
+    "evaluate",
+    "kv_range",
     "causal_mask",
     "sliding_window_mask",
     "padding_mask",
@@ -276,6 +289,43 @@ def padding_mod(lengths: Tensor) -> PaddingMod:
     return PaddingMod(lengths)
 
 
+def evaluate(
+    mod: Callable,
+    *,
+    q_range: tuple[int, int],
+    kv_range: tuple[int, int],
+    batch: int = 1,
+    heads: int = 1,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Evaluate a mask mod on the index grid ``q_range x kv_range`` (one tile or the whole matrix).
+
+    Args:
+        mod: a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
+        q_range, kv_range: ``(start, end)`` query and key indices (end excluded).
+        batch, heads: sizes of the batch and head axes to evaluate.
+        device: where to build the index tensors.
+
+    Returns:
+        Bool tensor broadcastable to ``(batch, heads, q_end - q_start, kv_end - kv_start)``
+        (axes the mod ignores stay size 1), True = may attend.
+
+    Example:
+        >>> evaluate(CausalMod(0), q_range=(2, 4), kv_range=(0, 4)).int()
+        tensor([[[[1, 1, 1, 0],
+                  [1, 1, 1, 1]]]], dtype=torch.int32)
+    """
+    (qs, qe), (ks, ke) = q_range, kv_range
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    q_idx = torch.arange(qs, qe, device=device).view(1, 1, qe - qs, 1)
+    kv_idx = torch.arange(ks, ke, device=device).view(1, 1, 1, ke - ks)
+    allowed = torch.as_tensor(mod(b, h, q_idx, kv_idx), device=device)
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"mask mod {mod!r} must return a bool tensor, got dtype {allowed.dtype}")
+    return allowed
+
+
 def materialize(
     mod: Callable,
     *,
@@ -301,14 +351,26 @@ def materialize(
         >>> materialize(causal_mod(2, 2), tq=2, tk=2).shape
         torch.Size([1, 1, 2, 2])
     """
-    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
-    q_idx = torch.arange(tq, device=device).view(1, 1, tq, 1)
-    kv_idx = torch.arange(tk, device=device).view(1, 1, 1, tk)
-    allowed = torch.as_tensor(mod(b, h, q_idx, kv_idx), device=device)
-    if allowed.dtype != torch.bool:
-        raise TypeError(f"mask mod {mod!r} must return a bool tensor, got dtype {allowed.dtype}")
+    allowed = evaluate(mod, q_range=(0, tq), kv_range=(0, tk), batch=batch, heads=heads, device=device)
     return allowed.expand(batch, heads, tq, tk)
+
+
+def kv_range(mod: Callable | None, q_start: int, q_end: int, tk: int) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` that queries ``q_start..q_end-1`` may reach, clipped to ``[0, tk)``.
+
+    All keys unless ``mod`` is a :class:`MaskMod` that declares :meth:`MaskMod.kv_bounds`.
+
+    Example:
+        >>> kv_range(CausalMod(0), 4, 8, 16)
+        (0, 8)
+        >>> kv_range(None, 4, 8, 16)
+        (0, 16)
+    """
+    bounds = _bounds_of(mod, q_start, q_end) if mod is not None else None
+    if bounds is None:
+        return 0, tk
+    lo = min(tk, max(0, bounds[0]))
+    return lo, max(lo, min(tk, bounds[1]))
 
 
 def causal_mask(tq: int, tk: int | None = None, *, align: str = "top_left", device=None) -> Tensor:

@@ -154,11 +154,7 @@ class _Plan:
 
     def kv_blocks(self, qs: int, qe: int, tk: int) -> Iterator[tuple[int, int]]:
         """Key blocks a query block may reach: all of them, or the mask mod's bounds."""
-        lo, hi = 0, tk
-        if isinstance(self.mod, _masks.MaskMod):
-            bounds = self.mod.kv_bounds(qs, qe)
-            if bounds is not None:
-                lo, hi = max(0, bounds[0]), min(tk, bounds[1])
+        lo, hi = _masks.kv_range(self.mod, qs, qe, tk)
         for ks in range(lo, hi, self.kv_block):
             yield ks, min(ks + self.kv_block, hi)
 
@@ -170,25 +166,13 @@ def _slice_tile(mask: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
     return mask[:, :, rows, cols]
 
 
-def _mod_tile(mod: Callable, batch: int, heads: int, qs: int, qe: int, ks: int, ke: int,
-              device: torch.device) -> Tensor:
-    """Evaluate a mask mod on one tile's index grid -> bool, broadcastable to (B, H, bq, bk)."""
-    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
-    q_idx = torch.arange(qs, qe, device=device).view(1, 1, qe - qs, 1)
-    kv_idx = torch.arange(ks, ke, device=device).view(1, 1, 1, ke - ks)
-    allowed = torch.as_tensor(mod(b, h, q_idx, kv_idx), device=device)
-    if allowed.dtype != torch.bool:
-        raise TypeError(f"mask mod {mod!r} must return a bool tensor, got dtype {allowed.dtype}")
-    return allowed
-
-
 def _tile_allowed(plan: _Plan, bias_tile: Tensor | None, shape: tuple, qs: int, qe: int,
                   ks: int, ke: int, device: torch.device) -> Tensor | None:
     """Combined bool mask of one tile (None = everything allowed)."""
     parts = []
     if plan.mod is not None:
-        parts.append(_mod_tile(plan.mod, shape[0], shape[1], qs, qe, ks, ke, device))
+        parts.append(_masks.evaluate(plan.mod, q_range=(qs, qe), kv_range=(ks, ke),
+                                     batch=shape[0], heads=shape[1], device=device))
     if plan.bool_mask is not None:
         parts.append(_slice_tile(plan.bool_mask, qs, qe, ks, ke))
     if bias_tile is not None:
@@ -460,11 +444,9 @@ def _visited_keys(call: AttentionCall, q_block: int, kv_block: int) -> tuple[int
     keys = tiles = 0
     for qs in range(0, call.tq, q_block):
         qe = min(qs + q_block, call.tq)
-        lo, hi = 0, call.tk
-        if isinstance(mod, _masks.MaskMod) and (bounds := mod.kv_bounds(qs, qe)) is not None:
-            lo, hi = max(0, bounds[0]), min(call.tk, bounds[1])
-        keys += (qe - qs) * max(0, hi - lo)
-        tiles += math.ceil(max(0, hi - lo) / kv_block)
+        lo, hi = _masks.kv_range(mod, qs, qe, call.tk)
+        keys += (qe - qs) * (hi - lo)
+        tiles += math.ceil((hi - lo) / kv_block)
     return keys, tiles
 
 
