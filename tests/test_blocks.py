@@ -38,14 +38,14 @@ def test_encoder_padding_does_not_change_real_outputs():
 
 def test_decoder_cross_attention_ignores_padded_memory():
     torch.manual_seed(2)
-    dec = TransformerDecoder(2, D, H, cross_attention=True, d_memory=20).double().eval()
+    dec = TransformerDecoder(2, D, H, cross_attention=True, d_context=20).double().eval()
     x = torch.randn(2, 5, D, dtype=torch.float64)
-    memory = torch.randn(2, 8, 20, dtype=torch.float64)
+    context = torch.randn(2, 8, 20, dtype=torch.float64)
     real = torch.ones(2, 8, dtype=torch.bool)
     real[0, 3:] = False
-    out = dec(x, memory=memory, memory_padding_mask=real)
-    torch.testing.assert_close(dec(x[:1], memory=memory[:1, :3]), out[:1], rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="memory"):
+    out = dec(x, context=context, context_padding_mask=real)
+    torch.testing.assert_close(dec(x[:1], context=context[:1, :3]), out[:1], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="context"):
         dec(x)
 
 

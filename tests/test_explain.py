@@ -106,9 +106,9 @@ def test_cross_trace_equals_cross_attention_module(context):
 
 
 def test_dropout_trace_equals_module_in_training_mode():
-    t = trace(mode="causal", dropout=0.5, seed=9, d_kq=2, d_v=2)
+    t = trace(mode="causal", dropout_p=0.5, seed=9, d_kq=2, d_v=2)
     torch.manual_seed(9)
-    module = tutorial.CausalAttention(3, 2, context_length=12, dropout=0.5, init="uniform").train()
+    module = tutorial.CausalAttention(3, 2, context_length=12, dropout_p=0.5, init="uniform").train()
     torch.manual_seed(9)  # the module draws dropout from the global generator
     torch.testing.assert_close(t.output, module(_embeddings(t)).detach(), atol=1e-6, rtol=1e-6)
     keep = t.step("dropout_mask").tensor

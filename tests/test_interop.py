@@ -84,7 +84,7 @@ def test_matches_torch_multihead_attention(name, self_attn, kdim, vdim, bias, ba
     def run_ours(q, k, v):
         context = None if self_attn else k
         return ours(q, context=context, value_input=None if self_attn else v,
-                    mask=causal_bool, padding_mask=real if padding else None, need_weights=True)
+                    mask=causal_bool, padding_mask=real if padding else None, return_weights=True)
 
     def run_ref(module):
         return lambda q, k, v: _run_torch(module, q, k, v, batch_first=batch_first,

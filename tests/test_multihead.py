@@ -62,7 +62,7 @@ def test_cross_attention_padding_and_fully_padded_row():
     real = torch.ones(3, 7, dtype=torch.bool)
     real[1, 3:] = False
     real[2] = False  # nothing to attend to
-    out, weights = mod(x, context=context, padding_mask=real, need_weights=True)
+    out, weights = mod(x, context=context, padding_mask=real, return_weights=True)
     assert out.shape == (3, 4, 8) and weights.shape == (3, 2, 4, 7)
     assert torch.equal(out[2], torch.zeros(4, 8))
     assert weights[1, :, :, 3:].eq(0).all()
@@ -92,7 +92,7 @@ def test_float_mask_is_added_to_scores():
     mod = MultiHeadAttention(6, 6, num_heads=3).double()
     x = torch.randn(2, 5, 6, dtype=torch.float64)
     bias = alibi_bias(3, 5, dtype=torch.float64)
-    _, weights = mod(x, mask=bias, need_weights=True)
+    _, weights = mod(x, mask=bias, return_weights=True)
     q, k, _ = mod.project_qkv(x)
     scores = q @ k.transpose(-2, -1) / 2**0.5 + bias  # head_dim 2
     scores = scores.masked_fill(~masks.causal_mask(5), float("-inf"))
@@ -100,7 +100,7 @@ def test_float_mask_is_added_to_scores():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_need_weights_does_not_change_output(backend):
+def test_return_weights_does_not_change_output(backend):
     if backend not in attnlab.backends.available():
         pytest.skip(f"backend {backend} is not available here")
     torch.manual_seed(8)
@@ -110,17 +110,17 @@ def test_need_weights_does_not_change_output(backend):
     real[1, 20:] = False
     with torch.no_grad():  # inference: some backends (flex on CPU) have no backward
         out = mod(x, padding_mask=real)
-        out_w, weights = mod(x, padding_mask=real, need_weights=True)
+        out_w, weights = mod(x, padding_mask=real, return_weights=True)
         reference = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, backend="reference").eval()
         reference.load_state_dict(mod.state_dict())
-        expected = reference(x, padding_mask=real, need_weights=True)[1]
+        expected = reference(x, padding_mask=real, return_weights=True)[1]
     assert torch.equal(out, out_w)
     torch.testing.assert_close(weights, expected, rtol=0, atol=1e-6)
 
 
 def test_dropout_only_in_training():
     torch.manual_seed(9)
-    mod = MultiHeadAttention(8, 8, num_heads=2, dropout=0.5)
+    mod = MultiHeadAttention(8, 8, num_heads=2, dropout_p=0.5)
     plain = MultiHeadAttention(8, 8, num_heads=2)
     plain.load_state_dict(mod.state_dict())
     x = torch.randn(2, 6, 8)

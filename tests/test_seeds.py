@@ -206,7 +206,7 @@ def test_doc001_level3_causal_attention_seed1240(doc001_words):
     # the next cell's construction, i.e. from a fresh seed-1240 state.
     batch = torch.stack((doc001_words, doc001_words), dim=0)  # (2, 12, 3)
     torch.manual_seed(1240)
-    causal_attention = CausalAttention(3, 2, 12, dropout=0.0)
+    causal_attention = CausalAttention(3, 2, 12, dropout_p=0.0)
     out = causal_attention(batch)
     assert_printed(out, [DOC001_CAUSAL_PRINTED, DOC001_CAUSAL_PRINTED])
 
@@ -214,7 +214,7 @@ def test_doc001_level3_causal_attention_seed1240(doc001_words):
 def test_doc001_level4_multihead_attention_seed1240(doc001_words):
     batch = torch.stack((doc001_words, doc001_words), dim=0)
     torch.manual_seed(1240)
-    mha = MultiHeadAttention(3, 2, 12, dropout=0.0, num_heads=2)
+    mha = MultiHeadAttention(3, 2, 12, dropout_p=0.0, num_heads=2)
     assert_printed(mha(batch), [DOC001_MHA_PRINTED, DOC001_MHA_PRINTED])
 
 
@@ -369,7 +369,7 @@ def test_doc002_cell16_dropout_on_weights(doc002_inputs):
 def test_doc002_cell25_causal_attention_dropout_printed(doc002_inputs):
     batch = torch.stack((doc002_inputs, doc002_inputs), dim=0)
     torch.manual_seed(123)
-    causal_attention = CausalAttention(d_in=3, d_out=2, context_length=6, dropout=0.5)
+    causal_attention = CausalAttention(d_in=3, d_out=2, context_length=6, dropout_p=0.5)
     assert_printed(causal_attention(batch), DOC002_CAUSAL_DROPOUT_OUT)
 
 
@@ -399,7 +399,7 @@ def test_doc002_cell25_causal_attention_dropout_as_document(doc002_inputs):
     torch.manual_seed(123)
     expected = Doc002CausalAttention(3, 2, 6, 0.5)(batch)
     torch.manual_seed(123)
-    actual = CausalAttention(d_in=3, d_out=2, context_length=6, dropout=0.5)(batch)
+    actual = CausalAttention(d_in=3, d_out=2, context_length=6, dropout_p=0.5)(batch)
     assert (actual == 0).all(dim=-1).any(), "dropout at p=0.5 should zero some whole rows here"
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
 

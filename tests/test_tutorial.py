@@ -148,7 +148,7 @@ def _modules():
         "simple": (SimpleSelfAttention(), 1),
         "self_uniform": (SelfAttention(4, 3, 5, init="uniform"), 1),
         "self_linear": (SelfAttention(4, 3, qkv_bias=True), 1),
-        "causal": (CausalAttention(4, 3, context_length=9, dropout=0.3).eval(), 1),
+        "causal": (CausalAttention(4, 3, context_length=9, dropout_p=0.3).eval(), 1),
         "cross": (CrossAttention(4, 3, 2), 2),
         "wrapper": (MultiHeadAttentionWrapper(4, 3, 2, 3, causal=True), 1),
         "fused": (MultiHeadAttention(4, 6, 9, 0.0, 2), 1),
@@ -211,7 +211,7 @@ def test_causal_attention_rejects_inputs_longer_than_context_length():
 
 def test_causal_attention_dropout_only_in_training():
     torch.manual_seed(2)
-    module = CausalAttention(3, 2, context_length=8, dropout=0.5)
+    module = CausalAttention(3, 2, context_length=8, dropout_p=0.5)
     x = torch.randn(2, 8, 3)
     module.eval()
     no_dropout = AttentionHead(3, 2, causal=True)
@@ -231,12 +231,12 @@ def test_cross_attention_lengths_may_differ_and_self_is_a_special_case():
     assert cross(x1, x2).shape == (6, 4)
     as_self = AttentionHead(3, 2, 4)
     as_self.load_state_dict(cross.state_dict())
-    torch.testing.assert_close(cross(x1, x1), as_self(x1))  # x_1 = x_2: self-attention
+    torch.testing.assert_close(cross(x1, x1), as_self(x1))  # context = x: self-attention
 
 
 def test_cross_attention_feature_mismatch_names_both_shapes():
     cross = CrossAttention(3, 2, 4)
-    with pytest.raises(ValueError, match=r"x_1 \(6, 3\) and x_2 \(8, 5\)"):
+    with pytest.raises(ValueError, match=r"x \(6, 3\) and context \(8, 5\)"):
         cross(torch.randn(6, 3), torch.randn(8, 5))
 
 

@@ -99,7 +99,7 @@ class Trace:
         context_sentence: the text keys and values come from (equal to ``sentence`` except in cross).
         tokens: query-side tokens; ``context_tokens``: key/value-side tokens.
         vocabulary: sorted unique word -> id.
-        d_model, d_kq, d_v, heads, seed, dropout: the configuration.
+        d_model, d_kq, d_v, heads, seed, dropout_p: the configuration.
         steps: every intermediate, in order.
         output: the final output ``(Tq, heads * d_v)``; equals the module's output.
         module: the tutorial module whose weights were used.
@@ -125,7 +125,7 @@ class Trace:
     d_v: int
     heads: int
     seed: int
-    dropout: float
+    dropout_p: float
     steps: list[Step] = field(default_factory=list)
     output: Tensor | None = None
     module: nn.Module | None = None
@@ -231,7 +231,7 @@ def trace(
     d_v: int = 4,
     seed: int = 123,
     causal: bool = False,
-    dropout: float = 0.0,
+    dropout_p: float = 0.0,
     init: str = "uniform",
     vocab_size: int = DOC_VOCAB_SIZE,
 ) -> Trace:
@@ -247,7 +247,7 @@ def trace(
         d_kq: query/key size per head; ``d_v``: value size per head.
         seed: seeds the embedding table and, again, the module's weights.
         causal: mask future keys (``mode="causal"`` implies it; allowed with multihead).
-        dropout: probability of dropping an attention weight (0 = off), drawn from a generator
+        dropout_p: probability of dropping an attention weight (0 = off), drawn from a generator
             seeded with ``seed``.
         init: the tutorial modules' weight init, ``"uniform"`` (torch.rand, the first document)
             or ``"linear"`` (nn.Linear, the second document).
@@ -264,7 +264,7 @@ def trace(
         >>> [round(w, 4) for w in t.weights()[0, 1, :2].tolist()]
         [0.0532, 0.9468]
     """
-    config = _resolve(sentence, mode, context, heads, causal, dropout, d_model, d_kq, d_v)
+    config = _resolve(sentence, mode, context, heads, causal, dropout_p, d_model, d_kq, d_v)
     query_text, kv_text, heads, causal = config
     mode = "causal" if mode == "self" and causal else mode  # --causal is the same as --mode causal
     tokens, kv_tokens = tokenize(query_text), tokenize(kv_text)
@@ -272,15 +272,15 @@ def trace(
     if len(vocabulary) > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the vocabulary ({len(vocabulary)} words)")
     result = Trace(mode, causal, query_text, kv_text, tokens, kv_tokens, vocabulary,
-                   d_model, d_kq, d_v, heads, seed, dropout)
+                   d_model, d_kq, d_v, heads, seed, dropout_p)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         embed = nn.Embedding(vocab_size, d_model)
         torch.manual_seed(seed)
-        result.module = _build_module(mode, d_model, d_kq, d_v, heads, causal, dropout, init)
-    x, x_kv = _embed_steps(result, embed)
-    generator = torch.Generator().manual_seed(seed) if dropout > 0 else None
-    contexts = [_head_steps(result, unit, h, x, x_kv, generator) for h, unit in enumerate(_units(result.module))]
+        result.module = _build_module(mode, d_model, d_kq, d_v, heads, causal, dropout_p, init)
+    x, x_context = _embed_steps(result, embed)
+    generator = torch.Generator().manual_seed(seed) if dropout_p > 0 else None
+    contexts = [_head_steps(result, unit, h, x, x_context, generator) for h, unit in enumerate(_units(result.module))]
     result.output = torch.cat(contexts, dim=-1)  # (Tq, heads * d_v)
     if heads > 1:
         result.steps.append(_step("output", "Output  concat(heads)", result.output,
@@ -289,7 +289,7 @@ def trace(
     return result
 
 
-def _resolve(sentence, mode, context, heads, causal, dropout, d_model, d_kq, d_v):
+def _resolve(sentence, mode, context, heads, causal, dropout_p, d_model, d_kq, d_v):
     """Check the options; return (query text, key/value text, heads, causal)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -298,8 +298,8 @@ def _resolve(sentence, mode, context, heads, causal, dropout, d_model, d_kq, d_v
     for name, value in (("d_model", d_model), ("d_kq", d_kq), ("d_v", d_v)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     if heads is not None and heads < 1:
         raise ValueError(f"heads must be at least 1; got {heads}")
     if mode == "cross":
@@ -328,7 +328,7 @@ def _step(name, title, tensor, explanation, rows, cols, head=None) -> Step:
 
 
 def _build_module(mode: str, d_model: int, d_kq: int, d_v: int, heads: int, causal: bool,
-                  dropout: float, init: str) -> nn.Module:
+                  dropout_p: float, init: str) -> nn.Module:
     """The tutorial module for ``mode`` (constructed under the caller's seed).
 
     self -> SelfAttention, cross -> CrossAttention, multihead -> MultiHeadAttentionWrapper, and
@@ -337,9 +337,9 @@ def _build_module(mode: str, d_model: int, d_kq: int, d_v: int, heads: int, caus
     order, so one seed gives every mode the same first-head weights.
     """
     if mode == "multihead":
-        return tutorial.MultiHeadAttentionWrapper(d_model, d_kq, d_v, heads, causal=causal, dropout=dropout, init=init)
-    if causal or dropout > 0:
-        return tutorial.AttentionHead(d_model, d_kq, d_v, causal=causal, dropout=dropout, init=init)
+        return tutorial.MultiHeadAttentionWrapper(d_model, d_kq, d_v, heads, causal=causal, dropout_p=dropout_p, init=init)
+    if causal or dropout_p > 0:
+        return tutorial.AttentionHead(d_model, d_kq, d_v, causal=causal, dropout_p=dropout_p, init=init)
     if mode == "cross":
         return tutorial.CrossAttention(d_model, d_kq, d_v, init=init)
     return tutorial.SelfAttention(d_model, d_kq, d_v, init=init)
@@ -380,13 +380,13 @@ def _embed_steps(result: Trace, embed: nn.Embedding) -> tuple[Tensor, Tensor]:
     return inputs[0], inputs[-1]
 
 
-def _head_steps(result: Trace, unit: nn.Module, h: int, x: Tensor, x_kv: Tensor,
+def _head_steps(result: Trace, unit: nn.Module, h: int, x: Tensor, x_context: Tensor,
                 generator: torch.Generator | None) -> Tensor:
     """Record one head's projections and attention; return its context vectors ``(Tq, d_v)``."""
     tq, tk = result.tokens, result.context_tokens
     projected = {}
-    for key, attr, what, src, tokens in (("q", "W_query", "queries", x, tq), ("k", "W_key", "keys", x_kv, tk),
-                                          ("v", "W_value", "values", x_kv, tk)):
+    for key, attr, what, src, tokens in (("q", "W_query", "queries", x, tq), ("k", "W_key", "keys", x_context, tk),
+                                          ("v", "W_value", "values", x_context, tk)):
         weight, bias = _projection(getattr(unit, attr))
         result.steps.append(_step(f"W_{key}", f"W_{key}  ({what} projection)", weight,
                                   f"A trainable {tuple(weight.shape)} matrix (seeded random here) that turns an "
@@ -434,10 +434,10 @@ def _attend_steps(result: Trace, h: int, queries: Tensor, keys: Tensor, values: 
     weights = softmax_rows(scores)  # (Tq, Tk); rows sum to 1
     add("weights", "Attention weights  A = softmax(S) row by row", weights,
         "Each row turned into proportions that sum to 1: how much token i attends to each token j.")
-    if result.dropout > 0:
-        keep = apply_dropout(torch.ones_like(weights), result.dropout, generator)  # 0 or 1/(1-p)
-        add("dropout_mask", f"Dropout mask  (p = {result.dropout})", keep,
-            f"Each weight is dropped with probability {result.dropout}; survivors are scaled by 1/(1-p).")
+    if result.dropout_p > 0:
+        keep = apply_dropout(torch.ones_like(weights), result.dropout_p, generator)  # 0 or 1/(1-p)
+        add("dropout_mask", f"Dropout mask  (p = {result.dropout_p})", keep,
+            f"Each weight is dropped with probability {result.dropout_p}; survivors are scaled by 1/(1-p).")
         weights = weights * keep
         add("dropped_weights", "Weights after dropout", weights, "The weights actually used for the sum.")
     context = weights @ values  # (Tq, d_v)

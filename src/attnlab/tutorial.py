@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import probability
 from attnlab.functional import attention
 
 __all__ = [
@@ -109,7 +110,7 @@ class AttentionHead(nn.Module):
     mask and dropout on the weights (training mode only).
 
     Shapes:
-        x: ``(T, d_in)`` or ``(B, T, d_in)``; x_kv (cross-attention): ``(Tk, d_in)`` or
+        x: ``(T, d_in)`` or ``(B, T, d_in)``; context (cross-attention): ``(Tk, d_in)`` or
         ``(B, Tk, d_in)`` -> ``(T, d_out_v)`` or ``(B, T, d_out_v)``.
 
     Args:
@@ -117,7 +118,7 @@ class AttentionHead(nn.Module):
         d_out_kq: features of queries and keys.
         d_out_v: features of values and of the output; defaults to ``d_out_kq``.
         causal: mask future keys.
-        dropout: probability of dropping an attention weight in training mode.
+        dropout_p: probability of dropping an attention weight in training mode.
         context_length: optional bound on the number of query tokens.
         qkv_bias: bias in the projections (``init="linear"`` only).
         init: ``"linear"`` (``nn.Linear`` layers) or ``"uniform"`` (``torch.rand`` matrices).
@@ -143,7 +144,7 @@ class AttentionHead(nn.Module):
         d_out_v: int | None = None,
         *,
         causal: bool = False,
-        dropout: float = 0.0,
+        dropout_p: float = 0.0,
         context_length: int | None = None,
         qkv_bias: bool = False,
         init: str = "linear",
@@ -151,59 +152,58 @@ class AttentionHead(nn.Module):
         super().__init__()
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        probability("dropout_p", dropout_p)
         d_out_v = d_out_kq if d_out_v is None else d_out_v
         self.d_in, self.d_out_kq, self.d_out_v = d_in, d_out_kq, d_out_v
-        self.causal, self.dropout, self.context_length = causal, dropout, context_length
+        self.causal, self.dropout_p, self.context_length = causal, dropout_p, context_length
         self.backend = "reference"
         self.W_query = _make_projection(d_in, d_out_kq, init=init, bias=qkv_bias)
         self.W_key = _make_projection(d_in, d_out_kq, init=init, bias=qkv_bias)
         self.W_value = _make_projection(d_in, d_out_v, init=init, bias=qkv_bias)
 
-    def _check_inputs(self, x: Tensor, x_kv: Tensor) -> None:
-        if isinstance(x, Tensor) and isinstance(x_kv, Tensor) and x.shape[-1] != x_kv.shape[-1]:
+    def _check_inputs(self, x: Tensor, context: Tensor) -> None:
+        if isinstance(x, Tensor) and isinstance(context, Tensor) and x.shape[-1] != context.shape[-1]:
             raise ValueError(
-                f"x_1 and x_2 must have the same feature dim d_in; got x_1 {tuple(x.shape)} "
-                f"and x_2 {tuple(x_kv.shape)}"
+                f"x and context must have the same feature dim d_in; got x {tuple(x.shape)} "
+                f"and context {tuple(context.shape)}"
             )
         _check_features("x", x, self.d_in)
-        _check_features("x_kv", x_kv, self.d_in)
+        _check_features("context", context, self.d_in)
         if self.context_length is not None and x.shape[-2] > self.context_length:
             raise ValueError(
                 f"x has {x.shape[-2]} tokens, more than context_length={self.context_length}"
             )
 
-    def scores(self, x: Tensor, x_kv: Tensor | None = None) -> Tensor:
+    def scores(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         """Raw scores ``q k^T`` (unscaled, unmasked): the documents' ``omega``/``attn_scores``.
 
         Example:
             >>> AttentionHead(3, 2).scores(torch.randn(4, 3)).shape
             torch.Size([4, 4])
         """
-        x_kv = x if x_kv is None else x_kv
-        self._check_inputs(x, x_kv)
+        context = x if context is None else context
+        self._check_inputs(x, context)
         queries = _apply_projection(self.W_query, x)  # (..., T, d_out_kq)
-        keys = _apply_projection(self.W_key, x_kv)  # (..., Tk, d_out_kq)
+        keys = _apply_projection(self.W_key, context)  # (..., Tk, d_out_kq)
         return queries @ keys.transpose(-2, -1)  # (..., T, Tk)
 
     def forward(
-        self, x: Tensor, x_kv: Tensor | None = None, *, return_weights: bool = False
+        self, x: Tensor, context: Tensor | None = None, *, return_weights: bool = False
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from ``x`` to ``x_kv`` (``x`` itself when None).
+        """Attend from ``x`` to ``context`` (``x`` itself when None).
 
         Returns:
             ``(..., T, d_out_v)`` context vectors, or ``(context, weights)`` with weights
             ``(..., T, Tk)`` (before dropout) when ``return_weights``.
         """
-        x_kv = x if x_kv is None else x_kv
-        self._check_inputs(x, x_kv)
+        context = x if context is None else context
+        self._check_inputs(x, context)
         queries = _apply_projection(self.W_query, x)  # (..., T, d_out_kq)
-        keys = _apply_projection(self.W_key, x_kv)  # (..., Tk, d_out_kq)
-        values = _apply_projection(self.W_value, x_kv)  # (..., Tk, d_out_v)
+        keys = _apply_projection(self.W_key, context)  # (..., Tk, d_out_kq)
+        values = _apply_projection(self.W_value, context)  # (..., Tk, d_out_v)
         return attention(
             queries, keys, values, causal=self.causal, scale=1.0 / math.sqrt(self.d_out_kq),
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+            dropout_p=self.dropout_p if self.training else 0.0, backend=self.backend,
             return_weights=return_weights,
         )
 
@@ -268,12 +268,12 @@ class CausalAttention(AttentionHead):
         d_in: input features.
         d_out: features of queries, keys, values and output.
         context_length: the largest number of tokens accepted.
-        dropout: probability of dropping an attention weight in training mode.
+        dropout_p: probability of dropping an attention weight in training mode.
         qkv_bias: bias in the ``nn.Linear`` projections.
         init: ``"linear"`` (the documents') or ``"uniform"``.
 
     Example:
-        >>> ca = CausalAttention(3, 2, context_length=6, dropout=0.5).eval()
+        >>> ca = CausalAttention(3, 2, context_length=6, dropout_p=0.5).eval()
         >>> x = torch.randn(2, 6, 3)
         >>> y = x.clone(); y[:, 4:] += 1.0                    # change only future tokens
         >>> torch.equal(ca(x)[:, :4], ca(y)[:, :4])
@@ -285,13 +285,13 @@ class CausalAttention(AttentionHead):
         d_in: int,
         d_out: int,
         context_length: int,
-        dropout: float = 0.0,
+        dropout_p: float = 0.0,
         *,
         qkv_bias: bool = False,
         init: str = "linear",
     ):
         super().__init__(
-            d_in, d_out, causal=True, dropout=dropout, context_length=context_length,
+            d_in, d_out, causal=True, dropout_p=dropout_p, context_length=context_length,
             qkv_bias=qkv_bias, init=init,
         )
 
@@ -301,14 +301,14 @@ class CausalAttention(AttentionHead):
 
 
 class CrossAttention(AttentionHead):
-    """Cross-attention: queries from ``x_1``, keys and values from ``x_2`` ("Clear Tutorial" and "Attention for your Transformers").
+    """Cross-attention: queries from ``x``, keys and values from ``context`` ("Clear Tutorial" and "Attention for your Transformers").
 
     The two sequences may differ in length but must share the feature dim ``d_in``; a
     mismatch raises ``ValueError`` naming both shapes (the documents only state the rule).
 
     Shapes:
-        x_1: ``(T1, d_in)`` or ``(B, T1, d_in)``; x_2: ``(T2, d_in)`` or ``(B, T2, d_in)``
-        -> ``(T1, d_out_v)`` or ``(B, T1, d_out_v)``.
+        x: ``(Tq, d_in)`` or ``(B, Tq, d_in)``; context: ``(Tk, d_in)`` or ``(B, Tk, d_in)``
+        -> ``(Tq, d_out_v)`` or ``(B, Tq, d_out_v)``.
 
     Args:
         d_in: input features of both sequences.
@@ -327,14 +327,14 @@ class CrossAttention(AttentionHead):
         super().__init__(d_in, d_out_kq, d_out_v, init=init)
 
     def forward(
-        self, x_1: Tensor, x_2: Tensor, *, return_weights: bool = False
+        self, x: Tensor, context: Tensor, *, return_weights: bool = False
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from ``x_1`` to ``x_2`` (see :meth:`AttentionHead.forward`)."""
-        return super().forward(x_1, x_2, return_weights=return_weights)
+        """Attend from ``x`` to ``context`` (see :meth:`AttentionHead.forward`)."""
+        return super().forward(x, context, return_weights=return_weights)
 
-    def scores(self, x_1: Tensor, x_2: Tensor) -> Tensor:  # type: ignore[override]
-        """Raw scores ``(..., T1, T2)`` between queries of ``x_1`` and keys of ``x_2``."""
-        return super().scores(x_1, x_2)
+    def scores(self, x: Tensor, context: Tensor) -> Tensor:  # type: ignore[override]
+        """Raw scores ``(..., Tq, Tk)`` between queries of ``x`` and keys of ``context``."""
+        return super().scores(x, context)
 
 
 class MultiHeadAttentionWrapper(nn.Module):
@@ -355,7 +355,7 @@ class MultiHeadAttentionWrapper(nn.Module):
         d_out_v: value/output features per head.
         num_heads: number of heads ``H``.
         causal: mask future tokens in every head.
-        dropout: dropout on each head's weights in training mode.
+        dropout_p: dropout probability on each head's weights in training mode.
         init: ``"uniform"`` ("Clear Tutorial"'s) or ``"linear"``.
         context_length: optional bound on the number of tokens.
 
@@ -377,7 +377,7 @@ class MultiHeadAttentionWrapper(nn.Module):
         num_heads: int,
         *,
         causal: bool = False,
-        dropout: float = 0.0,
+        dropout_p: float = 0.0,
         init: str = "uniform",
         context_length: int | None = None,
     ):
@@ -386,7 +386,7 @@ class MultiHeadAttentionWrapper(nn.Module):
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.heads = nn.ModuleList(
             AttentionHead(
-                d_in, d_out_kq, d_out_v, causal=causal, dropout=dropout,
+                d_in, d_out_kq, d_out_v, causal=causal, dropout_p=dropout_p,
                 context_length=context_length, init=init,
             )
             for _ in range(num_heads)
@@ -432,20 +432,20 @@ def multi_head_attention(
     W_key: Tensor,
     W_value: Tensor,
     *,
-    x_kv: Tensor | None = None,
+    context: Tensor | None = None,
     causal: bool = False,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Functional (multi-head) attention with explicit weight tensors ("Self-Attention recap").
 
     With 2-D weights this is "Self-Attention recap"'s ``calc_attn`` (one head); with 3-D weights its
-    ``multi_head_attn``; with ``x_kv`` its ``cross_attn``. Unlike the document, the weights are
+    ``multi_head_attn``; with ``context`` its ``cross_attn``. Unlike the document, the weights are
     arguments (the document draws fresh random ones on every call), queries use ``W_query`` and
     keys ``W_key`` (the document swaps them in ``calc_attn`` and ``cross_attn``), and the scale
     is ``1/sqrt(d_k)`` of *these* weights (``multi_head_attn`` reads a global ``d_k``).
 
     Shapes:
-        x: ``(T, d_in)`` or ``(B, T, d_in)``; x_kv: ``(Tk, d_in)`` or ``(B, Tk, d_in)``.
+        x: ``(T, d_in)`` or ``(B, T, d_in)``; context: ``(Tk, d_in)`` or ``(B, Tk, d_in)``.
         W_query, W_key: ``(d_k, d_in)`` or ``(H, d_k, d_in)``; W_value: ``(d_v, d_in)`` or
         ``(H, d_v, d_in)``.
         Output: ``(..., T, d_v)`` for one head, ``(..., H, T, d_v)`` with a head axis (the
@@ -457,36 +457,36 @@ def multi_head_attention(
         >>> multi_head_attention(x, W_q, W_k, W_v).shape
         torch.Size([3, 6, 28])
     """
-    x_kv = x if x_kv is None else x_kv
-    if x.shape[-1] != x_kv.shape[-1]:
+    context = x if context is None else context
+    if x.shape[-1] != context.shape[-1]:
         raise ValueError(
-            f"x and x_kv must have the same feature dim; got x {tuple(x.shape)}, "
-            f"x_kv {tuple(x_kv.shape)}"
+            f"x and context must have the same feature dim; got x {tuple(x.shape)}, "
+            f"context {tuple(context.shape)}"
         )
     queries = project(x, W_query)  # (..., [H,] T, d_k)
-    keys = project(x_kv, W_key)  # (..., [H,] Tk, d_k)
-    values = project(x_kv, W_value)  # (..., [H,] Tk, d_v)
+    keys = project(context, W_key)  # (..., [H,] Tk, d_k)
+    values = project(context, W_value)  # (..., [H,] Tk, d_v)
     return attention(queries, keys, values, causal=causal, return_weights=return_weights)
 
 
 def cross_attention(
-    x_1: Tensor, x_2: Tensor, W_query: Tensor, W_key: Tensor, W_value: Tensor
+    x: Tensor, context: Tensor, W_query: Tensor, W_key: Tensor, W_value: Tensor
 ) -> Tensor:
-    """Functional cross-attention: queries from ``x_1``, keys and values from ``x_2``.
+    """Functional cross-attention: queries from ``x``, keys and values from ``context``.
 
     "Self-Attention recap"'s ``cross_attn`` with the query/key weights the right way round; the
     weights may carry a head axis as in :func:`multi_head_attention`.
 
     Shapes:
-        x_1: ``(T1, d_in)``, x_2: ``(T2, d_in)`` (or batched) -> ``(T1, d_v)``
-        (``(H, T1, d_v)`` with per-head weights).
+        x: ``(Tq, d_in)``, context: ``(Tk, d_in)`` (or batched) -> ``(Tq, d_v)``
+        (``(H, Tq, d_v)`` with per-head weights).
 
     Example:
         >>> W_q, W_k, W_v = torch.randn(4, 3), torch.randn(4, 3), torch.randn(2, 3)
         >>> cross_attention(torch.randn(6, 3), torch.randn(9, 3), W_q, W_k, W_v).shape
         torch.Size([6, 2])
     """
-    return multi_head_attention(x_1, W_query, W_key, W_value, x_kv=x_2)
+    return multi_head_attention(x, W_query, W_key, W_value, context=context)
 
 
 CAUSAL_AVERAGE_METHODS = ("loop", "matmul", "softmax")

@@ -75,7 +75,7 @@ def explain(
 
     try:
         result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
-                       d_v=d_v, seed=seed, causal=causal, dropout=dropout)
+                       d_v=d_v, seed=seed, causal=causal, dropout_p=dropout)
         focus = result.query_index(query)
     except ValueError as err:
         _fail(str(err))

@@ -1,6 +1,6 @@
 """Pre-norm Transformer blocks and encoder/decoder stacks built from attnlab modules.
 
-Each block is ``x + Attn(LN(x))`` [``+ CrossAttn(LN(.), memory)``] ``+ MLP(LN(.))`` (the
+Each block is ``x + Attn(LN(x))`` [``+ CrossAttn(LN(.), context)``] ``+ MLP(LN(.))`` (the
 "pre-norm" arrangement of GPT-2 and most later models); the stacks end with a LayerNorm.
 Masks follow attnlab's polarity: ``padding_mask`` is True at real tokens.
 
@@ -9,8 +9,8 @@ Example:
     >>> dec = TransformerDecoder(2, 32, 4, cross_attention=True)
     >>> src, tgt = torch.randn(2, 7, 32), torch.randn(2, 5, 32)
     >>> src_real = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
-    >>> memory = enc(src, padding_mask=src_real)
-    >>> dec(tgt, memory=memory, memory_padding_mask=src_real).shape
+    >>> context = enc(src, padding_mask=src_real)
+    >>> dec(tgt, context=context, context_padding_mask=src_real).shape
     torch.Size([2, 5, 32])
 """
 
@@ -39,13 +39,13 @@ class FeedForward(nn.Module):
         torch.Size([2, 3, 8])
     """
 
-    def __init__(self, d_model: int, *, d_ff: int | None = None, dropout: float = 0.0, bias: bool = True):
+    def __init__(self, d_model: int, *, d_ff: int | None = None, dropout_p: float = 0.0, bias: bool = True):
         super().__init__()
         d_ff = 4 * d_model if d_ff is None else d_ff
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
         self.act = nn.GELU()
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout_p)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.fc_out(self.act(self.fc_in(x))))
@@ -55,8 +55,8 @@ class TransformerBlock(nn.Module):
     """One pre-norm Transformer layer: self-attention, optional cross-attention, MLP.
 
     Shapes:
-        x: ``(B, T, d_model)``; memory: ``(B, Tm, d_memory)``; padding_mask: ``(B, T)`` (or
-        ``(B, cached + T)`` with a cache); memory_padding_mask: ``(B, Tm)`` -> ``(B, T, d_model)``.
+        x: ``(B, T, d_model)``; context: ``(B, Tc, d_context)``; padding_mask: ``(B, T)`` (or
+        ``(B, cached + T)`` with a cache); context_padding_mask: ``(B, Tc)`` -> ``(B, T, d_model)``.
 
     Args:
         d_model: width of the residual stream.
@@ -65,8 +65,8 @@ class TransformerBlock(nn.Module):
         dropout: attention-weight and residual dropout (training only).
         causal: causal self-attention (decoders) or not (encoders).
         num_kv_heads: grouped-query key/value heads (default ``num_heads``).
-        cross_attention: add a cross-attention sub-layer reading ``memory``.
-        d_memory: width of ``memory`` (default ``d_model``).
+        cross_attention: add a cross-attention sub-layer reading ``context``.
+        d_context: width of ``context`` (default ``d_model``).
         rope: rotary embeddings in self-attention (``True`` or a ``RotaryEmbedding``).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
@@ -79,43 +79,43 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, num_heads: int, *, d_ff: int | None = None, dropout: float = 0.0,
+        self, d_model: int, num_heads: int, *, d_ff: int | None = None, dropout_p: float = 0.0,
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
-        d_memory: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
+        d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, backend: str = "auto",
     ):
         super().__init__()
         common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         self.attn = MultiHeadAttention(
-            d_model, d_model, None, dropout, num_heads, causal=causal, num_kv_heads=num_kv_heads,
+            d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
             rope=rope, **common,
         )
         self.norm_cross = self.cross_attn = None
         if cross_attention:
             self.norm_cross = nn.LayerNorm(d_model, eps=norm_eps)
             self.cross_attn = MultiHeadAttention(
-                d_model, d_model, None, dropout, num_heads, causal=False,
-                num_kv_heads=num_kv_heads, kdim=d_memory, **common,
+                d_model, d_model, None, dropout_p, num_heads, causal=False,
+                num_kv_heads=num_kv_heads, kdim=d_context, **common,
             )
         self.norm_mlp = nn.LayerNorm(d_model, eps=norm_eps)
-        self.mlp = FeedForward(d_model, d_ff=d_ff, dropout=dropout, bias=bias)
-        self.residual_dropout = nn.Dropout(dropout)
+        self.mlp = FeedForward(d_model, d_ff=d_ff, dropout_p=dropout_p, bias=bias)
+        self.residual_dropout = nn.Dropout(dropout_p)
 
     def forward(
         self, x: Tensor, *, padding_mask: Tensor | None = None, mask: Tensor | Callable | None = None,
-        memory: Tensor | None = None, memory_padding_mask: Tensor | None = None,
+        context: Tensor | None = None, context_padding_mask: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
         attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
         x = x + self.residual_dropout(attn_out)
-        if (memory is None) != (self.cross_attn is None):
+        if (context is None) != (self.cross_attn is None):
             raise ValueError(
-                "memory must be given exactly when the block has cross-attention; "
-                f"cross_attention={self.cross_attn is not None}, memory given={memory is not None}"
+                "context must be given exactly when the block has cross-attention; "
+                f"cross_attention={self.cross_attn is not None}, context given={context is not None}"
             )
         if self.cross_attn is not None:
-            cross_out = self.cross_attn(self.norm_cross(x), context=memory, padding_mask=memory_padding_mask)
+            cross_out = self.cross_attn(self.norm_cross(x), context=context, padding_mask=context_padding_mask)
             x = x + self.residual_dropout(cross_out)
         return x + self.mlp(self.norm_mlp(x))
 
@@ -173,18 +173,18 @@ class TransformerEncoder(_Stack):
 
 
 class TransformerDecoder(_Stack):
-    """A stack of causal pre-norm blocks (GPT-style), optionally cross-attending to a memory.
+    """A stack of causal pre-norm blocks (GPT-style), optionally cross-attending to a context.
 
     Shapes:
-        x: ``(B, T, d_model)``; memory: ``(B, Tm, d_memory)``; padding_mask: ``(B, T)`` (or
-        ``(B, cached + T)`` with caches); memory_padding_mask: ``(B, Tm)`` -> ``(B, T, d_model)``.
+        x: ``(B, T, d_model)``; context: ``(B, Tc, d_context)``; padding_mask: ``(B, T)`` (or
+        ``(B, cached + T)`` with caches); context_padding_mask: ``(B, Tc)`` -> ``(B, T, d_model)``.
 
     Args:
         num_layers: number of blocks.
         d_model, num_heads: width and heads.
-        cross_attention: each block also attends to ``memory`` (encoder-decoder models).
+        cross_attention: each block also attends to ``context`` (encoder-decoder models).
         **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout``,
-            ``num_kv_heads``, ``d_memory``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
+            ``num_kv_heads``, ``d_context``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
 
     Example:
         >>> dec = TransformerDecoder(2, 16, 2, rope=True)
@@ -202,11 +202,11 @@ class TransformerDecoder(_Stack):
                          cross_attention=cross_attention, **options)
 
     def forward(
-        self, x: Tensor, *, memory: Tensor | None = None, padding_mask: Tensor | None = None,
-        memory_padding_mask: Tensor | None = None, caches: list[KVCache] | None = None,
+        self, x: Tensor, *, context: Tensor | None = None, padding_mask: Tensor | None = None,
+        context_padding_mask: Tensor | None = None, caches: list[KVCache] | None = None,
     ) -> Tensor:
-        return self._run(x, caches, padding_mask=padding_mask, memory=memory,
-                         memory_padding_mask=memory_padding_mask)
+        return self._run(x, caches, padding_mask=padding_mask, context=context,
+                         context_padding_mask=context_padding_mask)
 
     def new_cache(self, batch_size: int, max_len: int, **options) -> list[KVCache]:
         """One empty self-attention :class:`KVCache` per layer.

@@ -1,7 +1,7 @@
 """Multi-head attention as one production module on top of :func:`attnlab.attention`.
 
 The module keeps the seed documents' constructor ``MultiHeadAttention(d_in, d_out,
-context_length, dropout, num_heads)`` and grows into what a model needs: one fused Q/K/V
+context_length, dropout_p, num_heads)`` (the tutorials' positional call) and grows into what a model needs: one fused Q/K/V
 projection, grouped-query and multi-query attention (``num_kv_heads``), cross-attention to a
 ``context`` of another width, padding masks, a KV cache for decoding, rotary embeddings, and
 interoperability with ``torch.nn.MultiheadAttention``.
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import probability
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.functional import attention
@@ -114,7 +115,7 @@ class MultiHeadAttention(nn.Module):
         d_in: width of ``x`` (the query input).
         d_out: width of the output; ``num_heads`` heads of ``d_out // num_heads`` features.
         context_length: optional bound on the number of (cached + new) tokens.
-        dropout: dropout probability on the attention weights, applied in training only.
+        dropout_p: dropout probability on the attention weights, applied in training only.
         num_heads: number of query heads.
         qkv_bias: bias in the query/key/value projections.
         causal: causal self-attention (default True, as in the seed documents).
@@ -149,7 +150,7 @@ class MultiHeadAttention(nn.Module):
         d_in: int,
         d_out: int,
         context_length: int | None = None,
-        dropout: float = 0.0,
+        dropout_p: float = 0.0,
         num_heads: int = 1,
         *,
         qkv_bias: bool = False,
@@ -165,13 +166,13 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = d_in if kdim is None else kdim
         vdim = kdim if vdim is None else vdim
-        self._check_args(d_in, d_out, context_length, dropout, num_heads, num_kv_heads, kdim, vdim)
+        self._check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim)
         check_backend_name(backend)
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
         self.d_kv = num_kv_heads * self.head_dim
-        self.context_length, self.dropout, self.causal = context_length, float(dropout), causal
+        self.context_length, self.dropout_p, self.causal = context_length, float(dropout_p), causal
         self.backend = backend
         self.fused = kdim == d_in and vdim == d_in
         self._make_projections(qkv_bias)
@@ -180,7 +181,7 @@ class MultiHeadAttention(nn.Module):
         self.register_load_state_dict_pre_hook(_seed_layout_hook)
 
     @staticmethod
-    def _check_args(d_in, d_out, context_length, dropout, num_heads, num_kv_heads, kdim, vdim):
+    def _check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim):
         for name, size in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads),
                            ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
             _check_size(name, size)
@@ -192,10 +193,7 @@ class MultiHeadAttention(nn.Module):
             )
         if context_length is not None:
             _check_size("context_length", context_length)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-            raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        probability("dropout_p", dropout_p)
 
     def _make_projections(self, qkv_bias: bool) -> None:
         """Create the Q/K/V parameters and initialise them as three ``nn.Linear`` in order."""
@@ -320,7 +318,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | Callable | None = None,
         padding_mask: Tensor | None = None,
         cache: KVCache | None = None,
-        need_weights: bool = False,
+        return_weights: bool = False,
         value_input: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend and project; see the class docstring for shapes and mask polarity.
@@ -333,13 +331,13 @@ class MultiHeadAttention(nn.Module):
             padding_mask: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache).
             cache: a :class:`KVCache` from :meth:`new_cache`; the new keys/values are appended
                 and the queries attend to everything cached (self-attention only).
-            need_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
+            return_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
                 (before dropout); ``out`` is computed exactly as without them.
             value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``
                 (torch's ``value`` argument; used by interop).
 
         Returns:
-            ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``need_weights``.
+            ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
         unbatched = x.ndim == 2
         x, context, value_input, mask, padding_mask = self._batch_inputs(
@@ -354,15 +352,15 @@ class MultiHeadAttention(nn.Module):
         result = attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
             q, k, v, mask=mask, causal=self.causal and context is None,
             align="bottom_right" if offset else "top_left",
-            dropout_p=self.dropout if self.training else 0.0,
-            backend=self.backend, return_weights=need_weights,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend, return_weights=return_weights,
         )
-        context_vec = result[0] if need_weights else result  # (B, H, Tq, hd)
+        context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
         context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
         out = self.out_proj(context_vec)
         if unbatched:
             out = out[0]
-        if not need_weights:
+        if not return_weights:
             return out
         return out, (result[1][0] if unbatched else result[1])
 
@@ -438,7 +436,7 @@ class MultiHeadAttention(nn.Module):
         return (
             f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
-            f"causal={self.causal}, dropout={self.dropout}, backend={self.backend!r}"
+            f"causal={self.causal}, dropout_p={self.dropout_p}, backend={self.backend!r}"
         )
 
     @classmethod
@@ -502,7 +500,7 @@ class MultiHeadAttention(nn.Module):
         weight = self.out_proj.weight
         has_bias = self.in_proj_bias is not None or self.out_proj.bias is not None
         module = nn.MultiheadAttention(
-            self.d_out, self.num_heads, dropout=self.dropout, bias=has_bias, kdim=self.kdim,
+            self.d_out, self.num_heads, dropout=self.dropout_p, bias=has_bias, kdim=self.kdim,
             vdim=self.vdim, batch_first=batch_first, device=weight.device, dtype=weight.dtype,
         )
         _copy_projections(self, module, to_torch=True)

@@ -106,8 +106,8 @@ def _header(trace: Trace) -> str:
               f"d_k = {trace.d_kq}", f"d_v = {trace.d_v}", f"seed {trace.seed}"]
     if trace.causal and trace.mode != "causal":
         badges.append("causal mask")
-    if trace.dropout:
-        badges.append(f"dropout {trace.dropout}")
+    if trace.dropout_p:
+        badges.append(f"dropout {trace.dropout_p}")
     badges.append("random, untrained weights")
     return (
         '<header class="top"><div class="wrap"><h1>Attention, step by step</h1>'
