@@ -1,0 +1,82 @@
+"""The head view and the layers x heads grid draw exactly the weights they are given."""
+
+import math
+
+import pytest
+import torch
+
+from attnlab.viz.headview import HEAD_COLORS, head_color, head_grid, head_view, line_alpha
+
+TOKENS = ["[CLS]", "the", "cat", "sat", "[SEP]"]
+
+
+def _weights(heads=3, t=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.softmax(3 * torch.randn(heads, t, t, generator=gen), dim=-1)  # (H, T, T)
+
+
+def _lines(fig):
+    return {line.get_gid(): line for line in fig.axes[0].lines}
+
+
+def test_each_line_has_the_opacity_of_its_weight_and_its_head_colour():
+    weights = _weights()
+    fig = head_view(weights, TOKENS, heads=[0, 2], focus=3)
+    lines = _lines(fig)
+    assert lines, "no line drawn"
+    for gid, line in lines.items():
+        h, i, j = (int(part[1:]) for part in gid.split("-"))
+        assert i == 3 and h in (0, 2)
+        assert math.isclose(line.get_alpha(), float(weights[h, i, j]) / math.sqrt(2), rel_tol=1e-6)
+        assert line.get_color() == head_color(h)
+        assert tuple(line.get_xdata()) == (0.0, 1.0) and tuple(line.get_ydata()) == (-i, -j)
+    drawn = {(int(g.split("-")[0][1:]), int(g.split("-")[2][1:])) for g in lines}
+    strong = {(h, j) for h in (0, 2) for j in range(5) if line_alpha(weights[h, 3, j], heads_shown=2) >= 0.02}
+    assert drawn == strong  # every visible link is drawn, and only those
+
+
+def test_hidden_positions_get_no_lines_but_keep_their_labels():
+    fig = head_view(_weights(), TOKENS, hidden=[0, 4])
+    for gid in _lines(fig):
+        _, q, k = gid.split("-")
+        assert int(q[1:]) not in (0, 4) and int(k[1:]) not in (0, 4)
+    labels = [text.get_text() for text in fig.axes[0].texts]
+    assert labels.count("[CLS]") == 2 and labels.count("[SEP]") == 2
+
+
+def test_without_focus_every_query_is_drawn_at_half_strength():
+    weights = _weights(heads=1)
+    lines = _lines(head_view(weights, TOKENS))
+    assert {int(g.split("-")[1][1:]) for g in lines} == set(range(5))
+    for gid, line in lines.items():
+        _, q, k = gid.split("-")
+        assert math.isclose(line.get_alpha(), 0.5 * float(weights[0, int(q[1:]), int(k[1:])]), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(weights=torch.zeros(2, 3, 4)), "weights must be a \\(H, T, T\\)"),
+    (dict(tokens=["a"]), "tokens must have one label per position"),
+    (dict(heads=[3]), "heads must be in \\[0, 3\\)"),
+    (dict(focus=9), "focus must be in \\[0, 5\\)"),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    args = dict(weights=_weights(), tokens=TOKENS) | kwargs
+    weights, tokens = args.pop("weights"), args.pop("tokens")
+    with pytest.raises(ValueError, match=match):
+        head_view(weights, tokens, **args)
+
+
+def test_grid_shows_every_layer_and_head_with_its_own_weights():
+    weights = torch.stack([_weights(seed=s) for s in range(2)])  # (L=2, H=3, T, T)
+    fig = head_grid(weights, TOKENS)
+    assert len(fig.axes) == 6
+    for index, ax in enumerate(fig.axes):
+        layer, head = divmod(index, 3)
+        shown = torch.as_tensor(ax.images[0].get_array())
+        torch.testing.assert_close(shown, weights[layer, head], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="\\(L, H, T, T\\)"):
+        head_grid(weights[0], TOKENS)
+
+
+def test_colours_are_distinct_for_twelve_heads():
+    assert len(set(HEAD_COLORS)) == 12 and head_color(12) == head_color(0)
