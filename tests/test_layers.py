@@ -27,7 +27,7 @@ LAYERS = [
     ("attnlab.models", 7),
     ("attnlab", 8),  # the root package re-exports nn and tutorial, so it sits above them
     ("attnlab.explain", 9), ("attnlab.viz", 9), ("attnlab.verify", 9), ("attnlab.bench", 9),
-    ("attnlab.train", 9),
+    ("attnlab.train", 9), ("attnlab.trained", 9),
     ("attnlab.cli", 10), ("attnlab.__main__", 10),
 ]
 

@@ -1,0 +1,223 @@
+"""What a trained model's heads do with one sentence: word pieces merged into words, and tables.
+
+A tokenizer splits words into pieces (``"attends"`` -> ``"at", "##tend", "##s"``) and adds
+special tokens (``[CLS]``, ``[SEP]``). The weights a model returns are over pieces; people read
+words. :func:`merge_pieces` turns piece-level weights into word-level ones with one rule:
+
+* **keys: sum** over a word's pieces -- the weight a query gives a word is the weight it gives
+  all of that word's pieces, so every row still sums to 1;
+* **queries: mean** over a word's pieces -- a word attends the way its pieces do on average.
+
+Special tokens stay units of their own. They soak up much of the attention in BERT-family models
+(a head with nothing to do attends to ``[SEP]``), so the tables can leave them out
+(``hide_special=True``): the remaining weights are shown as they are, not renormalised.
+
+:class:`WordAttention` holds one sentence's word-level weights ``(L, H, W, W)`` and answers the
+walk-through's questions: for a query word, which word each (layer, head) attends to most, and
+which single head links it most strongly to each other word.
+
+Example:
+    >>> import torch
+    >>> pieces = ["[CLS]", "at", "##tend", "[SEP]"]
+    >>> word_ids = [None, 0, 0, None]
+    >>> weights = torch.full((1, 1, 4, 4), 0.25)                 # (L, H, T, T)
+    >>> view = WordAttention.from_pieces(weights, pieces, word_ids)
+    >>> view.words, view.weights[0, 0, 0].tolist()
+    (['[CLS]', 'attend', '[SEP]'], [0.25, 0.5, 0.25])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link"]
+
+
+def piece_groups(word_ids) -> list[list[int]]:
+    """Group piece positions into display units: one per word, one per special token (``None``).
+
+    Example:
+        >>> piece_groups([None, 0, 0, 1, None])
+        [[0], [1, 2], [3], [4]]
+    """
+    groups: list[list[int]] = []
+    last = object()
+    for position, word in enumerate(word_ids):
+        if word is not None and word == last:
+            groups[-1].append(position)
+        else:
+            groups.append([position])
+        last = word
+    return groups
+
+
+def merge_pieces(weights: Tensor, groups: list[list[int]]) -> Tensor:
+    """Piece weights ``(..., T, T)`` -> unit weights ``(..., U, U)``: sum over keys, mean over queries.
+
+    Example:
+        >>> w = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+        >>> merge_pieces(w, [[0], [1, 2]])
+        tensor([[0.5000, 0.5000],
+                [0.2000, 0.8000]])
+    """
+    n = weights.shape[-1]
+    if sorted(p for group in groups for p in group) != list(range(n)):
+        raise ValueError(f"groups must cover the {n} positions exactly once, got {groups}")
+    assign = torch.zeros(n, len(groups), dtype=weights.dtype, device=weights.device)  # (T, U)
+    for unit, group in enumerate(groups):
+        assign[group, unit] = 1.0
+    summed_keys = weights @ assign  # (..., T, U)
+    mean_queries = assign.T / assign.sum(0)[:, None]  # (U, T)
+    return mean_queries @ summed_keys  # (..., U, U)
+
+
+def _join_pieces(pieces: list[str]) -> str:
+    return "".join(p[2:] if p.startswith("##") and i else p for i, p in enumerate(pieces))
+
+
+@dataclass(frozen=True)
+class Link:
+    """One attention link: ``layer``/``head`` send ``weight`` from a query word to ``word``.
+
+    Example:
+        >>> Link(4, 1, "meal", 0.62).describe()
+        'layer 4 head 1 -> meal (0.620)'
+    """
+
+    layer: int
+    head: int
+    word: str
+    weight: float
+
+    def describe(self) -> str:
+        """One line, e.g. ``layer 4 head 1 -> meal (0.620)``."""
+        return f"layer {self.layer} head {self.head} -> {self.word} ({self.weight:.3f})"
+
+
+@dataclass(frozen=True)
+class WordAttention:
+    """Word-level attention of one sentence through every layer and head.
+
+    Attributes:
+        words: the display units (words, and special tokens as they are).
+        special: per unit, whether it is a special token.
+        weights: ``(L, H, W, W)`` word-level weights (rows are query words).
+        pieces: the tokenizer's pieces; piece_weights: ``(L, H, T, T)`` as the model returned them.
+        groups: for each unit, its piece positions.
+
+    Example:
+        >>> w = torch.eye(3).expand(2, 1, 3, 3)                      # (L, H, T, T): attend to self
+        >>> view = WordAttention.from_pieces(w, ["[CLS]", "hi", "[SEP]"], [None, 0, None])
+        >>> view.top_links(1)[0][0].word
+        'hi'
+    """
+
+    words: list[str]
+    special: list[bool]
+    weights: Tensor
+    pieces: list[str]
+    piece_weights: Tensor
+    groups: list[list[int]]
+
+    @classmethod
+    def from_pieces(cls, piece_weights: Tensor, pieces: list[str], word_ids) -> "WordAttention":
+        """Merge ``(L, H, T, T)`` piece weights into words (see the module doc for the rule).
+
+        Example:
+            >>> v = WordAttention.from_pieces(torch.ones(1, 1, 2, 2) / 2, ["a", "##b"], [0, 0])
+            >>> v.words, float(v.weights.sum())
+            (['ab'], 1.0)
+        """
+        if piece_weights.ndim != 4 or piece_weights.shape[-1] != len(pieces) or len(word_ids) != len(pieces):
+            raise ValueError(f"piece_weights must be (L, H, T, T) with T = {len(pieces)} pieces and "
+                             f"{len(word_ids)} word ids; got {tuple(piece_weights.shape)}")
+        groups = piece_groups(word_ids)
+        words = [_join_pieces([pieces[p] for p in group]) for group in groups]
+        special = [word_ids[group[0]] is None for group in groups]
+        weights = merge_pieces(piece_weights.detach().float(), groups)
+        return cls(words, special, weights, list(pieces), piece_weights.detach(), groups)
+
+    @property
+    def layers(self) -> int:
+        """Number of layers ``L``."""
+        return self.weights.shape[0]
+
+    @property
+    def heads(self) -> int:
+        """Heads per layer ``H``."""
+        return self.weights.shape[1]
+
+    def index(self, word: str | None) -> int:
+        """Position of ``word`` (case-insensitive; the first occurrence); ``ValueError`` listing the words.
+
+        Without a word: ``"it"`` when present, else the last non-special word.
+
+        Example:
+            >>> v = WordAttention.from_pieces(torch.ones(1, 1, 2, 2) / 2, ["it", "rains"], [0, 1])
+            >>> v.index("Rains"), v.index(None)
+            (1, 0)
+        """
+        lowered = [w.lower() for w in self.words]
+        if word is None:
+            if "it" in lowered:
+                return lowered.index("it")
+            return max(i for i, s in enumerate(self.special) if not s) if not all(self.special) else 0
+        if word.lower() not in lowered:
+            shown = ", ".join(w for w, s in zip(self.words, self.special) if not s)
+            raise ValueError(f"query word {word!r} is not in the sentence; its words are: {shown}")
+        return lowered.index(word.lower())
+
+    def _candidates(self, query: int, hide_special: bool) -> list[int]:
+        return [j for j in range(len(self.words)) if not (hide_special and self.special[j])]
+
+    def top_links(self, query: int, *, hide_special: bool = False) -> list[list[Link]]:
+        """For every layer and head, the word ``query`` attends to most: an ``L x H`` table of Links.
+
+        Example:
+            >>> w = torch.tensor([[[[0.2, 0.8], [0.5, 0.5]]]])          # (1, 1, 2, 2)
+            >>> WordAttention.from_pieces(w, ["a", "b"], [0, 1]).top_links(0)[0][0].describe()
+            'layer 0 head 0 -> b (0.800)'
+        """
+        keys = self._candidates(query, hide_special)
+        table = []
+        for layer in range(self.layers):
+            row = []
+            for head in range(self.heads):
+                weights = self.weights[layer, head, query, keys]
+                best = int(torch.argmax(weights))
+                row.append(Link(layer, head, self.words[keys[best]], float(weights[best])))
+            table.append(row)
+        return table
+
+    def strongest_heads(self, query: int, *, hide_special: bool = False) -> list[Link]:
+        """For every other word, the single (layer, head) linking ``query`` to it most strongly.
+
+        Example:
+            >>> w = torch.tensor([[[[0.1, 0.9], [0.5, 0.5]]], [[[0.7, 0.3], [0.5, 0.5]]]])  # (2, 1, 2, 2)
+            >>> [l.describe() for l in WordAttention.from_pieces(w, ["a", "b"], [0, 1]).strongest_heads(0)]
+            ['layer 0 head 0 -> b (0.900)']
+        """
+        links = []
+        for key in self._candidates(query, hide_special):
+            if key == query:
+                continue
+            per_head = self.weights[:, :, query, key]  # (L, H)
+            flat = int(torch.argmax(per_head))
+            layer, head = divmod(flat, self.heads)
+            links.append(Link(layer, head, self.words[key], float(per_head[layer, head])))
+        return links
+
+    def link(self, query: int, key: int) -> Link:
+        """The strongest (layer, head) from ``query`` to ``key``.
+
+        Example:
+            >>> w = torch.tensor([[[[0.1, 0.9], [0.5, 0.5]]]])
+            >>> WordAttention.from_pieces(w, ["a", "b"], [0, 1]).link(0, 1).weight
+            0.8999999761581421
+        """
+        per_head = self.weights[:, :, query, key]  # (L, H)
+        layer, head = divmod(int(torch.argmax(per_head)), self.heads)
+        return Link(layer, head, self.words[key], float(per_head[layer, head]))
