@@ -97,3 +97,90 @@ def test_hovering_a_word_shows_where_it_attends(page, report):
     highlighted = page.evaluate("[...document.querySelectorAll('.per-head:not([hidden]) rect.cell.hl')]"
                                 ".map(c => +c.dataset.row)")
     assert highlighted and set(highlighted) == {meal}
+
+
+# --------------------------------------------------------------------------- trained-model head view
+LINES = """[...document.querySelectorAll('#hv-lines line.hv-line')].map(l => [+l.dataset.layer, +l.dataset.head,
+  +l.dataset.query, +l.dataset.key, +l.dataset.weight, +l.getAttribute('stroke-opacity'), l.getAttribute('stroke')])"""
+
+
+@pytest.fixture(scope="module")
+def trained_report(tmp_path_factory):
+    import torch
+
+    from attnlab.trained import WordAttention
+    from attnlab.viz.headview import head_color
+    from attnlab.viz.html import TrainedSection
+
+    pieces = ["[CLS]", "the", "chef", "made", "a", "meal", "and", "it", "was", "good", "[SEP]"]
+    word_ids = [None, 0, 1, 2, 3, 4, 5, 6, 7, 8, None]
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.softmax(4 * torch.randn(3, 4, 11, 11, generator=gen), dim=-1)  # (L, H, T, T)
+    view = WordAttention.from_pieces(weights, pieces, word_ids)
+    section = TrainedSection("toy-model", view, focus=view.index("it"), layer=1, heads=(0, 2), hide_special=True)
+    path = write_report(trace(), tmp_path_factory.mktemp("trained") / "report.html", trained=section)
+    return section, path, head_color
+
+
+@pytest.fixture(scope="module")
+def trained_page(trained_report):
+    if BROWSER is None:
+        pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
+    _, path, _ = trained_report
+    with Browser(BROWSER, timeout=20.0) as browser:
+        for domain in ("Runtime", "Log", "Network", "Page"):
+            browser.send(f"{domain}.enable")
+        browser.events.clear()
+        browser.send("Page.navigate", url=path.as_uri())
+        browser.wait_for("Page.loadEventFired")
+        browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
+        yield browser
+
+
+def _check_lines(section, head_color, lines, *, layer, heads, query):
+    view = section.view
+    expected = {(h, k) for h in heads for k in range(len(view.words))
+                if not view.special[k] and float(view.weights[layer, h, query, k]) / len(heads) ** 0.5 >= 0.02}
+    assert {(h, k) for _, h, _, k, _, _, _ in lines} == expected
+    for line_layer, h, q, k, weight, opacity, stroke in lines:
+        assert (line_layer, q) == (layer, query)
+        assert weight == pytest.approx(float(view.weights[layer, h, q, k]), abs=5e-5)
+        assert opacity == pytest.approx(weight / len(heads) ** 0.5, abs=1e-3)
+        assert stroke == head_color(h)
+
+
+def test_trained_section_loads_offline_without_errors(trained_page, trained_report):
+    _, path, _ = trained_report
+    errors = [e for e in trained_page.events if e.get("method") == "Runtime.exceptionThrown"
+              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))]
+    assert errors == []
+    requested = [e["params"]["request"]["url"] for e in trained_page.events
+                 if e.get("method") == "Network.requestWillBeSent"]
+    assert requested == [path.as_uri()]
+
+
+def test_head_view_draws_the_selected_layer_and_heads(trained_page, trained_report):
+    section, _, head_color = trained_report
+    _check_lines(section, head_color, trained_page.evaluate(LINES), layer=1, heads=[0, 2], query=section.focus)
+
+
+def test_switching_layer_and_heads_redraws_the_right_values(trained_page, trained_report):
+    section, _, head_color = trained_report
+    trained_page.evaluate("(() => { const s = document.getElementById('hv-layer'); s.value = '2';"
+                          " s.dispatchEvent(new Event('change')); })()")
+    _check_lines(section, head_color, trained_page.evaluate(LINES), layer=2, heads=[0, 2], query=section.focus)
+    trained_page.evaluate("(() => { const c = document.querySelector('input.hv-head[value=\"3\"]'); c.checked = true;"
+                          " c.dispatchEvent(new Event('change')); })()")
+    _check_lines(section, head_color, trained_page.evaluate(LINES), layer=2, heads=[0, 2, 3], query=section.focus)
+
+
+def test_hovering_a_word_shows_its_lines(trained_page, trained_report):
+    section, _, head_color = trained_report
+    layer = int(trained_page.evaluate("document.getElementById('hv-layer').value"))
+    heads = trained_page.evaluate("[...document.querySelectorAll('input.hv-head:checked')].map(c => +c.value)")
+    meal = section.view.index("meal")
+    trained_page.evaluate(f"document.querySelector('.hv-word.q[data-index=\"{meal}\"]')"
+                          ".dispatchEvent(new MouseEvent('mouseenter'))")
+    _check_lines(section, head_color, trained_page.evaluate(LINES), layer=layer, heads=heads, query=meal)
+    assert "\u2018meal\u2019 is linked most strongly to" in trained_page.evaluate(
+        "document.getElementById('hv-best').textContent")

@@ -16,10 +16,14 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from attnlab.explain import Trace, format_value
+from attnlab.trained import WordAttention
+from attnlab.viz.headview import HEAD_COLORS, MIN_ALPHA
 from attnlab.viz.heatmap import Blocks, aggregate_blocks
 
-__all__ = ["build_report", "write_report", "viridis"]
+__all__ = ["TrainedSection", "build_report", "write_report", "viridis"]
 
 MAX_TABLE = 24  # rows/columns shown per step table; longer tables are cut with a note
 MAX_LINKS = 12  # bars in the "where it attends" list
@@ -48,7 +52,33 @@ def _asset(name: str) -> str:
     return resources.files("attnlab.viz").joinpath(name).read_text(encoding="utf-8")
 
 
-def write_report(trace: Trace, path: str | Path, *, focus: int | None = None) -> Path:
+@dataclass(frozen=True)
+class TrainedSection:
+    """What the report shows of a trained model: its word-level weights and where to start.
+
+    Attributes:
+        model: the model's name, as the reader should see it (e.g. ``"all-MiniLM-L6-v2"``).
+        view: the sentence's word-level weights through every layer and head.
+        focus: the query word shown first; layer: the layer shown first; heads: the heads ticked.
+        hide_special: draw no lines to or from special tokens ([CLS], [SEP]).
+
+    Example:
+        >>> import torch
+        >>> view = WordAttention.from_pieces(torch.full((1, 2, 2, 2), 0.5), ["hi", "there"], [0, 1])
+        >>> TrainedSection("toy", view, focus=0, layer=0, heads=(1,)).heads
+        (1,)
+    """
+
+    model: str
+    view: WordAttention
+    focus: int
+    layer: int = 0
+    heads: tuple = (0,)
+    hide_special: bool = False
+
+
+def write_report(trace: Trace, path: str | Path, *, focus: int | None = None,
+                 trained: TrainedSection | None = None) -> Path:
     """Write :func:`build_report`'s page to ``path`` (UTF-8) and return the path.
 
     Example:
@@ -59,16 +89,17 @@ def write_report(trace: Trace, path: str | Path, *, focus: int | None = None) ->
         True
     """
     path = Path(path)
-    path.write_text(build_report(trace, focus=focus), encoding="utf-8")
+    path.write_text(build_report(trace, focus=focus, trained=trained), encoding="utf-8")
     return path
 
 
-def build_report(trace: Trace, *, focus: int | None = None) -> str:
+def build_report(trace: Trace | None, *, focus: int | None = None, trained: TrainedSection | None = None) -> str:
     """The report page as one HTML string (inline CSS, JS, data and SVG).
 
     Args:
-        trace: what to show.
+        trace: the step-by-step walk to show (None: a page for the trained model alone).
         focus: index of the query token focused first (default: ``trace.query_index()``).
+        trained: a trained model's head view, shown after the walk (or alone).
 
     Example:
         >>> from attnlab.explain import trace
@@ -76,6 +107,11 @@ def build_report(trace: Trace, *, focus: int | None = None) -> str:
         >>> page.count('class="cell'), "http" in page
         (9, False)
     """
+    if trace is None:
+        if trained is None:
+            raise ValueError("build_report needs a trace, a trained section, or both")
+        return _page(f"attnlab explain --model {trained.model}", _model_header(trained),
+                     _trained_card(trained), "", trained)
     focus = trace.query_index() if focus is None else focus
     weights = trace.weights()  # (H, Tq, Tk)
     blocks = aggregate_blocks(weights, rows=trace.tokens, cols=trace.context_tokens, allowed=trace.allowed())
@@ -85,17 +121,86 @@ def build_report(trace: Trace, *, focus: int | None = None) -> str:
         "allowed": None if trace.allowed() is None else trace.allowed().tolist(),
         "focus": focus, "block": list(blocks.size), "max_links": MAX_LINKS,
     }
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
-    body = "\n".join([_header(trace), "<main><div class=\"wrap\">", _sentence_card(trace, focus),
-                      '<div class="grid2">', _heatmap_card(trace, blocks), _links_card(trace, focus), "</div>",
-                      _steps(trace, focus), "</div></main>", _footer()])
+    main = "\n".join([_sentence_card(trace, focus), '<div class="grid2">', _heatmap_card(trace, blocks),
+                      _links_card(trace, focus), "</div>", _trained_card(trained) if trained else "",
+                      _steps(trace, focus)])
+    walk = (f'<script id="attnlab-data" type="application/json">{_json(data)}</script>\n'
+            f"<script>{_asset('report.js')}</script>\n")
+    return _page(f"attnlab explain: {trace.sentence}", _header(trace), main, walk, trained)
+
+
+def _json(data) -> str:
+    return json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+
+
+def _page(title: str, header: str, main: str, scripts: str, trained: TrainedSection | None) -> str:
+    """One self-contained page: inline CSS, the sections, their data and scripts."""
+    if trained is not None:
+        scripts += (f'<script id="attnlab-trained" type="application/json">{_json(_trained_data(trained))}</script>\n'
+                    f"<script>{_asset('headview.js')}</script>\n")
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        f"<title>attnlab explain: {_e(trace.sentence)}</title>"
-        f"<style>{_asset('report.css')}</style></head>\n<body>\n{body}\n"
-        f"<script id=\"attnlab-data\" type=\"application/json\">{payload}</script>\n"
-        f"<script>{_asset('report.js')}</script>\n</body></html>\n"
+        f"<title>{_e(title)}</title><style>{_asset('report.css')}</style></head>\n<body>\n"
+        f"{header}\n<main><div class=\"wrap\">\n{main}\n</div></main>\n{_footer()}\n{scripts}</body></html>\n"
+    )
+
+
+# Head-view geometry (SVG user units): word columns at LEFT/RIGHT, one ROW per word from TOP.
+_HV = {"left": 160, "right": 420, "top": 24, "row": 24, "width": 580}
+
+
+def _trained_data(section: TrainedSection) -> dict:
+    view = section.view
+    return {
+        "words": view.words, "special": view.special, "hide_special": section.hide_special,
+        "weights": [[[[round(float(w), 4) for w in row] for row in head] for head in layer]
+                    for layer in view.weights.tolist()],
+        "layer": section.layer, "focus": section.focus, "colors": list(HEAD_COLORS), "min_alpha": MIN_ALPHA,
+        **{key: _HV[key] for key in ("left", "right", "top", "row")},
+    }
+
+
+def _model_header(section: TrainedSection) -> str:
+    view = section.view
+    badges = [section.model, f"{view.layers} layers", f"{view.heads} heads per layer", "trained weights"]
+    return (
+        '<header class="top"><div class="wrap"><h1>What a trained model attends to</h1>'
+        f"<p>{_e(' '.join(w for w, s in zip(view.words, view.special) if not s))}</p>"
+        f'<div class="badges">{"".join(f"<span class=badge>{_e(b)}</span>" for b in badges)}</div>'
+        "</div></header>"
+    )
+
+
+def _trained_card(section: TrainedSection) -> str:
+    """The head view: layer selector, head toggles, the two word columns; lines are drawn by headview.js."""
+    view, geometry = section.view, _HV
+    height = geometry["top"] * 2 + geometry["row"] * (len(view.words) - 1)
+    options = "".join(f'<option value="{layer}"{" selected" if layer == section.layer else ""}>layer {layer}</option>'
+                      for layer in range(view.layers))
+    toggles = "".join(
+        f'<label><input type="checkbox" class="hv-head" value="{h}"{" checked" if h in section.heads else ""}>'
+        f'<span class="hv-swatch" style="background:{HEAD_COLORS[h % len(HEAD_COLORS)]}"></span>head {h}</label>'
+        for h in range(view.heads))
+    words = []
+    for i, word in enumerate(view.words):
+        y, cls = geometry["top"] + i * geometry["row"], " special" if view.special[i] else ""
+        words.append(f'<text class="hv-word q{cls}" data-index="{i}" x="{geometry["left"] - 8}" y="{y}" '
+                     f'text-anchor="end" dominant-baseline="middle">{_e(word)}</text>'
+                     f'<text class="hv-word k{cls}" data-index="{i}" x="{geometry["right"] + 8}" y="{y}" '
+                     f'dominant-baseline="middle">{_e(word)}</text>')
+    return (
+        f'<section class="card" id="trained"><h2>What the trained {_e(section.model)} does with this sentence</h2>'
+        '<p class="muted">The head view: each line joins a word (left) to a word it attends to (right); its '
+        "opacity is the attention weight, its colour the head. Hover a word on the left to see its lines. "
+        "Word pieces are merged into words: a word receives the sum of the weights on its pieces, and attends "
+        "as the mean of its pieces.</p>"
+        f'<div class="hv-controls"><span><label for="hv-layer">Layer</label><select id="hv-layer">{options}</select>'
+        f'</span><div class="hv-heads">{toggles}</div></div>'
+        f'<p class="summary" id="hv-best"></p>'
+        f'<svg class="headview" id="hv-svg" width="{geometry["width"]}" height="{height}" '
+        f'viewBox="0 0 {geometry["width"]} {height}" role="img" aria-label="head view">'
+        f'<g id="hv-lines"></g>{"".join(words)}</svg></section>'
     )
 
 
