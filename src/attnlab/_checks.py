@@ -17,7 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["positive_int", "non_negative_int", "probability", "one_of", "divisible", "finite_number"]
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "probability",
+    "one_of",
+    "divisible",
+    "finite_number",
+    "positive_number",
+    "instance_of",
+]
 
 
 def _is_int(value: object) -> bool:
@@ -72,6 +81,32 @@ def finite_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def positive_number(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite real number ``> 0``; ``ValueError`` otherwise.
+
+    Example:
+        >>> positive_number("base", 10000)
+        10000.0
+    """
+    if finite_number(name, value) <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def instance_of(name: str, value: object, kind: type | tuple[type, ...], what: str) -> object:
+    """``value`` if it is an instance of ``kind``; ``TypeError`` naming ``name`` and ``what`` otherwise.
+
+    Example:
+        >>> instance_of("cache", {}, int, "a KVCache")
+        Traceback (most recent call last):
+        ...
+        TypeError: cache must be a KVCache, got dict
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
 
 
 def one_of(name: str, value: object, choices: Iterable[str]) -> str:
