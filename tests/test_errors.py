@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab import masks
 from attnlab._call import build_call
 
 
@@ -71,3 +72,44 @@ def test_generator_on_another_device_type_is_a_value_error():
     q, k, v = _qkv((1, 2, 3, 4))
     with pytest.raises(ValueError, match="generator must be on q's device type 'cpu'.*cuda:0"):
         attnlab.attention(q, k, v, dropout_p=0.5, generator=_CudaLookingGenerator())
+
+
+# ------------------------------------------------------------------------------- masks
+@pytest.mark.parametrize(
+    "build, pattern",
+    [
+        (lambda: masks.causal_mask(-1), "tq must be a non-negative int, got -1"),
+        (lambda: masks.causal_mask(2.5), "tq must be a non-negative int, got 2.5"),
+        (lambda: masks.causal_mask(3, -1), "tk must be a non-negative int, got -1"),
+        (lambda: masks.causal_mask(3, 2.0), "tk must be a non-negative int, got 2.0"),
+        (lambda: masks.sliding_window_mask(-1, 3, 2), "tq must be a non-negative int, got -1"),
+        (lambda: masks.sliding_window_mask(3, 3, 0), "window must be a positive int, got 0"),
+        (lambda: masks.causal_mod(1.5, 2), "tq must be a non-negative int, got 1.5"),
+        (lambda: masks.CausalMod(1.5), "offset must be an int, got 1.5"),
+        (lambda: masks.SlidingWindowMod(2, offset=0.5), "offset must be an int, got 0.5"),
+        (lambda: masks.materialize(masks.CausalMod(), tq=-1, tk=2), "tq must be a non-negative int"),
+        (lambda: masks.materialize(masks.CausalMod(), tq=2, tk=2, heads=-1), "heads must be"),
+        (lambda: masks.padding_mask(torch.tensor([-1, 2])), r"lengths must be non-negative, got \[-1, 2\]"),
+        (lambda: masks.padding_mask(torch.tensor([1, 2]), 1.5), "max_len must be a non-negative int"),
+        (lambda: masks.padding_mask(torch.tensor([1, 2]), -1), "max_len must be a non-negative int"),
+    ],
+    ids=["causal_neg", "causal_float", "causal_tk_neg", "causal_tk_float", "sliding_neg",
+         "window0", "causal_mod_float", "CausalMod_float", "SlidingWindowMod_float",
+         "materialize_neg", "materialize_heads", "padding_neg_length", "padding_float_max_len",
+         "padding_neg_max_len"],
+)
+def test_mask_constructors_refuse_bad_sizes(build, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build()
+
+
+def test_padding_mask_of_empty_lengths_names_it_and_the_shape():
+    with pytest.raises(ValueError, match=r"padding_mask.*empty lengths of shape \(0,\).*max_len"):
+        masks.padding_mask(torch.zeros(0, dtype=torch.long))
+    # With max_len an empty batch has an empty mask, as attention with B=0 is legal.
+    assert masks.padding_mask(torch.zeros(0, dtype=torch.long), 3).shape == (0, 1, 1, 3)
+
+
+def test_zero_size_masks_are_legal_like_empty_sequences():
+    assert masks.causal_mask(0).shape == (0, 0)
+    assert masks.causal_mask(0, 3, align="bottom_right").shape == (0, 3)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import torch
+
 __all__ = [
     "positive_int",
     "non_negative_int",
@@ -26,11 +28,29 @@ __all__ = [
     "finite_number",
     "positive_number",
     "instance_of",
+    "int_value",
 ]
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # A SymInt is a size under torch.compile's dynamic shapes: an int as far as callers know.
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def int_value(name: str, value: object) -> int:
+    """``value`` if it is an int (any sign); ``ValueError`` naming ``name`` otherwise.
+
+    Example:
+        >>> int_value("offset", -2)
+        -2
+        >>> int_value("offset", 1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: offset must be an int, got 1.5
+    """
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
 
 
 def positive_int(name: str, value: object) -> int:

@@ -37,7 +37,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import one_of, positive_int
+from attnlab._checks import int_value, non_negative_int, one_of, positive_int
 
 __all__ = [
     "ALIGNMENTS",
@@ -88,6 +88,8 @@ def causal_offset(tq: int, tk: int, align: str = "top_left") -> int:
         >>> causal_offset(1, 5, "bottom_right")
         4
     """
+    non_negative_int("tq", tq)
+    non_negative_int("tk", tk)
     check_align(align)
     return 0 if align == "top_left" else tk - tq
 
@@ -137,7 +139,7 @@ class CausalMod(MaskMod):
     """
 
     def __init__(self, offset: int = 0):
-        self.offset = int(offset)
+        self.offset = int_value("offset", offset)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + self.offset
@@ -163,7 +165,7 @@ class SlidingWindowMod(MaskMod):
 
     def __init__(self, window: int, offset: int = 0):
         self.window = positive_int("window", window)
-        self.offset = int(offset)
+        self.offset = int_value("offset", offset)
 
     def __call__(self, b, h, q_idx, kv_idx):
         last = q_idx + self.offset
@@ -194,6 +196,8 @@ class PaddingMod(MaskMod):
                 f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
                 f"dtype {lengths.dtype}"
             )
+        if lengths.numel() and bool((lengths < 0).any()):
+            raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
         self.lengths = lengths
 
     def __call__(self, b, h, q_idx, kv_idx):
@@ -301,6 +305,8 @@ def materialize(
         >>> materialize(causal_mod(2, 2), tq=2, tk=2).shape
         torch.Size([1, 1, 2, 2])
     """
+    for name, size in (("tq", tq), ("tk", tk), ("batch", batch), ("heads", heads)):
+        non_negative_int(name, size)
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, heads, 1, 1)
     q_idx = torch.arange(tq, device=device).view(1, 1, tq, 1)
@@ -346,8 +352,13 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
     For 3-D inputs ``(B, T, D)`` take ``mask[:, 0]``, shape ``(B, 1, max_len)``.
 
     Args:
-        lengths: 1-D integer tensor ``(B,)`` of real sequence lengths.
-        max_len: padded length; defaults to ``lengths.max()``.
+        lengths: 1-D integer tensor ``(B,)`` of real sequence lengths (non-negative).
+        max_len: padded length; defaults to ``lengths.max()``. Required when ``lengths`` is
+            empty (a batch of 0 rows gives a mask of shape ``(0, 1, 1, max_len)``).
+
+    Raises:
+        ValueError: ``lengths`` is not 1-D integer, has a negative entry, or is empty without
+            ``max_len``; ``max_len`` is not a non-negative int.
 
     Example:
         >>> padding_mask(torch.tensor([1, 3]), 3)[:, 0, 0]
@@ -355,9 +366,14 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
                 [ True,  True,  True]])
     """
     mod = PaddingMod(lengths)
-    max_len = int(mod.lengths.max()) if max_len is None else max_len
-    if max_len < 0:
-        raise ValueError(f"max_len must be non-negative, got {max_len}")
+    if max_len is None:
+        if mod.lengths.numel() == 0:
+            raise ValueError(
+                f"padding_mask cannot infer max_len from empty lengths of shape "
+                f"{tuple(mod.lengths.shape)}; pass max_len"
+            )
+        max_len = int(mod.lengths.max())
+    non_negative_int("max_len", max_len)
     dense = materialize(mod, tq=1, tk=max_len, batch=len(mod.lengths), device=mod.lengths.device)
     return dense.contiguous()  # (B, 1, 1, Tk)
 
