@@ -13,6 +13,7 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab._call import build_call
+from attnlab.nn import RotaryEmbedding, positional
 
 
 def _qkv(q_shape, k_shape=None, v_shape=None):
@@ -113,3 +114,29 @@ def test_padding_mask_of_empty_lengths_names_it_and_the_shape():
 def test_zero_size_masks_are_legal_like_empty_sequences():
     assert masks.causal_mask(0).shape == (0, 0)
     assert masks.causal_mask(0, 3, align="bottom_right").shape == (0, 3)
+
+
+# -------------------------------------------------------------------- positional encodings
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: RotaryEmbedding(4)(torch.randn(1, 1, 2, 4), offset=1.5), "offset must be a non-negative int, got 1.5"),
+        (lambda: RotaryEmbedding(4)(torch.randn(1, 1, 2, 4), offset=-1), "offset must be a non-negative int, got -1"),
+        (lambda: RotaryEmbedding(4).cos_sin(2, offset=0.5), "offset must be a non-negative int"),
+        (lambda: RotaryEmbedding(4).cos_sin(-1), "num_positions must be a non-negative int, got -1"),
+        (lambda: RotaryEmbedding(4, base=0), "base must be a positive finite number, got 0"),
+        (lambda: RotaryEmbedding(4)([1.0] * 4), "x must be a torch.Tensor, got list"),
+        (lambda: positional.sinusoidal_table(-1, 4), "num_positions must be a non-negative int"),
+        (lambda: positional.sinusoidal_table(2, 4, offset=1.5), "offset must be a non-negative int"),
+        (lambda: positional.SinusoidalPositionalEmbedding(4)(torch.zeros(2, 4), offset=-1), "offset must be"),
+        (lambda: positional.LearnedPositionalEmbedding(8, 4)(torch.zeros(2, 4), offset=1.5), "offset must be"),
+        (lambda: positional.apply_rotary(torch.zeros(2, 3), torch.zeros(2, 1), torch.zeros(2, 1)), "D even"),
+        (lambda: positional.alibi_bias(2, -1), "tq must be a non-negative int, got -1"),
+    ],
+    ids=["rope_float", "rope_negative", "cos_sin_offset", "cos_sin_positions", "rope_base",
+         "rope_list", "table_negative", "table_offset", "sinusoidal_offset", "learned_offset",
+         "apply_rotary_odd", "alibi_negative"],
+)
+def test_positional_encodings_refuse_bad_positions(call, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        call()
