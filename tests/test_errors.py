@@ -13,7 +13,15 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab._call import build_call
-from attnlab.nn import RotaryEmbedding, positional
+from attnlab.nn import (
+    FeedForward,
+    KVCache,
+    MultiHeadAttention,
+    RotaryEmbedding,
+    TransformerBlock,
+    TransformerDecoder,
+    positional,
+)
 
 
 def _qkv(q_shape, k_shape=None, v_shape=None):
@@ -140,3 +148,149 @@ def test_zero_size_masks_are_legal_like_empty_sequences():
 def test_positional_encodings_refuse_bad_positions(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         call()
+
+
+# ------------------------------------------------------------- KV caches survive errors
+def _state(cache):
+    return cache.keys.clone(), cache.values.clone(), cache.length
+
+
+def _assert_unchanged(cache, before):
+    keys, values, length = before
+    assert cache.length == length
+    assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+
+
+def _filled_cache(module, batch=1, max_len=8, prefill=3):
+    """A cache after a prefill, with random bits in the free slots so any write shows."""
+    torch.manual_seed(0)
+    cache = module.new_cache(batch, max_len)
+    with torch.no_grad():
+        module(torch.randn(batch, prefill, module.d_in), cache=cache)
+    cache.keys[:, :, prefill:] = torch.randn_like(cache.keys[:, :, prefill:])
+    cache.values[:, :, prefill:] = torch.randn_like(cache.values[:, :, prefill:])
+    return cache
+
+
+@pytest.mark.parametrize(
+    "k_new, v_new, error, pattern",
+    [
+        (torch.ones(1, 2, 6, 4), torch.ones(1, 2, 6, 4), ValueError, "overflow"),
+        (torch.ones(1, 2, 1, 4, dtype=torch.float64), torch.ones(1, 2, 1, 4, dtype=torch.float64),
+         TypeError, "k_new has dtype torch.float64 but the cache holds torch.float32"),
+        (torch.ones(1, 2, 1, 4, dtype=torch.long), torch.ones(1, 2, 1, 4), TypeError, "k_new has dtype"),
+        (torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4, device="meta"), ValueError, "v_new is on meta"),
+        ({"k": 1}, torch.ones(1, 2, 1, 4), TypeError, "k_new must be a torch.Tensor, got dict"),
+        (torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 5), ValueError, r"v_new \(1, 2, 1, 5\)"),
+    ],
+    ids=["overflow", "float64", "int", "device", "dict", "shape"],
+)
+def test_failed_cache_update_leaves_the_cache_unchanged(k_new, v_new, error, pattern):
+    cache = KVCache(1, 2, 8, 4)
+    cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    cache.keys[:, :, 3:] = torch.randn(1, 2, 5, 4)
+    before = _state(cache)
+    with pytest.raises(error, match=pattern):
+        cache.update(k_new, v_new)
+    _assert_unchanged(cache, before)
+
+
+def _raising_mod(b, h, q_idx, kv_idx):
+    raise RuntimeError("mask mod failed inside attention")
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda m, c: m(torch.randn(1, 6, 8), cache=c), ValueError, "overflow"),
+        (lambda m, c: m(torch.randn(1, 3, 8), cache=c), ValueError, "exceed context_length=5"),
+        (lambda m, c: m(torch.randn(1, 1, 8), cache=c, padding_mask=torch.zeros(0, dtype=torch.bool)),
+         ValueError, r"padding_mask must be \(B, Tk\) = \(1, 4\), got \(0,\)"),
+        (lambda m, c: m(torch.randn(1, 1, 8), cache=c, mask=torch.ones(3, 3, dtype=torch.bool)),
+         ValueError, r"mask of shape \(3, 3\)"),
+        (lambda m, c: m(torch.randn(1, 1, 8), cache=c, mask=_raising_mod), RuntimeError, "mask mod failed"),
+        (lambda m, c: m(torch.randn(1, 1, 8, dtype=torch.float64), cache=c), TypeError, "x has dtype"),
+        (lambda m, c: m(torch.randn(2, 1, 8), cache=c), ValueError, "cache holds batch 1"),
+    ],
+    ids=["overflow", "context_length", "empty_padding_mask", "bad_mask", "attention_fails",
+         "dtype", "batch"],
+)
+def test_failed_module_call_leaves_the_cache_unchanged(call, error, pattern):
+    module = MultiHeadAttention(8, 8, context_length=5, num_heads=2, rope=True).eval()
+    cache = _filled_cache(module, max_len=8, prefill=3)
+    before = _state(cache)
+    with torch.no_grad(), pytest.raises(error, match=pattern):
+        call(module, cache)
+    _assert_unchanged(cache, before)
+
+
+def test_cache_of_the_wrong_dtype_or_kind_is_refused_before_writing():
+    module = MultiHeadAttention(8, 8, num_heads=2).eval()
+    cache = module.new_cache(1, 8, dtype=torch.float64)
+    before = _state(cache)
+    with torch.no_grad(), pytest.raises(TypeError, match="k_new has dtype torch.float32.*float64"):
+        module(torch.randn(1, 2, 8), cache=cache)
+    _assert_unchanged(cache, before)
+    with pytest.raises(TypeError, match="cache must be a KVCache.*got dict"):
+        module(torch.randn(1, 2, 8), cache={})
+
+
+def test_block_whose_cross_attention_fails_puts_its_cache_back():
+    block = TransformerBlock(8, 2, cross_attention=True).eval()
+    cache = block.attn.new_cache(1, 8)
+    before = _state(cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="context"):
+        block(torch.randn(1, 2, 8), memory=torch.randn(1, 3, 5), cache=cache)  # memory too narrow
+    _assert_unchanged(cache, before)
+
+
+def test_decoder_whose_later_layer_fails_puts_every_cache_back():
+    decoder = TransformerDecoder(2, 8, 2).eval()
+    caches = [decoder.layers[0].attn.new_cache(1, 8), decoder.layers[1].attn.new_cache(1, 2)]
+    before = [_state(cache) for cache in caches]
+    with torch.no_grad(), pytest.raises(ValueError, match="overflow"):
+        decoder(torch.randn(1, 3, 8), caches=caches)  # layer 0 fits, layer 1 overflows
+    for cache, state in zip(caches, before):
+        _assert_unchanged(cache, state)
+    with pytest.raises(TypeError, match="caches must be a list"):
+        decoder(torch.randn(1, 3, 8), caches=caches[0])
+
+
+# ---------------------------------------------------------------- module construction
+@pytest.mark.parametrize(
+    "build, error, pattern",
+    [
+        (lambda: MultiHeadAttention(8, 8, num_heads=0), ValueError, "num_heads must be a positive int"),
+        (lambda: MultiHeadAttention(8, 8, num_heads=3), ValueError, r"d_out \(8\) must be a multiple of num_heads \(3\)"),
+        (lambda: MultiHeadAttention(8, 8, dropout=1.5), ValueError, r"dropout must be in \[0, 1\)"),
+        (lambda: MultiHeadAttention(8, 8, causal="yes"), TypeError, "causal must be a bool"),
+        (lambda: KVCache(1, 1, -1, 4), ValueError, "max_len must be a positive int, got -1"),
+        (lambda: KVCache(1, 1, 4, 4, value_dim=-1), ValueError, "value_dim must be a positive int"),
+        (lambda: KVCache(1, 1, 4, 4, dtype=torch.long), TypeError, "dtype must be a floating-point"),
+        (lambda: FeedForward(8, d_ff=-1), ValueError, "d_ff must be a positive int"),
+        (lambda: TransformerDecoder(0, 8, 2), ValueError, "num_layers must be a positive int"),
+    ],
+    ids=["heads0", "not_divisible", "dropout", "causal", "cache_max_len", "cache_value_dim",
+         "cache_dtype", "ffn_d_ff", "num_layers"],
+)
+def test_module_constructors_refuse_bad_arguments(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda m: m([[1.0] * 8]), TypeError, "x must be a torch.Tensor, got list"),
+        (lambda m: m(torch.ones(1, 2, 8, dtype=torch.long)), TypeError, "x must have a floating-point dtype"),
+        (lambda m: m(torch.randn(1, 2, 8, dtype=torch.float64)), TypeError, "x has dtype torch.float64"),
+        (lambda m: m(torch.randn(1, 2, 8), context=3), TypeError, "context must be a torch.Tensor"),
+        (lambda m: m(torch.randn(2, 8), padding_mask=[True, False]), TypeError, "padding_mask must be a bool tensor"),
+        (lambda m: m(torch.randn(2, 3, 8), padding_mask=torch.zeros(0, dtype=torch.bool)),
+         ValueError, r"padding_mask must be \(B, Tk\) = \(2, 3\), got \(0,\)"),
+    ],
+    ids=["list", "int_dtype", "float64", "context_int", "padding_list", "padding_empty"],
+)
+def test_module_calls_refuse_bad_inputs(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call(MultiHeadAttention(8, 8, num_heads=2))

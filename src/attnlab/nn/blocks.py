@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
-from attnlab.nn.cache import KVCache
+from attnlab._checks import instance_of, positive_int, probability
+from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
 
@@ -41,7 +42,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, *, d_ff: int | None = None, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        d_ff = 4 * d_model if d_ff is None else d_ff
+        d_ff = 4 * positive_int("d_model", d_model) if d_ff is None else d_ff
+        positive_int("d_ff", d_ff)
+        probability("dropout", dropout)
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
         self.act = nn.GELU()
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
@@ -107,17 +110,27 @@ class TransformerBlock(nn.Module):
         memory: Tensor | None = None, memory_padding_mask: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
-        attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
-        x = x + self.residual_dropout(attn_out)
         if (memory is None) != (self.cross_attn is None):
             raise ValueError(
                 "memory must be given exactly when the block has cross-attention; "
                 f"cross_attention={self.cross_attn is not None}, memory given={memory is not None}"
             )
+        # Self-attention writes the cache; a failing cross-attention or MLP must undo that.
+        with _restore_on_error([cache], _num_new(x)):
+            return self._layers(x, padding_mask, mask, memory, memory_padding_mask, cache)
+
+    def _layers(self, x, padding_mask, mask, memory, memory_padding_mask, cache) -> Tensor:
+        attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
+        x = x + self.residual_dropout(attn_out)
         if self.cross_attn is not None:
             cross_out = self.cross_attn(self.norm_cross(x), context=memory, padding_mask=memory_padding_mask)
             x = x + self.residual_dropout(cross_out)
         return x + self.mlp(self.norm_mlp(x))
+
+
+def _num_new(x: object) -> int:
+    """Tokens a call on ``x`` ``(B, T, C)``/``(T, C)`` appends to a cache (0 if x is not a tensor)."""
+    return x.shape[-2] if isinstance(x, Tensor) and x.ndim >= 2 else 0
 
 
 class _Stack(nn.Module):
@@ -126,8 +139,7 @@ class _Stack(nn.Module):
     def __init__(self, num_layers: int, d_model: int, num_heads: int, *, causal: bool,
                  cross_attention: bool, norm_eps: float = 1e-5, **block_options):
         super().__init__()
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        positive_int("num_layers", num_layers)
         self.layers = nn.ModuleList(
             TransformerBlock(d_model, num_heads, causal=causal, cross_attention=cross_attention,
                              norm_eps=norm_eps, **block_options)
@@ -136,10 +148,15 @@ class _Stack(nn.Module):
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
 
     def _run(self, x: Tensor, caches: list[KVCache] | None, **kwargs) -> Tensor:
-        if caches is not None and len(caches) != len(self.layers):
+        if caches is None:
+            caches = [None] * len(self.layers)
+        instance_of("caches", caches, (list, tuple), "a list of one KVCache per layer")
+        if len(caches) != len(self.layers):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.layers)}), got {len(caches)}")
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cache=None if caches is None else caches[index], **kwargs)
+        # A layer that fails after earlier layers wrote their caches puts all of them back.
+        with _restore_on_error(caches, _num_new(x)):
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, cache=cache, **kwargs)
         return self.norm(x)
 
 
