@@ -20,6 +20,7 @@ from attnlab.nn import (
     RotaryEmbedding,
     TransformerBlock,
     TransformerDecoder,
+    TransformerEncoder,
     positional,
 )
 
@@ -294,3 +295,36 @@ def test_module_constructors_refuse_bad_arguments(build, error, pattern):
 def test_module_calls_refuse_bad_inputs(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call(MultiHeadAttention(8, 8, num_heads=2))
+
+
+# ------------------------------------------------------- other raw errors in these layers
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda: attnlab.attention(*_qkv((2, 2, 3, 4)), mask=masks.padding_mod(torch.tensor([3]))),
+         ValueError, "mask: PaddingMod has 1 lengths but the batch has 2 rows"),
+        (lambda: attnlab.attention(*_qkv((2, 3, 4)),
+                                   mask=masks.causal_mod(3, 3) & masks.padding_mod(torch.tensor([3]))),
+         ValueError, "mask: PaddingMod has 1 lengths"),
+        (lambda: masks.and_masks(masks.causal_mask(2), masks.causal_mask(3)), ValueError,
+         r"must broadcast together; got shapes \(2, 2\), \(3, 3\)"),
+        (lambda: masks.padding_mask("ab"), TypeError, "lengths must be a 1-D integer tensor, got 'ab'"),
+        (lambda: masks.materialize(3, tq=2, tk=2), TypeError, "mod must be a mask mod"),
+        (lambda: MultiHeadAttention(8, 8, num_heads=2, kdim=4, vdim=5)(
+            torch.randn(2, 3, 8), context=torch.randn(2, 3, 4), value_input=torch.randn(2, 3, 4)),
+         ValueError, r"value_input must be \(B, Tk, vdim\) = \(2, 3, 5\)"),
+        (lambda: MultiHeadAttention(8, 8, num_heads=2)(
+            torch.randn(2, 3, 8), mask=torch.ones(2, 2, dtype=torch.bool),
+            padding_mask=torch.ones(2, 3, dtype=torch.bool)),
+         ValueError, r"mask of shape \(2, 2\) does not broadcast with padding_mask"),
+        (lambda: KVCache(1, 1, 4, 4, device="nope"), ValueError, "device must name a torch device, got 'nope'"),
+        (lambda: TransformerEncoder(1, 8, 2)(torch.randn(1, 2, 7)), ValueError, r"x must be \(B, T, 8\)"),
+        (lambda: TransformerBlock(8, 2, norm_eps=-1), ValueError, "norm_eps must be a positive"),
+    ],
+    ids=["padding_mod_batch", "combined_padding_mod", "and_masks_shapes", "padding_mask_str",
+         "materialize_int", "value_input_width", "mask_with_padding", "cache_device",
+         "encoder_width", "norm_eps"],
+)
+def test_other_raw_errors_name_their_argument(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()

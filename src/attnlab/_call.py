@@ -234,6 +234,9 @@ def _normalize_mask(mask: object, q: Tensor, tk: int) -> Tensor | Callable | Non
         return None
     if not isinstance(mask, Tensor):
         if callable(mask):
+            if isinstance(mask, _masks.MaskMod):
+                B, H, Tq, _ = _to_4d(q).shape
+                mask.check_sizes(batch=B, heads=H, tq=Tq, tk=tk)
             return mask
         raise TypeError(
             f"mask must be a bool/float tensor or a mask mod callable, got {type(mask).__name__}"

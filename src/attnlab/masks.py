@@ -122,6 +122,20 @@ class MaskMod:
         """
         return None
 
+    def check_sizes(self, *, batch: int, heads: int, tq: int, tk: int) -> None:
+        """Raise ``ValueError`` naming ``mask`` if the mod cannot serve a call of these sizes.
+
+        attnlab calls this once per call, before any backend evaluates the mod, so that a mod
+        that would index out of range fails with a message instead of an ``IndexError`` from
+        inside a kernel. The default accepts every size.
+
+        Example:
+            >>> PaddingMod(torch.tensor([2, 3])).check_sizes(batch=3, heads=1, tq=4, tk=4)
+            Traceback (most recent call last):
+            ...
+            ValueError: mask: PaddingMod has 2 lengths but the batch has 3 rows
+        """
+
     def __and__(self, other: Callable) -> "CombinedMod":
         return CombinedMod((self, other), "and")
 
@@ -190,7 +204,10 @@ class PaddingMod(MaskMod):
     """
 
     def __init__(self, lengths: Tensor):
-        lengths = torch.as_tensor(lengths)
+        try:
+            lengths = torch.as_tensor(lengths)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"lengths must be a 1-D integer tensor, got {lengths!r}") from err
         if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise ValueError(
                 f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
@@ -203,6 +220,12 @@ class PaddingMod(MaskMod):
     def __call__(self, b, h, q_idx, kv_idx):
         lengths = self.lengths.to(kv_idx.device) if isinstance(kv_idx, Tensor) else self.lengths
         return kv_idx < lengths[b]
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        if self.lengths.shape[0] != batch:
+            raise ValueError(
+                f"mask: PaddingMod has {self.lengths.shape[0]} lengths but the batch has {batch} rows"
+            )
 
     def __repr__(self) -> str:
         return f"PaddingMod(lengths={self.lengths.tolist()})"
@@ -241,6 +264,11 @@ class CombinedMod(MaskMod):
         if len(known) < len(bounds):
             return None
         return min(bound[0] for bound in known), max(bound[1] for bound in known)
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        for mod in self.mods:
+            if isinstance(mod, MaskMod):
+                mod.check_sizes(batch=batch, heads=heads, tq=tq, tk=tk)
 
     def __repr__(self) -> str:
         return f"CombinedMod({', '.join(map(repr, self.mods))}, op={self.op!r})"
@@ -305,6 +333,8 @@ def materialize(
         >>> materialize(causal_mod(2, 2), tq=2, tk=2).shape
         torch.Size([1, 1, 2, 2])
     """
+    if not callable(mod):
+        raise TypeError(f"mod must be a mask mod (b, h, q_idx, kv_idx) -> bool, got {mod!r}")
     for name, size in (("tq", tq), ("tk", tk), ("batch", batch), ("heads", heads)):
         non_negative_int(name, size)
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
@@ -422,6 +452,11 @@ def _combine(masks: tuple[MaskLike, ...], op: str) -> MaskLike:
         raise TypeError(
             "masks to combine must be all tensors or all mask mods; materialize() a mod to mix"
         )
+    try:
+        torch.broadcast_shapes(*(mask.shape for mask in parts))
+    except RuntimeError:
+        shapes = ", ".join(str(tuple(mask.shape)) for mask in parts)
+        raise ValueError(f"masks to combine must broadcast together; got shapes {shapes}") from None
     if all(mask.dtype == torch.bool for mask in parts):
         result = parts[0]
         for mask in parts[1:]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
-from attnlab._checks import instance_of, positive_int, probability
+from attnlab._checks import instance_of, positive_int, positive_number, probability
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
@@ -88,6 +88,7 @@ class TransformerBlock(nn.Module):
         norm_eps: float = 1e-5, backend: str = "auto",
     ):
         super().__init__()
+        positive_number("norm_eps", norm_eps)
         common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         self.attn = MultiHeadAttention(
@@ -115,6 +116,10 @@ class TransformerBlock(nn.Module):
                 "memory must be given exactly when the block has cross-attention; "
                 f"cross_attention={self.cross_attn is not None}, memory given={memory is not None}"
             )
+        instance_of("x", x, Tensor, "a torch.Tensor")
+        d_model = self.norm_attn.normalized_shape[0]
+        if x.ndim not in (2, 3) or x.shape[-1] != d_model:
+            raise ValueError(f"x must be (B, T, {d_model}) or (T, {d_model}), got shape {tuple(x.shape)}")
         # Self-attention writes the cache; a failing cross-attention or MLP must undo that.
         with _restore_on_error([cache], _num_new(x)):
             return self._layers(x, padding_mask, mask, memory, memory_padding_mask, cache)

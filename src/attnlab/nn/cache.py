@@ -65,6 +65,10 @@ class KVCache:
         instance_of("dtype", dtype, torch.dtype, "a torch.dtype")
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point dtype (keys are floats), got {dtype}")
+        try:
+            device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device must name a torch device, got {device!r}") from err
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
                                 device=device)  # (B, Hkv, max_len, D)
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,

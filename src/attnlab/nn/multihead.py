@@ -381,6 +381,12 @@ class MultiHeadAttention(nn.Module):
                     f"x must be (B, Tq, {self.d_in}) and context (B, Tk, {self.kdim}); got x "
                     f"{tuple(x.shape)}, context {tuple(context.shape)}"
                 )
+            expected = (*context.shape[:2], self.vdim)
+            if value_input is not None and tuple(value_input.shape) != expected:
+                raise ValueError(
+                    f"value_input must be (B, Tk, vdim) = {expected} to match context "
+                    f"{tuple(context.shape)}; got {tuple(value_input.shape)}"
+                )
             q, (k, v) = self.project_q(x), self.project_kv(context, value_input)
             return q, k, v, 0
         offset = 0 if cache is None else cache.length
@@ -574,7 +580,13 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
         )
     if mask is not None and not isinstance(mask, Tensor):
         return _masks.and_masks(mask, _KeyPaddingMod(padding_mask))
-    return _masks.and_masks(mask, padding_mask[:, None, None, :])  # (B, 1, 1, Tk)
+    try:
+        return _masks.and_masks(mask, padding_mask[:, None, None, :])  # (B, 1, 1, Tk)
+    except ValueError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast with padding_mask "
+            f"(B, Tk) = {(batch, tk)} to (B, H, Tq, Tk)"
+        ) from None
 
 
 def _seed_layout_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
