@@ -75,7 +75,136 @@ def test_loading_never_calls_pickle(tmp_path, monkeypatch):
     assert torch.equal(fresh(x), module(x))
 
 
-def test_strict_mismatch_raises(tmp_path):
-    io.save(MultiHeadAttention(8, 8, num_heads=2), tmp_path / "w.safetensors")
-    with pytest.raises(RuntimeError):
-        io.load(MultiHeadAttention(8, 8, num_heads=2, qkv_bias=True), tmp_path / "w.safetensors")
+def _snapshot(module):
+    return {name: tensor.clone() for name, tensor in module.state_dict().items()}
+
+
+def _assert_unchanged(module, before):
+    after = module.state_dict()
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "saved, target, pattern",
+    [
+        (dict(), dict(qkv_bias=True), "missing from the file: in_proj_bias"),
+        (dict(qkv_bias=True), dict(), "unexpected in the file: in_proj_bias"),
+        (dict(), dict(num_kv_heads=1), r"in_proj_weight: file \(24, 8\) vs module \(16, 8\)"),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
+def test_mismatched_load_is_a_value_error_and_changes_nothing(tmp_path, saved, target, pattern):
+    path = tmp_path / "w.safetensors"
+    io.save(MultiHeadAttention(8, 8, num_heads=2, **saved), path)
+    module = MultiHeadAttention(8, 8, num_heads=2, **target)  # out_proj fits, so it would load
+    before = _snapshot(module)
+    with pytest.raises(ValueError, match=f"w.safetensors.*does not fit MultiHeadAttention.*{pattern}"):
+        io.load(module, path)
+    _assert_unchanged(module, before)
+
+
+def test_non_strict_load_still_refuses_wrong_shapes_and_changes_nothing(tmp_path):
+    path = tmp_path / "w.safetensors"
+    io.save(MultiHeadAttention(8, 8, num_heads=2), path)
+    module = MultiHeadAttention(8, 8, num_heads=2, num_kv_heads=1)
+    before = _snapshot(module)
+    with pytest.raises(ValueError, match="in_proj_weight: file"):
+        io.load(module, path, strict=False)
+    _assert_unchanged(module, before)
+
+
+def _saved_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    io.save(MultiHeadAttention(8, 8, num_heads=2), path)
+    return path, path.read_bytes()
+
+
+@pytest.mark.parametrize("cut", [5, 20, -10], ids=["length", "header", "data"])
+def test_truncated_file_is_a_value_error_naming_it(tmp_path, cut):
+    path, data = _saved_file(tmp_path)
+    path.write_bytes(data[:cut])
+    for read in (io.load_state_dict, io.read_metadata,
+                 lambda p: io.load(MultiHeadAttention(8, 8, num_heads=2), p)):
+        with pytest.raises(ValueError, match="w.safetensors' is truncated or corrupted"):
+            read(path)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda d: d[:8] + b"[" + d[9:], lambda d: d.replace(b'"dtype"', b'"dtypo"', 1),
+     lambda d: d.replace(b'"F32"', b'"Q99"', 1)],
+    ids=["not_json", "missing_field", "bad_dtype"],
+)
+def test_corrupted_header_is_a_value_error_naming_it(tmp_path, damage):
+    path, data = _saved_file(tmp_path)
+    path.write_bytes(damage(data))
+    module = MultiHeadAttention(8, 8, num_heads=2)
+    before = _snapshot(module)
+    for read in (io.load_state_dict, io.read_metadata, lambda p: io.load(module, p)):
+        with pytest.raises(ValueError, match="w.safetensors' is truncated or corrupted"):
+            read(path)
+    _assert_unchanged(module, before)
+
+
+def test_unreadable_path_is_an_os_error_naming_it(tmp_path):
+    missing = tmp_path / "missing.safetensors"
+    for read in (io.load_state_dict, io.read_metadata, io.check_safetensors):
+        with pytest.raises(FileNotFoundError, match="could not read a safetensors file") as info:
+            read(missing)
+        assert info.value.filename == str(missing)
+    with pytest.raises(IsADirectoryError) as info:
+        io.load_state_dict(tmp_path)
+    assert info.value.filename == str(tmp_path)
+
+
+def test_unwritable_path_is_an_os_error_naming_it_and_leaves_nothing(tmp_path):
+    target = tmp_path / "no_such_dir" / "w.safetensors"
+    with pytest.raises(FileNotFoundError, match="could not write a safetensors file") as info:
+        io.save(nn.Linear(2, 2), target)
+    assert info.value.filename == str(target)
+    with pytest.raises(IsADirectoryError, match="could not write") as info:
+        io.save(nn.Linear(2, 2), tmp_path)  # the destination is a directory
+    assert info.value.filename == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    path, data = _saved_file(tmp_path)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left.*could not write") as info:
+        io.save(MultiHeadAttention(8, 8, num_heads=2), path)
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
+def test_module_whose_buffer_views_a_parameter_round_trips(tmp_path):
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6))
+            self.register_buffer("tail", self.weight.data[2:])  # shares memory, not an alias
+            self.register_buffer("same", self.weight.data)  # an exact alias
+
+    module = Views()
+    io.save(module, tmp_path / "v.safetensors")
+    fresh = io.load(Views(), tmp_path / "v.safetensors")
+    assert torch.equal(fresh.weight, module.weight)
+    assert fresh.tail.data_ptr() == fresh.weight.data_ptr() + 2 * 4  # still a view
+    assert torch.equal(fresh.tail, module.weight[2:]) and torch.equal(fresh.same, module.weight)
+
+
+def test_bad_arguments_are_type_errors_naming_them(tmp_path):
+    path, _ = _saved_file(tmp_path)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module, got dict"):
+        io.load({}, path)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        io.save(nn.Linear(2, 2).state_dict(), tmp_path / "x.safetensors")
+    with pytest.raises(TypeError, match="metadata must map str to str; got 'step': 3"):
+        io.save(nn.Linear(2, 2), tmp_path / "x.safetensors", metadata={"step": 3})

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import finite_number, probability
+from attnlab._checks import finite_number, instance_of, probability
 
 __all__ = ["AttentionCall", "build_call", "MEMO_KEYS"]
 
@@ -195,10 +195,28 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"k must have the same batch size as q; got {shapes}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"v must match k in every dim but the last; got {shapes}")
+    _check_sizes(q, k, v, shapes)
     if q.ndim == 4 and q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
             f"key/value heads ({k.shape[1]}); got {shapes}"
+        )
+
+
+def _check_sizes(q: Tensor, k: Tensor, v: Tensor, shapes: str) -> None:
+    """Refuse the empty sizes that have no meaning; empty batches and sequences are legal.
+
+    B, Tq or Tk of 0 give an empty (or zero) output. D of 0 would make the default scale
+    ``1/sqrt(D)`` a division by zero, and a head count or Dv of 0 is always a slicing mistake
+    (no backend can produce anything from it), so they are errors.
+    """
+    if q.shape[-1] == 0 or k.shape[-1] == 0:
+        raise ValueError(f"q and k must have a head dim D >= 1 (last dim); got {shapes}")
+    if v.shape[-1] == 0:
+        raise ValueError(f"v must have a value dim Dv >= 1 (last dim); got {shapes}")
+    if q.ndim == 4 and (q.shape[1] == 0 or k.shape[1] == 0):
+        raise ValueError(
+            f"q and k/v must have at least one head (dim 1 of a 4-D tensor); got {shapes}"
         )
 
 
@@ -216,6 +234,9 @@ def _normalize_mask(mask: object, q: Tensor, tk: int) -> Tensor | Callable | Non
         return None
     if not isinstance(mask, Tensor):
         if callable(mask):
+            if isinstance(mask, _masks.MaskMod):
+                B, H, Tq, _ = _to_4d(q).shape
+                mask.check_sizes(batch=B, heads=H, tq=Tq, tk=tk)
             return mask
         raise TypeError(
             f"mask must be a bool/float tensor or a mask mod callable, got {type(mask).__name__}"
@@ -249,6 +270,18 @@ def _check_options(causal: object, align: object, scale: object, dropout_p: obje
     probability("dropout_p", dropout_p)
 
 
+def _check_generator(generator: object, device: torch.device) -> None:
+    # Checked even when dropout_p == 0: a wrong generator is a bug whether or not it is used yet.
+    if generator is None:
+        return
+    instance_of("generator", generator, torch.Generator, "a torch.Generator or None")
+    if generator.device.type != device.type:
+        raise ValueError(
+            f"generator must be on q's device type {device.type!r}, got a generator on "
+            f"{generator.device}"
+        )
+
+
 def build_call(
     q: Tensor,
     k: Tensor,
@@ -265,12 +298,16 @@ def build_call(
     """Validate the arguments of :func:`attnlab.attention` and return a 4-D :class:`AttentionCall`.
 
     Raises:
-        TypeError: a non-tensor, a non-float dtype, mixed dtypes, or an integer mask.
-        ValueError: wrong rank, mismatched sizes, a mask that does not broadcast, options out
-            of range. Every message names the argument and the shapes seen.
+        TypeError: a non-tensor, a non-float dtype, mixed dtypes, an integer mask, or a
+            ``generator`` that is not a ``torch.Generator``.
+        ValueError: wrong rank, mismatched sizes, a head dim D, value dim Dv or head count of
+            0, a mask that does not broadcast, options out of range. Every message names the
+            argument and the shapes seen. Empty batches and sequences (B, Tq or Tk of 0) are
+            legal.
     """
     _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
+    _check_generator(generator, q.device)
     norm_mask = _normalize_mask(mask, q, k.shape[-2])
     if causal and _masks.causal_offset(q.shape[-2], k.shape[-2], align) >= k.shape[-2] - 1:
         causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)

@@ -17,11 +17,40 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["positive_int", "non_negative_int", "probability", "one_of", "divisible", "finite_number"]
+import torch
+
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "probability",
+    "one_of",
+    "divisible",
+    "finite_number",
+    "positive_number",
+    "instance_of",
+    "int_value",
+]
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # A SymInt is a size under torch.compile's dynamic shapes: an int as far as callers know.
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def int_value(name: str, value: object) -> int:
+    """``value`` if it is an int (any sign); ``ValueError`` naming ``name`` otherwise.
+
+    Example:
+        >>> int_value("offset", -2)
+        -2
+        >>> int_value("offset", 1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: offset must be an int, got 1.5
+    """
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
 
 
 def positive_int(name: str, value: object) -> int:
@@ -72,6 +101,32 @@ def finite_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def positive_number(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite real number ``> 0``; ``ValueError`` otherwise.
+
+    Example:
+        >>> positive_number("base", 10000)
+        10000.0
+    """
+    if finite_number(name, value) <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def instance_of(name: str, value: object, kind: type | tuple[type, ...], what: str) -> object:
+    """``value`` if it is an instance of ``kind``; ``TypeError`` naming ``name`` and ``what`` otherwise.
+
+    Example:
+        >>> instance_of("cache", {}, int, "a KVCache")
+        Traceback (most recent call last):
+        ...
+        TypeError: cache must be a KVCache, got dict
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
 
 
 def one_of(name: str, value: object, choices: Iterable[str]) -> str:

@@ -4,6 +4,16 @@ A safetensors file is an 8-byte header length, a JSON header and raw tensor byte
 one cannot execute code. ``torch.load`` on a ``.pt``/``.pth`` file can (it unpickles), so
 attnlab refuses such files with a clear error instead of falling back to it.
 
+Errors name the file. A file that is not safetensors, or is truncated or corrupted, raises
+``ValueError``. A path that cannot be read or written (missing, a directory, no permission)
+raises the ``OSError`` subclass the system reported (``FileNotFoundError``,
+``PermissionError``, ...), with ``filename`` set to the path the caller gave and a message
+saying what attnlab was doing -- an I/O failure stays an ``OSError`` so that ``except
+OSError`` keeps working. :func:`save` writes a temporary file beside the destination and
+renames it into place, so a failed save never leaves a half-written file behind, and
+:func:`load` checks every tensor against the module before copying any, so a failed load
+leaves the module unchanged.
+
 Example:
     >>> import tempfile, os, torch
     >>> from attnlab.nn import MultiHeadAttention
@@ -14,13 +24,18 @@ Example:
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import secrets
 import struct
+from collections.abc import Iterator
 
+import safetensors
 import safetensors.torch
 import torch
 from torch import Tensor, nn
+
+from attnlab._checks import instance_of
 
 __all__ = ["save", "load", "load_state_dict", "check_safetensors", "read_metadata"]
 
@@ -30,7 +45,8 @@ _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 def check_safetensors(path: str | os.PathLike) -> None:
     """Raise ``ValueError`` unless ``path`` starts like a safetensors file.
 
-    Reads only the header; a pickle/zip checkpoint (``torch.save``) is named as such.
+    Reads only the first bytes; a pickle/zip checkpoint (``torch.save``) is named as such, and
+    a file too short for its own header is reported as truncated or corrupted.
 
     Example:
         >>> import tempfile, os
@@ -41,67 +57,154 @@ def check_safetensors(path: str | os.PathLike) -> None:
         ...
         ValueError: ... is not a safetensors file (it looks like a torch.save zip/pickle checkpoint); ...
     """
-    with open(path, "rb") as f:
-        head = f.read(9)
-    kind = _describe_non_safetensors(path, head)
+    with _reading(path):
+        with open(path, "rb") as f:
+            head = f.read(9)
+        size = os.path.getsize(path)
+    kind = _describe_pickle(head)
     if kind is not None:
         raise ValueError(
             f"{os.fspath(path)!r} is not a safetensors file ({kind}); attnlab only loads "
             "safetensors and never unpickles. Convert trusted checkpoints with "
             "attnlab.io.save(module, path) after loading them yourself."
         )
+    damage = _describe_damage(head, size)
+    if damage is not None:
+        raise ValueError(
+            f"{os.fspath(path)!r} is truncated or corrupted (not a valid safetensors file): {damage}"
+        )
 
 
-def _describe_non_safetensors(path, head: bytes) -> str | None:
+def _describe_pickle(head: bytes) -> str | None:
     if head[:2] == b"PK":
         return "it looks like a torch.save zip/pickle checkpoint"
     if head[:1] == b"\x80":
         return "it looks like a pickle"
-    if len(head) < 9:
-        return "it is too short"
-    (header_len,) = struct.unpack("<Q", head[:8])
-    if header_len > _MAX_HEADER or header_len + 8 > os.path.getsize(path) or head[8:9] != b"{":
-        return "its header is not a safetensors JSON header"
     return None
 
 
+def _describe_damage(head: bytes, size: int) -> str | None:
+    """Why the first bytes cannot start a safetensors file of ``size`` bytes, or None."""
+    if len(head) < 9:
+        return f"it has only {size} bytes"
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > _MAX_HEADER or head[8:9] != b"{":
+        return "it does not start with a safetensors JSON header"
+    if header_len + 8 > size:
+        return f"its header needs {header_len + 8} bytes but the file has {size}"
+    return None
+
+
+@contextlib.contextmanager
+def _reading(path: str | os.PathLike) -> Iterator[None]:
+    """Turn the errors of reading ``path`` into ones that name it (see the module docstring)."""
+    try:
+        yield
+    except OSError as err:
+        raise _naming(err, path, "read a safetensors file") from err
+    except safetensors.SafetensorError as err:
+        raise ValueError(
+            f"{os.fspath(path)!r} is truncated or corrupted (not a valid safetensors file): {err}"
+        ) from err
+
+
+def _naming(err: OSError, path: str | os.PathLike, doing: str) -> OSError:
+    """An OSError of ``err``'s kind whose message and ``filename`` name ``path``."""
+    try:
+        return type(err)(err.errno, f"{err.strerror or err} (could not {doing})", os.fspath(path))
+    except TypeError:  # an OSError subclass with its own constructor
+        return OSError(err.errno, f"{err.strerror or err} (could not {doing})", os.fspath(path))
+
+
+def _key(tensor: Tensor) -> tuple:
+    """What makes two state-dict entries the same tensor (an alias, e.g. tied weights)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
 def _state_for_saving(module: nn.Module) -> dict[str, Tensor]:
-    """The state dict with shared tensors stored once (tied weights) and contiguous copies."""
-    state, seen = {}, {}
+    """The state dict with aliases stored once, and partial overlaps stored as copies.
+
+    safetensors refuses two entries sharing memory. An exact alias (tied weights) is dropped
+    and restored on load through :func:`_aliases`; a tensor that only overlaps another (a
+    buffer that is a slice of a parameter) is saved as its own copy, and loading copies both
+    back into the shared memory, which restores it.
+    """
+    state, seen, storages = {}, set(), set()
     for name, tensor in module.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
-        if tensor.numel() and key in seen:
-            continue  # an alias of an earlier tensor (e.g. tied embeddings); loaded via the other
-        seen[key] = name
-        state[name] = tensor.detach().to("cpu").contiguous()
+        if tensor.numel() and _key(tensor) in seen:
+            continue
+        seen.add(_key(tensor))
+        storage = tensor.untyped_storage().data_ptr()
+        tensor = tensor.detach().to("cpu")
+        shared = tensor.numel() and storage in storages
+        state[name] = tensor.clone() if shared else tensor.contiguous()
+        storages.add(storage)
     return state
+
+
+def _check_metadata(metadata: object) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    instance_of("metadata", metadata, dict, "a dict of str to str")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata must map str to str; got {key!r}: {value!r}")
+    return metadata
+
+
+def _write_atomically(data: bytes, path: str | os.PathLike) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it to ``path``."""
+    path = os.fspath(path)
+    folder, base = os.path.split(os.path.abspath(path))
+    temp = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temp, "xb") as f:  # "x": never clobber; default permissions, unlike mkstemp
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
+        if isinstance(err, OSError):
+            raise _naming(err, path, "write a safetensors file") from err
+        raise
 
 
 def save(module: nn.Module, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> None:
     """Write ``module.state_dict()`` to ``path`` in safetensors format.
 
-    Tensors that alias another entry (tied weights) are stored once. ``metadata`` (string
-    keys and values) goes into the file header.
+    Tensors that alias another entry (tied weights) are stored once; tensors that share
+    memory only in part (a buffer that is a view of another) are stored as copies and
+    restored by :func:`load`. ``metadata`` (string keys and values) goes into the file header.
+    The file appears at ``path`` only when it is complete (written beside it, then renamed).
 
     Args:
         module: any ``torch.nn.Module`` (attnlab modules included).
         path: destination file (conventionally ``*.safetensors``).
         metadata: optional string-to-string header entries.
 
+    Raises:
+        TypeError: ``module`` is not a module, or ``metadata`` is not a str-to-str dict.
+        OSError: ``path`` cannot be written (its subclass says why; the message names ``path``).
+
     Example:
         >>> import tempfile, os
         >>> save(nn.Linear(2, 2), os.path.join(tempfile.mkdtemp(), "lin.safetensors"))
     """
-    meta = {"format": "pt", "attnlab_class": type(module).__name__, **(metadata or {})}
-    safetensors.torch.save_file(_state_for_saving(module), os.fspath(path), metadata=meta)
+    instance_of("module", module, nn.Module, "a torch.nn.Module")
+    meta = {"format": "pt", "attnlab_class": type(module).__name__, **_check_metadata(metadata)}
+    _write_atomically(safetensors.torch.save(_state_for_saving(module), metadata=meta), path)
 
 
 def load_state_dict(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """Read the tensors of a safetensors file (no pickle, no code execution).
 
     Raises:
-        ValueError: the file is not a safetensors file (e.g. a ``torch.save`` checkpoint).
+        ValueError: the file is not a safetensors file (e.g. a ``torch.save`` checkpoint), or
+            is truncated or corrupted.
+        OSError: the file cannot be read (the message names it).
 
     Example:
         >>> import tempfile, os
@@ -111,18 +214,22 @@ def load_state_dict(path: str | os.PathLike, *, device: str | torch.device = "cp
         ['bias', 'weight']
     """
     check_safetensors(path)
-    return safetensors.torch.load_file(os.fspath(path), device=str(device))
+    with _reading(path):
+        return safetensors.torch.load_file(os.fspath(path), device=str(device))
 
 
 def load(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
     """Load a safetensors file written by :func:`save` into ``module`` (in place) and return it.
 
     Tensors are copied to the module's device and dtype. Tied weights stored once are filled
-    through their aliases.
+    through their aliases. Every tensor is checked against the module before any is copied,
+    so on error the module is unchanged.
 
     Raises:
-        ValueError: not a safetensors file.
-        RuntimeError: missing or unexpected keys / wrong shapes (when ``strict``).
+        TypeError: ``module`` is not a ``torch.nn.Module``.
+        ValueError: not a safetensors file, a truncated or corrupted one, or tensors that do
+            not fit the module: wrong shapes, or (when ``strict``) missing or unexpected keys.
+        OSError: the file cannot be read (the message names it).
 
     Example:
         >>> import tempfile, os
@@ -131,22 +238,45 @@ def load(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> 
         >>> load(nn.Linear(2, 3), path).weight.shape
         torch.Size([3, 2])
     """
+    instance_of("module", module, nn.Module, "a torch.nn.Module")
     state = load_state_dict(path)
     expected = module.state_dict()
-    aliases = _aliases(expected)
-    for name, original in aliases.items():
+    for name, original in _aliases(expected).items():
         if name not in state and original in state:
             state[name] = state[original]
+    _check_fits(state, expected, module, path, strict=strict)
     module.load_state_dict(state, strict=strict)
     return module
+
+
+def _check_fits(state: dict[str, Tensor], expected: dict[str, Tensor], module: nn.Module,
+                path: str | os.PathLike, *, strict: bool) -> None:
+    """``ValueError`` naming the file and every key that would not load (before any copy).
+
+    ``load_state_dict`` copies what fits before it reports what does not, which would leave
+    the module half loaded.
+    """
+    problems = [
+        f"{name}: file {tuple(state[name].shape)} vs module {tuple(tensor.shape)}"
+        for name, tensor in expected.items()
+        if name in state and state[name].shape != tensor.shape
+    ]
+    if strict:
+        problems += [f"missing from the file: {name}" for name in expected if name not in state]
+        problems += [f"unexpected in the file: {name}" for name in state if name not in expected]
+    if problems:
+        shown = "; ".join(problems[:10]) + ("; ..." if len(problems) > 10 else "")
+        raise ValueError(
+            f"{os.fspath(path)!r} does not fit {type(module).__name__} "
+            f"({len(problems)} problem(s)): {shown}"
+        )
 
 
 def _aliases(state: dict[str, Tensor]) -> dict[str, str]:
     """Map each state-dict entry that aliases an earlier one to that earlier name."""
     first, result = {}, {}
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
+        key = _key(tensor)
         if tensor.numel() and key in first:
             result[name] = first[key]
         else:
@@ -165,7 +295,6 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
         'hi'
     """
     check_safetensors(path)
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    return header.get("__metadata__", {})
+    with _reading(path):
+        with safetensors.safe_open(os.fspath(path), framework="pt") as f:
+            return f.metadata() or {}  # safe_open validates the whole header

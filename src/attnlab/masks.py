@@ -52,7 +52,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import one_of, positive_int
+from attnlab._checks import int_value, non_negative_int, one_of, positive_int
 
 __all__ = [
     "ALIGNMENTS",
@@ -101,6 +101,8 @@ def causal_offset(tq: int, tk: int, align: str = "top_left") -> int:
         >>> causal_offset(1, 5, "bottom_right")
         4
     """
+    non_negative_int("tq", tq)
+    non_negative_int("tk", tk)
     check_align(align)
     return 0 if align == "top_left" else tk - tq
 
@@ -133,6 +135,20 @@ class MaskMod:
         """
         return None
 
+    def check_sizes(self, *, batch: int, heads: int, tq: int, tk: int) -> None:
+        """Raise ``ValueError`` naming ``mask`` if the mod cannot serve a call of these sizes.
+
+        attnlab calls this once per call, before any backend evaluates the mod, so that a mod
+        that would index out of range fails with a message instead of an ``IndexError`` from
+        inside a kernel. The default accepts every size.
+
+        Example:
+            >>> PaddingMod(torch.tensor([2, 3])).check_sizes(batch=3, heads=1, tq=4, tk=4)
+            Traceback (most recent call last):
+            ...
+            ValueError: mask: PaddingMod has 2 lengths but the batch has 3 rows
+        """
+
     def __and__(self, other: Callable) -> "CombinedMod":
         return CombinedMod((self, other), "and")
 
@@ -150,7 +166,7 @@ class CausalMod(MaskMod):
     """
 
     def __init__(self, offset: int = 0):
-        self.offset = int(offset)
+        self.offset = int_value("offset", offset)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + self.offset
@@ -176,7 +192,7 @@ class SlidingWindowMod(MaskMod):
 
     def __init__(self, window: int, offset: int = 0):
         self.window = positive_int("window", window)
-        self.offset = int(offset)
+        self.offset = int_value("offset", offset)
 
     def __call__(self, b, h, q_idx, kv_idx):
         last = q_idx + self.offset
@@ -201,17 +217,28 @@ class PaddingMod(MaskMod):
     """
 
     def __init__(self, lengths: Tensor):
-        lengths = torch.as_tensor(lengths)
+        try:
+            lengths = torch.as_tensor(lengths)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"lengths must be a 1-D integer tensor, got {lengths!r}") from err
         if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise ValueError(
                 f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
                 f"dtype {lengths.dtype}"
             )
+        if lengths.numel() and bool((lengths < 0).any()):
+            raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
         self.lengths = lengths
 
     def __call__(self, b, h, q_idx, kv_idx):
         lengths = self.lengths.to(kv_idx.device) if isinstance(kv_idx, Tensor) else self.lengths
         return kv_idx < lengths[b]
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        if self.lengths.shape[0] != batch:
+            raise ValueError(
+                f"mask: PaddingMod has {self.lengths.shape[0]} lengths but the batch has {batch} rows"
+            )
 
     def __repr__(self) -> str:
         return f"PaddingMod(lengths={self.lengths.tolist()})"
@@ -250,6 +277,11 @@ class CombinedMod(MaskMod):
         if len(known) < len(bounds):
             return None
         return min(bound[0] for bound in known), max(bound[1] for bound in known)
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        for mod in self.mods:
+            if isinstance(mod, MaskMod):
+                mod.check_sizes(batch=batch, heads=heads, tq=tq, tk=tk)
 
     def __repr__(self) -> str:
         return f"CombinedMod({', '.join(map(repr, self.mods))}, op={self.op!r})"
@@ -351,6 +383,10 @@ def materialize(
         >>> materialize(causal_mod(2, 2), tq=2, tk=2).shape
         torch.Size([1, 1, 2, 2])
     """
+    if not callable(mod):
+        raise TypeError(f"mod must be a mask mod (b, h, q_idx, kv_idx) -> bool, got {mod!r}")
+    for name, size in (("tq", tq), ("tk", tk), ("batch", batch), ("heads", heads)):
+        non_negative_int(name, size)
     allowed = evaluate(mod, q_range=(0, tq), kv_range=(0, tk), batch=batch, heads=heads, device=device)
     return allowed.expand(batch, heads, tq, tk)
 
@@ -408,8 +444,13 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
     For 3-D inputs ``(B, T, D)`` take ``mask[:, 0]``, shape ``(B, 1, max_len)``.
 
     Args:
-        lengths: 1-D integer tensor ``(B,)`` of real sequence lengths.
-        max_len: padded length; defaults to ``lengths.max()``.
+        lengths: 1-D integer tensor ``(B,)`` of real sequence lengths (non-negative).
+        max_len: padded length; defaults to ``lengths.max()``. Required when ``lengths`` is
+            empty (a batch of 0 rows gives a mask of shape ``(0, 1, 1, max_len)``).
+
+    Raises:
+        ValueError: ``lengths`` is not 1-D integer, has a negative entry, or is empty without
+            ``max_len``; ``max_len`` is not a non-negative int.
 
     Example:
         >>> padding_mask(torch.tensor([1, 3]), 3)[:, 0, 0]
@@ -417,9 +458,14 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
                 [ True,  True,  True]])
     """
     mod = PaddingMod(lengths)
-    max_len = int(mod.lengths.max()) if max_len is None else max_len
-    if max_len < 0:
-        raise ValueError(f"max_len must be non-negative, got {max_len}")
+    if max_len is None:
+        if mod.lengths.numel() == 0:
+            raise ValueError(
+                f"padding_mask cannot infer max_len from empty lengths of shape "
+                f"{tuple(mod.lengths.shape)}; pass max_len"
+            )
+        max_len = int(mod.lengths.max())
+    non_negative_int("max_len", max_len)
     dense = materialize(mod, tq=1, tk=max_len, batch=len(mod.lengths), device=mod.lengths.device)
     return dense.contiguous()  # (B, 1, 1, Tk)
 
@@ -468,6 +514,11 @@ def _combine(masks: tuple[MaskLike, ...], op: str) -> MaskLike:
         raise TypeError(
             "masks to combine must be all tensors or all mask mods; materialize() a mod to mix"
         )
+    try:
+        torch.broadcast_shapes(*(mask.shape for mask in parts))
+    except RuntimeError:
+        shapes = ", ".join(str(tuple(mask.shape)) for mask in parts)
+        raise ValueError(f"masks to combine must broadcast together; got shapes {shapes}") from None
     if all(mask.dtype == torch.bool for mask in parts):
         result = parts[0]
         for mask in parts[1:]:

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
-from attnlab.nn.cache import KVCache
+from attnlab._checks import instance_of, positive_int, positive_number, probability
+from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
 
@@ -41,7 +42,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, *, d_ff: int | None = None, dropout_p: float = 0.0, bias: bool = True):
         super().__init__()
-        d_ff = 4 * d_model if d_ff is None else d_ff
+        d_ff = 4 * positive_int("d_model", d_model) if d_ff is None else d_ff
+        positive_int("d_ff", d_ff)
+        probability("dropout_p", dropout_p)
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
         self.act = nn.GELU()
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
@@ -62,7 +65,7 @@ class TransformerBlock(nn.Module):
         d_model: width of the residual stream.
         num_heads: attention heads.
         d_ff: hidden width of the MLP (default ``4 * d_model``).
-        dropout: attention-weight and residual dropout (training only).
+        dropout_p: attention-weight and residual dropout (training only).
         causal: causal self-attention (decoders) or not (encoders).
         num_kv_heads: grouped-query key/value heads (default ``num_heads``).
         cross_attention: add a cross-attention sub-layer reading ``context``.
@@ -85,6 +88,7 @@ class TransformerBlock(nn.Module):
         norm_eps: float = 1e-5, backend: str = "auto",
     ):
         super().__init__()
+        positive_number("norm_eps", norm_eps)
         common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         self.attn = MultiHeadAttention(
@@ -107,17 +111,31 @@ class TransformerBlock(nn.Module):
         context: Tensor | None = None, context_padding_mask: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
-        attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
-        x = x + self.residual_dropout(attn_out)
         if (context is None) != (self.cross_attn is None):
             raise ValueError(
                 "context must be given exactly when the block has cross-attention; "
                 f"cross_attention={self.cross_attn is not None}, context given={context is not None}"
             )
+        instance_of("x", x, Tensor, "a torch.Tensor")
+        d_model = self.norm_attn.normalized_shape[0]
+        if x.ndim not in (2, 3) or x.shape[-1] != d_model:
+            raise ValueError(f"x must be (B, T, {d_model}) or (T, {d_model}), got shape {tuple(x.shape)}")
+        # Self-attention writes the cache; a failing cross-attention or MLP must undo that.
+        with _restore_on_error([cache], _num_new(x)):
+            return self._layers(x, padding_mask, mask, context, context_padding_mask, cache)
+
+    def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache) -> Tensor:
+        attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
+        x = x + self.residual_dropout(attn_out)
         if self.cross_attn is not None:
             cross_out = self.cross_attn(self.norm_cross(x), context=context, padding_mask=context_padding_mask)
             x = x + self.residual_dropout(cross_out)
         return x + self.mlp(self.norm_mlp(x))
+
+
+def _num_new(x: object) -> int:
+    """Tokens a call on ``x`` ``(B, T, C)``/``(T, C)`` appends to a cache (0 if x is not a tensor)."""
+    return x.shape[-2] if isinstance(x, Tensor) and x.ndim >= 2 else 0
 
 
 class _Stack(nn.Module):
@@ -126,8 +144,7 @@ class _Stack(nn.Module):
     def __init__(self, num_layers: int, d_model: int, num_heads: int, *, causal: bool,
                  cross_attention: bool, norm_eps: float = 1e-5, **block_options):
         super().__init__()
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        positive_int("num_layers", num_layers)
         self.layers = nn.ModuleList(
             TransformerBlock(d_model, num_heads, causal=causal, cross_attention=cross_attention,
                              norm_eps=norm_eps, **block_options)
@@ -136,10 +153,15 @@ class _Stack(nn.Module):
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
 
     def _run(self, x: Tensor, caches: list[KVCache] | None, **kwargs) -> Tensor:
-        if caches is not None and len(caches) != len(self.layers):
+        if caches is None:
+            caches = [None] * len(self.layers)
+        instance_of("caches", caches, (list, tuple), "a list of one KVCache per layer")
+        if len(caches) != len(self.layers):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.layers)}), got {len(caches)}")
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cache=None if caches is None else caches[index], **kwargs)
+        # A layer that fails after earlier layers wrote their caches puts all of them back.
+        with _restore_on_error(caches, _num_new(x)):
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, cache=cache, **kwargs)
         return self.norm(x)
 
 
@@ -155,7 +177,7 @@ class TransformerEncoder(_Stack):
     Args:
         num_layers: number of blocks.
         d_model, num_heads: width and heads.
-        **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout``,
+        **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout_p``,
             ``num_kv_heads``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
 
     Example:
@@ -183,7 +205,7 @@ class TransformerDecoder(_Stack):
         num_layers: number of blocks.
         d_model, num_heads: width and heads.
         cross_attention: each block also attends to ``context`` (encoder-decoder models).
-        **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout``,
+        **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout_p``,
             ``num_kv_heads``, ``d_context``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
 
     Example:

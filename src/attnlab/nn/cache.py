@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import Tensor
+
+from attnlab._checks import instance_of, positive_int
 
 __all__ = ["KVCache"]
 
@@ -17,7 +22,8 @@ class KVCache:
     around or overwriting anything. With grouped-query attention the cache holds the
     ``Hkv`` key/value heads only (that is its memory saving).
 
-    A cache is meant for inference (under ``torch.no_grad()``): it is written in place.
+    A cache is meant for inference (under ``torch.no_grad()``): it is written in place. A call
+    that raises leaves it exactly as it was: :meth:`update` checks everything before writing.
 
     Shapes:
         keys: ``(B, Hkv, max_len, D)``; values: ``(B, Hkv, max_len, Dv)``.
@@ -50,12 +56,19 @@ class KVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
-        sizes = dict(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
-                     head_dim=head_dim)
-        for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must be a positive int, got {size!r}")
         value_dim = head_dim if value_dim is None else value_dim
+        sizes = dict(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
+                     head_dim=head_dim, value_dim=value_dim)
+        for name, size in sizes.items():
+            positive_int(name, size)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        instance_of("dtype", dtype, torch.dtype, "a torch.dtype")
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype (keys are floats), got {dtype}")
+        try:
+            device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device must name a torch device, got {device!r}") from err
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
                                 device=device)  # (B, Hkv, max_len, D)
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,
@@ -107,8 +120,9 @@ class KVCache:
             ``length`` is the new length (old length + ``T_new``).
 
         Raises:
-            ValueError: the shapes do not match the cache, or the cache would overflow
-                (nothing is written in that case).
+            TypeError: ``k_new``/``v_new`` are not tensors of the cache's dtype.
+            ValueError: their shapes or device do not match the cache, or the cache would
+                overflow. Nothing is written in any of these cases.
 
         Example:
             >>> cache = KVCache(1, 1, 2, 2)
@@ -131,6 +145,17 @@ class KVCache:
         return self.filled()
 
     def _check_new(self, k_new: Tensor, v_new: Tensor) -> None:
+        for name, new in (("k_new", k_new), ("v_new", v_new)):
+            instance_of(name, new, Tensor, "a torch.Tensor")
+            if new.dtype != self.keys.dtype:
+                raise TypeError(
+                    f"{name} has dtype {new.dtype} but the cache holds {self.keys.dtype}; create "
+                    "the cache with the dtype of the keys (module.new_cache does)"
+                )
+            if new.device != self.keys.device:
+                raise ValueError(
+                    f"{name} is on {new.device} but the cache is on {self.keys.device}"
+                )
         expected_k = (self.batch_size, self.num_kv_heads, self.keys.shape[3])
         expected_v = (self.batch_size, self.num_kv_heads, self.values.shape[3])
         seen_k = (k_new.shape[0], k_new.shape[1], k_new.shape[3]) if k_new.ndim == 4 else None
@@ -148,3 +173,37 @@ class KVCache:
             f"length={self.length}, max_len={self.max_len}, head_dim={self.keys.shape[3]}, "
             f"dtype={self.keys.dtype})"
         )
+
+
+class _Slots:
+    """The length of a cache and copies of the slots the next ``num_new`` positions would use."""
+
+    def __init__(self, cache: KVCache, num_new: int):
+        self.cache, self.length = cache, cache.length
+        stop = min(cache.max_len, cache.length + max(0, num_new))
+        self.keys = cache.keys[:, :, self.length : stop].clone()
+        self.values = cache.values[:, :, self.length : stop].clone()
+
+    def restore(self) -> None:
+        stop = self.length + self.keys.shape[2]
+        with torch.no_grad():
+            self.cache.keys[:, :, self.length : stop].copy_(self.keys)
+            self.cache.values[:, :, self.length : stop].copy_(self.values)
+        self.cache.length = self.length
+
+
+@contextlib.contextmanager
+def _restore_on_error(caches: Iterable[object], num_new: int) -> Iterator[None]:
+    """Put every :class:`KVCache` in ``caches`` back bitwise if the body raises.
+
+    A module appends to its cache before attending, and attention (or a later layer) may still
+    fail; only the ``num_new`` slots after the current length can be written, so only they are
+    copied. Entries that are not caches (None) are skipped.
+    """
+    saved = [_Slots(cache, num_new) for cache in caches if isinstance(cache, KVCache)]
+    try:
+        yield
+    except BaseException:
+        for slots in saved:
+            slots.restore()
+        raise

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import probability
+from attnlab._checks import divisible, instance_of, positive_int, probability
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.functional import attention
-from attnlab.nn.cache import KVCache
+from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention", "ProjectionView"]
@@ -64,11 +64,6 @@ class _KeyPaddingMod(_masks.MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.padding_mask[b, kv_idx]
-
-
-def _check_size(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class MultiHeadAttention(nn.Module):
@@ -167,6 +162,7 @@ class MultiHeadAttention(nn.Module):
         kdim = d_in if kdim is None else kdim
         vdim = kdim if vdim is None else vdim
         self._check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim)
+        instance_of("causal", causal, bool, "a bool")
         check_backend_name(backend)
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -184,15 +180,11 @@ class MultiHeadAttention(nn.Module):
     def _check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim):
         for name, size in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads),
                            ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
-            _check_size(name, size)
-        if d_out % num_heads != 0:
-            raise ValueError(f"d_out ({d_out}) must be a multiple of num_heads ({num_heads})")
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
+            positive_int(name, size)
+        divisible("d_out", d_out, "num_heads", num_heads)
+        divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
         if context_length is not None:
-            _check_size("context_length", context_length)
+            positive_int("context_length", context_length)
         probability("dropout_p", dropout_p)
 
     def _make_projections(self, qkv_bias: bool) -> None:
@@ -339,16 +331,31 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
+        self._check_inputs(x, context, value_input)
         unbatched = x.ndim == 2
         x, context, value_input, mask, padding_mask = self._batch_inputs(
             x, context, value_input, mask, padding_mask, unbatched
         )
+        if cache is not None:
+            _check_cache(cache, x, context, self.num_kv_heads)
+        # Everything that can be checked is checked before the cache is written; the guard puts
+        # the cache back if attention itself fails afterwards.
+        with _restore_on_error([cache], x.shape[1]):
+            out, weights = self._attend(x, context, value_input, mask, padding_mask, cache,
+                                        return_weights)
+        if unbatched:
+            out, weights = out[0], None if weights is None else weights[0]
+        return (out, weights) if return_weights else out
+
+    def _attend(self, x, context, value_input, mask, padding_mask, cache, return_weights):
+        """Batched forward: ``(out, weights or None)``; may write ``cache``."""
         B, Tq, _ = x.shape
-        q, k, v, offset = self._qkv(x, context, value_input, cache)
-        Tk = k.shape[2]
+        cached = 0 if cache is None else cache.length
+        Tk = cached + Tq if context is None else context.shape[1]
         if self.context_length is not None and context is None and Tk > self.context_length:
             raise ValueError(f"{Tk} tokens (cached + new) exceed context_length={self.context_length}")
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
+        q, k, v, offset = self._qkv(x, context, value_input, cache)
         result = attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
             q, k, v, mask=mask, causal=self.causal and context is None,
             align="bottom_right" if offset else "top_left",
@@ -357,12 +364,7 @@ class MultiHeadAttention(nn.Module):
         )
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
         context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
-        out = self.out_proj(context_vec)
-        if unbatched:
-            out = out[0]
-        if not return_weights:
-            return out
-        return out, (result[1][0] if unbatched else result[1])
+        return self.out_proj(context_vec), (result[1] if return_weights else None)
 
     def _qkv(self, x, context, value_input, cache):
         """Project, apply RoPE at the right positions, and append to the cache."""
@@ -374,12 +376,16 @@ class MultiHeadAttention(nn.Module):
                 )
             q, k, v = self.project_qkv(x)
         else:
-            if cache is not None:
-                raise ValueError("cache is for self-attention; it cannot be used with context")
             if x.shape[-1] != self.d_in or context.shape[-1] != self.kdim or context.shape[0] != x.shape[0]:
                 raise ValueError(
                     f"x must be (B, Tq, {self.d_in}) and context (B, Tk, {self.kdim}); got x "
                     f"{tuple(x.shape)}, context {tuple(context.shape)}"
+                )
+            expected = (*context.shape[:2], self.vdim)
+            if value_input is not None and tuple(value_input.shape) != expected:
+                raise ValueError(
+                    f"value_input must be (B, Tk, vdim) = {expected} to match context "
+                    f"{tuple(context.shape)}; got {tuple(value_input.shape)}"
                 )
             q, (k, v) = self.project_q(x), self.project_kv(context, value_input)
             return q, k, v, 0
@@ -387,9 +393,23 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
-            _check_cache(cache, x.shape[0], self.num_kv_heads)
-            k, v = cache.update(k, v)  # (B, Hkv, offset + T, hd)
+            k, v = cache.update(k, v)  # (B, Hkv, offset + T, hd); checks before it writes
         return q, k, v, offset
+
+    def _check_inputs(self, x, context, value_input) -> None:
+        """Tensors of the module's floating dtype (or any float under autocast)."""
+        weight = self.out_proj.weight
+        for name, t in (("x", x), ("context", context), ("value_input", value_input)):
+            if t is None and name != "x":
+                continue
+            instance_of(name, t, Tensor, "a torch.Tensor")
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
+            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+                raise TypeError(
+                    f"{name} has dtype {t.dtype} but the module's weights are {weight.dtype}; "
+                    f"convert one of them (e.g. module.to({t.dtype}))"
+                )
 
     @staticmethod
     def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
@@ -410,6 +430,7 @@ class MultiHeadAttention(nn.Module):
         if isinstance(mask, Tensor) and mask.ndim == 3:
             mask = mask[None]  # (1, H, Tq, Tk)
         if padding_mask is not None:
+            _check_padding_type(padding_mask)
             padding_mask = padding_mask[None]  # (1, Tk)
         add = (lambda t: None if t is None else t[None])
         return add(x), add(context), add(value_input), mask, padding_mask
@@ -521,13 +542,30 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
             target.copy_(torch.zeros_like(target) if source is None else source)
 
 
-def _check_cache(cache: object, batch: int, num_kv_heads: int) -> None:
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a KVCache (from module.new_cache), got {type(cache).__name__}")
+def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads: int) -> None:
+    """The cache fits a self-attention call on ``x`` ``(B, T, d_in)``; the rest is update's."""
+    instance_of("cache", cache, KVCache, "a KVCache (from module.new_cache)")
+    if context is not None:
+        raise ValueError("cache is for self-attention; it cannot be used with context")
+    batch = x.shape[0]
     if cache.batch_size != batch or cache.num_kv_heads != num_kv_heads:
         raise ValueError(
             f"cache holds batch {cache.batch_size} x {cache.num_kv_heads} kv heads; the input "
             f"needs batch {batch} x {num_kv_heads} kv heads"
+        )
+    if cache.length + x.shape[1] > cache.max_len:
+        raise ValueError(
+            f"KV cache overflow: {cache.length} positions cached + {x.shape[1]} new > "
+            f"max_len={cache.max_len}; create the cache with a larger max_len or reset() it"
+        )
+
+
+def _check_padding_type(padding_mask: object) -> None:
+    if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
+        raise TypeError(
+            "padding_mask must be a bool tensor, True at real tokens (the opposite of torch's "
+            f"key_padding_mask); got {type(padding_mask).__name__} "
+            f"{getattr(padding_mask, 'dtype', '')}"
         )
 
 
@@ -535,19 +573,20 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
     """AND the user's mask with the key padding mask ``(B, Tk)`` (True = real token)."""
     if padding_mask is None:
         return mask
-    if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
-        raise TypeError(
-            "padding_mask must be a bool tensor, True at real tokens (the opposite of torch's "
-            f"key_padding_mask); got {type(padding_mask).__name__} "
-            f"{getattr(padding_mask, 'dtype', '')}"
-        )
+    _check_padding_type(padding_mask)
     if tuple(padding_mask.shape) != (batch, tk):
         raise ValueError(
             f"padding_mask must be (B, Tk) = {(batch, tk)}, got {tuple(padding_mask.shape)}"
         )
     if mask is not None and not isinstance(mask, Tensor):
         return _masks.and_masks(mask, _KeyPaddingMod(padding_mask))
-    return _masks.and_masks(mask, padding_mask[:, None, None, :])  # (B, 1, 1, Tk)
+    try:
+        return _masks.and_masks(mask, padding_mask[:, None, None, :])  # (B, 1, 1, Tk)
+    except ValueError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast with padding_mask "
+            f"(B, Tk) = {(batch, tk)} to (B, H, Tq, Tk)"
+        ) from None
 
 
 def _seed_layout_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):

@@ -24,6 +24,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import instance_of, non_negative_int, one_of, positive_int, positive_number
+
 __all__ = [
     "sinusoidal_table",
     "SinusoidalPositionalEmbedding",
@@ -35,9 +37,14 @@ __all__ = [
 ]
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _check_input(x: object, dim: int) -> Tensor:
+    """``x`` if it is a floating-point tensor of at least 2 dims whose last dim is ``dim``."""
+    instance_of("x", x, Tensor, "a torch.Tensor")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must have a floating-point dtype, got {x.dtype}")
+    if x.ndim < 2 or x.shape[-1] != dim:
+        raise ValueError(f"x must be (..., T, {dim}), got shape {tuple(x.shape)}")
+    return x
 
 
 def _angle_dtype(device: torch.device) -> torch.dtype:
@@ -66,7 +73,10 @@ def sinusoidal_table(
         >>> sinusoidal_table(3, 4)[0]
         tensor([0., 1., 0., 1.])
     """
-    _check_positive("dim", dim)
+    non_negative_int("num_positions", num_positions)
+    positive_int("dim", dim)
+    non_negative_int("offset", offset)
+    positive_number("base", base)
     device = torch.device("cpu") if device is None else torch.device(device)
     work = _angle_dtype(device)
     pos = torch.arange(offset, offset + num_positions, dtype=work, device=device)
@@ -96,12 +106,11 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
     def __init__(self, dim: int, *, base: float = 10000.0):
         super().__init__()
-        _check_positive("dim", dim)
-        self.dim, self.base = dim, base
+        positive_int("dim", dim)
+        self.dim, self.base = dim, positive_number("base", base)
 
     def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"x must have last dim {self.dim}, got shape {tuple(x.shape)}")
+        _check_input(x, self.dim)
         table = sinusoidal_table(
             x.shape[-2], self.dim, offset=offset, base=self.base, dtype=x.dtype, device=x.device
         )
@@ -127,14 +136,16 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, max_len: int, dim: int):
         super().__init__()
-        _check_positive("max_len", max_len)
-        _check_positive("dim", dim)
+        positive_int("max_len", max_len)
+        positive_int("dim", dim)
         self.embedding = nn.Embedding(max_len, dim)
 
     def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
+        _check_input(x, self.embedding.embedding_dim)
+        non_negative_int("offset", offset)
         T = x.shape[-2]
         max_len = self.embedding.num_embeddings
-        if offset < 0 or offset + T > max_len:
+        if offset + T > max_len:
             raise ValueError(
                 f"positions {offset}..{offset + T - 1} are outside the {max_len} learned positions"
             )
@@ -152,6 +163,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         >>> apply_rotary(x, torch.zeros(1, 1), torch.ones(1, 1))   # 90 degrees
         tensor([[0., 1.]])
     """
+    half = (x.shape[-2], x.shape[-1] // 2)
+    if x.shape[-1] % 2 or tuple(cos.shape) != half or tuple(sin.shape) != half:
+        raise ValueError(
+            f"apply_rotary needs x (..., T, D) with D even and cos, sin (T, D/2) = {half}; got x "
+            f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
     x1, x2 = x.chunk(2, dim=-1)  # (..., T, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -181,10 +198,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, *, base: float = 10000.0):
         super().__init__()
-        _check_positive("head_dim", head_dim)
+        positive_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-        self.head_dim, self.base = head_dim, float(base)
+        self.head_dim, self.base = head_dim, positive_number("base", base)
 
     def cos_sin(self, num_positions: int, *, offset: int = 0, dtype=torch.float32, device=None):
         """``(cos, sin)`` tables of shape ``(num_positions, D/2)`` for positions from ``offset``.
@@ -194,6 +211,8 @@ class RotaryEmbedding(nn.Module):
             >>> cos.shape
             torch.Size([3, 2])
         """
+        non_negative_int("num_positions", num_positions)
+        non_negative_int("offset", offset)
         device = torch.device("cpu") if device is None else torch.device(device)
         work = _angle_dtype(device)
         pos = torch.arange(offset, offset + num_positions, dtype=work, device=device)
@@ -203,8 +222,17 @@ class RotaryEmbedding(nn.Module):
         return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
 
     def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(f"x must have last dim {self.head_dim}, got shape {tuple(x.shape)}")
+        """Rotate ``x`` ``(..., T, D)`` as positions ``offset .. offset + T - 1``.
+
+        Raises:
+            ValueError: ``offset`` is not a non-negative int, or ``x`` is not ``(..., T, D)``.
+
+        Example:
+            >>> RotaryEmbedding(4)(torch.zeros(3, 4), offset=2).shape
+            torch.Size([3, 4])
+        """
+        _check_input(x, self.head_dim)
+        non_negative_int("offset", offset)
         cos, sin = self.cos_sin(x.shape[-2], offset=offset, dtype=x.dtype, device=x.device)
         return apply_rotary(x, cos, sin)
 
@@ -225,7 +253,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
         >>> alibi_slopes(4)
         tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
-    _check_positive("num_heads", num_heads)
+    positive_int("num_heads", num_heads)
 
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
@@ -261,9 +289,10 @@ def alibi_bias(
                 [-0.0078, -0.0039, -0.0000]])
     """
     tk = tq if tk is None else tk
+    non_negative_int("tq", tq)
+    non_negative_int("tk", tk)
+    one_of("align", align, ("top_left", "bottom_right"))
     offset = tk - tq if align == "bottom_right" else 0
-    if align not in ("bottom_right", "top_left"):
-        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     q_pos = torch.arange(tq, device=device)[:, None] + offset  # (Tq, 1)
     k_pos = torch.arange(tk, device=device)[None, :]  # (1, Tk)
     distance = (q_pos - k_pos).abs().to(dtype)  # (Tq, Tk)
