@@ -286,10 +286,19 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
             q, k, v, attn_mask=masking.attn_mask, dropout_p=call.dropout_p,
             is_causal=source == "is_causal", scale=call.scale, **extra,
         )  # (B, Hq, Tq, Dv)
-    out = torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
+    out = _nan_query_rows(q, out)
     if masking.row_alive is not None:
         out = torch.where(masking.row_alive, out, 0.0)  # zeros, zero gradient
     return out
+
+
+def _nan_query_rows(q: Tensor, out: Tensor) -> Tensor:
+    """``out`` with NaN in every row whose query holds a NaN (SDPA's CPU flash kernel gives
+    zeros there). On CPU one cheap check skips the per-row pass in the common case; on CUDA
+    the pass runs unconditionally, as the check would synchronise the device."""
+    if q.device.type == "cpu" and not bool(q.isnan().any()):
+        return out
+    return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
 
 
 class SdpaBackend(Backend):
