@@ -1,5 +1,5 @@
 """The math every backend and the weight views share: GQA head repetition, masked scores,
-a softmax that keeps fully masked rows at zero, and dropout.
+a softmax that keeps fully masked rows at zero, dead-key zeroing, and dropout.
 
 These are the textbook steps; the reference backend is built from them, and
 :func:`attnlab.attention_weights` and :mod:`attnlab.explain` reuse them so that every view of
@@ -18,7 +18,17 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 
-__all__ = ["repeat_kv", "masked_scores", "softmax_rows", "apply_dropout"]
+__all__ = [
+    "repeat_kv",
+    "score_dtype",
+    "blocked_positions",
+    "live_keys",
+    "live_rows",
+    "zero_dead",
+    "masked_scores",
+    "softmax_rows",
+    "apply_dropout",
+]
 
 
 def repeat_kv(t: Tensor, q_heads: int) -> Tensor:
@@ -34,15 +44,105 @@ def repeat_kv(t: Tensor, q_heads: int) -> Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
+def score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores and softmax are computed in: fp32 for fp16/bf16 inputs, else ``dtype``.
+
+    Half-precision scores lose a float mask's precision (a bias near -130 has a bf16 step of
+    1) and overflow fp16 (``q @ k^T`` beyond 65504 before scaling), so they are formed in fp32,
+    as fused kernels do.
+
+    Example:
+        >>> score_dtype(torch.bfloat16), score_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def blocked_positions(call: AttentionCall) -> Tensor | None:
+    """Dense bool mask of blocked positions (``~allowed`` or a ``-inf`` bias), or None.
+
+    Broadcastable to ``(B, Hq, Tq, Tk)``; O(Tq*Tk) when the masks are, so it serves the
+    quadratic paths (the reference and the weight views).
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.ones(1, 1, 2, 4)
+        >>> blocked_positions(build_call(q, q, q, causal=True))[0, 0]
+        tensor([[False,  True],
+                [False, False]])
+    """
+    allowed, bias = call.allowed(), call.bias()
+    blocked = None if allowed is None else ~allowed
+    if bias is not None:
+        minus_inf = bias == float("-inf")
+        blocked = minus_inf if blocked is None else blocked | minus_inf
+    return blocked
+
+
+def live_keys(blocked: Tensor | None) -> Tensor | None:
+    """Keys that at least one query may attend, ``(B|1, H|1, Tk|1, 1)``; None when all may.
+
+    Example:
+        >>> live_keys(torch.tensor([[[[False, True], [False, True]]]])).flatten().tolist()
+        [True, False]
+    """
+    if blocked is None:
+        return None
+    live = (~blocked).any(dim=-2).unsqueeze(-1)  # (B|1, H|1, Tk|1, 1)
+    return None if bool(live.all()) else live
+
+
+def live_rows(blocked: Tensor | None) -> Tensor | None:
+    """Queries that may attend at least one key, ``(B|1, H|1, Tq|1, 1)``; None when all may.
+
+    Example:
+        >>> live_rows(torch.tensor([[[[False, True], [True, True]]]])).flatten().tolist()
+        [True, False]
+    """
+    if blocked is None:
+        return None
+    live = (~blocked).any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
+    return None if bool(live.all()) else live
+
+
+def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:
+    """``t`` ``(B, H, T, X)`` with the positions that are not ``live`` set to 0.
+
+    Blocked keys (or queries with nothing to attend) still enter ``weights @ v`` and the
+    gradients' matrix products with a factor 0; ``0 * NaN`` is NaN, so NaN/inf stored there
+    (padding, unused cache slots) would leak. Zeroing them first keeps them without influence,
+    and ``torch.where`` gives them zero gradient. ``live`` may have ``Hq`` heads while ``t``
+    has ``Hkv`` (grouped-query): a key/value head is live where any of its query heads is.
+
+    Args:
+        t: ``(B, H, T, X)`` keys, values or queries.
+        live: ``(B|1, Hq|H|1, T|1, 1)`` bool from :func:`live_keys` / :func:`live_rows`, or None.
+
+    Example:
+        >>> zero_dead(torch.tensor([[[[1.0], [float("nan")]]]]), torch.tensor([[[[True], [False]]]]))
+        tensor([[[[1.],
+                  [0.]]]])
+    """
+    if live is None:
+        return t
+    heads = t.shape[1]
+    if live.shape[1] not in (1, heads):
+        live = live.unflatten(1, (heads, -1)).any(dim=2)  # (B|1, Hkv, T|1, 1)
+    return torch.where(live, t, 0.0)
+
+
 def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
     """Scaled scores with every mask applied; blocked positions are ``-inf``.
+
+    Computed in :func:`score_dtype` (fp32 for half inputs), so a float mask is added at full
+    precision and large scores do not overflow. A NaN score at an allowed position stays NaN.
 
     Args:
         call: the call (for scale, masks and causal alignment).
         q: ``(B, H, Tq, D)``; k: ``(B, H, Tk, D)`` with heads already repeated.
 
     Returns:
-        ``(B, H, Tq, Tk)`` scores.
+        ``(B, H, Tq, Tk)`` scores in ``score_dtype(q.dtype)``.
 
     Example:
         >>> from attnlab._call import build_call
@@ -51,13 +151,14 @@ def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
         tensor([[[[2., -inf],
                   [2., 2.]]]])
     """
-    attn_scores = (q @ k.transpose(-2, -1)) * call.scale  # (B, H, Tq, Tk)
+    work = score_dtype(q.dtype)
+    attn_scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * call.scale  # (B, H, Tq, Tk)
     bias = call.bias()
     if bias is not None:
-        attn_scores = attn_scores + bias.to(attn_scores.dtype)
-    allowed = call.allowed()
-    if allowed is not None:
-        attn_scores = attn_scores.masked_fill(~allowed, float("-inf"))
+        attn_scores = attn_scores + bias.to(work)
+    blocked = blocked_positions(call)
+    if blocked is not None:  # also overwrites NaN scores of blocked (e.g. padded) keys
+        attn_scores = attn_scores.masked_fill(blocked, float("-inf"))
     return attn_scores
 
 
@@ -65,14 +166,15 @@ def softmax_rows(attn_scores: Tensor) -> Tensor:
     """Softmax over keys that gives all-zero rows (and zero gradient) where every key is blocked.
 
     A plain softmax of a row of ``-inf`` is NaN. Such rows are replaced by zeros before the
-    softmax (so the backward pass sees finite numbers) and multiplied by 0 afterwards.
+    softmax (so the backward pass sees finite numbers) and multiplied by 0 afterwards. A row
+    holding a NaN score is not such a row: its NaN propagates (it is not hidden as zeros).
 
     Example:
         >>> softmax_rows(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
         tensor([[0.5000, 0.5000],
                 [0.0000, 0.0000]])
     """
-    row_alive = (attn_scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Tq, 1)
+    row_alive = (attn_scores != float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Tq, 1)
     safe_scores = torch.where(row_alive, attn_scores, torch.zeros_like(attn_scores))
     return torch.softmax(safe_scores, dim=-1) * row_alive
 

@@ -59,6 +59,10 @@ def attention(
     Returns:
         ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
         A query that may attend to no key gets a zero output row and zero gradient.
+        Non-finite values: NaN/inf stored at keys no query may attend (padding, unused cache
+        slots) has no influence on the output or any gradient. NaN in an attended input makes
+        the affected output rows NaN, and inf in ``q`` gives what the math gives (NaN from
+        ``inf - inf``), on every backend.
 
     Raises:
         TypeError: non-tensor input, a non-float or mixed dtype, an integer mask.
@@ -120,14 +124,19 @@ def attention_weights(
 
 def _weights_of(call: AttentionCall, lse: Tensor | None = None) -> Tensor:
     """Weights ``(B, Hq, Tq, Tk)`` of a validated call; with a backend's row log-sum-exp
-    ``lse`` ``(B, Hq, Tq)`` they are ``exp(scores - lse)`` without a second softmax reduction."""
+    ``lse`` ``(B, Hq, Tq)`` they are ``exp(scores - lse)`` without a second softmax reduction.
+
+    Scores, lse and exp stay in fp32 for half inputs (an lse near 16k rounded to fp16 would
+    scale every weight by up to ``e**8``); only the weights are rounded to the input dtype.
+    Rows with ``lse = -inf`` attend nothing (zeros); a NaN lse gives NaN weights."""
     with torch.no_grad():
         attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
         if lse is None:
-            return softmax_rows(attn_scores)
+            return softmax_rows(attn_scores).to(call.dtype)
         lse = lse.to(attn_scores.dtype).unsqueeze(-1)  # (B, H, Tq, 1)
-        finite = torch.isfinite(lse)
-        return torch.where(finite, torch.exp(attn_scores - torch.where(finite, lse, 0)), 0)
+        dead = lse == float("-inf")
+        weights = torch.where(dead, 0.0, torch.exp(attn_scores - torch.where(dead, 0.0, lse)))
+        return weights.to(call.dtype)
 
 
 def _restore_rank(t: Tensor, rank: int) -> Tensor:

@@ -186,12 +186,15 @@ class _Tile:
     """One tile, ready for the online softmax or its backward pass.
 
     scores: ``(B, Hq, bq, bk)`` scaled scores plus bias, ``-inf`` where blocked.
+    q: ``(B, Hq, bq, D)`` query rows, zeroed in rows that may attend no key of the tile.
     k, v: ``(B, Hq, bk, D|Dv)`` key/value rows repeated over a query group, zeroed in key
-        columns no query of the tile may attend (NaN padding cannot leak through ``0 * NaN``).
+        columns no query of the tile may attend (NaN padding cannot leak through ``0 * NaN``,
+        nor NaN queries of masked rows into ``dK``).
     keep_scale: ``(B, Hq, bq, bk)`` dropout factor ``keep / (1 - p)`` or None.
     """
 
     scores: Tensor
+    q: Tensor
     k: Tensor
     v: Tensor
     keep_scale: Tensor | None
@@ -212,6 +215,9 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor |
         if not bool(col_live.all()):
             k_tile = torch.where(col_live, k_tile, 0.0)
             v_tile = torch.where(col_live, v_tile, 0.0)
+        row_live = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, bq|1, 1)
+        if not bool(row_live.all()):
+            q_tile = torch.where(row_live, q_tile, 0.0)
     attn_scores = torch.matmul(q_tile, k_tile.transpose(-2, -1)).mul_(plan.scale)  # (B,Hq,bq,bk)
     if bias_tile is not None:
         attn_scores = attn_scores.add_(bias_tile)
@@ -225,7 +231,7 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor |
             kv_idx=torch.arange(ks, ke, device=q_tile.device),
         )
         keep_scale = keep.to(plan.acc_dtype).div_(1.0 - plan.dropout_p)
-    return _Tile(attn_scores, k_tile, v_tile, keep_scale)
+    return _Tile(attn_scores, q_tile, k_tile, v_tile, keep_scale)
 
 
 def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
@@ -270,7 +276,7 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
                 probs = probs.mul_(tile.keep_scale)
             acc = acc.mul_(rescale).add_(torch.matmul(probs, tile.v))
             row_max = new_max
-        alive = row_sum > 0  # (B, Hq, bq, 1)
+        alive = row_sum != 0  # (B, Hq, bq, 1); NaN (from NaN or inf - inf) propagates
         out[:, :, qs:qe] = torch.where(alive, acc / torch.where(alive, row_sum, 1.0), 0.0)
         lse[:, :, qs:qe] = torch.where(alive, row_max + torch.log(row_sum), float("-inf"))[..., 0]
     return out, lse
@@ -314,7 +320,7 @@ def _backward_tiles(plan: _Plan, saved: tuple, d_out: Tensor,
                 d_probs = d_probs.mul_(tile.keep_scale)
             d_scores = probs.mul_(d_probs.sub_(delta))  # dS = P * (dP - D_i), reuses P
             dq[:, :, qs:qe] += torch.matmul(d_scores, tile.k)
-            dk[:, :, ks:ke] += _sum_groups(torch.matmul(d_scores.transpose(-2, -1), q_tile), Hkv)
+            dk[:, :, ks:ke] += _sum_groups(torch.matmul(d_scores.transpose(-2, -1), tile.q), Hkv)
             if d_bias is not None:
                 rows = slice(qs, qe) if bias.shape[2] > 1 else slice(None)
                 cols = slice(ks, ke) if bias.shape[3] > 1 else slice(None)

@@ -2,7 +2,10 @@
 
 scores -> scale -> mask -> softmax -> dropout -> weighted sum of values. It materialises the
 ``(B, H, Tq, Tk)`` score matrix, so it is O(T^2) in memory, and it is the oracle every other
-backend is checked against (run it in fp64 for that).
+backend is checked against (run it in fp64 for that). For fp16/bf16 inputs the scores, the
+float mask and the softmax are computed in fp32 and the weights rounded back to the input
+dtype before ``weights @ v``, as fused kernels do. Keys no query may attend and queries with
+nothing to attend are zeroed first, so NaN/inf stored there reach neither output nor gradient.
 """
 
 from __future__ import annotations
@@ -11,7 +14,16 @@ import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab._math import apply_dropout, masked_scores, repeat_kv, softmax_rows
+from attnlab._math import (
+    apply_dropout,
+    blocked_positions,
+    live_keys,
+    live_rows,
+    masked_scores,
+    repeat_kv,
+    softmax_rows,
+    zero_dead,
+)
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -40,9 +52,13 @@ class ReferenceBackend(Backend):
         return call_flops(call, causal=False) / rate
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        q, k, v = call.q, repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads)
+        blocked = blocked_positions(call)
+        keys_live = live_keys(blocked)
+        q = zero_dead(call.q, live_rows(blocked))
+        k = zero_dead(repeat_kv(call.k, call.q_heads), keys_live)  # (B, Hq, Tk, D)
+        v = zero_dead(repeat_kv(call.v, call.q_heads), keys_live)  # (B, Hq, Tk, Dv)
         attn_scores = masked_scores(call, q, k)  # (B, H, Tq, Tk)
-        attn_weights = softmax_rows(attn_scores)
+        attn_weights = softmax_rows(attn_scores).to(call.dtype)
         dropped = apply_dropout(attn_weights, call.dropout_p, call.generator)
         context = dropped @ v  # (B, H, Tq, Dv)
         return AttentionResult(out=context, weights=attn_weights if call.return_weights else None)

@@ -7,15 +7,21 @@ flash, memory-efficient, cuDNN and math kernels. This module translates an attnl
 SDPA's arguments faithfully:
 
 * bool masks keep their polarity (SDPA's bool ``attn_mask`` also means True = attend);
-  float masks are passed as additive biases in the query dtype;
+  float masks are passed as additive biases in the query dtype, except that fp16/bf16 calls
+  on CPU get them in fp32 (a bias near -130 has a bf16 step of 1; PyTorch's CPU kernels take
+  an fp32 mask with half inputs);
 * ``causal`` with ``align="top_left"`` (or any alignment when ``Tq == Tk``) and no other mask
   uses ``is_causal=True``; bottom-right causal with ``Tq != Tk``, causal together with a mask,
   and mask mods are materialised into one dense mask -- O(Tq*Tk) memory, and
   :meth:`SdpaBackend.memory_for` says so for that call;
 * grouped-query attention uses ``enable_gqa=True`` (heads are repeated on PyTorch < 2.5);
-* rows with no attendable key are given a harmless mask row before the kernel runs and are
-  zeroed afterwards with ``torch.where``, so they are zeros with zero gradient whatever the
-  PyTorch version does with fully masked rows;
+* rows with no attendable key are given a harmless mask row (and a zero query) before the
+  kernel runs and are zeroed afterwards with ``torch.where``, so they are zeros with zero
+  gradient whatever the PyTorch version does with fully masked rows;
+* keys no query may attend are zeroed in k and v (O(Tk*D), found by reductions over the
+  mask), so NaN/inf stored there cannot leak through ``0 * NaN``;
+* a query row holding NaN gives a NaN output row (SDPA's CPU flash kernel returns zeros
+  there, which would pass for a fully masked row);
 * dropout: SDPA draws from PyTorch's global RNG. With a ``generator`` the call draws one seed
   from it and runs SDPA under a forked, freshly seeded global RNG, so the same generator seed
   gives bitwise the same output and the caller's global RNG is untouched. Without one, SDPA
@@ -43,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab._math import repeat_kv
+from attnlab._math import repeat_kv, zero_dead
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -98,10 +104,10 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
         return None
     if source == "user":
         shape = tuple(call.mask.shape)
-        dtype = torch.bool if call.mask_kind == "bool" else call.dtype
+        dtype = torch.bool if call.mask_kind == "bool" else _mask_dtype(call)
     else:
         shape = (call.batch, call.q_heads, call.tq, call.tk)
-        dtype = call.dtype if call.mask_kind == "float" else torch.bool
+        dtype = _mask_dtype(call) if call.mask_kind == "float" else torch.bool
     return torch.zeros((), dtype=dtype, device=call.device).expand(shape)
 
 
@@ -161,10 +167,10 @@ def _plan(call: AttentionCall) -> SdpaPlan:
         return SdpaPlan(source, kernel, "quadratic",
                         "the causal/mask-mod mask is materialised as a dense (Tq, Tk) mask")
     if source == "user" and _full_size(call.mask, call) and (
-        call.mask_kind == "bool" or call.mask.dtype != call.dtype
+        call.mask_kind == "bool" or call.mask.dtype != _mask_dtype(call)
     ):
         return SdpaPlan(source, kernel, "quadratic",
-                        "the dense (Tq, Tk) mask is converted to an additive mask in the query dtype")
+                        "the dense (Tq, Tk) mask is converted to an additive mask")
     return SdpaPlan(source, kernel, "linear", f"SDPA's {kernel} kernel keeps O(T) memory")
 
 
@@ -173,30 +179,65 @@ def _full_size(mask: Tensor, call: AttentionCall) -> bool:
     return mask.shape[-2] == call.tq > 1 and mask.shape[-1] == call.tk > 1
 
 
-def _build_mask(call: AttentionCall, source: str) -> tuple[Tensor | None, Tensor | None]:
-    """The ``attn_mask`` to pass and the rows that may attend at least one key.
+def _mask_dtype(call: AttentionCall) -> torch.dtype:
+    """dtype of the float ``attn_mask``: the query's, or fp32 for a half-precision CPU call
+    whose mask is not already in the query dtype (rounding the bias to fp16/bf16 would cost up
+    to half a unit of the bias, e.g. 0.5 near -130 in bf16). CUDA keeps the query dtype: its
+    memory-efficient kernel requires a bias in the query dtype."""
+    half = call.dtype in (torch.float16, torch.bfloat16)
+    if half and call.device.type == "cpu" and call.mask_kind == "float" and call.mask.dtype != call.dtype:
+        return torch.float32
+    return call.dtype
 
-    Returns:
-        ``(attn_mask, row_alive)``: attn_mask is bool (True = attend) or float in q's dtype,
-        broadcastable to ``(B, Hq, Tq, Tk)``; row_alive is ``(B|1, H|1, Tq|1, 1)`` bool or None
-        when every row may attend something. Dead rows get a harmless all-allowed mask row.
+
+def _live(reduced: Tensor) -> Tensor | None:
+    """``(B|1, H|1, T|1)`` bool -> ``(B|1, H|1, T|1, 1)``, or None when every entry is True."""
+    return None if bool(reduced.all()) else reduced.unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class _Masking:
+    """What :func:`sdpa_forward` passes and patches.
+
+    attn_mask: bool (True = attend) or float, broadcastable to ``(B, Hq, Tq, Tk)``, or None.
+    row_alive: ``(B|1, H|1, Tq|1, 1)`` rows that may attend a key; None when all may.
+    keys_live: ``(B|1, H|1, Tk|1, 1)`` keys some query may attend; None when all are.
     """
-    if source in ("none", "is_causal"):
-        return None, None
+
+    attn_mask: Tensor | None = None
+    row_alive: Tensor | None = None
+    keys_live: Tensor | None = None
+
+
+def _build_mask(call: AttentionCall, source: str) -> _Masking:
+    """The ``attn_mask`` to pass, the rows that may attend a key and the keys that may be attended.
+
+    Dead rows get a harmless all-allowed mask row. Reductions only (``any``/``amax``): no
+    temporary the size of the mask.
+    """
+    if source == "none":
+        return _Masking()
+    if source == "is_causal":  # top-left: keys j >= Tq are never attended
+        if call.tq >= call.tk:
+            return _Masking()
+        keys = torch.arange(call.tk, device=call.device)
+        return _Masking(keys_live=(keys < call.tq).view(1, 1, call.tk, 1))
     allowed = call.allowed()  # bool (causal, bool mask, mask mod) or None
     bias = call.bias()
     if bias is None:
-        row_alive = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
-        if bool(row_alive.all()):
-            return allowed, None
-        return allowed | ~row_alive, row_alive
-    attn_mask = bias.to(call.dtype)
+        keys_live = _live(allowed.any(dim=-2))  # (B|1, H|1, Tk|1)
+        row_alive = _live(allowed.any(dim=-1))  # (B|1, H|1, Tq|1)
+        if row_alive is None:
+            return _Masking(allowed, None, keys_live)
+        return _Masking(allowed | ~row_alive, row_alive, keys_live)
+    attn_mask = bias.to(_mask_dtype(call))
     if allowed is not None:
         attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
-    row_alive = (attn_mask > float("-inf")).any(dim=-1, keepdim=True)
-    if bool(row_alive.all()):
-        return attn_mask, None
-    return torch.where(row_alive, attn_mask, 0.0), row_alive
+    keys_live = _live(attn_mask.amax(dim=-2) > float("-inf"))  # (B|1, H|1, Tk|1)
+    row_alive = _live(attn_mask.amax(dim=-1) > float("-inf"))  # (B|1, H|1, Tq|1)
+    if row_alive is None:
+        return _Masking(attn_mask, None, keys_live)
+    return _Masking(torch.where(row_alive, attn_mask, 0.0), row_alive, keys_live)
 
 
 def _dropout_rng(call: AttentionCall):
@@ -230,8 +271,11 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
         torch.Size([2, 3, 5, 4])
     """
     source = _mask_source(call)
-    attn_mask, row_alive = _build_mask(call, source)
-    k, v, extra = call.k, call.v, {}
+    masking = _build_mask(call, source)
+    q = zero_dead(call.q, masking.row_alive)  # a NaN query of a dead row must not reach dK
+    k = zero_dead(call.k, masking.keys_live)  # (B, Hkv, Tk, D)
+    v = zero_dead(call.v, masking.keys_live)  # (B, Hkv, Tk, Dv)
+    extra = {}
     if call.q_heads != call.kv_heads:
         if _HAS_GQA:
             extra["enable_gqa"] = True
@@ -239,12 +283,22 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
             k, v = repeat_kv(k, call.q_heads), repeat_kv(v, call.q_heads)  # (B, Hq, Tk, D)
     with _dropout_rng(call):
         out = F.scaled_dot_product_attention(
-            call.q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
+            q, k, v, attn_mask=masking.attn_mask, dropout_p=call.dropout_p,
             is_causal=source == "is_causal", scale=call.scale, **extra,
         )  # (B, Hq, Tq, Dv)
-    if row_alive is not None:
-        out = torch.where(row_alive, out, 0.0)  # zeros, zero gradient
+    out = _nan_query_rows(q, out)
+    if masking.row_alive is not None:
+        out = torch.where(masking.row_alive, out, 0.0)  # zeros, zero gradient
     return out
+
+
+def _nan_query_rows(q: Tensor, out: Tensor) -> Tensor:
+    """``out`` with NaN in every row whose query holds a NaN (SDPA's CPU flash kernel gives
+    zeros there). On CPU one cheap check skips the per-row pass in the common case; on CUDA
+    the pass runs unconditionally, as the check would synchronise the device."""
+    if q.device.type == "cpu" and not bool(q.isnan().any()):
+        return out
+    return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
 
 
 class SdpaBackend(Backend):
