@@ -59,8 +59,8 @@ __all__ = [
     "DEFAULT_KV_BLOCK",
 ]
 
-# Tuned on a 2-core x86 CPU (fp32, D=64): 256 x 256 tiles beat 128 x 128 by ~1.3x and 64 x 64
-# by ~2.5x (Python overhead per tile), and tie with 512-wide tiles, which leave cache.
+# Large tiles amortise the Python work each tile costs; past 256 a tile's scores no longer fit
+# in cache and the gain stops (BENCHMARKS.md, "Chunked tile size").
 DEFAULT_Q_BLOCK = 256
 DEFAULT_KV_BLOCK = 256
 

@@ -1,6 +1,6 @@
 """Multi-head attention as one production module on top of :func:`attnlab.attention`.
 
-The module keeps the seed documents' constructor ``MultiHeadAttention(d_in, d_out,
+The module keeps the tutorials' constructor ``MultiHeadAttention(d_in, d_out,
 context_length, dropout_p, num_heads)`` (the tutorials' positional call) and grows into what a model needs: one fused Q/K/V
 projection, grouped-query and multi-query attention (``num_kv_heads``), cross-attention to a
 ``context`` of another width, padding masks, a KV cache for decoding, rotary embeddings, and
@@ -82,7 +82,7 @@ class MultiHeadAttention(nn.Module):
     ``k_proj_weight`` ``(d_kv, kdim)``, ``v_proj_weight`` ``(d_kv, vdim)`` plus
     ``in_proj_bias`` -- the layout of ``torch.nn.MultiheadAttention``. ``W_query``, ``W_key``
     and ``W_value`` are :class:`ProjectionView` s of those rows (``.weight``, ``.bias``,
-    callable), and the parameters are initialised exactly as the seed documents' three
+    callable), and the parameters are initialised exactly as the tutorials' three
     ``nn.Linear`` layers created in that order, then ``out_proj``: after
     ``torch.manual_seed(s)`` the module reproduces the documents' outputs. A ``state_dict``
     in the documents' layout (``W_query.weight``, ...) loads into the fused layout.
@@ -113,7 +113,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p: dropout probability on the attention weights, applied in training only.
         num_heads: number of query heads.
         qkv_bias: bias in the query/key/value projections.
-        causal: causal self-attention (default True, as in the seed documents).
+        causal: causal self-attention (default True, as in the tutorials).
         num_kv_heads: key/value heads for grouped-query attention (``1`` = multi-query);
             must divide ``num_heads``. Defaults to ``num_heads``.
         kdim: width of the key input (``context``); defaults to ``d_in``.
@@ -128,7 +128,7 @@ class MultiHeadAttention(nn.Module):
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
-        >>> mha = MultiHeadAttention(3, 2, 12, 0.0, 2)        # the seed documents' call
+        >>> mha = MultiHeadAttention(3, 2, 12, 0.0, 2)        # the tutorials' call
         >>> mha(torch.rand(2, 12, 3)).shape
         torch.Size([2, 12, 2])
         >>> gqa = MultiHeadAttention(64, 64, num_heads=8, num_kv_heads=2, rope=True)
@@ -234,17 +234,17 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def W_query(self) -> ProjectionView:
-        """The query projection ``(d_out, d_in)`` as in the seed documents."""
+        """The query projection ``(d_out, d_in)`` as in the tutorials."""
         return ProjectionView(*self._part("query"))
 
     @property
     def W_key(self) -> ProjectionView:
-        """The key projection ``(d_kv, kdim)`` as in the seed documents."""
+        """The key projection ``(d_kv, kdim)`` as in the tutorials."""
         return ProjectionView(*self._part("key"))
 
     @property
     def W_value(self) -> ProjectionView:
-        """The value projection ``(d_kv, vdim)`` as in the seed documents."""
+        """The value projection ``(d_kv, vdim)`` as in the tutorials."""
         return ProjectionView(*self._part("value"))
 
     # ----------------------------------------------------------------- projections
@@ -590,7 +590,7 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
 
 
 def _seed_layout_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    """Accept the seed documents' ``W_query.weight`` ... keys (and drop their ``mask`` buffer)."""
+    """Accept the tutorials' ``W_query.weight`` ... keys (and drop their ``mask`` buffer)."""
     state_dict.pop(prefix + "mask", None)
     for kind in ("weight", "bias"):
         keys = [f"{prefix}W_{part}.{kind}" for part in _PARTS]
