@@ -37,6 +37,34 @@ def assert_one_error_line(result, *words: str, code: int = 2) -> str:
 
 
 @pytest.mark.parametrize("args, option", [
+    (["--heads", "0"], "--heads"),
+    (["--heads", "-1"], "--heads"),
+    (["--d", "0"], "--d "),
+    (["--tq", "-5"], "--tq"),
+    (["--tk", "-5"], "--tk"),
+    (["--batch", "0"], "--batch"),
+    (["--kv-heads", "-1"], "--kv-heads"),
+    (["--heads", "8", "--kv-heads", "3"], "--kv-heads"),
+    (["--device", "foo"], "--device"),
+    (["--dtype", "foo"], "--dtype"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--dropout", "-0.1"], "--dropout"),
+    (["--dropout", "nan"], "--dropout"),
+    (["--align", "sideways"], "--align"),
+    (["--heads", "x"], "--heads"),
+    (["--bogus"], "--bogus"),
+])
+def test_backends_refuses_bad_options(args, option):
+    assert_one_error_line(runner.invoke(app, ["backends", *args]), option)
+
+
+def test_backends_refuses_cuda_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_one_error_line(runner.invoke(app, ["backends", "--device", "cuda"]), "--device",
+                          "CUDA is not available here")
+
+
+@pytest.mark.parametrize("args, option", [
     (["--suite", "foo"], "--suite"),
     (["--bogus"], "--bogus"),
 ])
