@@ -65,6 +65,26 @@ def test_backends_refuses_cuda_without_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("args, option", [
+    (["--backend", "foo"], "--backend"),
+    (["--configs", "-1"], "--configs"),
+    (["--quick", "--configs", "0"], "--configs"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**70)], "--seed"),
+    (["--configs", "x"], "--configs"),
+    (["--bogus"], "--bogus"),
+])
+def test_verify_refuses_bad_options(args, option):
+    assert_one_error_line(runner.invoke(app, ["verify", *args]), option)
+
+
+def test_verify_names_a_registered_backend_that_cannot_run_here(monkeypatch):
+    from attnlab import backends
+
+    monkeypatch.setattr(backends.get("flex"), "unavailable_reason", lambda: "no compiler here")
+    assert_one_error_line(runner.invoke(app, ["verify", "--backend", "flex"]), "--backend", "no compiler here")
+
+
+@pytest.mark.parametrize("args, option", [
     (["--suite", "foo"], "--suite"),
     (["--bogus"], "--bogus"),
 ])
