@@ -108,6 +108,8 @@ def test_unknown_command_or_root_option_is_one_line(args, word):
     (["--d-model", "0"], "--d-model", "positive"),
     (["--heads", "0"], "--heads", "positive"),
     (["--seed", str(2**70)], "--seed", "at most"),
+    (["--seed", "-1"], "--seed", "non-negative"),
+    (["--dropout", "1.5"], "--dropout", "[0, 1)"),
     (["--bogus"], "--bogus", "--bogus"),
 ])
 def test_explain_bounds_its_sizes(args, option, cap, tmp_path):

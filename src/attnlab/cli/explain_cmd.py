@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from attnlab._checks import positive_int
+from attnlab._checks import positive_int, probability
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors
 from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
 
@@ -30,6 +30,7 @@ _DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the 
 
 
 def _default(name: str):
+    """The default of ``trace``'s argument ``name``, so the option and the library agree."""
     return _DEFAULTS[name].default
 
 
@@ -49,7 +50,7 @@ def explain(
                              help=f"Random seed for the embeddings and the weights, 0 to {MAX_SEED}."),
     causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
     dropout: float = typer.Option(_default("dropout"), "--dropout",
-                                  help="Dropout probability on the attention weights."),
+                                  help="Dropout probability on the attention weights, in [0, 1)."),
     model: str = typer.Option("tutorial", "--model", help="Weights to use; only 'tutorial' (seeded random) for now."),
     query: str = typer.Option(None, "--query", help="Word to focus on (default: 'it' if present, else the last word)."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
@@ -65,7 +66,7 @@ def explain(
         fail(f"--model {model!r} is not available; only 'tutorial' (seeded random weights) exists for now")
     if fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    _check_sizes(heads, d_model, d_kq, d_v)
+    _check_numbers(heads, d_model, d_kq, d_v, dropout)
     check_seed(seed)
     with option_errors():  # trace refuses only bad options: an empty sentence, a bad mode, ...
         result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
@@ -91,12 +92,13 @@ def explain(
         console.print(f"Open {out / 'report.html'} in a browser: it works offline.", soft_wrap=True, markup=False)
 
 
-def _check_sizes(heads: int | None, d_model: int, d_kq: int, d_v: int) -> None:
-    """Refuse sizes by option name, and bound them so a typo cannot exhaust the memory."""
+def _check_numbers(heads: int | None, d_model: int, d_kq: int, d_v: int, dropout: float) -> None:
+    """Refuse numbers by option name, and bound the sizes so a typo cannot exhaust the memory."""
     sizes = [("--d-model", d_model), ("--d-kq", d_kq), ("--d-v", d_v)]
     with option_errors():
         for option, value in sizes + ([("--heads", heads)] if heads is not None else []):
             positive_int(option, value)
+        probability("--dropout", dropout)
     for option, value in sizes:
         at_most(option, value, MAX_SIZE, "explain prints every number")
     if heads is not None:
