@@ -1,10 +1,15 @@
-"""The ``attnlab`` command. Each sub-command lives in its own module with a ``register(app)``."""
+"""The ``attnlab`` command. Each sub-command lives in its own module with a ``register(app)``.
+
+Errors are reported the same way by every command (one ``error:`` line, exit status 2): the
+group class from :mod:`attnlab.cli._errors` does it for all of them.
+"""
 
 from __future__ import annotations
 
 import typer
 
 from attnlab.cli import backends_cmd, bench_cmd, explain_cmd, verify_cmd
+from attnlab.cli._errors import OneLineErrorsGroup
 
 HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
 
@@ -16,6 +21,7 @@ a call would use and why, and `attnlab bench` times them. `attnlab COMMAND --hel
 
 app = typer.Typer(
     name="attnlab",
+    cls=OneLineErrorsGroup,
     help=HELP,
     no_args_is_help=True,
     add_completion=False,

@@ -4,49 +4,81 @@ from __future__ import annotations
 
 import typer
 
-_DTYPES = ("float32", "bfloat16", "float16", "float64")
+from attnlab._checks import divisible, non_negative_int, one_of, positive_int, probability
+from attnlab.cli._errors import fail, option_errors
+from attnlab.masks import ALIGNMENTS
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DEVICES = ("cpu", "cuda")
 
 
 def backends_command(
-    dtype: str = typer.Option("float32", "--dtype", help=f"One of {', '.join(_DTYPES)}."),
+    dtype: str = typer.Option("float32", "--dtype", help=f"One of {', '.join(DTYPES)}."),
     causal: bool = typer.Option(False, "--causal", help="Causal mask."),
-    align: str = typer.Option("top_left", "--align", help="Causal alignment: top_left or bottom_right."),
+    align: str = typer.Option("top_left", "--align", help=f"Causal alignment: {' or '.join(ALIGNMENTS)}."),
     padding: bool = typer.Option(False, "--padding", help="A key-padding mask (the last quarter padded)."),
     tq: int = typer.Option(1024, "--tq", help="Query length."),
-    tk: int = typer.Option(0, "--tk", help="Key length (default: --tq)."),
+    tk: int = typer.Option(0, "--tk", show_default=False, help="Key length (default: --tq)."),
     d: int = typer.Option(64, "--d", help="Head dim."),
     heads: int = typer.Option(8, "--heads", help="Query heads."),
-    kv_heads: int = typer.Option(0, "--kv-heads", help="Key/value heads (default: --heads)."),
+    kv_heads: int = typer.Option(0, "--kv-heads", show_default=False,
+                                 help="Key/value heads, dividing --heads (default: --heads)."),
     batch: int = typer.Option(1, "--batch", help="Batch size."),
-    dropout: float = typer.Option(0.0, "--dropout", help="Dropout probability."),
+    dropout: float = typer.Option(0.0, "--dropout", help="Dropout probability, in [0, 1)."),
     grad: bool = typer.Option(False, "--grad", help="The call needs gradients (training)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: str = typer.Option("cpu", "--device", help=f"Where the call runs: {' or '.join(DEVICES)}."),
 ) -> None:
     """Explain which backend attnlab.attention runs for a call of this shape, and why each other
     backend was passed over (cannot serve / O(T^2) memory where O(T) serves / slower)."""
+    from attnlab import backends
+
+    tk, kv_heads = _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device)
+    q, k, v, mask = _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding)
+    options = dict(causal=causal, align=align, dropout_p=dropout)
+    if mask is not None:
+        options["mask"] = mask
+    with option_errors():  # anything dispatch still refuses is a bad combination of options
+        text = backends.why(q, k, v, **options)
+    typer.echo(f"backends available here: {', '.join(backends.available())}")
+    typer.echo(text)
+
+
+def _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device) -> tuple[int, int]:
+    """Refuse bad values by option name before any tensor exists; return (tk, kv_heads) resolved."""
+    with option_errors():
+        one_of("--dtype", dtype, DTYPES)
+        one_of("--device", device, DEVICES)
+        one_of("--align", align, ALIGNMENTS)
+        for option, value in (("--tq", tq), ("--d", d), ("--heads", heads), ("--batch", batch)):
+            positive_int(option, value)
+        non_negative_int("--tk", tk)  # 0 means "same as --tq"
+        non_negative_int("--kv-heads", kv_heads)  # 0 means "same as --heads"
+        probability("--dropout", dropout)
+        divisible("--heads", heads, "--kv-heads", kv_heads or heads)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("--device cuda: CUDA is not available here")
+    return tk or tq, kv_heads or heads
+
+
+def _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding):
+    """q, k, v (and the padding mask, or None) of the described call."""
     import torch
 
-    from attnlab import backends, masks
+    from attnlab import masks
 
-    if dtype not in _DTYPES:
-        raise typer.BadParameter(f"must be one of {_DTYPES}, got {dtype!r}", param_hint="--dtype")
-    tk = tk or tq
-    kv_heads = kv_heads or heads
     torch_dtype = getattr(torch, dtype)
     # Only shapes, dtypes and flags matter to dispatch: uninitialised tensors are enough.
     q = torch.empty(batch, heads, tq, d, dtype=torch_dtype, device=device, requires_grad=grad)
     k = torch.empty(batch, kv_heads, tk, d, dtype=torch_dtype, device=device, requires_grad=grad)
     v = torch.empty(batch, kv_heads, tk, d, dtype=torch_dtype, device=device, requires_grad=grad)
-    options = dict(causal=causal, align=align, dropout_p=dropout)
+    mask = None
     if padding:
         lengths = torch.full((batch,), max(1, (3 * tk) // 4), device=device)
-        options["mask"] = masks.padding_mask(lengths, tk)
-    try:
-        text = backends.why(q, k, v, **options)
-    except (ValueError, TypeError) as error:
-        raise typer.BadParameter(str(error)) from error
-    typer.echo(f"backends available here: {', '.join(backends.available())}")
-    typer.echo(text)
+        mask = masks.padding_mask(lengths, tk)
+    return q, k, v, mask
 
 
 def register(app: typer.Typer) -> None:

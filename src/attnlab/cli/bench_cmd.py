@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from attnlab._checks import one_of
+from attnlab.cli._errors import option_errors
+
 
 def bench(
     suite: str = typer.Option("backends", "--suite", help="backends, memory, modules or all."),
@@ -11,12 +14,11 @@ def bench(
 ) -> None:
     """Time attnlab's implementations side by side on this machine and print GFLOP/s, the
     fraction of the same-dtype matrix-multiply rate measured in the same run, and ratios to the
-    fastest. FLOPs follow DESIGN.md (forward 4·B·H·Tq·Tk·D, halved for causal)."""
+    fastest. FLOPs follow docs/design.md (forward 4·B·H·Tq·Tk·D, halved for causal)."""
     from attnlab import bench as _bench
 
-    if suite not in _bench.SUITES + ("all",):
-        raise typer.BadParameter(f"must be one of {_bench.SUITES + ('all',)}, got {suite!r}",
-                                 param_hint="--suite")
+    with option_errors():
+        one_of("--suite", suite, _bench.SUITES + ("all",))
     _bench.run_suite(suite, quick=quick)
 
 

@@ -10,52 +10,47 @@ option) is reported on ONE line starting with ``error:``, with exit status 2 and
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import typer
-from typer.core import TyperCommand
 
-try:  # typer >= 0.16 vendors click
-    from typer._click.exceptions import UsageError
-except ImportError:  # pragma: no cover - older typer with click installed
-    from click.exceptions import UsageError
+from attnlab._checks import positive_int, probability
+from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors
+from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
 
-DEFAULT_SENTENCE = "The chef prepared a delicious meal, and it was served with wine."
 FORMATS = ("png", "svg", "html", "all")
 MODELS = ("tutorial",)
 TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
+# explain is for reading every number: sizes past these print nothing more useful, and the
+# 50 000-row embedding table alone grows by 200 KB per unit of --d-model.
+MAX_SIZE = 1024
+MAX_HEADS = 16
+_DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the home of the defaults
 
 
-class _OneLineErrors(TyperCommand):
-    """Report malformed options (``--heads x``) as one ``error:`` line instead of a usage box."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except UsageError as err:
-            _fail(err.format_message())
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
-    raise typer.Exit(code=2)
+def _default(name: str):
+    """The default of ``trace``'s argument ``name``, so the option and the library agree."""
+    return _DEFAULTS[name].default
 
 
 def explain(
     sentence: str = typer.Argument(DEFAULT_SENTENCE, help="The sentence to walk through."),
     sentence_option: str = typer.Option(None, "--sentence",
                                         help="The sentence, as an option (same as SENTENCE)."),
-    mode: str = typer.Option("self", "--mode", help="self, causal, multihead or cross."),
+    mode: str = typer.Option(_default("mode"), "--mode", help=f"{', '.join(MODES[:-1])} or {MODES[-1]}."),
     context: str = typer.Option(None, "--context",
                                 help="cross mode: the sentence keys and values come from "
                                      "(default: the second half of SENTENCE; queries use the first half)."),
-    heads: int = typer.Option(None, "--heads", help="Number of heads (multihead; default 4)."),
-    d_model: int = typer.Option(3, "--d-model", help="Embedding size."),
-    d_kq: int = typer.Option(2, "--d-kq", help="Query/key size per head."),
-    d_v: int = typer.Option(4, "--d-v", help="Value size per head."),
-    seed: int = typer.Option(123, "--seed", help="Random seed for the embeddings and the weights."),
+    heads: int = typer.Option(None, "--heads", help=f"Number of heads (multihead; default 4; at most {MAX_HEADS})."),
+    d_model: int = typer.Option(_default("d_model"), "--d-model", help=f"Embedding size (at most {MAX_SIZE})."),
+    d_kq: int = typer.Option(_default("d_kq"), "--d-kq", help=f"Query/key size per head (at most {MAX_SIZE})."),
+    d_v: int = typer.Option(_default("d_v"), "--d-v", help=f"Value size per head (at most {MAX_SIZE})."),
+    seed: int = typer.Option(_default("seed"), "--seed",
+                             help=f"Random seed for the embeddings and the weights, 0 to {MAX_SEED}."),
     causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
-    dropout: float = typer.Option(0.0, "--dropout", help="Dropout probability on the attention weights."),
+    dropout: float = typer.Option(_default("dropout"), "--dropout",
+                                  help="Dropout probability on the attention weights, in [0, 1)."),
     model: str = typer.Option("tutorial", "--model", help="Weights to use; only 'tutorial' (seeded random) for now."),
     query: str = typer.Option(None, "--query", help="Word to focus on (default: 'it' if present, else the last word)."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
@@ -65,38 +60,49 @@ def explain(
     """Walk SENTENCE through attention, printing every step, and write heatmaps and an HTML report."""
     if sentence_option is not None:
         if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
-            _fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
+            fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
         sentence = sentence_option
     if model not in MODELS:
-        _fail(f"--model {model!r} is not available; only 'tutorial' (seeded random weights) exists for now")
+        fail(f"--model {model!r} is not available; only 'tutorial' (seeded random weights) exists for now")
     if fmt not in FORMATS:
-        _fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    from attnlab.explain import trace
-
-    try:
+        fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    _check_numbers(heads, d_model, d_kq, d_v, dropout)
+    check_seed(seed)
+    with option_errors():  # trace refuses only bad options: an empty sentence, a bad mode, ...
         result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
                        d_v=d_v, seed=seed, causal=causal, dropout_p=dropout)
         focus = result.query_index(query)
-    except ValueError as err:
-        _fail(str(err))
     from rich.console import Console
 
     try:
         out.mkdir(parents=True, exist_ok=True)  # fail before the walk-through, not after it
     except OSError as err:
-        _fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     _narrate(console, result, focus)
     try:
         written = _write_files(result, focus, out, fmt)
     except OSError as err:
-        _fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     console.print()
     console.print("[bold]Files written:[/bold]")
     for path in written:
         console.print(f"  {path}", soft_wrap=True, markup=False)
     if any(p.suffix == ".html" for p in written):
         console.print(f"Open {out / 'report.html'} in a browser: it works offline.", soft_wrap=True, markup=False)
+
+
+def _check_numbers(heads: int | None, d_model: int, d_kq: int, d_v: int, dropout: float) -> None:
+    """Refuse numbers by option name, and bound the sizes so a typo cannot exhaust the memory."""
+    sizes = [("--d-model", d_model), ("--d-kq", d_kq), ("--d-v", d_v)]
+    with option_errors():
+        for option, value in sizes + ([("--heads", heads)] if heads is not None else []):
+            positive_int(option, value)
+        probability("--dropout", dropout)
+    for option, value in sizes:
+        at_most(option, value, MAX_SIZE, "explain prints every number")
+    if heads is not None:
+        at_most("--heads", heads, MAX_HEADS, "explain prints every head")
 
 
 _KIND = {"self": "self-attention", "causal": "causal self-attention", "multihead": "multi-head attention",
@@ -217,4 +223,4 @@ def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
 
 def register(app: typer.Typer) -> None:
     """Add the ``explain`` command to ``app``."""
-    app.command("explain", cls=_OneLineErrors)(explain)
+    app.command("explain")(explain)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import typer
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+from attnlab._checks import one_of, positive_int
+from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
 
 
 def verify(
     quick: bool = typer.Option(False, "--quick", help="A short sweep (well under a minute)."),
     backend: list[str] = typer.Option(None, "--backend", help="Check only this backend (repeatable)."),
-    configs: int = typer.Option(0, "--configs", help="Configurations per dtype (default 200, quick 16)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the configuration draw."),
+    configs: int = typer.Option(None, "--configs", show_default=False,
+                                help="Configurations per dtype, at least 1 (default 200, quick 16)."),
+    seed: int = typer.Option(0, "--seed", help=f"Seed of the configuration draw, 0 to {MAX_SEED}."),
 ) -> None:
     """Sweep seeded configurations (odd sizes, GQA, masks, causal alignments, fully masked rows)
     through every backend, forward and backward, in fp32 and bf16, and compare with the fp64
@@ -21,15 +23,14 @@ def verify(
     from rich.console import Console
     from rich.progress import Progress
 
-    from attnlab import backends, verify as _verify
+    from attnlab import verify as _verify
 
+    names = _check_backends(backend)
+    n = (16 if quick else 200) if configs is None else configs
+    with option_errors():
+        positive_int("--configs", n)
+    check_seed(seed)
     console = Console(width=max(120, Console().width))  # the table needs ~110 columns
-    names = backend or backends.available()
-    unknown = [n for n in names if n not in backends.available()]
-    if unknown:
-        raise typer.BadParameter(f"not available here: {unknown}; available: {backends.available()}",
-                                 param_hint="--backend")
-    n = configs or (16 if quick else 200)
     flex_n = min(n, 8) if quick else n
     dtypes = [torch.float32, torch.bfloat16]
     total = sum((flex_n if name == "flex" else n) for name in names) * len(dtypes)
@@ -45,6 +46,21 @@ def verify(
                           f"{['%.2e' % a for a in result.allowed]}")
         raise typer.Exit(code=1)
     console.print("[green]all backends conform[/green]")
+
+
+def _check_backends(requested: list[str] | None) -> list[str]:
+    """The backends to check: every available one, or the requested ones if each can run here."""
+    from attnlab import backends
+
+    if not requested:
+        return backends.available()
+    for name in requested:
+        with option_errors():
+            one_of("--backend", name, backends.names())
+        reason = backends.get(name).unavailable_reason()
+        if reason is not None:
+            fail(f"--backend {name!r} cannot run here: {reason}")
+    return list(requested)
 
 
 def _print_summary(console, results, names, dtypes) -> bool:

@@ -1,0 +1,172 @@
+"""Every ``attnlab`` command refuses a bad command line with ONE ``error:`` line and exit 2.
+
+No traceback, no usage block, no boxed panel: the line names the option that was wrong. The
+cases run in-process through typer's CliRunner; one runs the real entry point in a subprocess to
+show the same holds outside the runner.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+
+runner = CliRunner()
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def assert_one_error_line(result, *words: str, code: int = 2) -> str:
+    """The run exited ``code`` after printing exactly one ``error:`` line that contains ``words``."""
+    output = result.output
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
+        f"escaped exception {result.exception!r}\n{output}"
+    assert result.exit_code == code, output
+    assert "Traceback" not in output and "\u256d" not in output and "Usage:" not in output, output
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    for word in words:
+        assert word in lines[0], output
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--heads", "0"], "--heads"),
+    (["--heads", "-1"], "--heads"),
+    (["--d", "0"], "--d "),
+    (["--tq", "-5"], "--tq"),
+    (["--tk", "-5"], "--tk"),
+    (["--batch", "0"], "--batch"),
+    (["--kv-heads", "-1"], "--kv-heads"),
+    (["--heads", "8", "--kv-heads", "3"], "--kv-heads"),
+    (["--device", "foo"], "--device"),
+    (["--dtype", "foo"], "--dtype"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--dropout", "-0.1"], "--dropout"),
+    (["--dropout", "nan"], "--dropout"),
+    (["--align", "sideways"], "--align"),
+    (["--heads", "x"], "--heads"),
+    (["--bogus"], "--bogus"),
+])
+def test_backends_refuses_bad_options(args, option):
+    assert_one_error_line(runner.invoke(app, ["backends", *args]), option)
+
+
+def test_backends_refuses_cuda_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_one_error_line(runner.invoke(app, ["backends", "--device", "cuda"]), "--device",
+                          "CUDA is not available here")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--backend", "foo"], "--backend"),
+    (["--configs", "-1"], "--configs"),
+    (["--quick", "--configs", "0"], "--configs"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**70)], "--seed"),
+    (["--configs", "x"], "--configs"),
+    (["--bogus"], "--bogus"),
+])
+def test_verify_refuses_bad_options(args, option):
+    assert_one_error_line(runner.invoke(app, ["verify", *args]), option)
+
+
+def test_verify_names_a_registered_backend_that_cannot_run_here(monkeypatch):
+    from attnlab import backends
+
+    monkeypatch.setattr(backends.get("flex"), "unavailable_reason", lambda: "no compiler here")
+    assert_one_error_line(runner.invoke(app, ["verify", "--backend", "flex"]), "--backend", "no compiler here")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--suite", "foo"], "--suite"),
+    (["--bogus"], "--bogus"),
+])
+def test_bench_refuses_bad_options(args, option):
+    assert_one_error_line(runner.invoke(app, ["bench", *args]), option)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["frobnicate"], "frobnicate"),
+    (["--bogus"], "--bogus"),
+])
+def test_unknown_command_or_root_option_is_one_line(args, word):
+    assert_one_error_line(runner.invoke(app, args), word)
+
+
+@pytest.mark.parametrize("args, option, cap", [
+    (["--d-model", "10000000"], "--d-model", "at most"),
+    (["--d-kq", "10000000"], "--d-kq", "at most"),
+    (["--d-v", "10000000"], "--d-v", "at most"),
+    (["--mode", "multihead", "--heads", "100000"], "--heads", "at most"),
+    (["--d-model", "0"], "--d-model", "positive"),
+    (["--heads", "0"], "--heads", "positive"),
+    (["--seed", str(2**70)], "--seed", "at most"),
+    (["--seed", "-1"], "--seed", "non-negative"),
+    (["--dropout", "1.5"], "--dropout", "[0, 1)"),
+    (["--bogus"], "--bogus", "--bogus"),
+])
+def test_explain_bounds_its_sizes(args, option, cap, tmp_path):
+    assert_one_error_line(runner.invoke(app, ["explain", *args, "--out", str(tmp_path)]), option, cap)
+
+
+@pytest.mark.parametrize("error", [
+    MemoryError(),
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"),
+])
+def test_out_of_memory_becomes_one_line(error, monkeypatch, tmp_path):
+    from attnlab.cli import explain_cmd
+
+    def trace(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(explain_cmd, "trace", trace)
+    assert_one_error_line(runner.invoke(app, ["explain", "--out", str(tmp_path)]), "out of memory",
+                          "smaller sizes")
+
+
+def test_other_runtime_errors_are_not_hidden(monkeypatch):
+    """A bug is not a bad option: it must stay visible as an exception."""
+    from attnlab import bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(bench, "run_suite", broken)
+    result = runner.invoke(app, ["bench", "--suite", "backends"])
+    assert isinstance(result.exception, RuntimeError) and "a bug" in str(result.exception)
+
+
+def test_ctrl_c_exits_130_with_one_line(monkeypatch):
+    from attnlab import bench
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_suite", interrupted)
+    assert_one_error_line(runner.invoke(app, ["bench", "--suite", "backends"]), "interrupted", code=130)
+
+
+def test_help_still_explains_itself():
+    for args in ([], ["--help"], ["backends", "--help"], ["verify", "--help"], ["bench", "--help"],
+                 ["explain", "--help"]):
+        result = runner.invoke(app, args)
+        assert "Usage:" in result.output and "error:" not in result.output, (args, result.output)
+        assert result.exit_code == (2 if not args else 0), (args, result.output)
+
+
+def test_real_entry_point_prints_one_line():
+    """Outside CliRunner too: the console script's stderr is the one line, stdout is empty."""
+    done = subprocess.run([sys.executable, "-m", "attnlab", "frobnicate"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: "), \
+        done.stderr
+    assert "frobnicate" in done.stderr
