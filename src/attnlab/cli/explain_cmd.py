@@ -49,7 +49,7 @@ def explain(
     seed: int = typer.Option(_default("seed"), "--seed",
                              help=f"Random seed for the embeddings and the weights, 0 to {MAX_SEED}."),
     causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
-    dropout: float = typer.Option(_default("dropout"), "--dropout",
+    dropout: float = typer.Option(_default("dropout_p"), "--dropout",
                                   help="Dropout probability on the attention weights, in [0, 1)."),
     model: str = typer.Option("tutorial", "--model", help="Weights to use; only 'tutorial' (seeded random) for now."),
     query: str = typer.Option(None, "--query", help="Word to focus on (default: 'it' if present, else the last word)."),
