@@ -1,8 +1,9 @@
-"""Every available backend against the fp64 reference (DESIGN.md's rule), via attnlab.verify.
+"""Every available backend against the fp64 reference (the conformance rule), via attnlab.verify.
 
 The sweep logic (configurations, tolerance) lives in :mod:`attnlab.verify` and is the same one
 ``attnlab verify`` runs. Each backend must *serve* at least 200 configurations per dtype;
-flex serves forward only on CPU and is swept at one fixed shape (it compiles per shape).
+flex serves forward only on CPU, is swept over a few fixed shapes (it compiles per shape) and
+on CPU declines the ones with a partial 128-key block.
 """
 
 import pytest
@@ -29,7 +30,11 @@ def test_backend_matches_fp64_reference(name, dtype):
     assert not failures, "\n".join(
         f"{r.config}: errors {r.errors} allowed {r.allowed}" for r in failures[:10]
     )
-    assert len(served) >= 200, f"{name} served only {len(served)} of {len(results)} configurations"
+    flex_on_cpu = name == "flex" and not torch.cuda.is_available()
+    wanted = 80 if flex_on_cpu else 200  # 2 of the 5 flex shapes are whole key blocks
+    assert len(served) >= wanted, f"{name} served only {len(served)} of {len(results)} configurations"
+    if flex_on_cpu:
+        assert all("128-key block" in r.note for r in results if not r.served)
     if name != "flex" or torch.cuda.is_available():
         assert sum(r.grad for r in served) >= 200, "backward must be checked on >= 200 configs"
 
@@ -55,8 +60,10 @@ def test_sweep_catches_a_wrong_backend():
 
 def test_configs_cover_the_design_space():
     cfgs = verify.configs(N_CONFIGS, seed=1)
-    assert {c.tq for c in cfgs} | {c.tk for c in cfgs} >= {1, 2, 3, 17, 113, 1023}
-    assert {c.head_dim for c in cfgs} == {1, 3, 40, 64, 111}
+    lengths = {c.tq for c in cfgs} | {c.tk for c in cfgs}
+    assert lengths >= {1, 2, 3, 8, 16, 17, 24, 113, 128, 1023}
+    assert len(lengths & set(range(1, verify.SMALL_MAX + 1))) >= 30
+    assert {c.head_dim for c in cfgs} == {1, 3, 8, 16, 40, 64, 111}
     assert {c.q_heads for c in cfgs} == {1, 3, 5}
     assert any(c.q_heads != c.kv_heads for c in cfgs)
     assert any(c.value_dim != c.head_dim for c in cfgs)
@@ -65,6 +72,70 @@ def test_configs_cover_the_design_space():
     assert {(c.causal, c.align) for c in cfgs} >= {(True, "top_left"), (True, "bottom_right")}
     assert any(c.dead_rows for c in cfgs)
     assert sum(max(c.tq, c.tk) == 1023 for c in cfgs) <= 0.1 * len(cfgs)
+    pairs = {(c.mask, c.causal, c.align) for c in cfgs}
+    assert pairs == {(m, *c) for m in verify._MASKS for c in verify._CAUSAL}
+
+
+def test_quick_configs_cover_small_shapes_and_every_mask_kind():
+    """What ``attnlab verify --quick`` draws (16 configurations, small)."""
+    cfgs = verify.configs(16, small=True)
+    assert {c.mask for c in cfgs} == set(verify._MASKS)
+    assert {(c.causal, c.align) for c in cfgs} == set(verify._CAUSAL)
+    assert sum(max(c.tq, c.tk) <= verify.SMALL_MAX for c in cfgs) >= 8
+    assert any(c.tq != c.tk for c in cfgs) and any(c.q_heads != c.kv_heads for c in cfgs)
+    assert any(c.tk % 8 == 0 and c.tk % 128 != 0 for c in cfgs)  # a partial vector tail
+    flex = verify.configs(8, shapes=verify.FLEX_SHAPES, small=True)
+    assert {(c.tq, c.tk) for c in flex} >= {(8, 8), (24, 17), (33, 128), (128, 128)}
+
+
+def test_counts_must_be_positive():
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="n must be a positive int"):
+            verify.configs(n)
+        with pytest.raises(ValueError, match="n must be a positive int"):
+            verify.sweep(["reference"], [torch.float32], n=n)
+    with pytest.raises(ValueError, match="flex_n must be a positive int"):
+        verify.sweep(["reference"], [torch.float32], n=1, flex_n=-1)
+
+
+class _WrongOnPartialTails(backends.Backend):
+    """Wrong like flex on CPU: only where the key length is a multiple of 8 but not of 128."""
+
+    name = "tails-test"
+    memory = "quadratic"
+
+    def forward(self, call):
+        out = backends.get("reference").forward(call).out
+        if call.tk % 8 == 0 and call.tk % 128 != 0:
+            out = out * (1 + 1e-3)
+        return backends.AttentionResult(out=out)
+
+
+def test_quick_sweep_catches_a_backend_wrong_on_short_key_tails():
+    backends.register(_WrongOnPartialTails())
+    try:
+        results = verify.sweep(["tails-test"], [torch.float32], n=16, small=True)  # --quick
+    finally:
+        backends.unregister("tails-test")
+    assert any(not r.passed for r in results)
+
+
+@pytest.mark.skipif("flex" not in backends.available(), reason="no FlexAttention")
+def test_sweep_catches_flex_when_its_decline_is_switched_off(monkeypatch):
+    """Without the decline flex is served at Tk = 8 and the sweep must see it wrong."""
+    monkeypatch.setattr("attnlab.backends.flex._shape_limits", lambda call: [])
+    monkeypatch.setattr(verify, "FLEX_SHAPES", ((1, 2, 2, 8, 8, 16, 16),))
+    results = verify.sweep(["flex"], [torch.float32], n=12, seed=3)
+    assert all(r.served for r in results)
+    assert any(not r.passed for r in results)
+
+
+@pytest.mark.skipif("flex" not in backends.available(), reason="no FlexAttention")
+def test_quick_sweep_does_not_compile_flex(monkeypatch):
+    monkeypatch.setattr(verify, "FLEX_SHAPES", ((1, 1, 1, 5, 128, 8, 8),))  # compiled nowhere
+    results = verify.sweep(["flex"], [torch.float32], n=4, small=True)
+    assert not any(r.served for r in results)
+    assert all("not compiled" in r.note for r in results)
 
 
 # ----------------------------------------------------------------------------- every backend
@@ -94,18 +165,21 @@ def test_dropout_same_seed_same_output_and_kept_fraction(name):
     assert not torch.equal(outs[0], other)
 
 
-def _dead_row_inputs(requires_grad: bool):
+TK = 128  # one whole key block: flex on CPU declines partial ones
+
+
+def _dead_row_inputs(requires_grad: bool, tq: int = 6):
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, 6, 8, generator=gen, requires_grad=requires_grad)
-    k = torch.randn(2, 3, 9, 8, generator=gen, requires_grad=requires_grad)
-    v = torch.randn(2, 3, 9, 5, generator=gen, requires_grad=requires_grad)
+    q = torch.randn(2, 3, tq, 8, generator=gen, requires_grad=requires_grad)
+    k = torch.randn(2, 3, TK, 8, generator=gen, requires_grad=requires_grad)
+    v = torch.randn(2, 3, TK, 5, generator=gen, requires_grad=requires_grad)
     return q, k, v
 
 
 _DEAD_MASKS = {
-    "bool": lambda: torch.tensor([True] * 9).expand(6, 9).clone().index_fill_(0, torch.tensor([1, 4]), False),
-    "float": lambda: torch.zeros(6, 9).index_fill_(0, torch.tensor([0, 5]), float("-inf")),
-    "padding": lambda: attnlab.masks.padding_mask(torch.tensor([0, 4]), 9),
+    "bool": lambda: torch.ones(6, TK, dtype=torch.bool).index_fill_(0, torch.tensor([1, 4]), False),
+    "float": lambda: torch.zeros(6, TK).index_fill_(0, torch.tensor([0, 5]), float("-inf")),
+    "padding": lambda: attnlab.masks.padding_mask(torch.tensor([0, 4]), TK),
     "mod": lambda: (lambda b, h, i, j: (i != 2) & (j >= 0)),
 }
 
@@ -132,8 +206,7 @@ def test_fully_masked_rows_are_zero_with_zero_grad(name, kind):
 
 
 def test_causal_bottom_right_dead_rows_every_backend():
-    q, k, v = _dead_row_inputs(False)
-    q = torch.cat([q, q], dim=2)  # Tq = 12 > Tk = 9: the first 3 rows see nothing
+    q, k, v = _dead_row_inputs(False, tq=TK + 3)  # Tq > Tk: the first 3 rows see nothing
     with torch.no_grad():
         for name in backends.available():
             out = attnlab.attention(q, k, v, causal=True, align="bottom_right", backend=name)
@@ -146,11 +219,11 @@ def test_return_weights_keeps_the_fast_path(name, mask_kind):
     if name not in backends.available():
         pytest.skip(f"{name} not available")
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 4, 17, 16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, TK, 16, generator=gen) for _ in range(3))
     options = {
         "causal": dict(causal=True),
-        "padding": dict(mask=attnlab.masks.padding_mask(torch.tensor([17, 5]), 17)),
-        "float": dict(mask=torch.randn(17, 17, generator=gen)),
+        "padding": dict(mask=attnlab.masks.padding_mask(torch.tensor([TK, 5]), TK)),
+        "float": dict(mask=torch.randn(TK, TK, generator=gen)),
     }[mask_kind]
     with torch.no_grad():
         plain = attnlab.attention(q, k, v, backend=name, **options)

@@ -1,5 +1,8 @@
 """The flex backend: what it declines on CPU, its block-mask cache, and CUDA paths (skipped here)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -8,7 +11,8 @@ from attnlab import backends
 from attnlab.backends import build_call
 
 pytestmark = pytest.mark.skipif("flex" not in backends.available(), reason="no FlexAttention")
-SHAPE = (2, 3, 17, 40)  # one shape for every CPU test here: flex compiles per shape
+SHAPE = (1, 2, 128, 16)  # one shape for every CPU test here: flex compiles per shape
+T = SHAPE[2]  # a whole 128-key block: on CPU flex declines partial key blocks
 
 
 def _qkv(requires_grad=False, device="cpu"):
@@ -31,7 +35,7 @@ def test_cpu_declines_backward_and_dropout():
 def test_block_mask_is_cached_per_mask_identity():
     cache = backends.get("flex")._block_masks
     q, k, v = _qkv()
-    mask = torch.rand(17, 17, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask = torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.3
     with torch.no_grad():
         first = attnlab.attention(q, k, v, mask=mask, backend="flex")
         cached = cache.get(build_call(q, k, v, mask=mask))
@@ -48,7 +52,7 @@ def test_block_mask_is_cached_per_mask_identity():
 
 def test_mask_mod_and_causal_forward_on_cpu():
     q, k, v = _qkv()
-    mod = attnlab.masks.sliding_window_mod(17, 17, 4)
+    mod = attnlab.masks.sliding_window_mod(T, T, 4)
     with torch.no_grad():
         out = attnlab.attention(q, k, v, mask=mod, causal=True, backend="flex")
         want = attnlab.attention(q.double(), k.double(), v.double(), mask=mod, causal=True,
@@ -84,9 +88,122 @@ def test_declines_a_new_shape_past_its_compile_bound(monkeypatch):
         attnlab.attention(q, k, v, backend="flex")  # compiled: this variant stays served
         monkeypatch.setattr("attnlab.backends.flex._MAX_VARIANTS", len(flex._variants))
         assert backends.reasons(build_call(q, k, v))["flex"] == []
-        other = torch.randn(1, 1, 5, 40)
+        other = torch.randn(1, 1, 128, 8)
         reasons = backends.reasons(build_call(other, other, other))["flex"]
         assert any("unfused with O(T^2) memory" in r for r in reasons)
         with pytest.raises(ValueError, match="shapes are compiled"):
             attnlab.attention(other, other, other, backend="flex")
         assert attnlab.backends.select(build_call(other, other, other)).name != "flex"
+
+
+# ----------------------------------------------------------------------- exact or declined
+def _reference(q, k, v, **options):
+    mask = options.get("mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        options = dict(options, mask=mask.double())
+    return attnlab.attention(q.double(), k.double(), v.double(), backend="reference", **options)
+
+
+@pytest.mark.parametrize("tq, tk", [(8, 8), (24, 24), (17, 8), (16, 8), (136, 136), (8, 1)])
+def test_partial_key_blocks_are_declined_on_cpu(tq, tk):
+    """torch's compiled CPU kernel is wrong (up to 2.2 abs, or NaN) at Tk = 8, 24, 136, ..."""
+    q, k = torch.randn(1, 2, tq, 16), torch.randn(1, 2, tk, 16)
+    with torch.no_grad():
+        call = build_call(q, k, k, causal=True)
+        assert any("multiple of its 128-key block" in r for r in backends.reasons(call)["flex"])
+        assert backends.select(call).name != "flex"
+        with pytest.raises(ValueError, match="128-key block"):
+            attnlab.attention(q, k, k, causal=True, backend="flex")
+        torch.testing.assert_close(attnlab.attention(q, k, k, causal=True).double(),
+                                   _reference(q, k, k, causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_whole_key_blocks_are_served_and_exact():
+    q, k, v = _qkv()
+    gen = torch.Generator().manual_seed(4)
+    masks = [torch.rand(T, T, generator=gen) > 0.5, torch.randn(T, T, generator=gen),
+             attnlab.masks.padding_mod(torch.tensor([70]))]
+    with torch.no_grad():
+        for mask in masks:
+            for align in ("top_left", "bottom_right"):
+                options = dict(mask=mask, causal=True, align=align)
+                out = attnlab.attention(q, k, v, backend="flex", **options)
+                torch.testing.assert_close(out.double(), _reference(q, k, v, **options),
+                                           atol=1e-5, rtol=1e-5)
+
+
+_EMPTY_SCRIPT = """
+import torch, attnlab
+from attnlab import backends
+from attnlab.backends import build_call
+q, k = torch.randn(1, 1, {tq}, 16), torch.randn(1, 1, {tk}, 16)
+reasons = backends.reasons(build_call(q, k, k))["flex"]
+assert any("empty sequence" in r for r in reasons), reasons
+try:
+    attnlab.attention(q, k, k, backend="flex")
+except ValueError as error:
+    assert "empty sequence" in str(error)
+else:
+    raise AssertionError("flex served an empty sequence")
+print("declined")
+"""
+
+
+@pytest.mark.parametrize("tq, tk", [(0, 128), (128, 0), (0, 0)])
+def test_empty_sequences_are_declined(tq, tk):
+    """In a subprocess: the compiled CPU kernel dies of SIGFPE on Tq = 0 or Tk = 0."""
+    done = subprocess.run([sys.executable, "-c", _EMPTY_SCRIPT.format(tq=tq, tk=tk)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "declined" in done.stdout, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------ block-mask cache
+def test_cache_sees_a_padding_mod_edited_in_place():
+    q, k, v = _qkv()
+    mod = attnlab.masks.padding_mod(torch.tensor([100]))
+    with torch.no_grad():
+        attnlab.attention(q, k, v, mask=mod, backend="flex")
+        mod.lengths[0] = 5  # same object, same id: only its contents changed
+        out = attnlab.attention(q, k, v, mask=mod, backend="flex")
+    torch.testing.assert_close(out.double(), _reference(q, k, v, mask=mod), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_sees_a_changed_closure_variable():
+    q, k, v = _qkv()
+    width = [64]
+    mod = lambda b, h, i, j: (i - j).abs() < width[0]  # noqa: E731
+    with torch.no_grad():
+        attnlab.attention(q, k, v, mask=mod, backend="flex")
+        width[0] = 3
+        out = attnlab.attention(q, k, v, mask=mod, backend="flex")
+    torch.testing.assert_close(out.double(), _reference(q, k, v, mask=mod), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_sees_a_tensor_written_through_data():
+    """``.data`` and numpy writes keep ``_version``: the cache must compare contents."""
+    q, k, v = _qkv()
+    mask = torch.ones(T, T, dtype=torch.bool)
+    with torch.no_grad():
+        attnlab.attention(q, k, v, mask=mask, backend="flex")
+        version = mask._version
+        mask.data[:, 1:] = False
+        assert mask._version == version
+        out = attnlab.attention(q, k, v, mask=mask, backend="flex")
+    torch.testing.assert_close(out.double(), _reference(q, k, v, mask=mask), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- learnable float masks
+def test_float_mask_that_requires_grad_is_declined_and_auto_differentiates():
+    q, k, v = _qkv()
+    bias = torch.randn(T, T, requires_grad=True)
+    call = build_call(q, k, v, mask=bias)
+    assert any("requires grad" in r for r in backends.reasons(call)["flex"])
+    with pytest.raises(ValueError, match="requires grad"):
+        attnlab.attention(q, k, v, mask=bias, backend="flex")
+    out = attnlab.attention(q, k, v, mask=bias)  # auto: another backend
+    (grad,) = torch.autograd.grad(out.sum(), bias)
+    ref_bias = bias.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(_reference(q, k, v, mask=ref_bias).sum(), ref_bias)
+    torch.testing.assert_close(grad.double(), want, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # no gradient wanted: flex serves it
+        assert backends.reasons(build_call(q, k, v, mask=bias))["flex"] == []

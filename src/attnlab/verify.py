@@ -2,13 +2,18 @@
 
 One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
 
-* :func:`configs` draws seeded random configurations: odd sizes (T in {1, 2, 3, 17, 113, 1023},
-  the big ones rare), D in {1, 3, 40, 64, 111}, Dv != D, Tq != Tk, H in {1, 3, 5}, grouped-query,
-  bool/float masks, padding masks, mask mods, sliding windows, causal in both alignments, and
-  rows with nothing to attend; dropout off (dropout is tested separately: its random mask
-  differs by backend).
+* :func:`configs` draws seeded random configurations: every small length (T in 1..40) and a
+  few others (8, 16, 24, 113, 128, 1023, the big ones rare), Tq != Tk,
+  D in {1, 3, 8, 16, 40, 64, 111}, Dv != D, H in {1, 3, 5}, grouped-query, every mask kind -- none, bool, padding, float, mask
+  mods (window, lambda, padding, combined) -- each without causal and with causal in both
+  alignments, and rows with nothing to attend. Mask kind and causal mode are cycled, not
+  drawn: the first 8 configurations hold every mask kind and every causal mode, the first 24
+  every pairing of the two. Dropout off (dropout is tested separately: its random mask differs
+  by backend).
+* flex compiles one kernel per shape, so it is swept over the fixed shapes of
+  :data:`FLEX_SHAPES` (small and block-sized, Tq != Tk, grouped-query), masks varying.
 * :func:`check` runs one backend on one configuration in one dtype and compares it with the
-  reference run in fp64 -- the DESIGN.md rule: the backend's max error is at most 2x the
+  reference run in fp64 -- the conformance rule: the backend's max error is at most 2x the
   error of the reference computed in the same dtype, plus a floor; gradients at most 3x.
 * :func:`sweep` runs many checks and reports progress.
 
@@ -19,6 +24,8 @@ bf16 ``2**-7`` (two bf16 units in the last place at magnitude 1: a fused kernel 
 inputs and its output once each, which the reference's own error does not bound on tiny
 configurations where the reference happens to be exact). Backends that decline a call skip
 it; a backend that cannot differentiate on this device (flex on CPU) is checked forward only.
+A quick sweep (``small=True``) checks flex only on kernel variants this process has compiled
+already: a first compilation takes longer than the whole quick sweep may.
 
 Example:
     >>> import torch
@@ -40,15 +47,29 @@ from torch import Tensor
 from attnlab import backends as _backends
 from attnlab import masks as _masks
 from attnlab._call import build_call
+from attnlab._checks import positive_int
 from attnlab.functional import attention
 
-__all__ = ["Config", "CheckResult", "configs", "check", "sweep", "floor_for", "FLEX_SHAPE"]
+__all__ = ["Config", "CheckResult", "configs", "check", "sweep", "floor_for", "FLEX_SHAPES",
+           "SMALL_MAX"]
 
-_SEQ_LENGTHS = (1, 2, 3, 17, 113, 1023)
-_SEQ_WEIGHTS = (0.15, 0.15, 0.15, 0.3, 0.22, 0.03)  # 1023 is rare: keep the sweep fast
-_HEAD_DIMS = (1, 3, 40, 64, 111)
-_MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_padding")
-FLEX_SHAPE = (2, 3, 1, 17, 23, 40, 40)  # B, Hq, Hkv, Tq, Tk, D, Dv: flex compiles per shape
+SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
+# Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
+_SEQ_LENGTHS = ("small", 1, 2, 8, 16, 24, 113, 128, 1023)
+_SEQ_WEIGHTS = (0.45, 0.07, 0.07, 0.07, 0.05, 0.07, 0.1, 0.09, 0.03)  # 1023 rare: keep it fast
+_HEAD_DIMS = (1, 3, 8, 16, 40, 64, 111)
+_MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_padding",
+          "mod_combined")
+_CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
+# B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
+# lengths with odd and even tails, Tq != Tk both ways, grouped-query, and whole 128-key blocks.
+FLEX_SHAPES = (
+    (2, 3, 1, 17, 23, 40, 40),
+    (1, 2, 2, 8, 8, 16, 16),
+    (1, 4, 2, 24, 17, 8, 8),
+    (1, 2, 1, 33, 128, 40, 24),
+    (1, 2, 2, 128, 128, 16, 16),
+)
 _FLOORS = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9,
            torch.float64: 1e-12}
 
@@ -86,13 +107,18 @@ class Config:
                 f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}")
 
 
-def _draw_config(rng: torch.Generator, seed: int, shape: tuple | None) -> Config:
+def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None) -> Config:
+    """Configuration number ``index``: mask kind and causal mode cycle, the rest is drawn."""
     def pick(options, weights=None):
         w = torch.tensor(weights if weights else [1.0] * len(options))
         return options[int(torch.multinomial(w, 1, generator=rng))]
 
+    def length():
+        t = pick(_SEQ_LENGTHS, _SEQ_WEIGHTS)
+        return int(torch.randint(1, SMALL_MAX + 1, (), generator=rng)) if t == "small" else t
+
     if shape is None:
-        tq, tk = pick(_SEQ_LENGTHS, _SEQ_WEIGHTS), pick(_SEQ_LENGTHS, _SEQ_WEIGHTS)
+        tq, tk = length(), length()
         kv_heads, groups = pick((1, 3, 5)), pick((1, 1, 3))
         q_heads = kv_heads * groups if kv_heads * groups <= 5 else kv_heads  # H in {1,3,5}
         big = max(tq, tk) >= 113
@@ -101,34 +127,44 @@ def _draw_config(rng: torch.Generator, seed: int, shape: tuple | None) -> Config
         value_dim = head_dim if bool(torch.rand((), generator=rng) < 0.6) else pick(_HEAD_DIMS)
     else:
         batch, q_heads, kv_heads, tq, tk, head_dim, value_dim = shape
-    mask = pick(_MASKS)
-    causal = bool(torch.rand((), generator=rng) < 0.4)
-    align = pick(("top_left", "bottom_right"))
+    turn, kind = divmod(index, len(_MASKS))
+    mask = _MASKS[kind]
+    causal, align = _CAUSAL[(kind + turn) % len(_CAUSAL)]  # each turn shifts the pairing
     dead_rows = mask in ("bool", "float", "padding") and bool(torch.rand((), generator=rng) < 0.3)
     scale = None if bool(torch.rand((), generator=rng) < 0.7) else float(torch.rand((), generator=rng)) + 0.05
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
                   align, dead_rows, scale)
 
 
-def configs(n: int, *, seed: int = 0, shape: tuple | None = None, small: bool = False) -> list[Config]:
+def configs(
+    n: int, *, seed: int = 0, shape: tuple | None = None, shapes: tuple | None = None,
+    small: bool = False,
+) -> list[Config]:
     """``n`` seeded random configurations.
 
     Args:
-        n: how many.
+        n: how many (at least 1).
         seed: seed of the draw (the same seed gives the same list).
         shape: fix ``(B, Hq, Hkv, Tq, Tk, D, Dv)`` and vary only masks and options (for
             backends that compile per shape, such as flex).
-        small: redraw configurations whose sequences exceed 113 (quick sweeps).
+        shapes: several such shapes, used in turn (overrides ``shape``).
+        small: redraw drawn (not fixed) shapes whose sequences exceed 128 (quick sweeps).
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
 
     Example:
         >>> len(configs(5)), configs(3) == configs(3)
         (5, True)
     """
+    positive_int("n", n)
     rng = torch.Generator().manual_seed(seed)
     result = []
     while len(result) < n:
-        config = _draw_config(rng, seed * 100_003 + len(result), shape)
-        if small and max(config.tq, config.tk) > 113:
+        index = len(result)
+        fixed = shapes[index % len(shapes)] if shapes else shape
+        config = _draw_config(rng, seed * 100_003 + index, index, fixed)
+        if small and fixed is None and max(config.tq, config.tk) > 128:
             continue
         result.append(config)
     return result
@@ -161,6 +197,11 @@ def _mask_for(config: Config, gen: torch.Generator):
         return lambda b, h, i, j: (i - j).abs() < width
     if config.mask == "mod_padding":
         return _masks.padding_mod(torch.randint(0, tk + 1, (B,), generator=gen))
+    if config.mask == "mod_combined":
+        window = _masks.sliding_window_mod(tq, tk, int(torch.randint(1, 9, (), generator=gen)),
+                                           align=config.align)
+        lengths = torch.randint(0, tk + 1, (B,), generator=gen)
+        return _masks.and_masks(window, _masks.padding_mod(lengths))
     return None
 
 
@@ -303,21 +344,59 @@ def sweep(
     flex_n: int | None = None,
     progress: Callable[[CheckResult], None] | None = None,
 ) -> list[CheckResult]:
-    """Check every backend on ``n`` configurations per dtype (flex: ``flex_n`` at one shape).
+    """Check every backend on ``n`` configurations per dtype (flex: ``flex_n`` over its shapes).
+
+    Args:
+        backend_names: backends to check.
+        dtypes: dtypes to check each in.
+        n: configurations per backend and dtype (at least 1).
+        seed: seed of the configuration draw.
+        small: a quick sweep: lengths up to 128, and a backend that compiles per shape
+            (flex) is checked only on variants compiled in this process already (the others
+            come back unserved, with a note).
+        flex_n: configurations for flex (default ``n``), drawn over :data:`FLEX_SHAPES`.
+        progress: called with each result.
+
+    Raises:
+        ValueError: ``n`` or ``flex_n`` is not a positive int.
 
     Example:
         >>> results = sweep(["sdpa"], [torch.float32], n=3, small=True)
         >>> all(r.passed for r in results)
         True
     """
+    positive_int("n", n)
+    if flex_n is not None:
+        positive_int("flex_n", flex_n)
     results = []
     for dtype in dtypes:
         for name in backend_names:
-            count = n if name != "flex" else (flex_n if flex_n is not None else n)
-            shape = FLEX_SHAPE if name == "flex" else None
-            for config in configs(count, seed=seed, shape=shape, small=small):
-                result = check(name, config, dtype)
+            if name == "flex":
+                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small)
+            else:
+                draw = configs(n, seed=seed, small=small)
+            for config in draw:
+                result = _not_compiled(name, config, dtype) if small else None
+                result = result or check(name, config, dtype)
                 results.append(result)
                 if progress is not None:
                     progress(result)
     return results
+
+
+def _not_compiled(backend: str, config: Config, dtype: torch.dtype) -> CheckResult | None:
+    """An unserved result when ``backend`` would have to compile a new kernel for ``config``."""
+    compiled = getattr(_backends.get(backend), "compiled", None)
+    if compiled is None:
+        return None
+    q64, k64, v64, _, mask = _inputs(config)
+    q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    with torch.no_grad():
+        call = build_call(q, k, v, mask=mask, causal=config.causal, align=config.align,
+                          scale=config.scale)
+    if compiled(call) or _backends.reasons(call)[backend]:
+        return None  # compiled already, or declined anyway: check() reports it as usual
+    return CheckResult(backend, _dtype_name(dtype), config.label(), False, False, (), (), True,
+                       "not compiled in this process; a quick sweep does not compile")

@@ -8,7 +8,13 @@ alignment), bool masks and mask mods into one dense bool mask read by a single m
 each new mask-mod function would otherwise cost a recompilation (4-13 s here). Block sparsity
 is kept -- the block mask is computed from the dense mask. Masked calls therefore hold an
 O(Tq*Tk) mask (reported by :meth:`FlexBackend.memory_for`); unmasked calls are O(T). Block
-masks are cached per (mask identity and version, sizes, causal offset).
+masks are cached per (mask identity, sizes, causal offset) and served again only while the
+mask's contents (a mask mod's: its dense mask, evaluated afresh) are unchanged.
+
+Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
+the 128-key block (torch's compiled CPU kernel returns wrong values or NaN on some partial
+blocks, e.g. ``Tk = 8, 24, 136``); empty sequences (the kernel divides by zero); and a float
+mask that requires grad while gradients are on.
 
 ``flex_attention`` is compiled once with ``torch.compile``. Limits found on this
 installation (torch 2.13, CPU): the compiled CPU kernel is inference only and cannot return
@@ -33,7 +39,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -109,7 +114,14 @@ def _dense_bias(call: AttentionCall) -> Tensor | None:
 
 
 class _BlockMaskCache:
-    """(score mod, block mask) pairs keyed by the user's mask identity (held weakly) and the sizes."""
+    """(score mod, block mask) pairs, served again only while the mask's contents are unchanged.
+
+    An entry is found by the mask's identity and the sizes, then confirmed by content: a tensor
+    mask is compared with a copy taken when the entry was made, a mask mod by its freshly
+    materialised dense mask. Identity and ``_version`` are not enough: a mask mod reads state the
+    cache cannot see (a ``PaddingMod``'s ``lengths`` edited in place, a variable a lambda
+    captured), and a tensor written through ``.data`` or numpy keeps its ``_version``.
+    """
 
     def __init__(self, size: int):
         self.size = size
@@ -125,29 +137,60 @@ class _BlockMaskCache:
     def key(call: AttentionCall) -> tuple | None:
         if call.mask_kind == "none" and not call.causal:
             return None
-        mask = call.mask
-        layout = ((mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version)
-                  if isinstance(mask, Tensor) else None)
+        shape = tuple(call.mask.shape) if isinstance(call.mask, Tensor) else None
         offset = call.causal_offset if call.causal else None
-        return (id(_BlockMaskCache.owner(call)), layout, offset, call.batch, call.q_heads,
-                call.tq, call.tk, call.dtype, str(call.device))
+        return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.batch,
+                call.q_heads, call.tq, call.tk, call.dtype, str(call.device))
+
+    @staticmethod
+    def contents(call: AttentionCall) -> Tensor | None:
+        """What the block mask was computed from: the tensor mask, or the mod's dense mask."""
+        if call.mask_kind == "mod":
+            return call.allowed()  # memoised on the call: a miss builds the bias from it
+        return call.mask if isinstance(call.mask, Tensor) else None
 
     def get(self, call: AttentionCall):
         key = self.key(call)
         entry = None if key is None else self.entries.get(key)
         if entry is None:
             return None
-        ref, block_mask = entry
-        if (ref() if ref is not None else None) is not self.owner(call):  # id() was reused
+        seen, mods = entry
+        if not _same_contents(seen, self.contents(call)):
             return None
         self.entries.move_to_end(key)
-        return block_mask
+        return mods
 
-    def put(self, call: AttentionCall, block_mask) -> None:
-        user = self.owner(call)
-        self.entries[self.key(call)] = (weakref.ref(user) if user is not None else None, block_mask)
+    def put(self, call: AttentionCall, mods) -> None:
+        contents = self.contents(call)
+        seen = None if contents is None else contents.detach().clone()
+        self.entries[self.key(call)] = (seen, mods)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
+
+
+def _same_contents(seen: Tensor | None, now: Tensor | None) -> bool:
+    """Equal shapes and values (NaN never equals, so a NaN mask is never reused)."""
+    if seen is None or now is None:
+        return seen is None and now is None
+    return seen.shape == now.shape and bool(torch.equal(seen, now))
+
+
+def _shape_limits(call: AttentionCall) -> list[str]:
+    """Sequence lengths the compiled kernel is not exact on (see ``_KV_BLOCK``)."""
+    if call.tq == 0 or call.tk == 0:  # the CPU kernel divides by the block count: SIGFPE
+        return [f"flex cannot run an empty sequence (Tq={call.tq}, Tk={call.tk})"]
+    if call.device.type == "cpu" and call.tk % _KV_BLOCK != 0:
+        return [f"flex on CPU is exact only when Tk is a multiple of its {_KV_BLOCK}-key block "
+                f"(Tk={call.tk}): torch's compiled CPU kernel is wrong on some partial blocks"]
+    return []
+
+
+def _mask_limits(call: AttentionCall) -> list[str]:
+    """A mask that needs a gradient: the kernel takes the bias as a constant."""
+    mask = call.mask
+    if isinstance(mask, Tensor) and mask.requires_grad and torch.is_grad_enabled():
+        return ["flex cannot differentiate a float mask that requires grad (e.g. a learnable bias)"]
+    return []
 
 
 def _prescaled_q(call: AttentionCall) -> Tensor:
@@ -170,13 +213,21 @@ _HAS_CPP_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is no
 # raises that limit for flex alone, and the backend declines a new variant past this bound.
 _MAX_VARIANTS = 64
 
+# FlexAttention's block: the block mask and the CPU kernel work on 128-key blocks. Measured on
+# this installation (torch 2.13, AVX2 CPU), the compiled CPU kernel returns wrong values or NaN,
+# nondeterministically, whenever the last key block is partial with a length of 8 mod 16 (Tk = 8,
+# 24, 40, 72, 88, 104, 120, 136; D = 8 or 16), whatever the mask and Tq; a partial block holds
+# a vector tail, and its failing length depends on the vector width, so only full blocks are
+# trusted on CPU (Tk = 128, 256, ... were exact in every trial).
+_KV_BLOCK = 128
+
 
 class FlexBackend(Backend):
     """FlexAttention, compiled once; block-sparse masks cached per mask; CPU forward only.
 
     Example:
         >>> import attnlab
-        >>> q = torch.randn(1, 2, 32, 16)
+        >>> q = torch.randn(1, 2, 128, 16)  # on CPU Tk must be a multiple of 128
         >>> with torch.no_grad():
         ...     out = attnlab.attention(q, q, q, causal=True, backend="flex")
         >>> torch.allclose(out, attnlab.attention(q, q, q, causal=True, backend="reference"), atol=1e-5)
@@ -216,7 +267,7 @@ class FlexBackend(Backend):
                          "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
-        return found
+        return found + _shape_limits(call) + _mask_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
         """O(T^2) for any masked call (the mask is held densely for the kernel), else O(T).
@@ -236,6 +287,17 @@ class FlexBackend(Backend):
         masked = call.mask_kind != "none" or call.causal
         return (call.device.type, call.dtype, masked, tuple(call.q.shape), tuple(call.k.shape),
                 tuple(call.v.shape))
+
+    def compiled(self, call: AttentionCall) -> bool:
+        """Whether the kernel variant ``call`` needs is compiled in this process already.
+
+        Example:
+            >>> from attnlab.backends import get, build_call
+            >>> q = torch.randn(1, 1, 3, 5)  # a shape nothing compiles
+            >>> get("flex").compiled(build_call(q, q, q))
+            False
+        """
+        return self._variant(call) in self._variants
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: FLOPs at the kernel's rate, plus compilation while not yet compiled."""
@@ -260,7 +322,8 @@ class FlexBackend(Backend):
             return None, None
         score_mod = BiasScoreMod(bias)
         block_mask = _flex_module.create_block_mask(
-            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device
+            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
+            BLOCK_SIZE=_KV_BLOCK,
         )
         self._block_masks.put(call, (score_mod, block_mask))
         return score_mod, block_mask
