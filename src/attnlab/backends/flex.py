@@ -46,6 +46,7 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
+from attnlab._math import score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -105,9 +106,10 @@ def _dense_bias(call: AttentionCall) -> Tensor | None:
     if allowed is None and bias is None:
         return None
     shape = (call.batch, call.q_heads, call.tq, call.tk)
-    dense = torch.zeros(shape, dtype=call.dtype, device=call.device)
+    # fp32 for half inputs: a bias such as ALiBi's -130 + slope * distance loses its low bits in bf16.
+    dense = torch.zeros(shape, dtype=score_dtype(call.dtype), device=call.device)
     if bias is not None:
-        dense += bias.to(call.dtype)
+        dense += bias.to(dense.dtype)
     if allowed is not None:
         dense.masked_fill_(~allowed, float("-inf"))
     return dense  # (B, Hq, Tq, Tk), contiguous: torch.compile guards on strides
@@ -182,6 +184,15 @@ def _shape_limits(call: AttentionCall) -> list[str]:
     if call.device.type == "cpu" and call.tk % _KV_BLOCK != 0:
         return [f"flex on CPU is exact only when Tk is a multiple of its {_KV_BLOCK}-key block "
                 f"(Tk={call.tk}): torch's compiled CPU kernel is wrong on some partial blocks"]
+    return []
+
+
+def _finite_limits(call: AttentionCall) -> list[str]:
+    """NaN or inf in q, k or v: the compiled kernel hides them (a zero row where NaN must
+    propagate) and lets them leak from keys that are masked out. One pass over the inputs."""
+    bad = [name for name, t in (("q", call.q), ("k", call.k), ("v", call.v)) if not bool(torch.isfinite(t).all())]
+    if bad:
+        return [f"flex cannot keep the NaN/inf rule: {'/'.join(bad)} hold NaN or inf"]
     return []
 
 
@@ -267,7 +278,7 @@ class FlexBackend(Backend):
                          "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
-        return found + _shape_limits(call) + _mask_limits(call)
+        return found + _shape_limits(call) + _mask_limits(call) + _finite_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
         """O(T^2) for any masked call (the mask is held densely for the kernel), else O(T).
