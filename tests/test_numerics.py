@@ -15,15 +15,15 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import backends, masks
+from attnlab import backends, masks, verify
 from attnlab.backends import build_call
 from attnlab.nn import MultiHeadAttention
 
 B, H, T, D = 2, 3, 128, 40  # one shape for every flex call: flex compiles per shape, and on CPU
 # serves only whole 128-key blocks, so this is a shape where it must keep every rule
 NAN, INF = float("nan"), float("inf")
-# Small floors of the flash-attention test rule, as in attnlab.verify.
-FLOOR = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}
+# The small floors of attnlab.verify's rule (magnitude 1, one term).
+FLOOR = {dtype: verify.floor_for(dtype, 1.0) for dtype in (torch.bfloat16, torch.float16)}
 
 
 def _names():

@@ -50,7 +50,7 @@ from attnlab._call import build_call
 from attnlab._checks import positive_int
 from attnlab.functional import attention
 
-__all__ = ["Config", "CheckResult", "configs", "check", "sweep", "floor_for", "FLEX_SHAPES",
+__all__ = ["Config", "CheckResult", "configs", "check", "sweep", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
            "SMALL_MAX"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
@@ -242,6 +242,28 @@ def _oracle(config: Config, dtype: torch.dtype, with_grad: bool) -> tuple:
             _run(config, dtype, "reference", with_grad))
 
 
+FORWARD_FACTOR = 2.0  # a fast path may err at most 2x the plain computation's error (outputs) ...
+GRADIENT_FACTOR = 3.0  # ... and 3x for gradients, plus the floor
+
+
+def allowed_error(plain_error: float, dtype: torch.dtype, magnitude: float, *, reduction: int = 1,
+                  gradient: bool = False) -> float:
+    """The largest error vs fp64 a fast path may make: the one tolerance rule of attnlab.
+
+    ``factor * plain_error + floor_for(dtype, magnitude, reduction=reduction)``, where
+    ``plain_error`` is the error of the plain computation (the reference backend, or plain
+    PyTorch) at the same dtype and ``factor`` is 2 for outputs, 3 for gradients.
+
+    Example:
+        >>> allowed_error(1e-6, torch.float32, 1.0)
+        3e-06
+        >>> allowed_error(1e-6, torch.float32, 1.0, gradient=True)
+        4e-06
+    """
+    factor = GRADIENT_FACTOR if gradient else FORWARD_FACTOR
+    return factor * plain_error + floor_for(dtype, magnitude, reduction=reduction)
+
+
 def floor_for(dtype: torch.dtype, magnitude: float, *, reduction: int = 1) -> float:
     """Absolute error floor for ``dtype`` (see the module doc).
 
@@ -313,10 +335,9 @@ def check(backend: str, config: Config, dtype: torch.dtype) -> CheckResult:
     # Gradient noise scales with the problem's largest quantities, not with each gradient
     # (dq, dk are exactly 0 with one key, yet a fused kernel's rounding is not).
     magnitude = max((float(t.abs().max()) for t in exact if t.numel()), default=0.0)
-    floor = floor_for(dtype, magnitude, reduction=max(config.head_dim, config.value_dim, config.tk))
+    reduction = max(config.head_dim, config.value_dim, config.tk)
     for i, (want, ref, have) in enumerate(zip(exact, same_dtype, got)):
-        factor = 2.0 if i == 0 else 3.0
-        allowed.append(factor * _max_err(ref, want) + floor)
+        allowed.append(allowed_error(_max_err(ref, want), dtype, magnitude, reduction=reduction, gradient=i > 0))
         errors.append(_max_err(have, want))
     passed = all(e <= a for e, a in zip(errors, allowed))
     return CheckResult(backend, _dtype_name(dtype), config.label(), True, with_grad,
