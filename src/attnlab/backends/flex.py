@@ -3,9 +3,9 @@
 FlexAttention takes the mask as a *mask mod* and skips whole blocks that no query of a block
 may attend (a ``BlockMask`` built with ``create_block_mask``). attnlab folds causal (either
 alignment), bool masks and mask mods into one dense bool mask read by a single mask mod class
-(:class:`DenseMaskMod`), and a float mask into a score mod (:class:`BiasScoreMod`); GQA uses
+and a float mask into one score mod (:class:`BiasScoreMod`); GQA uses
 ``enable_gqa=True``. One mask mod *class* for every mask means the compiled kernel is reused:
-each new mask-mod function would otherwise cost a recompilation (4-13 s here). Block sparsity
+each new mask-mod function would otherwise cost a recompilation. Block sparsity
 is kept -- the block mask is computed from the dense mask. Masked calls therefore hold an
 O(Tq*Tk) mask (reported by :meth:`FlexBackend.memory_for`); unmasked calls are O(T). Block
 masks are cached per (mask identity, sizes, causal offset) and served again only while the
@@ -22,11 +22,10 @@ the log-sum-exp, so on CPU this backend declines calls that need gradients ("Fle
 has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes the weights).
 Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
 score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
-declared), so each new shape/dtype/masked-or-not variant compiles once. Measured on the 2-core
-CPU: the first compilation takes 15-35 s, each further variant 4-13 s (the machine was shared);
-the cost estimate adds that until a variant has been compiled, so ``backend="auto"`` does not
-pick flex for one-off shapes on CPU. FlexAttention
-has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
+declared), so each new shape/dtype/masked-or-not variant compiles once. Compiling takes seconds
+(the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds them until a
+variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
+FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
 run and the ``lse`` is returned.
 
 Example:
@@ -100,7 +99,7 @@ def _dense_bias(call: AttentionCall) -> Tensor | None:
     """Every mask of the call (causal, bool, float, mask mod) as one additive ``(B, Hq, Tq, Tk)``.
 
     One score mod class and one layout for every mask means the compiled kernel is reused:
-    a new mask-mod *function* would otherwise cost a recompilation (10-40 s on this 2-core CPU).
+    a new mask-mod *function* would otherwise cost a recompilation.
     """
     allowed, bias = call.allowed(), call.bias()  # broadcastable to (B, Hq, Tq, Tk)
     if allowed is None and bias is None:
