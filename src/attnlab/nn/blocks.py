@@ -1,7 +1,9 @@
-"""Pre-norm Transformer blocks and encoder/decoder stacks built from attnlab modules.
+"""Transformer blocks and encoder/decoder stacks built from attnlab modules.
 
-Each block is ``x + Attn(LN(x))`` [``+ CrossAttn(LN(.), context)``] ``+ MLP(LN(.))`` (the
-"pre-norm" arrangement of GPT-2 and most later models); the stacks end with a LayerNorm.
+By default each block is ``x + Attn(LN(x))`` [``+ CrossAttn(LN(.), context)``] ``+ MLP(LN(.))``
+(the "pre-norm" arrangement of GPT-2 and most later models) and the stacks end with a LayerNorm.
+``TransformerBlock(..., norm_first=False)`` is the post-norm arrangement of the original
+Transformer and BERT: ``LN(x + Attn(x))``, then ``LN(. + MLP(.))``.
 Masks follow attnlab's polarity: ``padding_mask`` is True at real tokens.
 
 Example:
@@ -21,32 +23,53 @@ from collections.abc import Callable
 import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
-from attnlab._checks import instance_of, positive_int, positive_number, probability
+from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
 
+# "gelu" is the exact erf form, as BERT and transformers' ACT2FN["gelu"] (nn.functional.gelu);
+# "gelu_tanh" is GPT-2's approximation (transformers' "gelu_new" / "gelu_pytorch_tanh").
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+}
+
 
 class FeedForward(nn.Module):
-    """The position-wise MLP: ``Linear(d, d_ff) -> GELU -> Linear(d_ff, d) -> Dropout``.
+    """The position-wise MLP: ``Linear(d, d_ff) -> activation -> Linear(d_ff, d) -> Dropout``.
 
     Shapes:
         x: ``(..., d_model)`` -> ``(..., d_model)``.
 
+    Args:
+        d_model: input and output width.
+        d_ff: hidden width (default ``4 * d_model``).
+        dropout_p: dropout after the second linear layer (training only).
+        bias: biases in both linear layers.
+        activation: ``"gelu"`` (exact erf GELU, the default and BERT's), ``"gelu_tanh"``,
+            ``"relu"`` or ``"silu"``.
+
     Example:
         >>> FeedForward(8, d_ff=32)(torch.randn(2, 3, 8)).shape
         torch.Size([2, 3, 8])
+        >>> FeedForward(8, activation="relu").act
+        ReLU()
     """
 
-    def __init__(self, d_model: int, *, d_ff: int | None = None, dropout_p: float = 0.0, bias: bool = True):
+    def __init__(self, d_model: int, *, d_ff: int | None = None, dropout_p: float = 0.0, bias: bool = True,
+                 activation: str = "gelu"):
         super().__init__()
         d_ff = 4 * positive_int("d_model", d_model) if d_ff is None else d_ff
         positive_int("d_ff", d_ff)
         probability("dropout_p", dropout_p)
+        one_of("activation", activation, _ACTIVATIONS)
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
-        self.act = nn.GELU()
+        self.act = _ACTIVATIONS[activation]()
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout_p)
 
@@ -55,7 +78,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One pre-norm Transformer layer: self-attention, optional cross-attention, MLP.
+    """One Transformer layer: self-attention, optional cross-attention, MLP (pre- or post-norm).
+
+    ``norm_first=True`` (default, pre-norm): ``x + Attn(LN(x))``, ``. + MLP(LN(.))``.
+    ``norm_first=False`` (post-norm, BERT): ``LN(x + Attn(x))``, ``LN(. + MLP(.))``. Both use
+    the same parameters (``norm_attn``, ``attn``, ``norm_cross``, ``cross_attn``, ``norm_mlp``,
+    ``mlp``), so only where each LayerNorm sits changes.
 
     Shapes:
         x: ``(B, T, d_model)``; context: ``(B, Tc, d_context)``; padding_mask: ``(B, T)`` (or
@@ -73,22 +101,29 @@ class TransformerBlock(nn.Module):
         rope: rotary embeddings in self-attention (``True`` or a ``RotaryEmbedding``).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
+        norm_first: pre-norm (True) or post-norm (False) residual arrangement.
+        activation: the MLP's activation (see :class:`FeedForward`).
         backend: attention backend name or ``"auto"``.
 
     Example:
         >>> block = TransformerBlock(16, 2, causal=True)
         >>> block(torch.randn(3, 5, 16)).shape
         torch.Size([3, 5, 16])
+        >>> bert_layer = TransformerBlock(16, 2, causal=False, norm_first=False)
+        >>> out, weights = bert_layer(torch.randn(3, 5, 16), return_weights=True)
+        >>> weights.shape
+        torch.Size([3, 2, 5, 5])
     """
 
     def __init__(
         self, d_model: int, num_heads: int, *, d_ff: int | None = None, dropout_p: float = 0.0,
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
-        norm_eps: float = 1e-5, backend: str = "auto",
+        norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
+        self.norm_first = bool(norm_first)
         common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         self.attn = MultiHeadAttention(
@@ -103,14 +138,23 @@ class TransformerBlock(nn.Module):
                 num_kv_heads=num_kv_heads, kdim=d_context, **common,
             )
         self.norm_mlp = nn.LayerNorm(d_model, eps=norm_eps)
-        self.mlp = FeedForward(d_model, d_ff=d_ff, dropout_p=dropout_p, bias=bias)
+        self.mlp = FeedForward(d_model, d_ff=d_ff, dropout_p=dropout_p, bias=bias, activation=activation)
         self.residual_dropout = nn.Dropout(dropout_p)
 
     def forward(
         self, x: Tensor, *, padding_mask: Tensor | None = None, mask: Tensor | Callable | None = None,
         context: Tensor | None = None, context_padding_mask: Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> Tensor:
+        cache: KVCache | None = None, return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Run the layer; with ``return_weights`` also the self-attention weights ``(B, H, T, Tk)``.
+
+        The weights come from the attention call that produces the output (see
+        :meth:`MultiHeadAttention.forward`), so asking for them does not change the output.
+
+        Example:
+            >>> TransformerBlock(8, 2)(torch.randn(1, 3, 8)).shape
+            torch.Size([1, 3, 8])
+        """
         if (context is None) != (self.cross_attn is None):
             raise ValueError(
                 "context must be given exactly when the block has cross-attention; "
@@ -122,15 +166,37 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"x must be (B, T, {d_model}) or (T, {d_model}), got shape {tuple(x.shape)}")
         # Self-attention writes the cache; a failing cross-attention or MLP must undo that.
         with _restore_on_error([cache], _num_new(x)):
-            return self._layers(x, padding_mask, mask, context, context_padding_mask, cache)
+            return self._layers(x, padding_mask, mask, context, context_padding_mask, cache, return_weights)
 
-    def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache) -> Tensor:
-        attn_out = self.attn(self.norm_attn(x), mask=mask, padding_mask=padding_mask, cache=cache)
-        x = x + self.residual_dropout(attn_out)
+    def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights):
+        weights = None
+
+        def self_attention(h: Tensor) -> Tensor:
+            nonlocal weights
+            result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache,
+                               return_weights=return_weights)
+            if not return_weights:
+                return result
+            result, weights = result
+            return result
+
+        x = self._residual(x, self.norm_attn, self_attention, self.residual_dropout)
         if self.cross_attn is not None:
-            cross_out = self.cross_attn(self.norm_cross(x), context=context, padding_mask=context_padding_mask)
-            x = x + self.residual_dropout(cross_out)
-        return x + self.mlp(self.norm_mlp(x))
+            x = self._residual(
+                x, self.norm_cross,
+                lambda h: self.cross_attn(h, context=context, padding_mask=context_padding_mask),
+                self.residual_dropout,
+            )
+        x = self._residual(x, self.norm_mlp, self.mlp, None)  # the MLP applies its own dropout
+        return (x, weights) if return_weights else x
+
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer: Callable[[Tensor], Tensor],
+                  dropout: nn.Module | None) -> Tensor:
+        """``x + sublayer(norm(x))`` (pre-norm) or ``norm(x + sublayer(x))`` (post-norm)."""
+        drop = dropout if dropout is not None else (lambda t: t)
+        if self.norm_first:
+            return x + drop(sublayer(norm(x)))
+        return norm(x + drop(sublayer(x)))
 
 
 def _num_new(x: object) -> int:

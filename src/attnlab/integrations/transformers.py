@@ -1,0 +1,138 @@
+"""Run Hugging Face transformers models on :func:`attnlab.attention`: ``register()``.
+
+Tested with transformers 5.23.0 (torch 2.13 CPU); it needs transformers 5.x, whose attention
+layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose mask builders
+(``masking_utils.create_causal_mask`` / ``create_bidirectional_mask`` / the sliding-window one)
+call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
+
+**Mechanism.** :func:`register` registers two things under one name:
+
+1. :func:`attention_forward` with ``transformers.AttentionInterface``: it receives
+   ``query (B, H, Tq, D)``, ``key``/``value`` ``(B, Hkv, Tk, D)`` and the prepared mask, calls
+   :func:`attnlab.attention` (grouped-query heads, ``scaling``, dropout in training) and returns
+   ``(out (B, Tq, H, D), weights or None)``.
+2. transformers' own ``sdpa_mask`` with ``AttentionMaskInterface``. This is required: for a name
+   missing there, transformers builds **no mask at all** (its ``_preprocess_mask_arguments``
+   returns None for unknown implementations), so a padded batch would silently attend to its
+   padding and a causal model would rely on ``is_causal`` alone. ``sdpa_mask`` yields a bool
+   ``(B, 1, Tq, Tk)`` mask with transformers' polarity **True = attend** -- attnlab's polarity --
+   with causality, padding and sliding windows folded in, or None when the pattern is plain
+   causal / full without padding; then, as transformers' sdpa path does, causality comes from
+   ``is_causal`` (or ``module.is_causal``) and applies when ``Tq > 1``, aligned top-left.
+
+A float mask (e.g. made by "eager" mask builders or passed by the user as a prepared 4-D mask)
+is added to the scores, as transformers does. With ``output_attentions=True`` the weights come
+from ``attnlab.attention(..., return_weights=True)``: the output still comes from the fast path.
+
+Example:
+    >>> from attnlab.integrations.transformers import register
+    >>> register()                                     # doctest: +SKIP
+    'attnlab'
+    >>> # AutoModel.from_pretrained(path, attn_implementation="attnlab")
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnlab import masks as _masks
+from attnlab.functional import attention
+
+__all__ = ["register", "attention_forward", "DEFAULT_NAME", "TESTED_VERSIONS"]
+
+DEFAULT_NAME = "attnlab"
+TESTED_VERSIONS = ("5.23.0",)
+# transformers' built-in names: registering over them would change every model that uses them.
+_RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+             "flash_attention_4", "paged|eager")
+# Features of some transformers models that attnlab.attention has no equivalent for.
+_UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+
+
+def attention_forward(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    scaling: float | None = None, dropout: float = 0.0, **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function signature, computed by :func:`attnlab.attention`.
+
+    Shapes:
+        query ``(B, H, Tq, D)``; key, value ``(B, Hkv, Tk, D)`` (``H`` a multiple of ``Hkv``);
+        attention_mask broadcastable to ``(B, H, Tq, Tk)`` (bool, True = attend; or float,
+        added) or None -> ``(out (B, Tq, H, D), weights (B, H, Tq, Tk) or None)``.
+
+    Args:
+        module: the calling attention layer (``is_causal``, ``training``, ``config`` are read).
+        query, key, value: projected heads.
+        attention_mask: the mask transformers prepared, or None.
+        scaling: score multiplier (default ``1 / sqrt(D)``).
+        dropout: attention dropout, applied only when ``module.training``.
+        **kwargs: ``is_causal``, ``sliding_window``, ``output_attentions`` are honoured;
+            ``softcap``, ``s_aux`` and ``position_bias`` raise ``ValueError``.
+
+    Example:
+        >>> layer = nn.Module()
+        >>> layer.is_causal = True
+        >>> q, kv = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)   # 4 query heads, 2 kv heads
+        >>> out, weights = attention_forward(layer, q, kv, kv, None)
+        >>> out.shape, weights is None
+        (torch.Size([1, 5, 4, 8]), True)
+    """
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the attnlab attention implementation does not support {name}; "
+                             "use attn_implementation='eager' for this model")
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    tq, tk = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is not None and mask.shape[-1] > tk:
+        mask = mask[..., :tk]  # a static cache's mask can be longer than the keys filled so far
+    # As transformers' sdpa path: a prepared mask already holds the causal pattern; without one,
+    # causality applies only to several queries (one decoding query sees every cached key).
+    causal = bool(is_causal) and mask is None and tq > 1
+    window = kwargs.get("sliding_window")
+    if causal and window is not None and tk > window:
+        mask, causal = _masks.sliding_window_mask(tq, tk, window, device=query.device), False
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)
+    want_weights = bool(kwargs.get("output_attentions",
+                                   getattr(getattr(module, "config", None), "output_attentions", False)))
+    result = attention(
+        query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
+        dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
+    )
+    out, weights = result if want_weights else (result, None)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Make ``attn_implementation=name`` run transformers models on :func:`attnlab.attention`.
+
+    Registers :func:`attention_forward` with ``transformers.AttentionInterface`` and
+    transformers' ``sdpa_mask`` (bool masks, True = attend) with ``AttentionMaskInterface``
+    under ``name``; calling it again is harmless.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install 'attnlab[hf]'``) or too old.
+        ValueError: ``name`` is empty or one of transformers' built-in implementations.
+
+    Example:
+        >>> from attnlab.integrations.transformers import register
+        >>> register("attnlab")                                          # doctest: +SKIP
+        'attnlab'
+        >>> # model = AutoModel.from_pretrained(path, attn_implementation="attnlab")
+    """
+    if not isinstance(name, str) or not name or name in _RESERVED:
+        raise ValueError(f"name must be a non-empty string other than {', '.join(_RESERVED)}; got {name!r}")
+    try:  # imported here: attnlab itself never needs transformers
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ImportError(
+            f"register needs transformers 5.x (tested {', '.join(TESTED_VERSIONS)}): "
+            f"pip install 'attnlab[hf]' ({exc})"
+        ) from None
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

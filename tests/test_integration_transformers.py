@@ -1,0 +1,179 @@
+"""attnlab.integrations.transformers.register: transformers models run on attnlab.attention.
+
+References are transformers' own "eager" and "sdpa" implementations on the same weights:
+the real all-MiniLM-L6-v2 (bidirectional, padded batch) and tiny randomly initialised causal
+LMs (GPT-2; Llama with grouped-query heads; Mistral with a sliding window) saved as safetensors
+in tmp_path. Skips without transformers (``pip install 'attnlab[hf]'``). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attnlab.integrations.transformers import attention_forward, register
+from attnlab.models import _hub
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="pip install 'attnlab[hf]'")
+
+NAME = register()
+TEXTS = ["Hi there", "A considerably longer sentence, with punctuation and more words!", "Ça va?"]
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+    try:
+        return str(_hub.model_dir("minilm"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"MiniLM is not installed ({exc})")
+
+
+@pytest.fixture(scope="module")
+def padded_batch(minilm_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    batch = tok(TEXTS, padding=True, return_tensors="pt")
+    assert not batch["attention_mask"].bool().all()
+    return batch
+
+
+def _bert(minilm_dir, implementation):
+    return transformers.AutoModel.from_pretrained(minilm_dir, attn_implementation=implementation).eval()
+
+
+def test_minilm_attnlab_equals_eager_on_a_padded_batch(minilm_dir, padded_batch):
+    with torch.no_grad():
+        ref = _bert(minilm_dir, "eager")(**padded_batch, output_attentions=True)
+        ours = _bert(minilm_dir, NAME)(**padded_batch, output_attentions=True)
+    real = padded_batch["attention_mask"].bool()
+    assert (ours.last_hidden_state - ref.last_hidden_state)[real].abs().max().item() <= 1e-5
+    assert len(ours.attentions) == len(ref.attentions) == 6
+    for mine, theirs in zip(ours.attentions, ref.attentions):
+        assert mine.shape == theirs.shape
+        assert (mine - theirs).abs().max().item() <= 1e-5
+
+
+def test_output_attentions_does_not_change_the_output(minilm_dir, padded_batch):
+    model = _bert(minilm_dir, NAME)
+    with torch.no_grad():
+        plain = model(**padded_batch).last_hidden_state
+        with_weights = model(**padded_batch, output_attentions=True)
+    assert with_weights.attentions is not None
+    assert torch.equal(plain, with_weights.last_hidden_state)
+
+
+def test_without_the_mask_function_padding_would_leak(minilm_dir, padded_batch):
+    """Why register() also registers a mask function: without it transformers passes no mask."""
+    transformers.AttentionInterface.register("attnlab_no_mask", attention_forward)
+    with torch.no_grad():
+        ref = _bert(minilm_dir, "eager")(**padded_batch).last_hidden_state
+        leaky = _bert(minilm_dir, "attnlab_no_mask")(**padded_batch).last_hidden_state
+    real = padded_batch["attention_mask"].bool()
+    short = real.sum(1).argmin()
+    assert (leaky - ref)[short][real[short]].abs().max().item() > 1e-3
+
+
+# ------------------------------------------------------------------ tiny causal LMs
+def _gpt2():
+    return transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _llama():
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _mistral():
+    return transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                      sliding_window=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module", params=[_gpt2, _llama, _mistral], ids=["gpt2", "llama-gqa", "mistral-window"])
+def causal_lm_dir(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(request.param())
+    path = tmp_path_factory.mktemp(request.param.__name__.strip("_"))
+    model.save_pretrained(path, safe_serialization=True)
+    assert (path / "model.safetensors").exists()
+    return path
+
+
+def _load(path, implementation):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation).eval()
+
+
+def _padded(side: str):
+    """Two prompts of lengths 9 and 4, padded on ``side`` with token 0."""
+    torch.manual_seed(1)
+    rows = [torch.randint(3, 97, (9,)), torch.randint(3, 97, (4,))]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        cols = slice(0, len(row)) if side == "right" else slice(9 - len(row), 9)
+        ids[i, cols], mask[i, cols] = row, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_causal_lm_logits_equal_sdpa_with_padding(causal_lm_dir, side):
+    ids, mask = _padded(side)
+    with torch.no_grad():
+        ref = _load(causal_lm_dir, "sdpa")(input_ids=ids, attention_mask=mask).logits
+        ours = _load(causal_lm_dir, NAME)(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()  # padded positions' logits are meaningless in both
+    assert (ours - ref)[real].abs().max().item() <= 1e-5
+
+
+def test_causal_lm_greedy_generation_equals_sdpa(causal_lm_dir):
+    ids, mask = _padded("left")
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref = _load(causal_lm_dir, "sdpa").generate(input_ids=ids, attention_mask=mask, **options)
+        ours = _load(causal_lm_dir, NAME).generate(input_ids=ids, attention_mask=mask, **options)
+    assert ref.shape == (2, 19)
+    assert torch.equal(ours, ref)
+
+
+def test_causal_lm_output_attentions_equal_eager(causal_lm_dir):
+    ids, mask = _padded("right")
+    with torch.no_grad():
+        ref = _load(causal_lm_dir, "eager")(input_ids=ids, attention_mask=mask, output_attentions=True)
+        ours = _load(causal_lm_dir, NAME)(input_ids=ids, attention_mask=mask, output_attentions=True)
+    real_queries = mask.bool()[:, None, :, None]  # (B, 1, T, 1): rows of real queries
+    for mine, theirs in zip(ours.attentions, ref.attentions):
+        assert mine.shape == theirs.shape
+        assert ((mine - theirs) * real_queries).abs().max().item() <= 1e-5
+
+
+# ------------------------------------------------------------------- the function itself
+def test_attention_forward_float_mask_gqa_and_dropout():
+    layer = torch.nn.Module()
+    layer.is_causal = False
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    additive = torch.zeros(2, 1, 5, 5)
+    additive[1, ..., 3:] = torch.finfo(torch.float32).min
+    out, weights = attention_forward(layer, q, k, v, additive, scaling=0.3, output_attentions=True)
+    k_rep, v_rep = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    expected_w = torch.softmax(q @ k_rep.transpose(-1, -2) * 0.3 + additive, dim=-1)
+    assert torch.allclose(weights, expected_w, atol=1e-6)
+    assert torch.allclose(out, (expected_w @ v_rep).transpose(1, 2), atol=1e-5)
+    eval_out, _ = attention_forward(layer, q, k, v, None, dropout=0.5)
+    layer.train()
+    train_out, _ = attention_forward(layer, q, k, v, None, dropout=0.5)
+    assert not torch.allclose(eval_out, train_out)
+
+
+def test_unsupported_features_and_reserved_names_are_refused():
+    layer = torch.nn.Module()
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(ValueError, match="does not support softcap"):
+        attention_forward(layer, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="name must be a non-empty string other than eager, sdpa"):
+        register("sdpa")
