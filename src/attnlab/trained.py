@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link"]
+__all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link", "trace_model"]
 
 
 def piece_groups(word_ids) -> list[list[int]]:
@@ -121,9 +121,10 @@ class WordAttention:
     pieces: list[str]
     piece_weights: Tensor
     groups: list[list[int]]
+    ids: tuple = ()
 
     @classmethod
-    def from_pieces(cls, piece_weights: Tensor, pieces: list[str], word_ids) -> "WordAttention":
+    def from_pieces(cls, piece_weights: Tensor, pieces: list[str], word_ids, *, ids=()) -> "WordAttention":
         """Merge ``(L, H, T, T)`` piece weights into words (see the module doc for the rule).
 
         Example:
@@ -138,7 +139,7 @@ class WordAttention:
         words = [_join_pieces([pieces[p] for p in group]) for group in groups]
         special = [word_ids[group[0]] is None for group in groups]
         weights = merge_pieces(piece_weights.detach().float(), groups)
-        return cls(words, special, weights, list(pieces), piece_weights.detach(), groups)
+        return cls(words, special, weights, list(pieces), piece_weights.detach(), groups, tuple(ids))
 
     @property
     def layers(self) -> int:
@@ -221,3 +222,27 @@ class WordAttention:
         per_head = self.weights[:, :, query, key]  # (L, H)
         layer, head = divmod(int(torch.argmax(per_head)), self.heads)
         return Link(layer, head, self.words[key], float(per_head[layer, head]))
+
+
+def trace_model(encoder, sentence: str, *, truncate: bool = False) -> WordAttention:
+    """Run ``sentence`` through a trained encoder and return its word-level attention.
+
+    Args:
+        encoder: a model with ``word_pieces(sentence, truncate=...)`` and
+            ``encoder(input_ids, attention_mask, return_weights=True) -> (hidden, weights)``,
+            such as :class:`attnlab.models.BertEncoder`.
+        sentence: the text.
+        truncate: cut a sentence longer than the model's positions instead of refusing it.
+
+    Example:
+        >>> from attnlab.models import BertEncoder
+        >>> view = trace_model(BertEncoder.from_pretrained("minilm"), "It rains.")  # doctest: +SKIP
+        >>> view.words, tuple(view.weights.shape)                                   # doctest: +SKIP
+        (['[CLS]', 'it', 'rains', '.', '[SEP]'], (6, 12, 5, 5))
+    """
+    pieces, word_ids, ids = encoder.word_pieces(sentence, truncate=truncate)
+    input_ids = torch.tensor([ids])  # (1, T)
+    with torch.no_grad():
+        _, weights = encoder(input_ids, torch.ones_like(input_ids), return_weights=True)
+    stacked = torch.stack([w[0] for w in weights])  # (L, H, T, T)
+    return WordAttention.from_pieces(stacked, pieces, word_ids, ids=ids)

@@ -1,8 +1,10 @@
-"""``attnlab explain``: walk a sentence through attention step by step.
+"""``attnlab explain``: walk a sentence through attention step by step, then through a trained model.
 
 Prints every intermediate (tokens, embeddings, W_q/W_k/W_v, queries, keys, values, scores,
 mask, weights, context vectors) as labelled tables, says where the focused word attends most
-and least, and writes heatmaps (PNG, SVG) and a self-contained HTML report.
+and least, and writes heatmaps (PNG, SVG) and a self-contained HTML report. With the trained
+MiniLM installed it ends with what that model's heads do with the same sentence.
+``--model minilm`` (or a model directory) walks the trained model itself instead.
 
 Bad input (an empty sentence, an unknown ``--query`` word, a bad ``--mode``, a malformed
 option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback.
@@ -16,11 +18,12 @@ from pathlib import Path
 import typer
 
 from attnlab._checks import positive_int, probability
+from attnlab.cli import _trained_walk as trained_walk
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors
 from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
 
 FORMATS = ("png", "svg", "html", "all")
-MODELS = ("tutorial",)
+TUTORIAL = "tutorial"
 TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
 # explain is for reading every number: sizes past these print nothing more useful, and the
 # 50 000-row embedding table alone grows by 200 KB per unit of --d-model.
@@ -51,8 +54,17 @@ def explain(
     causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
     dropout: float = typer.Option(_default("dropout_p"), "--dropout",
                                   help="Dropout probability on the attention weights, in [0, 1)."),
-    model: str = typer.Option("tutorial", "--model", help="Weights to use; only 'tutorial' (seeded random) for now."),
+    model: str = typer.Option(TUTORIAL, "--model",
+                              help="'tutorial' (the step-by-step walk with seeded random weights), 'minilm' "
+                                   "(the trained all-MiniLM-L6-v2) or a BERT model directory."),
     query: str = typer.Option(None, "--query", help="Word to focus on (default: 'it' if present, else the last word)."),
+    layer: int = typer.Option(None, "--layer", help="Trained model: the layer of the head view "
+                                                    "(default: the layer of the query word's strongest link)."),
+    head: int = typer.Option(None, "--head", help="Trained model: draw only this head in the head view."),
+    hide_special: bool = typer.Option(False, "--hide-special",
+                                      help="Trained model: leave [CLS]/[SEP] out of the tables and lines."),
+    truncate: bool = typer.Option(False, "--truncate",
+                                  help="Trained model: cut a sentence longer than the model's positions."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
     fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
@@ -62,10 +74,12 @@ def explain(
         if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
             fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
         sentence = sentence_option
-    if model not in MODELS:
-        fail(f"--model {model!r} is not available; only 'tutorial' (seeded random weights) exists for now")
     if fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if model != TUTORIAL:
+        _explain_trained(sentence, model=model, query=query, layer=layer, head=head, hide_special=hide_special,
+                         truncate=truncate, out=out, fmt=fmt, no_color=no_color)
+        return
     _check_numbers(heads, d_model, d_kq, d_v, dropout)
     check_seed(seed)
     with option_errors():  # trace refuses only bad options: an empty sentence, a bad mode, ...
@@ -74,22 +88,75 @@ def explain(
         focus = result.query_index(query)
     from rich.console import Console
 
-    try:
-        out.mkdir(parents=True, exist_ok=True)  # fail before the walk-through, not after it
-    except OSError as err:
-        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+    _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     _narrate(console, result, focus)
+    section = _trained_ending(console, result, focus)
     try:
-        written = _write_files(result, focus, out, fmt)
+        written = _write_files(result, focus, out, fmt, section)
     except OSError as err:
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+    _print_written(console, written, out)
+
+
+def _print_written(console, written: list[Path], out: Path) -> None:
     console.print()
     console.print("[bold]Files written:[/bold]")
     for path in written:
         console.print(f"  {path}", soft_wrap=True, markup=False)
     if any(p.suffix == ".html" for p in written):
         console.print(f"Open {out / 'report.html'} in a browser: it works offline.", soft_wrap=True, markup=False)
+
+
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # fail before the walk-through, not after it
+    except OSError as err:
+        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+
+
+def _trained_ending(console, result, focus: int):
+    """What the trained MiniLM does with the same sentence, or one line on how to get it."""
+    from attnlab.viz.html import TrainedSection
+
+    console.print()
+    console.rule("[bold]What a trained model does with this sentence[/bold]")
+    try:
+        encoder = trained_walk.BertEncoder.from_pretrained(trained_walk.DEFAULT_MODEL)
+        view = trained_walk.trace_model(encoder, result.sentence, truncate=True)
+    except (FileNotFoundError, ImportError):
+        console.print(f"The trained view needs the MiniLM model: {trained_walk.INSTALL_LINE} "
+                      f"(then run `attnlab explain --model minilm`).", markup=False, soft_wrap=True)
+        return None
+    text, link, query = trained_walk.summary(view, result.tokens[focus], model=trained_walk.DEFAULT_MODEL)
+    console.print(text, markup=False, soft_wrap=True)
+    console.print("[dim]The report shows its head view; `attnlab explain --model minilm` walks every layer "
+                  "and head.[/dim]")
+    return TrainedSection(trained_walk.display_name(trained_walk.DEFAULT_MODEL), view, focus=query,
+                          layer=link.layer, heads=(link.head,), hide_special=True)
+
+
+def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_special: bool, truncate: bool,
+                     out: Path, fmt: str, no_color: bool) -> None:
+    """``--model minilm|DIR``: the trained model's walk, tables and pictures."""
+    from rich.console import Console
+
+    encoder = trained_walk.load(model)
+    view = trained_walk.view_for(encoder, sentence, truncate=truncate)
+    trained_walk.check_ranges(view, layer, head)
+    with option_errors():
+        focus = view.index(query)
+    _make_out(out)
+    console = Console(no_color=no_color, highlight=False, soft_wrap=False)
+    top = trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special)
+    layer = top.layer if layer is None else layer
+    heads = trained_walk.head_view_heads(view, focus, layer, head)
+    try:
+        written = trained_walk.write_files(view, focus, model=model, layer=layer, heads=heads,
+                                           hide_special=hide_special, out=out, fmt=fmt)
+    except OSError as err:
+        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+    _print_written(console, written, out)
 
 
 def _check_numbers(heads: int | None, d_model: int, d_kq: int, d_v: int, dropout: float) -> None:
@@ -197,13 +264,10 @@ def _print_links(console, result, focus: int) -> None:
             console.print(f"head {h}: " + link_sentence(word, result.links(focus, head=h)), markup=False,
                           soft_wrap=True)
         console.print("mean of heads: " + link_sentence(word, result.links(focus)), markup=False, soft_wrap=True)
-    if {"it", "meal"} <= set(result.tokens):
-        console.print("[dim]A trained model learns to make 'it' attend to 'meal'; these weights are random.[/dim]")
-    else:
-        console.print("[dim]These weights are seeded random numbers (untrained), so the pattern is arbitrary.[/dim]")
+    console.print("[dim]These weights are seeded random numbers (untrained), so the pattern is arbitrary.[/dim]")
 
 
-def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
+def _write_files(result, focus: int, out: Path, fmt: str, section=None) -> list[Path]:
     written = []
     images = [f for f in ("png", "svg") if fmt in (f, "all")]
     if images:
@@ -217,7 +281,7 @@ def _write_files(result, focus: int, out: Path, fmt: str) -> list[Path]:
     if fmt in ("html", "all"):
         from attnlab.viz.html import write_report
 
-        written.append(write_report(result, out / "report.html", focus=focus))
+        written.append(write_report(result, out / "report.html", focus=focus, trained=section))
     return written
 
 

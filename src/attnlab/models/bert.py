@@ -254,6 +254,22 @@ class BertEncoder(nn.Module):
         encodings = self._encode_texts(_sentence_list(sentences), max_length, truncate)
         return _pad(encodings, range(len(encodings)), self._pad_id())
 
+    def word_pieces(self, sentence: str, *, truncate: bool = False) -> tuple[list[str], list, list[int]]:
+        """One sentence's word pieces, the word each belongs to (None for special tokens), and ids.
+
+        The limit is the model's ``max_position_embeddings`` (512 for BERT): longer sentences
+        are cut when ``truncate`` and refused with ``ValueError`` otherwise.
+
+        Example:
+            >>> enc = BertEncoder.from_pretrained("minilm")                    # doctest: +SKIP
+            >>> enc.word_pieces("attends")[:2]                                 # doctest: +SKIP
+            (['[CLS]', 'attend', '##s', '[SEP]'], [None, 0, 0, None])
+        """
+        if not isinstance(sentence, str) or not sentence.strip():
+            raise ValueError(f"sentence must be a non-empty string, got {sentence!r}")
+        encoding = self._encode_texts([sentence], self.max_position_embeddings, truncate)[0]
+        return list(encoding.tokens), list(encoding.word_ids), list(encoding.ids)
+
     def _encode_texts(self, sentences: list[str], max_length: int | None, truncate: bool):
         limit = self.max_seq_length if max_length is None else positive_int("max_length", max_length)
         if limit > self.max_position_embeddings:

