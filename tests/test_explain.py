@@ -243,7 +243,7 @@ def test_command_writes_png_svg_and_html(tmp_path):
     (("--query", "pizza"), "'pizza' is not a token"),
     (("--mode", "bogus"), "mode must be one of"),
     (("--heads", "x"), "--heads"),
-    (("--model", "gpt2"), "only 'tutorial'"),
+    (("--model", "gpt2"), "model directory 'gpt2' does not exist"),
     (("--format", "jpg"), "--format must be one of"),
     (("--mode", "cross", "--heads", "2"), "cross mode"),
     (("--context", "hello there"), "--context is for cross mode only"),
