@@ -63,3 +63,12 @@ def test_backends_rejects_a_bad_dtype():
 def test_bench_rejects_an_unknown_suite():
     result = runner.invoke(app, ["bench", "--suite", "nope"])
     assert result.exit_code != 0
+
+
+def test_quick_verify_says_flex_was_not_checked_instead_of_pass():
+    """A backend that declined every configuration must not be reported as passing."""
+    result = runner.invoke(app, ["verify", "--quick", "--backend", "flex"])
+    assert result.exit_code == 0, result.output
+    flex_rows = [line for line in result.output.splitlines() if line.startswith("│ flex")]
+    assert flex_rows and all("not checked" in row and "pass" not in row for row in flex_rows), result.output
+    assert "flex float32: nothing checked" in result.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
 
 from attnlab._checks import one_of, positive_int
@@ -64,13 +66,14 @@ def _check_backends(requested: list[str] | None) -> list[str]:
 
 
 def _print_summary(console, results, names, dtypes) -> bool:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="conformance vs the fp64 reference (error / allowed)")
     for column in ("backend", "dtype", "served", "declined", "fwd err", "allowed", "worst err/allowed",
                    "checked", "result"):
         table.add_column(column)
-    any_failed = False
+    any_failed, unchecked = False, []
     for name in names:
         for dtype in dtypes:
             dname = str(dtype).replace("torch.", "")
@@ -79,15 +82,22 @@ def _print_summary(console, results, names, dtypes) -> bool:
             failed = [r for r in served if not r.passed]
             any_failed |= bool(failed)
             worst = max(served, key=lambda r: r.worst_ratio(), default=None)
+            if not served:
+                # One line per kind of reason: the same refusal at several lengths is said once.
+                unchecked.append((name, dname, sorted({re.sub(r" \(Tk=\d+\)", "", r.note) for r in group if r.note})))
             table.add_row(
                 name, dname, str(len(served)), str(len(group) - len(served)),
                 "-" if worst is None else f"{worst.errors[0]:.2e}",
                 "-" if worst is None else f"{worst.allowed[0]:.2e}",
                 "-" if worst is None else f"{worst.worst_ratio():.2f}",
                 "fwd+bwd" if any(r.grad for r in served) else "fwd",
-                "[red]FAIL[/red]" if failed else "[green]pass[/green]",
+                "[red]FAIL[/red]" if failed else ("[green]pass[/green]" if served else "[yellow]not checked[/yellow]"),
             )
     console.print(table)
+    for name, dname, notes in unchecked:
+        console.print(f"[yellow]{name} {dname}: nothing checked[/yellow]; it declined every configuration: "
+                      + escape("; ".join(notes) or "no reason given")
+                      + ". A full `attnlab verify` sweeps the shapes it serves.", soft_wrap=True)
     return any_failed
 
 
