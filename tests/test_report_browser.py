@@ -34,18 +34,23 @@ def report(tmp_path_factory):
     return t, write_report(t, tmp_path_factory.mktemp("report") / "report.html")
 
 
-@pytest.fixture(scope="module")
-def page(report):
+def _open(path):
+    """A headless chromium showing ``path``, recording console, log and network events."""
     if BROWSER is None:
         pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
-    _, path = report
-    with Browser(BROWSER, timeout=20.0) as browser:
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            browser.send(f"{domain}.enable")
-        browser.events.clear()
-        browser.send("Page.navigate", url=path.as_uri())
-        browser.wait_for("Page.loadEventFired")
-        browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
+    browser = Browser(BROWSER, timeout=20.0)
+    for domain in ("Runtime", "Log", "Network", "Page"):
+        browser.send(f"{domain}.enable")
+    browser.events.clear()
+    browser.send("Page.navigate", url=path.as_uri())
+    browser.wait_for("Page.loadEventFired")
+    browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
+    return browser
+
+
+@pytest.fixture(scope="module")
+def page(report):
+    with _open(report[1]) as browser:
         yield browser
 
 
@@ -124,16 +129,7 @@ def trained_report(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained_page(trained_report):
-    if BROWSER is None:
-        pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
-    _, path, _ = trained_report
-    with Browser(BROWSER, timeout=20.0) as browser:
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            browser.send(f"{domain}.enable")
-        browser.events.clear()
-        browser.send("Page.navigate", url=path.as_uri())
-        browser.wait_for("Page.loadEventFired")
-        browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
+    with _open(trained_report[1]) as browser:
         yield browser
 
 
