@@ -14,7 +14,8 @@ from attnlab.cli._errors import OneLineErrorsGroup
 HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
 
 Start with `attnlab explain` to watch a sentence go through self-attention step by step
-(it also writes heatmaps and an offline HTML report). `attnlab verify` checks every fast
+(it also writes heatmaps and an offline HTML report), then see what a trained model's heads do
+with it (`attnlab explain --model minilm`). `attnlab verify` checks every fast
 backend against the fp64 reference on this machine, `attnlab backends` says which backend
 a call would use and why, and `attnlab bench` times them. `attnlab COMMAND --help` for more.
 """

@@ -69,7 +69,9 @@ def explain(
     fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
 ) -> None:
-    """Walk SENTENCE through attention, printing every step, and write heatmaps and an HTML report."""
+    """Walk SENTENCE through attention, printing every step, and write heatmaps and an HTML report; then
+    show what a trained model (all-MiniLM-L6-v2) does with it. --model minilm walks every layer and head
+    of the trained model, with the head view."""
     if sentence_option is not None:
         if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
             fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
