@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/attnlab explain
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/attnlab bench
