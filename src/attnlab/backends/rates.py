@@ -43,6 +43,13 @@ RATES: dict = {
         "causal_factor": 1.2,  # diagonal tiles
         "dropout_factor": 1.85,  # hashing the dropout bits
     },
+    "blocks": {
+        # The fused CPU flash kernel per query block; FLOPs are the visited (block x span) pairs.
+        "forward_flops_per_s": 60e9,
+        "forward_backward_factor": 3.0,
+        "seconds_per_block": 40e-6,
+        "call_overhead_s": 60e-6,
+    },
     "flex": {
         "cpu": 60e9,  # compiled CPU kernel, forward (55-70 GFLOP/s)
         "cuda": 250e12,
