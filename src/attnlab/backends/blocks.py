@@ -280,6 +280,7 @@ class BlocksBackend(Backend):
     devices = ("cpu",)
     dtypes = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
     dropout = False
+    needs_bounds = True  # serves only mask mods with kv_bounds (attnlab.verify sweeps those)
     description = (
         "block-sparse: the fused SDPA kernel per query block on only the keys its mask mod's "
         "kv_bounds reach (causal, windows, documents, prefix-LM); forward and backward, GQA; "
