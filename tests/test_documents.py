@@ -12,6 +12,7 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab.backends import build_call, select
+from attnlab.backends.blocks import DEFAULT_BLOCK
 from attnlab.nn import MultiHeadAttention, TransformerBlock
 
 LENGTHS = (5, 1, 7, 3)  # a one-token document, odd lengths
@@ -134,6 +135,7 @@ def test_packed_attention_runs_on_blocks_and_visits_only_the_diagonal():
     mod = masks.document_mod(torch.arange(T) // (T // 8))
     call = build_call(q, q, q, mask=mod)
     assert select(call).name == "blocks"
-    # 8 causal documents of 512 keys, two 256-query blocks each: spans of 256 and 512 keys
-    share = 8 * (256 * 256 + 256 * 512) / T**2
+    # 8 causal documents of 512 keys; query block j of a document spans (j + 1) * block keys
+    block = DEFAULT_BLOCK
+    share = 8 * sum(block * (j + 1) * block for j in range(512 // block)) / T**2
     assert f"visits {share:.0%}" in attnlab.backends.get("blocks").memory_note(call)

@@ -54,10 +54,11 @@ from attnlab.backends.registry import register
 
 __all__ = ["BlocksBackend", "blocks_attention", "block_spans", "DEFAULT_BLOCK"]
 
-# Queries per block. 256 was fastest of 128/256/512 on the 2-core CPU of BENCHMARKS.md
-# (sliding window 256 and causal at T=8192; see rates.py): smaller blocks visit fewer
-# masked-out keys but pay the kernel's per-call overhead more often.
-DEFAULT_BLOCK = 256
+# Queries per block. For a sliding window of 256 at T=8192 (B=1 H=8 D=64, fp32, load ~2.5 on
+# the 2-core CPU) blocks of 64/128/256 took 102/88/113 ms: smaller blocks visit fewer
+# masked-out keys but call the kernel more often. (Plain causal prefers 512; auto sends plain
+# causal to sdpa's is_causal kernel, see rates.py.)
+DEFAULT_BLOCK = 128
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -83,7 +84,7 @@ def visited_fraction(call: AttentionCall, block: int = DEFAULT_BLOCK) -> float:
     Example:
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 1, 512, 4)
-        >>> visited_fraction(build_call(q, q, q, causal=True))
+        >>> visited_fraction(build_call(q, q, q, causal=True), block=256)
         0.75
     """
     if call.tq == 0 or call.tk == 0:
@@ -325,9 +326,11 @@ def _estimated_seconds(call: AttentionCall) -> float:
     """Visited FLOPs at the kernel's measured masked rate, plus a cost per block and per call."""
     rates = RATES["blocks"]
     spans = block_spans(call.mask_mod(), call.tq, call.tk, DEFAULT_BLOCK)
-    pairs = sum((qe - qs) * (hi - lo) for qs, qe, lo, hi in spans)
-    flops = 2.0 * call.batch * call.q_heads * pairs * (call.head_dim + call.value_dim)
-    seconds = flops / rates["forward_flops_per_s"] + len(spans) * rates["seconds_per_block"]
+    per_pair = 2.0 * call.batch * call.q_heads * (call.head_dim + call.value_dim)
+    seconds = len(spans) * rates["seconds_per_block"]
+    for qs, qe, lo, hi in spans:  # a long masked span runs the kernel far below its peak
+        rate = rates["flops_per_s"]["short" if hi - lo <= rates["short_span_keys"] else "long"]
+        seconds += per_pair * (qe - qs) * (hi - lo) / rate
     if call.requires_grad:
         seconds *= rates["forward_backward_factor"]
     return rates["call_overhead_s"] + seconds
