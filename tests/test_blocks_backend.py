@@ -193,3 +193,28 @@ def test_why_says_why_a_bounds_less_mod_cannot_be_skipped():
     q = torch.randn(1, 1, 6, 4)
     text = attnlab.backends.why(q, q, q, mask=lambda b, h, i, j: i >= j)
     assert "blocks: cannot serve: blocks cannot skip: the mask mod declares no kv_bounds" in text
+
+
+# ----------------------------------------------------------------------------- CLI and suites
+def test_backends_cli_explains_structured_masks():
+    from typer.testing import CliRunner
+
+    from attnlab.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["backends", "--window", "256", "--tq", "8192"])
+    assert result.exit_code == 0 and "runs on 'blocks'" in result.output and "visits 5%" in result.output
+    result = runner.invoke(app, ["backends", "--plain-mod", "--tq", "64"])
+    assert "blocks: cannot serve: blocks cannot skip" in result.output
+    result = runner.invoke(app, ["backends", "--window", "3", "--documents", "2"])
+    assert result.exit_code == 2 and "at most one structured mask" in result.output
+
+
+def test_sparse_and_backends_suites_run_on_tiny_shapes():
+    """Regression: suites.py used _fill_ratios without importing it (NameError)."""
+    from attnlab.bench import suites
+
+    rows = suites.sparse_suite(quick=True, lengths=(64,), rounds=1)
+    assert {r.name for r in rows} >= {"auto", "blocks", "sdpa dense mask"}
+    assert all(r.ratio is not None for r in rows)
+    assert suites.backends_suite(quick=True, t=32, rounds=1)
