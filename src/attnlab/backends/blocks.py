@@ -94,18 +94,28 @@ def visited_fraction(call: AttentionCall, block: int = DEFAULT_BLOCK) -> float:
 
 
 @dataclass
-class _Tile:
-    """One query block ready for the kernel (tensors in the grouped layout ``(B, Hkv, G*bq, .)``).
+class _Piece:
+    """One kernel call of a tile: keys ``[ks, ke)`` (tensors in the grouped layout).
 
-    mask: additive 0/-inf mask ``(B|1, Hkv|1, G*bq, span)`` or None when all is visible.
-    dead: ``(B|1, Hq|1, bq, 1)`` rows with nothing to attend, or None when every row has a key.
+    mask: additive 0/-inf mask ``(B|1, Hkv|1, G*bq, ke-ks)`` or None when all is visible.
+    dead: ``(B|1, Hkv|1, G*bq)`` rows that see no key of this piece (given a harmless full
+        mask row; their lse is -inf in the merge and their gradient is zeroed), or None.
     """
+
+    ks: int
+    ke: int
+    mask: Tensor | None
+    dead: Tensor | None
+
+
+@dataclass
+class _Tile:
+    """One query block: its pieces, and ``dead`` ``(B|1, Hq|1, bq, 1)``, the rows that see no
+    key at all (zero output, zero gradient), or None."""
 
     qs: int
     qe: int
-    lo: int
-    hi: int
-    mask: Tensor | None
+    pieces: tuple
     dead: Tensor | None
 
 
@@ -123,6 +133,46 @@ def _ungroup(t: Tensor, q_heads: int) -> Tensor:
     return t.reshape(B, q_heads, rows * Hkv // q_heads, X)  # (B, Hq, bq, X)
 
 
+def _grouped(t: Tensor, call: AttentionCall, bq: int) -> Tensor:
+    """A ``(B|1, Hq|1, bq|1, X)`` mask-like tensor in the grouped layout ``(B|1, Hkv|1, G*bq, X)``."""
+    t = t.expand(t.shape[0], t.shape[1], bq, t.shape[3])  # (B|1, Hq|1, bq, X)
+    if t.shape[1] == 1:  # the same rows for every head of a group
+        return t.repeat(1, 1, call.q_heads // call.kv_heads, 1)  # (B|1, 1, G*bq, X)
+    return _group(t.contiguous(), call.kv_heads)  # (B|1, Hkv, G*bq, X)
+
+
+# A run of at least this many keys that every query of a block sees is given its own, unmasked
+# kernel call: the kernel adds a mask to every score, so a long causal span is far faster split
+# into its visible part and the diagonal than run whole with a mask.
+_MIN_FULL_RUN = 32
+
+
+def _full_run(allowed: Tensor) -> tuple[int, int]:
+    """The longest run ``[a, b)`` of key columns every query (every batch row and head) sees.
+
+    ``allowed``: ``(B|1, Hq|1, bq, span)`` bool.
+    """
+    full = allowed.flatten(0, 2).all(dim=0).to(torch.int8)  # (span,)
+    edges = torch.diff(F.pad(full, (1, 1)))  # +1 where a run starts, -1 one past its end
+    starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+    if starts.numel() == 0:
+        return 0, 0
+    longest = int(torch.argmax(ends - starts))
+    return int(starts[longest]), int(ends[longest])
+
+
+def _piece(call: AttentionCall, allowed: Tensor, ks: int, ke: int, dtype: torch.dtype,
+           bq: int) -> _Piece:
+    """A masked piece of keys ``[ks, ke)`` from its ``(B|1, Hq|1, bq|1, ke-ks)`` allowed mask."""
+    allowed = allowed.expand(*allowed.shape[:3], ke - ks)
+    alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq|1, 1)
+    dead = None if bool(alive.all()) else ~alive
+    visible = allowed if dead is None else allowed | dead  # dead rows: a harmless full row
+    bias = torch.zeros(visible.shape, dtype=dtype, device=call.device).masked_fill_(~visible, float("-inf"))
+    dead_rows = None if dead is None else _grouped(dead, call, bq)[..., 0]  # (B|1, Hkv|1, G*bq)
+    return _Piece(ks, ke, _grouped(bias, call, bq), dead_rows)
+
+
 def _make_tile(call: AttentionCall, mod: Callable, span: tuple[int, int, int, int],
                dtype: torch.dtype) -> _Tile | None:
     """Evaluate the mask on one block's span; None when the block may attend nothing."""
@@ -131,20 +181,21 @@ def _make_tile(call: AttentionCall, mod: Callable, span: tuple[int, int, int, in
         return None
     allowed = _masks.evaluate(mod, q_range=(qs, qe), kv_range=(lo, hi), batch=call.batch,
                               heads=call.q_heads, device=call.device)  # (B|1, Hq|1, bq|1, span|1)
+    allowed = allowed.expand(*allowed.shape[:2], qe - qs, hi - lo)  # (B|1, Hq|1, bq, span)
     if bool(allowed.all()):
-        return _Tile(qs, qe, lo, hi, None, None)
-    if not bool(allowed.any()):
+        return _Tile(qs, qe, (_Piece(lo, hi, None, None),), None)
+    alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq, 1)
+    if not bool(alive.any()):
         return None
-    alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq|1, 1)
     dead = None if bool(alive.all()) else ~alive
-    visible = allowed if dead is None else allowed | dead  # dead rows: a harmless full row
-    bias = torch.zeros(visible.shape, dtype=dtype, device=call.device).masked_fill_(~visible, float("-inf"))
-    bias = bias.expand(bias.shape[0], bias.shape[1], qe - qs, hi - lo)  # (B|1, Hq|1, bq, span)
-    if bias.shape[1] == 1:  # the same rows for every head of a group
-        bias = bias.repeat(1, 1, call.q_heads // call.kv_heads, 1)  # (B|1, 1, G*bq, span)
-    else:
-        bias = _group(bias.contiguous(), call.kv_heads)  # (B|1, Hkv, G*bq, span)
-    return _Tile(qs, qe, lo, hi, bias, dead)
+    a, b = _full_run(allowed)
+    if b - a < _MIN_FULL_RUN:
+        return _Tile(qs, qe, (_piece(call, allowed, lo, hi, dtype, qe - qs),), dead)
+    pieces = [_Piece(lo + a, lo + b, None, None)]
+    for start, stop in ((0, a), (b, hi - lo)):
+        if stop > start:
+            pieces.append(_piece(call, allowed[..., start:stop], lo + start, lo + stop, dtype, qe - qs))
+    return _Tile(qs, qe, tuple(pieces), dead)
 
 
 def _padded(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
@@ -166,6 +217,23 @@ class _Plan:
     tiles: tuple
 
 
+def _merge(outs: list, lses: list, pieces: tuple, lse_dtype: torch.dtype):
+    """Combine the pieces of one tile: lse = logsumexp of theirs, out = their lse-weighted sum.
+
+    Returns out and lse ``(B, Hkv, G*bq, .)``, and per piece the lse its backward must use: the
+    tile's, except on rows dead in that piece, which keep the piece's own finite lse (their
+    output gradient is zeroed there, so they add nothing).
+    """
+    if len(outs) == 1:
+        return outs[0], lses[0], [lses[0]]
+    live = [l if p.dead is None else l.masked_fill(p.dead, float("-inf")) for l, p in zip(lses, pieces)]
+    lse = torch.logsumexp(torch.stack(live), dim=0)  # (B, Hkv, G*bq); -inf: dead in every piece
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    out = sum(o.to(lse_dtype) * torch.exp(l - safe).unsqueeze(-1) for o, l in zip(outs, live))
+    backward_lse = [lse if p.dead is None else torch.where(p.dead, l, lse) for l, p in zip(lses, pieces)]
+    return out.to(outs[0].dtype), lse, backward_lse
+
+
 def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     """Run every tile. Returns out ``(B, Hq, Tq, W)``, lse ``(B, Hq, Tq)`` and per-tile saves."""
     call = plan.call
@@ -176,9 +244,14 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     saved = []
     for tile in plan.tiles:
         q_blk = _group(q[:, :, tile.qs:tile.qe], call.kv_heads)  # (B, Hkv, G*bq, W)
-        o_blk, l_blk = _FLASH(q_blk, k[:, :, tile.lo:tile.hi], v[:, :, tile.lo:tile.hi],
-                              attn_mask=tile.mask, scale=call.scale)  # (B, Hkv, G*bq, W), (B, Hkv, G*bq)
-        saved.append((q_blk, o_blk, l_blk))
+        outs, lses = [], []
+        for piece in tile.pieces:
+            o_p, l_p = _FLASH(q_blk, k[:, :, piece.ks:piece.ke], v[:, :, piece.ks:piece.ke],
+                              attn_mask=piece.mask, scale=call.scale)  # (B, Hkv, G*bq, W|)
+            outs.append(o_p)
+            lses.append(l_p)
+        o_blk, l_blk, backward_lse = _merge(outs, lses, tile.pieces, lse_dtype)
+        saved.append((q_blk, o_blk, backward_lse))
         o_rows = _ungroup(o_blk, Hq)  # (B, Hq, bq, W)
         l_rows = _ungroup(l_blk.unsqueeze(-1), Hq)  # (B, Hq, bq, 1)
         if tile.dead is not None:
@@ -211,17 +284,21 @@ class _BlocksFunction(torch.autograd.Function):
         d_out = F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out
         dq = torch.zeros(call.batch, call.q_heads, call.tq, W, dtype=k.dtype, device=k.device)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for tile, (q_blk, o_blk, l_blk) in zip(plan.tiles, ctx.saved):
+        for tile, (q_blk, o_blk, backward_lse) in zip(plan.tiles, ctx.saved):
             do_rows = d_out[:, :, tile.qs:tile.qe]  # (B, Hq, bq, W)
             if tile.dead is not None:  # a zeroed output row passes no gradient back
                 do_rows = do_rows.masked_fill(tile.dead, 0.0)
             do_blk = _group(do_rows.contiguous(), call.kv_heads)  # (B, Hkv, G*bq, W)
-            gq, gk, gv = _FLASH_BACKWARD(do_blk, q_blk, k[:, :, tile.lo:tile.hi],
-                                         v[:, :, tile.lo:tile.hi], o_blk, l_blk, 0.0, False,
-                                         attn_mask=tile.mask, scale=call.scale)
-            dq[:, :, tile.qs:tile.qe] = _ungroup(gq, call.q_heads)
-            dk[:, :, tile.lo:tile.hi] += gk
-            dv[:, :, tile.lo:tile.hi] += gv
+            gq_sum = None
+            for piece, l_p in zip(tile.pieces, backward_lse):
+                do_p = do_blk if piece.dead is None else do_blk.masked_fill(piece.dead.unsqueeze(-1), 0.0)
+                gq, gk, gv = _FLASH_BACKWARD(do_p, q_blk, k[:, :, piece.ks:piece.ke],
+                                             v[:, :, piece.ks:piece.ke], o_blk, l_p, 0.0, False,
+                                             attn_mask=piece.mask, scale=call.scale)
+                gq_sum = gq if gq_sum is None else gq_sum + gq
+                dk[:, :, piece.ks:piece.ke] += gk
+                dv[:, :, piece.ks:piece.ke] += gv
+            dq[:, :, tile.qs:tile.qe] = _ungroup(gq_sum, call.q_heads)
         return (dq[..., :call.head_dim], dk[..., :call.head_dim], dv[..., :call.value_dim], None)
 
 
