@@ -54,11 +54,10 @@ from attnlab.backends.registry import register
 
 __all__ = ["BlocksBackend", "blocks_attention", "block_spans", "DEFAULT_BLOCK"]
 
-# Queries per block. For a sliding window of 256 at T=8192 (B=1 H=8 D=64, fp32, load ~2.5 on
-# the 2-core CPU) blocks of 64/128/256 took 102/88/113 ms: smaller blocks visit fewer
-# masked-out keys but call the kernel more often. (Plain causal prefers 512; auto sends plain
-# causal to sdpa's is_causal kernel, see rates.py.)
-DEFAULT_BLOCK = 128
+# Queries per block. A 256-key sliding window at T=8192 (B=1 H=8 D=64 fp32, one thread, load
+# ~2.6) took 247/222/197 ms with blocks of 64/128/256 and causal 2.5/1.8/1.9 s with 128/256/512
+# (two threads, noisier): smaller blocks visit fewer masked-out keys but call the kernel more.
+DEFAULT_BLOCK = 256
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -405,7 +404,7 @@ def _estimated_seconds(call: AttentionCall) -> float:
     spans = block_spans(call.mask_mod(), call.tq, call.tk, DEFAULT_BLOCK)
     per_pair = 2.0 * call.batch * call.q_heads * (call.head_dim + call.value_dim)
     seconds = len(spans) * rates["seconds_per_block"]
-    for qs, qe, lo, hi in spans:  # a long masked span runs the kernel far below its peak
+    for qs, qe, lo, hi in spans:  # long spans run mostly unmasked, nearer the kernel's peak
         rate = rates["flops_per_s"]["short" if hi - lo <= rates["short_span_keys"] else "long"]
         seconds += per_pair * (qe - qs) * (hi - lo) / rate
     if call.requires_grad:
