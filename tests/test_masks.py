@@ -150,6 +150,12 @@ def _mods(tq, tk, window, align):
         "causal_and_sliding": causal & sliding,
         "causal_or_sliding": causal | sliding,
         "and_with_plain_callable": masks.and_masks(sliding, lambda b, h, qi, ki: ki >= 0),
+        "prefix": masks.prefix_lm_mod(tq, tk, window, align=align),
+        "chunked": masks.chunked_local_mod(tq, tk, window, align=align),
+        "chunked_bidirectional": masks.chunked_local_mod(tq, tk, window, causal=False, align=align),
+        "prefix_or_chunked": masks.prefix_lm_mod(tq, tk, window) | masks.chunked_local_mod(tq, tk, 2),
+        "document": masks.document_mod(torch.arange(max(tq, tk)) // window),
+        "document_split": masks.document_mod(torch.arange(max(tq, tk)) % window, causal=False),
     }
 
 
@@ -173,3 +179,40 @@ def test_kv_bounds_are_tight_for_causal_and_sliding():
     assert masks.sliding_window_mod(8, 8, 3).kv_bounds(4, 6) == (2, 6)
     assert masks.causal_mod(2, 8, align="bottom_right").kv_bounds(0, 1) == (0, 7)
     assert masks.padding_mod(torch.tensor([3])).kv_bounds(0, 4) is None
+
+
+@given(sizes, sizes, st.integers(0, 6), st.sampled_from(masks.ALIGNMENTS))
+def test_prefix_lm_mod_matches_its_definition(tq, tk, prefix, align):
+    offset = masks.causal_offset(tq, tk, align)
+    got = masks.materialize(masks.prefix_lm_mod(tq, tk, prefix, align=align), tq=tq, tk=tk)[0, 0]
+    want = [[j < prefix or j <= i + offset for j in range(tk)] for i in range(tq)]
+    assert got.tolist() == want
+
+
+@given(sizes, sizes, st.integers(1, 6), st.booleans(), st.sampled_from(masks.ALIGNMENTS))
+def test_chunked_local_mod_matches_its_definition(tq, tk, chunk, causal, align):
+    offset = masks.causal_offset(tq, tk, align)
+    mod = masks.chunked_local_mod(tq, tk, chunk, causal=causal, align=align)
+    got = masks.materialize(mod, tq=tq, tk=tk)[0, 0]
+    want = [[j // chunk == (i + offset) // chunk and (not causal or j <= i + offset)
+             for j in range(tk)] for i in range(tq)]
+    assert got.tolist() == want
+
+
+def test_document_mod_matches_its_definition_and_checks_sizes():
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 6, 6]])
+    got = masks.materialize(masks.document_mod(ids), tq=6, tk=6, batch=2)
+    want = [[[ids[b, i] == ids[b, j] and j <= i for j in range(6)] for i in range(6)] for b in range(2)]
+    assert got[:, 0].tolist() == want
+    with pytest.raises(ValueError, match="DocumentMod has document ids for 6 positions"):
+        masks.document_mod(ids).check_sizes(batch=2, heads=1, tq=7, tk=7)
+    with pytest.raises(ValueError, match="2 rows of document ids but the batch has 3"):
+        masks.document_mod(ids).check_sizes(batch=3, heads=1, tq=6, tk=6)
+    with pytest.raises(ValueError, match="document_ids must be"):
+        masks.document_mod(torch.zeros(3))
+
+
+def test_or_combination_bounds_are_the_union_and_bounds_less_parts_give_none():
+    both = masks.prefix_lm_mod(16, 16, 2) | masks.chunked_local_mod(16, 16, 4)
+    assert both.kv_bounds(8, 12) == (0, 12)
+    assert (masks.causal_mod(16, 16) | (lambda b, h, i, j: i == j)).kv_bounds(0, 4) is None

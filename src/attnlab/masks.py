@@ -18,6 +18,9 @@ pattern            dense (bool tensor)          mask mod
 causal             :func:`causal_mask`          :func:`causal_mod`
 sliding window     :func:`sliding_window_mask`  :func:`sliding_window_mod`
 key padding        :func:`padding_mask`         :func:`padding_mod`
+packed documents   (materialize the mod)        :func:`document_mod`
+prefix-LM          (materialize the mod)        :func:`prefix_lm_mod`
+chunked local      (materialize the mod)        :func:`chunked_local_mod`
 combination        :func:`and_masks` / :func:`or_masks` (either form)
 =================  ===========================  ==========================
 
@@ -60,6 +63,13 @@ __all__ = [
     "causal_mod",
     "sliding_window_mod",
     "padding_mod",
+    "DocumentMod",
+    "PrefixLMMod",
+    "ChunkedLocalMod",
+    "document_mod",
+    "document_positions",
+    "prefix_lm_mod",
+    "chunked_local_mod",
     "and_masks",
     "or_masks",
     "materialize",
@@ -244,6 +254,162 @@ class PaddingMod(MaskMod):
         return f"PaddingMod(lengths={self.lengths.tolist()})"
 
 
+class PrefixLMMod(MaskMod):
+    """Prefix-LM: every query sees the first ``prefix_len`` keys, and the rest causally.
+
+    Query ``i`` may attend key ``j`` when ``j < prefix_len`` or ``j <= i + offset``.
+
+    Example:
+        >>> materialize(PrefixLMMod(2), tq=4, tk=4)[0, 0].int()
+        tensor([[1, 1, 0, 0],
+                [1, 1, 0, 0],
+                [1, 1, 1, 0],
+                [1, 1, 1, 1]], dtype=torch.int32)
+    """
+
+    def __init__(self, prefix_len: int, offset: int = 0):
+        self.prefix_len = non_negative_int("prefix_len", prefix_len)
+        self.offset = int_value("offset", offset)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx < self.prefix_len) | (kv_idx <= q_idx + self.offset)
+
+    def kv_bounds(self, q_start, q_end):
+        return 0, max(self.prefix_len, q_end + self.offset)
+
+    def __repr__(self) -> str:
+        return f"PrefixLMMod(prefix_len={self.prefix_len}, offset={self.offset})"
+
+
+class ChunkedLocalMod(MaskMod):
+    """Chunked local attention: the sequence is cut into chunks of ``chunk`` positions and a
+    query sees only keys of its own chunk (causally when ``causal``), as in Llama 4.
+
+    Query ``i`` sits at position ``p = i + offset``; it may attend key ``j`` when
+    ``j // chunk == p // chunk`` (and ``j <= p`` when causal).
+
+    Example:
+        >>> materialize(ChunkedLocalMod(2), tq=4, tk=4)[0, 0].int()
+        tensor([[1, 0, 0, 0],
+                [1, 1, 0, 0],
+                [0, 0, 1, 0],
+                [0, 0, 1, 1]], dtype=torch.int32)
+    """
+
+    def __init__(self, chunk: int, *, causal: bool = True, offset: int = 0):
+        self.chunk = positive_int("chunk", chunk)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        self.causal = causal
+        self.offset = int_value("offset", offset)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        pos = q_idx + self.offset
+        same = torch.div(kv_idx, self.chunk, rounding_mode="floor") == torch.div(
+            pos, self.chunk, rounding_mode="floor")
+        return (same & (kv_idx <= pos)) if self.causal else same
+
+    def kv_bounds(self, q_start, q_end):
+        first, last = q_start + self.offset, q_end - 1 + self.offset
+        lo = (first // self.chunk) * self.chunk
+        hi = last + 1 if self.causal else (last // self.chunk + 1) * self.chunk
+        return lo, max(lo, hi)
+
+    def __repr__(self) -> str:
+        return f"ChunkedLocalMod(chunk={self.chunk}, causal={self.causal}, offset={self.offset})"
+
+
+def _document_rows(document_ids: Tensor) -> Tensor:
+    """``document_ids`` checked and made 2-D ``(B|1, T)`` int64."""
+    ids = torch.as_tensor(document_ids)
+    if ids.ndim not in (1, 2) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(
+            f"document_ids must be a (T,) or (B, T) integer tensor, got shape "
+            f"{tuple(ids.shape)} dtype {ids.dtype}"
+        )
+    return (ids if ids.ndim == 2 else ids[None]).to(torch.int64)  # (B|1, T)
+
+
+def _occurrence_bounds(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per position, the first position of its id and one past the last, ``(B|1, T)`` each.
+
+    Computed over occurrences, not runs, so an id that reappears later in the row (a document
+    split in two) still gets bounds covering every key it may attend.
+    """
+    rows, length = ids.shape
+    pos = torch.arange(length, device=ids.device)
+    first, end = torch.empty_like(ids), torch.empty_like(ids)
+    for r in range(rows):
+        _, inverse = torch.unique(ids[r], return_inverse=True)
+        slots = int(inverse.max()) + 1 if length else 0
+        lo = torch.full((slots,), length, dtype=torch.int64, device=ids.device)
+        hi = torch.full((slots,), -1, dtype=torch.int64, device=ids.device)
+        first[r] = lo.scatter_reduce(0, inverse, pos, "amin")[inverse]
+        end[r] = hi.scatter_reduce(0, inverse, pos, "amax")[inverse] + 1
+    return first, end
+
+
+class DocumentMod(MaskMod):
+    """Packed documents: a query sees only keys of its own document (causally when ``causal``).
+
+    ``document_ids[b, p]`` names the document position ``p`` of batch row ``b`` belongs to
+    (one row ``(T,)`` serves every batch row). Query ``i`` sits at position ``i + offset`` and
+    may attend key ``j`` when both hold the same id (and ``j <= i + offset`` when causal).
+    :meth:`kv_bounds` spans the documents a query block touches, so tiled backends visit only
+    the diagonal blocks of a packed batch.
+
+    Example:
+        >>> mod = DocumentMod(torch.tensor([0, 0, 1, 1, 1]))
+        >>> materialize(mod, tq=5, tk=5)[0, 0].int()
+        tensor([[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [0, 0, 1, 0, 0],
+                [0, 0, 1, 1, 0],
+                [0, 0, 1, 1, 1]], dtype=torch.int32)
+        >>> mod.kv_bounds(3, 5)
+        (2, 5)
+    """
+
+    def __init__(self, document_ids: Tensor, *, causal: bool = True, offset: int = 0):
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        self.ids = _document_rows(document_ids)  # (B|1, T)
+        self.causal = causal
+        self.offset = non_negative_int("offset", offset)
+        self._first, self._end = _occurrence_bounds(self.ids)  # (B|1, T) each
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        pos = q_idx + self.offset
+        ids = self.ids.to(kv_idx.device) if isinstance(kv_idx, Tensor) else self.ids
+        if ids.shape[0] == 1:  # one row of ids serves every batch row
+            same = ids[0][pos] == ids[0][kv_idx]
+        else:
+            same = ids[b, pos] == ids[b, kv_idx]
+        return (same & (kv_idx <= pos)) if self.causal else same
+
+    def kv_bounds(self, q_start, q_end):
+        start = max(0, q_start + self.offset)
+        stop = min(self.ids.shape[1], q_end + self.offset)
+        if stop <= start:
+            return 0, 0
+        lo = int(self._first[:, start:stop].min())
+        hi = int(self._end[:, start:stop].max())
+        return lo, max(lo, min(hi, stop) if self.causal else hi)
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        rows, length = self.ids.shape
+        if rows not in (1, batch):
+            raise ValueError(f"mask: DocumentMod has {rows} rows of document ids but the batch has {batch}")
+        if tk > length or tq + self.offset > length:
+            raise ValueError(
+                f"mask: DocumentMod has document ids for {length} positions but the call has "
+                f"{tk} keys and queries at positions {self.offset}..{self.offset + tq - 1}"
+            )
+
+    def __repr__(self) -> str:
+        return f"DocumentMod(ids of shape {tuple(self.ids.shape)}, causal={self.causal}, offset={self.offset})"
+
+
 class CombinedMod(MaskMod):
     """Logical AND or OR of several mask mods; the bounds are combined when every part has some.
 
@@ -319,6 +485,65 @@ def padding_mod(lengths: Tensor) -> PaddingMod:
         PaddingMod(lengths=[2, 5])
     """
     return PaddingMod(lengths)
+
+
+def document_mod(document_ids: Tensor, *, causal: bool = True) -> DocumentMod:
+    """Mask mod for documents packed into one sequence: attention stays inside each document.
+
+    Args:
+        document_ids: ``(T,)`` or ``(B, T)`` integer tensor, the document of each position.
+        causal: also block later keys of the same document.
+
+    Example:
+        >>> document_mod(torch.tensor([0, 0, 1])).kv_bounds(2, 3)
+        (2, 3)
+    """
+    return DocumentMod(document_ids, causal=causal)
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Position of each token inside its document, restarting at 0 where the id changes.
+
+    What rotary embeddings need for a packed batch to equal each document run alone.
+
+    Args:
+        document_ids: ``(T,)`` or ``(B, T)`` integer tensor.
+
+    Returns:
+        int64 tensor ``(B|1, T)``.
+
+    Example:
+        >>> document_positions(torch.tensor([3, 3, 3, 7, 7, 3]))
+        tensor([[0, 1, 2, 0, 1, 0]])
+    """
+    ids = _document_rows(document_ids)  # (B|1, T)
+    length = ids.shape[1]
+    pos = torch.arange(length, device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    run_start = torch.where(starts, pos, 0).cummax(dim=1).values  # (B|1, T)
+    return pos - run_start
+
+
+def prefix_lm_mod(tq: int, tk: int, prefix_len: int, *, align: str = "top_left") -> PrefixLMMod:
+    """Prefix-LM mask mod: the first ``prefix_len`` keys are seen by all, the rest causally.
+
+    Example:
+        >>> prefix_lm_mod(4, 4, 2)
+        PrefixLMMod(prefix_len=2, offset=0)
+    """
+    return PrefixLMMod(prefix_len, causal_offset(tq, tk, align))
+
+
+def chunked_local_mod(tq: int, tk: int, chunk: int, *, causal: bool = True,
+                      align: str = "top_left") -> ChunkedLocalMod:
+    """Chunked local mask mod: each query sees only its own ``chunk``-sized block of keys.
+
+    Example:
+        >>> chunked_local_mod(8, 8, 4)
+        ChunkedLocalMod(chunk=4, causal=True, offset=0)
+    """
+    return ChunkedLocalMod(chunk, causal=causal, offset=causal_offset(tq, tk, align))
 
 
 def evaluate(

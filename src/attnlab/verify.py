@@ -5,11 +5,13 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
 * :func:`configs` draws seeded random configurations: every small length (T in 1..40) and a
   few others (8, 16, 24, 113, 128, 1023, the big ones rare), Tq != Tk,
   D in {1, 3, 8, 16, 40, 64, 111}, Dv != D, H in {1, 3, 5}, grouped-query, every mask kind -- none, bool, padding, float, mask
-  mods (window, lambda, padding, combined) -- each without causal and with causal in both
-  alignments, and rows with nothing to attend. Mask kind and causal mode are cycled, not
-  drawn: the first 8 configurations hold every mask kind and every causal mode, the first 24
-  every pairing of the two. Dropout off (dropout is tested separately: its random mask differs
-  by backend).
+  mods (window, lambda, padding, combined, packed documents, prefix-LM, chunked local) -- each
+  without causal and with causal in both alignments, and rows with nothing to attend. Mask kind
+  and causal mode are cycled, not drawn: the first 11 configurations hold every mask kind and
+  every causal mode, the first 33 every pairing of the two. Dropout off (dropout is tested
+  separately: its random mask differs by backend).
+* a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
+  over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others.
 * flex compiles one kernel per shape, so it is swept over the fixed shapes of
   :data:`FLEX_SHAPES` (small and block-sized, Tq != Tk, grouped-query), masks varying.
 * :func:`check` runs one backend on one configuration in one dtype and compares it with the
@@ -51,7 +53,7 @@ from attnlab._checks import positive_int
 from attnlab.functional import attention
 
 __all__ = ["Config", "CheckResult", "configs", "check", "sweep", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
-           "SMALL_MAX"]
+           "SMALL_MAX", "BOUNDED_MASKS"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
 # Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
@@ -59,7 +61,10 @@ _SEQ_LENGTHS = ("small", 1, 2, 8, 16, 24, 113, 128, 1023)
 _SEQ_WEIGHTS = (0.45, 0.07, 0.07, 0.07, 0.05, 0.07, 0.1, 0.09, 0.03)  # 1023 rare: keep it fast
 _HEAD_DIMS = (1, 3, 8, 16, 40, 64, 111)
 _MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_padding",
-          "mod_combined")
+          "mod_combined", "mod_document", "mod_prefix", "mod_chunked")
+# The mask kinds whose mod declares kv_bounds whatever the causal mode: what a backend that
+# only serves bounded mods (``needs_bounds = True``, e.g. blocks) is swept over.
+BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked")
 _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
 # B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
 # lengths with odd and even tails, Tq != Tk both ways, grouped-query, and whole 128-key blocks.
@@ -107,7 +112,8 @@ class Config:
                 f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}")
 
 
-def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None) -> Config:
+def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None,
+                 mask_kinds: tuple = _MASKS) -> Config:
     """Configuration number ``index``: mask kind and causal mode cycle, the rest is drawn."""
     def pick(options, weights=None):
         w = torch.tensor(weights if weights else [1.0] * len(options))
@@ -127,8 +133,8 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
         value_dim = head_dim if bool(torch.rand((), generator=rng) < 0.6) else pick(_HEAD_DIMS)
     else:
         batch, q_heads, kv_heads, tq, tk, head_dim, value_dim = shape
-    turn, kind = divmod(index, len(_MASKS))
-    mask = _MASKS[kind]
+    turn, kind = divmod(index, len(mask_kinds))
+    mask = mask_kinds[kind]
     causal, align = _CAUSAL[(kind + turn) % len(_CAUSAL)]  # each turn shifts the pairing
     dead_rows = mask in ("bool", "float", "padding") and bool(torch.rand((), generator=rng) < 0.3)
     scale = None if bool(torch.rand((), generator=rng) < 0.7) else float(torch.rand((), generator=rng)) + 0.05
@@ -138,7 +144,7 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
 
 def configs(
     n: int, *, seed: int = 0, shape: tuple | None = None, shapes: tuple | None = None,
-    small: bool = False,
+    small: bool = False, masks: tuple | None = None,
 ) -> list[Config]:
     """``n`` seeded random configurations.
 
@@ -149,6 +155,7 @@ def configs(
             backends that compile per shape, such as flex).
         shapes: several such shapes, used in turn (overrides ``shape``).
         small: redraw drawn (not fixed) shapes whose sequences exceed 128 (quick sweeps).
+        masks: the mask kinds to cycle through (default every kind).
 
     Raises:
         ValueError: ``n`` is not a positive int.
@@ -163,7 +170,7 @@ def configs(
     while len(result) < n:
         index = len(result)
         fixed = shapes[index % len(shapes)] if shapes else shape
-        config = _draw_config(rng, seed * 100_003 + index, index, fixed)
+        config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS)
         if small and fixed is None and max(config.tq, config.tk) > 128:
             continue
         result.append(config)
@@ -202,6 +209,15 @@ def _mask_for(config: Config, gen: torch.Generator):
                                            align=config.align)
         lengths = torch.randint(0, tk + 1, (B,), generator=gen)
         return _masks.and_masks(window, _masks.padding_mod(lengths))
+    if config.mask == "mod_document":  # sorted ids: contiguous documents, as packing makes them
+        ids = torch.randint(0, 4, (B, max(tq, tk)), generator=gen).sort(dim=1).values
+        return _masks.document_mod(ids, causal=bool(torch.rand((), generator=gen) < 0.5))
+    if config.mask == "mod_prefix":
+        return _masks.prefix_lm_mod(tq, tk, int(torch.randint(0, tk + 1, (), generator=gen)),
+                                    align=config.align)
+    if config.mask == "mod_chunked":
+        return _masks.chunked_local_mod(tq, tk, int(torch.randint(1, 12, (), generator=gen)),
+                                        align=config.align)
     return None
 
 
@@ -394,6 +410,8 @@ def sweep(
         for name in backend_names:
             if name == "flex":
                 draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small)
+            elif getattr(_backends.get(name), "needs_bounds", False):
+                draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS)
             else:
                 draw = configs(n, seed=seed, small=small)
             for config in draw:

@@ -9,7 +9,7 @@ reasons. The package is laid out as xformers lays out its attention ops:
 * :mod:`~attnlab.backends.dispatch` -- which backend runs a call;
 * :mod:`~attnlab.backends.verdicts` -- :func:`why` and the per-backend verdicts in words;
 * :mod:`~attnlab.backends.rates` -- the cost model's measured rates;
-* one module per backend: ``reference``, ``sdpa``, ``chunked``, ``flex``.
+* one module per backend: ``reference``, ``sdpa``, ``chunked``, ``blocks``, ``flex``.
 
 Example:
     >>> import torch, attnlab.backends as backends
@@ -33,6 +33,7 @@ from attnlab.backends.registry import available, get, names, register, registry,
 from attnlab.backends.reference import ReferenceBackend
 from attnlab.backends.sdpa import SdpaBackend
 from attnlab.backends.chunked import ChunkedBackend
+from attnlab.backends.blocks import BlocksBackend
 from attnlab.backends.flex import FlexBackend
 from attnlab.backends.verdicts import Verdict, verdicts, why
 
@@ -57,5 +58,6 @@ __all__ = [
     "ReferenceBackend",
     "SdpaBackend",
     "ChunkedBackend",
+    "BlocksBackend",
     "FlexBackend",
 ]

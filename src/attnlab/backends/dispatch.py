@@ -15,12 +15,23 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
 from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab.backends.base import MEMORY_CLASSES, Backend
 from attnlab.backends.registry import get, registry
 
-__all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select"]
+__all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
+           "PLAN_CACHE_SIZE"]
+
+# Decoding calls the same signature thousands of times; asking every backend each time (flex's
+# NaN scan alone reads all of k and v) costs more than a short attention call itself.
+PLAN_CACHE_SIZE = 512
+_PLANS: OrderedDict = OrderedDict()
 
 
 def check_backend_name(name: object) -> str:
@@ -91,6 +102,13 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         >>> select(build_call(q, q, q), "auto").name in registry()
         True
     """
+    if name == "auto":
+        return _cached_auto(call)
+    return _select(call, name)
+
+
+def _select(call: AttentionCall, name: str) -> Backend:
+    """:func:`select` without the plan cache."""
     if check_backend_name(name) != "auto":
         backend = get(name)
         why_not = reasons_of(backend, call)  # only the named backend's, not every one's
@@ -101,3 +119,49 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     if not serving:  # the reference serves every valid call; this is a programming error
         raise RuntimeError("no attention backend can serve this call")
     return min(serving, key=lambda b: (MEMORY_CLASSES.index(memory_class(b, call)), b.cost(call)))
+
+
+def _signature(call: AttentionCall) -> tuple:
+    """Everything of ``call`` that a backend's capabilities, limits or cost may depend on,
+    except the tensors' values (see :func:`_cached_auto`) and a mask mod's identity (kept in
+    the cache entry, so that a recycled ``id`` cannot match another mod)."""
+    mask = call.mask
+    if isinstance(mask, Tensor):
+        mask_sig = ("tensor", tuple(mask.shape), mask.dtype, mask.requires_grad)
+    else:
+        mask_sig = ("mod" if mask is not None else "none", id(mask))
+    backends = tuple((n, id(b)) for n, b in registry().items())  # (un)registering invalidates
+    return (backends, tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.dtype,
+            call.device, mask_sig, call.causal, call.align, call.scale, call.dropout_p > 0.0,
+            None if call.generator is None else call.generator.device.type, call.return_weights,
+            call.requires_grad, torch.is_grad_enabled())
+
+
+def _cached_auto(call: AttentionCall) -> Backend:
+    """``select(call, "auto")`` remembered per call signature (LRU of :data:`PLAN_CACHE_SIZE`).
+
+    A hit re-asks only the remembered backend whether it serves this call, so a limit that
+    depends on the values (NaN/inf inputs) or on state (flex's compiled variants) still
+    declines; then the full dispatch runs again. Every backend is exact, so a remembered choice
+    can only differ from a fresh one in speed, never in the contract.
+    """
+    key = _signature(call)
+    mod = call.mask if call.mask_kind == "mod" else None
+    entry = _PLANS.get(key)
+    if entry is not None and entry[1] is mod and not reasons_of(entry[0], call):
+        _PLANS.move_to_end(key)
+        return entry[0]
+    backend = _select(call, "auto")
+    _PLANS[key] = (backend, mod)
+    if len(_PLANS) > PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return backend
+
+
+def clear_plans() -> None:
+    """Forget every remembered dispatch decision.
+
+    Example:
+        >>> clear_plans()
+    """
+    _PLANS.clear()

@@ -43,6 +43,21 @@ RATES: dict = {
         "causal_factor": 1.2,  # diagonal tiles
         "dropout_factor": 1.85,  # hashing the dropout bits
     },
+    "blocks": {
+        # The fused CPU flash kernel per 256-query block; FLOPs are the visited (block x span)
+        # pairs. Measured forward at T=8192 B=1 H=8 D=64 fp32 on ONE thread under load ~2.4
+        # (the machine was never idle in that session; one thread gave stable timings): a
+        # 256-key window (spans <= 511 keys) 197 ms = 44 GFLOP/s visited; causal (long spans,
+        # the visible part unmasked) 1.25 s = 57 GFLOP/s visited, where sdpa's is_causal took
+        # 1.02 s (68 GFLOP/s on its halved count, close to the 65e9 above), so these are used
+        # as measured. Forward+backward took 2.7x the forward (window 624/234 ms, 8 packed
+        # documents 750/270 ms). seconds_per_block is a guess.
+        "flops_per_s": {"short": 44e9, "long": 57e9},
+        "short_span_keys": 1024,
+        "forward_backward_factor": 2.7,
+        "seconds_per_block": 40e-6,
+        "call_overhead_s": 60e-6,
+    },
     "flex": {
         "cpu": 60e9,  # compiled CPU kernel, forward (55-70 GFLOP/s)
         "cuda": 250e12,

@@ -3,7 +3,11 @@
 * ``backends`` -- each backend and ``auto`` on causal / padding-masked / unmasked calls;
 * ``memory`` -- peak memory of the reference vs the O(T) backends as T grows, via
   :class:`attnlab._memory.PeakMemory`;
-* ``modules`` -- :func:`attnlab.bench.modules.run_modules_suite`.
+* ``modules`` -- :func:`attnlab.bench.modules.run_modules_suite`;
+* ``sparse`` -- masks with structure (sliding window, packed documents, prefix-LM, chunked
+  local): ``auto``, every serving backend and SDPA given the equivalent dense mask, forward and
+  forward+backward; FLOPs count only the visible (query, key) pairs;
+* ``decode`` -- one decoding step (1 query over a KV cache) through ``auto`` vs raw SDPA.
 
 Example:
     >>> sorted(backend_cases(64))
@@ -21,12 +25,13 @@ from attnlab import backends, masks
 from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
 from attnlab.bench.modules import run_modules_suite
-from attnlab.bench.timing import BenchRow, compare, machine_line, matmul_peak, print_rows
+from attnlab.bench.timing import BenchRow, _fill_ratios, compare, machine_line, matmul_peak, print_rows
 from attnlab.functional import attention
 
-__all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite"]
+__all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
+           "sparse_cases", "sparse_suite", "decode_suite"]
 
-SUITES = ("backends", "memory", "modules")
+SUITES = ("backends", "memory", "modules", "sparse", "decode")
 
 def _attention_inputs(b, h, t, d, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -128,14 +133,107 @@ def memory_suite(*, quick: bool = False) -> list[BenchRow]:
     return rows
 
 
+def sparse_cases(t: int) -> dict[str, object]:
+    """The structured masks the sparse suite times, as mask mods with bounds (causal inside).
+
+    Example:
+        >>> sorted(sparse_cases(64))
+        ['chunked-local 1024', 'packed 8 docs', 'prefix-LM T/4', 'window 256']
+    """
+    return {
+        "window 256": masks.sliding_window_mod(t, t, 256),
+        "packed 8 docs": masks.document_mod(torch.arange(t) // max(1, t // 8)),
+        "prefix-LM T/4": masks.prefix_lm_mod(t, t, t // 4),
+        "chunked-local 1024": masks.chunked_local_mod(t, t, 1024),
+    }
+
+
+def _run_once(mask, q, k, v, backend: str, grad: bool) -> Callable[[], None]:
+    """One forward (no_grad) or forward+backward of ``attention`` as a candidate."""
+    def run():
+        with torch.set_grad_enabled(grad):
+            out = attention(q, k, v, mask=mask, backend=backend)
+            if grad:
+                out.sum().backward()
+    return run
+
+
+def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
+                 rounds: int | None = None) -> list[BenchRow]:
+    """Structured masks at ``T`` in (2048, 8192) (quick: 2048), B=1 H=8 D=64 fp32.
+
+    Candidates: ``auto``, every backend that serves the call (the O(T^2) reference only
+    below T=4096; flex is left out, its CPU compile takes minutes per shape), and
+    ``sdpa dense mask``: SDPA handed the same mask materialised as a dense bool tensor. FLOPs
+    count only the visible pairs: ``2*B*H*visible*(D+Dv)`` forward, 3.5x with backward.
+
+    Example:
+        >>> rows = sparse_suite(quick=True, lengths=(256,), rounds=1)  # doctest: +SKIP
+    """
+    lengths = lengths or ((2048,) if quick else (2048, 8192))
+    rounds = rounds if rounds is not None else (1 if quick else 3)
+    b, h, d = 1, 8, 64
+    rows: list[BenchRow] = []
+    for t in lengths:
+        q, k, v = _attention_inputs(b, h, t, d, torch.float32, "cpu")
+        for case, mod in sparse_cases(t).items():
+            dense = masks.materialize(mod, tq=t, tk=t)  # (1, 1, T, T) bool
+            visible = int(dense.sum())
+            for grad in (False, True):
+                x = [t_.detach().requires_grad_(grad) for t_ in (q, k, v)]
+                with torch.set_grad_enabled(grad):
+                    call = backends.build_call(*x, mask=mod)
+                    chosen = backends.select(call).name
+                    names = [n for n, why in backends.reasons(call).items() if not why and n != "flex"]
+                if t >= 4096:
+                    names = [n for n in names if n != "reference"]
+                candidates = {n: _run_once(mod, *x, n, grad) for n in names}
+                candidates["auto"] = _run_once(mod, *x, "auto", grad)
+                candidates["sdpa dense mask"] = _run_once(dense, *x, "sdpa", grad)
+                seconds = compare(candidates, rounds=rounds, min_run_time=0.05 if quick else 0.2)
+                mode = "fwd+bwd" if grad else "fwd"
+                flops = 2.0 * b * h * visible * 2 * d * (3.5 if grad else 1.0)
+                for name, sec in seconds.items():
+                    note = f"auto -> {chosen}" if name == "auto" else ""
+                    rows.append(BenchRow("sparse", f"{case} {mode} T={t}", name, sec, flops, note=note))
+    return _fill_ratios(rows)
+
+
+def decode_suite(*, lengths: tuple[int, ...] = (64, 1024, 4096), rounds: int = 3) -> list[BenchRow]:
+    """One decoding step, B=1 H=12 D=64, 1 query over ``Tk`` cached keys, one thread:
+    ``attnlab.attention(backend="auto")`` vs raw ``scaled_dot_product_attention``.
+
+    Example:
+        >>> rows = decode_suite(lengths=(16,), rounds=1)  # doctest: +SKIP
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: list[BenchRow] = []
+    try:
+        for tk in lengths:
+            q = torch.randn(1, 12, 1, 64)
+            k, v = torch.randn(1, 12, tk, 64), torch.randn(1, 12, tk, 64)
+            candidates = {
+                "raw sdpa": _no_grad(torch.nn.functional.scaled_dot_product_attention, q, k, v),
+                "auto": _no_grad(attention, q, k, v),
+            }
+            seconds = compare(candidates, rounds=rounds, min_run_time=0.2)
+            flops = attention_flops(1, 12, 1, tk, 64)
+            for name, sec in seconds.items():
+                rows.append(BenchRow("decode", f"decode Tk={tk}", name, sec, flops))
+    finally:
+        torch.set_num_threads(threads)
+    return _fill_ratios(rows)
+
+
 def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]:
-    """Run one suite (``backends``, ``memory``, ``modules``) or ``all`` and print its tables.
+    """Run one suite (``backends``, ``memory``, ``modules``, ``sparse``, ``decode``) or ``all``.
 
     Example:
         >>> run_suite("nope")
         Traceback (most recent call last):
         ...
-        ValueError: suite must be one of ('backends', 'memory', 'modules', 'all'), got 'nope'
+        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'all'), got 'nope'
     """
     if name not in SUITES + ("all",):
         raise ValueError(f"suite must be one of {SUITES + ('all',)}, got {name!r}")
@@ -153,6 +251,13 @@ def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]
         elif suite == "memory":
             rows += (found := memory_suite(quick=quick))
             print_rows(found, title="peak memory, causal forward+backward, B=1 H=4 D=64", console=console)
+        elif suite == "sparse":
+            rows += (found := sparse_suite(quick=quick))
+            print_rows(found, title="structured masks, B=1 H=8 D=64 fp32 (FLOPs: visible pairs only)",
+                       console=console)
+        elif suite == "decode":
+            rows += (found := decode_suite())
+            print_rows(found, title="one decoding step, B=1 H=12 D=64, 1 thread", console=console)
         else:
             _modules_suite(quick, console)
     return rows

@@ -27,6 +27,16 @@ def backends_command(
     dropout: float = typer.Option(0.0, "--dropout", help="Dropout probability, in [0, 1)."),
     grad: bool = typer.Option(False, "--grad", help="The call needs gradients (training)."),
     device: str = typer.Option("cpu", "--device", help=f"Where the call runs: {' or '.join(DEVICES)}."),
+    window: int = typer.Option(0, "--window", show_default=False,
+                               help="A causal sliding-window mask mod of this many keys."),
+    documents: int = typer.Option(0, "--documents", show_default=False,
+                                  help="This many equal packed documents (causal document mask mod)."),
+    prefix: int = typer.Option(0, "--prefix", show_default=False,
+                               help="A prefix-LM mask mod with this many prefix keys."),
+    chunk: int = typer.Option(0, "--chunk", show_default=False,
+                              help="A chunked-local mask mod with chunks of this many keys."),
+    plain_mod: bool = typer.Option(False, "--plain-mod",
+                                   help="A plain mask function (i >= j) that declares no key bounds."),
 ) -> None:
     """Explain which backend attnlab.attention runs for a call of this shape, and why each other
     backend was passed over (cannot serve / O(T^2) memory where O(T) serves / slower)."""
@@ -34,6 +44,11 @@ def backends_command(
 
     tk, kv_heads = _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device)
     q, k, v, mask = _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding)
+    structured = _structured_mask(tq, tk, align, window, documents, prefix, chunk, plain_mod)
+    if structured is not None:
+        if mask is not None:
+            fail("--padding cannot be combined with --window/--documents/--prefix/--chunk/--plain-mod")
+        mask = structured
     options = dict(causal=causal, align=align, dropout_p=dropout)
     if mask is not None:
         options["mask"] = mask
@@ -63,6 +78,33 @@ def _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, dev
     return tk or tq, kv_heads or heads
 
 
+def _structured_mask(tq, tk, align, window, documents, prefix, chunk, plain_mod):
+    """The one mask mod the structured-mask options ask for (None when none is given)."""
+    import torch
+
+    from attnlab import masks
+
+    given = {"--window": window, "--documents": documents, "--prefix": prefix, "--chunk": chunk}
+    with option_errors():
+        for option, value in given.items():
+            non_negative_int(option, value)
+    chosen = [option for option, value in given.items() if value] + (["--plain-mod"] if plain_mod else [])
+    if len(chosen) > 1:
+        fail(f"give at most one structured mask; got {' and '.join(chosen)}")
+    if window:
+        return masks.sliding_window_mod(tq, tk, window, align=align)
+    if documents:
+        length = max(tq, tk)
+        return masks.document_mod(torch.arange(length) * documents // length)
+    if prefix:
+        return masks.prefix_lm_mod(tq, tk, prefix, align=align)
+    if chunk:
+        return masks.chunked_local_mod(tq, tk, chunk, align=align)
+    if plain_mod:
+        return lambda b, h, i, j: i >= j
+    return None
+
+
 def _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding):
     """q, k, v (and the padding mask, or None) of the described call."""
     import torch
@@ -70,10 +112,11 @@ def _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, paddin
     from attnlab import masks
 
     torch_dtype = getattr(torch, dtype)
-    # Only shapes, dtypes and flags matter to dispatch: uninitialised tensors are enough.
-    q = torch.empty(batch, heads, tq, d, dtype=torch_dtype, device=device, requires_grad=grad)
-    k = torch.empty(batch, kv_heads, tk, d, dtype=torch_dtype, device=device, requires_grad=grad)
-    v = torch.empty(batch, kv_heads, tk, d, dtype=torch_dtype, device=device, requires_grad=grad)
+    # Dispatch reads shapes, dtypes and flags, and some backends scan the values for NaN/inf:
+    # zeros (not uninitialised memory, which may hold NaN) keep the answer deterministic.
+    q = torch.zeros(batch, heads, tq, d, dtype=torch_dtype, device=device, requires_grad=grad)
+    k = torch.zeros(batch, kv_heads, tk, d, dtype=torch_dtype, device=device, requires_grad=grad)
+    v = torch.zeros(batch, kv_heads, tk, d, dtype=torch_dtype, device=device, requires_grad=grad)
     mask = None
     if padding:
         lengths = torch.full((batch,), max(1, (3 * tk) // 4), device=device)

@@ -145,11 +145,14 @@ class TransformerBlock(nn.Module):
         self, x: Tensor, *, padding_mask: Tensor | None = None, mask: Tensor | Callable | None = None,
         context: Tensor | None = None, context_padding_mask: Tensor | None = None,
         cache: KVCache | None = None, return_weights: bool = False,
+        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run the layer; with ``return_weights`` also the self-attention weights ``(B, H, T, Tk)``.
 
         The weights come from the attention call that produces the output (see
         :meth:`MultiHeadAttention.forward`), so asking for them does not change the output.
+        ``document_ids`` ``(T,)``/``(B, T)`` packs documents: self-attention stays inside each
+        one and rotary positions restart (see :meth:`MultiHeadAttention.forward`).
 
         Example:
             >>> TransformerBlock(8, 2)(torch.randn(1, 3, 8)).shape
@@ -166,15 +169,17 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"x must be (B, T, {d_model}) or (T, {d_model}), got shape {tuple(x.shape)}")
         # Self-attention writes the cache; a failing cross-attention or MLP must undo that.
         with _restore_on_error([cache], _num_new(x)):
-            return self._layers(x, padding_mask, mask, context, context_padding_mask, cache, return_weights)
+            return self._layers(x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
+                                document_ids)
 
-    def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights):
+    def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
+                document_ids=None):
         weights = None
 
         def self_attention(h: Tensor) -> Tensor:
             nonlocal weights
             result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache,
-                               return_weights=return_weights)
+                               return_weights=return_weights, document_ids=document_ids)
             if not return_weights:
                 return result
             result, weights = result

@@ -25,7 +25,7 @@ from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.functional import attention
 from attnlab.nn.cache import KVCache, _restore_on_error
-from attnlab.nn.positional import RotaryEmbedding
+from attnlab.nn.positional import RotaryEmbedding, apply_rotary
 
 __all__ = ["MultiHeadAttention", "ProjectionView"]
 
@@ -312,6 +312,7 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         return_weights: bool = False,
         value_input: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend and project; see the class docstring for shapes and mask polarity.
 
@@ -327,6 +328,11 @@ class MultiHeadAttention(nn.Module):
                 (before dropout); ``out`` is computed exactly as without them.
             value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``
                 (torch's ``value`` argument; used by interop).
+            document_ids: ``(T,)`` or ``(B, T)`` integer ids of the document each token of a
+                packed sequence belongs to (self-attention, no cache). Attention stays inside
+                each document (:func:`attnlab.masks.document_mod`, ANDed with ``mask`` and the
+                causal mask) and rotary positions restart at 0 at each document start, so a
+                packed batch gives what running each document alone gives.
 
         Returns:
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
@@ -336,26 +342,32 @@ class MultiHeadAttention(nn.Module):
         x, context, value_input, mask, padding_mask = self._batch_inputs(
             x, context, value_input, mask, padding_mask, unbatched
         )
+        documents = _check_documents(document_ids, x, context, cache)
         if cache is not None:
             _check_cache(cache, x, context, self.num_kv_heads)
         # Everything that can be checked is checked before the cache is written; the guard puts
         # the cache back if attention itself fails afterwards.
         with _restore_on_error([cache], x.shape[1]):
             out, weights = self._attend(x, context, value_input, mask, padding_mask, cache,
-                                        return_weights)
+                                        return_weights, documents)
         if unbatched:
             out, weights = out[0], None if weights is None else weights[0]
         return (out, weights) if return_weights else out
 
-    def _attend(self, x, context, value_input, mask, padding_mask, cache, return_weights):
-        """Batched forward: ``(out, weights or None)``; may write ``cache``."""
+    def _attend(self, x, context, value_input, mask, padding_mask, cache, return_weights,
+                documents=None):
+        """Batched forward: ``(out, weights or None)``; may write ``cache``.
+
+        ``documents``: ``(B|1, T)`` int64 document ids of a packed batch, or None."""
         B, Tq, _ = x.shape
         cached = 0 if cache is None else cache.length
         Tk = cached + Tq if context is None else context.shape[1]
         if self.context_length is not None and context is None and Tk > self.context_length:
             raise ValueError(f"{Tk} tokens (cached + new) exceed context_length={self.context_length}")
+        if documents is not None:
+            mask = _with_documents(mask, documents, tq=Tq)
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
-        q, k, v, offset = self._qkv(x, context, value_input, cache)
+        q, k, v, offset = self._qkv(x, context, value_input, cache, documents)
         result = attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
             q, k, v, mask=mask, causal=self.causal and context is None,
             align="bottom_right" if offset else "top_left",
@@ -366,7 +378,7 @@ class MultiHeadAttention(nn.Module):
         context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
         return self.out_proj(context_vec), (result[1] if return_weights else None)
 
-    def _qkv(self, x, context, value_input, cache):
+    def _qkv(self, x, context, value_input, cache, documents=None):
         """Project, apply RoPE at the right positions, and append to the cache."""
         if context is None:
             if x.shape[-1] != self.d_in or not self.fused:
@@ -390,7 +402,10 @@ class MultiHeadAttention(nn.Module):
             q, (k, v) = self.project_q(x), self.project_kv(context, value_input)
             return q, k, v, 0
         offset = 0 if cache is None else cache.length
-        if self.rope is not None:
+        if self.rope is not None and documents is not None:
+            positions = _masks.document_positions(documents)  # (B|1, T), 0 at each document start
+            q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
+        elif self.rope is not None:
             q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, offset + T, hd); checks before it writes
@@ -558,6 +573,44 @@ def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads:
             f"KV cache overflow: {cache.length} positions cached + {x.shape[1]} new > "
             f"max_len={cache.max_len}; create the cache with a larger max_len or reset() it"
         )
+
+
+def _check_documents(document_ids: object, x: Tensor, context, cache) -> Tensor | None:
+    """``document_ids`` as ``(B|1, T)`` int64 after checking it against ``x`` (None passes)."""
+    if document_ids is None:
+        return None
+    if context is not None or cache is not None:
+        raise ValueError("document_ids packs documents for self-attention; it cannot be combined "
+                         "with context= or cache=")
+    instance_of("document_ids", document_ids, Tensor, "an integer tensor (T,) or (B, T)")
+    ids = document_ids if document_ids.ndim != 1 else document_ids[None]  # (B|1, T)
+    B, T = x.shape[:2]
+    if ids.ndim != 2 or ids.shape[1] != T or ids.shape[0] not in (1, B) or ids.dtype.is_floating_point \
+            or ids.dtype == torch.bool:
+        raise ValueError(
+            f"document_ids must be an integer tensor (T,) or (B, T) with T = {T}, B = {B}; got "
+            f"shape {tuple(document_ids.shape)} dtype {document_ids.dtype}"
+        )
+    return ids.to(device=x.device, dtype=torch.int64)
+
+
+def _with_documents(mask, documents: Tensor, *, tq: int):
+    """AND the user's mask with the packed documents' mask mod (made dense for a dense mask)."""
+    mod = _masks.document_mod(documents, causal=False)  # causality stays attention's causal flag
+    if mask is None or not isinstance(mask, Tensor):
+        return _masks.and_masks(mask, mod)
+    dense = _masks.materialize(mod, tq=tq, tk=tq, batch=documents.shape[0], device=documents.device)
+    return _masks.and_masks(mask, dense)  # (B|1, 1, T, T) with the user's dense mask
+
+
+def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` with per-token ``positions`` ``(B|1, T)``."""
+    T = x.shape[-2]
+    cos, sin = rope.cos_sin(T, dtype=x.dtype, device=x.device)  # (T, D/2): positions < T
+    if positions.shape[0] == 1:
+        return apply_rotary(x, cos[positions[0]], sin[positions[0]])
+    return torch.stack([apply_rotary(x[b], cos[positions[b]], sin[positions[b]])
+                        for b in range(x.shape[0])])  # (B, H, T, D)
 
 
 def _check_padding_type(padding_mask: object) -> None:

@@ -1,0 +1,228 @@
+"""The blocks backend against the fp64 reference: forward, gradients, lse, declines, dispatch.
+
+The oracle is the reference backend in fp64 (explicit softmax over the full score matrix with the
+materialised mask). The blocks backend also runs in fp64 here, so the two agree to rounding
+(1e-10); tiny block sizes make every configuration span several query blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import masks, verify
+from attnlab.backends import build_call, get, reasons, select
+from attnlab.backends.blocks import block_spans, blocks_attention, visited_fraction
+
+
+def _inputs(b, hq, hkv, tq, tk, d, dv, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, hkv, tk, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, hkv, tk, dv, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(b, hq, tq, dv, generator=gen, dtype=torch.float64)
+    return q, k, v, d_out
+
+
+def _mod(kind, b, tq, tk, align, gen):
+    """A mask mod with bounds of the given kind (windows wider than T included)."""
+    if kind == "causal":
+        return None
+    if kind == "window":
+        return masks.sliding_window_mod(tq, tk, int(torch.randint(1, 2 * max(tq, tk) + 2, (), generator=gen)),
+                                        align=align)
+    if kind == "window_padding":  # padding of length 0 leaves whole rows dead
+        window = masks.sliding_window_mod(tq, tk, int(torch.randint(1, 9, (), generator=gen)), align=align)
+        return masks.and_masks(window, masks.padding_mod(torch.randint(0, tk + 1, (b,), generator=gen)))
+    if kind == "lambda_and_causal":  # a bounds-less part ANDed with causal keeps causal's bounds
+        return lambda bb, h, i, j: (i + j) % 3 != 1
+    if kind == "prefix":
+        return masks.prefix_lm_mod(tq, tk, int(torch.randint(0, tk + 1, (), generator=gen)), align=align)
+    if kind == "chunked":
+        return masks.chunked_local_mod(tq, tk, int(torch.randint(1, 12, (), generator=gen)), align=align)
+    if kind == "document":
+        ids = torch.sort(torch.randint(0, 4, (b, max(tq, tk)), generator=gen), dim=1).values
+        return masks.document_mod(ids, causal=bool(torch.randint(0, 2, (), generator=gen)))
+    raise AssertionError(kind)
+
+
+KINDS = ("causal", "window", "window_padding", "lambda_and_causal", "prefix", "chunked", "document")
+
+
+def _config(seed):
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(0, len(options), (), generator=gen))]  # noqa: E731
+    hkv, groups = pick((1, 2, 3)), pick((1, 1, 2))
+    tq, tk = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 40, (), generator=gen))
+    if seed % 3 == 0:
+        tk = tq
+    kind = KINDS[seed % len(KINDS)]
+    align = pick(("top_left", "bottom_right"))
+    d = pick((1, 3, 8, 16))
+    dv = d if seed % 2 else pick((2, 5, 8))
+    b = pick((1, 2))
+    mod = _mod(kind, b, tq, tk, align, gen)
+    causal = kind in ("causal", "lambda_and_causal") or bool(torch.randint(0, 2, (), generator=gen))
+    block = pick((1, 4, 7, 16, 256))
+    return dict(shape=(b, hkv * groups, hkv, tq, tk, d, dv), mask=mod, causal=causal, align=align,
+                block=block, kind=kind)
+
+
+def _run(cfg, backend, seed):
+    q, k, v, d_out = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_inputs(*cfg["shape"], seed)))
+    call = build_call(q, k, v, mask=cfg["mask"], causal=cfg["causal"], align=cfg["align"])
+    if backend == "blocks":
+        result = blocks_attention(call, block=cfg["block"])
+        out, lse = result.out, result.lse
+    else:
+        out, lse = get("reference").forward(call).out, None
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v), allow_unused=True)
+    return [out.detach(), *(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))], lse
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole-spans", "split-spans"])
+@pytest.mark.parametrize("seed", range(60))
+def test_forward_and_gradients_match_the_fp64_reference(seed, split, monkeypatch):
+    """split: every run of fully visible keys gets its own kernel call (merged by lse)."""
+    if split:
+        monkeypatch.setattr("attnlab.backends.blocks._MIN_FULL_RUN", 1)
+    cfg = _config(seed)
+    call = build_call(*_inputs(*cfg["shape"], seed)[:3], mask=cfg["mask"], causal=cfg["causal"],
+                      align=cfg["align"])
+    assert reasons(call)["blocks"] == [], cfg["kind"]  # every kind here has bounds
+    want, _ = _run(cfg, "reference", seed)
+    have, _ = _run(cfg, "blocks", seed)
+    for name, w, h in zip(("out", "dq", "dk", "dv"), want, have):
+        assert torch.allclose(h, w, atol=1e-10, rtol=0), (name, cfg["kind"], cfg["shape"])
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_lse_is_the_log_sum_exp_of_the_masked_scores(seed, monkeypatch):
+    monkeypatch.setattr("attnlab.backends.blocks._MIN_FULL_RUN", 1 + seed % 2)
+    cfg = _config(seed)
+    q, k, v, _ = _inputs(*cfg["shape"], seed)
+    call = build_call(q, k, v, mask=cfg["mask"], causal=cfg["causal"], align=cfg["align"])
+    scores = attnlab._math.masked_scores(call, q, attnlab._math.repeat_kv(k, call.q_heads))
+    lse = blocks_attention(call, block=cfg["block"]).lse
+    assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), atol=1e-10, rtol=0)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradient():
+    q, k, v, d_out = _inputs(2, 2, 1, 9, 9, 4, 4, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mod = masks.and_masks(masks.sliding_window_mod(9, 9, 3), masks.padding_mod(torch.tensor([0, 9])))
+    out = attnlab.attention(q, k, v, mask=mod, backend="blocks")
+    (out * d_out).sum().backward()
+    assert out[0].abs().sum() == 0 and q.grad[0].abs().sum() == 0
+    assert k.grad[0].abs().sum() == 0 and v.grad[0].abs().sum() == 0
+    assert out[1].abs().sum() > 0
+
+
+def test_return_weights_match_the_reference():
+    q, k, v, _ = _inputs(1, 2, 2, 21, 21, 8, 8, seed=4)
+    mod = masks.sliding_window_mod(21, 21, 5)
+    _, have = attnlab.attention(q, k, v, mask=mod, backend="blocks", return_weights=True)
+    _, want = attnlab.attention(q, k, v, mask=mod, backend="reference", return_weights=True)
+    assert torch.allclose(have, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conformance_rule_in_low_precision(dtype):
+    results = [verify.check("blocks", c, dtype) for c in verify.configs(40, seed=5, small=True)]
+    served = [r for r in results if r.served]
+    assert served and all(r.passed for r in served), [r for r in served if not r.passed][:3]
+
+
+def test_verify_sweep_serves_blocks_on_most_configs_forward_and_backward():
+    results = verify.sweep(["blocks"], [torch.float32], n=24, seed=1, small=True)
+    served = [r for r in results if r.served]
+    assert len(served) >= 20 and all(r.grad for r in served)
+    assert all(r.passed for r in served)
+
+
+def test_skips_blocks_outside_the_bounds():
+    spans = block_spans(masks.sliding_window_mod(1000, 1000, 10), 1000, 1000, 100)
+    assert all(hi - lo <= 100 + 9 for _, _, lo, hi in spans)
+    q = torch.randn(1, 1, 1024, 4)
+    mod = masks.sliding_window_mod(1024, 1024, 256)
+    dense = masks.materialize(mod, tq=1024, tk=1024)[0, 0]
+    visited = 0  # brute force: each 256-query block spans its first to its last attended key
+    for qs in range(0, 1024, 256):
+        cols = dense[qs:qs + 256].any(dim=0).nonzero()
+        visited += 256 * int(cols.max() - cols.min() + 1)
+    assert visited_fraction(build_call(q, q, q, mask=mod), block=256) == visited / 1024**2
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (dict(mask=torch.ones(6, 6, dtype=torch.bool)), "dense bool mask"),
+        (dict(mask=torch.zeros(6, 6)), "dense float mask"),
+        (dict(), "nothing to skip"),
+        (dict(mask=lambda b, h, i, j: i >= j), "declares no kv_bounds"),
+        (dict(mask=masks.or_masks(masks.causal_mod(6, 6), lambda b, h, i, j: i == j)), "declares no kv_bounds"),
+        (dict(causal=True, dropout_p=0.1), "no dropout"),
+    ],
+)
+def test_declines_what_it_cannot_skip_or_keep_exact(options, words):
+    q = torch.randn(1, 1, 6, 4)
+    why_not = reasons(build_call(q, q, q, **options))["blocks"]
+    assert any(words in reason for reason in why_not), why_not
+    with pytest.raises(ValueError, match="cannot serve"):
+        attnlab.attention(q, q, q, backend="blocks", **options)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_declines_nan_inputs_and_auto_keeps_the_nan_rule(where):
+    q, k, v, _ = _inputs(1, 1, 1, 8, 8, 4, 4, seed=6)
+    {"q": q, "k": k, "v": v}[where][0, 0, 5, 1] = float("nan")
+    call = build_call(q, k, v, causal=True)
+    assert any("NaN" in r for r in reasons(call)["blocks"])
+    out = attnlab.attention(q, k, v, causal=True)
+    want = attnlab.attention(q, k, v, causal=True, backend="reference")
+    assert torch.equal(out.isnan(), want.isnan())
+
+
+def test_auto_picks_blocks_where_it_skips_most_and_sdpa_for_dense_calls():
+    q = torch.randn(1, 8, 8192, 64)
+    window = build_call(q, q, q, mask=masks.sliding_window_mod(8192, 8192, 256))
+    assert select(window).name == "blocks"
+    assert "visits" in get("blocks").memory_note(window)
+    assert select(build_call(q, q, q)).name == "sdpa"
+    short = torch.randn(1, 1, 16, 8)
+    assert select(build_call(short, short, short, causal=True)).name == "sdpa"
+
+
+def test_why_says_why_a_bounds_less_mod_cannot_be_skipped():
+    q = torch.randn(1, 1, 6, 4)
+    text = attnlab.backends.why(q, q, q, mask=lambda b, h, i, j: i >= j)
+    assert "blocks: cannot serve: blocks cannot skip: the mask mod declares no kv_bounds" in text
+
+
+# ----------------------------------------------------------------------------- CLI and suites
+def test_backends_cli_explains_structured_masks():
+    from typer.testing import CliRunner
+
+    from attnlab.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["backends", "--window", "256", "--tq", "8192"])
+    q = torch.zeros(1, 8, 8192, 64)
+    share = visited_fraction(build_call(q, q, q, mask=masks.sliding_window_mod(8192, 8192, 256)))
+    assert result.exit_code == 0 and "runs on 'blocks'" in result.output
+    assert f"visits {share:.0%}" in result.output
+    result = runner.invoke(app, ["backends", "--plain-mod", "--tq", "64"])
+    assert "blocks: cannot serve: blocks cannot skip" in result.output
+    result = runner.invoke(app, ["backends", "--window", "3", "--documents", "2"])
+    assert result.exit_code == 2 and "at most one structured mask" in result.output
+
+
+def test_sparse_and_backends_suites_run_on_tiny_shapes():
+    """Regression: suites.py used _fill_ratios without importing it (NameError)."""
+    from attnlab.bench import suites
+
+    rows = suites.sparse_suite(quick=True, lengths=(64,), rounds=1)
+    assert {r.name for r in rows} >= {"auto", "blocks", "sdpa dense mask"}
+    assert all(r.ratio is not None for r in rows)
+    assert suites.backends_suite(quick=True, t=32, rounds=1)
