@@ -208,3 +208,27 @@ def test_bad_arguments_are_type_errors_naming_them(tmp_path):
         io.save(nn.Linear(2, 2).state_dict(), tmp_path / "x.safetensors")
     with pytest.raises(TypeError, match="metadata must map str to str; got 'step': 3"):
         io.save(nn.Linear(2, 2), tmp_path / "x.safetensors", metadata={"step": 3})
+
+
+@pytest.mark.parametrize("first_bytes", [b"\x80", b"PK"], ids=["0x80", "PK"])
+def test_a_header_length_that_starts_like_a_pickle_still_loads(tmp_path, first_bytes):
+    """A valid file whose header length's low bytes read 0x80 or 'PK' was refused as a pickle."""
+    import struct
+
+    import safetensors.torch
+
+    module = nn.Linear(3, 2)
+    path = tmp_path / "m.safetensors"
+    target, modulus = int.from_bytes(first_bytes, "little"), 256 ** len(first_bytes)
+
+    def header_len(pad: int) -> int:
+        safetensors.torch.save_file(dict(module.state_dict()), str(path), metadata={"pad": "x" * pad})
+        return struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+    start = (target - header_len(0)) % modulus  # the header grows one byte per padding character
+    pad = next(p for p in range(max(0, start - 8), start + 9) if header_len(p) % modulus == target)
+    header_len(pad)
+    assert path.read_bytes().startswith(first_bytes)
+    fresh = nn.Linear(3, 2)
+    io.load(fresh, path)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), module.state_dict().values()))

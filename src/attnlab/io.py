@@ -76,6 +76,10 @@ def check_safetensors(path: str | os.PathLike) -> None:
 
 
 def _describe_pickle(head: bytes) -> str | None:
+    # A safetensors header (a JSON object) starts at byte 8 whatever its 8-byte length reads as:
+    # lengths whose first byte is 0x80 or "PK" are legal, so that byte decides first.
+    if head[8:9] == b"{":
+        return None
     if head[:2] == b"PK":
         return "it looks like a torch.save zip/pickle checkpoint"
     if head[:1] == b"\x80":
