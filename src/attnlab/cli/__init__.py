@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from attnlab.cli import backends_cmd, bench_cmd, explain_cmd, verify_cmd
+from attnlab.cli import backends_cmd, bench_cmd, explain_cmd, train_cmd, verify_cmd
 from attnlab.cli._errors import OneLineErrorsGroup
 
 HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
@@ -16,7 +16,8 @@ HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and v
 Start with `attnlab explain` to watch a sentence go through self-attention step by step
 (it also writes heatmaps and an offline HTML report). `attnlab verify` checks every fast
 backend against the fp64 reference on this machine, `attnlab backends` says which backend
-a call would use and why, and `attnlab bench` times them. `attnlab COMMAND --help` for more.
+a call would use and why, and `attnlab bench` times them. `attnlab train` trains a small GPT
+on your CPU and names the heads that learned the task. `attnlab COMMAND --help` for more.
 """
 
 app = typer.Typer(
@@ -35,7 +36,7 @@ def _root() -> None:
     """Keep `attnlab` a group of commands (typer collapses a one-command app)."""
 
 
-for _command in (explain_cmd, verify_cmd, backends_cmd, bench_cmd):
+for _command in (explain_cmd, train_cmd, verify_cmd, backends_cmd, bench_cmd):
     _command.register(app)
 
 
