@@ -272,7 +272,7 @@ def make_task(name: str, *, text: str | os.PathLike | None = None, chars: list[s
 # ----------------------------------------------------------------------- config
 # Per-task defaults. Rotary positions make the previous-token head easy to learn: with them the
 # induction task's phase change comes after ~500 steps (learned positions: none in 1500).
-_TASK_DEFAULTS = {
+TASK_DEFAULTS = {
     "induction": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1000, batch_size=32, lr=3e-3,
                       positions="rope"),
     "recall": dict(layers=2, heads=4, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
@@ -319,7 +319,7 @@ class TrainConfig:
             5
         """
         one_of("task", self.task, TASKS)
-        filled = {k: (v if getattr(self, k) is None else getattr(self, k)) for k, v in _TASK_DEFAULTS[self.task].items()}
+        filled = {k: (v if getattr(self, k) is None else getattr(self, k)) for k, v in TASK_DEFAULTS[self.task].items()}
         config = dataclasses.replace(self, **filled)
         for name in ("layers", "heads", "d_model", "steps", "batch_size", "eval_every", "eval_sequences"):
             positive_int(name, getattr(config, name))

@@ -16,7 +16,7 @@ import torch
 import typer
 
 from attnlab import train as _train
-from attnlab._checks import positive_int, positive_number
+from attnlab._checks import one_of, positive_int, positive_number
 from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, check_seed, fail, option_errors
 from attnlab.models.gpt import write_text_atomically
 
@@ -96,9 +96,11 @@ def _make_trainer(task, layers, heads, d_model, attention_only, steps, batch_siz
     config = _train.TrainConfig(task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only,
                                 steps=steps, batch_size=batch_size, lr=lr, seed=seed, device=device,
                                 positions=positions, text=None if text is None else str(text))
-    resolved = config.resolved()
-    if resolved.d_model % resolved.heads:
-        fail(f"--heads {resolved.heads} must divide --d-model {resolved.d_model}")
+    one_of("--task", task, _train.TASKS)
+    defaults = _train.TASK_DEFAULTS[task]
+    heads, d_model = heads or defaults["heads"], d_model or defaults["d_model"]
+    if d_model % heads:
+        fail(f"--heads {heads} must divide --d-model {d_model} (each head gets d_model / heads features)")
     return _train.Trainer(config)
 
 

@@ -1,0 +1,121 @@
+"""``attnlab train`` and ``attnlab generate``: outputs, Ctrl-C and resume, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnlab import train as _train
+from attnlab.cli import app
+from attnlab.models import GPT
+
+runner = CliRunner()
+TINY = ["--d-model", "16", "--heads", "2", "--batch-size", "4"]
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    threads = torch.get_num_threads()  # the command sets --threads (default 1) for the process
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def small_eval(monkeypatch):
+    """Held-out sets of 16 sequences, so a test run evaluates in milliseconds."""
+    monkeypatch.setattr(_train.TrainConfig, "eval_sequences", 16)
+
+
+def assert_one_error_line(result, *words: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    for word in words:
+        assert word in lines[0], result.output
+
+
+def test_train_writes_checkpoint_metrics_curves_and_heatmaps(tmp_path, small_eval):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--steps", "3", *TINY, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for name in ("model.safetensors", "config.json", "metrics.json", "optimizer.safetensors", "curves.png",
+                 "heads.png", "attention-layer0.png", "attention-layer1.png"):
+        assert (out / name).is_file(), name
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["task"] == "induction" and metrics["steps"] == 3 and metrics["seconds"] > 0
+    assert 0 <= metrics["accuracy"] <= 1 and metrics["loss"] > 0
+    assert len(metrics["heads"]["induction"]) == 2 and len(metrics["heads"]["ablation_accuracy"][1]) == 2
+    assert metrics["summary"] in result.output.replace("\n", " ") or "Held-out accuracy" in result.output
+    assert GPT.from_pretrained(out).config["num_heads"] == 2
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_resume_matches_an_uninterrupted_run(
+        tmp_path, small_eval, monkeypatch):
+    whole = tmp_path / "whole"
+    assert runner.invoke(app, ["train", "--task", "sort", "--steps", "6", *TINY, "--out", str(whole)]).exit_code == 0
+    original = _train.Trainer.train_step
+
+    def interrupting_step(self):
+        result = original(self)
+        if self.step == 2:  # Ctrl-C arrives during step 2
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(_train.Trainer, "train_step", interrupting_step)
+    part = tmp_path / "part"
+    result = runner.invoke(app, ["train", "--task", "sort", "--steps", "6", *TINY, "--out", str(part)])
+    assert result.exit_code == 130, result.output
+    assert f"attnlab train --resume {part}" in result.output.replace("\n", "")
+    assert json.loads((part / "config.json").read_text())["step"] == 2
+    monkeypatch.setattr(_train.Trainer, "train_step", original)
+    result = runner.invoke(app, ["train", "--resume", str(part)])
+    assert result.exit_code == 0, result.output
+    assert "from step 2" in result.output
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in (whole, part))
+    assert a["history"]["train_loss"] == b["history"]["train_loss"] and a["loss"] == b["loss"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--steps", "0"], ["--steps", "positive"]),
+    (["--heads", "3", "--d-model", "16"], ["--heads 3", "--d-model 16"]),
+    (["--task", "text"], ["--text"]),
+    (["--task", "nope"], ["task", "nope"]),
+    (["--seed", "-1"], ["--seed"]),
+    (["--lr", "0"], ["--lr"]),
+])
+def test_bad_options_give_one_error_line_and_write_nothing(tmp_path, args, words):
+    out = tmp_path / "out"
+    assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), *words)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("missing.txt", None, ["missing.txt", "cannot be read"]),
+    ("empty.txt", b"", ["empty.txt", "is empty"]),
+    ("latin1.txt", "café".encode("latin-1") * 50, ["latin1.txt", "not UTF-8"]),
+])
+def test_bad_text_files_give_one_error_line_and_write_nothing(tmp_path, name, content, words):
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train", "--task", "text", "--text", str(tmp_path / name), "--out", str(out)])
+    assert_one_error_line(result, *words)
+    assert not out.exists()
+
+
+def test_unwritable_out_gives_one_error_line_and_leaves_nothing(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert_one_error_line(runner.invoke(app, ["train", "--out", str(blocker / "sub")]), "--out", "a-file")
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_resume_of_a_folder_that_is_not_a_checkpoint_is_one_error_line(tmp_path):
+    assert_one_error_line(runner.invoke(app, ["train", "--resume", str(tmp_path / "none")]), "--resume", "none")
