@@ -119,3 +119,46 @@ def test_unwritable_out_gives_one_error_line_and_leaves_nothing(tmp_path):
 
 def test_resume_of_a_folder_that_is_not_a_checkpoint_is_one_error_line(tmp_path):
     assert_one_error_line(runner.invoke(app, ["train", "--resume", str(tmp_path / "none")]), "--resume", "none")
+
+
+@pytest.fixture
+def text_checkpoint(tmp_path, small_eval, monkeypatch):
+    monkeypatch.setitem(_train.TASK_DEFAULTS, "text", {**_train.TASK_DEFAULTS["text"], "layers": 1})
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. " * 80, encoding="utf-8")
+    out = tmp_path / "text-run"
+    result = runner.invoke(app, ["train", "--task", "text", "--text", str(corpus), "--steps", "2", *TINY,
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_generate_prints_the_prompt_continued_and_tokens_per_second(text_checkpoint):
+    result = runner.invoke(app, ["generate", "--model", str(text_checkpoint), "--prompt", "the c",
+                                 "--max-new-tokens", "12", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("the c") and len(first) == 5 + 12
+    assert "12 tokens in" in result.output and "tokens/s" in result.output
+    model = GPT.from_pretrained(text_checkpoint)  # the same greedy continuation from the library
+    index = {c: i for i, c in enumerate(model.extra["chars"])}
+    ids = model.generate(torch.tensor([[index[c] for c in "the c"]]), 12)[0].tolist()
+    assert first == "".join(model.extra["chars"][i] for i in ids)
+    uncached = runner.invoke(app, ["generate", "--model", str(text_checkpoint), "--prompt", "the c",
+                                   "--max-new-tokens", "12", "--temperature", "0", "--no-cache"])
+    assert uncached.output.splitlines()[0] == first
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompt", "the zebra"], ["never saw", "z"]),
+    (["--prompt", "the", "--max-new-tokens", "1000"], ["--max-new-tokens 1000", "at most 125"]),
+    (["--prompt", "the", "--temperature", "-1"], ["--temperature"]),
+    (["--prompt", "the", "--top-k", "0"], ["--top-k"]),
+])
+def test_generate_refuses_bad_options_in_one_line(text_checkpoint, args, words):
+    assert_one_error_line(runner.invoke(app, ["generate", "--model", str(text_checkpoint), *args]), *words)
+
+
+def test_generate_with_a_missing_model_is_one_error_line(tmp_path):
+    assert_one_error_line(runner.invoke(app, ["generate", "--model", str(tmp_path / "x"), "--prompt", "a"]),
+                          "--model", "does not exist")
