@@ -162,3 +162,16 @@ def test_generate_refuses_bad_options_in_one_line(text_checkpoint, args, words):
 def test_generate_with_a_missing_model_is_one_error_line(tmp_path):
     assert_one_error_line(runner.invoke(app, ["generate", "--model", str(tmp_path / "x"), "--prompt", "a"]),
                           "--model", "does not exist")
+
+
+def test_explain_opens_a_trained_gpt_checkpoint_with_head_grid_and_head_view(tmp_path, small_eval):
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["train", "--steps", "2", *TINY, "--out", str(run)]).exit_code == 0
+    out = tmp_path / "explain"
+    result = runner.invoke(app, ["explain", "--model", str(run), "3 17 5 9 3 17", "--query", "17",
+                                 "--out", str(out), "--format", "png"])
+    assert result.exit_code == 0, result.output
+    assert "2 layers x 2 heads" in result.output
+    assert (out / "heads.png").is_file() and list(out.glob("headview-layer*.png"))
+    bad = runner.invoke(app, ["explain", "--model", str(run), "not ids", "--out", str(out)])
+    assert_one_error_line(bad, "token ids in 0..63")
