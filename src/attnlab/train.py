@@ -136,6 +136,8 @@ class RecallTask(Task):
     name = "recall"
 
     def __init__(self, *, num_keys: int = 32, num_values: int = 32, pairs: int = 12, queries: int = 12):
+        if queries > pairs:
+            raise ValueError(f"queries ({queries}) must be at most pairs ({pairs}): each key is asked once")
         self.num_keys, self.num_values, self.pairs, self.queries = num_keys, num_values, pairs, queries
         self.vocab_size = num_keys + num_values + 1  # keys, values, separator
         self.seq_len = 2 * pairs + 1 + 2 * queries
@@ -144,7 +146,8 @@ class RecallTask(Task):
         B, n, q = batch_size, self.pairs, self.queries
         keys = _randperm_rows(B, self.num_keys, generator)[:, :n]  # distinct keys per sequence
         values = self.num_keys + torch.randint(0, self.num_values, (B, n), generator=generator)
-        asked = torch.randint(0, n, (B, q), generator=generator)
+        # distinct queries: a repeated one could be answered by copying its earlier answer
+        asked = _randperm_rows(B, n, generator)[:, :q]
         sep = torch.full((B, 1), self.vocab_size - 1)
         q_keys, q_values = keys.gather(1, asked), values.gather(1, asked)
         pairs = torch.stack([keys, values], dim=2).reshape(B, 2 * n)  # (B, 2n): k v k v ...
@@ -194,7 +197,14 @@ class SortTask(_SequenceTask):
 
 
 class TextTask(Task):
-    """Character-level language modelling of a text; the last 10 % is held out."""
+    """Character-level language modelling of a text; the last 10 % is held out.
+
+    Example:
+        >>> task = TextTask("to be or not to be " * 20, seq_len=8)
+        >>> inputs, targets = task.batch(2, torch.Generator().manual_seed(0))
+        >>> torch.equal(inputs[:, 1:], targets[:, :-1])
+        True
+    """
 
     name = "text"
 
