@@ -51,7 +51,8 @@ def test_train_writes_checkpoint_metrics_curves_and_heatmaps(tmp_path, small_eva
     assert metrics["task"] == "induction" and metrics["steps"] == 3 and metrics["seconds"] > 0
     assert 0 <= metrics["accuracy"] <= 1 and metrics["loss"] > 0
     assert len(metrics["heads"]["induction"]) == 2 and len(metrics["heads"]["ablation_accuracy"][1]) == 2
-    assert metrics["summary"] in result.output.replace("\n", " ") or "Held-out accuracy" in result.output
+    assert metrics["summary"].startswith(f"Held-out accuracy {100 * metrics['accuracy']:.1f} %")
+    assert metrics["summary"].split(". ")[0] in result.output
     assert GPT.from_pretrained(out).config["num_heads"] == 2
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
 

@@ -283,7 +283,7 @@ def make_task(name: str, *, text: str | os.PathLike | None = None, chars: list[s
 # Per-task defaults. Rotary positions make the previous-token head easy to learn: with them the
 # induction task's phase change comes after ~500 steps (learned positions: none in 1500).
 TASK_DEFAULTS = {
-    "induction": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1000, batch_size=32, lr=3e-3,
+    "induction": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
                       positions="rope"),
     "recall": dict(layers=2, heads=4, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
                    positions="rope"),
