@@ -122,14 +122,20 @@ def test_resume_of_a_folder_that_is_not_a_checkpoint_is_one_error_line(tmp_path)
     assert_one_error_line(runner.invoke(app, ["train", "--resume", str(tmp_path / "none")]), "--resume", "none")
 
 
-@pytest.fixture
-def text_checkpoint(tmp_path, small_eval, monkeypatch):
-    monkeypatch.setitem(_train.TASK_DEFAULTS, "text", {**_train.TASK_DEFAULTS["text"], "layers": 1})
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    """One tiny text model trained through the CLI, shared by the generate tests (it is only read)."""
+    tmp_path = tmp_path_factory.mktemp("text")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. " * 80, encoding="utf-8")
     out = tmp_path / "text-run"
-    result = runner.invoke(app, ["train", "--task", "text", "--text", str(corpus), "--steps", "2", *TINY,
-                                 "--out", str(out)])
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_train.TrainConfig, "eval_sequences", 16)
+        patch.setitem(_train.TASK_DEFAULTS, "text", {**_train.TASK_DEFAULTS["text"], "layers": 1})
+        result = runner.invoke(app, ["train", "--task", "text", "--text", str(corpus), "--steps", "2", *TINY,
+                                     "--out", str(out)])
+    torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
     return out
 
