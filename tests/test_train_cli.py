@@ -122,6 +122,11 @@ def test_resume_of_a_folder_that_is_not_a_checkpoint_is_one_error_line(tmp_path)
     assert_one_error_line(runner.invoke(app, ["train", "--resume", str(tmp_path / "none")]), "--resume", "none")
 
 
+def test_resume_refuses_options_the_checkpoint_fixes(tmp_path):
+    result = runner.invoke(app, ["train", "--resume", str(tmp_path), "--heads", "4", "--lr", "0.1"])
+    assert_one_error_line(result, "--heads, --lr cannot change on --resume")
+
+
 @pytest.fixture(scope="module")
 def text_checkpoint(tmp_path_factory):
     """One tiny text model trained through the CLI, shared by the generate tests (it is only read)."""

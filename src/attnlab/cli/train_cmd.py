@@ -76,6 +76,12 @@ def _make_trainer(task, layers, heads, d_model, attention_only, steps, batch_siz
     """The trainer for the options (every ValueError names its option); nothing is written."""
     _check_device(device)
     if resume is not None:
+        fixed = {"--layers": layers, "--heads": heads, "--d-model": d_model, "--attention-only/--mlp": attention_only,
+                 "--batch-size": batch_size, "--lr": lr, "--positions": positions, "--text": text}
+        given = [option for option, value in fixed.items() if value is not None]
+        if given:
+            fail(f"{', '.join(given)} cannot change on --resume (the checkpoint fixes them; only --steps, "
+                 "--device, --threads and --out can)")
         if steps is not None:
             positive_int("--steps", steps)
         try:
