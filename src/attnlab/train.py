@@ -809,7 +809,7 @@ def write_figures(trainer: Trainer, analysis: dict, directory: str | os.PathLike
     labels = trainer.task.labels(analysis["example"])
     weights = analysis["weights"]  # (L, H, T, T)
     name = f"{trainer.config.task}, step {trainer.step}"
-    written += save_figure(head_grid(weights, labels, title=f"{name}: every layer and head"),
+    written += save_figure(head_grid(weights, labels, title=f"{trainer.config.task}: all heads"),
                            directory / "heads", formats=("png",))
     for layer in range(weights.shape[0]):
         figure = heatmap(weights[layer], rows=labels, cols=labels, title=f"{name}: layer {layer}",
