@@ -47,6 +47,8 @@ def test_recall_reverse_and_sort_targets_follow_their_definitions():
     for row, target in zip(inputs.tolist(), targets.tolist()):
         pairs = dict(zip(row[0:24:2], row[1:24:2]))
         assert len(pairs) == 12
+        asked = [row[t] for t, y in enumerate(target) if y != IGNORE]
+        assert len(asked) == len(set(asked)) == 12  # each key asked once: no answer to copy from an earlier query
         for t, y in enumerate(target):
             if y != IGNORE:
                 assert y == pairs[row[t]]
