@@ -28,7 +28,8 @@ def restore_threads():
 @pytest.fixture
 def small_eval(monkeypatch):
     """Held-out sets of 16 sequences, so a test run evaluates in milliseconds."""
-    monkeypatch.setattr(_train.TrainConfig, "eval_sequences", 16)
+    for task, defaults in _train.TASK_DEFAULTS.items():
+        monkeypatch.setitem(_train.TASK_DEFAULTS, task, {**defaults, "eval_sequences": 16})
 
 
 def assert_one_error_line(result, *words: str) -> None:
@@ -136,8 +137,8 @@ def text_checkpoint(tmp_path_factory):
     out = tmp_path / "text-run"
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_train.TrainConfig, "eval_sequences", 16)
-        patch.setitem(_train.TASK_DEFAULTS, "text", {**_train.TASK_DEFAULTS["text"], "layers": 1})
+        patch.setitem(_train.TASK_DEFAULTS, "text", {**_train.TASK_DEFAULTS["text"], "layers": 1,
+                                                      "eval_sequences": 16})
         result = runner.invoke(app, ["train", "--task", "text", "--text", str(corpus), "--steps", "2", *TINY,
                                      "--out", str(out)])
     torch.set_num_threads(threads)

@@ -284,15 +284,15 @@ def make_task(name: str, *, text: str | os.PathLike | None = None, chars: list[s
 # induction task's phase change comes after ~500 steps (learned positions: none in 1500).
 TASK_DEFAULTS = {
     "induction": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
-                      positions="rope"),
+                      positions="rope", eval_sequences=512),
     "recall": dict(layers=2, heads=4, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
-                   positions="rope"),
+                   positions="rope", eval_sequences=512),
     "reverse": dict(layers=2, heads=4, d_model=64, attention_only=False, steps=1500, batch_size=32, lr=3e-3,
-                  positions="rope"),
+                  positions="rope", eval_sequences=512),
     "sort": dict(layers=2, heads=4, d_model=64, attention_only=False, steps=1500, batch_size=32, lr=3e-3,
-                  positions="rope"),
+                  positions="rope", eval_sequences=512),
     "text": dict(layers=4, heads=4, d_model=128, attention_only=False, steps=2000, batch_size=32, lr=1e-3,
-                 positions="learned"),
+                 positions="learned", eval_sequences=64),  # 64 windows of 128 characters: 8k held-out predictions
 }
 
 
@@ -318,7 +318,7 @@ class TrainConfig:
     positions: str | None = None
     text: str | None = None
     eval_every: int = 100
-    eval_sequences: int = 512
+    eval_sequences: int | None = None
     warmup: int = 50
 
     def resolved(self) -> "TrainConfig":
