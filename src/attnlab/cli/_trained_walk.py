@@ -4,14 +4,18 @@
 table of the word the query word attends to most, and the head that links it most strongly to
 each other word; it writes the layers x heads grid, the head view of one layer and an offline
 report. The default (tutorial) walk ends with one paragraph of the same for the trained MiniLM.
+A directory whose ``config.json`` says ``model_type`` ``attnlab-gpt`` (a checkpoint of ``attnlab
+train``) or ``gpt2`` is opened as a :class:`~attnlab.models.GPT` instead: one token per word
+(characters of a text model, else token ids given as ``"3 17 5 3"``), causal weights.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from attnlab.cli._errors import fail
-from attnlab.models import BertEncoder
+from attnlab.models import GPT, BertEncoder
 from attnlab.trained import Link, WordAttention, trace_model
 
 DEFAULT_MODEL = "minilm"
@@ -25,15 +29,67 @@ def display_name(model: str) -> str:
     return DISPLAY_NAMES.get(model, Path(model).name or model)
 
 
-def load(model: str) -> BertEncoder:
+class GPTWalker:
+    """A GPT dressed as the encoder :func:`attnlab.trained.trace_model` reads: one token per word."""
+
+    def __init__(self, model: GPT):
+        self.model = model
+        self.chars = model.extra.get("chars")
+
+    def word_pieces(self, sentence: str, *, truncate: bool = False) -> tuple[list[str], list[int], list[int]]:
+        ids = self._ids(sentence)
+        limit = self.model.max_len
+        if len(ids) > limit:
+            if not truncate:
+                raise ValueError(f"the input has {len(ids)} tokens, more than the model's {limit} positions; "
+                                 "pass truncate=True to cut it")
+            ids = ids[:limit]
+        labels = [repr(self.chars[i])[1:-1] if self.chars else str(i) for i in ids]
+        return labels, list(range(len(ids))), ids
+
+    def _ids(self, sentence: str) -> list[int]:
+        if self.chars is not None:
+            unknown = sorted(set(sentence) - set(self.chars))
+            if unknown:
+                raise ValueError(f"characters {''.join(unknown)!r} are not in the model's vocabulary")
+            return [self.chars.index(c) for c in sentence]
+        vocab = self.model.config["vocab_size"]
+        try:
+            ids = [int(piece) for piece in sentence.split()]
+        except ValueError:
+            ids = []
+        if not ids or not all(0 <= i < vocab for i in ids):
+            raise ValueError(f"this model has no text vocabulary: give token ids in 0..{vocab - 1} separated by "
+                             f"spaces (e.g. '3 17 5 9 3 17'), got {sentence!r}")
+        return ids
+
+    def __call__(self, input_ids, attention_mask=None, *, return_weights: bool = True):
+        return self.model(input_ids, return_weights=return_weights)
+
+
+def _gpt_directory(model: str) -> bool:
+    """Whether ``--model`` names a directory whose config.json describes a GPT."""
+    config = Path(model) / "config.json"
+    if model in DISPLAY_NAMES or not config.is_file():
+        return False
+    try:
+        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False
+    return kind in ("attnlab-gpt", "gpt2")
+
+
+def load(model: str) -> BertEncoder | GPTWalker:
     """The encoder for ``--model``; every failure is one ``error:`` line naming the model or file."""
     try:
+        if _gpt_directory(model):
+            return GPTWalker(GPT.from_pretrained(model))
         return BertEncoder.from_pretrained(model)
     except (FileNotFoundError, ValueError, ImportError) as err:
         fail(f"--model {model!r}: {err}")
 
 
-def view_for(encoder: BertEncoder, sentence: str, *, truncate: bool) -> WordAttention:
+def view_for(encoder: BertEncoder | GPTWalker, sentence: str, *, truncate: bool) -> WordAttention:
     """The sentence's word-level attention; a sentence too long for the model is refused (or cut)."""
     try:
         return trace_model(encoder, sentence, truncate=truncate)

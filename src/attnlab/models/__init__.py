@@ -15,5 +15,6 @@ Example:
 """
 
 from attnlab.models.bert import BertEncoder
+from attnlab.models.gpt import GPT
 
-__all__ = ["BertEncoder"]
+__all__ = ["BertEncoder", "GPT"]

@@ -104,8 +104,13 @@ class TransformerBlock(nn.Module):
         norm_first: pre-norm (True) or post-norm (False) residual arrangement.
         activation: the MLP's activation (see :class:`FeedForward`).
         backend: attention backend name or ``"auto"``.
+        mlp: include the MLP sub-layer. ``mlp=False`` gives an attention-only block
+            (``norm_mlp`` and ``mlp`` are None), the setting of circuit studies, where every
+            path from input to output goes through attention heads.
 
     Example:
+        >>> TransformerBlock(16, 2, mlp=False).mlp is None
+        True
         >>> block = TransformerBlock(16, 2, causal=True)
         >>> block(torch.randn(3, 5, 16)).shape
         torch.Size([3, 5, 16])
@@ -120,6 +125,7 @@ class TransformerBlock(nn.Module):
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
+        mlp: bool = True,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -137,8 +143,11 @@ class TransformerBlock(nn.Module):
                 d_model, d_model, None, dropout_p, num_heads, causal=False,
                 num_kv_heads=num_kv_heads, kdim=d_context, **common,
             )
-        self.norm_mlp = nn.LayerNorm(d_model, eps=norm_eps)
-        self.mlp = FeedForward(d_model, d_ff=d_ff, dropout_p=dropout_p, bias=bias, activation=activation)
+        instance_of("mlp", mlp, bool, "a bool")
+        self.norm_mlp = self.mlp = None
+        if mlp:
+            self.norm_mlp = nn.LayerNorm(d_model, eps=norm_eps)
+            self.mlp = FeedForward(d_model, d_ff=d_ff, dropout_p=dropout_p, bias=bias, activation=activation)
         self.residual_dropout = nn.Dropout(dropout_p)
 
     def forward(
@@ -192,7 +201,8 @@ class TransformerBlock(nn.Module):
                 lambda h: self.cross_attn(h, context=context, padding_mask=context_padding_mask),
                 self.residual_dropout,
             )
-        x = self._residual(x, self.norm_mlp, self.mlp, None)  # the MLP applies its own dropout
+        if self.mlp is not None:
+            x = self._residual(x, self.norm_mlp, self.mlp, None)  # the MLP applies its own dropout
         return (x, weights) if return_weights else x
 
     def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer: Callable[[Tensor], Tensor],
@@ -249,7 +259,7 @@ class TransformerEncoder(_Stack):
         num_layers: number of blocks.
         d_model, num_heads: width and heads.
         **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout_p``,
-            ``num_kv_heads``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
+            ``num_kv_heads``, ``rope``, ``bias``, ``norm_eps``, ``backend``, ``mlp``).
 
     Example:
         >>> enc = TransformerEncoder(2, 16, 2, d_ff=32)
@@ -277,7 +287,7 @@ class TransformerDecoder(_Stack):
         d_model, num_heads: width and heads.
         cross_attention: each block also attends to ``context`` (encoder-decoder models).
         **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout_p``,
-            ``num_kv_heads``, ``d_context``, ``rope``, ``bias``, ``norm_eps``, ``backend``).
+            ``num_kv_heads``, ``d_context``, ``rope``, ``bias``, ``norm_eps``, ``backend``, ``mlp``).
 
     Example:
         >>> dec = TransformerDecoder(2, 16, 2, rope=True)

@@ -1,0 +1,452 @@
+"""A decoder-only (GPT) language model built from attnlab modules, with ``generate``.
+
+:class:`GPT` is a token embedding, learned or rotary positions, pre-norm
+:class:`~attnlab.nn.TransformerBlock` s (causal; optionally attention-only, optionally with
+grouped-query attention), a final LayerNorm and an output projection tied to the token
+embedding. :meth:`GPT.generate` decodes greedily or by sampling, with a KV cache by default.
+:meth:`GPT.from_pretrained` reads attnlab's own directories (:meth:`GPT.save_pretrained`) and
+Hugging Face GPT-2 directories (``config.json`` + ``model.safetensors``; the ``Conv1D``
+weights, stored ``(in, out)``, are transposed into ``nn.Linear``'s ``(out, in)``). Nothing is
+ever downloaded or unpickled.
+
+Example:
+    >>> model = GPT(vocab_size=20, max_len=16, d_model=16, num_layers=2, num_heads=2)
+    >>> model(torch.tensor([[1, 2, 3]])).shape
+    torch.Size([1, 3, 20])
+    >>> model.generate(torch.tensor([[1, 2, 3]]), 4).shape
+    torch.Size([1, 7])
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab import io as _io
+from attnlab._checks import finite_number, instance_of, one_of, positive_int, probability
+from attnlab.models import _hub
+from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.cache import KVCache, _restore_on_error
+from attnlab.nn.positional import LearnedPositionalEmbedding
+
+__all__ = ["GPT"]
+
+MODEL_TYPE = "attnlab-gpt"  # config.json's model_type for attnlab's own layout
+POSITIONS = ("learned", "rope")
+# transformers' activation_function names -> attnlab FeedForward activations.
+_HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+                   "relu": "relu", "silu": "silu"}
+_GPT2_FIELDS = {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
+                "layer_norm_epsilon": float, "activation_function": str}
+_INIT_STD = 0.02  # GPT-2's embedding init; torch's N(0, 1) makes tied logits huge at the start
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: embeddings, causal pre-norm attnlab blocks, tied output layer.
+
+    Shapes:
+        input_ids: ``(B, T)`` int -> logits ``(B, T, vocab_size)``; with ``return_weights``
+        also one ``(B, H, T, Tk)`` weight tensor per layer.
+
+    Args:
+        vocab_size: number of token ids.
+        max_len: longest sequence (prompt + generated tokens) the model takes.
+        d_model: width of the residual stream.
+        num_layers, num_heads: depth and heads per layer.
+        num_kv_heads: grouped-query key/value heads (default ``num_heads``).
+        d_ff: MLP hidden width (default ``4 * d_model``).
+        attention_only: blocks without MLP (for circuit studies such as induction heads).
+        positions: ``"learned"`` (GPT-2's absolute embeddings) or ``"rope"`` (rotary, in attention).
+        dropout_p: embedding, attention and residual dropout (training only).
+        bias: biases in the linear layers.
+        norm_eps: LayerNorm epsilon.
+        activation: the MLP activation (``"gelu_tanh"`` is GPT-2's).
+        tie_embeddings: the output projection shares the token embedding's weight.
+        backend: attention backend (``"auto"``).
+
+    Attributes:
+        config: the constructor's arguments, as saved in ``config.json``.
+        extra: other ``config.json`` entries of a loaded directory (e.g. a text model's vocabulary).
+
+    Example:
+        >>> model = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=2, num_heads=2,
+        ...             attention_only=True, positions="rope")
+        >>> logits, weights = model(torch.tensor([[1, 2, 3]]), return_weights=True)
+        >>> logits.shape, len(weights), weights[0].shape
+        (torch.Size([1, 3, 10]), 2, torch.Size([1, 2, 3, 3]))
+    """
+
+    def __init__(
+        self, vocab_size: int, *, max_len: int = 256, d_model: int = 128, num_layers: int = 2,
+        num_heads: int = 4, num_kv_heads: int | None = None, d_ff: int | None = None,
+        attention_only: bool = False, positions: str = "learned", dropout_p: float = 0.0, bias: bool = True,
+        norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
+                            ("num_layers", num_layers), ("num_heads", num_heads)):
+            positive_int(name, value)
+        one_of("positions", positions, POSITIONS)
+        probability("dropout_p", dropout_p)
+        for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings)):
+            instance_of(name, value, bool, "a bool")
+        self.config = dict(
+            vocab_size=vocab_size, max_len=max_len, d_model=d_model, num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, d_ff=d_ff, attention_only=attention_only,
+            positions=positions, dropout_p=float(dropout_p), bias=bias, norm_eps=float(norm_eps),
+            activation=activation, tie_embeddings=tie_embeddings,
+        )
+        self.extra: dict = {}
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
+        self.dropout = nn.Dropout(dropout_p)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
+                             num_kv_heads=num_kv_heads, rope=positions == "rope" or None, bias=bias,
+                             norm_eps=norm_eps, activation=activation, backend=backend,
+                             mlp=not attention_only)
+            for _ in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self._init_embeddings()
+        if tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def _init_embeddings(self) -> None:
+        with torch.no_grad():
+            self.tok_emb.weight.normal_(0.0, _INIT_STD)
+            if self.pos_emb is not None:
+                self.pos_emb.embedding.weight.normal_(0.0, _INIT_STD)
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the model takes (prompt + generated tokens)."""
+        return self.config["max_len"]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: Tensor, *, caches: list[KVCache] | None = None,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
+        """Logits ``(B, T, vocab_size)`` for every position (and the per-layer attention weights).
+
+        Args:
+            input_ids: ``(B, T)`` token ids.
+            caches: one :class:`~attnlab.nn.KVCache` per layer from :meth:`new_cache`; the
+                tokens continue the cached ones (their positions start at the cached length).
+            return_weights: also return a tuple of ``(B, H, T, Tk)`` weights, one per layer.
+
+        Example:
+            >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2)(
+            ...     torch.tensor([[0, 4]])).shape
+            torch.Size([1, 2, 5])
+        """
+        offset = self._check_ids(input_ids, caches)
+        x = self.tok_emb(input_ids)  # (B, T, d_model)
+        if self.pos_emb is not None:
+            x = self.pos_emb(x, offset=offset)
+        x = self.dropout(x)
+        weights = []
+        # A block failing after earlier blocks wrote their caches puts every cache back.
+        with _restore_on_error(caches or [], input_ids.shape[1]):
+            for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
+                x = block(x, cache=cache, return_weights=return_weights)
+                if return_weights:
+                    x, layer_weights = x
+                    weights.append(layer_weights)
+        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
+        return (logits, tuple(weights)) if return_weights else logits
+
+    def _check_ids(self, input_ids: object, caches: list[KVCache] | None) -> int:
+        """The position of the first new token; ValueError for bad ids, caches or lengths."""
+        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point() \
+                or input_ids.dtype == torch.bool:
+            what = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor (B, T), got {what}")
+        vocab = self.config["vocab_size"]
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids must be in 0..{vocab - 1}, got values "
+                             f"{int(input_ids.min())}..{int(input_ids.max())}")
+        offset = 0
+        if caches is not None:
+            instance_of("caches", caches, (list, tuple), "a list of one KVCache per layer")
+            if len(caches) != len(self.blocks):
+                raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), got {len(caches)}")
+            offset = caches[0].length
+        if offset + input_ids.shape[1] > self.max_len:
+            raise ValueError(f"{offset + input_ids.shape[1]} tokens (cached + new) exceed the model's "
+                             f"max_len={self.max_len}")
+        return offset
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`~attnlab.nn.KVCache` per layer, on the model's device and dtype.
+
+        Example:
+            >>> len(GPT(vocab_size=5, max_len=4, d_model=8, num_layers=3, num_heads=2).new_cache(1))
+            3
+        """
+        max_len = self.max_len if max_len is None else positive_int("max_len", max_len)
+        weight = self.tok_emb.weight
+        return [block.attn.new_cache(batch_size, max_len, dtype=weight.dtype, device=weight.device)
+                for block in self.blocks]
+
+    # --------------------------------------------------------------- generation
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """The prompt followed by ``max_new_tokens`` generated tokens, ``(B, T + max_new_tokens)``.
+
+        Greedy at ``temperature=0``; otherwise samples from ``softmax(logits / temperature)``,
+        restricted to the ``top_k`` most likely tokens if given. With ``use_cache`` (default)
+        each step feeds only the newest token and reads earlier keys/values from a KV cache;
+        without it every step recomputes the whole sequence (same tokens, much slower).
+
+        Raises:
+            ValueError: the prompt plus ``max_new_tokens`` would exceed ``max_len`` (checked
+                before anything is generated), or a bad option.
+
+        Example:
+            >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+            <torch._C.Generator object at ...>
+            >>> model = GPT(vocab_size=9, max_len=12, d_model=8, num_layers=2, num_heads=2)
+            >>> prompt = torch.tensor([[1, 2, 3]])
+            >>> torch.equal(model.generate(prompt, 5), model.generate(prompt, 5, use_cache=False))
+            True
+        """
+        new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                               use_cache=use_cache, generator=generator))
+        return torch.cat([input_ids, *new], dim=1)
+
+    def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+               top_k: int | None = None, use_cache: bool = True,
+               generator: torch.Generator | None = None) -> Iterator[Tensor]:
+        """Yield the generated tokens one step at a time, each ``(B, 1)``; see :meth:`generate`.
+
+        The model runs in eval mode without gradients while the iterator is consumed; its
+        train/eval mode is restored when the iterator finishes or is closed.
+
+        Example:
+            >>> model = GPT(vocab_size=9, max_len=12, d_model=8, num_layers=1, num_heads=2)
+            >>> [t.shape for t in model.stream(torch.tensor([[1, 2]]), 2)]
+            [torch.Size([1, 1]), torch.Size([1, 1])]
+        """
+        positive_int("max_new_tokens", max_new_tokens)
+        temperature = finite_number("temperature", temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k is not None:
+            positive_int("top_k", top_k)
+        self._check_ids(input_ids, None)
+        total = input_ids.shape[1] + max_new_tokens
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids needs at least one prompt token")
+        if total > self.max_len:
+            raise ValueError(
+                f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} needs "
+                f"{total} positions, more than the model's max_len={self.max_len}; ask for at most "
+                f"{self.max_len - input_ids.shape[1]} new tokens")
+        return self._decode(input_ids, max_new_tokens, temperature, top_k, use_cache, generator)
+
+    def _decode(self, input_ids, max_new_tokens, temperature, top_k, use_cache, generator) -> Iterator[Tensor]:
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                caches = self.new_cache(input_ids.shape[0], input_ids.shape[1] + max_new_tokens) \
+                    if use_cache else None
+                sequence, step_input = input_ids, input_ids
+                for _ in range(max_new_tokens):
+                    logits = self(step_input if use_cache else sequence, caches=caches)[:, -1]  # (B, vocab)
+                    token = _next_token(logits, temperature, top_k, generator)  # (B, 1)
+                    sequence, step_input = torch.cat([sequence, token], dim=1), token
+                    yield token
+        finally:
+            self.train(was_training)
+
+    # ------------------------------------------------------------------ saving
+    def save_pretrained(self, directory: str | os.PathLike, *, extra: dict | None = None) -> Path:
+        """Write ``config.json`` (attnlab's layout) and ``model.safetensors`` into ``directory``.
+
+        Both files are written beside their destination and renamed into place, so an
+        interrupted save never leaves a half-written file. ``extra`` (JSON-serialisable) is
+        stored in ``config.json`` too and comes back as :attr:`extra`.
+
+        Example:
+            >>> import tempfile
+            >>> model = GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2)
+            >>> folder = model.save_pretrained(tempfile.mkdtemp(), extra={"tokens": list("abcde")})
+            >>> GPT.from_pretrained(folder).extra["tokens"][:2]
+            ['a', 'b']
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"model_type": MODEL_TYPE, **self.config, **(extra if extra is not None else self.extra)}
+        save_safetensors(lambda meta: _io.save(self, directory / _hub.WEIGHTS, metadata=meta),
+                         directory / _hub.WEIGHTS, {"model_type": MODEL_TYPE})
+        write_text_atomically(directory / "config.json", json.dumps(config, indent=2) + "\n")
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, *, backend: str = "auto") -> "GPT":
+        """Load attnlab's own layout or a Hugging Face GPT-2 directory; returned in eval mode.
+
+        ``config.json``'s ``model_type`` decides: ``"attnlab-gpt"`` (from :meth:`save_pretrained`)
+        or ``"gpt2"`` (transformers' ``GPT2LMHeadModel``/``GPT2Model`` saved with safetensors).
+
+        Raises:
+            FileNotFoundError: no such directory, ``config.json`` or ``model.safetensors``.
+            ValueError: an unknown ``model_type``, a malformed config, a pickle checkpoint,
+                missing or mis-shaped tensors.
+
+        Example:
+            >>> import tempfile
+            >>> folder = GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1,
+            ...              num_heads=2).save_pretrained(tempfile.mkdtemp())
+            >>> GPT.from_pretrained(folder).config["num_layers"]
+            1
+        """
+        directory = _hub.model_dir(os.fspath(directory))
+        config = _hub.read_config(directory, {"model_type": str})
+        kind = config["model_type"]
+        if kind == "gpt2":
+            return _from_gpt2(directory, backend).eval()
+        if kind != MODEL_TYPE:
+            raise ValueError(f"{str(directory / 'config.json')!r}: model_type {kind!r} is not a GPT "
+                             f"(expected {MODEL_TYPE!r} or 'gpt2')")
+        names = [n for n in inspect.signature(cls).parameters if n != "backend"]
+        options = {k: v for k, v in config.items() if k in names}
+        try:
+            model = cls(**options, backend=backend)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{str(directory / 'config.json')!r}: {err}") from None
+        model.extra = {k: v for k, v in config.items() if k not in names and k != "model_type"}
+        _hub.load_weights(directory)  # refuses a pickle-only or damaged checkpoint, naming the file
+        _io.load(model, directory / _hub.WEIGHTS)
+        return model.eval()
+
+
+def save_safetensors(write, path: Path, metadata: dict[str, str]) -> None:
+    """``write(metadata)``, padding the metadata until the file does not start with byte 0x80.
+
+    attnlab.io's pickle check takes a first byte of 0x80 for a pickle, but a safetensors file
+    starts with its header length, whose low byte is 0x80 for one header size in 256: such a
+    file would be refused on loading. One more metadata character changes the length.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "m.safetensors"
+        >>> save_safetensors(lambda meta: _io.save(nn.Linear(2, 2), path, metadata=meta), path, {})
+        >>> path.read_bytes()[0] != 0x80
+        True
+    """
+    metadata = dict(metadata)
+    for _ in range(4):
+        write(metadata)
+        with open(path, "rb") as f:
+            if f.read(1) != b"\x80":
+                return
+        metadata["pad"] = metadata.get("pad", "") + "_"
+    raise RuntimeError(f"could not write {str(path)!r} with a header attnlab can read back")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` beside ``path`` and rename it into place (never a half-written file).
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "a.json"
+        >>> write_text_atomically(target, "{}"); target.read_text()
+        '{}'
+    """
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temp.write_text(text, encoding="utf-8")
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _next_token(logits: Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> Tensor:
+    """Greedy (temperature 0) or sampled next token ``(B, 1)`` from last-position logits ``(B, V)``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+# ----------------------------------------------------------------- GPT-2 layout
+def _from_gpt2(directory: Path, backend: str) -> GPT:
+    """A :class:`GPT` with the weights of a transformers GPT-2 directory."""
+    path = directory / "config.json"
+    config = _hub.read_config(directory, _GPT2_FIELDS)
+    act = config["activation_function"]
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(f"{str(path)!r}: activation_function {act!r} is not supported "
+                         f"(one of {sorted(_HF_ACTIVATIONS)})")
+    for flag, fine in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
+                       ("scale_attn_weights", True)):
+        if bool(config.get(flag, fine)) != fine:
+            raise ValueError(f"{str(path)!r}: {flag}={config[flag]} is not supported (attnlab's GPT "
+                             f"needs {flag}={fine})")
+    if config["n_embd"] % config["n_head"]:
+        raise ValueError(f"{str(path)!r}: n_embd {config['n_embd']} is not a multiple of n_head {config['n_head']}")
+    model = GPT(config["vocab_size"], max_len=config["n_positions"], d_model=config["n_embd"],
+                num_layers=config["n_layer"], num_heads=config["n_head"], d_ff=config.get("n_inner"),
+                norm_eps=float(config["layer_norm_epsilon"]), activation=_HF_ACTIVATIONS[act],
+                tie_embeddings=bool(config.get("tie_word_embeddings", True)), backend=backend)
+    state = _hub.load_weights(directory)
+    model.load_state_dict(_from_gpt2_names(state, model, directory / _hub.WEIGHTS))
+    return model
+
+
+def _gpt2_table(num_layers: int, tied: bool) -> dict[str, tuple[str, bool]]:
+    """attnlab name -> (GPT-2 name without ``transformer.``, stored as Conv1D (in, out)?)."""
+    table = {"tok_emb.weight": ("wte.weight", False), "pos_emb.embedding.weight": ("wpe.weight", False),
+             "norm.weight": ("ln_f.weight", False), "norm.bias": ("ln_f.bias", False)}
+    if not tied:
+        table["lm_head.weight"] = ("lm_head.weight", False)
+    for i in range(num_layers):
+        ours, hf = f"blocks.{i}.", f"h.{i}."
+        pairs = {"norm_attn": "ln_1", "attn.in_proj": "attn.c_attn", "attn.out_proj": "attn.c_proj",
+                 "norm_mlp": "ln_2", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}
+        for a, b in pairs.items():
+            conv = not a.startswith("norm")
+            weight = f"{ours}{a}_weight" if a == "attn.in_proj" else f"{ours}{a}.weight"
+            bias = f"{ours}{a}_bias" if a == "attn.in_proj" else f"{ours}{a}.bias"
+            table[weight] = (f"{hf}{b}.weight", conv)
+            table[bias] = (f"{hf}{b}.bias", False)
+    return table
+
+
+def _from_gpt2_names(state: dict[str, Tensor], model: GPT, path: Path) -> dict[str, Tensor]:
+    """transformers' GPT-2 tensors -> this module's state dict; missing or mis-shaped ones named."""
+    state = {name.removeprefix("transformer."): tensor for name, tensor in state.items()}
+    table = _gpt2_table(len(model.blocks), model.config["tie_embeddings"])
+    missing = sorted(hf for hf, _ in table.values() if hf not in state)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{str(path)!r} lacks {len(missing)} GPT-2 tensor(s): {shown}")
+    expected = model.state_dict()
+    mapped = {}
+    for ours, (hf, conv) in table.items():
+        tensor = state[hf].t() if conv else state[hf]  # Conv1D stores (in, out); Linear wants (out, in)
+        if tuple(tensor.shape) != tuple(expected[ours].shape):
+            raise ValueError(f"{str(path)!r}: {hf} has shape {tuple(state[hf].shape)}, the config "
+                             f"implies {tuple(expected[ours].shape)}{' transposed' if conv else ''}")
+        mapped[ours] = tensor.contiguous()
+    if model.config["tie_embeddings"]:
+        mapped["lm_head.weight"] = mapped["tok_emb.weight"]
+    return mapped

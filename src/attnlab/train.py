@@ -1,0 +1,835 @@
+"""Train a small GPT on a task that needs attention, on a CPU, and find the heads that do it.
+
+Tasks (:data:`TASKS`); every one is a next-token task scored only where the answer is
+determined by the input (elsewhere the target is :data:`IGNORE`):
+
+* ``induction`` (default): random tokens in which a segment of distinct tokens occurs twice;
+  scored on the second occurrence, whose next token can only be found by looking back at the
+  first one (an induction head: Olsson et al., 2022). The segment's place and length vary, so
+  "copy from a fixed distance back" does not work.
+* ``recall``: key-value pairs, then some of the keys again; scored on their values.
+* ``reverse`` / ``sort``: a sequence, a separator, then the sequence reversed / sorted.
+* ``text``: a character-level language model of a UTF-8 text file (last 10 % held out).
+
+Training is deterministic for a seed on CPU: the model is initialised from the seed, and the
+batch of step ``s`` is drawn from a generator seeded by ``(seed, s)``, so a run resumed from a
+checkpoint at step ``s`` sees the same data and gives the same losses as an uninterrupted one.
+Held-out data comes from a separate stream that training never draws from.
+
+After training, :func:`head_scores` measures each head's previous-token and induction scores,
+:func:`ablate_heads` re-evaluates with one head's output zeroed at a time, and
+:func:`summarize` names the heads that do the task, with the numbers.
+
+Example:
+    >>> config = TrainConfig(task="induction", steps=3, batch_size=4, d_model=16, heads=2,
+    ...                      eval_sequences=8)
+    >>> run = Trainer(config)
+    >>> result = run.train()
+    >>> result.step, 0.0 <= result.metrics["accuracy"] <= 1.0
+    (3, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab import io as _io
+from attnlab._checks import divisible, one_of, positive_int, positive_number
+from attnlab.models import GPT
+from attnlab.models import _hub
+from attnlab.models.gpt import save_safetensors, write_text_atomically
+from attnlab.viz.headview import head_grid
+from attnlab.viz.heatmap import heatmap, save_figure
+
+__all__ = ["TASKS", "IGNORE", "TrainConfig", "Task", "make_task", "Trainer", "TrainResult",
+           "head_scores", "ablate_heads", "summarize", "evaluate", "analyze", "write_figures", "TextTask"]
+
+TASKS = ("induction", "recall", "reverse", "sort", "text")
+IGNORE = -100  # F.cross_entropy's ignore_index: positions whose next token is not determined
+OPTIMIZER_FILE = "optimizer.safetensors"
+METRICS_FILE = "metrics.json"
+_EVAL_STREAM = 1 << 40  # held-out data is drawn from seeds training never uses
+_STEP_SEED = 1_000_003
+
+
+# ------------------------------------------------------------------------- tasks
+class Task:
+    """A source of ``(inputs, targets)`` batches ``(B, T)``; targets are :data:`IGNORE` where unscored.
+
+    Attributes:
+        name: the task's name in :data:`TASKS`.
+        vocab_size, seq_len: the model sizes the task needs.
+
+    Example:
+        >>> task = make_task("reverse")
+        >>> inputs, targets = task.batch(2, torch.Generator().manual_seed(0))
+        >>> inputs.shape == targets.shape == (2, task.seq_len)
+        True
+    """
+
+    name = "task"
+    vocab_size = seq_len = 0
+
+    def batch(self, batch_size: int, generator: torch.Generator, *, held_out: bool = False) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def labels(self, ids: Tensor) -> list[str]:
+        """Display labels for a ``(T,)`` sequence of ids (plots and explain).
+
+        Example:
+            >>> make_task("sort").labels(torch.tensor([0, 1]))
+            ['0', '1']
+        """
+        return [str(int(i)) for i in ids]
+
+
+def _randperm_rows(batch_size: int, n: int, generator: torch.Generator) -> Tensor:
+    """``batch_size`` independent random permutations of ``range(n)``, ``(B, n)``."""
+    return torch.rand(batch_size, n, generator=generator).argsort(dim=1)
+
+
+class InductionTask(Task):
+    """Random tokens with one segment of distinct tokens repeated; scored on the repeat."""
+
+    name = "induction"
+
+    def __init__(self, *, vocab_size: int = 64, seq_len: int = 64, min_segment: int = 8, max_segment: int = 16):
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.min_segment, self.max_segment = min_segment, max_segment
+
+    def batch(self, batch_size, generator, *, held_out=False):
+        B, T, V = batch_size, self.seq_len, self.vocab_size
+        lengths = torch.randint(self.min_segment, self.max_segment + 1, (B,), generator=generator)
+        perm = _randperm_rows(B, V, generator)  # segment = first L of a permutation: distinct tokens
+        fill_pick = torch.randint(0, V - self.max_segment, (B, T), generator=generator)
+        starts = torch.rand(B, 2, generator=generator)
+        inputs, targets = torch.empty(B, T, dtype=torch.long), torch.full((B, T), IGNORE)
+        for b in range(B):
+            L = int(lengths[b])
+            segment, fillers = perm[b, :L], perm[b, L:]  # fillers never equal a segment token
+            row = fillers[fill_pick[b] % (V - L)]
+            gap = T - 2 * L  # free positions around the two copies
+            first = int(starts[b, 0] * (gap + 1))
+            second = first + L + int(starts[b, 1] * (gap - first + 1))
+            row[first:first + L], row[second:second + L] = segment, segment
+            inputs[b] = row
+            # at the k-th token of the repeat, the answer is the (k+1)-th token of the segment
+            targets[b, second:second + L - 1] = segment[1:]
+        return inputs, targets
+
+
+class RecallTask(Task):
+    """``k1 v1 k2 v2 ... kn vn | q1 a1 q2 a2 ...``: each query key is followed by its value."""
+
+    name = "recall"
+
+    def __init__(self, *, num_keys: int = 32, num_values: int = 32, pairs: int = 12, queries: int = 12):
+        if queries > pairs:
+            raise ValueError(f"queries ({queries}) must be at most pairs ({pairs}): each key is asked once")
+        self.num_keys, self.num_values, self.pairs, self.queries = num_keys, num_values, pairs, queries
+        self.vocab_size = num_keys + num_values + 1  # keys, values, separator
+        self.seq_len = 2 * pairs + 1 + 2 * queries
+
+    def batch(self, batch_size, generator, *, held_out=False):
+        B, n, q = batch_size, self.pairs, self.queries
+        keys = _randperm_rows(B, self.num_keys, generator)[:, :n]  # distinct keys per sequence
+        values = self.num_keys + torch.randint(0, self.num_values, (B, n), generator=generator)
+        # distinct queries: a repeated one could be answered by copying its earlier answer
+        asked = _randperm_rows(B, n, generator)[:, :q]
+        sep = torch.full((B, 1), self.vocab_size - 1)
+        q_keys, q_values = keys.gather(1, asked), values.gather(1, asked)
+        pairs = torch.stack([keys, values], dim=2).reshape(B, 2 * n)  # (B, 2n): k v k v ...
+        questions = torch.stack([q_keys, q_values], dim=2).reshape(B, 2 * q)
+        inputs = torch.cat([pairs, sep, questions], dim=1)  # (B, T)
+        targets = torch.full_like(inputs, IGNORE)
+        targets[:, 2 * n + 1::2] = q_values  # at each query key: its value
+        return inputs, targets
+
+
+class _SequenceTask(Task):
+    """``x1 .. xn SEP f(x)_1 .. f(x)_n``, scored on every token after the separator."""
+
+    def __init__(self, *, num_symbols: int = 16, length: int = 12):
+        self.num_symbols, self.length = num_symbols, length
+        self.vocab_size, self.seq_len = num_symbols + 1, 2 * length + 1
+
+    def transform(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def batch(self, batch_size, generator, *, held_out=False):
+        n = self.length
+        x = torch.randint(0, self.num_symbols, (batch_size, n), generator=generator)
+        sep = torch.full((batch_size, 1), self.num_symbols)
+        answer = self.transform(x)
+        inputs = torch.cat([x, sep, answer], dim=1)  # (B, 2n + 1)
+        targets = torch.full_like(inputs, IGNORE)
+        targets[:, n:2 * n] = answer  # from the separator on, predict the next answer token
+        return inputs, targets
+
+    def labels(self, ids):
+        return ["|" if int(i) == self.num_symbols else str(int(i)) for i in ids]
+
+
+class ReverseTask(_SequenceTask):
+    name = "reverse"
+
+    def transform(self, x):
+        return x.flip(1)
+
+
+class SortTask(_SequenceTask):
+    name = "sort"
+
+    def transform(self, x):
+        return x.sort(dim=1).values
+
+
+class TextTask(Task):
+    """Character-level language modelling of a text; the last 10 % is held out.
+
+    Example:
+        >>> task = TextTask("to be or not to be " * 20, seq_len=8)
+        >>> inputs, targets = task.batch(2, torch.Generator().manual_seed(0))
+        >>> torch.equal(inputs[:, 1:], targets[:, :-1])
+        True
+    """
+
+    name = "text"
+
+    def __init__(self, text: str, *, seq_len: int = 128, chars: list[str] | None = None):
+        self.chars = sorted(set(text)) if chars is None else list(chars)
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size, self.seq_len = len(self.chars), seq_len
+        data = torch.tensor([self.index[c] for c in text], dtype=torch.long)
+        split = int(len(data) * 0.9)
+        self.train_data, self.held_out_data = data[:split], data[split:]
+        for name, part in (("the training part", self.train_data), ("the held-out part", self.held_out_data)):
+            if len(part) < seq_len + 1:
+                raise ValueError(f"the text is too short: {name} has {len(part)} characters, a window "
+                                 f"needs {seq_len + 1} (give a longer --text file)")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **options) -> "TextTask":
+        """Read a UTF-8 text file; an empty, missing or non-UTF-8 file raises ``ValueError`` naming it.
+
+        Example:
+            >>> import tempfile
+            >>> path = Path(tempfile.mkdtemp()) / "t.txt"
+            >>> _ = path.write_text("abcabc" * 100, encoding="utf-8")
+            >>> TextTask.from_file(path, seq_len=16).chars
+            ['a', 'b', 'c']
+        """
+        path = Path(path)
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--text {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise ValueError(f"--text {str(path)!r} cannot be read: {err.strerror or err}") from None
+        if not text.strip():
+            raise ValueError(f"--text {str(path)!r} is empty")
+        return cls(text, **options)
+
+    def encode(self, text: str) -> Tensor:
+        """``(len(text),)`` ids; a character outside the vocabulary raises ``ValueError``.
+
+        Example:
+            >>> TextTask("ab" * 200, seq_len=8).encode("ba").tolist()
+            [1, 0]
+        """
+        unknown = sorted(set(text) - set(self.index))
+        if unknown:
+            raise ValueError(f"characters {''.join(unknown)!r} are not in the model's vocabulary")
+        return torch.tensor([self.index[c] for c in text], dtype=torch.long)
+
+    def batch(self, batch_size, generator, *, held_out=False):
+        data = self.held_out_data if held_out else self.train_data
+        starts = torch.randint(0, len(data) - self.seq_len, (batch_size,), generator=generator)
+        windows = torch.stack([data[s:s + self.seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
+        return windows[:, :-1], windows[:, 1:]
+
+    def labels(self, ids):
+        return [repr(self.chars[int(i)])[1:-1] for i in ids]
+
+
+def make_task(name: str, *, text: str | os.PathLike | None = None, chars: list[str] | None = None) -> Task:
+    """The task called ``name`` at its default size (``text``: a file path for ``"text"``).
+
+    Example:
+        >>> make_task("recall").vocab_size
+        65
+    """
+    one_of("task", name, TASKS)
+    if name == "text":
+        if text is None:
+            raise ValueError("the text task needs a UTF-8 text file (--text FILE)")
+        return TextTask.from_file(text) if chars is None else TextTask.from_file(text, chars=chars)
+    return {"induction": InductionTask, "recall": RecallTask, "reverse": ReverseTask, "sort": SortTask}[name]()
+
+
+# ----------------------------------------------------------------------- config
+# Per-task defaults. Rotary positions make the previous-token head easy to learn: with them the
+# induction task's phase change comes after ~500 steps (learned positions: none in 1500).
+TASK_DEFAULTS = {
+    "induction": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
+                      positions="rope", eval_sequences=512),
+    "recall": dict(layers=2, heads=4, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
+                   positions="rope", eval_sequences=512),
+    "reverse": dict(layers=2, heads=4, d_model=64, attention_only=False, steps=1500, batch_size=32, lr=3e-3,
+                  positions="rope", eval_sequences=512),
+    "sort": dict(layers=2, heads=4, d_model=64, attention_only=False, steps=1500, batch_size=32, lr=3e-3,
+                  positions="rope", eval_sequences=512),
+    "text": dict(layers=4, heads=4, d_model=128, attention_only=False, steps=2000, batch_size=32, lr=1e-3,
+                 positions="learned", eval_sequences=64),  # 64 windows of 128 characters: 8k held-out predictions
+}
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how; None means the task's default (see :meth:`resolved`).
+
+    Example:
+        >>> TrainConfig(task="induction").resolved().layers
+        2
+    """
+
+    task: str = "induction"
+    layers: int | None = None
+    heads: int | None = None
+    d_model: int | None = None
+    attention_only: bool | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    device: str = "cpu"
+    positions: str | None = None
+    text: str | None = None
+    eval_every: int = 100
+    eval_sequences: int | None = None
+    warmup: int = 50
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every None filled from the task's defaults, checked.
+
+        Example:
+            >>> TrainConfig(task="text", text="x.txt", steps=5).resolved().steps
+            5
+        """
+        one_of("task", self.task, TASKS)
+        filled = {k: (v if getattr(self, k) is None else getattr(self, k)) for k, v in TASK_DEFAULTS[self.task].items()}
+        config = dataclasses.replace(self, **filled)
+        for name in ("layers", "heads", "d_model", "steps", "batch_size", "eval_every", "eval_sequences"):
+            positive_int(name, getattr(config, name))
+        positive_number("lr", config.lr)
+        divisible("d_model", config.d_model, "heads", config.heads)
+        one_of("positions", config.positions, ("learned", "rope"))
+        return config
+
+
+@dataclass
+class TrainResult:
+    """The outcome of :meth:`Trainer.train`.
+
+    Example:
+        >>> TrainResult(step=0, interrupted=False, metrics={}).step
+        0
+    """
+
+    step: int
+    interrupted: bool
+    metrics: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- trainer
+class Trainer:
+    """A model, its optimizer and its task, trained step by step; saves and resumes checkpoints.
+
+    Args:
+        config: the run's :class:`TrainConfig`.
+        task: a ready :class:`Task` (default: :func:`make_task` of ``config.task``).
+
+    Example:
+        >>> run = Trainer(TrainConfig(steps=2, batch_size=2, d_model=8, heads=2, eval_sequences=4))
+        >>> run.train().step
+        2
+    """
+
+    def __init__(self, config: TrainConfig, *, task: Task | None = None):
+        self.config = config.resolved()
+        c = self.config
+        self.task = task if task is not None else make_task(c.task, text=c.text)
+        with torch.random.fork_rng(devices=[]):  # the seed decides the initial weights, nothing else
+            torch.manual_seed(c.seed)
+            self.model = GPT(self.task.vocab_size, max_len=self.task.seq_len, d_model=c.d_model,
+                             num_layers=c.layers, num_heads=c.heads, attention_only=c.attention_only,
+                             positions=c.positions).to(c.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
+        self.step = 0
+        self.seconds = 0.0
+        self.history: dict[str, list] = {"step": [], "train_loss": [], "eval_step": [], "eval_loss": [],
+                                         "eval_accuracy": []}
+        self._eval_set: tuple[Tensor, Tensor] | None = None
+
+    # ------------------------------------------------------------- data
+    def train_batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """The batch of training step ``step`` (the same for every run with this seed).
+
+        Example:
+            >>> run = Trainer(TrainConfig(batch_size=2, d_model=8, heads=2))
+            >>> torch.equal(run.train_batch(5)[0], run.train_batch(5)[0])
+            True
+        """
+        generator = torch.Generator().manual_seed(self.config.seed * _STEP_SEED + step)
+        inputs, targets = self.task.batch(self.config.batch_size, generator)
+        return inputs.to(self.config.device), targets.to(self.config.device)
+
+    def eval_set(self) -> tuple[Tensor, Tensor]:
+        """The held-out ``(inputs, targets)``, ``config.eval_sequences`` rows from a separate stream.
+
+        Example:
+            >>> Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=3)).eval_set()[0].shape[0]
+            3
+        """
+        if self._eval_set is None:
+            generator = torch.Generator().manual_seed(_EVAL_STREAM + self.config.seed)
+            inputs, targets = self.task.batch(self.config.eval_sequences, generator, held_out=True)
+            self._eval_set = inputs.to(self.config.device), targets.to(self.config.device)
+        return self._eval_set
+
+    # ------------------------------------------------------------ steps
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to a tenth of ``lr`` at the last step.
+
+        Example:
+            >>> run = Trainer(TrainConfig(steps=100, lr=1.0, warmup=10, d_model=8, heads=2))
+            >>> run.learning_rate(0), run.learning_rate(99) < 0.11
+            (0.1, True)
+        """
+        c = self.config
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step on :meth:`train_batch`; returns ``(loss, accuracy)`` on that batch.
+
+        Example:
+            >>> run = Trainer(TrainConfig(batch_size=2, d_model=8, heads=2))
+            >>> loss, accuracy = run.train_step(); run.step
+            1
+        """
+        self.model.train()
+        inputs, targets = self.train_batch(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.step)
+        logits = self.model(inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        return loss.item(), _accuracy(logits.detach(), targets)
+
+    def evaluate(self) -> tuple[float, float]:
+        """Held-out ``(loss, accuracy)`` on the scored positions.
+
+        Example:
+            >>> loss, accuracy = Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=4)).evaluate()
+            >>> 0.0 <= accuracy <= 1.0
+            True
+        """
+        return evaluate(self.model, *self.eval_set())
+
+    def train(self, *, on_step: Callable[[int, float, float, float], None] | None = None,
+              should_stop: Callable[[], bool] | None = None, out: str | os.PathLike | None = None) -> TrainResult:
+        """Train up to ``config.steps``; evaluate every ``eval_every`` steps and at the end.
+
+        Args:
+            on_step: called after each step with ``(step, loss, accuracy, tokens_per_second)``.
+            should_stop: checked after each step; True stops early (e.g. on Ctrl-C), and the
+                checkpoint written to ``out`` resumes from that step.
+            out: a directory to write the checkpoint into when training stops or ends.
+
+        Example:
+            >>> run = Trainer(TrainConfig(steps=4, batch_size=2, d_model=8, heads=2, eval_sequences=4))
+            >>> run.train(should_stop=lambda: run.step == 2)
+            TrainResult(step=2, interrupted=True, metrics={...})
+        """
+        tokens = self.config.batch_size * self.task.seq_len
+        interrupted = False
+        while self.step < self.config.steps:
+            start = time.perf_counter()
+            loss, accuracy = self.train_step()
+            elapsed = time.perf_counter() - start
+            self.seconds += elapsed
+            self.history["step"].append(self.step)
+            self.history["train_loss"].append(loss)
+            if self.step % self.config.eval_every == 0 or self.step == self.config.steps:
+                self._record_eval()
+            if on_step is not None:
+                on_step(self.step, loss, accuracy, tokens / max(elapsed, 1e-9))
+            if should_stop is not None and self.step < self.config.steps and should_stop():
+                interrupted = True
+                break
+        if not self.history["eval_step"] or self.history["eval_step"][-1] != self.step:
+            self._record_eval()
+        metrics = self.metrics(finished=not interrupted)
+        if out is not None:
+            self.save(out, metrics=metrics)
+        return TrainResult(step=self.step, interrupted=interrupted, metrics=metrics)
+
+    def _record_eval(self) -> None:
+        loss, accuracy = self.evaluate()
+        for key, value in (("eval_step", self.step), ("eval_loss", loss), ("eval_accuracy", accuracy)):
+            self.history[key].append(value)
+
+    def metrics(self, *, finished: bool = True) -> dict:
+        """The run's figures: task, steps, seconds, held-out loss and accuracy, history.
+
+        Example:
+            >>> sorted(Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=4)).metrics())[:3]
+            ['accuracy', 'config', 'finished']
+        """
+        if not self.history["eval_step"] or self.history["eval_step"][-1] != self.step:
+            self._record_eval()
+        tokens = self.step * self.config.batch_size * self.task.seq_len
+        return {
+            "task": self.config.task, "steps": self.step, "seconds": round(self.seconds, 3),
+            "loss": self.history["eval_loss"][-1], "accuracy": self.history["eval_accuracy"][-1],
+            "train_loss": self.history["train_loss"][-1] if self.history["train_loss"] else None,
+            "tokens_per_second": round(tokens / self.seconds, 1) if self.seconds else None,
+            "finished": finished, "config": dataclasses.asdict(self.config), "history": self.history,
+        }
+
+    # ------------------------------------------------------- checkpoints
+    def save(self, directory: str | os.PathLike, *, metrics: dict | None = None) -> Path:
+        """Write model, optimizer state, config and metrics into ``directory`` (each file atomically).
+
+        Example:
+            >>> import tempfile
+            >>> run = Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=4))
+            >>> sorted(p.name for p in run.save(tempfile.mkdtemp()).iterdir())
+            ['config.json', 'metrics.json', 'model.safetensors', 'optimizer.safetensors']
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        extra = {"task": self.config.task, "train": dataclasses.asdict(self.config), "step": self.step}
+        if isinstance(self.task, TextTask):
+            extra["chars"] = self.task.chars
+        self.model.save_pretrained(directory, extra=extra)
+        _save_optimizer(self.optimizer, directory / OPTIMIZER_FILE, step=self.step, seconds=self.seconds)
+        metrics = self.metrics(finished=False) if metrics is None else metrics
+        write_text_atomically(directory / METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
+        return directory
+
+    @classmethod
+    def resume(cls, directory: str | os.PathLike, *, steps: int | None = None, device: str | None = None) -> "Trainer":
+        """A trainer continuing the checkpoint in ``directory`` at its step (``steps``: a new total).
+
+        Example:
+            >>> import tempfile
+            >>> run = Trainer(TrainConfig(steps=3, batch_size=2, d_model=8, heads=2, eval_sequences=4))
+            >>> _ = run.train(should_stop=lambda: run.step == 1, out=(folder := tempfile.mkdtemp()))
+            >>> again = Trainer.resume(folder); again.step, again.train().step
+            (1, 3)
+        """
+        directory = _hub.model_dir(os.fspath(directory))
+        saved = _hub.read_config(directory, {"model_type": str})
+        if not isinstance(saved.get("train"), dict):
+            raise ValueError(f"{str(directory / 'config.json')!r} is not an attnlab train checkpoint (no 'train' entry)")
+        options = {k: v for k, v in saved["train"].items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+        config = TrainConfig(**options)
+        config = dataclasses.replace(config, steps=steps or config.steps, device=device or config.device)
+        task = make_task(config.task, text=config.text, chars=saved.get("chars"))
+        trainer = cls(config, task=task)
+        _io.load(trainer.model, directory / _hub.WEIGHTS)
+        trainer.step, trainer.seconds = _load_optimizer(trainer.optimizer, directory / OPTIMIZER_FILE)
+        metrics = _hub.read_json(directory / METRICS_FILE, required=False)
+        if isinstance(metrics, dict) and isinstance(metrics.get("history"), dict):
+            trainer.history = {k: [v for v, s in zip(metrics["history"][k], _steps_of(metrics["history"], k))
+                                   if s <= trainer.step] for k in trainer.history}
+        return trainer
+
+
+def _steps_of(history: dict, key: str) -> list[int]:
+    return history["eval_step"] if key.startswith("eval") else history["step"]
+
+
+def _save_optimizer(optimizer: torch.optim.Optimizer, path: Path, *, step: int, seconds: float) -> None:
+    """AdamW's per-parameter state as safetensors (never pickle); the step in the header."""
+    tensors = {f"{index}.{key}": value.detach().cpu().contiguous().reshape(value.shape)
+               for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()}
+    def write(metadata: dict[str, str]) -> None:
+        _io._write_atomically(safetensors.torch.save(tensors, metadata=metadata), path)
+
+    save_safetensors(write, path, {"step": str(step), "seconds": repr(seconds)})
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> tuple[int, float]:
+    """Restore what :func:`_save_optimizer` wrote; returns ``(step, seconds)``."""
+    tensors = _io.load_state_dict(path)
+    metadata = _io.read_metadata(path)
+    state: dict[int, dict] = {}
+    for name, tensor in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    return int(metadata["step"]), float(metadata["seconds"])
+
+
+# -------------------------------------------------------------- evaluation
+def _accuracy(logits: Tensor, targets: Tensor) -> float:
+    scored = targets != IGNORE
+    if not bool(scored.any()):
+        return 0.0
+    return float((logits.argmax(-1)[scored] == targets[scored]).float().mean())
+
+
+def evaluate(model: GPT, inputs: Tensor, targets: Tensor, *, batch_size: int = 256) -> tuple[float, float]:
+    """``(loss, accuracy)`` of ``model`` on the scored positions of ``(inputs, targets)``, eval mode.
+
+    Example:
+        >>> model = GPT(vocab_size=4, max_len=3, d_model=8, num_layers=1, num_heads=2)
+        >>> loss, accuracy = evaluate(model, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, -100]]))
+        >>> accuracy in (0.0, 0.5, 1.0)
+        True
+    """
+    was_training = model.training
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    try:
+        with torch.no_grad():
+            for start in range(0, inputs.shape[0], batch_size):
+                logits = model(inputs[start:start + batch_size])  # (b, T, V)
+                target = targets[start:start + batch_size]
+                scored = target != IGNORE
+                total_loss += float(F.cross_entropy(logits[scored], target[scored], reduction="sum"))
+                correct += int((logits.argmax(-1)[scored] == target[scored]).sum())
+                count += int(scored.sum())
+    finally:
+        model.train(was_training)
+    return total_loss / max(count, 1), correct / max(count, 1)
+
+
+def head_scores(model: GPT, inputs: Tensor) -> dict[str, Tensor]:
+    """Per-head ``previous_token`` and ``induction`` scores ``(L, H)`` on ``inputs`` ``(B, T)``.
+
+    * previous-token: the mean weight a query at ``t >= 1`` puts on position ``t - 1``;
+    * induction: over queries ``t`` whose token occurred before at some ``j < t - 1`` (the
+      latest such ``j``), the mean weight on ``j + 1`` -- the token that followed it then.
+
+    Also returns ``weights`` ``(L, H, T, T)``, the attention of the first sequence.
+
+    Example:
+        >>> model = GPT(vocab_size=5, max_len=6, d_model=8, num_layers=2, num_heads=2)
+        >>> scores = head_scores(model, torch.tensor([[1, 2, 3, 1, 2, 3]]))
+        >>> scores["induction"].shape
+        torch.Size([2, 2])
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, weights = model(inputs, return_weights=True)
+    finally:
+        model.train(was_training)
+    stacked = torch.stack(weights, dim=1).float()  # (B, L, H, T, T)
+    T = inputs.shape[1]
+    t = torch.arange(1, T)
+    previous = stacked[..., t, t - 1].mean(dim=(0, 3))  # (L, H)
+    target, has = _induction_targets(inputs)  # (B, T)
+    picked = stacked.gather(-1, target.clamp(min=0)[:, None, None, :, None].expand(*stacked.shape[:-1], 1))
+    picked = picked[..., 0]  # (B, L, H, T): weight on the induction target of each query
+    mask = has[:, None, None, :].float()
+    induction = (picked * mask).sum(dim=(0, 3)) / mask.sum().clamp(min=1)  # mask sums over (b, t) only
+    return {"previous_token": previous, "induction": induction, "weights": stacked[0]}
+
+
+def _induction_targets(inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """For each query ``t``: ``j + 1`` for the latest ``j < t - 1`` with the same token; and whether one exists."""
+    B, T = inputs.shape
+    same = inputs[:, :, None] == inputs[:, None, :]  # (B, Tq, Tk)
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    earlier = same & (k < q - 1)
+    latest = torch.where(earlier, k.expand(T, T), torch.full((T, T), -1)).amax(dim=-1)  # (B, T)
+    return latest + 1, latest >= 0
+
+
+def ablate_heads(model: GPT, inputs: Tensor, targets: Tensor) -> Tensor:
+    """Held-out accuracy ``(L, H)`` with each head's output zeroed in turn (one at a time).
+
+    A head's context vector occupies features ``[h * head_dim, (h + 1) * head_dim)`` of the
+    input of its layer's ``out_proj``; a forward pre-hook zeroes that slice.
+
+    Example:
+        >>> model = GPT(vocab_size=4, max_len=3, d_model=8, num_layers=1, num_heads=2)
+        >>> ablate_heads(model, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, -100]])).shape
+        torch.Size([1, 2])
+    """
+    layers, heads = len(model.blocks), model.config["num_heads"]
+    result = torch.zeros(layers, heads)
+    for layer, block in enumerate(model.blocks):
+        head_dim = block.attn.head_dim
+        for head in range(heads):
+            def zero_head(module, args, lo=head * head_dim, hi=(head + 1) * head_dim):
+                x = args[0].clone()
+                x[..., lo:hi] = 0
+                return (x,)
+
+            handle = block.attn.out_proj.register_forward_pre_hook(zero_head)
+            try:
+                result[layer, head] = evaluate(model, inputs, targets)[1]
+            finally:
+                handle.remove()
+    return result
+
+
+def summarize(task: str, accuracy: float, scores: dict[str, Tensor], ablated: Tensor) -> str:
+    """One paragraph naming the heads that do the task, with their scores and ablation figures.
+
+    Example:
+        >>> scores = {"previous_token": torch.tensor([[0.9, 0.1], [0.2, 0.1]]),
+        ...           "induction": torch.tensor([[0.0, 0.1], [0.1, 0.95]])}
+        >>> print(summarize("induction", 0.99, scores, torch.tensor([[0.2, 0.98], [0.97, 0.1]])))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        Held-out accuracy 99.0 %. Layer 1 head 1 is an induction head (induction score 0.95;
+        ablated: 10.0 %). Layer 0 head 0 is a previous-token head (previous-token score 0.90;
+        ablated: 20.0 %). Heads whose ablation costs more than 5 points: L0H0 (20.0 %), L1H1 (10.0 %).
+    """
+    parts = [f"Held-out accuracy {100 * accuracy:.1f} %."]
+    induction, previous = scores["induction"], scores["previous_token"]
+    layers, heads = induction.shape
+    if task in ("induction", "recall") and layers > 1:
+        l_ind, h_ind = divmod(int(induction[1:].argmax()) + heads, heads)
+        l_prev, h_prev = divmod(int(previous[:l_ind].argmax()), heads)
+        parts.append(_named(l_ind, h_ind, "an induction head", "induction", float(induction[l_ind, h_ind]),
+                            float(ablated[l_ind, h_ind])))
+        parts.append(_named(l_prev, h_prev, "a previous-token head", "previous-token",
+                            float(previous[l_prev, h_prev]), float(ablated[l_prev, h_prev])))
+    costly = [(l, h) for l in range(layers) for h in range(heads) if accuracy - float(ablated[l, h]) > 0.05]
+    if costly:
+        parts.append("Heads whose ablation costs more than 5 points: " + ", ".join(
+            f"L{l}H{h} ({100 * float(ablated[l, h]):.1f} %)" for l, h in costly) + ".")
+    else:
+        parts.append("No single head's ablation costs more than 5 points: the task is spread over heads.")
+    return " ".join(parts)
+
+
+# ------------------------------------------------------------------ analysis
+def _named(layer: int, head: int, role: str, score_name: str, score: float, ablated: float) -> str:
+    """``Layer l head h is <role> (...)`` when its score reaches 0.5, else that no head is one yet."""
+    figures = f"{score_name} score {score:.2f}; ablated: {100 * ablated:.1f} %"
+    if score >= 0.5:
+        return f"Layer {layer} head {head} is {role} ({figures})."
+    return f"No head is {role} yet (the closest, layer {layer} head {head}: {figures})."
+
+
+def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
+    """Head scores, single-head ablation and the summary of a trained run, as JSON-ready lists.
+
+    ``sequences`` held-out rows give the scores; ablation uses the whole held-out set.
+    Heads whose induction score is at least 0.5 are also ablated together
+    (``induction_heads_ablated``): several heads can share one job, and then zeroing any
+    single one of them costs little.
+
+    Example:
+        >>> run = Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=4))
+        >>> sorted(analyze(run)["heads"])
+        ['ablation_accuracy', 'induction', 'previous_token']
+    """
+    inputs, targets = trainer.eval_set()
+    scores = head_scores(trainer.model, inputs[:sequences])
+    ablated = ablate_heads(trainer.model, inputs, targets)
+    accuracy = trainer.history["eval_accuracy"][-1] if trainer.history["eval_accuracy"] else trainer.evaluate()[1]
+    text = summarize(trainer.config.task, accuracy, scores, ablated)
+    result = {"heads": {"previous_token": _rounded(scores["previous_token"]),
+                        "induction": _rounded(scores["induction"]), "ablation_accuracy": _rounded(ablated)},
+              "summary": text, "weights": scores["weights"], "example": inputs[0]}
+    group = [(l, h) for l, h in zip(*torch.nonzero(scores["induction"] >= 0.5, as_tuple=True))]
+    if len(group) > 1:
+        together = _ablate_group(trainer.model, inputs, targets, [(int(l), int(h)) for l, h in group])
+        names = ", ".join(f"L{int(l)}H{int(h)}" for l, h in group)
+        result["induction_heads_ablated"] = {"heads": names, "accuracy": round(together, 4)}
+        result["summary"] += (f" The {len(group)} heads with induction score >= 0.5 ({names}) share the job: "
+                              f"ablating them together drops accuracy to {100 * together:.1f} %.")
+    return result
+
+
+def _rounded(t: Tensor) -> list:
+    return [[round(float(v), 4) for v in row] for row in t]
+
+
+def _ablate_group(model: GPT, inputs: Tensor, targets: Tensor, heads: list[tuple[int, int]]) -> float:
+    """Held-out accuracy with all ``heads`` ``(layer, head)`` zeroed at once."""
+    handles = []
+    for layer, head in heads:
+        head_dim = model.blocks[layer].attn.head_dim
+
+        def zero_head(module, args, lo=head * head_dim, hi=(head + 1) * head_dim):
+            x = args[0].clone()
+            x[..., lo:hi] = 0
+            return (x,)
+
+        handles.append(model.blocks[layer].attn.out_proj.register_forward_pre_hook(zero_head))
+    try:
+        return evaluate(model, inputs, targets)[1]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def write_figures(trainer: Trainer, analysis: dict, directory: str | os.PathLike) -> list[Path]:
+    """The loss/accuracy curves and every layer's and head's attention on a held-out example (PNG).
+
+    Example:
+        >>> import tempfile
+        >>> run = Trainer(TrainConfig(steps=2, batch_size=2, d_model=8, heads=2, eval_sequences=4))
+        >>> _ = run.train()
+        >>> [p.name for p in write_figures(run, analyze(run), tempfile.mkdtemp())][:2]
+        ['curves.png', 'heads.png']
+    """
+    directory = Path(directory)
+    written = save_figure(_curves(trainer), directory / "curves", formats=("png",))
+    labels = trainer.task.labels(analysis["example"])
+    weights = analysis["weights"]  # (L, H, T, T)
+    name = f"{trainer.config.task}, step {trainer.step}"
+    written += save_figure(head_grid(weights, labels, title=f"{trainer.config.task}: all heads"),
+                           directory / "heads", formats=("png",))
+    for layer in range(weights.shape[0]):
+        figure = heatmap(weights[layer], rows=labels, cols=labels, title=f"{name}: layer {layer}",
+                         annotate=False)
+        written += save_figure(figure, directory / f"attention-layer{layer}", formats=("png",))
+    return written
+
+
+def _curves(trainer: Trainer):
+    """Training and held-out loss (left) and held-out accuracy (right) against the step."""
+    from matplotlib.figure import Figure
+
+    h = trainer.history
+    fig = Figure(figsize=(9, 3.4), dpi=110, layout="constrained")
+    loss_ax, acc_ax = fig.subplots(1, 2)
+    loss_ax.plot(h["step"], h["train_loss"], lw=0.8, alpha=0.6, label="training batch")
+    loss_ax.plot(h["eval_step"], h["eval_loss"], lw=1.6, label="held out")
+    loss_ax.set(xlabel="step", ylabel="loss (scored positions)", yscale="log")
+    loss_ax.legend(fontsize=8)
+    acc_ax.plot(h["eval_step"], [100 * a for a in h["eval_accuracy"]], lw=1.6, color="C1")
+    acc_ax.set(xlabel="step", ylabel="held-out accuracy (%)", ylim=(0, 101))
+    fig.suptitle(f"attnlab train --task {trainer.config.task}", fontsize=11)
+    return fig

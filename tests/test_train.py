@@ -1,0 +1,238 @@
+"""attnlab.train: the tasks' data, deterministic training and resume, head scores and ablation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from attnlab import io
+from attnlab.models import GPT
+from attnlab.train import (IGNORE, TextTask, TrainConfig, Trainer, ablate_heads, analyze, evaluate,
+                           head_scores, make_task, summarize, write_figures)
+
+TINY = dict(d_model=16, heads=2, batch_size=4, eval_sequences=16, eval_every=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second thread only waits (and on a shared 2-core machine, much longer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def generator(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- data
+def test_induction_batches_repeat_a_segment_of_distinct_tokens_and_score_its_continuation():
+    task = make_task("induction")
+    inputs, targets = task.batch(16, generator())
+    for row, target in zip(inputs.tolist(), targets.tolist()):
+        scored = [t for t, y in enumerate(target) if y != IGNORE]
+        assert task.min_segment - 1 <= len(scored) <= task.max_segment - 1
+        for t in scored:
+            earlier = [j for j in range(t) if row[j] == row[t]]
+            assert len(earlier) == 1  # the current token occurred exactly once before
+            assert target[t] == row[earlier[0] + 1]  # and the answer is what followed it
+            assert target[t] == row[t + 1]
+
+
+def test_recall_reverse_and_sort_targets_follow_their_definitions():
+    inputs, targets = make_task("recall").batch(8, generator())
+    for row, target in zip(inputs.tolist(), targets.tolist()):
+        pairs = dict(zip(row[0:24:2], row[1:24:2]))
+        assert len(pairs) == 12
+        asked = [row[t] for t, y in enumerate(target) if y != IGNORE]
+        assert len(asked) == len(set(asked)) == 12  # each key asked once: no answer to copy from an earlier query
+        for t, y in enumerate(target):
+            if y != IGNORE:
+                assert y == pairs[row[t]]
+    for name, reference in (("reverse", lambda x: x[::-1]), ("sort", sorted)):
+        task = make_task(name)
+        inputs, targets = task.batch(8, generator())
+        for row, target in zip(inputs.tolist(), targets.tolist()):
+            n = task.length
+            assert row[n] == task.num_symbols  # the separator
+            assert [y for y in target if y != IGNORE] == list(reference(row[:n]))
+
+
+def test_text_task_splits_and_refuses_bad_files(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("héllo wörld " * 60, encoding="utf-8")
+    task = TextTask.from_file(path, seq_len=16)
+    inputs, targets = task.batch(4, generator())
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert "".join(task.chars[i] for i in task.encode("wörld").tolist()) == "wörld"
+    (tmp_path / "empty.txt").write_text("  \n", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1") * 100)
+    for name, match in (("empty.txt", "is empty"), ("latin1.txt", "not UTF-8"), ("missing.txt", "cannot be read")):
+        with pytest.raises(ValueError, match=match) as info:
+            TextTask.from_file(tmp_path / name)
+        assert name in str(info.value)
+
+
+def test_training_batches_depend_only_on_seed_and_step_and_never_match_held_out_data():
+    a, b = Trainer(TrainConfig(**TINY)), Trainer(TrainConfig(**TINY))
+    assert torch.equal(a.train_batch(7)[0], b.train_batch(7)[0])
+    assert not torch.equal(a.train_batch(7)[0], a.train_batch(8)[0])
+    held_out = {tuple(r) for r in a.eval_set()[0].tolist()}
+    assert not held_out & {tuple(r) for s in range(20) for r in a.train_batch(s)[0].tolist()}
+
+
+# ----------------------------------------------------------------------- training
+def test_loss_goes_down():
+    run = Trainer(TrainConfig(task="sort", steps=40, lr=1e-2, **TINY))
+    run.train()
+    first, last = run.history["train_loss"][0], sum(run.history["train_loss"][-5:]) / 5
+    assert last < 0.8 * first
+
+
+def test_same_seed_same_run_and_another_seed_another():
+    runs = [Trainer(TrainConfig(task="sort", steps=5, seed=s, **TINY)) for s in (1, 1, 2)]
+    for run in runs:
+        run.train()
+    assert runs[0].history["train_loss"] == runs[1].history["train_loss"]
+    assert runs[0].history["train_loss"] != runs[2].history["train_loss"]
+
+
+def test_checkpoint_round_trip_is_bitwise(tmp_path):
+    run = Trainer(TrainConfig(task="recall", steps=3, **TINY))
+    run.train(out=tmp_path)
+    again = Trainer.resume(tmp_path)
+    assert again.step == 3
+    for name, tensor in run.model.state_dict().items():
+        assert torch.equal(tensor, again.model.state_dict()[name]), name
+    saved, loaded = run.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
+    assert saved.keys() == loaded.keys()
+    for index in saved:
+        for key in saved[index]:
+            assert torch.equal(saved[index][key], loaded[index][key]), (index, key)
+
+
+@pytest.mark.parametrize("task", ["induction", "sort"])
+def test_resume_continues_at_the_same_step_with_the_same_losses_as_an_uninterrupted_run(tmp_path, task):
+    whole = Trainer(TrainConfig(task=task, steps=6, **TINY))
+    whole.train()
+    part = Trainer(TrainConfig(task=task, steps=6, **TINY))
+    result = part.train(should_stop=lambda: part.step == 3, out=tmp_path)
+    assert result.interrupted and result.step == 3 and not result.metrics["finished"]
+    resumed = Trainer.resume(tmp_path)
+    assert resumed.step == 3
+    resumed.train()
+    assert resumed.history["train_loss"] == whole.history["train_loss"]  # exactly, every step
+    assert resumed.history["eval_accuracy"][-1] == whole.history["eval_accuracy"][-1]
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
+def test_evaluate_scores_only_the_scored_positions():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=6, max_len=5, d_model=8, num_layers=1, num_heads=2).eval()
+    inputs = torch.randint(0, 6, (3, 5))
+    targets = torch.full((3, 5), IGNORE)
+    targets[:, 2] = 1
+    with torch.no_grad():
+        logits = model(inputs)[:, 2]  # (3, V)
+    expected_loss = torch.nn.functional.cross_entropy(logits, torch.ones(3, dtype=torch.long)).item()
+    loss, accuracy = evaluate(model, inputs, targets)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert accuracy == pytest.approx((logits.argmax(-1) == 1).float().mean().item())
+
+
+# --------------------------------------------------------------------- the circuit
+def _brute_force_scores(weights, inputs):
+    """The definitions, one query at a time."""
+    L, H = weights.shape[1:3]
+    previous = torch.zeros(L, H)
+    induction = torch.zeros(L, H)
+    B, T = inputs.shape
+    n_prev = n_ind = 0
+    for b in range(B):
+        for t in range(1, T):
+            previous += weights[b, :, :, t, t - 1]
+            n_prev += 1
+            earlier = [j for j in range(t - 1) if inputs[b, j] == inputs[b, t]]
+            if earlier:
+                induction += weights[b, :, :, t, earlier[-1] + 1]
+                n_ind += 1
+    return previous / n_prev, induction / n_ind
+
+
+def test_head_scores_match_their_definitions():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=5, max_len=12, d_model=16, num_layers=2, num_heads=4).eval()
+    inputs = torch.randint(0, 5, (3, 12))
+    scores = head_scores(model, inputs)
+    with torch.no_grad():
+        weights = torch.stack(model(inputs, return_weights=True)[1], dim=1)  # (B, L, H, T, T)
+    previous, induction = _brute_force_scores(weights, inputs)
+    torch.testing.assert_close(scores["previous_token"], previous)
+    torch.testing.assert_close(scores["induction"], induction)
+
+
+def test_head_ablation_equals_zeroing_that_heads_columns_of_out_proj():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=7, max_len=10, d_model=16, num_layers=2, num_heads=4).eval()
+    inputs = torch.randint(0, 7, (32, 10))
+    targets = torch.roll(inputs, -1, dims=1)
+    targets[:, -1] = IGNORE
+    ablated = ablate_heads(model, inputs, targets)
+    for layer, head in ((0, 1), (1, 3)):
+        copy_ = copy.deepcopy(model)
+        with torch.no_grad():  # the head's context vector only reaches the output through these columns
+            copy_.blocks[layer].attn.out_proj.weight[:, head * 4:(head + 1) * 4] = 0
+        assert ablated[layer, head] == pytest.approx(evaluate(copy_, inputs, targets)[1])
+    assert torch.equal(ablate_heads(model, inputs, targets), ablated)  # hooks removed: nothing left behind
+
+
+def test_summary_names_the_induction_and_previous_token_heads_only_when_they_score():
+    scores = {"previous_token": torch.tensor([[0.1, 0.92], [0.0, 0.0]]),
+              "induction": torch.tensor([[0.0, 0.0], [0.85, 0.2]])}
+    text = summarize("induction", 0.995, scores, torch.tensor([[0.9, 0.05], [0.12, 0.99]]))
+    assert "Layer 1 head 0 is an induction head (induction score 0.85; ablated: 12.0 %)" in text
+    assert "Layer 0 head 1 is a previous-token head (previous-token score 0.92" in text
+    weak = summarize("induction", 0.02, {k: v / 10 for k, v in scores.items()}, torch.zeros(2, 2))
+    assert "No head is an induction head yet" in weak
+
+
+def test_analysis_and_figures_of_a_tiny_run(tmp_path):
+    run = Trainer(TrainConfig(steps=2, **TINY))
+    run.train()
+    analysis = analyze(run, sequences=4)
+    assert len(analysis["heads"]["induction"]) == 2 and len(analysis["heads"]["induction"][0]) == 2
+    names = [p.name for p in write_figures(run, analysis, tmp_path)]
+    assert names == ["curves.png", "heads.png", "attention-layer0.png", "attention-layer1.png"]
+    assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+
+
+def test_saved_checkpoint_is_a_loadable_gpt(tmp_path):
+    run = Trainer(TrainConfig(task="reverse", steps=1, **TINY))
+    run.train(out=tmp_path)
+    model = GPT.from_pretrained(tmp_path)
+    assert model.extra["task"] == "reverse" and model.extra["step"] == 1
+    io.check_safetensors(tmp_path / "optimizer.safetensors")
+    inputs = run.eval_set()[0][:2]
+    with torch.no_grad():
+        assert torch.equal(model(inputs), run.model.eval()(inputs))
+
+
+def test_a_checkpoint_whose_header_length_ends_in_0x80_still_loads(tmp_path):
+    # Regression: attnlab.io took a safetensors file whose first byte (the header length's low
+    # byte) is 0x80 for a pickle; the optimizer file of this exact run had that header length.
+    import safetensors.torch
+
+    from attnlab.models.gpt import save_safetensors
+    tensors = {"w": torch.zeros(1)}
+    for pad in range(256):  # find metadata that puts 0x80 first, as the failing run did
+        if safetensors.torch.save(tensors, metadata={"p": "x" * pad})[:1] == b"\x80":
+            break
+    path = tmp_path / "a.safetensors"
+    save_safetensors(lambda meta: path.write_bytes(safetensors.torch.save(tensors, metadata=meta)),
+                     path, {"p": "x" * pad})
+    assert path.read_bytes()[:1] != b"\x80"
+    assert torch.equal(io.load_state_dict(path)["w"], tensors["w"])
