@@ -49,7 +49,7 @@ from attnlab import io as _io
 from attnlab._checks import divisible, one_of, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
-from attnlab.models.gpt import save_safetensors, write_text_atomically
+from attnlab.models.gpt import write_text_atomically
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
 
@@ -574,10 +574,8 @@ def _save_optimizer(optimizer: torch.optim.Optimizer, path: Path, *, step: int, 
     """AdamW's per-parameter state as safetensors (never pickle); the step in the header."""
     tensors = {f"{index}.{key}": value.detach().cpu().contiguous().reshape(value.shape)
                for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()}
-    def write(metadata: dict[str, str]) -> None:
-        _io._write_atomically(safetensors.torch.save(tensors, metadata=metadata), path)
-
-    save_safetensors(write, path, {"step": str(step), "seconds": repr(seconds)})
+    metadata = {"step": str(step), "seconds": repr(seconds)}
+    _io._write_atomically(safetensors.torch.save(tensors, metadata=metadata), path)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> tuple[int, float]:

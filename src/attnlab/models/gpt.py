@@ -289,8 +289,7 @@ class GPT(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"model_type": MODEL_TYPE, **self.config, **(extra if extra is not None else self.extra)}
-        save_safetensors(lambda meta: _io.save(self, directory / _hub.WEIGHTS, metadata=meta),
-                         directory / _hub.WEIGHTS, {"model_type": MODEL_TYPE})
+        _io.save(self, directory / _hub.WEIGHTS, metadata={"model_type": MODEL_TYPE})
         write_text_atomically(directory / "config.json", json.dumps(config, indent=2) + "\n")
         return directory
 
@@ -331,30 +330,6 @@ class GPT(nn.Module):
         _hub.load_weights(directory)  # refuses a pickle-only or damaged checkpoint, naming the file
         _io.load(model, directory / _hub.WEIGHTS)
         return model.eval()
-
-
-def save_safetensors(write, path: Path, metadata: dict[str, str]) -> None:
-    """``write(metadata)``, padding the metadata until the file does not start with byte 0x80.
-
-    attnlab.io's pickle check takes a first byte of 0x80 for a pickle, but a safetensors file
-    starts with its header length, whose low byte is 0x80 for one header size in 256: such a
-    file would be refused on loading. One more metadata character changes the length.
-
-    Example:
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "m.safetensors"
-        >>> save_safetensors(lambda meta: _io.save(nn.Linear(2, 2), path, metadata=meta), path, {})
-        >>> path.read_bytes()[0] != 0x80
-        True
-    """
-    metadata = dict(metadata)
-    for _ in range(4):
-        write(metadata)
-        with open(path, "rb") as f:
-            if f.read(1) != b"\x80":
-                return
-        metadata["pad"] = metadata.get("pad", "") + "_"
-    raise RuntimeError(f"could not write {str(path)!r} with a header attnlab can read back")
 
 
 def write_text_atomically(path: Path, text: str) -> None:
