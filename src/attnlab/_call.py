@@ -19,9 +19,10 @@ from attnlab._checks import finite_number, instance_of, probability
 
 __all__ = ["AttentionCall", "build_call", "MEMO_KEYS"]
 
-# What a call may remember once computed: the dense mask of attendable positions, and sdpa's
-# plan (the kernel choice, asked for by dispatch's memory and cost questions and by forward).
-MEMO_KEYS = ("allowed", "sdpa_plan")
+# What a call may remember once computed: the dense mask of attendable positions, sdpa's plan
+# (the kernel choice, asked for by dispatch's memory and cost questions and by forward), and
+# which inputs hold NaN/inf (a full pass over q, k, v that several backends' refusals need).
+MEMO_KEYS = ("allowed", "sdpa_plan", "non_finite")
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,17 @@ class AttentionCall:
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    def non_finite(self) -> tuple[str, ...]:
+        """Names of the inputs (``"q"``, ``"k"``, ``"v"``) that hold NaN or inf; scanned once per call.
+
+        Example:
+            >>> q = torch.ones(1, 1, 2, 4)
+            >>> build_call(q, q, q).non_finite(), build_call(q, q * float("nan"), q).non_finite()
+            ((), ('k',))
+        """
+        return self.memo("non_finite", lambda: tuple(
+            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if not bool(torch.isfinite(t).all())))
 
     def mask_mod(self) -> Callable | None:
         """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""

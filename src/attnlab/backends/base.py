@@ -67,6 +67,8 @@ class Backend:
         dtypes: per device type, the dtypes it supports (a device not listed: every float dtype).
         dropout: whether it implements ``dropout_p > 0``.
         backward_devices: device types where its output can be differentiated (``None``: any).
+        non_finite_inputs: whether it keeps the NaN/inf rule when q, k or v hold NaN or inf (a
+            kernel that hides a NaN row or lets a masked key's NaN through declares False).
 
     Example:
         >>> class Zeros(Backend):
@@ -86,6 +88,7 @@ class Backend:
     dtypes: dict[str, tuple[torch.dtype, ...]] = {}
     dropout: bool = True
     backward_devices: tuple[str, ...] | None = None
+    non_finite_inputs: bool = True
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).
@@ -99,7 +102,8 @@ class Backend:
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         """Every reason this backend cannot serve ``call`` exactly; empty when it can.
 
-        Derived from the declared capabilities, then :meth:`limits`.
+        Derived from the declared capabilities, then :meth:`limits`. Whether the inputs hold
+        NaN/inf takes a pass over them, so it is asked last and only when nothing else declined.
 
         Example:
             >>> from attnlab._call import build_call
@@ -120,7 +124,10 @@ class Backend:
         if (call.requires_grad and self.backward_devices is not None
                 and call.device.type not in self.backward_devices):
             found.append(f"{self.name} has no backward on {device}")
-        return found + self.limits(call)
+        found += self.limits(call)
+        if not found and not self.non_finite_inputs and call.non_finite():
+            found.append(f"{self.name} cannot keep the NaN/inf rule: {'/'.join(call.non_finite())} hold NaN or inf")
+        return found
 
     def limits(self, call: AttentionCall) -> list[str]:
         """Reasons beyond the declared capabilities why ``call`` cannot be served (default none).

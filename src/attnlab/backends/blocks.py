@@ -332,15 +332,6 @@ def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> Atte
     return AttentionResult(out=out, lse=lse)
 
 
-def _finite(call: AttentionCall) -> list[str]:
-    bad = [name for name, t in (("q", call.q), ("k", call.k), ("v", call.v))
-           if not bool(torch.isfinite(t).all())]
-    if bad:
-        return [f"blocks cannot keep the NaN/inf rule: {'/'.join(bad)} hold NaN or inf "
-                "(the fused kernel returns zeros for a NaN query row)"]
-    return []
-
-
 class BlocksBackend(Backend):
     """The fused dense kernel on each query block's reachable key span (mask mods with bounds).
 
@@ -357,6 +348,7 @@ class BlocksBackend(Backend):
     devices = ("cpu",)
     dtypes = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
     dropout = False
+    non_finite_inputs = False  # the fused kernel returns zeros for a NaN query row
     needs_bounds = True  # serves only mask mods with kv_bounds (attnlab.verify sweeps those)
     description = (
         "block-sparse: the fused SDPA kernel per query block on only the keys its mask mod's "
@@ -370,7 +362,7 @@ class BlocksBackend(Backend):
         return None
 
     def limits(self, call: AttentionCall) -> list[str]:
-        """Only mask mods with bounds are worth it; NaN/inf inputs cannot be served exactly."""
+        """Only mask mods with bounds are worth it (NaN/inf inputs: see ``non_finite_inputs``)."""
         if call.mask_kind in ("bool", "float"):
             return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
                     "mask declares none (pass a mask mod from attnlab.masks)"]
@@ -380,7 +372,7 @@ class BlocksBackend(Backend):
         if _bounds_missing(mod, call.tq):
             return ["blocks cannot skip: the mask mod declares no kv_bounds (a plain function, or "
                     "an or-combination with such a part), so every key block is reachable"]
-        return _finite(call)
+        return []
 
     def memory_note(self, call: AttentionCall) -> str:
         return (f"visits {visited_fraction(call):.0%} of the Tq x Tk scores in "

@@ -186,15 +186,6 @@ def _shape_limits(call: AttentionCall) -> list[str]:
     return []
 
 
-def _finite_limits(call: AttentionCall) -> list[str]:
-    """NaN or inf in q, k or v: the compiled kernel hides them (a zero row where NaN must
-    propagate) and lets them leak from keys that are masked out. One pass over the inputs."""
-    bad = [name for name, t in (("q", call.q), ("k", call.k), ("v", call.v)) if not bool(torch.isfinite(t).all())]
-    if bad:
-        return [f"flex cannot keep the NaN/inf rule: {'/'.join(bad)} hold NaN or inf"]
-    return []
-
-
 def _mask_limits(call: AttentionCall) -> list[str]:
     """A mask that needs a gradient: the kernel takes the bias as a constant."""
     mask = call.mask
@@ -250,6 +241,7 @@ class FlexBackend(Backend):
     dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
     dropout = False
     backward_devices = ("cuda",)  # torch.compile's CPU flex kernel is inference only
+    non_finite_inputs = False  # the compiled kernel hides NaN rows and lets masked keys' NaN through
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
         "(cached); CPU: forward only, no lse; no dropout"
@@ -277,7 +269,7 @@ class FlexBackend(Backend):
                          "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
-        return found + _shape_limits(call) + _mask_limits(call) + _finite_limits(call)
+        return found + _shape_limits(call) + _mask_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
         """O(T^2) for any masked call (the mask is held densely for the kernel), else O(T).
