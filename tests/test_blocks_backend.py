@@ -219,7 +219,7 @@ def test_backends_cli_explains_structured_masks():
 
 
 def test_sparse_and_backends_suites_run_on_tiny_shapes():
-    """Regression: suites.py used _fill_ratios without importing it (NameError)."""
+    """Regression: suites.py used fill_ratios without importing it (NameError)."""
     from attnlab.bench import suites
 
     rows = suites.sparse_suite(quick=True, lengths=(64,), rounds=1)

@@ -37,7 +37,8 @@ from torch import Tensor, nn
 
 from attnlab._checks import instance_of
 
-__all__ = ["save", "load", "load_state_dict", "check_safetensors", "read_metadata"]
+__all__ = ["save", "load", "save_state_dict", "load_state_dict", "write_atomically", "check_safetensors",
+           "read_metadata"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
@@ -157,8 +158,20 @@ def _check_metadata(metadata: object) -> dict[str, str]:
     return metadata
 
 
-def _write_atomically(data: bytes, path: str | os.PathLike) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it to ``path``."""
+def write_atomically(data: bytes | str, path: str | os.PathLike, *, what: str = "a file") -> None:
+    """Write ``data`` (bytes, or text as UTF-8) so that ``path`` is either the old file or the new one.
+
+    The data goes to a temporary file beside ``path``, is flushed to disk, then renamed over
+    ``path``; an interrupted or failed write removes the temporary file and leaves ``path`` as
+    it was. An ``OSError`` keeps its subclass and names ``path`` and ``what`` was being written.
+
+    Example:
+        >>> import tempfile, os
+        >>> target = os.path.join(tempfile.mkdtemp(), "a.json")
+        >>> write_atomically("{}", target); open(target).read()
+        '{}'
+    """
+    data = data.encode("utf-8") if isinstance(data, str) else data
     path = os.fspath(path)
     folder, base = os.path.split(os.path.abspath(path))
     temp = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.tmp")
@@ -172,7 +185,7 @@ def _write_atomically(data: bytes, path: str | os.PathLike) -> None:
         with contextlib.suppress(OSError):
             os.remove(temp)
         if isinstance(err, OSError):
-            raise _naming(err, path, "write a safetensors file") from err
+            raise _naming(err, path, f"write {what}") from err
         raise
 
 
@@ -198,8 +211,26 @@ def save(module: nn.Module, path: str | os.PathLike, *, metadata: dict[str, str]
         >>> save(nn.Linear(2, 2), os.path.join(tempfile.mkdtemp(), "lin.safetensors"))
     """
     instance_of("module", module, nn.Module, "a torch.nn.Module")
-    meta = {"format": "pt", "attnlab_class": type(module).__name__, **_check_metadata(metadata)}
-    _write_atomically(safetensors.torch.save(_state_for_saving(module), metadata=meta), path)
+    meta = {"attnlab_class": type(module).__name__, **_check_metadata(metadata)}
+    save_state_dict(_state_for_saving(module), path, metadata=meta)
+
+
+def save_state_dict(tensors: dict[str, Tensor], path: str | os.PathLike, *,
+                    metadata: dict[str, str] | None = None) -> None:
+    """Write named tensors to ``path`` in safetensors format, atomically (see :func:`write_atomically`).
+
+    The counterpart of :func:`load_state_dict`, for tensors that are not a module's state
+    (an optimizer's, say). Tensors must not share memory; ``metadata`` goes into the header.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+        >>> save_state_dict({"w": torch.ones(2)}, path, metadata={"step": "3"})
+        >>> load_state_dict(path)["w"].tolist()
+        [1.0, 1.0]
+    """
+    meta = {"format": "pt", **_check_metadata(metadata)}
+    write_atomically(safetensors.torch.save(tensors, metadata=meta), path, what="a safetensors file")
 
 
 def load_state_dict(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -49,7 +48,6 @@ from attnlab import io as _io
 from attnlab._checks import divisible, one_of, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
-from attnlab.models.gpt import write_text_atomically
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
 
@@ -534,7 +532,7 @@ class Trainer:
         self.model.save_pretrained(directory, extra=extra)
         _save_optimizer(self.optimizer, directory / OPTIMIZER_FILE, step=self.step, seconds=self.seconds)
         metrics = self.metrics(finished=False) if metrics is None else metrics
-        write_text_atomically(directory / METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
+        _io.write_atomically(json.dumps(metrics, indent=1) + "\n", directory / METRICS_FILE, what="the metrics")
         return directory
 
     @classmethod
@@ -574,8 +572,7 @@ def _save_optimizer(optimizer: torch.optim.Optimizer, path: Path, *, step: int, 
     """AdamW's per-parameter state as safetensors (never pickle); the step in the header."""
     tensors = {f"{index}.{key}": value.detach().cpu().contiguous().reshape(value.shape)
                for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()}
-    metadata = {"step": str(step), "seconds": repr(seconds)}
-    _io._write_atomically(safetensors.torch.save(tensors, metadata=metadata), path)
+    _io.save_state_dict(tensors, path, metadata={"step": str(step), "seconds": repr(seconds)})
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> tuple[int, float]:

@@ -10,8 +10,7 @@ nothing to attend are zeroed first, so NaN/inf stored there reach neither output
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import torch  # noqa: F401  (the doctest examples use it)
 
 from attnlab._call import AttentionCall
 from attnlab._math import (

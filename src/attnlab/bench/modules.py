@@ -29,8 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnlab.backends import available
 from attnlab.bench.competitors import NanoGPTAttention, SeedMultiHeadAttention

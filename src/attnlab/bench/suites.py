@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +24,7 @@ from attnlab import backends, masks
 from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
 from attnlab.bench.modules import run_modules_suite
-from attnlab.bench.timing import BenchRow, _fill_ratios, compare, machine_line, matmul_peak, print_rows
+from attnlab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
 
 __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
@@ -72,7 +71,7 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
     min_run = 0.05 if quick else 0.3
     b, h, d = 1, 8, 64
     q, k, v = _attention_inputs(b, h, t, d, dtype, device)
-    matmul, matmul_flops = _matmul_candidate(dtype, device)
+    matmul, matmul_flops = matmul_candidate(dtype, device)
     rows: list[BenchRow] = []
     for case, options in backend_cases(t, batch=b).items():
         options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
@@ -91,17 +90,10 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
         for name, sec in seconds.items():
             note = f"auto -> {chosen}" if name == "auto" else ""
             rows.append(BenchRow("backends", f"{case} T={t}", name, sec, flops, peak, note=note))
-    return _fill_ratios(rows)
+    return fill_ratios(rows)
 
 
 _PEAK = "matmul (peak)"
-
-
-def _matmul_candidate(dtype: torch.dtype, device: str, n: int = 2048):
-    """A square matmul to time beside the candidates, and its FLOPs."""
-    gen = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-    return (lambda: a @ b), 2.0 * n**3
 
 
 def _no_grad(fn, *args, **kwargs):
@@ -196,7 +188,7 @@ def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
                 for name, sec in seconds.items():
                     note = f"auto -> {chosen}" if name == "auto" else ""
                     rows.append(BenchRow("sparse", f"{case} {mode} T={t}", name, sec, flops, note=note))
-    return _fill_ratios(rows)
+    return fill_ratios(rows)
 
 
 def decode_suite(*, lengths: tuple[int, ...] = (64, 1024, 4096), rounds: int = 3) -> list[BenchRow]:
@@ -223,7 +215,7 @@ def decode_suite(*, lengths: tuple[int, ...] = (64, 1024, 4096), rounds: int = 3
                 rows.append(BenchRow("decode", f"decode Tk={tk}", name, sec, flops))
     finally:
         torch.set_num_threads(threads)
-    return _fill_ratios(rows)
+    return fill_ratios(rows)
 
 
 def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]:

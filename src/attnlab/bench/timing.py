@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["time_fn", "matmul_peak", "compare", "BenchRow", "print_rows", "machine_line"]
+__all__ = ["time_fn", "matmul_candidate", "matmul_peak", "compare", "BenchRow", "fill_ratios", "print_rows",
+           "machine_line"]
 
 
 def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.5) -> float:
@@ -40,6 +41,30 @@ def time_fn(fn: Callable[[], object], *, min_run_time: float = 0.5) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
+def matmul_candidate(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
+                     n: int = 2048) -> tuple[Callable[[], None], float]:
+    """An ``n x n`` matrix multiply to time (synchronised on CUDA), and its FLOPs.
+
+    Time it alone (:func:`matmul_peak`) or as one more candidate of :func:`compare`, so that the
+    rate is measured under the same load as the figures it is quoted beside.
+
+    Example:
+        >>> run, flops = matmul_candidate(n=64)
+        >>> run(); flops
+        524288.0
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def matmul() -> None:
+        a @ b
+        sync()
+
+    return matmul, 2.0 * n**3
+
+
 def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
                 n: int = 2048, min_run_time: float = 0.3) -> float:
     """Measured ``n x n`` matrix-multiply rate in FLOP/s for ``dtype`` on ``device``.
@@ -48,17 +73,9 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device =
         >>> matmul_peak(torch.float32, n=128, min_run_time=0.01) > 1e6
         True
     """
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-    def matmul():
-        a @ b
-        sync()
-
-    matmul()
-    return 2.0 * n**3 / time_fn(matmul, min_run_time=min_run_time)
+    matmul, flops = matmul_candidate(dtype, device, n=n)
+    matmul()  # warm-up
+    return flops / time_fn(matmul, min_run_time=min_run_time)
 
 
 def compare(candidates: dict[str, Callable[[], object]], *, rounds: int = 3,
@@ -116,7 +133,14 @@ class BenchRow:
         return None if not (self.gflops and self.peak) else self.gflops * 1e9 / self.peak
 
 
-def _fill_ratios(rows: list[BenchRow]) -> list[BenchRow]:
+def fill_ratios(rows: list[BenchRow]) -> list[BenchRow]:
+    """Set each row's ``ratio``: its time over the fastest time in the same ``case`` (in place).
+
+    Example:
+        >>> rows = fill_ratios([BenchRow("s", "c", "a", 2.0, None, None), BenchRow("s", "c", "b", 1.0, None, None)])
+        >>> [row.ratio for row in rows]
+        [2.0, 1.0]
+    """
     best: dict[str, float] = {}
     for row in rows:
         if row.seconds is not None:

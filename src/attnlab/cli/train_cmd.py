@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import typer
 
+from attnlab import io as _io
 from attnlab import train as _train
 from attnlab._checks import one_of, positive_int, positive_number
 from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, check_seed, fail, option_errors
-from attnlab.models.gpt import write_text_atomically
 
 DEFAULT_OUT = Path("attnlab-train")
 
@@ -165,7 +165,7 @@ def _finish(trainer: _train.Trainer, result: _train.TrainResult, out: Path, cons
     analysis = _train.analyze(trainer)
     metrics = {**result.metrics, **{k: analysis[k] for k in ("heads", "summary", "induction_heads_ablated")
                                      if k in analysis}}
-    write_text_atomically(out / _train.METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
+    _io.write_atomically(json.dumps(metrics, indent=1) + "\n", out / _train.METRICS_FILE, what="the metrics")
     written = _train.write_figures(trainer, analysis, out)
     m = result.metrics
     console.print(f"Held-out: loss {m['loss']:.4f}, accuracy {100 * m['accuracy']:.2f} % after {m['steps']} steps "

@@ -290,7 +290,7 @@ class GPT(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         config = {"model_type": MODEL_TYPE, **self.config, **(extra if extra is not None else self.extra)}
         _io.save(self, directory / _hub.WEIGHTS, metadata={"model_type": MODEL_TYPE})
-        write_text_atomically(directory / "config.json", json.dumps(config, indent=2) + "\n")
+        _io.write_atomically(json.dumps(config, indent=2) + "\n", directory / "config.json", what="a config file")
         return directory
 
     @classmethod
@@ -330,24 +330,6 @@ class GPT(nn.Module):
         _hub.load_weights(directory)  # refuses a pickle-only or damaged checkpoint, naming the file
         _io.load(model, directory / _hub.WEIGHTS)
         return model.eval()
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write ``text`` beside ``path`` and rename it into place (never a half-written file).
-
-    Example:
-        >>> import tempfile
-        >>> target = Path(tempfile.mkdtemp()) / "a.json"
-        >>> write_text_atomically(target, "{}"); target.read_text()
-        '{}'
-    """
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temp.write_text(text, encoding="utf-8")
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 def _next_token(logits: Tensor, temperature: float, top_k: int | None,
