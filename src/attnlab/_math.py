@@ -22,8 +22,7 @@ __all__ = [
     "repeat_kv",
     "score_dtype",
     "blocked_positions",
-    "live_keys",
-    "live_rows",
+    "live",
     "zero_dead",
     "masked_scores",
     "softmax_rows",
@@ -79,30 +78,18 @@ def blocked_positions(call: AttentionCall) -> Tensor | None:
     return blocked
 
 
-def live_keys(blocked: Tensor | None) -> Tensor | None:
-    """Keys that at least one query may attend, ``(B|1, H|1, Tk|1, 1)``; None when all may.
+def live(reached: Tensor) -> Tensor | None:
+    """Reached flags ``(B|1, H|1, T|1)`` as ``(B|1, H|1, T|1, 1)`` for :func:`zero_dead`; None when all are.
+
+    ``reached`` says, per key, whether some query may attend it (an ``any`` over the query
+    axis of the allowed mask), or, per query, whether it may attend some key.
 
     Example:
-        >>> live_keys(torch.tensor([[[[False, True], [False, True]]]])).flatten().tolist()
-        [True, False]
+        >>> allowed = torch.tensor([[[[True, False], [True, False]]]])        # (1, 1, Tq, Tk)
+        >>> live(allowed.any(dim=-2)).flatten().tolist(), live(allowed.any(dim=-1))
+        ([True, False], None)
     """
-    if blocked is None:
-        return None
-    live = (~blocked).any(dim=-2).unsqueeze(-1)  # (B|1, H|1, Tk|1, 1)
-    return None if bool(live.all()) else live
-
-
-def live_rows(blocked: Tensor | None) -> Tensor | None:
-    """Queries that may attend at least one key, ``(B|1, H|1, Tq|1, 1)``; None when all may.
-
-    Example:
-        >>> live_rows(torch.tensor([[[[False, True], [True, True]]]])).flatten().tolist()
-        [True, False]
-    """
-    if blocked is None:
-        return None
-    live = (~blocked).any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
-    return None if bool(live.all()) else live
+    return None if bool(reached.all()) else reached.unsqueeze(-1)
 
 
 def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:
@@ -116,7 +103,7 @@ def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:
 
     Args:
         t: ``(B, H, T, X)`` keys, values or queries.
-        live: ``(B|1, Hq|H|1, T|1, 1)`` bool from :func:`live_keys` / :func:`live_rows`, or None.
+        live: ``(B|1, Hq|H|1, T|1, 1)`` bool from :func:`live`, or None.
 
     Example:
         >>> zero_dead(torch.tensor([[[[1.0], [float("nan")]]]]), torch.tensor([[[[True], [False]]]]))

@@ -16,8 +16,7 @@ from attnlab._call import AttentionCall
 from attnlab._math import (
     apply_dropout,
     blocked_positions,
-    live_keys,
-    live_rows,
+    live,
     masked_scores,
     repeat_kv,
     softmax_rows,
@@ -52,8 +51,9 @@ class ReferenceBackend(Backend):
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         blocked = blocked_positions(call)
-        keys_live = live_keys(blocked)
-        q = zero_dead(call.q, live_rows(blocked))
+        allowed = None if blocked is None else ~blocked
+        keys_live = None if allowed is None else live(allowed.any(dim=-2))  # keys some query may attend
+        q = zero_dead(call.q, None if allowed is None else live(allowed.any(dim=-1)))  # rows with a key
         k = zero_dead(repeat_kv(call.k, call.q_heads), keys_live)  # (B, Hq, Tk, D)
         v = zero_dead(repeat_kv(call.v, call.q_heads), keys_live)  # (B, Hq, Tk, Dv)
         attn_scores = masked_scores(call, q, k)  # (B, H, Tq, Tk)

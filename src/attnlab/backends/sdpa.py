@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab._math import repeat_kv, zero_dead
+from attnlab._math import live, repeat_kv, zero_dead
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -190,11 +190,6 @@ def _mask_dtype(call: AttentionCall) -> torch.dtype:
     return call.dtype
 
 
-def _live(reduced: Tensor) -> Tensor | None:
-    """``(B|1, H|1, T|1)`` bool -> ``(B|1, H|1, T|1, 1)``, or None when every entry is True."""
-    return None if bool(reduced.all()) else reduced.unsqueeze(-1)
-
-
 @dataclass(frozen=True)
 class _Masking:
     """What :func:`sdpa_forward` passes and patches.
@@ -225,16 +220,16 @@ def _build_mask(call: AttentionCall, source: str) -> _Masking:
     allowed = call.allowed()  # bool (causal, bool mask, mask mod) or None
     bias = call.bias()
     if bias is None:
-        keys_live = _live(allowed.any(dim=-2))  # (B|1, H|1, Tk|1)
-        row_alive = _live(allowed.any(dim=-1))  # (B|1, H|1, Tq|1)
+        keys_live = live(allowed.any(dim=-2))  # (B|1, H|1, Tk|1)
+        row_alive = live(allowed.any(dim=-1))  # (B|1, H|1, Tq|1)
         if row_alive is None:
             return _Masking(allowed, None, keys_live)
         return _Masking(allowed | ~row_alive, row_alive, keys_live)
     attn_mask = bias.to(_mask_dtype(call))
     if allowed is not None:
         attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
-    keys_live = _live(attn_mask.amax(dim=-2) > float("-inf"))  # (B|1, H|1, Tk|1)
-    row_alive = _live(attn_mask.amax(dim=-1) > float("-inf"))  # (B|1, H|1, Tq|1)
+    keys_live = live(attn_mask.amax(dim=-2) > float("-inf"))  # (B|1, H|1, Tk|1)
+    row_alive = live(attn_mask.amax(dim=-1) > float("-inf"))  # (B|1, H|1, Tq|1)
     if row_alive is None:
         return _Masking(attn_mask, None, keys_live)
     return _Masking(torch.where(row_alive, attn_mask, 0.0), row_alive, keys_live)
