@@ -127,3 +127,14 @@ def test_model_directory_that_is_broken_is_one_line(tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     assert_one_error_line(_explain("--model", str(broken), tmp_path=tmp_path / "out"), "config.json")
+
+
+@needs_model
+def test_a_one_word_sentence_is_walked(tmp_path):
+    """Regression: choosing the head view's heads ranked no other word and raised IndexError."""
+    result = _explain("--model", "minilm", "word", "--format", "png", tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "Strongest: layer" in result.output and (tmp_path / "heads.png").is_file()
+    line = assert_one_error_line(_explain("--model", "minilm", "word", "--hide-special", tmp_path=tmp_path),
+                                 "second word")
+    assert "error:" in line

@@ -110,7 +110,10 @@ def head_view_heads(view: WordAttention, query: int, layer: int, head: int | Non
     to other words (special tokens never count here: a head parked on [CLS] shows nothing)."""
     if head is not None:
         return (head,)
-    keys = [j for j in range(len(view.words)) if j != query and not view.special[j]]
+    others = [j for j in range(len(view.words)) if j != query]
+    keys = [j for j in others if not view.special[j]] or others  # a one-word sentence: its specials
+    if not keys:
+        return (0,)
     best = view.weights[layer, :, query, keys].amax(dim=-1)  # (H,)
     return tuple(sorted(best.argsort(descending=True)[:HEAD_VIEW_HEADS].tolist()))
 
@@ -123,8 +126,9 @@ def check_ranges(view: WordAttention, layer: int | None, head: int | None) -> No
         fail(f"--head must be in 0..{view.heads - 1} (the model has {view.heads} heads per layer), got {head}")
 
 
-def narrate(console, view: WordAttention, query: int, *, model: str, hide_special: bool) -> Link:
-    """Pieces and ids, the layers x heads table, the strongest head per word; returns the top link."""
+def narrate(console, view: WordAttention, query: int, *, model: str, hide_special: bool, top: Link) -> None:
+    """Pieces and ids, the layers x heads table, the strongest head per word, and ``top`` (from
+    :func:`strongest`, asked before anything is printed so that its refusal is the only output)."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -160,10 +164,8 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
     for link in view.strongest_heads(query, hide_special=hide_special):
         console.print(f"  {link.word:>14}  layer {link.layer} head {link.head:>2}  {link.weight:.3f}",
                       markup=False, highlight=False)
-    top = strongest(view, query, hide_special=hide_special)
     console.print(f"Strongest: layer {top.layer} head {top.head} links '{word}' to '{top.word}' "
                   f"({top.weight:.3f}).", markup=False, soft_wrap=True)
-    return top
 
 
 def _cell(link: Link, width: int = 7) -> str:

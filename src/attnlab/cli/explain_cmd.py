@@ -148,9 +148,10 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     trained_walk.check_ranges(view, layer, head)
     with option_errors():
         focus = view.index(query)
+    top = trained_walk.strongest(view, focus, hide_special=hide_special)
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
-    top = trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special)
+    trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special, top=top)
     layer = top.layer if layer is None else layer
     heads = trained_walk.head_view_heads(view, focus, layer, head)
     try:
