@@ -53,6 +53,7 @@ from attnlab.backends.registry import register
 __all__ = [
     "ChunkedBackend",
     "chunked_attention",
+    "chunked_gradients",
     "dropout_keep",
     "draw_dropout_seed",
     "DEFAULT_Q_BLOCK",
@@ -399,21 +400,64 @@ def chunked_attention(
         >>> torch.allclose(r.out[0, 0, 0], x[0, 0, 0])   # the first query sees only itself
         True
     """
-    q_block = _check_block("q_block", DEFAULT_Q_BLOCK if q_block is None else q_block)
-    kv_block = _check_block("kv_block", DEFAULT_KV_BLOCK if kv_block is None else kv_block)
-    plan = _Plan(
+    plan = _plan_of(call, q_block, kv_block, tile_hook)
+    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, call.bias(), plan)
+    return AttentionResult(out=out, lse=lse)
+
+
+def chunked_gradients(
+    call: AttentionCall,
+    *,
+    out: Tensor,
+    lse: Tensor,
+    d_out: Tensor,
+    q_block: int | None = None,
+    kv_block: int | None = None,
+    tile_hook: TileHook | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``call.q``, ``call.k``, ``call.v`` from ``d_out``, given ``out`` and ``lse``.
+
+    The FlashAttention-2 backward, tile by tile. ``out`` and ``lse`` may be those of a larger
+    attention that ``call`` is one key block of (ring attention): with the global ``out`` and
+    ``lse`` of the query rows, the result is exactly this key block's share of the gradient
+    (``dq`` summed over blocks, ``dk``/``dv`` of this block's keys).
+
+    Shapes:
+        out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out ``(B, Hq, Tq, Dv)`` ->
+        dq ``(B, Hq, Tq, D)``, dk ``(B, Hkv, Tk, D)``, dv ``(B, Hkv, Tk, Dv)``, all in the
+        accumulation dtype (fp32 for fp16/bf16, else the input dtype). No dropout, no float mask.
+
+    Example:
+        >>> from attnlab.backends import build_call
+        >>> q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        >>> r = chunked_attention(build_call(q, k, v, causal=True))
+        >>> d_out = torch.randn_like(r.out)
+        >>> dq, dk, dv = chunked_gradients(build_call(q, k, v, causal=True), out=r.out.detach(),
+        ...                                lse=r.lse, d_out=d_out)
+        >>> expected = torch.autograd.grad(r.out, (q, k, v), d_out)
+        >>> all(torch.allclose(a, b) for a, b in zip((dq, dk, dv), expected))
+        True
+    """
+    if call.dropout_p > 0.0 or call.mask_kind == "float":
+        raise ValueError("chunked_gradients serves calls without dropout or a float mask")
+    plan = _plan_of(call, q_block, kv_block, tile_hook)
+    dq, dk, dv, _ = _backward_tiles(plan, (call.q, call.k, call.v, None, out, lse), d_out, False)
+    return dq, dk, dv
+
+
+def _plan_of(call: AttentionCall, q_block: int | None, kv_block: int | None,
+             tile_hook: TileHook | None) -> _Plan:
+    return _Plan(
         scale=call.scale,
         mod=call.mask_mod(),
         bool_mask=call.mask if call.mask_kind == "bool" else None,
-        q_block=q_block,
-        kv_block=kv_block,
+        q_block=_check_block("q_block", DEFAULT_Q_BLOCK if q_block is None else q_block),
+        kv_block=_check_block("kv_block", DEFAULT_KV_BLOCK if kv_block is None else kv_block),
         dropout_p=call.dropout_p,
         seed=draw_dropout_seed(call.generator) if call.dropout_p > 0.0 else None,
         acc_dtype=_accumulation_dtype(call.dtype),
         tile_hook=tile_hook,
     )
-    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, call.bias(), plan)
-    return AttentionResult(out=out, lse=lse)
 
 
 class ChunkedBackend(Backend):

@@ -1,0 +1,187 @@
+"""Exact context-parallel attention over ``torch.distributed``: ring (zigzag) and Ulysses.
+
+When one sequence is too long for one device, each rank of a process group holds a shard of it
+(:mod:`attnlab.distributed.layout`) and :func:`context_parallel_attention` returns that rank's
+shard of the output, equal to single-process :func:`attnlab.attention` on the whole sequence:
+
+* ``method="ring"`` (:mod:`~attnlab.distributed.ring`): key/value shards travel round the ring
+  while each rank keeps its queries; memory per rank falls as ``1/P``; causal work is balanced
+  by the zigzag layout.
+* ``method="ulysses"`` (:mod:`~attnlab.distributed.ulysses`): all-to-all from sequence shards
+  to head shards, ordinary attention with any attnlab mask, all-to-all back; needs the heads
+  divisible by ``P``.
+
+It runs on any backend of ``torch.distributed`` (gloo on CPU, NCCL on GPU), launched with
+``torchrun``. ``python -m attnlab.distributed.check`` checks both methods against one process
+(see ``docs/distributed.md`` for when each wins).
+
+Example (run under ``torchrun --nproc-per-node 2``)::
+
+    import torch, torch.distributed as dist
+    from attnlab.distributed import context_parallel_attention, shard, unshard
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)                                  # the same global tensors everywhere
+    q, k, v = (torch.randn(1, 4, 1024, 64) for _ in range(3))
+    q_l, k_l, v_l = (shard(t, dim=2) for t in (q, k, v))  # zigzag shards
+    out_l = context_parallel_attention(q_l, k_l, v_l, causal=True)
+    out = unshard(out_l, dim=2)                           # == attnlab.attention(q, k, v, causal=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnlab._call import build_call
+from attnlab._checks import divisible, instance_of, one_of
+from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, check_agreement, peers
+from attnlab.distributed.layout import LAYOUTS, check_length, positions, shard, unshard
+from attnlab.distributed.ring import ring_attention
+from attnlab.distributed.ulysses import ulysses_attention
+
+__all__ = ["context_parallel_attention", "ContextParallel", "CommStats", "METHODS", "LAYOUTS",
+           "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
+
+METHODS = ("ring", "ulysses")
+
+
+def context_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    mask: Tensor | Callable | None = None,
+    scale: float | None = None,
+    method: str = "ring",
+    layout: str = "zigzag",
+    group=None,
+    timeout: float | None = None,
+    stats: CommStats | None = None,
+) -> Tensor:
+    """This rank's shard of ``attention(q, k, v)`` over a sequence split across ``group``.
+
+    Shapes (this rank's shards, ``T_local = T / P``, in the positions ``layout`` assigns):
+        q ``(B, Hq, T_local, D)``, k ``(B, Hkv, T_local, D)``, v ``(B, Hkv, T_local, Dv)``
+        -> out ``(B, Hq, T_local, Dv)``. ``Hq`` a multiple of ``Hkv`` (grouped-query attention:
+        the ring passes only the ``Hkv`` heads around).
+
+    Args:
+        q, k, v: this rank's shards; every rank passes the same shapes and dtype (checked with
+            one small all-gather before any work: a mismatch raises ``ValueError`` on every rank).
+        causal: causal mask over global positions.
+        mask: ``method="ulysses"`` only: any attnlab mask over the global sequence, a mask mod
+            (global query/key indices and head numbers) or a tensor broadcasting to
+            ``(B, Hq, T, T)``.
+        scale: score multiplier; defaults to ``1 / sqrt(D)``.
+        method: ``"ring"`` or ``"ulysses"``.
+        layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``; balanced
+            causal work) or ``"contiguous"`` (chunk ``r`` of ``P``); the global length must be a
+            multiple of ``2P`` or ``P`` (``ValueError`` otherwise; attnlab does not pad).
+        group: process group (default: the world).
+        timeout: seconds to wait for a peer before raising ``RuntimeError`` (default 300): a rank
+            that raised, exited or stalled fails the others instead of hanging them.
+        stats: a :class:`CommStats` to add this call's bytes sent, messages and tiles to.
+
+    Returns:
+        This rank's output shard, differentiable in ``q``, ``k``, ``v`` (every rank must run
+        backward, as the ring's backward passes gradients between ranks).
+
+    Raises:
+        ValueError: bad shapes or options, ``T`` not divisible, heads not divisible by ``P``
+            (Ulysses), ranks that disagree.
+        RuntimeError: torch.distributed not initialised; a peer failed or timed out.
+
+    Example (under ``torchrun --nproc-per-node 2``; see the module docstring)::
+
+        out_l = context_parallel_attention(q_l, k_l, v_l, causal=True, method="ulysses")
+    """
+    one_of("method", method, METHODS)
+    one_of("layout", layout, LAYOUTS)
+    instance_of("causal", causal, bool, "a bool")
+    who = peers(group, timeout)
+    call = build_call(q, k, v, causal=causal, scale=scale)  # checks dtypes, ranks, heads, sizes
+    _check_shards(q, k, v, mask, method, who)
+    global_len = q.shape[2] * who.world
+    check_length(global_len, layout=layout, world=who.world, name="global sequence length (T_local * world)")
+    check_agreement({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": q.dtype,
+                     "causal": causal, "method": METHODS.index(method), "layout": LAYOUTS.index(layout),
+                     "masked": mask is not None, "grad": torch.is_grad_enabled() and call.requires_grad},
+                    who, q.device)
+    if method == "ring":
+        return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, stats=stats)
+    return ulysses_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale,
+                             mask=mask, stats=stats)
+
+
+def _check_shards(q: Tensor, k: Tensor, v: Tensor, mask, method: str, who: Peers) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q, k, v must be (B, H, T_local, D) shards; got q of shape {tuple(q.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must hold the same positions as q (self-attention over one sharded "
+                         f"sequence): q has T_local={q.shape[2]}, k has {k.shape[2]}")
+    if mask is not None and method != "ulysses":
+        raise ValueError("mask needs method='ulysses' (the ring takes causal=True or no mask)")
+    if method == "ulysses":
+        divisible("q heads", q.shape[1], "world size", who.world)
+        divisible("k/v heads", k.shape[1], "world size", who.world)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a module shards its sequence: pass as ``context_parallel=`` to attnlab modules.
+
+    Attributes:
+        group: process group (None: the world).
+        method: ``"ring"`` or ``"ulysses"``.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        timeout: seconds to wait for a peer (None: 300).
+
+    Example:
+        >>> ContextParallel(method="ulysses", layout="contiguous").method
+        'ulysses'
+    """
+
+    group: object = None
+    method: str = "ring"
+    layout: str = "zigzag"
+    timeout: float | None = None
+
+    def __post_init__(self):
+        one_of("method", self.method, METHODS)
+        one_of("layout", self.layout, LAYOUTS)
+
+    def world_and_rank(self) -> tuple[int, int]:
+        """``(P, r)``: the group's size and this rank (needs torch.distributed initialised).
+
+        Example (under torchrun with 2 processes)::
+
+            ContextParallel().world_and_rank()   # (2, 0) on rank 0
+        """
+        who = peers(self.group, self.timeout)
+        return who.world, who.rank
+
+    def positions(self, local_len: int, *, device=None) -> Tensor:
+        """Global positions ``(local_len,)`` of this rank's tokens (for RoPE and learned positions).
+
+        Example (under torchrun with 2 processes, zigzag)::
+
+            ContextParallel().positions(4)   # rank 0: tensor([0, 1, 6, 7])
+        """
+        world, rank = self.world_and_rank()
+        return positions(local_len * world, layout=self.layout, rank=rank, world=world, device=device)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask=None,
+                  scale: float | None = None) -> Tensor:
+        """:func:`context_parallel_attention` with this setting.
+
+        Example (under torchrun)::
+
+            out_l = ContextParallel(method="ring").attention(q_l, k_l, v_l, causal=True)
+        """
+        return context_parallel_attention(q, k, v, causal=causal, mask=mask, scale=scale,
+                                          method=self.method, layout=self.layout, group=self.group,
+                                          timeout=self.timeout)

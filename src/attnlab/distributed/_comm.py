@@ -1,0 +1,207 @@
+"""Communication for context parallelism: the ring exchange, all-to-all, the agreement check.
+
+Every wait goes through :func:`_wait`, so a peer that raised, exited or stalled turns into one
+``RuntimeError`` that names this rank, the step and the timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for its peers before it gives up
+
+
+@dataclass
+class CommStats:
+    """What one context-parallel call did on this rank (pass one in as ``stats=`` to fill it).
+
+    Attributes:
+        bytes_sent: bytes this rank sent (forward and, after ``backward()``, backward).
+        messages: point-to-point sends and all-to-all calls.
+        tiles: attention tiles computed per pass, ``{"forward": n, "backward": m}`` (ring only;
+            a tile is one ``q_block x kv_block`` piece of the chunked kernel).
+        wait_seconds: time spent waiting for data that had not arrived yet.
+
+    Example:
+        >>> CommStats().bytes_sent
+        0
+    """
+
+    bytes_sent: int = 0
+    messages: int = 0
+    tiles: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    wait_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Peers:
+    """This rank's place in a group: size, rank, and its ring neighbours as global ranks."""
+
+    group: object
+    world: int
+    rank: int
+    timeout: float
+
+    @property
+    def next_rank(self) -> int:
+        return self._global((self.rank + 1) % self.world)
+
+    @property
+    def prev_rank(self) -> int:
+        return self._global((self.rank - 1) % self.world)
+
+    def _global(self, group_rank: int) -> int:
+        """Point-to-point ops address peers by their rank in the world."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+
+def peers(group, timeout: float | None) -> Peers:
+    """The group's size and this rank (RuntimeError when torch.distributed is not set up)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("attnlab.distributed needs torch.distributed initialised: call "
+                           "torch.distributed.init_process_group (torchrun sets up the environment)")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return Peers(group, dist.get_world_size(group), dist.get_rank(group),
+                 DEFAULT_TIMEOUT if timeout is None else float(timeout))
+
+
+def _wait(work, who: Peers, what: str, stats: CommStats | None) -> None:
+    start = time.perf_counter()
+    try:
+        done = work.wait(timedelta(seconds=who.timeout))
+    except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError subclasses
+        raise RuntimeError(
+            f"context-parallel attention, rank {who.rank} of {who.world}: {what} failed; another "
+            f"rank raised, exited or did not join within {who.timeout:g} s ({_first_line(error)})"
+        ) from None
+    if done is False:
+        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: {what} "
+                           f"timed out after {who.timeout:g} s")
+    if stats is not None:
+        stats.wait_seconds += time.perf_counter() - start
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+class Pending:
+    """Tensors on their way from the previous rank; :meth:`wait` hands them over."""
+
+    def __init__(self, works, received: list[Tensor], keep: list[Tensor], who: Peers, what: str,
+                 stats: CommStats | None):
+        self._works, self._received, self._keep = works, received, keep
+        self._who, self._what, self._stats = who, what, stats
+
+    def wait(self) -> list[Tensor]:
+        for work in self._works:
+            _wait(work, self._who, self._what, self._stats)
+        self._keep = []  # the sends are done: their buffers may go
+        return self._received
+
+
+def exchange(tensors: list[Tensor], who: Peers, *, tag: int, what: str,
+             stats: CommStats | None) -> Pending:
+    """Send ``tensors`` to the next rank and receive the same shapes from the previous one.
+
+    Returns at once; the transfer overlaps whatever runs before :meth:`Pending.wait`. With one
+    rank, the tensors come straight back.
+    """
+    if who.world == 1:
+        return Pending([], tensors, [], who, what, stats)
+    sends = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sends]
+    ops = [dist.P2POp(dist.isend, t, who.next_rank, who.group, tag + i) for i, t in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, t, who.prev_rank, who.group, tag + i) for i, t in enumerate(received)]
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as error:
+        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: {what} "
+                           f"could not start ({_first_line(error)})") from None
+    if stats is not None:
+        stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends)
+        stats.messages += len(sends)
+    return Pending(works, received, sends, who, what, stats)
+
+
+def all_to_all(x: Tensor, who: Peers, *, what: str, stats: CommStats | None) -> Tensor:
+    """``all_to_all_single`` over dim 0 of ``x`` ``(P, ...)``: slice ``i`` goes to rank ``i``."""
+    if who.world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    try:
+        work = dist.all_to_all_single(out, x, group=who.group, async_op=True)
+    except Exception as error:
+        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: {what} "
+                           f"could not start ({_first_line(error)})") from None
+    _wait(work, who, what, stats)
+    if stats is not None:
+        stats.bytes_sent += x.numel() * x.element_size() * (who.world - 1) // who.world
+        stats.messages += 1
+    return out
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_agreement(signature: dict[str, object], who: Peers, device: torch.device) -> None:
+    """One small all-gather: every rank's shapes and options must match, or every rank raises.
+
+    ``signature`` maps a name to an int, a tuple of ints or a dtype. Costs one collective of a
+    few dozen int64s; runs before any attention work, so disagreeing ranks fail fast and alike.
+    """
+    values = _encode(signature)
+    if who.world == 1:
+        return
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(who.world)]
+    try:
+        work = dist.all_gather(table, mine, group=who.group, async_op=True)
+    except Exception as error:
+        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: the shape "
+                           f"check could not start ({_first_line(error)})") from None
+    _wait(work, who, "the shape check (all-gather)", None)
+    rows = [row.tolist() for row in table]
+    if all(row == rows[0] for row in rows):
+        return
+    lines = "; ".join(f"rank {r}: {_decode(signature, row)}" for r, row in enumerate(rows))
+    raise ValueError(f"context-parallel attention: the ranks' shards disagree ({lines}); every rank "
+                     "must pass shards of the same shape and dtype, and the same options")
+
+
+def _encode(signature: dict[str, object]) -> list[int]:
+    values: list[int] = []
+    for value in signature.values():
+        if isinstance(value, torch.dtype):
+            values.append(_DTYPES.index(value) if value in _DTYPES else 99)
+        elif isinstance(value, tuple):
+            values += [len(value), *value]
+        else:
+            values.append(int(value))
+    return values
+
+
+def _decode(signature: dict[str, object], row: list[int]) -> str:
+    parts, i = [], 0
+    for name, value in signature.items():
+        if isinstance(value, torch.dtype):
+            parts.append(f"{name}={str(_DTYPES[row[i]]).replace('torch.', '') if row[i] < len(_DTYPES) else '?'}")
+            i += 1
+        elif isinstance(value, tuple):
+            n = row[i]
+            parts.append(f"{name}={tuple(row[i + 1:i + 1 + n])}")
+            i += 1 + n
+        else:
+            parts.append(f"{name}={row[i]}")
+            i += 1
+    return ", ".join(parts)

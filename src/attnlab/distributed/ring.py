@@ -1,0 +1,190 @@
+"""Ring attention: each rank keeps its queries while the key/value shards travel round the ring.
+
+Forward, on rank ``r`` of ``P``: at step ``s`` it holds the key/value shard of rank ``r - s``.
+It starts sending that shard to rank ``r + 1`` (and receiving the next one from ``r - 1``),
+computes its queries against the shard it holds with attnlab's tiled kernel (which returns the
+row log-sum-exp), and merges the partial result into its running output by the log-sum-exp rule::
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Under a causal mask, a (query chunk, key chunk) pair entirely in the future is skipped, and with
+the zigzag layout every rank does the same work. Backward runs the ring again: the key/value
+shards travel as in the forward, and each shard's ``dK``/``dV`` accumulator travels with it one
+step behind, so no rank ever gathers the full keys, values or their gradients.
+
+Example:
+    >>> ring_pieces(rank=1, source=0, world=2, layout="zigzag", causal=True, chunk=4)
+    [(slice(0, 8, None), slice(0, 4, None), False)]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from attnlab._call import build_call
+from attnlab.backends.chunked import chunked_attention, chunked_gradients
+from attnlab.distributed._comm import CommStats, Peers, exchange
+from attnlab.distributed.layout import chunk_ids
+
+__all__ = ["ring_pieces"]
+
+# Point-to-point tags: the key/value shard and its gradient accumulator never cross-match.
+_TAG_KV, _TAG_DKV = 0, 2
+
+
+def ring_pieces(*, rank: int, source: int, world: int, layout: str, causal: bool,
+                chunk: int) -> list[tuple[slice, slice, bool]]:
+    """The work of rank ``rank`` against the key/value shard of rank ``source``.
+
+    Returns ``(query rows, key rows, causal)`` triples in local indices; key rows whose chunk
+    lies wholly after a query chunk are left out under ``causal``. Against its own shard a rank
+    runs one causal call (local order is global order), otherwise full pieces that touch are
+    merged into one.
+
+    Example:
+        >>> ring_pieces(rank=0, source=1, world=2, layout="zigzag", causal=True, chunk=4)
+        [(slice(4, 8, None), slice(0, 8, None), False)]
+        >>> ring_pieces(rank=0, source=1, world=2, layout="contiguous", causal=True, chunk=4)
+        []
+    """
+    q_chunks = chunk_ids(layout, rank=rank, world=world)
+    if causal and source == rank:
+        return [(slice(0, len(q_chunks) * chunk), slice(0, len(q_chunks) * chunk), True)]
+    kv_chunks = chunk_ids(layout, rank=source, world=world)
+    blocks = [(i, i + 1, j, j + 1) for i, cq in enumerate(q_chunks) for j, ck in enumerate(kv_chunks)
+              if not (causal and ck > cq)]
+    blocks = _merge(_merge(blocks, along="kv"), along="q")
+    return [(slice(a * chunk, b * chunk), slice(c * chunk, d * chunk), False) for a, b, c, d in blocks]
+
+
+def _merge(blocks: list[tuple[int, int, int, int]], *, along: str) -> list[tuple[int, int, int, int]]:
+    """Join blocks ``(q_lo, q_hi, kv_lo, kv_hi)`` that touch along one axis and match on the other."""
+    merged: list[tuple[int, int, int, int]] = []
+    for block in blocks:
+        if merged:
+            a, b, c, d = merged[-1]
+            if along == "kv" and (a, b) == block[:2] and d == block[2]:
+                merged[-1] = (a, b, c, block[3])
+                continue
+            if along == "q" and (c, d) == block[2:] and b == block[0]:
+                merged[-1] = (a, block[1], c, d)
+                continue
+        merged.append(block)
+    return merged
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge_into(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Tensor) -> None:
+    """Fold a partial result into the running ``out``/``lse`` rows by the log-sum-exp rule."""
+    old_lse = lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, part_lse)  # (B, Hq, rows); -inf only if both are
+    safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    old_w = torch.exp(old_lse - safe).unsqueeze(-1)  # (B, Hq, rows, 1); 0 while nothing was seen
+    new_w = torch.exp(part_lse - safe).unsqueeze(-1)
+    out[:, :, rows] = out[:, :, rows] * old_w + part_out * new_w
+    lse[:, :, rows] = new_lse
+
+
+class _Setup:
+    """What both passes need: peers, layout, mask and scale, and where to count."""
+
+    def __init__(self, who: Peers, *, layout: str, causal: bool, scale: float,
+                 stats: CommStats | None):
+        self.who, self.layout, self.causal, self.scale, self.stats = who, layout, causal, scale, stats
+
+    def pieces(self, source: int, local_len: int) -> list[tuple[slice, slice, bool]]:
+        chunk = local_len // (2 if self.layout == "zigzag" else 1)
+        return ring_pieces(rank=self.who.rank, source=source, world=self.who.world,
+                           layout=self.layout, causal=self.causal, chunk=chunk)
+
+    def hook(self, stage: str):
+        if self.stats is None:
+            return None
+        tiles = self.stats.tiles
+
+        def count(pass_name, _qs, _ks):
+            tiles[stage] += 1
+        return count
+
+
+def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Ring forward. Returns out ``(B, Hq, T, Dv)`` and lse ``(B, Hq, T)`` in the accumulation dtype."""
+    who, acc = setup.who, _accumulation_dtype(q.dtype)
+    B, Hq, T, _ = q.shape
+    qa = q.to(acc)
+    out = q.new_zeros(B, Hq, T, v.shape[-1], dtype=acc)
+    lse = torch.full((B, Hq, T), float("-inf"), dtype=acc, device=q.device)
+    held = [k, v]
+    for step in range(who.world):
+        source = (who.rank - step) % who.world
+        coming = (exchange(held, who, tag=_TAG_KV, what=f"forward step {step}: key/value exchange",
+                           stats=setup.stats) if step < who.world - 1 else None)
+        for rows, cols, causal in setup.pieces(source, T):
+            call = build_call(qa[:, :, rows], held[0][:, :, cols].to(acc), held[1][:, :, cols].to(acc),
+                              causal=causal, scale=setup.scale)
+            part = chunked_attention(call, tile_hook=setup.hook("forward"))
+            _merge_into(out, lse, rows, part.out, part.lse)
+        if coming is not None:
+            held = coming.wait()
+    return out, lse
+
+
+def _backward(setup: _Setup, d_out: Tensor, saved: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    """Ring backward: ``dq`` stays here; each shard's ``dk``/``dv`` travels with it, a step behind."""
+    q, k, v, out, lse = saved
+    who, acc = setup.who, out.dtype
+    T = q.shape[2]
+    qa, d_out = q.to(acc), d_out.to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    held, grads_coming = [k, v], None
+    for step in range(who.world):
+        source = (who.rank - step) % who.world
+        coming = (exchange(held, who, tag=_TAG_KV, what=f"backward step {step}: key/value exchange",
+                           stats=setup.stats) if step < who.world - 1 else None)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for rows, cols, causal in setup.pieces(source, T):
+            call = build_call(qa[:, :, rows], held[0][:, :, cols].to(acc), held[1][:, :, cols].to(acc),
+                              causal=causal, scale=setup.scale)
+            gq, gk, gv = chunked_gradients(call, out=out[:, :, rows], lse=lse[:, :, rows],
+                                           d_out=d_out[:, :, rows], tile_hook=setup.hook("backward"))
+            dq[:, :, rows] += gq
+            dk[:, :, cols] += gk
+            dv[:, :, cols] += gv
+        if grads_coming is not None:  # the accumulator of the shard held now, from rank r - 1
+            dk_in, dv_in = grads_coming.wait()
+            dk, dv = dk.add_(dk_in), dv.add_(dv_in)
+        grads_coming = exchange([dk, dv], who, tag=_TAG_DKV, stats=setup.stats,
+                                what=f"backward step {step}: gradient exchange")
+        if coming is not None:
+            held = coming.wait()
+    dk, dv = grads_coming.wait()  # this rank's own shard's accumulator, complete
+    return dq, dk, dv
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, setup):
+        out, lse = _forward(setup, q, k, v)
+        ctx.setup = setup
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.setup, d_out, (q, k, v, out, lse))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout: str, causal: bool,
+                   scale: float, stats: CommStats | None = None) -> Tensor:
+    """Ring attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`."""
+    setup = _Setup(who, layout=layout, causal=causal, scale=scale, stats=stats)
+    return _RingFunction.apply(q, k, v, setup)
