@@ -29,6 +29,7 @@ LAYERS = [
     ("attnlab.explain", 9), ("attnlab.viz", 9), ("attnlab.verify", 9), ("attnlab.bench", 9),
     ("attnlab.train", 9), ("attnlab.trained", 9),
     ("attnlab.cli", 10), ("attnlab.__main__", 10),
+    ("attnlab.distributed.check", 10),  # the torchrun entry point: runs the CLI command
 ]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from attnlab.cli import backends_cmd, bench_cmd, explain_cmd, generate_cmd, train_cmd, verify_cmd
+from attnlab.cli import backends_cmd, bench_cmd, cp_cmd, explain_cmd, generate_cmd, train_cmd, verify_cmd
 from attnlab.cli._errors import OneLineErrorsGroup
 
 HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
@@ -18,7 +18,9 @@ Start with `attnlab explain` to watch a sentence go through self-attention step 
 with it (`attnlab explain --model minilm`). `attnlab verify` checks every fast
 backend against the fp64 reference on this machine, `attnlab backends` says which backend
 a call would use and why, and `attnlab bench` times them. `attnlab train` trains a small GPT
-on your CPU and names the heads that learned the task; `attnlab generate` continues a prompt with it. `attnlab COMMAND --help` for more.
+on your CPU and names the heads that learned the task; `attnlab generate` continues a prompt with it.
+`attnlab context-parallel` runs ring and Ulysses attention across processes and checks them
+against one process. `attnlab COMMAND --help` for more.
 """
 
 app = typer.Typer(
@@ -37,7 +39,7 @@ def _root() -> None:
     """Keep `attnlab` a group of commands (typer collapses a one-command app)."""
 
 
-for _command in (explain_cmd, train_cmd, generate_cmd, verify_cmd, backends_cmd, bench_cmd):
+for _command in (explain_cmd, train_cmd, generate_cmd, verify_cmd, backends_cmd, bench_cmd, cp_cmd):
     _command.register(app)
 
 

@@ -84,7 +84,7 @@ def context_parallel_attention(
         group: process group (default: the world).
         timeout: seconds to wait for a peer before raising ``RuntimeError`` (default 300): a rank
             that raised, exited or stalled fails the others instead of hanging them.
-        stats: a :class:`CommStats` to add this call's bytes sent, messages and tiles to.
+        stats: a :class:`CommStats` to add this call's bytes sent, messages and scores computed to.
 
     Returns:
         This rank's output shard, differentiable in ``q``, ``k``, ``v`` (every rank must run

@@ -24,8 +24,8 @@ class CommStats:
     Attributes:
         bytes_sent: bytes this rank sent (forward and, after ``backward()``, backward).
         messages: point-to-point sends and all-to-all calls.
-        tiles: attention tiles computed per pass, ``{"forward": n, "backward": m}`` (ring only;
-            a tile is one ``q_block x kv_block`` piece of the chunked kernel).
+        scores: query-key scores computed per pass, ``{"forward": n, "backward": m}`` (ring
+            only; the work a rank does, with pairs a causal mask skips left out).
         wait_seconds: time spent waiting for data that had not arrived yet.
 
     Example:
@@ -35,7 +35,7 @@ class CommStats:
 
     bytes_sent: int = 0
     messages: int = 0
-    tiles: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    scores: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
     wait_seconds: float = 0.0
 
 

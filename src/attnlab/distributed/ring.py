@@ -2,8 +2,8 @@
 
 Forward, on rank ``r`` of ``P``: at step ``s`` it holds the key/value shard of rank ``r - s``.
 It starts sending that shard to rank ``r + 1`` (and receiving the next one from ``r - 1``),
-computes its queries against the shard it holds with attnlab's tiled kernel (which returns the
-row log-sum-exp), and merges the partial result into its running output by the log-sum-exp rule::
+computes its queries against the shard it holds with PyTorch's fused CPU flash kernel, or
+attnlab's tiled kernel on other devices and on NaN/inf inputs (both return the row log-sum-exp), and merges the partial result into its running output by the log-sum-exp rule::
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
@@ -23,12 +23,19 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+import torch.nn.functional as F
+
 from attnlab._call import build_call
+from attnlab._math import repeat_kv
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, exchange
 from attnlab.distributed.layout import chunk_ids
 
 __all__ = ["ring_pieces"]
+
+# PyTorch's fused CPU flash kernel and its backward (both take the row log-sum-exp).
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 # Point-to-point tags: the key/value shard and its gradient accumulator never cross-match.
 _TAG_KV, _TAG_DKV = 0, 2
@@ -102,14 +109,57 @@ class _Setup:
         return ring_pieces(rank=self.who.rank, source=source, world=self.who.world,
                            layout=self.layout, causal=self.causal, chunk=chunk)
 
-    def hook(self, stage: str):
-        if self.stats is None:
-            return None
-        tiles = self.stats.tiles
+    def count(self, stage: str, rows: int, cols: int, causal: bool) -> None:
+        """Add the query-key scores a piece computes (a causal square: its lower triangle)."""
+        if self.stats is not None:
+            self.stats.scores[stage] += rows * (rows + 1) // 2 if causal else rows * cols
 
-        def count(pass_name, _qs, _ks):
-            tiles[stage] += 1
-        return count
+
+def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the fused CPU kernel serves this piece exactly: on CPU, with finite inputs (it
+    returns zeros for a NaN query row, where attnlab's contract wants NaN; the tiled kernel keeps it)."""
+    return (_FLASH is not None and q.device.type == "cpu"
+            and all(bool(torch.isfinite(t).all()) for t in (q, k, v)))
+
+
+def _same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-pad q/k or v to one head size (the fused kernel needs ``Dv == D``); exact."""
+    width = max(q.shape[-1], v.shape[-1])
+    pad = lambda t: t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))  # noqa: E731
+    return pad(q), pad(k), pad(v)
+
+
+def _sum_groups(t: Tensor, kv_heads: int) -> Tensor:
+    """``(B, Hq, T, X) -> (B, Hkv, T, X)``: add up the query heads that share a key/value head."""
+    B, Hq, T, X = t.shape
+    return t if Hq == kv_heads else t.view(B, kv_heads, Hq // kv_heads, T, X).sum(dim=2)
+
+
+def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """out ``(B, Hq, rows, Dv)`` and lse ``(B, Hq, rows)`` of one piece."""
+    setup.count("forward", q.shape[2], k.shape[2], causal)
+    if _fused(q, k, v):
+        qp, kp, vp = _same_width(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
+        out, lse = _FLASH(qp, kp, vp, is_causal=causal, scale=setup.scale)
+        return out[..., :v.shape[-1]], lse
+    part = chunked_attention(build_call(q, k, v, causal=causal, scale=setup.scale))
+    return part.out, part.lse
+
+
+def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, out: Tensor,
+                    lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """This piece's share of dq, dk, dv, from the global ``out`` and ``lse`` of its rows."""
+    setup.count("backward", q.shape[2], k.shape[2], causal)
+    if _fused(q, k, v):
+        Hkv, D, Dv = k.shape[1], q.shape[-1], v.shape[-1]
+        qp, kp, vp = _same_width(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
+        out_p, d_out_p = (t if t.shape[-1] == qp.shape[-1] else F.pad(t, (0, qp.shape[-1] - Dv))
+                          for t in (out, d_out))
+        dq, dk, dv = _FLASH_BACKWARD(d_out_p.contiguous(), qp, kp, vp, out_p.contiguous(), lse.contiguous(),
+                                     0.0, causal, attn_mask=None, scale=setup.scale)
+        return dq[..., :D], _sum_groups(dk[..., :D], Hkv), _sum_groups(dv[..., :Dv], Hkv)
+    return chunked_gradients(build_call(q, k, v, causal=causal, scale=setup.scale), out=out, lse=lse,
+                             d_out=d_out)
 
 
 def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,10 +175,9 @@ def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
         coming = (exchange(held, who, tag=_TAG_KV, what=f"forward step {step}: key/value exchange",
                            stats=setup.stats) if step < who.world - 1 else None)
         for rows, cols, causal in setup.pieces(source, T):
-            call = build_call(qa[:, :, rows], held[0][:, :, cols].to(acc), held[1][:, :, cols].to(acc),
-                              causal=causal, scale=setup.scale)
-            part = chunked_attention(call, tile_hook=setup.hook("forward"))
-            _merge_into(out, lse, rows, part.out, part.lse)
+            part_out, part_lse = _piece_forward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
+                                                held[1][:, :, cols].to(acc), causal)
+            _merge_into(out, lse, rows, part_out, part_lse)
         if coming is not None:
             held = coming.wait()
     return out, lse
@@ -149,10 +198,9 @@ def _backward(setup: _Setup, d_out: Tensor, saved: tuple) -> tuple[Tensor, Tenso
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for rows, cols, causal in setup.pieces(source, T):
-            call = build_call(qa[:, :, rows], held[0][:, :, cols].to(acc), held[1][:, :, cols].to(acc),
-                              causal=causal, scale=setup.scale)
-            gq, gk, gv = chunked_gradients(call, out=out[:, :, rows], lse=lse[:, :, rows],
-                                           d_out=d_out[:, :, rows], tile_hook=setup.hook("backward"))
+            gq, gk, gv = _piece_backward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
+                                         held[1][:, :, cols].to(acc), causal, out[:, :, rows],
+                                         lse[:, :, rows], d_out[:, :, rows])
             dq[:, :, rows] += gq
             dk[:, :, cols] += gk
             dv[:, :, cols] += gv

@@ -1,0 +1,24 @@
+"""``python -m attnlab.distributed.check``: the ``attnlab context-parallel`` check, for torchrun.
+
+Run it as users run distributed jobs::
+
+    torchrun --nproc-per-node 2 -m attnlab.distributed.check --seq-len 4096
+    python -m attnlab.distributed.check --nproc 4        # starts 4 local gloo processes itself
+
+It takes the options of ``attnlab context-parallel`` (``--help`` lists them).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``attnlab context-parallel`` with ``argv`` (default: the command line)."""
+    from attnlab.cli import app
+
+    app(["context-parallel", *(sys.argv[1:] if argv is None else argv)], prog_name="attnlab.distributed.check")
+
+
+if __name__ == "__main__":
+    main()
