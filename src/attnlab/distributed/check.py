@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import sys
 
+from attnlab.cli import app
+
 
 def main(argv: list[str] | None = None) -> None:
-    """Run ``attnlab context-parallel`` with ``argv`` (default: the command line)."""
-    from attnlab.cli import app
+    """Run ``attnlab context-parallel`` with ``argv`` (default: the command line).
 
+    Example (from a shell)::
+
+        torchrun --nproc-per-node 4 -m attnlab.distributed.check --method ring --dtype fp64
+    """
     app(["context-parallel", *(sys.argv[1:] if argv is None else argv)], prog_name="attnlab.distributed.check")
 
 

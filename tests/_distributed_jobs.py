@@ -1,0 +1,162 @@
+"""Jobs the distributed tests run on every rank (spawned processes import them by name).
+
+Each job builds the same global problem on every rank from one seed, runs the distributed code
+on this rank's shards and, on rank 0, compares with single-process attention computed here,
+independently of attnlab.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import attnlab
+from attnlab import masks
+from attnlab.distributed import CommStats, context_parallel_attention, shard, unshard
+from attnlab.verify import allowed_error
+
+CASES = {
+    # name: (method, layout, causal, dtype, B, Hq, Hkv, T_per_rank, D, Dv, mask)
+    "ring-zigzag-causal-gqa-fp64": ("ring", "zigzag", True, torch.float64, 2, 4, 2, 8, 8, 6, None),
+    "ring-contiguous-causal-fp64": ("ring", "contiguous", True, torch.float64, 1, 2, 2, 6, 4, 4, None),
+    "ring-zigzag-full-fp64": ("ring", "zigzag", False, torch.float64, 2, 2, 1, 4, 8, 8, None),
+    "ring-contiguous-full-fp32": ("ring", "contiguous", False, torch.float32, 1, 2, 2, 10, 8, 8, None),
+    "ring-zigzag-causal-bf16": ("ring", "zigzag", True, torch.bfloat16, 1, 2, 2, 8, 8, 8, None),
+    "ulysses-zigzag-causal-gqa-fp64": ("ulysses", "zigzag", True, torch.float64, 2, 8, 4, 4, 8, 6, None),
+    "ulysses-contiguous-window-fp64": ("ulysses", "contiguous", False, torch.float64, 1, 4, 4, 6, 4, 4, "window"),
+    "ulysses-zigzag-dense-mask-fp32": ("ulysses", "zigzag", False, torch.float32, 2, 4, 4, 4, 8, 8, "dense"),
+}
+
+
+def _global_problem(case, world: int, seed: int = 0):
+    method, layout, causal, dtype, B, Hq, Hkv, t, D, Dv, mask = case
+    T = t * world
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, T, Dv, generator=g, dtype=torch.float64)
+    d_out = torch.randn(B, Hq, T, Dv, generator=g, dtype=torch.float64)
+    if mask == "window":
+        mask = masks.sliding_window_mod(T, T, window=3)
+    elif mask == "dense":
+        mask = torch.rand(B, Hq, T, T, generator=g) > 0.3
+        mask[..., 0] = True  # every row keeps a key (fully masked rows are tested elsewhere)
+    return (q, k, v, d_out), mask
+
+
+def _single_process(tensors, mask, causal, dtype):
+    q, k, v, d_out = (t.to(dtype) for t in tensors)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend="reference")
+    out.backward(d_out)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def conformance(rank: int, world: int, names: list[str]) -> dict:
+    """Run each named case; rank 0 returns errors and limits, every rank its scores counted."""
+    report = {}
+    for name in names:
+        case = CASES[name]
+        method, layout, causal, dtype = case[:4]
+        tensors, mask = _global_problem(case, world)
+        q, k, v, d_out = (shard(t.to(dtype), dim=2, layout=layout) for t in tensors)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        stats = CommStats()
+        out = context_parallel_attention(q, k, v, causal=causal, mask=mask, method=method,
+                                         layout=layout, stats=stats)
+        out.backward(d_out)
+        got = [unshard(t, dim=2, layout=layout) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        entry = {"scores": dict(stats.scores), "bytes": stats.bytes_sent}
+        if rank == 0:
+            exact = _single_process(tensors, mask, causal, torch.float64)
+            plain = _single_process(tensors, mask, causal, dtype)
+            entry["checks"] = [
+                ((g.double() - e).abs().max().item(),
+                 allowed_error((p.double() - e).abs().max().item(), dtype, e.abs().max().item(),
+                               reduction=tensors[0].shape[2], gradient=i > 0))
+                for i, (g, e, p) in enumerate(zip(got, exact, plain))
+            ]
+        report[name] = entry
+    return report
+
+
+def nan_semantics(rank: int, world: int) -> list[bool] | None:
+    """A NaN key under a causal ring: the rows that see it are NaN, exactly as in one process."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4 * world, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    k[0, 0, 2 * world + 1] = float("nan")
+    ref = attnlab.attention(q, k, v, causal=True, backend="reference")
+    out = context_parallel_attention(*(shard(t, dim=2) for t in (q, k, v)), causal=True)
+    got = unshard(out, dim=2)
+    return [bool(torch.equal(got.isnan(), ref.isnan())),
+            bool(torch.allclose(got.nan_to_num(), ref.nan_to_num(), atol=1e-12)),
+            bool(ref.isnan().any())] if rank == 0 else None
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def bad_calls(rank: int, world: int) -> list[str]:
+    """Every refusal, then a good call on the same group (nothing left half-sent)."""
+    x = torch.randn(1, 4, 6, 8)
+    odd = torch.randn(1, 3, 4, 8)
+    messages = [
+        _error_of(lambda: context_parallel_attention(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8),
+                                                     torch.randn(1, 2, 3, 8))),  # T = 3 * world
+        _error_of(lambda: context_parallel_attention(odd, odd, odd, method="ulysses")),
+        _error_of(lambda: context_parallel_attention(x, x, x, mask=masks.causal_mod(12, 12))),
+        _error_of(lambda: context_parallel_attention(x, x, x, method="tree")),
+        _error_of(lambda: context_parallel_attention(x, x, x, timeout=0)),
+        _error_of(lambda: context_parallel_attention(x, x[:, :, :4], x[:, :, :4])),
+    ]
+    t_local = 4 if rank == 0 else 8  # shards that disagree across ranks
+    y = torch.randn(1, 2, t_local, 8)
+    messages.append(_error_of(lambda: context_parallel_attention(y, y, y, causal=True)))
+    z = torch.randn(1, 2, 4, 8, dtype=torch.float64 if rank else torch.float32)
+    messages.append(_error_of(lambda: context_parallel_attention(z, z, z)))
+    good = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+    out = context_parallel_attention(good, good, good, causal=True)
+    messages.append("finite" if bool(torch.isfinite(out).all()) else "not finite")
+    return messages
+
+
+def peer_fails(rank: int, world: int, how: str, timeout: float) -> tuple[str, float]:
+    """Rank 1 exits, raises or stalls instead of joining; rank 0 must fail, fast and clearly."""
+    if rank == 1:
+        if how == "exit":
+            os._exit(3)
+        if how == "raise":
+            raise RuntimeError("rank 1 failed on purpose")
+        time.sleep(timeout + 4)  # "stall": alive but never joins
+        return "slept", 0.0
+    x = torch.randn(1, 2, 8, 8)
+    start = time.monotonic()
+    message = _error_of(lambda: context_parallel_attention(x, x, x, causal=True, timeout=timeout))
+    return message, time.monotonic() - start
+
+
+def worker_world(rank: int, world: int) -> tuple[int, int, str]:
+    """What the launcher set up: group size, rank, backend."""
+    return dist.get_world_size(), dist.get_rank(), dist.get_backend()
+
+
+def peer_fails_mid_ring(rank: int, world: int, timeout: float) -> tuple[str, float]:
+    """Rank 1 passes the shape check, then crashes inside its first ring step."""
+    import attnlab.distributed.ring as ring
+
+    if rank == 1:
+        def crash(*args, **kwargs):
+            os._exit(4)
+        ring._piece_forward = crash
+    x = torch.randn(1, 2, 8, 8)
+    start = time.monotonic()
+    message = _error_of(lambda: context_parallel_attention(x, x, x, causal=True, timeout=timeout))
+    return message, time.monotonic() - start

@@ -1,0 +1,194 @@
+"""Context-parallel attention on 2 and 4 local gloo processes against one process.
+
+The jobs live in ``_distributed_jobs.py`` (spawned processes import them by name). Each
+spawn costs a few seconds of start-up, so one spawn runs many cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import masks
+from attnlab.distributed import ContextParallel, layout as _layout
+from attnlab.distributed.launch import run_local
+from attnlab.distributed.ring import ring_pieces
+from attnlab.distributed.ulysses import HeadShiftedMod
+
+import _distributed_jobs as jobs
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+
+
+def _values(outcomes):
+    failed = [f"rank {o.rank}: {o.error}\n{o.trace}" for o in outcomes if not o.ok]
+    assert not failed, "\n".join(failed)
+    return [o.value for o in outcomes]
+
+
+# ----------------------------------------------------------------------------- layout, no processes
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_positions_partition_the_sequence_in_increasing_order(layout, world):
+    T = 24
+    parts = [_layout.positions(T, layout=layout, rank=r, world=world) for r in range(world)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(T))
+    assert all(bool((p[1:] > p[:-1]).all()) for p in parts)  # local order is global order
+    x = torch.arange(T) * 10
+    rank_major = _layout.to_rank_major(x, dim=0, layout=layout, world=world)
+    assert torch.equal(rank_major, torch.cat([x[p] for p in parts]))
+    assert torch.equal(_layout.to_global_order(rank_major, dim=0, layout=layout, world=world), x)
+
+
+def test_lengths_that_do_not_divide_are_refused_with_the_multiple():
+    with pytest.raises(ValueError, match="multiple of 2 \\* world = 8"):
+        _layout.check_length(12, layout="zigzag", world=4)
+    with pytest.raises(ValueError, match="multiple of world = 4"):
+        _layout.check_length(10, layout="contiguous", world=4)
+    with pytest.raises(ValueError, match="layout"):
+        _layout.chunk_ids("spiral", rank=0, world=2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        _layout.chunk_ids("zigzag", rank=2, world=2)
+
+
+def _covered(rank, world, layout, causal, chunk):
+    """The (global query, global key) pairs rank ``rank`` computes over a whole ring, counted."""
+    T = chunk * world * (2 if layout == "zigzag" else 1)
+    count = torch.zeros(T, T, dtype=torch.int64)
+    q_pos = _layout.positions(T, layout=layout, rank=rank, world=world)
+    for source in range(world):
+        k_pos = _layout.positions(T, layout=layout, rank=source, world=world)
+        for rows, cols, diag in ring_pieces(rank=rank, source=source, world=world, layout=layout,
+                                            causal=causal, chunk=chunk):
+            block = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.int64)
+            if diag:
+                block = block.tril()
+            count[q_pos[rows].unsqueeze(1), k_pos[cols].unsqueeze(0)] += block
+    return count, q_pos
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_pieces_cover_exactly_the_mask_once(layout, causal, world):
+    chunk = 3
+    T = chunk * world * (2 if layout == "zigzag" else 1)
+    full = torch.zeros(T, T, dtype=torch.int64)
+    for rank in range(world):
+        count, q_pos = _covered(rank, world, layout, causal, chunk)
+        assert count[q_pos].sum() == count.sum()  # a rank computes only its own query rows
+        full += count
+    wanted = torch.ones(T, T, dtype=torch.int64)
+    assert torch.equal(full, wanted.tril() if causal else wanted)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zigzag_balances_causal_work_and_contiguous_does_not(world):
+    work = {lay: [int(_covered(r, world, lay, True, 4)[0].sum()) for r in range(world)]
+            for lay in ("zigzag", "contiguous")}
+    assert len(set(work["zigzag"])) == 1
+    assert work["contiguous"] == sorted(work["contiguous"]) and work["contiguous"][0] < work["contiguous"][-1]
+
+
+def test_head_shifted_mod_keeps_bounds_and_shifts_heads():
+    window = masks.sliding_window_mod(16, 16, window=4)
+    shifted = HeadShiftedMod(window, offset=3)
+    assert shifted.kv_bounds(8, 12) == window.kv_bounds(8, 12)
+    seen = []
+    probe = HeadShiftedMod(lambda b, h, q, k: seen.append(int(h)) or (k <= q), offset=2)
+    masks.materialize(probe, tq=2, tk=2, heads=1)
+    assert seen and all(h == 2 for h in seen)
+
+
+def test_context_parallel_setting_checks_its_options():
+    with pytest.raises(ValueError, match="method"):
+        ContextParallel(method="allgather")
+    with pytest.raises(ValueError, match="layout"):
+        ContextParallel(layout="spiral")
+
+
+def test_calls_without_a_process_group_say_how_to_start_one():
+    x = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ContextParallel().attention(x, x, x)
+
+
+# ----------------------------------------------------------------------------- processes
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _values(run_local(jobs.conformance, world=2, args=(list(jobs.CASES),), timeout=120))
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _values(run_local(jobs.conformance, world=4, args=(list(jobs.CASES),), timeout=180))
+
+
+@pytest.mark.parametrize("name", list(jobs.CASES))
+def test_two_ranks_match_one_process(two_ranks, name):
+    for i, (error, limit) in enumerate(two_ranks[0][name]["checks"]):
+        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv')[i]} error {error:.2e} > {limit:.2e}"
+
+
+@pytest.mark.parametrize("name", list(jobs.CASES))
+def test_four_ranks_match_one_process(four_ranks, name):
+    for i, (error, limit) in enumerate(four_ranks[0][name]["checks"]):
+        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv')[i]} error {error:.2e} > {limit:.2e}"
+
+
+def test_zigzag_ranks_compute_equal_scores_and_contiguous_ranks_do_not(four_ranks):
+    zig = [r["ring-zigzag-causal-bf16"]["scores"]["forward"] for r in four_ranks]
+    cont = [r["ring-contiguous-causal-fp64"]["scores"]["forward"] for r in four_ranks]
+    assert len(set(zig)) == 1, zig
+    assert cont == sorted(cont) and cont[0] < cont[-1], cont
+
+
+def test_ring_sends_p_minus_1_kv_shards_forward_and_back(two_ranks):
+    # fp64 case: B=2, Hkv=2, T_local=8, D=8, Dv=6. Forward: 1 shard of k and v; backward: k and
+    # v again plus the fp64 gradient accumulators twice (P steps).
+    kv_bytes = 2 * 2 * 8 * (8 + 6) * 8
+    assert two_ranks[1]["ring-zigzag-causal-gqa-fp64"]["bytes"] == kv_bytes + kv_bytes + 2 * kv_bytes
+
+
+def test_nan_key_poisons_the_same_rows_as_one_process():
+    result = _values(run_local(jobs.nan_semantics, world=2, timeout=60))[0]
+    assert result == [True, True, True]
+
+
+def test_bad_calls_fail_alike_on_every_rank_and_leave_the_group_usable():
+    ranks = _values(run_local(jobs.bad_calls, world=2, timeout=60))
+    for messages in ranks:
+        assert "multiple of 2 * world = 4" in messages[0]
+        assert "q heads" in messages[1] and "world size" in messages[1]
+        assert "mask needs method='ulysses'" in messages[2]
+        assert "method" in messages[3]
+        assert "timeout must be a positive number" in messages[4]
+        assert "same positions as q" in messages[5]
+        assert messages[6].startswith("ValueError") and "disagree" in messages[6]
+        assert "rank 0: q=(1, 2, 4, 8)" in messages[6] and "rank 1: q=(1, 2, 8, 8)" in messages[6]
+        assert "disagree" in messages[7] and "float64" in messages[7]
+        assert messages[8] == "finite"
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "stall"])
+def test_a_failed_peer_fails_the_others_within_the_timeout(how):
+    timeout = 3.0
+    outcomes = run_local(jobs.peer_fails, world=2, args=(how, timeout), timeout=60)
+    message, seconds = outcomes[0].value
+    assert message.startswith("RuntimeError") and "rank 0 of 2" in message, message
+    assert seconds < timeout + 2.0
+    if how == "stall":
+        assert f"within {timeout:g} s" in message or "timed out" in message
+
+
+def test_launcher_reports_each_rank():
+    values = _values(run_local(jobs.worker_world, world=2, timeout=60))
+    assert values == [(2, 0, "gloo"), (2, 1, "gloo")]
+
+
+def test_a_peer_that_dies_inside_the_ring_fails_the_others():
+    outcomes = run_local(jobs.peer_fails_mid_ring, world=2, args=(3.0,), timeout=60)
+    message, seconds = outcomes[0].value
+    assert "forward step 0: key/value exchange failed" in message, message
+    assert seconds < 5.0
+    assert not outcomes[1].ok and "exited with code 4" in outcomes[1].error
