@@ -160,3 +160,39 @@ def peer_fails_mid_ring(rank: int, world: int, timeout: float) -> tuple[str, flo
     start = time.monotonic()
     message = _error_of(lambda: context_parallel_attention(x, x, x, causal=True, timeout=timeout))
     return message, time.monotonic() - start
+
+
+def gpt_training(rank: int, world: int, method: str, positions: str, steps: int) -> list[float]:
+    """A few AdamW steps of a tiny fp64 GPT; world 1 is the single-process run.
+
+    Each rank feeds its shard of the token ids; the loss is the global mean (local sums
+    all-reduced) and parameter gradients are summed across ranks, as in data parallelism.
+    """
+    from attnlab.distributed import ContextParallel
+    from attnlab.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=11, max_len=32, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                positions=positions).double()
+    if world > 1:
+        model.context_parallel = ContextParallel(method=method, layout="zigzag")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 11, (2, 17), generator=data)
+        inputs, targets = ids[:, :-1], ids[:, 1:]  # (B, 16)
+        if world > 1:
+            inputs, targets = (shard(t, dim=1) for t in (inputs, targets))
+        logits = model(inputs)
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        (loss_sum / (2 * 16)).backward()
+        total = loss_sum.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        losses.append(total.item() / (2 * 16))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses

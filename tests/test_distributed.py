@@ -192,3 +192,24 @@ def test_a_peer_that_dies_inside_the_ring_fails_the_others():
     assert "forward step 0: key/value exchange failed" in message, message
     assert seconds < 5.0
     assert not outcomes[1].ok and "exited with code 4" in outcomes[1].error
+
+
+@pytest.mark.parametrize("method,positions", [("ring", "rope"), ("ulysses", "learned")])
+def test_gpt_trained_on_two_ranks_gives_the_single_process_losses(method, positions):
+    single = jobs.gpt_training(0, 1, method, positions, steps=4)
+    ranks = _values(run_local(jobs.gpt_training, world=2, args=(method, positions, 4), timeout=90))
+    assert single[-1] < single[0]  # it trains
+    for losses in ranks:
+        assert losses == pytest.approx(single, rel=1e-10, abs=1e-12)
+
+
+def test_modules_refuse_what_sharded_attention_cannot_do():
+    from attnlab.nn import MultiHeadAttention
+
+    mha = MultiHeadAttention(8, 8, num_heads=2, dropout_p=0.1, context_parallel=ContextParallel())
+    x = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="cannot take mask, cache, return_weights, attention dropout"):
+        mha(x, mask=torch.ones(4, 4, dtype=torch.bool), cache=mha.new_cache(batch_size=1, max_len=8),
+            return_weights=True)
+    with pytest.raises(TypeError, match="context_parallel must be a ContextParallel"):
+        MultiHeadAttention(8, 8, num_heads=2, context_parallel="ring")

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from attnlab import io as _io
 from attnlab._checks import finite_number, instance_of, one_of, positive_int, probability
+from attnlab.distributed import ContextParallel
 from attnlab.models import _hub
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.cache import KVCache, _restore_on_error
@@ -71,6 +72,7 @@ class GPT(nn.Module):
         activation: the MLP activation (``"gelu_tanh"`` is GPT-2's).
         tie_embeddings: the output projection shares the token embedding's weight.
         backend: attention backend (``"auto"``).
+        context_parallel: shard sequences across a process group (see the property).
 
     Attributes:
         config: the constructor's arguments, as saved in ``config.json``.
@@ -89,7 +91,7 @@ class GPT(nn.Module):
         num_heads: int = 4, num_kv_heads: int | None = None, d_ff: int | None = None,
         attention_only: bool = False, positions: str = "learned", dropout_p: float = 0.0, bias: bool = True,
         norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
-        backend: str = "auto",
+        backend: str = "auto", context_parallel: ContextParallel | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -121,6 +123,29 @@ class GPT(nn.Module):
         self._init_embeddings()
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.context_parallel = context_parallel
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The context-parallel setting (None: one process holds the whole sequence).
+
+        Set it to a :class:`~attnlab.distributed.ContextParallel` to feed each rank its shard
+        of the token ids (:func:`attnlab.distributed.shard`); positions are then global and
+        the logits are this rank's shard. Generation with a cache needs it unset.
+
+        Example:
+            >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2).context_parallel is None
+            True
+        """
+        return self._context_parallel
+
+    @context_parallel.setter
+    def context_parallel(self, setting: ContextParallel | None) -> None:
+        if setting is not None:
+            instance_of("context_parallel", setting, ContextParallel, "a ContextParallel or None")
+        self._context_parallel = setting
+        for block in self.blocks:
+            block.attn.context_parallel = setting
 
     def _init_embeddings(self) -> None:
         with torch.no_grad():
@@ -151,7 +176,9 @@ class GPT(nn.Module):
         """
         offset = self._check_ids(input_ids, caches)
         x = self.tok_emb(input_ids)  # (B, T, d_model)
-        if self.pos_emb is not None:
+        if self.pos_emb is not None and self.context_parallel is not None:
+            x = self.pos_emb(x, positions=self.context_parallel.positions(x.shape[1], device=x.device))
+        elif self.pos_emb is not None:
             x = self.pos_emb(x, offset=offset)
         x = self.dropout(x)
         weights = []

@@ -24,6 +24,7 @@ import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
+from attnlab.distributed import ContextParallel
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
@@ -107,6 +108,8 @@ class TransformerBlock(nn.Module):
         mlp: include the MLP sub-layer. ``mlp=False`` gives an attention-only block
             (``norm_mlp`` and ``mlp`` are None), the setting of circuit studies, where every
             path from input to output goes through attention heads.
+        context_parallel: shard the self-attention's sequence across a process group (see
+            :class:`~attnlab.nn.MultiHeadAttention`); ``x`` is then this rank's shard.
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -125,7 +128,7 @@ class TransformerBlock(nn.Module):
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
-        mlp: bool = True,
+        mlp: bool = True, context_parallel: ContextParallel | None = None,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -134,7 +137,7 @@ class TransformerBlock(nn.Module):
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         self.attn = MultiHeadAttention(
             d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-            rope=rope, **common,
+            rope=rope, context_parallel=context_parallel, **common,
         )
         self.norm_cross = self.cross_attn = None
         if cross_attention:

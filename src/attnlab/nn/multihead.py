@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from attnlab._checks import divisible, instance_of, positive_int, probability
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
+from attnlab.distributed import ContextParallel
 from attnlab.functional import attention
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.positional import RotaryEmbedding, apply_rotary
@@ -124,6 +125,11 @@ class MultiHeadAttention(nn.Module):
             :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``), a
             ``RotaryEmbedding``, or ``None``/``False``.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
+        context_parallel: a :class:`~attnlab.distributed.ContextParallel` setting: ``x`` is then
+            this rank's shard of a sequence split across a process group (causal or unmasked
+            self-attention, no cache, mask or attention dropout), rotary positions are the
+            tokens' global positions, and the output is this rank's shard. May also be set
+            on the attribute of the same name.
 
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
@@ -156,6 +162,7 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool = True,
         rope: RotaryEmbedding | bool | None = None,
         backend: str = "auto",
+        context_parallel: ContextParallel | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -174,6 +181,9 @@ class MultiHeadAttention(nn.Module):
         self._make_projections(qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.rope = self._make_rope(rope)
+        if context_parallel is not None:
+            instance_of("context_parallel", context_parallel, ContextParallel, "a ContextParallel or None")
+        self.context_parallel = context_parallel
         self.register_load_state_dict_pre_hook(_seed_layout_hook)
 
     @staticmethod
@@ -359,6 +369,8 @@ class MultiHeadAttention(nn.Module):
         """Batched forward: ``(out, weights or None)``; may write ``cache``.
 
         ``documents``: ``(B|1, T)`` int64 document ids of a packed batch, or None."""
+        if self.context_parallel is not None:
+            return self._attend_sharded(x, context, mask, padding_mask, cache, return_weights, documents)
         B, Tq, _ = x.shape
         cached = 0 if cache is None else cache.length
         Tk = cached + Tq if context is None else context.shape[1]
@@ -377,6 +389,24 @@ class MultiHeadAttention(nn.Module):
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
         context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
         return self.out_proj(context_vec), (result[1] if return_weights else None)
+
+    def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
+        """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
+        refused = [name for name, value in (("context", context), ("mask", mask), ("padding_mask", padding_mask),
+                                            ("cache", cache), ("document_ids", documents)) if value is not None]
+        refused += ["return_weights"] if return_weights else []
+        refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
+        if refused:
+            raise ValueError(f"context_parallel runs causal or unmasked self-attention over shards; "
+                             f"it cannot take {', '.join(refused)}")
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)  # (B, H, T_local, hd), (B, Hkv, T_local, hd) x2
+        if self.rope is not None:
+            positions = self.context_parallel.positions(T, device=x.device).unsqueeze(0)  # (1, T_local)
+            q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
+        out = self.context_parallel.attention(q, k, v, causal=self.causal)  # (B, H, T_local, hd)
+        out = out.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T_local, d_out)
+        return self.out_proj(out), None
 
     def _qkv(self, x, context, value_input, cache, documents=None):
         """Project, apply RoPE at the right positions, and append to the cache."""
@@ -605,8 +635,8 @@ def _with_documents(mask, documents: Tensor, *, tq: int):
 
 def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
     """Rotate ``x`` ``(B, H, T, D)`` with per-token ``positions`` ``(B|1, T)``."""
-    T = x.shape[-2]
-    cos, sin = rope.cos_sin(T, dtype=x.dtype, device=x.device)  # (T, D/2): positions < T
+    span = int(positions.max()) + 1 if positions.numel() else 0
+    cos, sin = rope.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2): every position < span
     if positions.shape[0] == 1:
         return apply_rotary(x, cos[positions[0]], sin[positions[0]])
     return torch.stack([apply_rotary(x[b], cos[positions[b]], sin[positions[b]])

@@ -140,11 +140,19 @@ class LearnedPositionalEmbedding(nn.Module):
         positive_int("dim", dim)
         self.embedding = nn.Embedding(max_len, dim)
 
-    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """Add the embeddings of positions ``offset..offset+T-1``, or of ``positions`` ``(T,)``
+        when given (a shard of a longer sequence holds scattered positions)."""
         _check_input(x, self.embedding.embedding_dim)
         non_negative_int("offset", offset)
         T = x.shape[-2]
         max_len = self.embedding.num_embeddings
+        if positions is not None:
+            if tuple(positions.shape) != (T,):
+                raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
+            if T and int(positions.max()) >= max_len:
+                raise ValueError(f"position {int(positions.max())} is outside the {max_len} learned positions")
+            return x + self.embedding.weight[positions]  # (T, C) broadcasts
         if offset + T > max_len:
             raise ValueError(
                 f"positions {offset}..{offset + T - 1} are outside the {max_len} learned positions"
