@@ -69,3 +69,13 @@ def test_a_materialised_score_matrix_shows_in_the_peak():
     with PeakMemory() as meter:
         torch.softmax(q @ q.T, dim=-1)  # two (T, T) fp32 matrices live at the softmax
     assert meter.peak_bytes >= 2 * 2048 * 2048 * 4
+
+
+def test_views_of_tensors_from_before_the_block_are_not_counted():
+    x = torch.ones(256, 1024)  # 1 MiB, made outside
+    with PeakMemory() as meter:
+        same = x.to(torch.float32)  # no copy: an alias of x's storage
+        rows = x[:128]  # a view
+        alias = torch.ops.aten.alias.default(x)
+    assert same.data_ptr() == x.data_ptr() and rows.data_ptr() == x.data_ptr() == alias.data_ptr()
+    assert meter.peak_bytes == 0

@@ -52,19 +52,36 @@ class PeakMemory(TorchDispatchMode):
         self.peak_bytes = 0
         self.current_bytes = 0
         self._sizes: dict[int, int] = {}  # storage address -> bytes counted
+        self._existing: set[int] = set()  # storages that were there before the block
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for value in tree_flatten((args, kwargs))[0]:
+            if isinstance(value, torch.Tensor):
+                self._note_existing(value)
         result = func(*args, **(kwargs or {}))
         for value in tree_flatten(result)[0]:
             if isinstance(value, torch.Tensor):
                 self._track(value)
         return result
 
+    def _note_existing(self, tensor: torch.Tensor) -> None:
+        """An input whose storage the block did not create: a view of it (an alias, a no-op
+        ``.to``) returned by an op is not new memory."""
+        if tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if storage.nbytes() and key not in self._sizes and key not in self._existing:  # 0 bytes: an out= may grow it
+            self._existing.add(key)
+            weakref.finalize(storage, self._existing.discard, key)
+
     def _track(self, tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
         key = storage._cdata
+        if key in self._existing:
+            return
         size = storage.nbytes()
         previous = self._sizes.get(key)
         if previous is None:

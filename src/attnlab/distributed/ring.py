@@ -87,13 +87,15 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _merge_into(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Tensor) -> None:
-    """Fold a partial result into the running ``out``/``lse`` rows by the log-sum-exp rule."""
+    """Fold a partial result into the running ``out``/``lse`` rows by the log-sum-exp rule.
+
+    In place (``part_out`` is consumed), so a merge allocates nothing of the output's size."""
     old_lse = lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, part_lse)  # (B, Hq, rows); -inf only if both are
     safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
     old_w = torch.exp(old_lse - safe).unsqueeze(-1)  # (B, Hq, rows, 1); 0 while nothing was seen
     new_w = torch.exp(part_lse - safe).unsqueeze(-1)
-    out[:, :, rows] = out[:, :, rows] * old_w + part_out * new_w
+    out[:, :, rows].mul_(old_w).add_(part_out.mul_(new_w))
     lse[:, :, rows] = new_lse
 
 
@@ -119,7 +121,13 @@ def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the fused CPU kernel serves this piece exactly: on CPU, with finite inputs (it
     returns zeros for a NaN query row, where attnlab's contract wants NaN; the tiled kernel keeps it)."""
     return (_FLASH is not None and q.device.type == "cpu"
-            and all(bool(torch.isfinite(t).all()) for t in (q, k, v)))
+            and all(_finite(t) for t in (q, k, v)))
+
+
+def _finite(t: Tensor) -> bool:
+    """No NaN/inf in ``t``, read from its sum: a reduction allocates nothing of ``t``'s size (an
+    overflowing sum of finite values says False, which only sends the piece to the tiled kernel)."""
+    return bool(torch.isfinite(t.sum()))
 
 
 def _same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -195,20 +203,31 @@ def _backward(setup: _Setup, d_out: Tensor, saved: tuple) -> tuple[Tensor, Tenso
         source = (who.rank - step) % who.world
         coming = (exchange(held, who, tag=_TAG_KV, what=f"backward step {step}: key/value exchange",
                            stats=setup.stats) if step < who.world - 1 else None)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dk = dv = None
         for rows, cols, causal in setup.pieces(source, T):
             gq, gk, gv = _piece_backward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
                                          held[1][:, :, cols].to(acc), causal, out[:, :, rows],
                                          lse[:, :, rows], d_out[:, :, rows])
             dq[:, :, rows] += gq
-            dk[:, :, cols] += gk
-            dv[:, :, cols] += gv
+            if dk is None and cols == slice(0, T):  # one piece over every key: its grads are the sums
+                dk, dv = gk, gv
+            else:
+                if dk is None:
+                    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+                    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+                dk[:, :, cols] += gk
+                dv[:, :, cols] += gv
+            del gq, gk, gv  # free them before the next piece allocates its own
+        if dk is None:  # every key of this shard is in the future of every query here
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        held = held if coming is not None else None  # the last shard is done with
         if grads_coming is not None:  # the accumulator of the shard held now, from rank r - 1
             dk_in, dv_in = grads_coming.wait()
             dk, dv = dk.add_(dk_in), dv.add_(dv_in)
         grads_coming = exchange([dk, dv], who, tag=_TAG_DKV, stats=setup.stats,
                                 what=f"backward step {step}: gradient exchange")
+        del dk, dv  # the exchange holds what it sends (a contiguous copy, if the kernel's was not)
         if coming is not None:
             held = coming.wait()
     dk, dv = grads_coming.wait()  # this rank's own shard's accumulator, complete
