@@ -213,3 +213,51 @@ def test_modules_refuse_what_sharded_attention_cannot_do():
             return_weights=True)
     with pytest.raises(TypeError, match="context_parallel must be a ContextParallel"):
         MultiHeadAttention(8, 8, num_heads=2, context_parallel="ring")
+
+
+# ----------------------------------------------------------------------------- command line
+@pytest.mark.parametrize("args, option", [
+    (["--nproc", "0"], "--nproc"),
+    (["--nproc", "65"], "--nproc"),
+    (["--seq-len", "-4"], "--seq-len"),
+    (["--seq-len", "6"], "--seq-len"),          # zigzag on 2 ranks needs a multiple of 4
+    (["--heads", "0"], "--heads"),
+    (["--heads", "4", "--kv-heads", "3"], "--kv-heads"),
+    (["--heads", "3", "--seq-len", "8"], "Ulysses"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--layout", "spiral"], "--layout"),
+    (["--method", "tree"], "--method"),
+    (["--seed", "-1"], "--seed"),
+    (["--bogus"], "--bogus"),
+])
+def test_context_parallel_command_refuses_bad_options(args, option):
+    from typer.testing import CliRunner
+
+    from attnlab.cli import app
+    from test_cli_errors import assert_one_error_line
+
+    assert_one_error_line(CliRunner().invoke(app, ["context-parallel", *args]), option)
+
+
+def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
+    """``python -m attnlab.distributed.check`` under a launcher's environment (RANK etc. set)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    from attnlab.distributed.launch import _free_port
+
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "attnlab.distributed.check", "--seq-len", "32", "--heads", "2",
+         "--head-dim", "8", "--dtype", "fp64"],
+        env={**os.environ, "PYTHONPATH": str(src), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    table = outputs[0][0]
+    assert "P=2" in table and table.count(" ok") == 2 and "FAIL" not in table, table
+    assert outputs[1][0].strip() == ""  # only rank 0 prints

@@ -218,12 +218,30 @@ def scaling_rows(spec: CheckSpec, *, worlds: tuple[int, ...] = (1, 2, 4)) -> lis
 
         for row in scaling_rows(CheckSpec(seq_len=8192)): print(row)
     """
-    table = []
+    table = [_one_process_row(spec)]
     for world in worlds:
         for row in run_check(spec, nproc=world):
             row["expected_bytes"] = expected_bytes(spec, method=row["method"], world=world)
             table.append(row)
     return table
+
+
+def _one_process_row(spec: CheckSpec) -> dict:
+    """Plain :func:`attnlab.attention` (auto backend) on the whole sequence, in this process."""
+    tensors, dtype = _problem(spec, torch.device("cpu"))
+    q, k, v, d_out = (t.to(dtype) for t in tensors)
+    q, k, v = (t.requires_grad_(spec.backward) for t in (q, k, v))
+    with PeakMemory() as meter:
+        start = time.perf_counter()
+        out = attnlab.attention(q, k, v, causal=spec.causal)
+        forward_s = time.perf_counter() - start
+        start = time.perf_counter()
+        if spec.backward:
+            out.backward(d_out)
+        backward_s = time.perf_counter() - start
+    return {"method": "one process", "rank": 0, "world": 1, "forward_s": forward_s,
+            "backward_s": backward_s, "bytes_sent": 0, "peak_bytes": meter.peak_bytes,
+            "expected_bytes": 0, "threads": torch.get_num_threads(), "ok": True}
 
 
 def spec_dict(spec: CheckSpec) -> dict:
