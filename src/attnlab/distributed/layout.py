@@ -162,6 +162,8 @@ def to_global_order(x: Tensor, *, dim: int, layout: str, world: int) -> Tensor:
         >>> to_global_order(torch.tensor([0, 1, 6, 7, 2, 3, 4, 5]), dim=0, layout="zigzag", world=2).tolist()
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
+    if _in_order(layout, world):
+        return x
     order = rank_major_positions(x.shape[dim], layout=layout, world=world, device=x.device)
     return x.index_select(dim, torch.argsort(order))
 
@@ -173,8 +175,15 @@ def to_rank_major(x: Tensor, *, dim: int, layout: str, world: int) -> Tensor:
         >>> to_rank_major(torch.arange(8), dim=0, layout="zigzag", world=2).tolist()
         [0, 1, 6, 7, 2, 3, 4, 5]
     """
+    if _in_order(layout, world):
+        return x
     order = rank_major_positions(x.shape[dim], layout=layout, world=world, device=x.device)
     return x.index_select(dim, order)
+
+
+def _in_order(layout: str, world: int) -> bool:
+    """Rank-major order is global order: one rank, or contiguous chunks (no copy needed)."""
+    return world == 1 or one_of("layout", layout, LAYOUTS) == "contiguous"
 
 
 def _dim(x: Tensor, dim: object) -> int:
