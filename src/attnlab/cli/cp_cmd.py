@@ -80,7 +80,7 @@ def _print(rows: list[dict], spec) -> bool | None:
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    console = Console(width=max(120, Console().width))
+    console = Console(width=max(140, Console().width))
     world = rows[0]["world"]
     table = Table(title=f"context-parallel attention, P={world}, T={spec.seq_len}, B={spec.batch}, "
                         f"H={spec.heads}/{spec.kv_heads or spec.heads}, D={spec.head_dim}, {spec.dtype}, "
@@ -99,7 +99,7 @@ def _print(rows: list[dict], spec) -> bool | None:
         table.add_row(row["method"], str(row["rank"]), f"{row['forward_s'] * 1e3:.1f}",
                       f"{row['backward_s'] * 1e3:.1f}" if spec.backward else "-",
                       f"{row['bytes_sent'] / 2**20:.2f}", f"{row['peak_bytes'] / 2**20:.1f}",
-                      f"{row['scores']['forward']:.2e}/{row['scores']['backward']:.2e}" if row["method"] == "ring" else "-",
+                      f"{row['scores']['forward'] / 1e6:.3g}M/{row['scores']['backward'] / 1e6:.3g}M" if row["method"] == "ring" else "-",
                       errors)
     console.print(table)
     console.print(f"machine: {machine_line().split(',')[0]}; {rows[0]['threads']} thread(s) per rank; "

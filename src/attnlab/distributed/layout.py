@@ -67,13 +67,13 @@ def check_length(length: int, *, layout: str, world: int, name: str = "sequence 
         >>> check_length(10, layout="zigzag", world=4)
         Traceback (most recent call last):
         ...
-        ValueError: sequence length 10 must be a multiple of 2 * world = 8 for layout='zigzag' (pad it: see attnlab.distributed.layout)
+        ValueError: sequence length 10 must be a positive multiple of 2 * world = 8 for layout='zigzag' (pad it: see attnlab.distributed.layout)
     """
     int_value(name, length)
     pieces = chunks_per_rank(layout) * positive_int("world", world)
     if length <= 0 or length % pieces:
         what = "2 * world" if pieces != world else "world"
-        raise ValueError(f"{name} {length} must be a multiple of {what} = {pieces} for "
+        raise ValueError(f"{name} {length} must be a positive multiple of {what} = {pieces} for "
                          f"layout={layout!r} (pad it: see attnlab.distributed.layout)")
     return length // pieces
 
