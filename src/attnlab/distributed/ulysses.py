@@ -55,26 +55,18 @@ def heads_to_seq(x: Tensor, who: Peers, layout: str, stats: CommStats | None) ->
     return received.transpose(0, 1).reshape(B, P * h, T // P, D)  # (B, H, T/P, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """One all-to-all re-shard, ``there`` (seq_to_heads or heads_to_seq); its backward is ``back``,
+    the opposite re-shard of the gradient."""
+
     @staticmethod
-    def forward(ctx, x, who, layout, stats):
-        ctx.who, ctx.layout, ctx.stats = who, layout, stats
-        return seq_to_heads(x, who, layout, stats)
+    def forward(ctx, x, there, back, who, layout, stats):
+        ctx.back, ctx.who, ctx.layout, ctx.stats = back, who, layout, stats
+        return there(x, who, layout, stats)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad.contiguous(), ctx.who, ctx.layout, ctx.stats), None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, who, layout, stats):
-        ctx.who, ctx.layout, ctx.stats = who, layout, stats
-        return heads_to_seq(x, who, layout, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad.contiguous(), ctx.who, ctx.layout, ctx.stats), None, None, None
+        return ctx.back(grad.contiguous(), ctx.who, ctx.layout, ctx.stats), None, None, None, None, None
 
 
 class HeadShiftedMod(_masks.MaskMod):
@@ -124,7 +116,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout: st
                       scale: float, mask=None, backend: str = "auto",
                       stats: CommStats | None = None) -> Tensor:
     """Ulysses on checked shards; see :func:`attnlab.distributed.context_parallel_attention`."""
-    qh, kh, vh = (_SeqToHeads.apply(t, who, layout, stats) for t in (q, k, v))  # (B, H/P, T, D)
+    qh, kh, vh = (_Reshard.apply(t, seq_to_heads, heads_to_seq, who, layout, stats)
+                  for t in (q, k, v))  # (B, H/P, T, D)
     out = attention(qh, kh, vh, mask=_local_mask(mask, who, q.shape[1]), causal=causal,
                     scale=scale, backend=backend)
-    return _HeadsToSeq.apply(out, who, layout, stats)
+    return _Reshard.apply(out, heads_to_seq, seq_to_heads, who, layout, stats)  # (B, H, T/P, D)
