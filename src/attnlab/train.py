@@ -284,11 +284,12 @@ def make_task(name: str, *, text: str | os.PathLike | None = None, chars: list[s
 
 # ----------------------------------------------------------------------- config
 # Per-task defaults. Rotary positions make the previous-token head easy to learn: with them the
-# induction task's phase change comes after ~500 steps (learned positions: none in 1500).
+# induction task's phase change comes after ~500 steps (learned positions: none in 1500). Recall's
+# lookup appears after 500-2000 steps depending on the seed; 4000 leave room (~40 s on one core).
 TASK_DEFAULTS = {
     "induction": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
                       positions="rope", eval_sequences=512),
-    "recall": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=1500, batch_size=32, lr=3e-3,
+    "recall": dict(layers=2, heads=2, d_model=64, attention_only=True, steps=4000, batch_size=32, lr=3e-3,
                    positions="rope", eval_sequences=512),
     "reverse": dict(layers=2, heads=4, d_model=64, attention_only=False, steps=1500, batch_size=32, lr=3e-3,
                   positions="rope", eval_sequences=512),
