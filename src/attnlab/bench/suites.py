@@ -32,6 +32,7 @@ from attnlab._memory import PeakMemory
 from attnlab.bench.modules import run_modules_suite
 from attnlab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
+from attnlab.models import GPT
 
 __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
            "sparse_cases", "sparse_suite", "decode_suite", "GenerationTiming", "decode_model_suite"]
@@ -295,8 +296,6 @@ def decode_model_suite(*, layers: int = 6, d_model: int = 384, heads: int = 6, v
         >>> timing.identical, timing.new_tokens
         (True, 4)
     """
-    from attnlab.models import GPT
-
     for name, value in (("layers", layers), ("d_model", d_model), ("heads", heads), ("vocab_size", vocab_size),
                         ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         positive_int(name, value)
