@@ -43,15 +43,18 @@ def test_induction_batches_repeat_a_segment_of_distinct_tokens_and_score_its_con
 
 
 def test_recall_reverse_and_sort_targets_follow_their_definitions():
-    inputs, targets = make_task("recall").batch(8, generator())
+    recall = make_task("recall")
+    n = recall.pairs
+    inputs, targets = recall.batch(8, generator())
     for row, target in zip(inputs.tolist(), targets.tolist()):
-        pairs = dict(zip(row[0:24:2], row[1:24:2]))
-        assert len(pairs) == 12
+        pairs = dict(zip(row[0:2 * n:2], row[1:2 * n:2]))
+        assert len(pairs) == n and all(k < recall.num_keys <= v for k, v in pairs.items())  # distinct keys
+        assert row[2 * n] == recall.vocab_size - 1  # the separator
         asked = [row[t] for t, y in enumerate(target) if y != IGNORE]
-        assert len(asked) == len(set(asked)) == 12  # each key asked once: no answer to copy from an earlier query
+        assert len(asked) == len(set(asked)) == recall.queries  # each key asked once: no answer to copy
         for t, y in enumerate(target):
             if y != IGNORE:
-                assert y == pairs[row[t]]
+                assert t > 2 * n and y == pairs[row[t]]
     for name, reference in (("reverse", lambda x: x[::-1]), ("sort", sorted)):
         task = make_task(name)
         inputs, targets = task.batch(8, generator())
@@ -59,6 +62,24 @@ def test_recall_reverse_and_sort_targets_follow_their_definitions():
             n = task.length
             assert row[n] == task.num_symbols  # the separator
             assert [y for y in target if y != IGNORE] == list(reference(row[:n]))
+
+
+def test_recall_never_shows_the_queried_values():
+    # Regression: each query was followed by its answer, so a model could rule out the values
+    # already given and guess among the rest; it sat at that level (16-42 %) and never learned
+    # to look the key up. After the separator only keys may appear.
+    task = make_task("recall")
+    inputs, _ = task.batch(64, generator())
+    assert bool((inputs[:, 2 * task.pairs + 1:] < task.num_keys).all())
+
+
+@pytest.mark.parametrize("options, name", [(dict(pairs=4, queries=5), "queries"),
+                                           (dict(num_keys=4, pairs=5, queries=5), "pairs")])
+def test_recall_sizes_that_cannot_work_are_refused_by_name(options, name):
+    from attnlab.train import RecallTask
+
+    with pytest.raises(ValueError, match=rf"^{name} "):
+        RecallTask(**options)
 
 
 def test_text_task_splits_and_refuses_bad_files(tmp_path):
@@ -198,6 +219,30 @@ def test_summary_names_the_induction_and_previous_token_heads_only_when_they_sco
     assert "Layer 0 head 1 is a previous-token head (previous-token score 0.92" in text
     weak = summarize("induction", 0.02, {k: v / 10 for k, v in scores.items()}, torch.zeros(2, 2))
     assert "No head is an induction head yet" in weak
+
+
+@pytest.mark.parametrize("induction, names", [([[0.9, 0.0], [0.6, 0.7]], "L1H0, L1H1"),
+                                               ([[0.0, 0.0], [0.1, 0.8]], "L1H1")])
+def test_analysis_ablates_the_later_layers_induction_heads_together(monkeypatch, induction, names):
+    import attnlab.train as train_module
+
+    run = Trainer(TrainConfig(steps=3, **TINY))
+    run.train()
+    scores = head_scores(run.model, run.eval_set()[0][:4])
+    scores["induction"] = torch.tensor(induction)  # a layer-0 head is never counted
+    monkeypatch.setattr(train_module, "head_scores", lambda model, inputs: scores)
+    analysis = analyze(run)
+    assert analysis["induction_heads_ablated"]["heads"] == names
+    zeroed = copy.deepcopy(run.model)
+    with torch.no_grad():
+        for head in (0, 1) if "," in names else (1,):
+            zeroed.blocks[1].attn.out_proj.weight[:, head * 8:(head + 1) * 8] = 0
+    inputs, targets = run.eval_set()
+    assert analysis["induction_heads_ablated"]["accuracy"] == pytest.approx(evaluate(zeroed, inputs, targets)[1],
+                                                                            abs=1e-4)
+    alone = [100 * a for a in analysis["heads"]["ablation_accuracy"][1]]
+    shared = f"ablating one alone leaves {min(alone):.1f}-{max(alone):.1f} %"
+    assert (shared in analysis["summary"]) == ("," in names)
 
 
 def test_analysis_and_figures_of_a_tiny_run(tmp_path):

@@ -9,7 +9,7 @@ from attnlab.cli._errors import option_errors
 
 
 def bench(
-    suite: str = typer.Option("backends", "--suite", help="backends, memory, modules, sparse, decode or all."),
+    suite: str = typer.Option("backends", "--suite", help="backends, memory, modules, sparse, decode, decode-model or all."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, one round."),
 ) -> None:
     """Time attnlab's implementations side by side on this machine and print GFLOP/s, the
