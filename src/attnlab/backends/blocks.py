@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -151,13 +152,9 @@ def _rows(t: Tensor, call: AttentionCall) -> Tensor:
 _MIN_FULL_RUN = 32
 
 
-def _full_run(allowed: Tensor) -> tuple[int, int]:
-    """The longest run ``[a, b)`` of key columns every query (every batch row and head) sees.
-
-    ``allowed``: ``(B|1, Hq|1, bq, span)`` bool.
-    """
-    full = allowed.flatten(0, 2).all(dim=0).to(torch.int8)  # (span,)
-    edges = torch.diff(F.pad(full, (1, 1)))  # +1 where a run starts, -1 one past its end
+def _longest_run(full: Tensor) -> tuple[int, int]:
+    """The longest run ``[a, b)`` of True in a 1-D bool tensor (``(0, 0)`` when there is none)."""
+    edges = torch.diff(F.pad(full.to(torch.int8), (1, 1)))  # +1 where a run starts, -1 one past its end
     starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
     if starts.numel() == 0:
         return 0, 0
@@ -166,9 +163,9 @@ def _full_run(allowed: Tensor) -> tuple[int, int]:
 
 
 def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, int]) -> list[_Piece]:
-    """One query block's pieces: its fully visible key run (unmasked) and the masked rest.
-
-    Empty when the block may attend nothing; a part no query of the block sees is dropped.
+    """One query block's pieces: its longest fully visible key run (unmasked, when at least
+    ``_MIN_FULL_RUN`` keys) and the masked rest. Key columns no query of the block sees are
+    dropped at the edges; empty when the block may attend nothing.
     """
     qs, qe, lo, hi = span
     if hi <= lo:
@@ -176,16 +173,18 @@ def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, 
     allowed = _masks.evaluate(mod, q_range=(qs, qe), kv_range=(lo, hi), batch=call.batch,
                               heads=call.q_heads, device=call.device)  # (B|1, Hq|1, bq|1, span|1)
     allowed = allowed.expand(*allowed.shape[:2], qe - qs, hi - lo)  # (B|1, Hq|1, bq, span)
-    if bool(allowed.all()):
+    rows = allowed.flatten(0, 2)  # (B|1 * Hq|1 * bq, span)
+    seen_by_all, seen = rows.all(dim=0), rows.any(dim=0)  # (span,) each
+    if bool(seen_by_all.all()):
         return [_Piece(qs, qe, lo, hi, None)]
-    a, b = _full_run(allowed)
-    if b - a < _MIN_FULL_RUN:
-        return [_Piece(qs, qe, lo, hi, allowed)] if bool(allowed.any()) else []
-    pieces = [_Piece(qs, qe, lo + a, lo + b, None)]
-    for start, stop in ((0, a), (b, hi - lo)):
-        part = allowed[..., start:stop]  # (B|1, Hq|1, bq, stop-start)
-        if stop > start and bool(part.any()):
-            pieces.append(_Piece(qs, qe, lo + start, lo + stop, part))
+    a, b = _longest_run(seen_by_all)
+    parts = ((0, hi - lo),) if b - a < _MIN_FULL_RUN else ((0, a), (b, hi - lo))
+    pieces = [] if b - a < _MIN_FULL_RUN else [_Piece(qs, qe, lo + a, lo + b, None)]
+    for start, stop in parts:
+        cols = seen[start:stop].nonzero().flatten()  # the part's key columns some query sees
+        if cols.numel():
+            first, last = start + int(cols[0]), start + int(cols[-1]) + 1
+            pieces.append(_Piece(qs, qe, lo + first, lo + last, allowed[..., first:last]))
     return pieces
 
 
@@ -233,6 +232,53 @@ def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dty
                              first=not (starts & written)))
             written |= starts
     return tuple(runs)
+
+
+# Plans of recent calls, so that a model calling attention with the same mask over and over
+# evaluates the mask once: planning reads every visited mask entry (a few ms at T=8192).
+PLAN_CACHE_SIZE = 8
+_PLANS: OrderedDict = OrderedDict()
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    """Where a tensor's values live and their version (bumped by every in-place change)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            t.device, t._version)
+
+
+def _mod_key(mod: Callable) -> tuple | None:
+    """Equal for two of attnlab's own mods that mask alike; None for any other callable (a
+    user's mod may hold state that no key can see, so its plans are never reused)."""
+    kind = type(mod)
+    if kind in (_masks.CausalMod, _masks.SlidingWindowMod, _masks.PrefixLMMod, _masks.ChunkedLocalMod):
+        return (kind.__name__, *sorted(vars(mod).items()))
+    if kind is _masks.PaddingMod:
+        return (kind.__name__, _tensor_key(mod.lengths))
+    if kind is _masks.DocumentMod:
+        return (kind.__name__, _tensor_key(mod.ids), mod.causal, mod.offset)
+    if kind is _masks.CombinedMod:
+        parts = tuple(_mod_key(part) for part in mod.mods)
+        return None if None in parts else (kind.__name__, mod.op, *parts)
+    return None
+
+
+def _cached_runs(call: AttentionCall, mod: Callable, block: int) -> tuple:
+    """:func:`_plan_runs` for ``call``, remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
+
+    The entry keeps the mod alive, so the storages its key names cannot be reused meanwhile.
+    """
+    mod_key = _mod_key(mod)
+    key = None if mod_key is None else (mod_key, call.tq, call.tk, call.batch, call.q_heads, block,
+                                        call.dtype, call.device, _MIN_FULL_RUN)
+    if key is not None and key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key][1]
+    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block), call.dtype)
+    if key is not None:
+        _PLANS[key] = (mod, runs)
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return runs
 
 
 def _blocks(t: Tensor, start: int, step: int, n: int, length: int) -> Tensor:
@@ -307,8 +353,11 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     call = plan.call
     B, Hq, Tq, W = q.shape
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.zeros(B, Hq, Tq, W, dtype=acc_dtype, device=q.device)
-    lse = torch.full((B, Hq, Tq), float("-inf"), dtype=acc_dtype, device=q.device)
+    out = torch.empty(B, Hq, Tq, W, dtype=acc_dtype, device=q.device)
+    lse = torch.empty(B, Hq, Tq, dtype=acc_dtype, device=q.device)
+    if sum(run.n * run.bq for run in plan.runs if run.first) < Tq:  # rows no run writes first
+        out.zero_()
+        lse.fill_(float("-inf"))
     own_lse = []
     for run in plan.runs:
         o, l = _FLASH(*_run_views(run, q, k, v), attn_mask=run.mask, scale=call.scale)  # (n, B*Hq, bq, W|)
@@ -377,8 +426,7 @@ def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> Atte
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     mod = call.mask_mod()
-    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block), call.dtype)
-    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs))
+    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, _cached_runs(call, mod, block)))
     return AttentionResult(out=out, lse=lse)
 
 
