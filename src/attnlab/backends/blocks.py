@@ -2,15 +2,23 @@
 
 For a call whose mask mod declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, sliding
 window, documents, prefix-LM, chunked-local and their combinations), the queries are cut into
-blocks and, for each block, PyTorch's fused CPU flash kernel (the one behind
-``scaled_dot_product_attention``) runs once on only the keys that block can reach. A key span
-that every query of the block sees in full runs without any mask; a span that is partly visible
-gets a small ``(bq, span)`` additive mask. The work is the visited tiles, not ``Tq * Tk``.
+blocks (64, 128 or 256 queries, whichever the cost model expects to be fastest) and each block
+attends only the keys it can reach, with PyTorch's fused CPU flash kernel (the one behind
+``scaled_dot_product_attention``). A block's keys become pieces: a fully visible run (no mask),
+a causal diagonal (the kernel's own ``is_causal``) or a partly visible part (a small additive
+mask). The work is the visited tiles, not ``Tq * Tk``.
+
+Pieces of different blocks with the same query length, key length and mask (every interior
+block of a sliding window, every causal diagonal) run as ONE kernel call: their query blocks
+and key spans are strided views of q, k and v stacked along the batch axis ``(n, B*Hq, bq, D)``
+(overlapping key windows are only read, never copied), so a sliding window makes a handful of
+calls at any length. Outputs of a block's pieces are merged by their log-sum-exp in place.
 
 Forward and backward both call the fused kernel (its ``_for_cpu`` op and that op's backward),
-so the backward pass is the kernel's own, block by block, with gradients of the reached key
-span accumulated into ``dk``/``dv``. The kernel's row log-sum-exp comes for free and is
-returned (``-inf`` on rows with nothing to attend).
+so the backward pass is the kernel's own, once per group, with the key gradients of the
+overlapping spans added back into ``dk``/``dv``. The kernel's row log-sum-exp comes for free
+and is returned (``-inf`` on rows with nothing to attend). Plans (the evaluated mask, grouped)
+are cached per mask and sizes for attnlab's own mods.
 
 The contract (``docs/design.md``) is kept exactly, or the call is declined:
 
@@ -20,8 +28,8 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
 * keys outside a block's span are never read, keys inside it that are masked get weight 0;
 * NaN/inf in q, k or v is declined (the fused kernel returns zeros for a NaN query row, which
   would pass for a fully masked row), as are dropout, dense masks and bounds-less mods;
-* grouped-query attention folds a query group into the block's rows
-  ``(B, Hkv, G*bq, D)``, so keys and values are never repeated;
+* grouped-query attention uses the kernel's own grouping (query head ``b*Hq + h`` of the
+  stacked view reads key/value head ``b*Hkv + h // G``), so keys and values are never repeated;
 * ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact.
 
 Example:
@@ -52,12 +60,14 @@ from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
-__all__ = ["BlocksBackend", "blocks_attention", "block_spans", "DEFAULT_BLOCK"]
+__all__ = ["BlocksBackend", "blocks_attention", "block_spans", "choose_block", "visited_fraction",
+           "BLOCK_SIZES"]
 
-# Queries per block. A 256-key sliding window at T=8192 (B=1 H=8 D=64 fp32, one thread, load
-# ~2.6) took 247/222/197 ms with blocks of 64/128/256 and causal 2.5/1.8/1.9 s with 128/256/512
-# (two threads, noisier): smaller blocks visit fewer masked-out keys but call the kernel more.
-DEFAULT_BLOCK = 256
+# Queries per block that the cost model chooses from (:func:`choose_block`). Smaller blocks
+# visit fewer masked-out keys but the kernel runs slower on them: at T=8192 (B=1 H=8 D=64 fp32,
+# 2 threads) a 256-key window's forward took 58/67/78 ms with 64/128/256 and its forward+backward
+# 292/272/288 ms; 8 packed documents 104/-/93 ms and 571/416/376 ms.
+BLOCK_SIZES = (64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -77,8 +87,12 @@ def block_spans(mod: Callable | None, tq: int, tk: int, block: int) -> list[tupl
     return spans
 
 
-def visited_fraction(call: AttentionCall, block: int = DEFAULT_BLOCK) -> float:
+def visited_fraction(call: AttentionCall, *, block: int | None = None) -> float:
     """Share of the ``Tq x Tk`` score matrix the backend computes for ``call`` (1.0 = all).
+
+    Args:
+        call: the call.
+        block: queries per block; None: the one :func:`choose_block` picks.
 
     Example:
         >>> from attnlab._call import build_call
@@ -88,7 +102,7 @@ def visited_fraction(call: AttentionCall, block: int = DEFAULT_BLOCK) -> float:
     """
     if call.tq == 0 or call.tk == 0:
         return 0.0
-    spans = block_spans(call.mask_mod(), call.tq, call.tk, block)
+    spans = block_spans(call.mask_mod(), call.tq, call.tk, block or choose_block(call))
     return sum((qe - qs) * (hi - lo) for qs, qe, lo, hi in spans) / (call.tq * call.tk)
 
 
@@ -104,11 +118,14 @@ class _Piece:
     ks: int
     ke: int
     allowed: Tensor | None
+    causal: bool = False
 
     def signature(self) -> tuple:
         """Pieces with equal signatures can share one kernel call: same sizes, same mask."""
-        pattern = None if self.allowed is None else (tuple(self.allowed.shape),
-                                                     self.allowed.contiguous().numpy().tobytes())
+        if self.allowed is None:
+            pattern = "causal" if self.causal else None
+        else:
+            pattern = (tuple(self.allowed.shape), self.allowed.contiguous().numpy().tobytes())
         return self.qe - self.qs, self.ke - self.ks, pattern
 
 
@@ -120,6 +137,8 @@ class _Run:
     both are strided views of q/k/v, so nothing is copied (:func:`_blocks`).
 
     mask: additive 0/-inf ``(1, B*Hq|1, bq, keys)`` shared by the n pieces, or None.
+    causal: the kernel's own causal masking (``keys == bq``, key ``c`` seen by row ``r`` iff
+        ``c <= r``): no mask tensor, and the tiles above the diagonal are skipped.
     dead: ``(1, B*Hq|1, bq)`` rows that see no key of the piece, or None. They run with a
         harmless all-visible mask row; their output and lse are dropped from the merge and
         their output gradient is zeroed (so they add nothing to dq/dk/dv).
@@ -134,6 +153,7 @@ class _Run:
     keys: int
     n: int
     mask: Tensor | None
+    causal: bool
     dead: Tensor | None
     first: bool
 
@@ -147,9 +167,11 @@ def _rows(t: Tensor, call: AttentionCall) -> Tensor:
 
 
 # A run of at least this many keys that every query of a block sees is given its own, unmasked
-# piece: the kernel adds a mask to every score, so a long causal span is far faster split into
-# its visible part and the diagonal than run whole with a mask.
-_MIN_FULL_RUN = 32
+# piece. A masked score costs the kernel only ~10% more than an unmasked one (256 x 512 and
+# 8192 x 8192, fp32), while a split adds a kernel call and an lse merge: at T=8192 a 256-key
+# window forward with 64-query blocks took 102 ms split at 32 keys vs 58 ms unsplit, 8 packed
+# documents 104 ms split at 512 vs 93 ms unsplit (blocks of 256).
+_MIN_FULL_RUN = 1024
 
 
 def _longest_run(full: Tensor) -> tuple[int, int]:
@@ -162,10 +184,41 @@ def _longest_run(full: Tensor) -> tuple[int, int]:
     return int(starts[longest]), int(ends[longest])
 
 
+def _causal_tail(allowed: Tensor) -> int | None:
+    """Where the last ``bq`` key columns start if they are exactly causal for the block's rows
+    (column ``c`` of them seen by row ``r`` iff ``c <= r``, for every batch row and head)."""
+    bq, span = allowed.shape[-2:]
+    if span < bq:
+        return None
+    tril = torch.ones(bq, bq, dtype=torch.bool, device=allowed.device).tril()
+    return span - bq if bool((allowed[..., span - bq:] == tril).all()) else None
+
+
+def _split(qs: int, qe: int, lo: int, allowed: Tensor) -> list[_Piece]:
+    """Keys ``lo + [0, span)`` of a block: the longest run every query sees (unmasked, when at
+    least ``_MIN_FULL_RUN`` keys) and the masked rest, key columns no query sees dropped at the
+    edges. ``allowed``: ``(B|1, Hq|1, bq, span)``."""
+    span = allowed.shape[-1]
+    rows = allowed.flatten(0, 2)  # (B|1 * Hq|1 * bq, span)
+    seen_by_all, seen = rows.all(dim=0), rows.any(dim=0)  # (span,) each
+    if span and bool(seen_by_all.all()):
+        return [_Piece(qs, qe, lo, lo + span, None)]
+    a, b = _longest_run(seen_by_all)
+    whole = b - a < _MIN_FULL_RUN
+    pieces = [] if whole else [_Piece(qs, qe, lo + a, lo + b, None)]
+    for start, stop in ((0, span),) if whole else ((0, a), (b, span)):
+        cols = seen[start:stop].nonzero().flatten()  # the part's key columns some query sees
+        if cols.numel():
+            first, last = start + int(cols[0]), start + int(cols[-1]) + 1
+            pieces.append(_Piece(qs, qe, lo + first, lo + last, allowed[..., first:last]))
+    return pieces
+
+
 def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, int]) -> list[_Piece]:
-    """One query block's pieces: its longest fully visible key run (unmasked, when at least
-    ``_MIN_FULL_RUN`` keys) and the masked rest. Key columns no query of the block sees are
-    dropped at the edges; empty when the block may attend nothing.
+    """One query block's pieces. A block whose keys are a fully visible run followed by a causal
+    diagonal (causal, documents, chunks) runs without any mask tensor: the run unmasked, the
+    diagonal with the kernel's own causal masking. Otherwise see :func:`_split`. Empty when the
+    block attends nothing.
     """
     qs, qe, lo, hi = span
     if hi <= lo:
@@ -173,19 +226,10 @@ def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, 
     allowed = _masks.evaluate(mod, q_range=(qs, qe), kv_range=(lo, hi), batch=call.batch,
                               heads=call.q_heads, device=call.device)  # (B|1, Hq|1, bq|1, span|1)
     allowed = allowed.expand(*allowed.shape[:2], qe - qs, hi - lo)  # (B|1, Hq|1, bq, span)
-    rows = allowed.flatten(0, 2)  # (B|1 * Hq|1 * bq, span)
-    seen_by_all, seen = rows.all(dim=0), rows.any(dim=0)  # (span,) each
-    if bool(seen_by_all.all()):
-        return [_Piece(qs, qe, lo, hi, None)]
-    a, b = _longest_run(seen_by_all)
-    parts = ((0, hi - lo),) if b - a < _MIN_FULL_RUN else ((0, a), (b, hi - lo))
-    pieces = [] if b - a < _MIN_FULL_RUN else [_Piece(qs, qe, lo + a, lo + b, None)]
-    for start, stop in parts:
-        cols = seen[start:stop].nonzero().flatten()  # the part's key columns some query sees
-        if cols.numel():
-            first, last = start + int(cols[0]), start + int(cols[-1]) + 1
-            pieces.append(_Piece(qs, qe, lo + first, lo + last, allowed[..., first:last]))
-    return pieces
+    tail = None if bool(allowed.all()) else _causal_tail(allowed)
+    if tail is None or not bool(allowed[..., :tail].all()):  # a split that leaves a mask only adds a call
+        return _split(qs, qe, lo, allowed)
+    return [_Piece(qs, qe, lo + tail, hi, None, causal=True), *_split(qs, qe, lo, allowed[..., :tail])]
 
 
 def _progressions(pieces: list[_Piece]) -> list[list[_Piece]]:
@@ -222,14 +266,14 @@ def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dty
         for piece in _tile_pieces(call, mod, span):
             groups.setdefault(piece.signature(), []).append(piece)
     runs, written = [], set()
-    for (bq, keys, _), pieces in groups.items():
+    for (bq, keys, pattern), pieces in groups.items():
         mask, dead = _mask_of(call, pieces[0].allowed, dtype)
         for run in _progressions(pieces):
             q_step = run[1].qs - run[0].qs if len(run) > 1 else bq
             k_step = run[1].ks - run[0].ks if len(run) > 1 else keys
             starts = {p.qs for p in run}
-            runs.append(_Run(run[0].qs, q_step, bq, run[0].ks, k_step, keys, len(run), mask, dead,
-                             first=not (starts & written)))
+            runs.append(_Run(run[0].qs, q_step, bq, run[0].ks, k_step, keys, len(run), mask,
+                             pattern == "causal", dead, first=not (starts & written)))
             written |= starts
     return tuple(runs)
 
@@ -262,17 +306,21 @@ def _mod_key(mod: Callable) -> tuple | None:
     return None
 
 
-def _cached_runs(call: AttentionCall, mod: Callable, block: int) -> tuple:
-    """:func:`_plan_runs` for ``call``, remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
+def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple:
+    """:func:`_plan_runs` for ``call`` in blocks of ``block`` (None: :func:`choose_block`),
+    remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
 
     The entry keeps the mod alive, so the storages its key names cannot be reused meanwhile.
     """
     mod_key = _mod_key(mod)
-    key = None if mod_key is None else (mod_key, call.tq, call.tk, call.batch, call.q_heads, block,
-                                        call.dtype, call.device, _MIN_FULL_RUN)
+    key = None if mod_key is None else (
+        mod_key, call.tq, call.tk, call.batch, call.q_heads, call.kv_heads, call.head_dim,
+        call.value_dim, block, block is None and call.requires_grad, call.dtype, call.device,
+        _MIN_FULL_RUN)
     if key is not None and key in _PLANS:
         _PLANS.move_to_end(key)
         return _PLANS[key][1]
+    block = block or choose_block(call)
     runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block), call.dtype)
     if key is not None:
         _PLANS[key] = (mod, runs)
@@ -341,6 +389,14 @@ def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor, first: bool) -> 
     lse.copy_(new)
 
 
+def _init(t: Tensor, runs: tuple, *, fill: float) -> Tensor:
+    """Fill an empty accumulator ``(B, H, Tq, ...)`` with ``fill`` unless the runs that write
+    their query blocks first cover every row (then every value is written before it is read)."""
+    if sum(run.n * run.bq for run in runs if run.first) < t.shape[2]:
+        t.fill_(fill)
+    return t
+
+
 def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The run's query blocks ``(n, B*Hq, bq, W)`` and key/value spans ``(n, B*Hkv, keys, W)``."""
     return (_blocks(q, run.qs, run.q_step, run.n, run.bq), _blocks(k, run.ks, run.k_step, run.n, run.keys),
@@ -353,14 +409,12 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     call = plan.call
     B, Hq, Tq, W = q.shape
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.empty(B, Hq, Tq, W, dtype=acc_dtype, device=q.device)
-    lse = torch.empty(B, Hq, Tq, dtype=acc_dtype, device=q.device)
-    if sum(run.n * run.bq for run in plan.runs if run.first) < Tq:  # rows no run writes first
-        out.zero_()
-        lse.fill_(float("-inf"))
+    out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
+    lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
     own_lse = []
     for run in plan.runs:
-        o, l = _FLASH(*_run_views(run, q, k, v), attn_mask=run.mask, scale=call.scale)  # (n, B*Hq, bq, W|)
+        o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=run.mask,
+                      scale=call.scale)  # (n, B*Hq, bq, W|)
         own_lse.append(None if run.dead is None else l)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
@@ -389,7 +443,7 @@ class _BlocksFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         W = k.shape[-1]
         d_out = (F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out).contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = _init(torch.empty_like(q), plan.runs, fill=0.0), torch.zeros_like(k), torch.zeros_like(v)
         for run, own in zip(plan.runs, ctx.own_lse):
             do_r = _blocks(d_out, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq, W)
             lse_r = _blocks(lse, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq)
@@ -398,14 +452,17 @@ class _BlocksFunction(torch.autograd.Function):
                 lse_r = torch.where(run.dead, own, lse_r)
             q_r, k_r, v_r = _run_views(run, q, k, v)
             gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, _blocks(out, run.qs, run.q_step, run.n, run.bq),
-                                         lse_r, 0.0, False, attn_mask=run.mask, scale=call.scale)
-            _add_blocks(dq, gq, run.qs, run.q_step)
+                                         lse_r, 0.0, run.causal, attn_mask=run.mask, scale=call.scale)
+            if run.first:  # the same order as the forward: nothing added to these rows yet
+                _blocks(dq, run.qs, run.q_step, run.n, run.bq).copy_(gq)
+            else:
+                _add_blocks(dq, gq, run.qs, run.q_step)
             _add_blocks(dk, gk, run.ks, run.k_step)
             _add_blocks(dv, gv, run.ks, run.k_step)
         return (dq[..., :call.head_dim], dk[..., :call.head_dim], dv[..., :call.value_dim], None)
 
 
-def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> AttentionResult:
+def blocks_attention(call: AttentionCall, *, block: int | None = None) -> AttentionResult:
     """Attention for ``call`` by query blocks over their reachable key spans (see the module doc).
 
     Shapes:
@@ -414,7 +471,7 @@ def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> Atte
 
     Args:
         call: a call :class:`BlocksBackend` serves (``not_supported_reasons`` empty).
-        block: queries per block; changes results only by rounding.
+        block: queries per block (None: :func:`choose_block`); changes results only by rounding.
 
     Example:
         >>> from attnlab._call import build_call
@@ -423,8 +480,8 @@ def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> Atte
         >>> bool(torch.allclose(r.out[0, 0, 0], x[0, 0, 0]))   # the first query sees only itself
         True
     """
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block must be a positive int or None, got {block!r}")
     mod = call.mask_mod()
     out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, _cached_runs(call, mod, block)))
     return AttentionResult(out=out, lse=lse)
@@ -473,11 +530,12 @@ class BlocksBackend(Backend):
         return []
 
     def memory_note(self, call: AttentionCall) -> str:
-        return (f"visits {visited_fraction(call):.0%} of the Tq x Tk scores in "
-                f"{DEFAULT_BLOCK}-query blocks, one block's mask at a time")
+        block = choose_block(call)
+        return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
+                f"{block}-query blocks, one block's mask at a time")
 
     def cost(self, call: AttentionCall) -> float:
-        return _estimated_seconds(call)
+        return _estimated_seconds(call, choose_block(call))
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)
@@ -485,20 +543,39 @@ class BlocksBackend(Backend):
 
 def _bounds_missing(mod: Callable, tq: int) -> bool:
     """Whether ``mod`` declares no bounds (checked on the first query block)."""
-    return not isinstance(mod, _masks.MaskMod) or mod.kv_bounds(0, max(1, min(tq, DEFAULT_BLOCK))) is None
+    return not isinstance(mod, _masks.MaskMod) or mod.kv_bounds(0, max(1, min(tq, BLOCK_SIZES[-1]))) is None
 
 
-def _estimated_seconds(call: AttentionCall) -> float:
-    """Visited FLOPs at the kernel's measured masked rate, plus a cost per block and per call."""
+def choose_block(call: AttentionCall) -> int:
+    """The queries per block of :data:`BLOCK_SIZES` that the cost model expects to be fastest.
+
+    Short spans (sliding windows) favour small blocks, which visit fewer masked-out keys; long
+    spans (causal, documents) and backward passes favour large ones, where the kernel is faster.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 8, 8192, 64)
+        >>> choose_block(build_call(q, q, q, mask=_masks.sliding_window_mod(8192, 8192, 256)))
+        64
+        >>> choose_block(build_call(q, q, q, causal=True))
+        256
+    """
+    return min(BLOCK_SIZES, key=lambda block: _estimated_seconds(call, block))
+
+
+def _estimated_seconds(call: AttentionCall, block: int) -> float:
+    """Visited FLOPs at the kernel's measured rate for ``block``-query blocks (slower on long
+    spans), times the forward+backward factor when gradients are needed, plus a cost per block
+    and per call."""
     rates = RATES["blocks"]
-    spans = block_spans(call.mask_mod(), call.tq, call.tk, DEFAULT_BLOCK)
+    spans = block_spans(call.mask_mod(), call.tq, call.tk, block)
     per_pair = 2.0 * call.batch * call.q_heads * (call.head_dim + call.value_dim)
     seconds = len(spans) * rates["seconds_per_block"]
-    for qs, qe, lo, hi in spans:  # long spans run mostly unmasked, nearer the kernel's peak
-        rate = rates["flops_per_s"]["short" if hi - lo <= rates["short_span_keys"] else "long"]
-        seconds += per_pair * (qe - qs) * (hi - lo) / rate
+    for qs, qe, lo, hi in spans:
+        factor = 1.0 if hi - lo <= rates["short_span_keys"] else rates["long_span_factor"]
+        seconds += per_pair * (qe - qs) * (hi - lo) / (rates["flops_per_s"][block] * factor)
     if call.requires_grad:
-        seconds *= rates["forward_backward_factor"]
+        seconds *= rates["forward_backward_factor"][block]
     return rates["call_overhead_s"] + seconds
 
 
