@@ -226,3 +226,116 @@ def test_sparse_and_backends_suites_run_on_tiny_shapes():
     assert {r.name for r in rows} >= {"auto", "blocks", "sdpa dense mask"}
     assert all(r.ratio is not None for r in rows)
     assert suites.backends_suite(quick=True, t=32, rounds=1)
+
+
+# ------------------------------------------------------------------ batched kernel calls
+def _counting(monkeypatch):
+    """Count the fused kernel's forward and backward calls made by the blocks backend."""
+    from attnlab.backends import blocks
+
+    counts = {"forward": 0, "backward": 0}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(blocks, "_FLASH", wrap("forward", blocks._FLASH))
+    monkeypatch.setattr(blocks, "_FLASH_BACKWARD", wrap("backward", blocks._FLASH_BACKWARD))
+    return counts
+
+
+BATCHED_CASES = {
+    # name: (B, Hq, Hkv, T, D, Dv, mask mod builder, causal); T=203 is no multiple of the block
+    "window": (1, 2, 2, 203, 8, 8, lambda t, b: masks.sliding_window_mod(t, t, 24), False),
+    "window_gqa_dv": (2, 4, 2, 203, 8, 5, lambda t, b: masks.sliding_window_mod(t, t, 9), False),
+    "chunked": (2, 2, 1, 203, 4, 4, lambda t, b: masks.chunked_local_mod(t, t, 32), False),
+    "chunked_bidirectional": (1, 3, 3, 160, 8, 8,
+                              lambda t, b: masks.chunked_local_mod(t, t, 48, causal=False), False),
+    "causal": (2, 2, 2, 203, 8, 8, lambda t, b: None, True),
+    "documents": (2, 4, 1, 203, 8, 6,
+                  lambda t, b: masks.document_mod(torch.arange(t).repeat(b, 1) // 40), False),
+    "window_padding": (2, 2, 2, 203, 8, 8, lambda t, b: masks.and_masks(
+        masks.sliding_window_mod(t, t, 20), masks.padding_mod(torch.tensor([150, 0]))), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCHED_CASES))
+def test_batched_calls_equal_one_call_per_piece_and_the_fp64_reference(name, monkeypatch):
+    """Grouping same-shaped pieces into one kernel call changes nothing but the call count."""
+    from attnlab.backends import blocks
+
+    b, hq, hkv, t, d, dv, make_mod, causal = BATCHED_CASES[name]
+    cfg = dict(shape=(b, hq, hkv, t, t, d, dv), mask=make_mod(t, b), causal=causal, align="top_left",
+               block=16)
+    counts = _counting(monkeypatch)
+    batched, _ = _run(cfg, "blocks", seed=7)
+    batched_calls = dict(counts)
+    monkeypatch.setattr("attnlab.backends.blocks._progressions", lambda pieces: [[p] for p in pieces])
+    monkeypatch.setattr("attnlab.backends.blocks._PLANS", type(blocks._PLANS)())  # plan afresh
+    counts.update(forward=0, backward=0)
+    per_piece, _ = _run(cfg, "blocks", seed=7)
+    want, _ = _run(cfg, "reference", seed=7)
+    assert batched_calls["forward"] < counts["forward"], (batched_calls, counts)  # it did batch
+    assert batched_calls["backward"] == batched_calls["forward"]
+    for label, w, p, h in zip(("out", "dq", "dk", "dv"), want, per_piece, batched):
+        assert torch.allclose(h, p, atol=1e-12, rtol=0), (name, label)
+        assert torch.allclose(h, w, atol=1e-10, rtol=0), (name, label)
+
+
+def test_a_sliding_window_makes_the_same_few_kernel_calls_at_any_length(monkeypatch):
+    """O(1) calls, not O(T / block): the interior blocks of a window share one call."""
+    counts = _counting(monkeypatch)
+    calls = {}
+    for t in (2048, 4096):
+        q = torch.randn(1, 1, t, 8, requires_grad=True)
+        out = attnlab.attention(q, q, q, mask=masks.sliding_window_mod(t, t, 256), backend="blocks")
+        out.sum().backward()
+        calls[t] = dict(counts)
+        counts.update(forward=0, backward=0)
+    assert calls[2048] == calls[4096], calls
+    assert calls[4096]["forward"] <= 6 and calls[4096]["backward"] <= 6, calls
+
+
+def test_plans_are_reused_until_a_mask_tensor_changes_in_place():
+    from attnlab.backends import blocks
+
+    blocks._PLANS.clear()
+    q, k, v, _ = _inputs(1, 2, 2, 40, 40, 4, 4, seed=8)
+    ids = torch.arange(40) // 10
+    mod = masks.document_mod(ids)
+    first = blocks_attention(build_call(q, k, v, mask=mod), block=8).out
+    assert len(blocks._PLANS) == 1
+    again = blocks_attention(build_call(q, k, v, mask=masks.document_mod(ids)), block=8).out
+    assert len(blocks._PLANS) == 1 and torch.equal(first, again)  # an equal mod: the same plan
+    mod.ids[0, 15:] = 9  # documents 1-3 become one document: a new plan, a new answer
+    mod._first, mod._end = masks._occurrence_bounds(mod.ids)
+    have = blocks_attention(build_call(q, k, v, mask=mod), block=8).out
+    want = get("reference").forward(build_call(q, k, v, mask=mod)).out
+    assert len(blocks._PLANS) == 2 and torch.allclose(have, want, atol=1e-10)
+    blocks_attention(build_call(q, k, v, mask=masks.and_masks(mod, lambda b, h, i, j: i >= j)), block=8)
+    assert len(blocks._PLANS) == 2  # a user's function is never cached
+
+
+def test_block_size_follows_the_cost_model_and_auto_keeps_plain_causal_on_sdpa():
+    from attnlab.backends.blocks import choose_block
+
+    for grad in (False, True):
+        q = torch.randn(1, 8, 8192, 64, requires_grad=grad)
+        window = build_call(q, q, q, mask=masks.sliding_window_mod(8192, 8192, 256))
+        causal = build_call(q, q, q, causal=True)
+        assert select(window).name == "blocks" and select(causal).name == "sdpa"
+        assert choose_block(window) == (128 if grad else 64)  # short spans: small blocks
+        assert choose_block(causal) == 256
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_nan_scan_is_exact_when_the_sum_of_finite_values_overflows(dtype):
+    """non_finite() reads a sum first; finite values whose sum overflows are still finite."""
+    big = torch.full((1, 1, 4, 4), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert build_call(big, big, big).non_finite() == ()
+    for bad_value in (float("inf"), float("-inf"), float("nan")):
+        bad = big.clone()
+        bad[0, 0, 2, 3] = bad_value
+        assert build_call(big, bad, big).non_finite() == ("k",)

@@ -12,7 +12,7 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab.backends import build_call, select
-from attnlab.backends.blocks import DEFAULT_BLOCK
+from attnlab.backends.blocks import choose_block
 from attnlab.nn import MultiHeadAttention, TransformerBlock
 
 LENGTHS = (5, 1, 7, 3)  # a one-token document, odd lengths
@@ -136,6 +136,6 @@ def test_packed_attention_runs_on_blocks_and_visits_only_the_diagonal():
     call = build_call(q, q, q, mask=mod)
     assert select(call).name == "blocks"
     # 8 causal documents of 512 keys; query block j of a document spans (j + 1) * block keys
-    block = DEFAULT_BLOCK
+    block = choose_block(call)
     share = 8 * sum(block * (j + 1) * block for j in range(512 // block)) / T**2
     assert f"visits {share:.0%}" in attnlab.backends.get("blocks").memory_note(call)

@@ -136,7 +136,7 @@ class AttentionCall:
             ((), ('k',))
         """
         return self.memo("non_finite", lambda: tuple(
-            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if not bool(torch.isfinite(t).all())))
+            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if not _all_finite(t)))
 
     def mask_mod(self) -> Callable | None:
         """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
@@ -172,6 +172,14 @@ class AttentionCall:
     def bias(self) -> Tensor | None:
         """The float (additive) mask, broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
         return self.mask if self.mask_kind == "float" else None
+
+
+def _all_finite(t: Tensor) -> bool:
+    """Whether ``t`` holds no NaN or inf. NaN and inf reach any sum, so a finite sum proves it
+    at the cost of one read; only a non-finite sum (or finite values that overflow it) pays for
+    the full-size ``isfinite`` check."""
+    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 
 
 def _check_tensor(name: str, value: object) -> Tensor:

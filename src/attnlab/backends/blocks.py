@@ -2,15 +2,23 @@
 
 For a call whose mask mod declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, sliding
 window, documents, prefix-LM, chunked-local and their combinations), the queries are cut into
-blocks and, for each block, PyTorch's fused CPU flash kernel (the one behind
-``scaled_dot_product_attention``) runs once on only the keys that block can reach. A key span
-that every query of the block sees in full runs without any mask; a span that is partly visible
-gets a small ``(bq, span)`` additive mask. The work is the visited tiles, not ``Tq * Tk``.
+blocks (64, 128 or 256 queries, whichever the cost model expects to be fastest) and each block
+attends only the keys it can reach, with PyTorch's fused CPU flash kernel (the one behind
+``scaled_dot_product_attention``). A block's keys become pieces: a fully visible run (no mask),
+a causal diagonal (the kernel's own ``is_causal``) or a partly visible part (a small additive
+mask). The work is the visited tiles, not ``Tq * Tk``.
+
+Pieces of different blocks with the same query length, key length and mask (every interior
+block of a sliding window, every causal diagonal) run as ONE kernel call: their query blocks
+and key spans are strided views of q, k and v stacked along the batch axis ``(n, B*Hq, bq, D)``
+(overlapping key windows are only read, never copied), so a sliding window makes a handful of
+calls at any length. Outputs of a block's pieces are merged by their log-sum-exp in place.
 
 Forward and backward both call the fused kernel (its ``_for_cpu`` op and that op's backward),
-so the backward pass is the kernel's own, block by block, with gradients of the reached key
-span accumulated into ``dk``/``dv``. The kernel's row log-sum-exp comes for free and is
-returned (``-inf`` on rows with nothing to attend).
+so the backward pass is the kernel's own, once per group, with the key gradients of the
+overlapping spans added back into ``dk``/``dv``. The kernel's row log-sum-exp comes for free
+and is returned (``-inf`` on rows with nothing to attend). Plans (the evaluated mask, grouped)
+are cached per mask and sizes for attnlab's own mods.
 
 The contract (``docs/design.md``) is kept exactly, or the call is declined:
 
@@ -20,8 +28,8 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
 * keys outside a block's span are never read, keys inside it that are masked get weight 0;
 * NaN/inf in q, k or v is declined (the fused kernel returns zeros for a NaN query row, which
   would pass for a fully masked row), as are dropout, dense masks and bounds-less mods;
-* grouped-query attention folds a query group into the block's rows
-  ``(B, Hkv, G*bq, D)``, so keys and values are never repeated;
+* grouped-query attention uses the kernel's own grouping (query head ``b*Hq + h`` of the
+  stacked view reads key/value head ``b*Hkv + h // G``), so keys and values are never repeated;
 * ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact.
 
 Example:
@@ -37,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,12 +60,14 @@ from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
-__all__ = ["BlocksBackend", "blocks_attention", "block_spans", "DEFAULT_BLOCK"]
+__all__ = ["BlocksBackend", "blocks_attention", "block_spans", "choose_block", "visited_fraction",
+           "BLOCK_SIZES"]
 
-# Queries per block. A 256-key sliding window at T=8192 (B=1 H=8 D=64 fp32, one thread, load
-# ~2.6) took 247/222/197 ms with blocks of 64/128/256 and causal 2.5/1.8/1.9 s with 128/256/512
-# (two threads, noisier): smaller blocks visit fewer masked-out keys but call the kernel more.
-DEFAULT_BLOCK = 256
+# Queries per block that the cost model chooses from (:func:`choose_block`). Smaller blocks
+# visit fewer masked-out keys but the kernel runs slower on them: at T=8192 (B=1 H=8 D=64 fp32,
+# 2 threads) a 256-key window's forward took 58/67/78 ms with 64/128/256 and its forward+backward
+# 292/272/288 ms; 8 packed documents 104/-/93 ms and 571/416/376 ms.
+BLOCK_SIZES = (64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -76,8 +87,12 @@ def block_spans(mod: Callable | None, tq: int, tk: int, block: int) -> list[tupl
     return spans
 
 
-def visited_fraction(call: AttentionCall, block: int = DEFAULT_BLOCK) -> float:
+def visited_fraction(call: AttentionCall, *, block: int | None = None) -> float:
     """Share of the ``Tq x Tk`` score matrix the backend computes for ``call`` (1.0 = all).
+
+    Args:
+        call: the call.
+        block: queries per block; None: the one :func:`choose_block` picks.
 
     Example:
         >>> from attnlab._call import build_call
@@ -87,71 +102,82 @@ def visited_fraction(call: AttentionCall, block: int = DEFAULT_BLOCK) -> float:
     """
     if call.tq == 0 or call.tk == 0:
         return 0.0
-    spans = block_spans(call.mask_mod(), call.tq, call.tk, block)
+    spans = block_spans(call.mask_mod(), call.tq, call.tk, block or choose_block(call))
     return sum((qe - qs) * (hi - lo) for qs, qe, lo, hi in spans) / (call.tq * call.tk)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Piece:
-    """One kernel call of a tile: keys ``[ks, ke)`` (tensors in the grouped layout).
+    """One query block's keys ``[ks, ke)`` and which of them each row sees.
 
-    mask: additive 0/-inf mask ``(B|1, Hkv|1, G*bq, ke-ks)`` or None when all is visible.
-    dead: ``(B|1, Hkv|1, G*bq)`` rows that see no key of this piece (given a harmless full
-        mask row; their lse is -inf in the merge and their gradient is zeroed), or None.
+    allowed: ``(B|1, Hq|1, qe-qs, ke-ks)`` bool, or None when every query sees every key.
     """
-
-    ks: int
-    ke: int
-    mask: Tensor | None
-    dead: Tensor | None
-
-
-@dataclass
-class _Tile:
-    """One query block: its pieces, and ``dead`` ``(B|1, Hq|1, bq, 1)``, the rows that see no
-    key at all (zero output, zero gradient), or None."""
 
     qs: int
     qe: int
-    pieces: tuple
+    ks: int
+    ke: int
+    allowed: Tensor | None
+    causal: bool = False
+
+    def signature(self) -> tuple:
+        """Pieces with equal signatures can share one kernel call: same sizes, same mask."""
+        if self.allowed is None:
+            pattern = "causal" if self.causal else None
+        else:
+            pattern = (tuple(self.allowed.shape), self.allowed.contiguous().numpy().tobytes())
+        return self.qe - self.qs, self.ke - self.ks, pattern
+
+
+@dataclass(frozen=True)
+class _Run:
+    """``n`` same-signature pieces run as ONE kernel call, stacked along the batch axis.
+
+    Piece ``i`` is queries ``[qs + i*q_step, +bq)`` against keys ``[ks + i*k_step, +keys)``;
+    both are strided views of q/k/v, so nothing is copied (:func:`_blocks`).
+
+    mask: additive 0/-inf ``(1, B*Hq|1, bq, keys)`` shared by the n pieces, or None.
+    causal: the kernel's own causal masking (``keys == bq``, key ``c`` seen by row ``r`` iff
+        ``c <= r``): no mask tensor to build or add (at these sizes the kernel still visits
+        the whole square; 256 x 256 ran as fast causal as unmasked).
+    dead: ``(1, B*Hq|1, bq)`` rows that see no key of the piece, or None. They run with a
+        harmless all-visible mask row; their output and lse are dropped from the merge and
+        their output gradient is zeroed (so they add nothing to dq/dk/dv).
+    first: no earlier run wrote these query blocks, so the merge is a copy.
+    """
+
+    qs: int
+    q_step: int
+    bq: int
+    ks: int
+    k_step: int
+    keys: int
+    n: int
+    mask: Tensor | None
+    causal: bool
     dead: Tensor | None
+    first: bool
 
 
-def _group(t: Tensor, kv_heads: int) -> Tensor:
-    """``(B, Hq, bq, X) -> (B, Hkv, G*bq, X)``: query head ``h`` joins key/value head ``h // G``."""
-    B, H, bq, X = t.shape
-    if H == kv_heads:
+def _rows(t: Tensor, call: AttentionCall) -> Tensor:
+    """A ``(B|1, Hq|1, bq, X)`` mask-like tensor in the kernel's row layout ``(1, B*Hq|1, bq, X)``."""
+    if t.shape[0] == 1 and t.shape[1] == 1:
         return t
-    return t.reshape(B, kv_heads, (H // kv_heads) * bq, X)  # (B, Hkv, G*bq, X)
-
-
-def _ungroup(t: Tensor, q_heads: int) -> Tensor:
-    """``(B, Hkv, G*bq, X) -> (B, Hq, bq, X)``, the inverse of :func:`_group`."""
-    B, Hkv, rows, X = t.shape
-    return t.reshape(B, q_heads, rows * Hkv // q_heads, X)  # (B, Hq, bq, X)
-
-
-def _grouped(t: Tensor, call: AttentionCall, bq: int) -> Tensor:
-    """A ``(B|1, Hq|1, bq|1, X)`` mask-like tensor in the grouped layout ``(B|1, Hkv|1, G*bq, X)``."""
-    t = t.expand(t.shape[0], t.shape[1], bq, t.shape[3])  # (B|1, Hq|1, bq, X)
-    if t.shape[1] == 1:  # the same rows for every head of a group
-        return t.repeat(1, 1, call.q_heads // call.kv_heads, 1)  # (B|1, 1, G*bq, X)
-    return _group(t.contiguous(), call.kv_heads)  # (B|1, Hkv, G*bq, X)
+    return t.expand(call.batch, call.q_heads, *t.shape[2:]).reshape(1, call.batch * call.q_heads,
+                                                                    *t.shape[2:])  # (1, B*Hq, bq, X)
 
 
 # A run of at least this many keys that every query of a block sees is given its own, unmasked
-# kernel call: the kernel adds a mask to every score, so a long causal span is far faster split
-# into its visible part and the diagonal than run whole with a mask.
-_MIN_FULL_RUN = 32
+# piece. A masked score costs the kernel only ~10% more than an unmasked one (256 x 512 and
+# 8192 x 8192, fp32), while a split adds a kernel call and an lse merge: at T=8192 a 256-key
+# window forward with 64-query blocks took 102 ms split at 32 keys vs 58 ms unsplit, 8 packed
+# documents 104 ms split at 512 vs 93 ms unsplit (blocks of 256).
+_MIN_FULL_RUN = 1024
 
 
-def _full_run(allowed: Tensor) -> tuple[int, int]:
-    """The longest run ``[a, b)`` of key columns every query (every batch row and head) sees.
-
-    ``allowed``: ``(B|1, Hq|1, bq, span)`` bool.
-    """
-    full = allowed.flatten(0, 2).all(dim=0).to(torch.int8)  # (span,)
-    edges = torch.diff(F.pad(full, (1, 1)))  # +1 where a run starts, -1 one past its end
+def _longest_run(full: Tensor) -> tuple[int, int]:
+    """The longest run ``[a, b)`` of True in a 1-D bool tensor (``(0, 0)`` when there is none)."""
+    edges = torch.diff(F.pad(full.to(torch.int8), (1, 1)))  # +1 where a run starts, -1 one past its end
     starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
     if starts.numel() == 0:
         return 0, 0
@@ -159,52 +185,188 @@ def _full_run(allowed: Tensor) -> tuple[int, int]:
     return int(starts[longest]), int(ends[longest])
 
 
-def _piece(call: AttentionCall, allowed: Tensor, ks: int, ke: int, dtype: torch.dtype,
-           bq: int) -> _Piece:
-    """A masked piece of keys ``[ks, ke)`` from its ``(B|1, Hq|1, bq|1, ke-ks)`` allowed mask."""
-    allowed = allowed.expand(*allowed.shape[:3], ke - ks)
-    alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq|1, 1)
-    dead = None if bool(alive.all()) else ~alive
-    visible = allowed if dead is None else allowed | dead  # dead rows: a harmless full row
-    bias = torch.zeros(visible.shape, dtype=dtype, device=call.device).masked_fill_(~visible, float("-inf"))
-    dead_rows = None if dead is None else _grouped(dead, call, bq)[..., 0]  # (B|1, Hkv|1, G*bq)
-    return _Piece(ks, ke, _grouped(bias, call, bq), dead_rows)
+def _causal_tail(allowed: Tensor) -> int | None:
+    """Where the last ``bq`` key columns start if they are exactly causal for the block's rows
+    (column ``c`` of them seen by row ``r`` iff ``c <= r``, for every batch row and head)."""
+    bq, span = allowed.shape[-2:]
+    if span < bq:
+        return None
+    tril = torch.ones(bq, bq, dtype=torch.bool, device=allowed.device).tril()
+    return span - bq if bool((allowed[..., span - bq:] == tril).all()) else None
 
 
-def _make_tile(call: AttentionCall, mod: Callable, span: tuple[int, int, int, int],
-               dtype: torch.dtype) -> _Tile | None:
-    """Evaluate the mask on one block's span; None when the block may attend nothing."""
+def _split(qs: int, qe: int, lo: int, allowed: Tensor) -> list[_Piece]:
+    """Keys ``lo + [0, span)`` of a block: the longest run every query sees (unmasked, when at
+    least ``_MIN_FULL_RUN`` keys) and the masked rest, key columns no query sees dropped at the
+    edges. ``allowed``: ``(B|1, Hq|1, bq, span)``."""
+    span = allowed.shape[-1]
+    rows = allowed.flatten(0, 2)  # (B|1 * Hq|1 * bq, span)
+    seen_by_all, seen = rows.all(dim=0), rows.any(dim=0)  # (span,) each
+    if span and bool(seen_by_all.all()):
+        return [_Piece(qs, qe, lo, lo + span, None)]
+    a, b = _longest_run(seen_by_all)
+    whole = b - a < _MIN_FULL_RUN
+    pieces = [] if whole else [_Piece(qs, qe, lo + a, lo + b, None)]
+    for start, stop in ((0, span),) if whole else ((0, a), (b, span)):
+        cols = seen[start:stop].nonzero().flatten()  # the part's key columns some query sees
+        if cols.numel():
+            first, last = start + int(cols[0]), start + int(cols[-1]) + 1
+            pieces.append(_Piece(qs, qe, lo + first, lo + last, allowed[..., first:last]))
+    return pieces
+
+
+def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, int]) -> list[_Piece]:
+    """One query block's pieces. A block whose keys are a fully visible run followed by a causal
+    diagonal (causal, documents, chunks) runs without any mask tensor: the run unmasked, the
+    diagonal with the kernel's own causal masking. Otherwise see :func:`_split`. Empty when the
+    block attends nothing.
+    """
     qs, qe, lo, hi = span
     if hi <= lo:
-        return None
+        return []
     allowed = _masks.evaluate(mod, q_range=(qs, qe), kv_range=(lo, hi), batch=call.batch,
                               heads=call.q_heads, device=call.device)  # (B|1, Hq|1, bq|1, span|1)
     allowed = allowed.expand(*allowed.shape[:2], qe - qs, hi - lo)  # (B|1, Hq|1, bq, span)
-    if bool(allowed.all()):
-        return _Tile(qs, qe, (_Piece(lo, hi, None, None),), None)
+    tail = None if bool(allowed.all()) else _causal_tail(allowed)
+    if tail is None or not bool(allowed[..., :tail].all()):  # a split that leaves a mask only adds a call
+        return _split(qs, qe, lo, allowed)
+    return [_Piece(qs, qe, lo + tail, hi, None, causal=True), *_split(qs, qe, lo, allowed[..., :tail])]
+
+
+def _progressions(pieces: list[_Piece]) -> list[list[_Piece]]:
+    """Split same-signature pieces (sorted by position) into runs with constant query and key
+    steps, queries never overlapping and keys never stepping back: each run is a strided view
+    of q, k and v."""
+    runs: list[list[_Piece]] = []
+    for piece in sorted(pieces, key=lambda p: (p.qs, p.ks)):
+        run = runs[-1] if runs else None
+        step = None if run is None else (piece.qs - run[-1].qs, piece.ks - run[-1].ks)
+        if run is not None and step[0] >= piece.qe - piece.qs and step[1] >= 0 \
+                and (len(run) == 1 or step == (run[1].qs - run[0].qs, run[1].ks - run[0].ks)):
+            run.append(piece)
+        else:
+            runs.append([piece])
+    return runs
+
+
+def _mask_of(call: AttentionCall, allowed: Tensor | None, dtype: torch.dtype) -> tuple:
+    """The additive mask and dead rows of a piece (see :class:`_Run`), in the row layout."""
+    if allowed is None:
+        return None, None
     alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq, 1)
-    if not bool(alive.any()):
-        return None
     dead = None if bool(alive.all()) else ~alive
-    a, b = _full_run(allowed)
-    if b - a < _MIN_FULL_RUN:
-        return _Tile(qs, qe, (_piece(call, allowed, lo, hi, dtype, qe - qs),), dead)
-    pieces = [_Piece(lo + a, lo + b, None, None)]
-    for start, stop in ((0, a), (b, hi - lo)):
-        if stop > start:
-            pieces.append(_piece(call, allowed[..., start:stop], lo + start, lo + stop, dtype, qe - qs))
-    return _Tile(qs, qe, tuple(pieces), dead)
+    visible = allowed if dead is None else allowed | dead  # dead rows: a harmless full row
+    bias = torch.zeros(visible.shape, dtype=dtype, device=call.device).masked_fill_(~visible, float("-inf"))
+    return _rows(bias, call), None if dead is None else _rows(dead, call)[..., 0]
+
+
+def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dtype) -> tuple:
+    """Every query block's pieces, grouped by signature into as few kernel calls as possible."""
+    groups: dict[tuple, list[_Piece]] = {}
+    for span in spans:
+        for piece in _tile_pieces(call, mod, span):
+            groups.setdefault(piece.signature(), []).append(piece)
+    runs, written = [], set()
+    for (bq, keys, pattern), pieces in groups.items():
+        mask, dead = _mask_of(call, pieces[0].allowed, dtype)
+        for run in _progressions(pieces):
+            q_step = run[1].qs - run[0].qs if len(run) > 1 else bq
+            k_step = run[1].ks - run[0].ks if len(run) > 1 else keys
+            starts = {p.qs for p in run}
+            runs.append(_Run(run[0].qs, q_step, bq, run[0].ks, k_step, keys, len(run), mask,
+                             pattern == "causal", dead, first=not (starts & written)))
+            written |= starts
+    return tuple(runs)
+
+
+# Plans of recent calls, so that a model calling attention with the same mask over and over
+# evaluates the mask once: planning reads every visited mask entry (a few ms at T=8192).
+PLAN_CACHE_SIZE = 8
+_PLANS: OrderedDict = OrderedDict()
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    """Where a tensor's values live and their version (bumped by every in-place change)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            t.device, t._version)
+
+
+def _mod_key(mod: Callable) -> tuple | None:
+    """Equal for two of attnlab's own mods that mask alike; None for any other callable (a
+    user's mod may hold state that no key can see, so its plans are never reused)."""
+    kind = type(mod)
+    if kind in (_masks.CausalMod, _masks.SlidingWindowMod, _masks.PrefixLMMod, _masks.ChunkedLocalMod):
+        return (kind.__name__, *sorted(vars(mod).items()))
+    if kind is _masks.PaddingMod:
+        return (kind.__name__, _tensor_key(mod.lengths))
+    if kind is _masks.DocumentMod:
+        return (kind.__name__, _tensor_key(mod.ids), mod.causal, mod.offset)
+    if kind is _masks.CombinedMod:
+        parts = tuple(_mod_key(part) for part in mod.mods)
+        return None if None in parts else (kind.__name__, mod.op, *parts)
+    return None
+
+
+def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple:
+    """:func:`_plan_runs` for ``call`` in blocks of ``block`` (None: :func:`choose_block`),
+    remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
+
+    The entry keeps the mod alive, so the storages its key names cannot be reused meanwhile.
+    """
+    mod_key = _mod_key(mod)
+    key = None if mod_key is None else (
+        mod_key, call.tq, call.tk, call.batch, call.q_heads, call.kv_heads, call.head_dim,
+        call.value_dim, block, block is None and call.requires_grad, call.dtype, call.device,
+        _MIN_FULL_RUN)
+    if key is not None and key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key][1]
+    block = block or choose_block(call)
+    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block), call.dtype)
+    if key is not None:
+        _PLANS[key] = (mod, runs)
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return runs
+
+
+def _blocks(t: Tensor, start: int, step: int, n: int, length: int) -> Tensor:
+    """``n`` row blocks of a contiguous ``(B, H, T, *X)`` tensor as one view ``(n, B*H, length, *X)``.
+
+    Block ``i`` is rows ``[start + i*step, +length)``; blocks may overlap (keys of a sliding
+    window), in which case the view must only be read.
+    """
+    s = t.stride()
+    return t.as_strided((n, t.shape[0] * t.shape[1], length, *t.shape[3:]),
+                        (step * s[2], s[1], s[2], *s[3:]), t.storage_offset() + start * s[2])
+
+
+def _add_blocks(dst: Tensor, src: Tensor, start: int, step: int) -> None:
+    """``dst`` rows of block ``i`` += ``src[i]`` (the inverse of :func:`_blocks`), overlaps summed.
+
+    ``dst``: contiguous ``(B, H, T, X)``; ``src``: ``(n, B*H, length, X)``.
+    """
+    n, length = src.shape[0], src.shape[2]
+    if n == 1 or step >= length:
+        _blocks(dst, start, step, n, length).add_(src)
+    elif step == 0:
+        _blocks(dst, start, step, 1, length).add_(src.sum(dim=0, keepdim=True))
+    else:  # overlapping blocks: add them in step-long slices, each a view without overlaps
+        for offset in range(0, length, step):
+            width = min(step, length - offset)
+            _blocks(dst, start + offset, step, n, width).add_(src[:, :, offset:offset + width])
 
 
 def _padded(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v with a common head size (the kernel needs ``Dv == D``); zero columns are exact."""
+    """q, k, v contiguous with a common head size (the kernel needs ``Dv == D``); zero columns
+    are exact."""
     q, k, v = call.q, call.k, call.v
     width = max(call.head_dim, call.value_dim)
     if call.head_dim < width:
         q, k = (F.pad(t, (0, width - call.head_dim)) for t in (q, k))
     if call.value_dim < width:
         v = F.pad(v, (0, width - call.value_dim))
-    return q, k, v
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 @dataclass(frozen=True)
@@ -212,64 +374,66 @@ class _Plan:
     """What the autograd function needs besides the tensors."""
 
     call: AttentionCall
-    tiles: tuple
+    runs: tuple
 
 
-def _merge(outs: list, lses: list, pieces: tuple, lse_dtype: torch.dtype):
-    """Combine the pieces of one tile: lse = logsumexp of theirs, out = their lse-weighted sum.
+def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor, first: bool) -> None:
+    """Fold one run's ``(o, l)`` into the accumulated views ``out``/``lse`` of its query blocks
+    (``(n, B*Hq, bq, W)`` / ``(n, B*Hq, bq)``): lse = logaddexp, out = the lse-weighted sum."""
+    if first:
+        out.copy_(o)
+        lse.copy_(l)
+        return
+    new = torch.logaddexp(lse, l)  # -inf where both are
+    safe = new.masked_fill(new == float("-inf"), 0.0)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - safe).unsqueeze(-1))
+    lse.copy_(new)
 
-    Returns out and lse ``(B, Hkv, G*bq, .)``, and per piece the lse its backward must use: the
-    tile's, except on rows dead in that piece, which keep the piece's own finite lse (their
-    output gradient is zeroed there, so they add nothing).
-    """
-    if len(outs) == 1:
-        return outs[0], lses[0], [lses[0]]
-    live = [l if p.dead is None else l.masked_fill(p.dead, float("-inf")) for l, p in zip(lses, pieces)]
-    lse = torch.logsumexp(torch.stack(live), dim=0)  # (B, Hkv, G*bq); -inf: dead in every piece
-    safe = lse.masked_fill(lse == float("-inf"), 0.0)
-    out = sum(o.to(lse_dtype) * torch.exp(l - safe).unsqueeze(-1) for o, l in zip(outs, live))
-    backward_lse = [lse if p.dead is None else torch.where(p.dead, l, lse) for l, p in zip(lses, pieces)]
-    return out.to(outs[0].dtype), lse, backward_lse
+
+def _init(t: Tensor, runs: tuple, *, fill: float) -> Tensor:
+    """Fill an empty accumulator ``(B, H, Tq, ...)`` with ``fill`` unless the runs that write
+    their query blocks first cover every row (then every value is written before it is read)."""
+    if sum(run.n * run.bq for run in runs if run.first) < t.shape[2]:
+        t.fill_(fill)
+    return t
+
+
+def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The run's query blocks ``(n, B*Hq, bq, W)`` and key/value spans ``(n, B*Hkv, keys, W)``."""
+    return (_blocks(q, run.qs, run.q_step, run.n, run.bq), _blocks(k, run.ks, run.k_step, run.n, run.keys),
+            _blocks(v, run.ks, run.k_step, run.n, run.keys))
 
 
 def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
-    """Run every tile. Returns out ``(B, Hq, Tq, W)``, lse ``(B, Hq, Tq)`` and per-tile saves."""
+    """One kernel call per run. Returns out ``(B, Hq, Tq, W)``, lse ``(B, Hq, Tq)`` and, per
+    run with dead rows, the kernel's own lse (its backward needs it on those rows)."""
     call = plan.call
     B, Hq, Tq, W = q.shape
-    out = q.new_zeros(B, Hq, Tq, W)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((B, Hq, Tq), float("-inf"), dtype=lse_dtype, device=q.device)
-    saved = []
-    for tile in plan.tiles:
-        q_blk = _group(q[:, :, tile.qs:tile.qe], call.kv_heads)  # (B, Hkv, G*bq, W)
-        outs, lses = [], []
-        for piece in tile.pieces:
-            o_p, l_p = _FLASH(q_blk, k[:, :, piece.ks:piece.ke], v[:, :, piece.ks:piece.ke],
-                              attn_mask=piece.mask, scale=call.scale)  # (B, Hkv, G*bq, W|)
-            outs.append(o_p)
-            lses.append(l_p)
-        o_blk, l_blk, backward_lse = _merge(outs, lses, tile.pieces, lse_dtype)
-        saved.append((q_blk, o_blk, backward_lse))
-        o_rows = _ungroup(o_blk, Hq)  # (B, Hq, bq, W)
-        l_rows = _ungroup(l_blk.unsqueeze(-1), Hq)  # (B, Hq, bq, 1)
-        if tile.dead is not None:
-            o_rows = o_rows.masked_fill(tile.dead, 0.0)
-            l_rows = l_rows.masked_fill(tile.dead, float("-inf"))
-        out[:, :, tile.qs:tile.qe] = o_rows
-        lse[:, :, tile.qs:tile.qe] = l_rows[..., 0]
-    return out, lse, saved
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
+    lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
+    own_lse = []
+    for run in plan.runs:
+        o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=run.mask,
+                      scale=call.scale)  # (n, B*Hq, bq, W|)
+        own_lse.append(None if run.dead is None else l)
+        if run.dead is not None:
+            o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
+        _merge_into(_blocks(out, run.qs, run.q_step, run.n, run.bq),
+                    _blocks(lse, run.qs, run.q_step, run.n, run.bq), o, l, run.first)
+    return out.to(q.dtype), lse, own_lse
 
 
 class _BlocksFunction(torch.autograd.Function):
-    """Forward: the fused kernel per query block. Backward: the kernel's backward per block."""
+    """Forward: the fused kernel once per run. Backward: the kernel's backward once per run."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
         call = plan.call
         qp, kp, vp = _padded(call)
-        out, lse, saved = _block_forward(plan, qp, kp, vp)
-        ctx.plan, ctx.saved = plan, saved
-        ctx.save_for_backward(kp, vp)
+        out, lse, own_lse = _block_forward(plan, qp, kp, vp)
+        ctx.plan, ctx.own_lse = plan, own_lse
+        ctx.save_for_backward(qp, kp, vp, out, lse)
         ctx.mark_non_differentiable(lse)
         return out[..., :call.value_dim], lse
 
@@ -277,30 +441,29 @@ class _BlocksFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out, _d_lse):
         plan, call = ctx.plan, ctx.plan.call
-        k, v = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         W = k.shape[-1]
-        d_out = F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out
-        dq = torch.zeros(call.batch, call.q_heads, call.tq, W, dtype=k.dtype, device=k.device)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for tile, (q_blk, o_blk, backward_lse) in zip(plan.tiles, ctx.saved):
-            do_rows = d_out[:, :, tile.qs:tile.qe]  # (B, Hq, bq, W)
-            if tile.dead is not None:  # a zeroed output row passes no gradient back
-                do_rows = do_rows.masked_fill(tile.dead, 0.0)
-            do_blk = _group(do_rows.contiguous(), call.kv_heads)  # (B, Hkv, G*bq, W)
-            gq_sum = None
-            for piece, l_p in zip(tile.pieces, backward_lse):
-                do_p = do_blk if piece.dead is None else do_blk.masked_fill(piece.dead.unsqueeze(-1), 0.0)
-                gq, gk, gv = _FLASH_BACKWARD(do_p, q_blk, k[:, :, piece.ks:piece.ke],
-                                             v[:, :, piece.ks:piece.ke], o_blk, l_p, 0.0, False,
-                                             attn_mask=piece.mask, scale=call.scale)
-                gq_sum = gq if gq_sum is None else gq_sum + gq
-                dk[:, :, piece.ks:piece.ke] += gk
-                dv[:, :, piece.ks:piece.ke] += gv
-            dq[:, :, tile.qs:tile.qe] = _ungroup(gq_sum, call.q_heads)
+        d_out = (F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out).contiguous()
+        dq, dk, dv = _init(torch.empty_like(q), plan.runs, fill=0.0), torch.zeros_like(k), torch.zeros_like(v)
+        for run, own in zip(plan.runs, ctx.own_lse):
+            do_r = _blocks(d_out, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq, W)
+            lse_r = _blocks(lse, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq)
+            if run.dead is not None:  # a dropped row passes no gradient and keeps a finite lse
+                do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)
+                lse_r = torch.where(run.dead, own, lse_r)
+            q_r, k_r, v_r = _run_views(run, q, k, v)
+            gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, _blocks(out, run.qs, run.q_step, run.n, run.bq),
+                                         lse_r, 0.0, run.causal, attn_mask=run.mask, scale=call.scale)
+            if run.first:  # the same order as the forward: nothing added to these rows yet
+                _blocks(dq, run.qs, run.q_step, run.n, run.bq).copy_(gq)
+            else:
+                _add_blocks(dq, gq, run.qs, run.q_step)
+            _add_blocks(dk, gk, run.ks, run.k_step)
+            _add_blocks(dv, gv, run.ks, run.k_step)
         return (dq[..., :call.head_dim], dk[..., :call.head_dim], dv[..., :call.value_dim], None)
 
 
-def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> AttentionResult:
+def blocks_attention(call: AttentionCall, *, block: int | None = None) -> AttentionResult:
     """Attention for ``call`` by query blocks over their reachable key spans (see the module doc).
 
     Shapes:
@@ -309,7 +472,7 @@ def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> Atte
 
     Args:
         call: a call :class:`BlocksBackend` serves (``not_supported_reasons`` empty).
-        block: queries per block; changes results only by rounding.
+        block: queries per block (None: :func:`choose_block`); changes results only by rounding.
 
     Example:
         >>> from attnlab._call import build_call
@@ -318,16 +481,10 @@ def blocks_attention(call: AttentionCall, *, block: int = DEFAULT_BLOCK) -> Atte
         >>> bool(torch.allclose(r.out[0, 0, 0], x[0, 0, 0]))   # the first query sees only itself
         True
     """
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block must be a positive int or None, got {block!r}")
     mod = call.mask_mod()
-    mask_dtype = call.dtype
-    tiles = []
-    for span in block_spans(mod, call.tq, call.tk, block):
-        tile = _make_tile(call, mod, span, mask_dtype)
-        if tile is not None:
-            tiles.append(tile)
-    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, tuple(tiles)))
+    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, _cached_runs(call, mod, block)))
     return AttentionResult(out=out, lse=lse)
 
 
@@ -374,11 +531,12 @@ class BlocksBackend(Backend):
         return []
 
     def memory_note(self, call: AttentionCall) -> str:
-        return (f"visits {visited_fraction(call):.0%} of the Tq x Tk scores in "
-                f"{DEFAULT_BLOCK}-query blocks, one block's mask at a time")
+        block = choose_block(call)
+        return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
+                f"{block}-query blocks, one block's mask at a time")
 
     def cost(self, call: AttentionCall) -> float:
-        return _estimated_seconds(call)
+        return _estimated_seconds(call, choose_block(call))
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)
@@ -386,20 +544,39 @@ class BlocksBackend(Backend):
 
 def _bounds_missing(mod: Callable, tq: int) -> bool:
     """Whether ``mod`` declares no bounds (checked on the first query block)."""
-    return not isinstance(mod, _masks.MaskMod) or mod.kv_bounds(0, max(1, min(tq, DEFAULT_BLOCK))) is None
+    return not isinstance(mod, _masks.MaskMod) or mod.kv_bounds(0, max(1, min(tq, BLOCK_SIZES[-1]))) is None
 
 
-def _estimated_seconds(call: AttentionCall) -> float:
-    """Visited FLOPs at the kernel's measured masked rate, plus a cost per block and per call."""
+def choose_block(call: AttentionCall) -> int:
+    """The queries per block of :data:`BLOCK_SIZES` that the cost model expects to be fastest.
+
+    Short spans (sliding windows) favour small blocks, which visit fewer masked-out keys; long
+    spans (causal, documents) and backward passes favour large ones, where the kernel is faster.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 8, 8192, 64)
+        >>> choose_block(build_call(q, q, q, mask=_masks.sliding_window_mod(8192, 8192, 256)))
+        64
+        >>> choose_block(build_call(q, q, q, causal=True))
+        256
+    """
+    return min(BLOCK_SIZES, key=lambda block: _estimated_seconds(call, block))
+
+
+def _estimated_seconds(call: AttentionCall, block: int) -> float:
+    """Visited FLOPs at the kernel's measured rate for ``block``-query blocks (slower on long
+    spans), times the forward+backward factor when gradients are needed, plus a cost per block
+    and per call."""
     rates = RATES["blocks"]
-    spans = block_spans(call.mask_mod(), call.tq, call.tk, DEFAULT_BLOCK)
+    spans = block_spans(call.mask_mod(), call.tq, call.tk, block)
     per_pair = 2.0 * call.batch * call.q_heads * (call.head_dim + call.value_dim)
     seconds = len(spans) * rates["seconds_per_block"]
-    for qs, qe, lo, hi in spans:  # long spans run mostly unmasked, nearer the kernel's peak
-        rate = rates["flops_per_s"]["short" if hi - lo <= rates["short_span_keys"] else "long"]
-        seconds += per_pair * (qe - qs) * (hi - lo) / rate
+    for qs, qe, lo, hi in spans:
+        factor = 1.0 if hi - lo <= rates["short_span_keys"] else rates["long_span_factor"]
+        seconds += per_pair * (qe - qs) * (hi - lo) / (rates["flops_per_s"][block] * factor)
     if call.requires_grad:
-        seconds *= rates["forward_backward_factor"]
+        seconds *= rates["forward_backward_factor"][block]
     return rates["call_overhead_s"] + seconds
 
 

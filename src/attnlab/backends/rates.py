@@ -44,19 +44,24 @@ RATES: dict = {
         "dropout_factor": 1.85,  # hashing the dropout bits
     },
     "blocks": {
-        # The fused CPU flash kernel per 256-query block; FLOPs are the visited (block x span)
-        # pairs. Measured forward at T=8192 B=1 H=8 D=64 fp32 on ONE thread under load ~2.4
-        # (the machine was never idle in that session; one thread gave stable timings): a
-        # 256-key window (spans <= 511 keys) 197 ms = 44 GFLOP/s visited; causal (long spans,
-        # the visible part unmasked) 1.25 s = 57 GFLOP/s visited, where sdpa's is_causal took
-        # 1.02 s (68 GFLOP/s on its halved count, close to the 65e9 above), so these are used
-        # as measured. Forward+backward took 2.7x the forward (window 624/234 ms, 8 packed
-        # documents 750/270 ms). seconds_per_block is a guess.
-        "flops_per_s": {"short": 44e9, "long": 57e9},
+        # The fused CPU flash kernel on same-shaped pieces of many query blocks per call; FLOPs
+        # are the visited (block x span) pairs. Forward rates by queries per block, measured at
+        # T=8192 B=1 H=8 D=64 fp32 on 2 threads (load 1.1-1.7, fp32 matmul 157-185 GFLOP/s in the
+        # same runs), interleaved: a 256-key window (spans <= 319/383/511 keys) 58/67/78 ms,
+        # 8 packed documents 104/-/93 ms, causal 771/-/602-654 ms = 88-92 / 96 / 108-118 GFLOP/s
+        # visited for 64 / 128 / 256 queries per block.
+        "flops_per_s": {64: 90e9, 128: 96e9, 256: 112e9},
         "short_span_keys": 1024,
-        "forward_backward_factor": 2.7,
-        "seconds_per_block": 40e-6,
-        "call_overhead_s": 60e-6,
+        # Longer spans (causal, prefix-LM, long documents) are charged at this share of those
+        # rates, pinned against sdpa's is_causal entry above (measured faster than that entry
+        # says at T=8192): blocks on plain causal took 1.0x (T=2048) to 1.12x (T=8192) sdpa's
+        # is_causal time in the same run, so auto keeps plain causal on sdpa.
+        "long_span_factor": 0.5,
+        # Forward+backward over forward time: window 5.0/4.1/3.7, documents 5.5/4.4/4.0, causal
+        # -/-/3.75 (64/128/256 queries per block): the backward's key gradients are per piece.
+        "forward_backward_factor": {64: 5.2, 128: 4.2, 256: 3.8},
+        "seconds_per_block": 10e-6,  # a guess: views and the lse merge per block
+        "call_overhead_s": 60e-6,  # a guess: planning is cached, Python per call remains
     },
     "flex": {
         "cpu": 60e9,  # compiled CPU kernel, forward (55-70 GFLOP/s)
