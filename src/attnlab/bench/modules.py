@@ -134,7 +134,7 @@ def _rows(config: ModulesConfig, medians: dict[str, float], mode: str, peak: flo
     case = f"{mode} B={config.batch} T={config.seq_len} C={config.d_model} H={config.num_heads}"
     return [
         BenchRow("modules", case, name, seconds, flops, peak, seconds / fastest_other,
-                       note=f"max |out - attnlab| {diffs[name]:.1e}")
+                 note=f"max |out - attnlab| {diffs[name]:.1e}", t=config.seq_len)
         for name, seconds in medians.items()
     ]
 

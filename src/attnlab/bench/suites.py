@@ -79,7 +79,6 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
     min_run = 0.05 if quick else 0.3
     b, h, d = 1, 8, 64
     q, k, v = _attention_inputs(b, h, t, d, dtype, device)
-    matmul, matmul_flops = matmul_candidate(dtype, device)
     rows: list[BenchRow] = []
     for case, options in backend_cases(t, batch=b).items():
         options = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in options.items()}
@@ -91,17 +90,28 @@ def backends_suite(*, quick: bool = False, t: int | None = None, dtype: torch.dt
         candidates["auto"] = _no_grad(attention, q, k, v, backend="auto", **options)
         if not quick and t >= 4096:
             candidates.pop("reference", None)  # O(T^2): minutes at T=4096 on 2 cores
-        candidates[_PEAK] = matmul  # timed in the same rounds: same load as the candidates
-        seconds = compare(candidates, rounds=rounds, min_run_time=min_run)
-        peak = matmul_flops / seconds.pop(_PEAK)
+        seconds, peak = _compare_with_peak(candidates, dtype=dtype, device=device, rounds=rounds,
+                                           min_run_time=min_run)
         flops = attention_flops(b, h, t, t, d, causal=case == "causal")
         for name, sec in seconds.items():
             note = f"auto -> {chosen}" if name == "auto" else ""
-            rows.append(BenchRow("backends", f"{case} T={t}", name, sec, flops, peak, note=note))
+            rows.append(BenchRow("backends", f"{case} T={t}", name, sec, flops, peak, note=note, t=t))
     return fill_ratios(rows)
 
 
 _PEAK = "matmul (peak)"
+
+
+def _compare_with_peak(candidates: dict[str, Callable[[], object]], *, dtype: torch.dtype = torch.float32,
+                       device: str = "cpu", rounds: int, min_run_time: float) -> tuple[dict[str, float], float]:
+    """:func:`compare` with the matmul as one more candidate: (seconds per candidate, peak FLOP/s).
+
+    The peak is timed in the same interleaved rounds, so that load from other jobs on a shared
+    machine depresses the peak and the candidates alike.
+    """
+    matmul, matmul_flops = matmul_candidate(dtype, device)
+    seconds = compare({**candidates, _PEAK: matmul}, rounds=rounds, min_run_time=min_run_time)
+    return seconds, matmul_flops / seconds.pop(_PEAK)
 
 
 def _no_grad(fn, *args, **kwargs):
@@ -129,7 +139,7 @@ def memory_suite(*, quick: bool = False) -> list[BenchRow]:
             with PeakMemory() as meter:
                 attention(q, k, v, causal=True, backend=name).sum().backward()
             rows.append(BenchRow("memory", f"causal fwd+bwd T={t}", name, None,
-                                 note=f"peak {meter.peak_bytes / 2**20:.1f} MiB"))
+                                 note=f"peak {meter.peak_bytes / 2**20:.1f} MiB", t=t))
     return rows
 
 
@@ -190,22 +200,29 @@ def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
                 candidates = {n: _run_once(mod, *x, n, grad) for n in names}
                 candidates["auto"] = _run_once(mod, *x, "auto", grad)
                 candidates["sdpa dense mask"] = _run_once(dense, *x, "sdpa", grad)
-                seconds = compare(candidates, rounds=rounds, min_run_time=0.05 if quick else 0.2)
+                seconds, peak = _compare_with_peak(candidates, rounds=rounds,
+                                                   min_run_time=0.05 if quick else 0.2)
                 mode = "fwd+bwd" if grad else "fwd"
                 flops = 2.0 * b * h * visible * 2 * d * (3.5 if grad else 1.0)
                 for name, sec in seconds.items():
                     note = f"auto -> {chosen}" if name == "auto" else ""
-                    rows.append(BenchRow("sparse", f"{case} {mode} T={t}", name, sec, flops, note=note))
+                    rows.append(BenchRow("sparse", f"{case} {mode} T={t}", name, sec, flops, peak, note=note, t=t))
     return fill_ratios(rows)
 
 
-def decode_suite(*, lengths: tuple[int, ...] = (64, 1024, 4096), rounds: int = 3) -> list[BenchRow]:
+def decode_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
+                 rounds: int | None = None) -> list[BenchRow]:
     """One decoding step, B=1 H=12 D=64, 1 query over ``Tk`` cached keys, one thread:
     ``attnlab.attention(backend="auto")`` vs raw ``scaled_dot_product_attention``.
+
+    ``Tk`` in (64, 1024, 4096), 3 rounds (quick: (64, 1024), 1 round). The fp32 matmul rate is
+    measured on the same one thread, in the same rounds.
 
     Example:
         >>> rows = decode_suite(lengths=(16,), rounds=1)  # doctest: +SKIP
     """
+    lengths = lengths or ((64, 1024) if quick else (64, 1024, 4096))
+    rounds = rounds if rounds is not None else (1 if quick else 3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows: list[BenchRow] = []
@@ -217,10 +234,10 @@ def decode_suite(*, lengths: tuple[int, ...] = (64, 1024, 4096), rounds: int = 3
                 "raw sdpa": _no_grad(torch.nn.functional.scaled_dot_product_attention, q, k, v),
                 "auto": _no_grad(attention, q, k, v),
             }
-            seconds = compare(candidates, rounds=rounds, min_run_time=0.2)
+            seconds, peak = _compare_with_peak(candidates, rounds=rounds, min_run_time=0.05 if quick else 0.2)
             flops = attention_flops(1, 12, 1, tk, 64)
             for name, sec in seconds.items():
-                rows.append(BenchRow("decode", f"decode Tk={tk}", name, sec, flops))
+                rows.append(BenchRow("decode", f"decode Tk={tk}", name, sec, flops, peak, t=tk))
     finally:
         torch.set_num_threads(threads)
     return fill_ratios(rows)
@@ -367,7 +384,7 @@ def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]
             print_rows(found, title="structured masks, B=1 H=8 D=64 fp32 (FLOPs: visible pairs only)",
                        console=console)
         elif suite == "decode":
-            rows += (found := decode_suite())
+            rows += (found := decode_suite(quick=quick))
             print_rows(found, title="one decoding step, B=1 H=12 D=64, 1 thread", console=console)
         elif suite == "decode-model":
             sizes = dict(prompt_len=128, new_tokens=32) if quick else {}
@@ -375,9 +392,5 @@ def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]
             rows += timing.rows(f"{timing.new_tokens} new tokens")
             report_generation(timing, console=console)
         else:
-            _modules_suite(quick, console)
+            rows += run_modules_suite(quick=quick, console=console)
     return rows
-
-
-def _modules_suite(quick: bool, console) -> None:
-    run_modules_suite(quick=quick, console=console)

@@ -109,6 +109,8 @@ class BenchRow:
         peak: the matmul rate in FLOP/s measured in the same run (None if not measured).
         ratio: seconds / fastest seconds in the same case.
         note: anything else (memory, the backend auto chose, ...).
+        t: the sequence length the row was measured at (keys for a decoding step), None when the
+            row has no single one; ``attnlab bench --plot`` draws rows against it.
 
     Example:
         >>> BenchRow("backends", "causal", "sdpa", 0.5, 1e9, 1e10).gflops
@@ -123,6 +125,7 @@ class BenchRow:
     peak: float | None = None
     ratio: float | None = None
     note: str = ""
+    t: int | None = None
 
     @property
     def gflops(self) -> float | None:
