@@ -168,19 +168,26 @@ def _run_once(mask, q, k, v, backend: str, grad: bool) -> Callable[[], None]:
     return run
 
 
+def _sparse_backends(call, *, t: int, quick: bool) -> list[str]:
+    """The backends the sparse suite times: every one that serves ``call``, less flex (its CPU
+    compile takes minutes per shape), the O(T^2) reference from T=4096, and with ``quick`` the
+    reference and chunked (seconds per call at T=2048 on 2 cores; ``--quick`` checks the harness)."""
+    left_out = {"flex"} | ({"reference"} if t >= 4096 else set()) | ({"reference", "chunked"} if quick else set())
+    return [n for n, why in backends.reasons(call).items() if not why and n not in left_out]
+
+
 def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
                  rounds: int | None = None) -> list[BenchRow]:
-    """Structured masks at ``T`` in (2048, 8192) (quick: 2048), B=1 H=8 D=64 fp32.
+    """Structured masks at ``T`` in (2048, 8192) (quick: 1024), B=1 H=8 D=64 fp32.
 
-    Candidates: ``auto``, every backend that serves the call (the O(T^2) reference only
-    below T=4096; flex is left out, its CPU compile takes minutes per shape), and
+    Candidates: ``auto``, the backends of :func:`_sparse_backends`, and
     ``sdpa dense mask``: SDPA handed the same mask materialised as a dense bool tensor. FLOPs
     count only the visible pairs: ``2*B*H*visible*(D+Dv)`` forward, 3.5x with backward.
 
     Example:
         >>> rows = sparse_suite(quick=True, lengths=(256,), rounds=1)  # doctest: +SKIP
     """
-    lengths = lengths or ((2048,) if quick else (2048, 8192))
+    lengths = lengths or ((1024,) if quick else (2048, 8192))
     rounds = rounds if rounds is not None else (1 if quick else 3)
     b, h, d = 1, 8, 64
     rows: list[BenchRow] = []
@@ -194,9 +201,7 @@ def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
                 with torch.set_grad_enabled(grad):
                     call = backends.build_call(*x, mask=mod)
                     chosen = backends.select(call).name
-                    names = [n for n, why in backends.reasons(call).items() if not why and n != "flex"]
-                if t >= 4096:
-                    names = [n for n in names if n != "reference"]
+                    names = _sparse_backends(call, t=t, quick=quick)
                 candidates = {n: _run_once(mod, *x, n, grad) for n in names}
                 candidates["auto"] = _run_once(mod, *x, "auto", grad)
                 candidates["sdpa dense mask"] = _run_once(dense, *x, "sdpa", grad)
