@@ -7,6 +7,9 @@ batched call must equal that row run alone, unpadded, with ``align="bottom_right
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -172,6 +175,13 @@ def test_blocks_replans_after_lengths_change_in_place():
     k_lengths[1] = 7
     got = attnlab.attention(q, k, v, mask=mod, backend="blocks")
     torch.testing.assert_close(got, attnlab.attention(q, k, v, mask=mod, backend="reference"))
+
+
+def test_docs_example_runs():
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "sparse.md").read_text()
+    section = text.split("## Padded batches with their own lengths", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/sparse.md", "exec"), {})
 
 
 # ----------------------------------------------------------------------------- bad lengths
