@@ -21,11 +21,13 @@ key padding        :func:`padding_mask`         :func:`padding_mod`
 packed documents   (materialize the mod)        :func:`document_mod`
 prefix-LM          (materialize the mod)        :func:`prefix_lm_mod`
 chunked local      (materialize the mod)        :func:`chunked_local_mod`
+varlen causal      (materialize the mod)        :func:`varlen_causal_mod`
 combination        :func:`and_masks` / :func:`or_masks` (either form)
 =================  ===========================  ==========================
 
-The classes :class:`CausalMod`, :class:`SlidingWindowMod`, :class:`PaddingMod` and
-:class:`CombinedMod` are the types those functions return (for ``isinstance`` and reading);
+The classes :class:`CausalMod`, :class:`SlidingWindowMod`, :class:`PaddingMod`,
+:class:`VarlenCausalMod` and :class:`CombinedMod` are the types those functions return (for
+``isinstance`` and reading);
 :class:`MaskMod` is the base class for writing a mod that declares its key range.
 
 Causal alignment when ``Tq != Tk``:
@@ -33,6 +35,10 @@ Causal alignment when ``Tq != Tk``:
 * ``"top_left"``: query ``i`` sees keys ``j <= i`` (PyTorch's ``is_causal`` convention).
 * ``"bottom_right"``: query ``i`` sees keys ``j <= i + Tk - Tq``; the last query sees every key.
   This is what decoding with a KV cache needs: new queries are the *last* ``Tq`` positions.
+* per sequence (:func:`varlen_causal_mod`): in a padded batch whose rows have their own query
+  and key lengths, query ``i`` of row ``b`` sees keys ``j <= i + k_lengths[b] - q_lengths[b]``
+  (FlashAttention's varlen rule), where ``"bottom_right"`` would shift every row by the padded
+  ``Tk - Tq``.
 
 Example:
     >>> from attnlab import masks
@@ -70,6 +76,8 @@ __all__ = [
     "document_positions",
     "prefix_lm_mod",
     "chunked_local_mod",
+    "VarlenCausalMod",
+    "varlen_causal_mod",
     "and_masks",
     "or_masks",
     "materialize",
@@ -115,6 +123,21 @@ def causal_offset(tq: int, tk: int, align: str = "top_left") -> int:
     non_negative_int("tk", tk)
     check_align(align)
     return 0 if align == "top_left" else tk - tq
+
+
+def _diagonal(q_idx, kv_idx, offset, window: int | None = None):
+    """Query ``i`` may attend key ``j`` when ``j <= i + offset`` (and ``j > i + offset - window``).
+
+    The one causal rule behind :class:`CausalMod`, :class:`SlidingWindowMod` and
+    :class:`VarlenCausalMod`; ``offset`` may be a tensor (one per batch row).
+
+    Example:
+        >>> _diagonal(torch.tensor(2), torch.arange(4), 1, window=2).tolist()
+        [False, False, True, True]
+    """
+    last = q_idx + offset
+    allowed = kv_idx <= last
+    return allowed if window is None else allowed & (kv_idx > last - window)
 
 
 class MaskMod:
@@ -179,7 +202,7 @@ class CausalMod(MaskMod):
         self.offset = int_value("offset", offset)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + self.offset
+        return _diagonal(q_idx, kv_idx, self.offset)
 
     def kv_bounds(self, q_start, q_end):
         return 0, max(0, q_end - 1 + self.offset + 1)
@@ -205,8 +228,7 @@ class SlidingWindowMod(MaskMod):
         self.offset = int_value("offset", offset)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        last = q_idx + self.offset
-        return (kv_idx <= last) & (kv_idx > last - self.window)
+        return _diagonal(q_idx, kv_idx, self.offset, self.window)
 
     def kv_bounds(self, q_start, q_end):
         lo = max(0, q_start + self.offset - self.window + 1)
@@ -215,6 +237,39 @@ class SlidingWindowMod(MaskMod):
 
     def __repr__(self) -> str:
         return f"SlidingWindowMod(window={self.window}, offset={self.offset})"
+
+
+def _lengths_tensor(name: str, lengths: object) -> Tensor:
+    """``lengths`` as a 1-D non-negative integer tensor (the caller's own tensor when it is one).
+
+    Raises:
+        TypeError: ``lengths`` is not convertible to a tensor.
+        ValueError: not 1-D, not an integer dtype, or a negative entry; the message names
+            ``name`` and shows the value.
+
+    Example:
+        >>> _lengths_tensor("k_lengths", [2, -1])
+        Traceback (most recent call last):
+        ...
+        ValueError: k_lengths must be non-negative, got [2, -1]
+    """
+    try:
+        lengths = torch.as_tensor(lengths)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name} must be a 1-D integer tensor, got {lengths!r}") from err
+    if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
+            f"dtype {lengths.dtype}"
+        )
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise ValueError(f"{name} must be non-negative, got {lengths.tolist()}")
+    return lengths
+
+
+def _on_device(t: Tensor, like: object) -> Tensor:
+    """``t`` on ``like``'s device when ``like`` is a tensor (mods are called with index tensors)."""
+    return t.to(like.device) if isinstance(like, Tensor) else t
 
 
 class PaddingMod(MaskMod):
@@ -227,22 +282,10 @@ class PaddingMod(MaskMod):
     """
 
     def __init__(self, lengths: Tensor):
-        try:
-            lengths = torch.as_tensor(lengths)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"lengths must be a 1-D integer tensor, got {lengths!r}") from err
-        if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise ValueError(
-                f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
-                f"dtype {lengths.dtype}"
-            )
-        if lengths.numel() and bool((lengths < 0).any()):
-            raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
-        self.lengths = lengths
+        self.lengths = _lengths_tensor("lengths", lengths)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        lengths = self.lengths.to(kv_idx.device) if isinstance(kv_idx, Tensor) else self.lengths
-        return kv_idx < lengths[b]
+        return kv_idx < _on_device(self.lengths, kv_idx)[b]
 
     def check_sizes(self, *, batch, heads, tq, tk):
         if self.lengths.shape[0] != batch:
@@ -252,6 +295,86 @@ class PaddingMod(MaskMod):
 
     def __repr__(self) -> str:
         return f"PaddingMod(lengths={self.lengths.tolist()})"
+
+
+class VarlenCausalMod(MaskMod):
+    """Causal attention aligned per sequence in a padded batch (FlashAttention's varlen rule).
+
+    Row ``b`` of the batch holds ``q_lengths[b]`` real queries and ``k_lengths[b]`` real keys,
+    each right-padded (to ``Tq`` and ``Tk``). Query ``i`` of row ``b`` may attend key ``j`` when
+
+    * ``i < q_lengths[b]`` and ``j < k_lengths[b]`` (both are real tokens), and
+    * ``j <= i + k_lengths[b] - q_lengths[b]``: bottom-right causal alignment of the row's own
+      lengths, so its last real query sees all its real keys (decoding over a KV cache);
+    * with ``window``, also ``j > i + k_lengths[b] - q_lengths[b] - window`` (a causal sliding
+      window on the same diagonal).
+
+    Padded query rows (``i >= q_lengths[b]``) attend nothing, so by attnlab's rule their output
+    and gradients are zero; so do real queries that precede every key (``k_lengths[b] <
+    q_lengths[b]``, the first ``q_lengths[b] - k_lengths[b]`` queries), as in FlashAttention.
+    A row with ``q_lengths[b] == 0`` or ``k_lengths[b] == 0`` is all zeros. Pass the mod as
+    ``mask`` *without* ``causal=True``: ``causal`` aligns on the padded sizes.
+
+    Args:
+        q_lengths: ``(B,)`` integer tensor, real queries per row, ``0 <= q_lengths[b] <= Tq``.
+        k_lengths: ``(B,)`` integer tensor, real keys per row, ``0 <= k_lengths[b] <= Tk``.
+        window: optional causal sliding window (keys per query, ``>= 1``).
+
+    Raises:
+        ValueError: lengths that are not 1-D integer, negative, of different shapes, or a
+            window below 1; at call time (:meth:`check_sizes`) lengths that do not match the
+            batch or exceed ``Tq`` / ``Tk``.
+
+    Example:
+        >>> mod = VarlenCausalMod(torch.tensor([1, 2]), torch.tensor([3, 2]))
+        >>> materialize(mod, tq=2, tk=3, batch=2)[:, 0].int()
+        tensor([[[1, 1, 1],
+                 [0, 0, 0]],
+        <BLANKLINE>
+                [[1, 0, 0],
+                 [1, 1, 0]]], dtype=torch.int32)
+    """
+
+    def __init__(self, q_lengths: Tensor, k_lengths: Tensor, *, window: int | None = None):
+        self.q_lengths = _lengths_tensor("q_lengths", q_lengths)
+        self.k_lengths = _lengths_tensor("k_lengths", k_lengths)
+        if self.q_lengths.shape != self.k_lengths.shape:
+            raise ValueError(
+                f"q_lengths and k_lengths must have one entry per batch row each; got "
+                f"q_lengths {self.q_lengths.tolist()} and k_lengths {self.k_lengths.tolist()}"
+            )
+        self.window = None if window is None else positive_int("window", window)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        q_len = _on_device(self.q_lengths, kv_idx)[b]
+        k_len = _on_device(self.k_lengths, kv_idx)[b]
+        real = (q_idx < q_len) & (kv_idx < k_len)
+        return real & _diagonal(q_idx, kv_idx, k_len - q_len, self.window)
+
+    def kv_bounds(self, q_start, q_end):
+        """The union over the batch rows of the keys their real queries in the block reach."""
+        q_len, k_len = self.q_lengths.to(torch.int64), self.k_lengths.to(torch.int64)
+        live = q_len > q_start  # rows with a real query in q_start..q_end-1
+        if not bool(live.any()):
+            return 0, 0
+        offset = (k_len - q_len)[live]  # (live rows,)
+        hi = max(0, int((q_len[live].clamp(max=q_end) + offset).max()))  # last query's diagonal + 1
+        lo = 0 if self.window is None else max(0, int((q_start + offset).min()) - self.window + 1)
+        return lo, max(lo, hi)
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        for name, lengths, size, what in (("q_lengths", self.q_lengths, tq, "Tq"),
+                                          ("k_lengths", self.k_lengths, tk, "Tk")):
+            if lengths.shape[0] != batch:
+                raise ValueError(f"mask: VarlenCausalMod has {lengths.shape[0]} {name} "
+                                 f"{lengths.tolist()} but the batch has {batch} rows")
+            if lengths.numel() and int(lengths.max()) > size:
+                raise ValueError(f"mask: VarlenCausalMod's {name} {lengths.tolist()} exceed "
+                                 f"the call's {what} = {size}")
+
+    def __repr__(self) -> str:
+        return (f"VarlenCausalMod(q_lengths={self.q_lengths.tolist()}, "
+                f"k_lengths={self.k_lengths.tolist()}, window={self.window})")
 
 
 class PrefixLMMod(MaskMod):
@@ -544,6 +667,32 @@ def chunked_local_mod(tq: int, tk: int, chunk: int, *, causal: bool = True,
         ChunkedLocalMod(chunk=4, causal=True, offset=0)
     """
     return ChunkedLocalMod(chunk, causal=causal, offset=causal_offset(tq, tk, align))
+
+
+def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
+                      window: int | None = None) -> VarlenCausalMod:
+    """Causal mask mod aligned on each row's own lengths in a padded batch (varlen).
+
+    Query ``i`` of row ``b`` sees real keys ``j <= i + k_lengths[b] - q_lengths[b]``; padded
+    queries and keys take no part (see :class:`VarlenCausalMod`). What decoding a right-padded
+    batch over a KV cache needs, where ``align="bottom_right"`` would align on ``Tk - Tq``.
+
+    Args:
+        q_lengths: ``(B,)`` integer tensor of real query counts.
+        k_lengths: ``(B,)`` integer tensor of real key counts.
+        window: optional causal sliding window on the same per-row diagonal.
+
+    Example:
+        >>> import attnlab
+        >>> q, k = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)   # (B, H, T, D), padded
+        >>> mod = varlen_causal_mod(torch.tensor([1, 3]), torch.tensor([4, 5]))
+        >>> out = attnlab.attention(q, k, k, mask=mod)
+        >>> solo = attnlab.attention(q[:1, :, :1], k[:1, :, :4], k[:1, :, :4],
+        ...                          causal=True, align="bottom_right")
+        >>> bool(torch.allclose(out[:1, :, :1], solo)), bool(out[0, :, 1:].eq(0).all())
+        (True, True)
+    """
+    return VarlenCausalMod(q_lengths, k_lengths, window=window)
 
 
 def evaluate(

@@ -4,11 +4,12 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
 
 * :func:`configs` draws seeded random configurations: every small length (T in 1..40) and a
   few others (8, 16, 24, 113, 128, 1023, the big ones rare), Tq != Tk,
-  D in {1, 3, 8, 16, 40, 64, 111}, Dv != D, H in {1, 3, 5}, grouped-query, every mask kind -- none, bool, padding, float, mask
-  mods (window, lambda, padding, combined, packed documents, prefix-LM, chunked local) -- each
-  without causal and with causal in both alignments, and rows with nothing to attend. Mask kind
-  and causal mode are cycled, not drawn: the first 11 configurations hold every mask kind and
-  every causal mode, the first 33 every pairing of the two. Dropout off (dropout is tested
+  D in {1, 3, 8, 16, 40, 64, 111}, Dv != D, H in {1, 3, 5}, grouped-query, every mask kind --
+  none, bool, padding, float, mask mods (window, lambda, padding, combined, packed documents,
+  prefix-LM, chunked local, varlen causal per sequence) -- each without causal and with causal
+  in both alignments, and rows with nothing to attend. Mask kind
+  and causal mode are cycled, not drawn: the first 12 configurations hold every mask kind and
+  every causal mode, the first 36 every pairing of the two. Dropout off (dropout is tested
   separately: its random mask differs by backend).
 * a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
   over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others.
@@ -61,10 +62,11 @@ _SEQ_LENGTHS = ("small", 1, 2, 8, 16, 24, 113, 128, 1023)
 _SEQ_WEIGHTS = (0.45, 0.07, 0.07, 0.07, 0.05, 0.07, 0.1, 0.09, 0.03)  # 1023 rare: keep it fast
 _HEAD_DIMS = (1, 3, 8, 16, 40, 64, 111)
 _MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_padding",
-          "mod_combined", "mod_document", "mod_prefix", "mod_chunked")
+          "mod_combined", "mod_document", "mod_prefix", "mod_chunked", "mod_varlen")
 # The mask kinds whose mod declares kv_bounds whatever the causal mode: what a backend that
 # only serves bounded mods (``needs_bounds = True``, e.g. blocks) is swept over.
-BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked")
+BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked",
+                 "mod_varlen")
 _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
 # B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
 # lengths with odd and even tails, Tq != Tk both ways, grouped-query, and whole 128-key blocks.
@@ -136,7 +138,8 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     turn, kind = divmod(index, len(mask_kinds))
     mask = mask_kinds[kind]
     causal, align = _CAUSAL[(kind + turn) % len(_CAUSAL)]  # each turn shifts the pairing
-    dead_rows = mask in ("bool", "float", "padding") and bool(torch.rand((), generator=rng) < 0.3)
+    # Drawn for every kind, so that the shapes drawn do not depend on the list of mask kinds.
+    dead_rows = bool(torch.rand((), generator=rng) < 0.3) and mask in ("bool", "float", "padding")
     scale = None if bool(torch.rand((), generator=rng) < 0.7) else float(torch.rand((), generator=rng)) + 0.05
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
                   align, dead_rows, scale)
@@ -218,6 +221,11 @@ def _mask_for(config: Config, gen: torch.Generator):
     if config.mask == "mod_chunked":
         return _masks.chunked_local_mod(tq, tk, int(torch.randint(1, 12, (), generator=gen)),
                                         align=config.align)
+    if config.mask == "mod_varlen":  # its own lengths per row; some rows empty, some Tq > Tk
+        q_lengths = torch.randint(0, tq + 1, (B,), generator=gen)
+        k_lengths = torch.randint(0, tk + 1, (B,), generator=gen)
+        window = int(torch.randint(1, 9, (), generator=gen)) if bool(torch.rand((), generator=gen) < 0.5) else None
+        return _masks.varlen_causal_mod(q_lengths, k_lengths, window=window)
     return None
 
 

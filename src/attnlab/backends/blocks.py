@@ -299,6 +299,8 @@ def _mod_key(mod: Callable) -> tuple | None:
         return (kind.__name__, *sorted(vars(mod).items()))
     if kind is _masks.PaddingMod:
         return (kind.__name__, _tensor_key(mod.lengths))
+    if kind is _masks.VarlenCausalMod:
+        return (kind.__name__, _tensor_key(mod.q_lengths), _tensor_key(mod.k_lengths), mod.window)
     if kind is _masks.DocumentMod:
         return (kind.__name__, _tensor_key(mod.ids), mod.causal, mod.offset)
     if kind is _masks.CombinedMod:
