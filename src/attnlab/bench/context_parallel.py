@@ -155,10 +155,10 @@ def run_check(spec: CheckSpec, *, nproc: int = 2, timeout: float = 600.0) -> lis
     ``ok`` (all within :func:`attnlab.verify.allowed_error`). Raises ``RuntimeError`` naming
     the rank when a rank failed.
 
-    Example:
-        >>> rows = run_check(CheckSpec(seq_len=16, heads=2, head_dim=4, methods=("ulysses",)), nproc=2)
-        >>> sorted(r["rank"] for r in rows)
-        [0, 1]
+    Example (the module example runs it; this one would start two more processes)::
+
+        rows = run_check(CheckSpec(seq_len=4096, methods=("ulysses",)), nproc=2)
+        [r["rank"] for r in rows]   # [0, 1]
     """
     if under_torchrun():
         return _inline(spec)
