@@ -196,3 +196,18 @@ def gpt_training(rank: int, world: int, method: str, positions: str, steps: int)
         optimizer.step()
         optimizer.zero_grad()
     return losses
+
+
+def subgroups(rank: int, world: int) -> float:
+    """Two rings of two inside a world of four ({0, 2} and {1, 3}): point-to-point peers are
+    addressed by world rank, so a group's ranks must be translated (max error vs one process)."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
+    group = groups[rank % 2]
+    g = torch.Generator().manual_seed(rank % 2)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = attnlab.attention(q, k, v, causal=True, backend="reference")
+    local = [shard(t, dim=2, group=group) for t in (q, k, v)]
+    out = context_parallel_attention(*local, causal=True, group=group, method="ring")
+    uly = context_parallel_attention(*local, causal=True, group=group, method="ulysses")
+    errors = [(unshard(o, dim=2, group=group) - ref).abs().max().item() for o in (out, uly)]
+    return max(errors)

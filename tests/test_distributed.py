@@ -261,3 +261,8 @@ def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
     table = outputs[0][0]
     assert "P=2" in table and table.count(" ok") == 2 and "FAIL" not in table, table
     assert outputs[1][0].strip() == ""  # only rank 0 prints
+
+
+def test_subgroups_of_the_world_each_run_their_own_ring():
+    errors = _values(run_local(jobs.subgroups, world=4, timeout=120))
+    assert max(errors) < 1e-12, errors
