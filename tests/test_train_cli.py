@@ -185,6 +185,7 @@ def test_explain_opens_a_trained_gpt_checkpoint_with_head_grid_and_head_view(tmp
                                  "--out", str(out), "--format", "png"])
     assert result.exit_code == 0, result.output
     assert "2 layers x 2 heads" in result.output
+    assert "[CLS]" not in result.output  # BERT's special-token note is not for a GPT checkpoint
     assert (out / "heads.png").is_file() and list(out.glob("headview-layer*.png"))
     bad = runner.invoke(app, ["explain", "--model", str(run), "not ids", "--out", str(out)])
     assert_one_error_line(bad, "token ids in 0..63")

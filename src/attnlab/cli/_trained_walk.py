@@ -143,10 +143,11 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
             pieces.add_row(escape(view.pieces[position]), str(view.ids[position]) if view.ids else "",
                            escape(view.words[unit]))
     console.print(pieces)
+    specials = "" if not {"[CLS]", "[SEP]"} & set(view.pieces) else (  # a GPT checkpoint has none
+        " [CLS] and [SEP] are special tokens" + (" and are left out of the tables (--hide-special)."
+                                                 if hide_special else "; unused heads park their attention on them."))
     console.print("[dim]Pieces are merged into words for what follows: a word receives the sum of the "
-                  "weights on its pieces and attends as the mean of its pieces. [CLS] and [SEP] are special "
-                  "tokens" + (" and are left out of the tables (--hide-special)." if hide_special
-                              else "; unused heads park their attention on them.") + "[/dim]")
+                  "weights on its pieces and attends as the mean of its pieces." + specials + "[/dim]")
     word = view.words[query]
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", pad_edge=False, collapse_padding=True,
                   title=f"The word '{escape(word)}' attends to most, per head (rows) and layer (columns); "
