@@ -17,7 +17,7 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._checks import finite_number, instance_of, probability
 
-__all__ = ["AttentionCall", "build_call", "MEMO_KEYS"]
+__all__ = ["AttentionCall", "build_call", "MEMO_KEYS", "all_finite"]
 
 # What a call may remember once computed: the dense mask of attendable positions, sdpa's plan
 # (the kernel choice, asked for by dispatch's memory and cost questions and by forward), and
@@ -136,7 +136,7 @@ class AttentionCall:
             ((), ('k',))
         """
         return self.memo("non_finite", lambda: tuple(
-            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if not _all_finite(t)))
+            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if not all_finite(t)))
 
     def mask_mod(self) -> Callable | None:
         """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
@@ -174,10 +174,15 @@ class AttentionCall:
         return self.mask if self.mask_kind == "float" else None
 
 
-def _all_finite(t: Tensor) -> bool:
+def all_finite(t: Tensor) -> bool:
     """Whether ``t`` holds no NaN or inf. NaN and inf reach any sum, so a finite sum proves it
     at the cost of one read; only a non-finite sum (or finite values that overflow it) pays for
-    the full-size ``isfinite`` check."""
+    the full-size ``isfinite`` check.
+
+    Example:
+        >>> all_finite(torch.ones(3)), all_finite(torch.tensor([1.0, float("inf")]))
+        (True, False)
+    """
     total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
     return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 

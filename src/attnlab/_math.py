@@ -20,6 +20,7 @@ from attnlab._call import AttentionCall
 
 __all__ = [
     "repeat_kv",
+    "sum_kv_groups",
     "score_dtype",
     "blocked_positions",
     "live",
@@ -41,6 +42,19 @@ def repeat_kv(t: Tensor, q_heads: int) -> Tensor:
     """
     groups = q_heads // t.shape[1]
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def sum_kv_groups(t: Tensor, kv_heads: int) -> Tensor:
+    """Add up the query heads that share a key/value head: ``(B, Hq, T, X) -> (B, Hkv, T, X)``.
+
+    The adjoint of :func:`repeat_kv`: the gradient of repeated keys/values flows back this way.
+
+    Example:
+        >>> sum_kv_groups(torch.ones(1, 6, 3, 4), 2)[0, :, 0, 0]
+        tensor([3., 3.])
+    """
+    B, Hq, T, X = t.shape
+    return t if Hq == kv_heads else t.view(B, kv_heads, Hq // kv_heads, T, X).sum(dim=2)  # (B, Hkv, T, X)
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -45,7 +45,8 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab._math import repeat_kv
+from attnlab._checks import positive_int
+from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -284,14 +285,6 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
 
 
 # ----------------------------------------------------------------------------- backward
-def _sum_groups(t: Tensor, kv_heads: int) -> Tensor:
-    """Sum the query heads that share a key/value head: ``(B, Hq, T, X) -> (B, Hkv, T, X)``."""
-    B, Hq, T, X = t.shape
-    if Hq == kv_heads:
-        return t
-    return t.view(B, kv_heads, Hq // kv_heads, T, X).sum(dim=2)  # (B, Hkv, T, X)
-
-
 def _reduce_to(t: Tensor, shape: tuple) -> Tensor:
     """Sum ``t`` over the dims where ``shape`` has size 1 (undo broadcasting)."""
     dims = tuple(d for d, n in enumerate(shape) if n == 1 and t.shape[d] != 1)
@@ -315,13 +308,13 @@ def _backward_tiles(plan: _Plan, saved: tuple, d_out: Tensor,
         for ks, ke, tile in _tiles(plan, q_tile, k, v, bias, qs, qe, "backward"):
             probs = torch.exp_(tile.scores.sub_(row_lse))  # (B, Hq, bq, bk)
             kept = probs if tile.keep_scale is None else probs * tile.keep_scale
-            dv[:, :, ks:ke] += _sum_groups(torch.matmul(kept.transpose(-2, -1), do_tile), Hkv)
+            dv[:, :, ks:ke] += sum_kv_groups(torch.matmul(kept.transpose(-2, -1), do_tile), Hkv)
             d_probs = torch.matmul(do_tile, tile.v.transpose(-2, -1))  # (B, Hq, bq, bk)
             if tile.keep_scale is not None:
                 d_probs = d_probs.mul_(tile.keep_scale)
             d_scores = probs.mul_(d_probs.sub_(delta))  # dS = P * (dP - D_i), reuses P
             dq[:, :, qs:qe] += torch.matmul(d_scores, tile.k)
-            dk[:, :, ks:ke] += _sum_groups(torch.matmul(d_scores.transpose(-2, -1), tile.q), Hkv)
+            dk[:, :, ks:ke] += sum_kv_groups(torch.matmul(d_scores.transpose(-2, -1), tile.q), Hkv)
             if d_bias is not None:
                 rows = slice(qs, qe) if bias.shape[2] > 1 else slice(None)
                 cols = slice(ks, ke) if bias.shape[3] > 1 else slice(None)
@@ -353,16 +346,6 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- entry points
-def _check_block(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def chunked_attention(
     call: AttentionCall,
     *,
@@ -451,11 +434,11 @@ def _plan_of(call: AttentionCall, q_block: int | None, kv_block: int | None,
         scale=call.scale,
         mod=call.mask_mod(),
         bool_mask=call.mask if call.mask_kind == "bool" else None,
-        q_block=_check_block("q_block", DEFAULT_Q_BLOCK if q_block is None else q_block),
-        kv_block=_check_block("kv_block", DEFAULT_KV_BLOCK if kv_block is None else kv_block),
+        q_block=positive_int("q_block", DEFAULT_Q_BLOCK if q_block is None else q_block),
+        kv_block=positive_int("kv_block", DEFAULT_KV_BLOCK if kv_block is None else kv_block),
         dropout_p=call.dropout_p,
         seed=draw_dropout_seed(call.generator) if call.dropout_p > 0.0 else None,
-        acc_dtype=_accumulation_dtype(call.dtype),
+        acc_dtype=score_dtype(call.dtype),
         tile_hook=tile_hook,
     )
 

@@ -31,9 +31,9 @@ from attnlab.distributed import CommStats, context_parallel_attention, shard, un
 from attnlab.distributed.launch import run_local
 from attnlab.verify import allowed_error
 
-__all__ = ["CheckSpec", "cp_job", "run_check", "under_torchrun", "expected_bytes", "scaling_rows"]
+__all__ = ["DTYPES", "CheckSpec", "cp_job", "run_check", "under_torchrun", "expected_bytes", "scaling_rows"]
 
-_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def under_torchrun() -> bool:
 def _problem(spec: CheckSpec, device: torch.device):
     g = torch.Generator().manual_seed(spec.seed)
     kv = spec.kv_heads or spec.heads
-    dtype = _DTYPES[spec.dtype]
+    dtype = DTYPES[spec.dtype]
     shapes = [(spec.batch, spec.heads, spec.seq_len, spec.head_dim),
               (spec.batch, kv, spec.seq_len, spec.head_dim), (spec.batch, kv, spec.seq_len, spec.head_dim),
               (spec.batch, spec.heads, spec.seq_len, spec.head_dim)]
@@ -111,18 +111,11 @@ def _run_method(method: str, tensors, dtype, spec: CheckSpec, rank: int, world: 
     q, k, v = (t.requires_grad_(spec.backward) for t in (q, k, v))
     stats = CommStats()
     dist.barrier()
-    with PeakMemory() as meter:
-        start = time.perf_counter()
-        out = context_parallel_attention(q, k, v, causal=spec.causal, method=method,
-                                         layout=spec.layout, stats=stats)
-        forward_s = time.perf_counter() - start
-        start = time.perf_counter()
-        if spec.backward:
-            out.backward(d_out)
-        backward_s = time.perf_counter() - start
-    row = {"method": method, "rank": rank, "world": world, "forward_s": forward_s,
-           "backward_s": backward_s, "bytes_sent": stats.bytes_sent, "peak_bytes": meter.peak_bytes,
-           "scores": dict(stats.scores), "threads": torch.get_num_threads(), "ok": True}
+    out, timing = _measured(lambda: context_parallel_attention(q, k, v, causal=spec.causal, method=method,
+                                                               layout=spec.layout, stats=stats),
+                            d_out if spec.backward else None)
+    row = {"method": method, "rank": rank, "world": world, **timing, "bytes_sent": stats.bytes_sent,
+           "scores": dict(stats.scores), "ok": True}
     if not check:
         row["ok"] = None  # not compared
         return row
@@ -197,7 +190,7 @@ def expected_bytes(spec: CheckSpec, *, method: str, world: int) -> int:
         ...                method="ring", world=2)     # one k + v shard: 2 * 4 tokens * 2 * 8 bytes
         128
     """
-    size = _DTYPES[spec.dtype].itemsize if hasattr(_DTYPES[spec.dtype], "itemsize") else 4
+    size = DTYPES[spec.dtype].itemsize
     acc = 8 if spec.dtype == "fp64" else 4
     local = spec.seq_len // world
     kv = spec.kv_heads or spec.heads
@@ -233,17 +226,26 @@ def _one_process_row(spec: CheckSpec) -> dict:
     tensors, dtype = _problem(spec, torch.device("cpu"))
     q, k, v, d_out = (t.to(dtype) for t in tensors)
     q, k, v = (t.requires_grad_(spec.backward) for t in (q, k, v))
+    _, timing = _measured(lambda: attnlab.attention(q, k, v, causal=spec.causal),
+                          d_out if spec.backward else None)
+    return {"method": "one process", "rank": 0, "world": 1, **timing, "bytes_sent": 0,
+            "expected_bytes": 0, "ok": True}
+
+
+def _measured(forward, d_out):
+    """Run ``forward()`` (then backward from ``d_out`` unless None) under a peak-memory meter.
+
+    Returns the output and ``forward_s``, ``backward_s``, ``peak_bytes`` and ``threads``."""
     with PeakMemory() as meter:
         start = time.perf_counter()
-        out = attnlab.attention(q, k, v, causal=spec.causal)
+        out = forward()
         forward_s = time.perf_counter() - start
         start = time.perf_counter()
-        if spec.backward:
+        if d_out is not None:
             out.backward(d_out)
         backward_s = time.perf_counter() - start
-    return {"method": "one process", "rank": 0, "world": 1, "forward_s": forward_s,
-            "backward_s": backward_s, "bytes_sent": 0, "peak_bytes": meter.peak_bytes,
-            "expected_bytes": 0, "threads": torch.get_num_threads(), "ok": True}
+    return out, {"forward_s": forward_s, "backward_s": backward_s, "peak_bytes": meter.peak_bytes,
+                 "threads": torch.get_num_threads()}
 
 
 def spec_dict(spec: CheckSpec) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from attnlab._checks import divisible, one_of, positive_int
@@ -41,7 +43,7 @@ def context_parallel(
         if kv_heads is not None:
             positive_int("--kv-heads", kv_heads)
             divisible("--heads", heads, "--kv-heads", kv_heads)
-        one_of("--dtype", dtype, tuple(_cp._DTYPES))
+        one_of("--dtype", dtype, tuple(_cp.DTYPES))
         one_of("--layout", layout, LAYOUTS)
         one_of("--method", method, METHODS + ("both",))
     at_most("--nproc", nproc, _MAX_PROCESSES, "local processes; use torchrun on a cluster")
@@ -65,8 +67,6 @@ def context_parallel(
 
 
 def _world(nproc: int, torchrun: bool) -> int:
-    import os
-
     return int(os.environ["WORLD_SIZE"]) if torchrun else nproc
 
 
@@ -102,8 +102,8 @@ def _print(rows: list[dict], spec) -> bool | None:
                       f"{row['scores']['forward'] / 1e6:.3g}M/{row['scores']['backward'] / 1e6:.3g}M" if row["method"] == "ring" else "-",
                       errors)
     console.print(table)
-    console.print(f"machine: {machine_line().split(',')[0]}; {rows[0]['threads']} thread(s) per rank; "
-                  f"{machine_line().split(', ', 2)[2]}")
+    model, _threads, device, version = machine_line().rsplit(", ", 3)  # this process's threads are not a rank's
+    console.print(f"machine: {model}; {rows[0]['threads']} thread(s) per rank; {device}, {version}")
     return ok
 
 

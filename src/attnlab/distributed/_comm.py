@@ -89,6 +89,16 @@ def _wait(work, who: Peers, what: str, stats: CommStats | None) -> None:
         stats.wait_seconds += time.perf_counter() - start
 
 
+def _start(launch, who: Peers, what: str):
+    """Run ``launch()`` (which posts an async collective or point-to-point batch); a failure to
+    post becomes the same one-line RuntimeError as a failed wait."""
+    try:
+        return launch()
+    except Exception as error:
+        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: {what} "
+                           f"could not start ({_first_line(error)})") from None
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__
@@ -122,11 +132,7 @@ def exchange(tensors: list[Tensor], who: Peers, *, tag: int, what: str,
     received = [torch.empty_like(t) for t in sends]
     ops = [dist.P2POp(dist.isend, t, who.next_rank, who.group, tag + i) for i, t in enumerate(sends)]
     ops += [dist.P2POp(dist.irecv, t, who.prev_rank, who.group, tag + i) for i, t in enumerate(received)]
-    try:
-        works = dist.batch_isend_irecv(ops)
-    except Exception as error:
-        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: {what} "
-                           f"could not start ({_first_line(error)})") from None
+    works = _start(lambda: dist.batch_isend_irecv(ops), who, what)
     if stats is not None:
         stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends)
         stats.messages += len(sends)
@@ -139,11 +145,7 @@ def all_to_all(x: Tensor, who: Peers, *, what: str, stats: CommStats | None) -> 
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
-    try:
-        work = dist.all_to_all_single(out, x, group=who.group, async_op=True)
-    except Exception as error:
-        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: {what} "
-                           f"could not start ({_first_line(error)})") from None
+    work = _start(lambda: dist.all_to_all_single(out, x, group=who.group, async_op=True), who, what)
     _wait(work, who, what, stats)
     if stats is not None:
         stats.bytes_sent += x.numel() * x.element_size() * (who.world - 1) // who.world
@@ -165,12 +167,9 @@ def check_agreement(signature: dict[str, object], who: Peers, device: torch.devi
         return
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     table = [torch.empty_like(mine) for _ in range(who.world)]
-    try:
-        work = dist.all_gather(table, mine, group=who.group, async_op=True)
-    except Exception as error:
-        raise RuntimeError(f"context-parallel attention, rank {who.rank} of {who.world}: the shape "
-                           f"check could not start ({_first_line(error)})") from None
-    _wait(work, who, "the shape check (all-gather)", None)
+    what = "the shape check (all-gather)"
+    work = _start(lambda: dist.all_gather(table, mine, group=who.group, async_op=True), who, what)
+    _wait(work, who, what, None)
     rows = [row.tolist() for row in table]
     if all(row == rows[0] for row in rows):
         return

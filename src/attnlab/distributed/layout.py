@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnlab._checks import instance_of, int_value, non_negative_int, one_of, positive_int
+from attnlab.distributed._comm import peers
 
 __all__ = ["LAYOUTS", "chunk_ids", "chunks_per_rank", "check_length", "positions", "shard", "unshard"]
 
@@ -93,13 +94,6 @@ def positions(length: int, *, layout: str, rank: int, world: int,
     return torch.cat([torch.arange(s, s + size, device=device) for s in starts])
 
 
-def _group_size_rank(group) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("attnlab.distributed needs torch.distributed initialised: call "
-                           "torch.distributed.init_process_group (torchrun sets up the environment)")
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def shard(x: Tensor, *, dim: int, layout: str = "zigzag", group=None) -> Tensor:
     """This rank's shard of a global tensor ``x`` along ``dim`` (every rank passes the same ``x``).
 
@@ -119,7 +113,8 @@ def shard(x: Tensor, *, dim: int, layout: str = "zigzag", group=None) -> Tensor:
     """
     instance_of("x", x, Tensor, "a torch.Tensor")
     dim = _dim(x, dim)
-    world, rank = _group_size_rank(group)
+    who = peers(group, None)
+    world, rank = who.world, who.rank
     index = positions(x.shape[dim], layout=layout, rank=rank, world=world, device=x.device)
     return x.index_select(dim, index)
 
@@ -137,7 +132,7 @@ def unshard(x_local: Tensor, *, dim: int, layout: str = "zigzag", group=None) ->
     """
     instance_of("x_local", x_local, Tensor, "a torch.Tensor")
     dim = _dim(x_local, dim)
-    world, _ = _group_size_rank(group)
+    world = peers(group, None).world
     parts = [torch.empty_like(x_local) for _ in range(world)]
     dist.all_gather(parts, x_local.contiguous(), group=group)
     return to_global_order(torch.cat(parts, dim=dim), dim=dim, layout=layout, world=world)

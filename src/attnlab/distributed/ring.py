@@ -25,8 +25,8 @@ from torch.autograd.function import once_differentiable
 
 import torch.nn.functional as F
 
-from attnlab._call import build_call
-from attnlab._math import repeat_kv
+from attnlab._call import all_finite, build_call
+from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, exchange
 from attnlab.distributed.layout import chunk_ids
@@ -82,10 +82,6 @@ def _merge(blocks: list[tuple[int, int, int, int]], *, along: str) -> list[tuple
     return merged
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _merge_into(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Tensor) -> None:
     """Fold a partial result into the running ``out``/``lse`` rows by the log-sum-exp rule.
 
@@ -120,14 +116,7 @@ class _Setup:
 def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the fused CPU kernel serves this piece exactly: on CPU, with finite inputs (it
     returns zeros for a NaN query row, where attnlab's contract wants NaN; the tiled kernel keeps it)."""
-    return (_FLASH is not None and q.device.type == "cpu"
-            and all(_finite(t) for t in (q, k, v)))
-
-
-def _finite(t: Tensor) -> bool:
-    """No NaN/inf in ``t``, read from its sum: a reduction allocates nothing of ``t``'s size (an
-    overflowing sum of finite values says False, which only sends the piece to the tiled kernel)."""
-    return bool(torch.isfinite(t.sum()))
+    return _FLASH is not None and q.device.type == "cpu" and all(all_finite(t) for t in (q, k, v))
 
 
 def _same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -135,12 +124,6 @@ def _same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
     width = max(q.shape[-1], v.shape[-1])
     pad = lambda t: t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))  # noqa: E731
     return pad(q), pad(k), pad(v)
-
-
-def _sum_groups(t: Tensor, kv_heads: int) -> Tensor:
-    """``(B, Hq, T, X) -> (B, Hkv, T, X)``: add up the query heads that share a key/value head."""
-    B, Hq, T, X = t.shape
-    return t if Hq == kv_heads else t.view(B, kv_heads, Hq // kv_heads, T, X).sum(dim=2)
 
 
 def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
@@ -165,14 +148,14 @@ def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool
                           for t in (out, d_out))
         dq, dk, dv = _FLASH_BACKWARD(d_out_p.contiguous(), qp, kp, vp, out_p.contiguous(), lse.contiguous(),
                                      0.0, causal, attn_mask=None, scale=setup.scale)
-        return dq[..., :D], _sum_groups(dk[..., :D], Hkv), _sum_groups(dv[..., :Dv], Hkv)
+        return dq[..., :D], sum_kv_groups(dk[..., :D], Hkv), sum_kv_groups(dv[..., :Dv], Hkv)
     return chunked_gradients(build_call(q, k, v, causal=causal, scale=setup.scale), out=out, lse=lse,
                              d_out=d_out)
 
 
 def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Ring forward. Returns out ``(B, Hq, T, Dv)`` and lse ``(B, Hq, T)`` in the accumulation dtype."""
-    who, acc = setup.who, _accumulation_dtype(q.dtype)
+    who, acc = setup.who, score_dtype(q.dtype)
     B, Hq, T, _ = q.shape
     qa = q.to(acc)
     out = q.new_zeros(B, Hq, T, v.shape[-1], dtype=acc)
