@@ -130,6 +130,7 @@ def bad_calls(rank: int, world: int) -> list[str]:
 
 def peer_fails(rank: int, world: int, how: str, timeout: float) -> tuple[str, float]:
     """Rank 1 exits, raises or stalls instead of joining; rank 0 must fail, fast and clearly."""
+    dist.barrier()  # the group is up on both ranks before anything fails
     if rank == 1:
         if how == "exit":
             os._exit(3)
@@ -149,13 +150,15 @@ def worker_world(rank: int, world: int) -> tuple[int, int, str]:
 
 
 def peer_fails_mid_ring(rank: int, world: int, timeout: float) -> tuple[str, float]:
-    """Rank 1 passes the shape check, then crashes inside its first ring step."""
+    """Rank 1 passes the shape check, then crashes as its first ring step would send (before any
+    key/value data leaves it, so rank 0 cannot finish on data already delivered)."""
     import attnlab.distributed.ring as ring
 
+    dist.barrier()
     if rank == 1:
         def crash(*args, **kwargs):
             os._exit(4)
-        ring._piece_forward = crash
+        ring.exchange = crash
     x = torch.randn(1, 2, 8, 8)
     start = time.monotonic()
     message = _error_of(lambda: context_parallel_attention(x, x, x, causal=True, timeout=timeout))
