@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -246,13 +246,3 @@ def _measured(forward, d_out):
         backward_s = time.perf_counter() - start
     return out, {"forward_s": forward_s, "backward_s": backward_s, "peak_bytes": meter.peak_bytes,
                  "threads": torch.get_num_threads()}
-
-
-def spec_dict(spec: CheckSpec) -> dict:
-    """The spec as a plain dict (for JSON).
-
-    Example:
-        >>> spec_dict(CheckSpec())["layout"]
-        'zigzag'
-    """
-    return asdict(spec)
