@@ -127,3 +127,104 @@ def test_the_cache_is_bounded():
         q = torch.randn(1, 1, 1, 4)
         select(build_call(q, torch.randn(1, 1, t, 4), torch.randn(1, 1, t, 4)))
     assert len(dispatch._PLANS) == dispatch.PLAN_CACHE_SIZE
+
+
+# ------------------------------------------------------------ prepared runs (decoding steps)
+@pytest.fixture
+def counted_builds(monkeypatch):
+    """Counts how often attention() validates and builds a call (a prepared run skips it)."""
+    dispatch.clear_plans()
+    built = []
+    real = attnlab.functional.build_call
+
+    def counting_build(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attnlab.functional, "build_call", counting_build)
+    yield built
+    dispatch.clear_plans()
+
+
+def _decode_inputs(kv_heads=4):
+    return torch.randn(1, 4, 1, 16), torch.randn(1, kv_heads, 40, 16), torch.randn(1, kv_heads, 40, 16)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_a_repeated_decoding_step_skips_validation_and_matches_the_full_path(counted_builds, kv_heads):
+    for step in range(3):
+        q, k, v = _decode_inputs(kv_heads)
+        out = attnlab.attention(q, k, v, causal=True, align="bottom_right")
+        want = attnlab.attention(q.double(), k.double(), v.double(), backend="reference")
+        assert torch.allclose(out.double(), want, atol=1e-5)
+    assert len(counted_builds) == 1 + 3  # the first fp32 call, then only the fp64 references
+
+
+def test_a_prepared_run_keeps_the_nan_rule(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    q[0, 2, 0, 5] = float("nan")
+    out = attnlab.attention(q, k, v)
+    assert len(counted_builds) == 1  # served by the prepared run
+    assert out[0, 2].isnan().all() and not out[0, [0, 1, 3]].isnan().any()
+
+
+def test_every_change_of_signature_validates_again(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    changes = [
+        dict(q=torch.randn(1, 4, 2, 16)), dict(k=torch.randn(1, 4, 41, 16), v=torch.randn(1, 4, 41, 16)),
+        dict(q=q.double(), k=k.double(), v=v.double()), dict(causal=True), dict(scale=0.5),
+        dict(backend="reference"), dict(q=q.clone().requires_grad_()),
+        dict(mask=torch.ones(1, 40, dtype=torch.bool)), dict(mask=masks.sliding_window_mod(1, 40, 8)),
+        dict(return_weights=True), dict(dropout_p=0.5),
+    ]
+    for change in changes:
+        before = len(counted_builds)
+        args = {"q": q, "k": k, "v": v, **change}
+        attnlab.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+        assert len(counted_builds) == before + 1, change
+    with torch.no_grad():  # no gradient will be recorded: the first call's signature again
+        before = len(counted_builds)
+        attnlab.attention(q.clone().requires_grad_(), k, v)
+        assert len(counted_builds) == before
+
+
+def test_registering_a_backend_expires_prepared_runs(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    backends.register(backends.registry()["sdpa"])
+    attnlab.attention(q, k, v)
+    assert len(counted_builds) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(causal=1), dict(scale=True), dict(dropout_p=False),
+                                 dict(scale=float("nan")), dict(align="middle")])
+def test_bad_options_still_raise_after_a_prepared_run(counted_builds, bad):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v, causal=bool(bad.get("causal", False)))
+    with pytest.raises((TypeError, ValueError)):
+        attnlab.attention(q, k, v, **bad)
+
+
+def test_a_prepared_run_refuses_what_validation_refuses(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        attnlab.attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="Tk"):
+        attnlab.attention(q, k, v[:, :, :39])
+
+
+def test_a_prepared_run_gives_gradients_as_the_full_path(counted_builds):
+    q, k, v = (t.requires_grad_() for t in _decode_inputs())
+    for _ in range(2):  # the second call is the prepared run
+        q.grad = k.grad = v.grad = None
+        attnlab.attention(q, k, v).square().sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    attnlab.attention(q, k, v, backend="reference").square().sum().backward()
+    assert len(counted_builds) == 2
+    for have, want in zip(got, (q.grad, k.grad, v.grad)):
+        assert torch.allclose(have, want, atol=1e-5)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall, build_call
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
-from attnlab.backends.dispatch import select
+from attnlab.backends.dispatch import prepared_run, remember_run, run_key, select
 
 __all__ = ["attention", "attention_weights"]
 
@@ -79,11 +79,16 @@ def attention(
         >>> bool(weights[0, 0, 0, 1:].eq(0).all())           # the first token sees only itself
         True
     """
-    call = build_call(
-        q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-        generator=generator, return_weights=return_weights,
-    )
-    result = select(call, backend).forward(call)
+    options = dict(mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
+                   generator=generator, return_weights=return_weights)
+    key = run_key(q, k, v, backend=backend, **options)
+    run = prepared_run(key)
+    if run is not None:  # this signature was validated and dispatched before (decoding steps)
+        return run(q, k, v)
+    call = build_call(q, k, v, **options)
+    chosen = select(call, backend)
+    remember_run(key, chosen, call)
+    result = chosen.forward(call)
     out = _restore_rank(result.out, call.input_rank)
     if not return_weights:
         return out

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,25 @@ class Backend:
             1.0
         """
         return 1.0
+
+    def prepare(self, call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+        """A function ``run(q, k, v) -> out`` for every later call with ``call``'s signature, or None.
+
+        Dispatch remembers it per signature (shapes, dtypes, devices, options; see
+        :func:`attnlab.backends.dispatch.run_key`) and later calls skip validation, dispatch and
+        the building of a call: one decoding step is shorter than that bookkeeping. Return one
+        only where nothing but the signature decides that this backend serves the call and how
+        (no mask tensor or mod whose contents could change, no dropout, no weights), and where
+        ``run`` keeps the whole contract itself, NaN/inf rules included. ``run`` receives the
+        user's 4-D tensors and returns ``(B, Hq, Tq, Dv)``. The default is None: no shortcut.
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().prepare(build_call(q, q, q)) is None
+            True
+        """
+        return None
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""

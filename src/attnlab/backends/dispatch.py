@@ -23,15 +23,17 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab.backends.base import MEMORY_CLASSES, Backend
-from attnlab.backends.registry import get, registry
+from attnlab.backends.registry import generation, get, registry
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PLAN_CACHE_SIZE"]
+           "PLAN_CACHE_SIZE", "run_key", "prepared_run", "remember_run"]
 
 # Decoding calls the same signature thousands of times; asking every backend each time (flex's
 # NaN scan alone reads all of k and v) costs more than a short attention call itself.
 PLAN_CACHE_SIZE = 512
 _PLANS: OrderedDict = OrderedDict()
+# Prepared runs (Backend.prepare) by run_key: a hit skips validation and dispatch altogether.
+_RUNS: dict = {}
 
 
 def check_backend_name(name: object) -> str:
@@ -158,10 +160,79 @@ def _cached_auto(call: AttentionCall) -> Backend:
     return backend
 
 
+def run_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,
+            scale: object, dropout_p: object, generator: object, backend: object,
+            return_weights: object) -> tuple | None:
+    """The signature under which a prepared run of :func:`attnlab.attention` is remembered.
+
+    None when the arguments cannot take a shortcut: a mask (its contents could change between
+    calls), dropout, a generator, weights, inputs that are not plain tensors, or options of a
+    type other than the one validation accepts (``causal=1`` must still raise its TypeError).
+    Everything validation and dispatch read is in the key, values aside: shapes, dtypes,
+    devices, the options, whether gradients will be recorded, and the registry's generation.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 2, 1, 8)
+        >>> options = dict(mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0,
+        ...                generator=None, backend="auto", return_weights=False)
+        >>> run_key(q, q, q, **options) == run_key(torch.randn(1, 2, 1, 8), q, q, **options)
+        True
+        >>> run_key(q, q, q, **{**options, "causal": 1}) is None
+        True
+    """
+    if (mask is not None or generator is not None or return_weights is not False
+            or type(dropout_p) not in (float, int) or dropout_p != 0
+            or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor
+            or (causal is not True and causal is not False) or type(align) is not str
+            or (scale is not None and type(scale) is not float) or type(backend) is not str):
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            causal, align, scale, backend, grad, generation())
+
+
+def prepared_run(key: tuple | None):
+    """The run remembered under ``key`` by :func:`remember_run`, or None.
+
+    Example:
+        >>> prepared_run(None) is None
+        True
+    """
+    return None if key is None else _RUNS.get(key)
+
+
+def remember_run(key: tuple | None, backend: Backend, call: AttentionCall) -> None:
+    """Remember ``backend.prepare(call)`` under ``key`` (nothing when either is None).
+
+    ``call`` must be the validated call of the arguments ``key`` came from, and ``backend``
+    the one :func:`select` chose for it.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 1, 8)
+        >>> key = run_key(q, q, q, mask=None, causal=False, align="top_left", scale=None,
+        ...               dropout_p=0.0, generator=None, backend="sdpa", return_weights=False)
+        >>> remember_run(key, get("sdpa"), build_call(q, q, q))
+        >>> prepared_run(key) is not None
+        True
+    """
+    if key is None:
+        return
+    run = backend.prepare(call)
+    if run is None:
+        return
+    if len(_RUNS) >= PLAN_CACHE_SIZE:
+        _RUNS.clear()  # signatures rarely churn; starting afresh is simpler than an LRU here
+    _RUNS[key] = run
+
+
 def clear_plans() -> None:
-    """Forget every remembered dispatch decision.
+    """Forget every remembered dispatch decision and prepared run.
 
     Example:
         >>> clear_plans()
     """
     _PLANS.clear()
+    _RUNS.clear()

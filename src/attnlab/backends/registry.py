@@ -10,9 +10,22 @@ from __future__ import annotations
 from attnlab._checks import one_of
 from attnlab.backends.base import Backend
 
-__all__ = ["register", "unregister", "registry", "names", "get", "available"]
+__all__ = ["register", "unregister", "registry", "names", "get", "available", "generation"]
 
 _REGISTRY: dict[str, Backend] = {}
+_GENERATION = [0]  # bumped by every change, so that remembered dispatch decisions expire
+
+
+def generation() -> int:
+    """A number that changes whenever a backend is registered or unregistered.
+
+    Example:
+        >>> before = generation()
+        >>> _ = register(registry()["reference"])
+        >>> generation() != before
+        True
+    """
+    return _GENERATION[0]
 
 
 def register(backend: Backend) -> Backend:
@@ -27,6 +40,7 @@ def register(backend: Backend) -> Backend:
     if not backend.name or backend.name == "auto":
         raise ValueError(f"backend.name must be a non-empty string other than 'auto', got {backend.name!r}")
     _REGISTRY[backend.name] = backend
+    _GENERATION[0] += 1
     return backend
 
 
@@ -40,7 +54,9 @@ def unregister(name: str) -> Backend:
         >>> unregister(register(Noop()).name).name
         'noop'
     """
-    return _REGISTRY.pop(one_of("backend", name, _REGISTRY))
+    backend = _REGISTRY.pop(one_of("backend", name, _REGISTRY))
+    _GENERATION[0] += 1
+    return backend
 
 
 def registry() -> dict[str, Backend]:

@@ -289,10 +289,13 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
 
 def _nan_query_rows(q: Tensor, out: Tensor) -> Tensor:
     """``out`` with NaN in every row whose query holds a NaN (SDPA's CPU flash kernel gives
-    zeros there). On CPU one cheap check skips the per-row pass in the common case; on CUDA
-    the pass runs unconditionally, as the check would synchronise the device."""
-    if q.device.type == "cpu" and not bool(q.isnan().any()):
-        return out
+    zeros there). On CPU one sum skips the per-row pass in the common case (a NaN anywhere
+    makes the sum NaN; a sum made NaN by ``inf - inf`` only costs the pass); on CUDA the pass
+    runs unconditionally, as reading the sum would synchronise the device."""
+    if q.device.type == "cpu":
+        total = float((q.detach() if q.requires_grad else q).sum())
+        if total == total:  # not NaN: no query holds a NaN
+            return out
     return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
 
 
@@ -339,6 +342,31 @@ class SdpaBackend(Backend):
             rate = rates["cpu_math"]
         flops = call_flops(call, causal=plan.mask_source == "is_causal")
         return rates["call_overhead_s"]["cuda" if on_cuda else "cpu"] + flops / rate
+
+    def prepare(self, call: AttentionCall):
+        """For unmasked calls (plain or top-left causal) without dropout or weights: SDPA itself.
+
+        Such a call's kernel, scale and GQA flag follow from its signature, and SDPA serves
+        every valid one, whatever the values, so the validated choice can be reused as is.
+
+        Example:
+            >>> q = torch.randn(1, 2, 1, 8)
+            >>> from attnlab.backends import build_call
+            >>> run = SdpaBackend().prepare(build_call(q, q, q))
+            >>> torch.equal(run(q, q, q), sdpa_forward(build_call(q, q, q)))
+            True
+        """
+        source = _mask_source(call)
+        gqa = call.q_heads != call.kv_heads
+        if (call.input_rank != 4 or source not in ("none", "is_causal") or call.dropout_p > 0.0
+                or call.return_weights or (gqa and not _HAS_GQA)):
+            return None
+        options = dict(is_causal=source == "is_causal", scale=call.scale, **({"enable_gqa": True} if gqa else {}))
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return _nan_query_rows(q, F.scaled_dot_product_attention(q, k, v, **options))  # (B, Hq, Tq, Dv)
+
+        return run
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return AttentionResult(out=sdpa_forward(call))
