@@ -6,16 +6,17 @@ and the induction head the summary names with their scores, the accuracy with th
 induction head ablated alone, and with every later-layer head of induction score >= 0.5
 ablated together. Runs:
 
-* ``induction``: the default (2 layers, attention-only): target >= 99 % in under 2 minutes,
-  induction score >= 0.8, previous-token score >= 0.8, ablating the named induction head < 30 %;
-* ``control``: ``induction --layers 1``, which should stay far below;
+* ``induction``: the default (2 layers of 2 and 1 heads, attention-only): target >= 99 % in under
+  2 minutes, induction score >= 0.8, previous-token score >= 0.8, ablating the named induction
+  head < 30 %;
+* ``control``: ``induction --layers 1`` (one layer of 2 heads), which should stay far below;
 * ``recall``: multi-query associative recall at its default size: target >= 95 % in 3 minutes.
 
 Each run ends with one line per target saying whether it was met.
 
 Usage:
     python benchmarks/bench_induction.py                    # all three
-    python benchmarks/bench_induction.py --runs induction --extra-heads 2
+    python benchmarks/bench_induction.py --runs induction --extra-heads 2,2 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ RUNS = {"induction": dict(task="induction"), "control": dict(task="induction", l
 
 
 def _best(rows: list[list[float]], layers: range) -> tuple[int, int, float]:
-    """``(layer, head, score)`` of the highest score among ``layers``."""
+    """``(layer, head, score)`` of the highest score among ``layers`` (rows: each layer's heads)."""
     return max(((l, h, rows[l][h]) for l in layers for h in range(len(rows[l]))), key=lambda x: x[2])
 
 
@@ -45,7 +46,7 @@ def run(name: str, options: dict, seed: int) -> None:
     wall = time.perf_counter() - start
     analysis = analyze(trainer)
     heads, m = analysis["heads"], result.metrics
-    print(f"\n== {name}: {options} seed {seed}")
+    print(f"\n== {name}: {options} seed {seed}; heads per layer {trainer.model.heads_per_layer}")
     print(f"   held-out accuracy {100 * m['accuracy']:.2f} % (loss {m['loss']:.4f}) after {m['steps']} steps; "
           f"{m['seconds']:.1f} s training, {wall:.1f} s wall incl. evaluation and analysis; "
           f"{m['tokens_per_second']:,.0f} tokens/s")
@@ -74,11 +75,17 @@ def run(name: str, options: dict, seed: int) -> None:
         print(f"   target {check}: {'met' if met else 'MISSED'}")
 
 
+def _heads(text: str) -> int | tuple[int, ...]:
+    counts = tuple(int(part) for part in text.split(","))
+    return counts[0] if len(counts) == 1 else counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--extra-heads", type=int, default=None, help="also run induction with this many heads")
+    parser.add_argument("--extra-heads", type=_heads, default=None,
+                        help="also run induction with these heads: one count (2) or one per layer (2,2)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,7 +93,8 @@ def main() -> None:
     print(f"threads {args.threads}; load average at start {os.getloadavg()[0]:.2f}")
     runs = [(name, RUNS[name]) for name in args.runs]
     if args.extra_heads:
-        runs.append((f"induction --heads {args.extra_heads}", dict(task="induction", heads=args.extra_heads)))
+        shown = ",".join(map(str, args.extra_heads)) if isinstance(args.extra_heads, tuple) else args.extra_heads
+        runs.append((f"induction --heads {shown}", dict(task="induction", heads=args.extra_heads)))
     for seed in args.seeds:
         for name, options in runs:
             run(name, options, seed)

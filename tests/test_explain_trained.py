@@ -2,18 +2,22 @@
 
 The numbers printed are checked against :func:`attnlab.trained.trace_model` run on its own (whose
 weights tests/test_models_bert.py checks against transformers' eager attention). Skips without
-the ``models`` extra, except the test of what happens when the model is missing.
+the ``models`` extra, except the test of what happens when the model is missing and the walk of a
+GPT directory whose layers have different head counts.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from importlib import metadata
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from attnlab.cli import app
+from attnlab.models import GPT
 from test_cli_errors import assert_one_error_line
 
 runner = CliRunner()
@@ -138,3 +142,24 @@ def test_a_one_word_sentence_is_walked(tmp_path):
     line = assert_one_error_line(_explain("--model", "minilm", "word", "--hide-special", tmp_path=tmp_path),
                                  "second word")
     assert "error:" in line
+
+
+def test_a_gpt_whose_layers_have_different_head_counts_is_walked(tmp_path):
+    torch.manual_seed(0)
+    folder = GPT(vocab_size=20, max_len=16, d_model=16, num_layers=2, num_heads=(2, 1), attention_only=True,
+                 positions="rope").save_pretrained(tmp_path / "model")
+    result = _explain("--model", str(folder), "3 17 5 9 3 17", "--query", "17", "--layer", "0", "--head", "1",
+                      "--format", "all", tmp_path=tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "2 layers x 2,1 heads" in result.output
+    rows = {line.split()[0]: line.split()[1:] for line in result.output.splitlines()
+            if re.match(r"^\s+[01]\s+\S+ (\.\d\d|1\.0)\b", line)}  # the table's rows: head, a cell per layer
+    assert [len(rows["0"]), len(rows["1"])] == [4, 2]  # head 1: a cell in layer 0, none in layer 1
+    assert {"heads.png", "headview-layer0.png", "report.html"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    page = (tmp_path / "out" / "report.html").read_text()
+    data = re.search(r'id="attnlab-trained" type="application/json">(.*?)</script>', page).group(1)
+    weights = json.loads(data, parse_constant=lambda name: pytest.fail(f"{name} in the report's data"))["weights"]
+    assert [len(layer) for layer in weights] == [2, 1] and "2,1 heads per layer" in page
+    line = assert_one_error_line(_explain("--model", str(folder), "3 17 5", "--layer", "1", "--head", "1",
+                                          tmp_path=tmp_path / "bad"), "--head must be in 0..0", "layer 1 has 1")
+    assert "2,1 heads per layer" in line and not (tmp_path / "bad").exists()

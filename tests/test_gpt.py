@@ -44,7 +44,8 @@ def test_logits_do_not_depend_on_later_tokens(options):
         torch.testing.assert_close(model(ids)[:, :6], model(changed)[:, :6])
 
 
-@pytest.mark.parametrize("options", [{}, {"positions": "rope", "num_kv_heads": 1}])
+@pytest.mark.parametrize("options", [{}, {"positions": "rope", "num_kv_heads": 1},
+                                     {"positions": "rope", "num_heads": (4, 1)}])
 def test_cached_step_logits_match_the_full_forward(options):
     model = tiny(**options)
     ids = torch.randint(0, 23, (3, 12))
@@ -56,7 +57,8 @@ def test_cached_step_logits_match_the_full_forward(options):
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"positions": "rope", "num_kv_heads": 2}])
+@pytest.mark.parametrize("options", [{}, {"positions": "rope", "num_kv_heads": 2},
+                                     {"positions": "rope", "num_heads": [2, 4], "num_kv_heads": 2}])
 def test_cached_and_recomputed_greedy_generation_give_identical_tokens(options):
     model = tiny(**options)
     prompt = torch.randint(0, 23, (2, 5))
@@ -118,7 +120,8 @@ def test_a_failing_forward_leaves_the_caches_unchanged():
     assert [c.length for c in caches] == [3, 3]
 
 
-@pytest.mark.parametrize("options", [{}, {"attention_only": True, "positions": "rope", "num_kv_heads": 2}])
+@pytest.mark.parametrize("options", [{}, {"attention_only": True, "positions": "rope", "num_kv_heads": 2},
+                                     {"attention_only": True, "positions": "rope", "num_heads": [4, 1]}])
 def test_save_and_load_round_trip_is_bitwise(tmp_path, options):
     model = tiny(**options)
     model.save_pretrained(tmp_path, extra={"tokens": ["a", "b"]})
@@ -130,6 +133,51 @@ def test_save_and_load_round_trip_is_bitwise(tmp_path, options):
     assert loaded.lm_head.weight is loaded.tok_emb.weight
     ids = torch.randint(0, 23, (1, 9))
     assert torch.equal(model.generate(ids, 5), loaded.generate(ids, 5))
+
+
+# ------------------------------------------------------------------ heads per layer
+def test_per_layer_heads_equal_blocks_built_by_hand_with_those_heads():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=11, max_len=9, d_model=16, num_layers=3, num_heads=(4, 2, 1), attention_only=True,
+                positions="rope").eval()
+    # The parameters have the same shapes whatever the head count, so blocks with the wrong
+    # counts would load these weights without complaint and compute something else.
+    blocks = [TransformerBlock(16, h, causal=True, rope=True, mlp=False, activation="gelu_tanh").eval()
+              for h in (4, 2, 1)]
+    for block, theirs in zip(blocks, model.blocks):
+        block.load_state_dict(theirs.state_dict())
+    ids = torch.randint(0, 11, (2, 9))
+    with torch.no_grad():
+        logits, weights = model(ids, return_weights=True)
+        x = model.tok_emb(ids)  # (B, T, d_model): rotary positions live in the attention
+        for block in blocks:
+            x = block(x)
+        expected = model.lm_head(model.norm(x))  # (B, T, vocab)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert [w.shape for w in weights] == [(2, h, 9, 9) for h in (4, 2, 1)]
+    assert model.heads_per_layer == (4, 2, 1) and model.config["num_heads"] == [4, 2, 1]
+
+
+@pytest.mark.parametrize("heads, kv, match", [
+    ((2, 1), None, r"num_heads must have one entry per layer \(3\), got 2"),
+    ((2, 0, 1), None, r"num_heads\[1\] must be a positive int, got 0"),
+    ((2, 3, 1), None, r"d_model \(16\) must be a multiple of num_heads\[1\] \(3\)"),
+    (3, None, r"d_model \(16\) must be a multiple of num_heads \(3\)"),
+    ((4, 2, 1), 2, r"num_heads\[2\] \(1\) must be a multiple of num_kv_heads \(2\)"),
+    ("2,1", None, "num_heads must be a positive int or one per layer"),
+])
+def test_bad_head_counts_are_refused_naming_num_heads(heads, kv, match):
+    with pytest.raises(ValueError, match=match):
+        GPT(vocab_size=5, max_len=4, d_model=16, num_layers=3, num_heads=heads, num_kv_heads=kv)
+
+
+def test_config_json_keeps_an_int_for_uniform_heads_and_a_list_for_per_layer_heads(tmp_path):
+    for heads, saved in ((2, 2), ((2, 1), [2, 1]), ([2, 2], [2, 2])):
+        folder = GPT(vocab_size=5, max_len=4, d_model=8, num_layers=2, num_heads=heads).save_pretrained(
+            tmp_path / str(heads))
+        written = json.loads((folder / "config.json").read_text())["num_heads"]
+        assert written == saved and type(written) is type(saved)
+        assert GPT.from_pretrained(folder).heads_per_layer == ((2, 2) if heads == 2 else tuple(heads))
 
 
 def test_loading_names_the_problem(tmp_path):

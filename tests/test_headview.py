@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from attnlab.trained import pad_heads
 from attnlab.viz.headview import HEAD_COLORS, head_color, head_grid, head_view, line_alpha
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "[SEP]"]
@@ -76,6 +77,18 @@ def test_grid_shows_every_layer_and_head_with_its_own_weights():
         torch.testing.assert_close(shown, weights[layer, head], rtol=0, atol=0)
     with pytest.raises(ValueError, match="\\(L, H, T, T\\)"):
         head_grid(weights[0], TOKENS)
+
+
+def test_grid_of_layers_with_different_head_counts_leaves_the_missing_heads_empty():
+    per_layer = [_weights(heads=1, seed=0), _weights(heads=3, seed=1), _weights(heads=2, seed=2)]
+    fig = head_grid(pad_heads(per_layer), TOKENS)  # (L=3, H=3, T, T), NaN where a layer has fewer heads
+    cells = [(layer, head) for layer, w in enumerate(per_layer) for head in range(w.shape[0])]
+    assert len(fig.axes) == len(cells) == 6  # no panel, not even an empty one, for a missing head
+    for (layer, head), ax in zip(cells, fig.axes):
+        assert ax.get_subplotspec().num1 == layer * 3 + head  # in its own row and column
+        torch.testing.assert_close(torch.as_tensor(ax.images[0].get_array()), per_layer[layer][head], rtol=0, atol=0)
+    titles = {ax.get_title() for ax in fig.axes} - {""}
+    assert titles == {"head 0", "head 1", "head 2"}  # head 1's title sits on layer 1, the first that has it
 
 
 def test_colours_are_distinct_for_twelve_heads():

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
 from attnlab import io
 from attnlab.models import GPT
+from attnlab.trained import pad_heads
 from attnlab.train import (IGNORE, TextTask, TrainConfig, Trainer, ablate_heads, analyze, evaluate,
                            head_scores, make_task, summarize, write_figures)
 
@@ -105,6 +107,29 @@ def test_training_batches_depend_only_on_seed_and_step_and_never_match_held_out_
     assert not held_out & {tuple(r) for s in range(20) for r in a.train_batch(s)[0].tolist()}
 
 
+# ------------------------------------------------------------------------- config
+@pytest.mark.parametrize("heads, layers, match", [
+    ((2, 1), 3, r"heads must have one entry per layer \(3\), got 2"),
+    ((2, 0), 2, r"heads\[1\] must be a positive int, got 0"),
+    ((2, 3), 2, r"d_model \(16\) must be a multiple of heads\[1\] \(3\)"),
+    (3, 2, r"d_model \(16\) must be a multiple of heads \(3\)"),
+    ("2,1", 2, r"heads must be a positive int or one per layer"),
+])
+def test_bad_head_counts_are_refused_naming_heads(heads, layers, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{**TINY, "heads": heads, "layers": layers}).resolved()
+
+
+def test_a_per_layer_default_fits_its_depth_and_gives_other_depths_its_first_count():
+    assert TrainConfig().resolved().heads == (2, 1)
+    assert TrainConfig(layers=1).resolved().heads == 2  # the one-layer control keeps two heads
+    assert TrainConfig(layers=3).resolved().heads == 2
+    assert TrainConfig(layers=1, heads=(1,)).resolved().heads == (1,)  # given: used as given
+    assert TrainConfig(heads=[4, 2]).resolved().heads == (4, 2)  # a list read back from config.json
+    assert Trainer(TrainConfig(layers=1, d_model=16, eval_sequences=4)).model.heads_per_layer == (2,)
+    assert Trainer(TrainConfig(d_model=16, eval_sequences=4)).model.heads_per_layer == (2, 1)
+
+
 # ----------------------------------------------------------------------- training
 def test_loss_goes_down():
     run = Trainer(TrainConfig(task="sort", steps=40, lr=1e-2, **TINY))
@@ -135,15 +160,16 @@ def test_checkpoint_round_trip_is_bitwise(tmp_path):
             assert torch.equal(saved[index][key], loaded[index][key]), (index, key)
 
 
-@pytest.mark.parametrize("task", ["induction", "sort"])
-def test_resume_continues_at_the_same_step_with_the_same_losses_as_an_uninterrupted_run(tmp_path, task):
-    whole = Trainer(TrainConfig(task=task, steps=6, **TINY))
+@pytest.mark.parametrize("task, heads", [("induction", 2), ("sort", 2), ("induction", (2, 1))])
+def test_resume_continues_at_the_same_step_with_the_same_losses_as_an_uninterrupted_run(tmp_path, task, heads):
+    options = {**TINY, "heads": heads}
+    whole = Trainer(TrainConfig(task=task, steps=6, **options))
     whole.train()
-    part = Trainer(TrainConfig(task=task, steps=6, **TINY))
+    part = Trainer(TrainConfig(task=task, steps=6, **options))
     result = part.train(should_stop=lambda: part.step == 3, out=tmp_path)
     assert result.interrupted and result.step == 3 and not result.metrics["finished"]
     resumed = Trainer.resume(tmp_path)
-    assert resumed.step == 3
+    assert resumed.step == 3 and resumed.config.heads == heads
     resumed.train()
     assert resumed.history["train_loss"] == whole.history["train_loss"]  # exactly, every step
     assert resumed.history["eval_accuracy"][-1] == whole.history["eval_accuracy"][-1]
@@ -196,19 +222,43 @@ def test_head_scores_match_their_definitions():
     torch.testing.assert_close(scores["induction"], induction)
 
 
-def test_head_ablation_equals_zeroing_that_heads_columns_of_out_proj():
+def test_head_scores_of_layers_with_different_head_counts_match_their_definitions():
     torch.manual_seed(0)
-    model = GPT(vocab_size=7, max_len=10, d_model=16, num_layers=2, num_heads=4).eval()
+    model = GPT(vocab_size=5, max_len=12, d_model=16, num_layers=3, num_heads=(4, 1, 2)).eval()
+    inputs = torch.randint(0, 5, (3, 12))
+    scores = head_scores(model, inputs)
+    with torch.no_grad():
+        weights = model(inputs, return_weights=True)[1]  # L x (B, H_l, T, T)
+    assert scores["induction"].shape == scores["previous_token"].shape == (3, 4)
+    for layer, w in enumerate(weights):
+        count = w.shape[1]
+        previous, induction = _brute_force_scores(w[:, None], inputs)  # (1, H_l)
+        torch.testing.assert_close(scores["previous_token"][layer, :count], previous[0])
+        torch.testing.assert_close(scores["induction"][layer, :count], induction[0])
+        torch.testing.assert_close(scores["weights"][layer, :count], w[0])
+        for name in ("previous_token", "induction", "weights"):  # a missing head is NaN, never a score
+            assert bool(scores[name][layer, count:].isnan().all()), (name, layer)
+
+
+@pytest.mark.parametrize("heads", [4, (4, 2)])
+def test_head_ablation_equals_zeroing_that_heads_columns_of_out_proj(heads):
+    torch.manual_seed(0)
+    model = GPT(vocab_size=7, max_len=10, d_model=16, num_layers=2, num_heads=heads).eval()
     inputs = torch.randint(0, 7, (32, 10))
-    targets = torch.roll(inputs, -1, dims=1)
-    targets[:, -1] = IGNORE
+    with torch.no_grad():  # the model's own predictions: every prediction an ablation changes counts
+        targets = model(inputs).argmax(-1)
     ablated = ablate_heads(model, inputs, targets)
-    for layer, head in ((0, 1), (1, 3)):
-        copy_ = copy.deepcopy(model)
-        with torch.no_grad():  # the head's context vector only reaches the output through these columns
-            copy_.blocks[layer].attn.out_proj.weight[:, head * 4:(head + 1) * 4] = 0
-        assert ablated[layer, head] == pytest.approx(evaluate(copy_, inputs, targets)[1])
-    assert torch.equal(ablate_heads(model, inputs, targets), ablated)  # hooks removed: nothing left behind
+    for layer, count in enumerate(model.heads_per_layer):
+        width = 16 // count  # this layer's head_dim
+        for head in range(count):
+            copy_ = copy.deepcopy(model)
+            with torch.no_grad():  # the head's context vector only reaches the output through these columns
+                copy_.blocks[layer].attn.out_proj.weight[:, head * width:(head + 1) * width] = 0
+            assert float(ablated[layer, head]) == pytest.approx(evaluate(copy_, inputs, targets)[1])
+        assert bool(ablated[layer, count:].isnan().all())
+    assert bool((ablated < 1).any())  # the ablations do change predictions
+    # hooks removed: nothing left behind
+    torch.testing.assert_close(ablate_heads(model, inputs, targets), ablated, rtol=0, atol=0, equal_nan=True)
 
 
 def test_summary_names_the_induction_and_previous_token_heads_only_when_they_score():
@@ -219,6 +269,17 @@ def test_summary_names_the_induction_and_previous_token_heads_only_when_they_sco
     assert "Layer 0 head 1 is a previous-token head (previous-token score 0.92" in text
     weak = summarize("induction", 0.02, {k: v / 10 for k, v in scores.items()}, torch.zeros(2, 2))
     assert "No head is an induction head yet" in weak
+
+
+def test_summary_of_layers_with_different_head_counts_never_names_a_missing_head():
+    # torch.argmax over layer 1's (0.85, NaN) would pick the missing head 1
+    scores = {"previous_token": pad_heads([torch.tensor([0.1, 0.9]), torch.tensor([0.2])]),
+              "induction": pad_heads([torch.tensor([0.0, 0.1]), torch.tensor([0.85])])}
+    ablated = pad_heads([torch.tensor([0.97, 0.2]), torch.tensor([0.1])])
+    text = summarize("induction", 0.99, scores, ablated)
+    assert "Layer 1 head 0 is an induction head (induction score 0.85; ablated: 10.0 %)" in text
+    assert "Layer 0 head 1 is a previous-token head (previous-token score 0.90; ablated: 20.0 %)" in text
+    assert text.endswith("more than 5 points: L0H1 (20.0 %), L1H0 (10.0 %).") and "nan" not in text
 
 
 @pytest.mark.parametrize("induction, names", [([[0.9, 0.0], [0.6, 0.7]], "L1H0, L1H1"),
@@ -253,6 +314,26 @@ def test_analysis_and_figures_of_a_tiny_run(tmp_path):
     names = [p.name for p in write_figures(run, analysis, tmp_path)]
     assert names == ["curves.png", "heads.png", "attention-layer0.png", "attention-layer1.png"]
     assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+
+
+def test_analysis_and_figures_of_a_tiny_run_with_a_head_count_per_layer(tmp_path):
+    run = Trainer(TrainConfig(steps=2, **{**TINY, "heads": (2, 1)}))
+    run.train()
+    analysis = analyze(run, sequences=4)
+    heads = analysis["heads"]
+    json.dumps(heads, allow_nan=False)  # raises on NaN
+    assert all([len(row) for row in heads[name]] == [2, 1] for name in heads)
+    scores = head_scores(run.model, run.eval_set()[0][:4])
+    assert heads["induction"] == [[round(float(v), 4) for v in row[:n]] for row, n in zip(scores["induction"], (2, 1))]
+    inputs, targets = run.eval_set()
+    for layer, head, width in ((0, 1, 8), (1, 0, 16)):
+        zeroed = copy.deepcopy(run.model)
+        with torch.no_grad():
+            zeroed.blocks[layer].attn.out_proj.weight[:, head * width:(head + 1) * width] = 0
+        assert heads["ablation_accuracy"][layer][head] == pytest.approx(evaluate(zeroed, inputs, targets)[1], abs=1e-4)
+    assert "L1H1" not in analysis["summary"] and "head 1 is an induction" not in analysis["summary"]
+    names = [p.name for p in write_figures(run, analysis, tmp_path)]
+    assert names == ["curves.png", "heads.png", "attention-layer0.png", "attention-layer1.png"]
 
 
 def test_saved_checkpoint_is_a_loadable_gpt(tmp_path):

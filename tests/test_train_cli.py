@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -84,9 +85,39 @@ def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_resume_matches_an_unin
     assert a["history"]["train_loss"] == b["history"]["train_loss"] and a["loss"] == b["loss"]
 
 
+def test_a_head_count_per_layer_reaches_the_model_the_banner_the_table_and_metrics(tmp_path, small_eval):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--steps", "2", "--d-model", "16", "--heads", "2,1", "--batch-size", "4",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 layers x 2,1 heads" in result.output
+    table = [line.split()[:2] for line in result.output.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d\.\d{3}\s", line)]
+    assert table == [["0", "0"], ["0", "1"], ["1", "0"]]  # one row per head that exists
+    metrics = json.loads((out / "metrics.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert all([len(row) for row in metrics["heads"][name]] == [2, 1] for name in metrics["heads"])
+    assert json.loads((out / "config.json").read_text())["num_heads"] == [2, 1]
+    assert GPT.from_pretrained(out).heads_per_layer == (2, 1)
+
+
+def test_the_one_layer_control_gives_its_layer_the_defaults_first_head_count(tmp_path, small_eval):
+    out = tmp_path / "control"
+    result = runner.invoke(app, ["train", "--layers", "1", "--steps", "1", "--d-model", "16", "--batch-size", "4",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 layers x 2 heads" in result.output
+    assert json.loads((out / "config.json").read_text())["num_heads"] == 2
+
+
 @pytest.mark.parametrize("args, words", [
     (["--steps", "0"], ["--steps", "positive"]),
     (["--heads", "3", "--d-model", "16"], ["--heads 3", "--d-model 16"]),
+    (["--heads", "0"], ["--heads", "positive", "'0'"]),
+    (["--heads", "2,x"], ["--heads", "'2,x'", "e.g. 2 or 2,1"]),
+    (["--heads", "2,"], ["--heads", "'2,'"]),
+    (["--heads", "2,1,1"], ["--heads 2,1,1", "3 head counts for 2 layers"]),
+    (["--layers", "1", "--heads", "2,1"], ["--heads 2,1", "2 head counts for 1 layer "]),
+    (["--heads", "2,3", "--d-model", "16"], ["--heads 2,3", "--d-model 16", "3 does not"]),
+    (["--d-model", "9"], ["--heads 2,1 (the default)", "--d-model 9"]),
     (["--task", "text"], ["--text"]),
     (["--task", "nope"], ["task", "nope"]),
     (["--seed", "-1"], ["--seed"]),

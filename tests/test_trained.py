@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnlab.trained import WordAttention, merge_pieces, piece_groups
+from attnlab.trained import WordAttention, best_head, count_heads, merge_pieces, pad_heads, piece_groups
 
 PIECES = ["[CLS]", "the", "chef", "at", "##tend", "##s", "it", "[SEP]"]
 WORD_IDS = [None, 0, 1, 2, 2, 2, 3, None]
@@ -49,6 +49,31 @@ def test_tables_agree_with_a_brute_force_search():
             assert key in keys and key != query
             assert link.weight == pytest.approx(float(view.weights[:, :, query, key].max()))
             assert float(view.weights[link.layer, link.head, query, key]) == pytest.approx(link.weight)
+
+
+def test_layers_with_fewer_heads_get_no_links_and_never_win():
+    full = _weights(heads=3).float()
+    ragged = pad_heads([full[0, :1], full[1]])  # layer 0 has 1 head, layer 1 has 3
+    view = WordAttention.from_pieces(ragged, PIECES, WORD_IDS)
+    assert view.heads_per_layer == (1, 3) and view.heads == 3
+    query = view.index("it")
+    table = view.top_links(query)
+    assert [len(row) for row in table] == [1, 3]
+    assert all(link.weight == link.weight for row in table for link in row)  # no NaN link
+    for link in view.strongest_heads(query) + [view.link(query, 1)]:
+        assert (link.layer, link.head) not in {(0, 1), (0, 2)}
+        key = view.words.index(link.word)
+        real = torch.cat([view.weights[0, :1, query, key], view.weights[1, :, query, key]])
+        assert link.weight == pytest.approx(float(real.max()))
+
+
+def test_padding_counting_and_the_best_head_of_ragged_tables():
+    table = pad_heads([torch.tensor([0.2]), torch.tensor([0.1, 0.3])])
+    assert count_heads(table) == (1, 2) and bool(table[0, 1].isnan())
+    assert int(torch.argmax(table)) == 1  # torch's argmax takes the missing head for the best ...
+    assert best_head(table) == (1, 1)  # ... best_head does not
+    uniform = torch.rand(2, 3, 4, 4)
+    assert torch.equal(pad_heads(list(uniform)), uniform) and count_heads(uniform) == (3, 3)
 
 
 def test_bad_shapes_are_refused():

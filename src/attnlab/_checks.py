@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = [
     "positive_number",
     "instance_of",
     "int_value",
+    "per_layer",
 ]
 
 
@@ -150,3 +151,28 @@ def divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
     """
     if value % divisor != 0:
         raise ValueError(f"{name} ({value}) must be a multiple of {divisor_name} ({divisor})")
+
+
+def per_layer(name: str, value: object, layers: int) -> tuple[int, ...]:
+    """One positive int per layer: an int means every layer, a sequence gives each layer its own.
+
+    ``ValueError`` naming ``name`` for a sequence of the wrong length or an entry that is not a
+    positive int.
+
+    Example:
+        >>> per_layer("num_heads", 2, 3), per_layer("num_heads", [2, 1], 2)
+        ((2, 2, 2), (2, 1))
+        >>> per_layer("num_heads", (2, 1), 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: num_heads must have one entry per layer (3), got 2: (2, 1)
+    """
+    if _is_int(value):
+        return (positive_int(name, value),) * layers
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a positive int or one per layer, got {value!r}")
+    if len(value) != layers:
+        raise ValueError(f"{name} must have one entry per layer ({layers}), got {len(value)}: {value!r}")
+    for index, entry in enumerate(value):
+        positive_int(f"{name}[{index}]", entry)
+    return tuple(value)

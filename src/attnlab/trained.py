@@ -16,6 +16,12 @@ Special tokens stay units of their own. They soak up much of the attention in BE
 walk-through's questions: for a query word, which word each (layer, head) attends to most, and
 which single head links it most strongly to each other word.
 
+Layers may have different numbers of heads (``GPT(num_heads=(2, 1))``). Their weights and scores
+are then held in one ``(L, H, ...)`` tensor, ``H`` the most heads of any layer, whose missing
+heads are NaN (:func:`pad_heads`): :func:`count_heads` reads the counts back and
+:func:`best_head` never picks a missing head. The NaN never leaves a tensor: tables, JSON and
+pictures show the heads a layer has and nothing for the others.
+
 Example:
     >>> import torch
     >>> pieces = ["[CLS]", "at", "##tend", "[SEP]"]
@@ -28,12 +34,67 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link", "trace_model"]
+__all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link", "trace_model", "pad_heads", "count_heads",
+           "best_head", "format_heads"]
+
+
+def pad_heads(per_layer: Sequence[Tensor]) -> Tensor:
+    """Stack per-layer ``(H_l, ...)`` tensors into ``(L, H, ...)``, ``H = max H_l``; missing heads are NaN.
+
+    With the same count in every layer this is ``torch.stack``: nothing is NaN.
+
+    Example:
+        >>> pad_heads([torch.tensor([0.8, 0.1]), torch.tensor([0.9])])
+        tensor([[0.8000, 0.1000],
+                [0.9000,    nan]])
+    """
+    width = max(t.shape[0] for t in per_layer)
+    padded = torch.full((len(per_layer), width, *per_layer[0].shape[1:]), float("nan"),
+                        dtype=per_layer[0].dtype, device=per_layer[0].device)  # (L, H, ...)
+    for layer, t in enumerate(per_layer):
+        padded[layer, :t.shape[0]] = t
+    return padded
+
+
+def count_heads(padded: Tensor) -> tuple[int, ...]:
+    """The heads each layer of a :func:`pad_heads` tensor ``(L, H, ...)`` has: those not entirely NaN.
+
+    Example:
+        >>> count_heads(pad_heads([torch.ones(2, 3, 3), torch.ones(1, 3, 3)]))
+        (2, 1)
+    """
+    present = ~torch.isnan(padded.reshape(*padded.shape[:2], -1)).all(dim=-1)  # (L, H)
+    return tuple(int(n) for n in present.sum(dim=1))
+
+
+def best_head(table: Tensor) -> tuple[int, int]:
+    """``(layer, head)`` of the largest entry of an ``(L, H)`` table; NaN (a missing head) never wins.
+
+    ``torch.argmax`` takes NaN for the largest value, so missing heads are set to -inf first.
+
+    Example:
+        >>> best_head(torch.tensor([[0.2, 0.3], [0.9, float("nan")]]))
+        (1, 0)
+    """
+    flat = int(torch.argmax(table.nan_to_num(nan=-math.inf)))
+    return divmod(flat, table.shape[1])
+
+
+def format_heads(counts: Sequence[int]) -> str:
+    """Head counts as people read them: ``"2"`` when every layer has 2, else ``"2,1"`` (``--heads``'s form).
+
+    Example:
+        >>> format_heads((2, 2)), format_heads((2, 1))
+        ('2', '2,1')
+    """
+    return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
 
 
 def piece_groups(word_ids) -> list[list[int]]:
@@ -104,7 +165,8 @@ class WordAttention:
     Attributes:
         words: the display units (words, and special tokens as they are).
         special: per unit, whether it is a special token.
-        weights: ``(L, H, W, W)`` word-level weights (rows are query words).
+        weights: ``(L, H, W, W)`` word-level weights (rows are query words); NaN for the heads a
+            layer lacks when layers have different numbers of heads (:func:`pad_heads`).
         pieces: the tokenizer's pieces; piece_weights: ``(L, H, T, T)`` as the model returned them.
         groups: for each unit, its piece positions.
 
@@ -148,8 +210,19 @@ class WordAttention:
 
     @property
     def heads(self) -> int:
-        """Heads per layer ``H``."""
+        """Heads per layer ``H`` (the most of any layer, when layers differ)."""
         return self.weights.shape[1]
+
+    @property
+    def heads_per_layer(self) -> tuple[int, ...]:
+        """The heads of each layer (see :func:`count_heads`).
+
+        Example:
+            >>> w = pad_heads([torch.ones(2, 1, 1), torch.ones(1, 1, 1)])      # (L, H, T, T)
+            >>> WordAttention.from_pieces(w, ["a"], [0]).heads_per_layer
+            (2, 1)
+        """
+        return count_heads(self.weights)
 
     def index(self, word: str | None) -> int:
         """Position of ``word`` (case-insensitive; the first occurrence); ``ValueError`` listing the words.
@@ -175,7 +248,7 @@ class WordAttention:
         return [j for j in range(len(self.words)) if not (hide_special and self.special[j])]
 
     def top_links(self, query: int, *, hide_special: bool = False) -> list[list[Link]]:
-        """For every layer and head, the word ``query`` attends to most: an ``L x H`` table of Links.
+        """For every layer and head, the word ``query`` attends to most: L lists of each layer's heads' Links.
 
         Example:
             >>> w = torch.tensor([[[[0.2, 0.8], [0.5, 0.5]]]])          # (1, 1, 2, 2)
@@ -184,9 +257,9 @@ class WordAttention:
         """
         keys = self._candidates(query, hide_special)
         table = []
-        for layer in range(self.layers):
+        for layer, count in enumerate(self.heads_per_layer):
             row = []
-            for head in range(self.heads):
+            for head in range(count):
                 weights = self.weights[layer, head, query, keys]
                 best = int(torch.argmax(weights))
                 row.append(Link(layer, head, self.words[keys[best]], float(weights[best])))
@@ -206,8 +279,7 @@ class WordAttention:
             if key == query:
                 continue
             per_head = self.weights[:, :, query, key]  # (L, H)
-            flat = int(torch.argmax(per_head))
-            layer, head = divmod(flat, self.heads)
+            layer, head = best_head(per_head)
             links.append(Link(layer, head, self.words[key], float(per_head[layer, head])))
         return links
 
@@ -220,7 +292,7 @@ class WordAttention:
             0.8999999761581421
         """
         per_head = self.weights[:, :, query, key]  # (L, H)
-        layer, head = divmod(int(torch.argmax(per_head)), self.heads)
+        layer, head = best_head(per_head)
         return Link(layer, head, self.words[key], float(per_head[layer, head]))
 
 
@@ -244,5 +316,5 @@ def trace_model(encoder, sentence: str, *, truncate: bool = False) -> WordAttent
     input_ids = torch.tensor([ids])  # (1, T)
     with torch.no_grad():
         _, weights = encoder(input_ids, torch.ones_like(input_ids), return_weights=True)
-    stacked = torch.stack([w[0] for w in weights])  # (L, H, T, T)
+    stacked = pad_heads([w[0] for w in weights])  # (L, H, T, T); NaN where a layer has fewer heads
     return WordAttention.from_pieces(stacked, pieces, word_ids, ids=ids)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from attnlab.cli._errors import fail
 from attnlab.models import GPT, BertEncoder
-from attnlab.trained import Link, WordAttention, trace_model
+from attnlab.trained import Link, WordAttention, format_heads, trace_model
 
 DEFAULT_MODEL = "minilm"
 DISPLAY_NAMES = {"minilm": "all-MiniLM-L6-v2"}
@@ -114,16 +114,23 @@ def head_view_heads(view: WordAttention, query: int, layer: int, head: int | Non
     keys = [j for j in others if not view.special[j]] or others  # a one-word sentence: its specials
     if not keys:
         return (0,)
-    best = view.weights[layer, :, query, keys].amax(dim=-1)  # (H,)
+    best = view.weights[layer, :view.heads_per_layer[layer], query, keys].amax(dim=-1)  # (H_layer,)
     return tuple(sorted(best.argsort(descending=True)[:HEAD_VIEW_HEADS].tolist()))
 
 
 def check_ranges(view: WordAttention, layer: int | None, head: int | None) -> None:
-    """``--layer``/``--head`` within the model's sizes, else one error line saying them."""
+    """``--layer``/``--head`` within the model's sizes, else one error line saying them.
+
+    ``--head`` must exist in ``layer`` (any layer when None): call it again once the layer is known.
+    """
     if layer is not None and not 0 <= layer < view.layers:
         fail(f"--layer must be in 0..{view.layers - 1} (the model has {view.layers} layers), got {layer}")
-    if head is not None and not 0 <= head < view.heads:
-        fail(f"--head must be in 0..{view.heads - 1} (the model has {view.heads} heads per layer), got {head}")
+    counts = view.heads_per_layer
+    limit = view.heads if layer is None else counts[layer]
+    if head is not None and not 0 <= head < limit:
+        where = "" if len(set(counts)) == 1 else f"; layer {layer} has {limit}, choose another with --layer"
+        fail(f"--head must be in 0..{limit - 1} (the model has {format_heads(counts)} heads per layer{where}), "
+             f"got {head}")
 
 
 def narrate(console, view: WordAttention, query: int, *, model: str, hide_special: bool, top: Link) -> None:
@@ -134,7 +141,7 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
     from rich.table import Table
 
     console.rule(f"[bold]attnlab explain[/bold]: {escape(display_name(model))}, {view.layers} layers x "
-                 f"{view.heads} heads, trained weights")
+                 f"{format_heads(view.heads_per_layer)} heads, trained weights")
     pieces = Table(box=box.SIMPLE_HEAD, show_edge=False, title="Word pieces and their ids", title_justify="left")
     for column in ("piece", "id", "word"):
         pieces.add_column(column, justify="right" if column == "id" else "left")
@@ -153,13 +160,15 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
                   title=f"The word '{escape(word)}' attends to most, per head (rows) and layer (columns); "
                         "bold: the layer's strongest")
     table.add_column("head", justify="right", min_width=4)
-    by_layer = view.top_links(query, hide_special=hide_special)  # L lists of H links
+    by_layer = view.top_links(query, hide_special=hide_special)  # L lists of each layer's links
     for layer in range(view.layers):
         table.add_column(f"layer {layer}", no_wrap=True, min_width=11)
     best = [max(row, key=lambda link: link.weight) for row in by_layer]
     for h in range(view.heads):
+        links = [row[h] if h < len(row) else None for row in by_layer]  # None: the layer has no head h
         table.add_row(str(h), *[
-            f"[bold]{escape(_cell(link))}[/bold]" if link is best[layer] else escape(_cell(link)) for layer, link in enumerate(row[h] for row in by_layer)])
+            "" if link is None else f"[bold]{escape(_cell(link))}[/bold]" if link is best[layer]
+            else escape(_cell(link)) for layer, link in enumerate(links)])
     console.print(table)
     console.print(f"[bold]The head that links '{escape(word)}' most strongly to each word[/bold]")
     for link in view.strongest_heads(query, hide_special=hide_special):
@@ -188,7 +197,8 @@ def summary(view: WordAttention, word: str, *, model: str) -> tuple[str, Link, i
     lowered = [w.lower() for w in view.words]
     link = view.link(query, lowered.index("meal")) if "meal" in lowered and lowered[query] != "meal" else \
         strongest(view, query)
-    text = (f"In the trained {display_name(model)} ({view.layers} layers x {view.heads} heads), the head that "
+    text = (f"In the trained {display_name(model)} ({view.layers} layers x {format_heads(view.heads_per_layer)} "
+            f"heads), the head that "
             f"links '{view.words[query]}' most strongly to '{link.word}' is layer {link.layer}, head "
             f"{link.head}: weight {link.weight:.3f}.")
     return text, link, query
@@ -208,7 +218,8 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
         name = display_name(model)
         written += save_figure(head_grid(view.weights, view.words, title=f"{name}: every layer and head"),
                                out / "heads", formats=("png",) if "png" in images else ())
-        figure = head_view(view.weights[layer], view.words, heads=heads, focus=query, hidden=hidden,
+        layer_weights = view.weights[layer, :view.heads_per_layer[layer]]  # (H_layer, W, W): no padding
+        figure = head_view(layer_weights, view.words, heads=heads, focus=query, hidden=hidden,
                            title=f"{name}, layer {layer}, heads {', '.join(map(str, heads))}")
         written += save_figure(figure, out / f"headview-layer{layer}", formats=images)
     if fmt in ("html", "all"):

@@ -149,10 +149,11 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     with option_errors():
         focus = view.index(query)
     top = trained_walk.strongest(view, focus, hide_special=hide_special)
+    layer = top.layer if layer is None else layer
+    trained_walk.check_ranges(view, layer, head)  # --head must be one of this layer's heads
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special, top=top)
-    layer = top.layer if layer is None else layer
     heads = trained_walk.head_view_heads(view, focus, layer, head)
     try:
         written = trained_walk.write_files(view, focus, model=model, layer=layer, heads=heads,

@@ -1,9 +1,11 @@
 """``attnlab train``: train a small GPT on a task that needs attention, then name the heads that do it.
 
-Everything is checked before anything is written: a bad ``--text`` file, ``--steps 0``, heads
-that do not divide ``--d-model`` or an unwritable ``--out`` give one ``error:`` line (exit 2)
-and leave nothing behind. Ctrl-C finishes the current step, saves a checkpoint and prints the
-command that resumes it (exit 130); a second Ctrl-C stops at once.
+``--heads`` takes one count for every layer (``2``) or one per layer (``2,1``). Everything is
+checked before anything is written: a bad ``--text`` file, ``--steps 0``, a ``--heads`` that is
+not counts, has the wrong number of them or does not divide ``--d-model``, or an unwritable
+``--out`` give one ``error:`` line (exit 2) and leave nothing behind. Ctrl-C finishes the
+current step, saves a checkpoint and prints the command that resumes it (exit 130); a second
+Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from attnlab import io as _io
 from attnlab import train as _train
 from attnlab._checks import one_of, positive_int, positive_number
 from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, check_seed, fail, option_errors
+from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
 
@@ -26,7 +29,8 @@ DEFAULT_OUT = Path("attnlab-train")
 def train(
     task: str = typer.Option("induction", "--task", help=f"{', '.join(_train.TASKS)}."),
     layers: int = typer.Option(None, "--layers", help="Transformer layers (induction: 2)."),
-    heads: int = typer.Option(None, "--heads", help="Attention heads per layer; must divide --d-model."),
+    heads: str = typer.Option(None, "--heads", help="Attention heads: one count for every layer (2) or one per "
+                                                    "layer (2,1); each must divide --d-model (induction: 2,1)."),
     d_model: int = typer.Option(None, "--d-model", help="Width of the residual stream."),
     attention_only: bool = typer.Option(None, "--attention-only/--mlp",
                                         help="Blocks without/with MLP (induction and recall: attention-only)."),
@@ -59,7 +63,8 @@ def train(
     torch.set_num_threads(threads)
     console = Console(highlight=False)
     c = trainer.config
-    console.print(f"attnlab train --task {c.task}: {c.layers} layers x {c.heads} heads, d_model {c.d_model}, "
+    console.print(f"attnlab train --task {c.task}: {c.layers} layers x {format_heads(trainer.model.heads_per_layer)} "
+                  f"heads, d_model {c.d_model}, "
                   f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions; "
                   f"{c.steps} steps of {c.batch_size} x {trainer.task.seq_len} tokens, from step {trainer.step}",
                   markup=False, soft_wrap=True)
@@ -90,8 +95,7 @@ def _make_trainer(task, layers, heads, d_model, attention_only, steps, batch_siz
             fail(f"--resume {str(resume)!r}: {err}")
         except ValueError as err:
             fail(f"--resume {str(resume)!r}: {err}")
-    named = {"--layers": layers, "--heads": heads, "--d-model": d_model, "--steps": steps,
-             "--batch-size": batch_size}
+    named = {"--layers": layers, "--d-model": d_model, "--steps": steps, "--batch-size": batch_size}
     for option, value in named.items():
         if value is not None:
             positive_int(option, value)
@@ -99,15 +103,41 @@ def _make_trainer(task, layers, heads, d_model, attention_only, steps, batch_siz
         positive_number("--lr", lr)
     if task != "text" and text is not None:
         fail(f"--text is only for --task text (got --task {task})")
-    config = _train.TrainConfig(task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only,
+    one_of("--task", task, _train.TASKS)
+    counts = None if heads is None else _parse_heads(heads)
+    _check_heads(task, counts, layers, d_model)
+    config = _train.TrainConfig(task=task, layers=layers, heads=counts, d_model=d_model, attention_only=attention_only,
                                 steps=steps, batch_size=batch_size, lr=lr, seed=seed, device=device,
                                 positions=positions, text=None if text is None else str(text))
-    one_of("--task", task, _train.TASKS)
-    defaults = _train.TASK_DEFAULTS[task]
-    heads, d_model = heads or defaults["heads"], d_model or defaults["d_model"]
-    if d_model % heads:
-        fail(f"--heads {heads} must divide --d-model {d_model} (each head gets d_model / heads features)")
     return _train.Trainer(config)
+
+
+def _parse_heads(text: str) -> int | tuple[int, ...]:
+    """``--heads 2`` -> 2, ``--heads 2,1`` -> (2, 1); anything else is one error line."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        fail(f"--heads must be a head count or one count per layer separated by commas (e.g. 2 or 2,1), "
+             f"got {text!r}")
+    if min(counts) < 1:
+        fail(f"--heads must be positive counts, got {text!r}")
+    return counts[0] if len(counts) == 1 else counts
+
+
+def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | None, d_model: int | None) -> None:
+    """One count per layer (or one for all), each dividing --d-model; the task's defaults fill the gaps."""
+    defaults = _train.TASK_DEFAULTS[task]
+    layers, d_model = layers or defaults["layers"], d_model or defaults["d_model"]
+    given = heads is not None
+    heads = heads if given else _train.default_heads(task, layers)
+    counts = heads if isinstance(heads, tuple) else (heads,)
+    shown = f"--heads {','.join(map(str, counts))}" + ("" if given else " (the default)")
+    if isinstance(heads, tuple) and len(heads) != layers:
+        fail(f"{shown} gives {len(heads)} head counts for {layers} layer{'s' if layers > 1 else ''} "
+             "(give one count, or one per layer)")
+    bad = [count for count in counts if d_model % count]
+    if bad:
+        fail(f"{shown} must divide --d-model {d_model} ({bad[0]} does not; each head gets d_model / heads features)")
 
 
 def _check_device(device: str) -> None:

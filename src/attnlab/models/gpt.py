@@ -23,7 +23,7 @@ import inspect
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab import io as _io
-from attnlab._checks import finite_number, instance_of, one_of, positive_int, probability
+from attnlab._checks import divisible, finite_number, instance_of, one_of, per_layer, positive_int, probability
 from attnlab.distributed import ContextParallel
 from attnlab.models import _hub
 from attnlab.nn.blocks import TransformerBlock
@@ -55,14 +55,18 @@ class GPT(nn.Module):
 
     Shapes:
         input_ids: ``(B, T)`` int -> logits ``(B, T, vocab_size)``; with ``return_weights``
-        also one ``(B, H, T, Tk)`` weight tensor per layer.
+        also one ``(B, H_l, T, Tk)`` weight tensor per layer (``H_l``: that layer's heads).
 
     Args:
         vocab_size: number of token ids.
         max_len: longest sequence (prompt + generated tokens) the model takes.
         d_model: width of the residual stream.
-        num_layers, num_heads: depth and heads per layer.
-        num_kv_heads: grouped-query key/value heads (default ``num_heads``).
+        num_layers: depth.
+        num_heads: heads of every layer (an int), or one count per layer (a sequence of
+            ``num_layers`` ints, e.g. ``(2, 1)``); each must divide ``d_model``. A sequence is
+            stored in :attr:`config` as a list, an int as an int.
+        num_kv_heads: grouped-query key/value heads (default: each layer's ``num_heads``); must
+            divide every layer's head count.
         d_ff: MLP hidden width (default ``4 * d_model``).
         attention_only: blocks without MLP (for circuit studies such as induction heads).
         positions: ``"learned"`` (GPT-2's absolute embeddings) or ``"rope"`` (rotary, in attention).
@@ -84,26 +88,31 @@ class GPT(nn.Module):
         >>> logits, weights = model(torch.tensor([[1, 2, 3]]), return_weights=True)
         >>> logits.shape, len(weights), weights[0].shape
         (torch.Size([1, 3, 10]), 2, torch.Size([1, 2, 3, 3]))
+        >>> ragged = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=2, num_heads=(2, 1))
+        >>> [w.shape[1] for w in ragged(torch.tensor([[1, 2, 3]]), return_weights=True)[1]]
+        [2, 1]
     """
 
     def __init__(
         self, vocab_size: int, *, max_len: int = 256, d_model: int = 128, num_layers: int = 2,
-        num_heads: int = 4, num_kv_heads: int | None = None, d_ff: int | None = None,
+        num_heads: int | Sequence[int] = 4, num_kv_heads: int | None = None, d_ff: int | None = None,
         attention_only: bool = False, positions: str = "learned", dropout_p: float = 0.0, bias: bool = True,
         norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
         backend: str = "auto", context_parallel: ContextParallel | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
-                            ("num_layers", num_layers), ("num_heads", num_heads)):
+                            ("num_layers", num_layers)):
             positive_int(name, value)
+        heads = _check_heads(num_heads, num_layers, d_model, num_kv_heads)
         one_of("positions", positions, POSITIONS)
         probability("dropout_p", dropout_p)
         for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings)):
             instance_of(name, value, bool, "a bool")
-        self.config = dict(
+        self.config = dict(  # an int num_heads is saved as an int: older readers expect one
             vocab_size=vocab_size, max_len=max_len, d_model=d_model, num_layers=num_layers,
-            num_heads=num_heads, num_kv_heads=num_kv_heads, d_ff=d_ff, attention_only=attention_only,
+            num_heads=num_heads if isinstance(num_heads, int) else list(heads), num_kv_heads=num_kv_heads,
+            d_ff=d_ff, attention_only=attention_only,
             positions=positions, dropout_p=float(dropout_p), bias=bias, norm_eps=float(norm_eps),
             activation=activation, tie_embeddings=tie_embeddings,
         )
@@ -112,11 +121,11 @@ class GPT(nn.Module):
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
         self.dropout = nn.Dropout(dropout_p)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
+            TransformerBlock(d_model, layer_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
                              num_kv_heads=num_kv_heads, rope=positions == "rope" or None, bias=bias,
                              norm_eps=norm_eps, activation=activation, backend=backend,
                              mlp=not attention_only)
-            for _ in range(num_layers)
+            for layer_heads in heads
         )
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
@@ -154,6 +163,16 @@ class GPT(nn.Module):
                 self.pos_emb.embedding.weight.normal_(0.0, _INIT_STD)
 
     @property
+    def heads_per_layer(self) -> tuple[int, ...]:
+        """The number of attention heads of each layer.
+
+        Example:
+            >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=2, num_heads=[2, 1]).heads_per_layer
+            (2, 1)
+        """
+        return tuple(block.attn.num_heads for block in self.blocks)
+
+    @property
     def max_len(self) -> int:
         """Longest sequence the model takes (prompt + generated tokens)."""
         return self.config["max_len"]
@@ -167,7 +186,7 @@ class GPT(nn.Module):
             input_ids: ``(B, T)`` token ids.
             caches: one :class:`~attnlab.nn.KVCache` per layer from :meth:`new_cache`; the
                 tokens continue the cached ones (their positions start at the cached length).
-            return_weights: also return a tuple of ``(B, H, T, Tk)`` weights, one per layer.
+            return_weights: also return a tuple of ``(B, H_l, T, Tk)`` weights, one per layer.
 
         Example:
             >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2)(
@@ -357,6 +376,19 @@ class GPT(nn.Module):
         _hub.load_weights(directory)  # refuses a pickle-only or damaged checkpoint, naming the file
         _io.load(model, directory / _hub.WEIGHTS)
         return model.eval()
+
+
+def _check_heads(num_heads: object, num_layers: int, d_model: int, num_kv_heads: object) -> tuple[int, ...]:
+    """Each layer's head count, checked: it divides ``d_model``, and ``num_kv_heads`` divides it."""
+    heads = per_layer("num_heads", num_heads, num_layers)
+    if num_kv_heads is not None:
+        positive_int("num_kv_heads", num_kv_heads)
+    for layer, count in enumerate(heads):
+        name = "num_heads" if isinstance(num_heads, int) else f"num_heads[{layer}]"
+        divisible("d_model", d_model, name, count)
+        if num_kv_heads is not None:
+            divisible(name, count, "num_kv_heads", num_kv_heads)
+    return heads
 
 
 def _next_token(logits: Tensor, temperature: float, top_k: int | None,

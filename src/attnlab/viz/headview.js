@@ -10,8 +10,9 @@
   var NS = "http://www.w3.org/2000/svg";
   var state = { layer: data.layer, query: data.focus, preview: null };
 
-  function heads() {
-    return [].slice.call(document.querySelectorAll("input.hv-head:checked")).map(function (el) { return Number(el.value); });
+  function heads() {  // the ticked heads that the shown layer has (layers may have fewer heads)
+    return [].slice.call(document.querySelectorAll("input.hv-head:checked")).map(function (el) { return Number(el.value); })
+      .filter(function (h) { return h < data.weights[state.layer].length; });
   }
   function hidden(i) { return data.hide_special && data.special[i]; }
   function y(i) { return data.top + i * data.row; }

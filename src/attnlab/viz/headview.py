@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from attnlab.trained import count_heads
+
 if TYPE_CHECKING:  # matplotlib is imported lazily: `attnlab` must import fast
     from matplotlib.figure import Figure
 
@@ -129,7 +131,9 @@ def head_grid(weights: Tensor, tokens, *, title: str | None = None, max_labels: 
     """One small heatmap per layer and head: ``weights`` ``(L, H, T, T)`` -> an L x H grid.
 
     Args:
-        weights: per-layer attention weights, rows are queries.
+        weights: per-layer attention weights, rows are queries. A layer with fewer heads than
+            ``H`` holds NaN for the heads it lacks (:func:`attnlab.trained.pad_heads`); their
+            cells stay empty.
         tokens: ``T`` labels; drawn on the first column and last row when ``T <= max_labels``.
         title: figure title.
         max_labels: longer inputs get no tick labels (they would not be readable at this size).
@@ -139,6 +143,10 @@ def head_grid(weights: Tensor, tokens, *, title: str | None = None, max_labels: 
         >>> fig = head_grid(torch.softmax(torch.randn(2, 3, 4, 4), dim=-1), list("abcd"))
         >>> len(fig.axes)                                   # 2 layers x 3 heads
         6
+        >>> from attnlab.trained import pad_heads
+        >>> ragged = pad_heads([torch.full((2, 4, 4), 0.25), torch.full((1, 4, 4), 0.25)])
+        >>> len(head_grid(ragged, list("abcd")).axes)       # 2 + 1 heads: no panel for the missing one
+        3
     """
     from matplotlib.figure import Figure
 
@@ -154,13 +162,14 @@ def head_grid(weights: Tensor, tokens, *, title: str | None = None, max_labels: 
     fig.subplots_adjust(left=0.9 / (0.9 + panel * n_heads), right=0.99, bottom=0.7 / (0.7 + panel * n_layers),
                         top=0.93, wspace=0.08, hspace=0.12)
     labelled = n_tokens <= max_labels
+    counts = count_heads(weights)
     for layer in range(n_layers):
-        for h in range(n_heads):
+        for h in range(counts[layer]):
             ax = fig.add_subplot(n_layers, n_heads, layer * n_heads + h + 1)
             ax.imshow(weights[layer, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-            if layer == 0:
+            if layer == min(l for l, count in enumerate(counts) if count > h):  # the column's top panel
                 ax.set_title(f"head {h}", fontsize=7)
             if h == 0:
                 ax.set_ylabel(f"layer {layer}", fontsize=7)
