@@ -104,7 +104,7 @@ def test_the_one_layer_control_gives_its_layer_the_defaults_first_head_count(tmp
     result = runner.invoke(app, ["train", "--layers", "1", "--steps", "1", "--d-model", "16", "--batch-size", "4",
                                  "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "1 layers x 2 heads" in result.output
+    assert "1 layer x 2 heads" in result.output
     assert json.loads((out / "config.json").read_text())["num_heads"] == 2
 
 

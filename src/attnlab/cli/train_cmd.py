@@ -63,7 +63,7 @@ def train(
     torch.set_num_threads(threads)
     console = Console(highlight=False)
     c = trainer.config
-    console.print(f"attnlab train --task {c.task}: {c.layers} layers x {format_heads(trainer.model.heads_per_layer)} "
+    console.print(f"attnlab train --task {c.task}: {c.layers} layer{'s' if c.layers != 1 else ''} x {format_heads(trainer.model.heads_per_layer)} "
                   f"heads, d_model {c.d_model}, "
                   f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions; "
                   f"{c.steps} steps of {c.batch_size} x {trainer.task.seq_len} tokens, from step {trainer.step}",
