@@ -1,15 +1,29 @@
 """The ``flex`` backend: ``torch.nn.attention.flex_attention``, compiled, with block-sparse masks.
 
 FlexAttention takes the mask as a *mask mod* and skips whole blocks that no query of a block
-may attend (a ``BlockMask`` built with ``create_block_mask``). attnlab folds causal (either
-alignment), bool masks and mask mods into one dense bool mask read by a single mask mod class
-and a float mask into one score mod (:class:`BiasScoreMod`); GQA uses
-``enable_gqa=True``. One mask mod *class* for every mask means the compiled kernel is reused:
-each new mask-mod function would otherwise cost a recompilation. Block sparsity
-is kept -- the block mask is computed from the dense mask. Masked calls therefore hold an
-O(Tq*Tk) mask (reported by :meth:`FlexBackend.memory_for`); unmasked calls are O(T). Block
-masks are cached per (mask identity, sizes, causal offset) and served again only while the
-mask's contents (a mask mod's: its dense mask, evaluated afresh) are unchanged.
+may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of two paths:
+
+* **Direct, O(T) memory**: causal (either alignment) and attnlab's own mask mods
+  (:class:`~attnlab.masks.CausalMod`, ``SlidingWindowMod``, ``PrefixLMMod``, ``ChunkedLocalMod``,
+  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod`` and ``&``/``|`` of them, exact types) are
+  handed to the kernel as the mod itself, and the block mask is built from the mod one 128-query
+  block at a time over the key blocks its ``kv_bounds`` reach -- never a dense ``(Tq, Tk)``
+  mask. (torch's ``create_block_mask`` is not used: eager, it materialises ``(B, H, Tq, Tk)``,
+  4.7 GiB at T=8192 H=8 on CPU; compiled, it costs a compilation per mod and shape.)
+  torch.compile guards on every int a mod reads (``mask_mod.window == 64``), so the kernel gets a
+  copy of the mod whose int parameters are 0-d tensors: one compilation per mod *structure*
+  (classes, and/or, bools such as ``causal``, tensor shapes) and shape, whatever the window,
+  prefix, chunk, offset, lengths or document ids (a new instance with other values reuses it).
+* **Dense, O(Tq*Tk) memory**: bool and float tensor masks, and mask mods of the user's own
+  (any other callable: a lambda's closure ints and each new function would recompile, and
+  arbitrary Python need not trace), are folded into one dense additive ``(B, Hq, Tq, Tk)`` bias
+  read by one score mod class (:class:`BiasScoreMod`), so the compiled kernel is reused.
+
+:meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
+Block masks are cached and served again only while what they were built from is unchanged
+(:class:`_BlockMaskCache`): a direct mod by value (structure and ints) and by the tensors it
+holds, so editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
+identity and contents.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel returns wrong values or NaN on some partial
@@ -22,7 +36,8 @@ the log-sum-exp, so on CPU this backend declines calls that need gradients ("Fle
 has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes the weights).
 Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
 score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
-declared), so each new shape/dtype/masked-or-not variant compiles once. Compiling takes seconds
+declared), so each variant -- shape, dtype and mask path (none, dense, or a direct mod's
+structure) -- compiles once. Compiling takes seconds
 (the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds them until a
 variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
 FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
@@ -36,11 +51,13 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import masks as _masks
@@ -95,11 +112,124 @@ class _FiniteBias(_masks.MaskMod):
         return self.bias[b, h, q_idx, kv_idx] > float("-inf")
 
 
+# attnlab's mask mods flex takes as they are, and their int parameters. torch.compile guards on
+# an int a mod reads (`mask_mod.window == 64`), so each value would recompile; the kernel gets a
+# copy holding them as 0-d tensors, which it reads as inputs (one compilation per structure).
+# Exact types only: a subclass may override __call__ with Python the copy does not account for.
+_INT_PARAMS: dict[type, tuple[str, ...]] = {
+    _masks.CausalMod: ("offset",),
+    _masks.SlidingWindowMod: ("window", "offset"),
+    _masks.PrefixLMMod: ("prefix_len", "offset"),
+    _masks.ChunkedLocalMod: ("chunk", "offset"),
+    _masks.DocumentMod: ("offset",),
+    _masks.VarlenCausalMod: ("window",),
+    _masks.PaddingMod: (),
+}
+
+
+def _is_known(mod) -> bool:
+    """Whether ``mod`` is one of attnlab's mods (or an and/or of them), which flex takes directly."""
+    if type(mod) is _masks.CombinedMod:
+        return all(_is_known(part) for part in mod.mods)
+    return type(mod) in _INT_PARAMS
+
+
+def _direct_mod(call: AttentionCall):
+    """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, or a
+    tensor mask, or a mod of the user's own (those go through the dense bias, see the module doc)."""
+    if call.mask_kind not in ("none", "mod"):
+        return None
+    mod = call.mask_mod()
+    return mod if mod is not None and _is_known(mod) else None
+
+
+def _kernel_mod(mod, device: torch.device):
+    """A copy of a known mod for the kernel: int parameters as 0-d tensors, tensors copied.
+
+    The copy owns its tensors, so that an in-place edit of the user's mod (``PaddingMod.lengths``)
+    never reaches a block mask the cache holds.
+    """
+    if type(mod) is _masks.CombinedMod:
+        return _masks.CombinedMod(tuple(_kernel_mod(part, device) for part in mod.mods), mod.op)
+    kernel = copy.copy(mod)
+    for name, value in vars(mod).items():
+        if isinstance(value, Tensor):
+            setattr(kernel, name, value.detach().to(device, copy=True))
+        elif name in _INT_PARAMS[type(mod)] and value is not None:
+            setattr(kernel, name, torch.tensor(value, device=device))
+    return kernel
+
+
+def _describe(mod, *, values: bool) -> tuple:
+    """A known mod's structure: classes, and/or, bools and None by value, tensors by shape and
+    dtype; its int parameters by value when ``values`` (a block mask depends on them, the
+    compiled kernel does not)."""
+    if type(mod) is _masks.CombinedMod:
+        return (mod.op, tuple(_describe(part, values=values) for part in mod.mods))
+    items = []
+    for name, value in sorted(vars(mod).items()):
+        if isinstance(value, Tensor):
+            value = (tuple(value.shape), value.dtype)
+        elif name in _INT_PARAMS[type(mod)] and value is not None and not values:
+            value = int
+        items.append((name, value))
+    return (type(mod).__name__, tuple(items))
+
+
+def _mod_tensors(mod) -> tuple[Tensor, ...]:
+    """Every tensor a known mod holds, in a fixed order (what its block mask was built from)."""
+    if type(mod) is _masks.CombinedMod:
+        return tuple(t for part in mod.mods for t in _mod_tensors(part))
+    return tuple(value for _, value in sorted(vars(mod).items()) if isinstance(value, Tensor))
+
+
+def _block_mask_of_mod(mod, call: AttentionCall):
+    """FlexAttention's ``BlockMask`` for a known mod, evaluated one 128-query block at a time.
+
+    Each query block is evaluated only over the key blocks its ``kv_bounds`` reach, so memory is
+    O(B * 128 * Tk) at most and work O(visited blocks), never a dense ``(Tq, Tk)`` mask (torch's
+    eager ``create_block_mask`` materialises ``(B, H, Tq, Tk)``: 4.7 GiB at T=8192, H=8).
+    Positions past ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``, so a block holding
+    them is partial, never full. The kernel gets :func:`_kernel_mod`'s copy of ``mod``.
+    """
+    size, device = _KV_BLOCK, call.device
+    n_q, n_k = -(-call.tq // size), -(-call.tk // size)
+    partial = torch.zeros(call.batch, 1, n_q, n_k, dtype=torch.bool, device=device)  # (B, 1, nq, nk)
+    full = torch.zeros_like(partial)
+    for block in range(n_q):
+        rows = (block * size, min(call.tq, (block + 1) * size))
+        lo, hi = _masks.kv_range(mod, *rows, call.tk)
+        first, last = lo // size, -(-hi // size)  # key blocks [first, last)
+        if last <= first:
+            continue
+        allowed = _masks.evaluate(mod, q_range=rows, kv_range=(first * size, min(call.tk, last * size)),
+                                  batch=call.batch, device=device)
+        allowed = allowed.expand(call.batch, 1, rows[1] - rows[0], -1)
+        allowed = F.pad(allowed, (0, (last - first) * size - allowed.shape[-1], 0, size - allowed.shape[-2]))
+        tiles = allowed.reshape(call.batch, 1, size, last - first, size)  # (B, 1, q, key block, k)
+        seen, every = tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)  # (B, 1, key block)
+        partial[:, :, block, first:last] = seen & ~every
+        full[:, :, block, first:last] = every
+    return _flex_module.BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=size,
+        mask_mod=_kernel_mod(mod, device), seq_lengths=(call.tq, call.tk),
+    )
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(count, indices) per query block of a ``(B, H, nq, nk)`` bool block matrix: the
+    ``BlockMask`` layout (the blocks present first, in ascending order), int32."""
+    as_int = blocks.to(torch.int32)
+    indices = torch.argsort(as_int, dim=-1, descending=True, stable=True)
+    return as_int.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+
+
 def _dense_bias(call: AttentionCall) -> Tensor | None:
     """Every mask of the call (causal, bool, float, mask mod) as one additive ``(B, Hq, Tq, Tk)``.
 
-    One score mod class and one layout for every mask means the compiled kernel is reused:
-    a new mask-mod *function* would otherwise cost a recompilation.
+    For tensor masks and the user's own mask mods (see :func:`_direct_mod`). One score mod class
+    and one layout for all of them means the compiled kernel is reused: a new mask-mod
+    *function* would otherwise cost a recompilation.
     """
     allowed, bias = call.allowed(), call.bias()  # broadcastable to (B, Hq, Tq, Tk)
     if allowed is None and bias is None:
@@ -115,13 +245,16 @@ def _dense_bias(call: AttentionCall) -> Tensor | None:
 
 
 class _BlockMaskCache:
-    """(score mod, block mask) pairs, served again only while the mask's contents are unchanged.
+    """(score mod, block mask) pairs, served again only while what they were built from is unchanged.
 
-    An entry is found by the mask's identity and the sizes, then confirmed by content: a tensor
-    mask is compared with a copy taken when the entry was made, a mask mod by its freshly
-    materialised dense mask. Identity and ``_version`` are not enough: a mask mod reads state the
-    cache cannot see (a ``PaddingMod``'s ``lengths`` edited in place, a variable a lambda
-    captured), and a tensor written through ``.data`` or numpy keeps its ``_version``.
+    An entry is found by a key, then confirmed by content against copies taken when it was made.
+    A mod flex takes directly (:func:`_direct_mod`) is keyed by value -- its structure and int
+    parameters, so a new ``sliding_window_mod(T, T, 256)`` per step finds the entry -- and
+    confirmed by the tensors it holds (``PaddingMod.lengths``, ``DocumentMod`` ids): O(T) to
+    check. Any other mask is keyed by identity and confirmed by the tensor mask, or a user mod by
+    its freshly materialised dense mask. Identity and ``_version`` are not enough: a mask mod reads
+    state the cache cannot see (``lengths`` edited in place, a variable a lambda captured), and a
+    tensor written through ``.data`` or numpy keeps its ``_version``.
     """
 
     def __init__(self, size: int):
@@ -138,17 +271,25 @@ class _BlockMaskCache:
     def key(call: AttentionCall) -> tuple | None:
         if call.mask_kind == "none" and not call.causal:
             return None
+        sizes = (call.batch, call.tq, call.tk, str(call.device))
+        mod = _direct_mod(call)
+        if mod is not None:
+            return ("mod", _describe(mod, values=True)) + sizes
         shape = tuple(call.mask.shape) if isinstance(call.mask, Tensor) else None
         offset = call.causal_offset if call.causal else None
-        return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.batch,
-                call.q_heads, call.tq, call.tk, call.dtype, str(call.device))
+        return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.q_heads,
+                call.dtype) + sizes
 
     @staticmethod
-    def contents(call: AttentionCall) -> Tensor | None:
-        """What the block mask was computed from: the tensor mask, or the mod's dense mask."""
+    def contents(call: AttentionCall) -> tuple[Tensor, ...]:
+        """What the block mask was built from: a direct mod's tensors, the tensor mask, or a
+        user mod's dense mask."""
+        mod = _direct_mod(call)
+        if mod is not None:
+            return _mod_tensors(mod)
         if call.mask_kind == "mod":
-            return call.allowed()  # memoised on the call: a miss builds the bias from it
-        return call.mask if isinstance(call.mask, Tensor) else None
+            return (call.allowed(),)  # memoised on the call: a miss builds the bias from it
+        return (call.mask,) if isinstance(call.mask, Tensor) else ()
 
     def get(self, call: AttentionCall):
         key = self.key(call)
@@ -162,18 +303,16 @@ class _BlockMaskCache:
         return mods
 
     def put(self, call: AttentionCall, mods) -> None:
-        contents = self.contents(call)
-        seen = None if contents is None else contents.detach().clone()
+        seen = tuple(t.detach().clone() for t in self.contents(call))
         self.entries[self.key(call)] = (seen, mods)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
 
-def _same_contents(seen: Tensor | None, now: Tensor | None) -> bool:
-    """Equal shapes and values (NaN never equals, so a NaN mask is never reused)."""
-    if seen is None or now is None:
-        return seen is None and now is None
-    return seen.shape == now.shape and bool(torch.equal(seen, now))
+def _same_contents(seen: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
+    """Equal devices, shapes and values, pairwise (NaN never equals, so a NaN mask is never reused)."""
+    return len(seen) == len(now) and all(
+        a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen, now))
 
 
 def _shape_limits(call: AttentionCall) -> list[str]:
@@ -224,7 +363,8 @@ _KV_BLOCK = 128
 
 
 class FlexBackend(Backend):
-    """FlexAttention, compiled once; block-sparse masks cached per mask; CPU forward only.
+    """FlexAttention, compiled per variant; block masks from attnlab's mods (O(T)) or a dense
+    bias, cached; CPU forward only.
 
     Example:
         >>> import attnlab
@@ -272,22 +412,34 @@ class FlexBackend(Backend):
         return found + _shape_limits(call) + _mask_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
-        """O(T^2) for any masked call (the mask is held densely for the kernel), else O(T).
+        """O(T) unmasked, causal or with one of attnlab's mask mods (the block mask is built from
+        the mod); O(T^2) for a tensor mask or a user's own mod (held densely for the kernel).
 
         Deliberately independent of the block-mask cache, so that dispatch does not change
         between two identical calls.
         """
-        return "linear" if call.mask_kind == "none" and not call.causal else "quadratic"
+        dense = (call.mask_kind != "none" or call.causal) and _direct_mod(call) is None
+        return "quadratic" if dense else "linear"
 
     def memory_note(self, call: AttentionCall) -> str:
+        if call.mask_kind == "mod" and _direct_mod(call) is None:
+            return ("a mask mod of the user's own is held as a dense (B, H, Tq, Tk) bias: flex takes "
+                    "only attnlab's mods directly (a new function or int would recompile)")
         if self.memory_for(call) == "quadratic":
             return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
+        if _direct_mod(call) is not None:
+            return "fused kernel, block mask built from the mask mod, O(T) memory"
         return "fused kernel, O(T) memory"
 
     def _variant(self, call: AttentionCall) -> tuple:
-        """What the compiled kernel is specialised on (static shapes, see the module doc)."""
-        masked = call.mask_kind != "none" or call.causal
-        return (call.device.type, call.dtype, masked, tuple(call.q.shape), tuple(call.k.shape),
+        """What the compiled kernel is specialised on (static shapes, see the module doc): the
+        mask path and, for a direct mod, its structure (not its int parameters)."""
+        mod = _direct_mod(call)
+        if mod is not None:
+            mask = _describe(mod, values=False)
+        else:
+            mask = "dense" if call.mask_kind != "none" or call.causal else None
+        return (call.device.type, call.dtype, mask, tuple(call.q.shape), tuple(call.k.shape),
                 tuple(call.v.shape))
 
     def compiled(self, call: AttentionCall) -> bool:
@@ -319,16 +471,20 @@ class FlexBackend(Backend):
         cached = self._block_masks.get(call)
         if cached is not None:
             return cached
-        bias = _dense_bias(call)
-        if bias is None:
-            return None, None
-        score_mod = BiasScoreMod(bias)
-        block_mask = _flex_module.create_block_mask(
-            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
-            BLOCK_SIZE=_KV_BLOCK,
-        )
-        self._block_masks.put(call, (score_mod, block_mask))
-        return score_mod, block_mask
+        mod = _direct_mod(call)
+        if mod is not None:
+            mods = (None, _block_mask_of_mod(mod, call))
+        else:
+            bias = _dense_bias(call)
+            if bias is None:
+                return None, None
+            score_mod = BiasScoreMod(bias)
+            mods = (score_mod, _flex_module.create_block_mask(
+                score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
+                BLOCK_SIZE=_KV_BLOCK,
+            ))
+        self._block_masks.put(call, mods)
+        return mods
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)
