@@ -5,24 +5,27 @@ may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of tw
 
 * **Direct, O(T) memory**: causal (either alignment) and attnlab's own mask mods
   (:class:`~attnlab.masks.CausalMod`, ``SlidingWindowMod``, ``PrefixLMMod``, ``ChunkedLocalMod``,
-  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod`` and ``&``/``|`` of them, exact types) are
-  handed to the kernel as the mod itself, and the block mask is built from the mod one 128-query
-  block at a time over the key blocks its ``kv_bounds`` reach -- never a dense ``(Tq, Tk)``
-  mask. (torch's ``create_block_mask`` is not used: eager, it materialises ``(B, H, Tq, Tk)``,
-  4.7 GiB at T=8192 H=8 on CPU; compiled, it costs a compilation per mod and shape.)
-  torch.compile guards on every int a mod reads (``mask_mod.window == 64``), so the kernel gets a
-  copy of the mod whose int parameters are 0-d tensors: one compilation per mod *structure*
-  (classes, and/or, bools such as ``causal``, tensor shapes) and shape, whatever the window,
-  prefix, chunk, offset, lengths or document ids (a new instance with other values reuses it).
-* **Dense, O(Tq*Tk) memory**: bool and float tensor masks, and mask mods of the user's own
-  (any other callable: a lambda's closure ints and each new function would recompile, and
-  arbitrary Python need not trace), are folded into one dense additive ``(B, Hq, Tq, Tk)`` bias
-  read by one score mod class (:class:`BiasScoreMod`), so the compiled kernel is reused.
+  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod``, and ANDs of them; exact types) reach the
+  kernel as a mask mod, and the block mask is built from it one 128-query block at a time over
+  the key blocks the mod's ``kv_bounds`` reach -- never a dense ``(Tq, Tk)`` mask. torch's
+  ``create_block_mask`` is not used: eager, it materialises ``(B, H, Tq, Tk)`` (715 MiB at
+  T=8192 H=1, 4.7 GiB at H=8, on CPU); compiled, it costs a compilation per mod and shape.
+  The kernel's mod is one class, :class:`RowRangeMod`: each of these mods allows, per query row,
+  one key interval, and positions whose segment (document) matches, and so does an AND of them.
+  torch.compile guards on the mod's class and on every int it reads (``mask_mod.window == 64``
+  recompiles for 32), so handing over attnlab's mods themselves would compile once per mod
+  structure and per window, prefix, chunk or offset value; :class:`RowRangeMod` holds tensors
+  only, so every direct mod of one call shape shares one compilation.
+* **Dense, O(Tq*Tk) memory**: bool and float tensor masks, ORs of mods (not one interval), and
+  mask mods of the user's own (any other callable: each new function, and each int a closure
+  holds, would recompile, and arbitrary Python need not trace) are folded into one dense
+  additive ``(B, Hq, Tq, Tk)`` bias read by one score mod class (:class:`BiasScoreMod`), so the
+  compiled kernel is reused.
 
 :meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
 Block masks are cached and served again only while what they were built from is unchanged
-(:class:`_BlockMaskCache`): a direct mod by value (structure and ints) and by the tensors it
-holds, so editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
+(:class:`_BlockMaskCache`): a direct mod by value (its classes and ints, so a new
+``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
 identity and contents.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
@@ -36,9 +39,9 @@ the log-sum-exp, so on CPU this backend declines calls that need gradients ("Fle
 has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes the weights).
 Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
 score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
-declared), so each variant -- shape, dtype and mask path (none, dense, or a direct mod's
-structure) -- compiles once. Compiling takes seconds
-(the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds them until a
+declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
+compiles once. Compiling takes seconds (the measured times are in
+:mod:`attnlab.backends.rates`); the cost estimate adds them until a
 variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
 FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
 run and the ``lse`` is returned.
@@ -51,7 +54,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import math
 import shutil
 from collections import OrderedDict
@@ -72,7 +74,7 @@ try:  # FlexAttention appeared in PyTorch 2.5
 except ImportError:  # pragma: no cover - depends on the installed torch
     _flex_module = None
 
-__all__ = ["FlexBackend", "BiasScoreMod"]
+__all__ = ["FlexBackend", "BiasScoreMod", "RowRangeMod"]
 
 _BLOCK_CACHE_SIZE = 32
 
@@ -112,87 +114,164 @@ class _FiniteBias(_masks.MaskMod):
         return self.bias[b, h, q_idx, kv_idx] > float("-inf")
 
 
-# attnlab's mask mods flex takes as they are, and their int parameters. torch.compile guards on
-# an int a mod reads (`mask_mod.window == 64`), so each value would recompile; the kernel gets a
-# copy holding them as 0-d tensors, which it reads as inputs (one compilation per structure).
-# Exact types only: a subclass may override __call__ with Python the copy does not account for.
-_INT_PARAMS: dict[type, tuple[str, ...]] = {
-    _masks.CausalMod: ("offset",),
-    _masks.SlidingWindowMod: ("window", "offset"),
-    _masks.PrefixLMMod: ("prefix_len", "offset"),
-    _masks.ChunkedLocalMod: ("chunk", "offset"),
-    _masks.DocumentMod: ("offset",),
-    _masks.VarlenCausalMod: ("window",),
-    _masks.PaddingMod: (),
+class RowRangeMod(_masks.MaskMod):
+    """The mask mod the kernel reads for every mod it takes directly: per query row a key
+    interval ``[lo, hi]``, and a segment per query and per key that must be equal.
+
+    Every attnlab mod is of this form (see :func:`_row_ranges`), and so is an AND of them, so one
+    class with tensor state serves them all: torch.compile guards on a mod's class and on each
+    int it reads (``mask_mod.window == 64``), and compiles nothing new for new tensor values.
+
+    Shapes:
+        lo, hi, q_segment: ``(B, Tq)`` int64; k_segment: ``(B, Tk)`` int64.
+
+    Example:
+        >>> lo, hi = torch.tensor([[0, 0]]), torch.tensor([[0, 1]])  # causal, 2 queries
+        >>> seg = torch.zeros(1, 2, dtype=torch.int64)
+        >>> _masks.materialize(RowRangeMod(lo, hi, seg, seg), tq=2, tk=2)[0, 0].int()
+        tensor([[1, 0],
+                [1, 1]], dtype=torch.int32)
+    """
+
+    def __init__(self, lo: Tensor, hi: Tensor, q_segment: Tensor, k_segment: Tensor):
+        self.lo, self.hi, self.q_segment, self.k_segment = lo, hi, q_segment, k_segment
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        inside = (kv_idx >= self.lo[b, q_idx]) & (kv_idx <= self.hi[b, q_idx])
+        return inside & (self.q_segment[b, q_idx] == self.k_segment[b, kv_idx])
+
+
+# Each attnlab mod as (lo, hi, segments or None) over query positions q = arange(Tq), shape
+# (1, Tq); lo and hi broadcast to (B, Tq). Exact types only: a subclass may override __call__.
+def _rows_causal(mod, q, tk):
+    return 0, q + mod.offset, None
+
+
+def _rows_window(mod, q, tk):
+    last = q + mod.offset
+    return last - mod.window + 1, last, None
+
+
+def _rows_prefix(mod, q, tk):  # keys < prefix_len, or <= the diagonal: one prefix of the keys
+    return 0, torch.clamp(q + mod.offset, min=mod.prefix_len - 1), None
+
+
+def _rows_chunked(mod, q, tk):
+    pos = q + mod.offset
+    start = torch.div(pos, mod.chunk, rounding_mode="floor") * mod.chunk
+    return start, pos if mod.causal else start + mod.chunk - 1, None
+
+
+def _rows_padding(mod, q, tk):
+    return 0, mod.lengths.to(q.device, torch.int64).view(-1, 1) - 1, None
+
+
+def _rows_varlen(mod, q, tk):
+    q_len, k_len = (t.to(q.device, torch.int64).view(-1, 1) for t in (mod.q_lengths, mod.k_lengths))
+    last = q + k_len - q_len  # < k_len for every real query
+    lo = 0 if mod.window is None else last - mod.window + 1
+    return lo, torch.where(q < q_len, last, -1), None  # padded queries: an empty range
+
+
+def _rows_document(mod, q, tk):
+    ids = mod.ids.to(q.device)  # (B|1, L)
+    pos = q[0] + mod.offset
+    return 0, (q + mod.offset) if mod.causal else tk - 1, (ids[:, pos], ids[:, :tk])
+
+
+_ROW_RANGES = {
+    _masks.CausalMod: _rows_causal,
+    _masks.SlidingWindowMod: _rows_window,
+    _masks.PrefixLMMod: _rows_prefix,
+    _masks.ChunkedLocalMod: _rows_chunked,
+    _masks.PaddingMod: _rows_padding,
+    _masks.VarlenCausalMod: _rows_varlen,
+    _masks.DocumentMod: _rows_document,
 }
 
 
-def _is_known(mod) -> bool:
-    """Whether ``mod`` is one of attnlab's mods (or an and/or of them), which flex takes directly."""
+def _is_direct(mod) -> bool:
+    """Whether ``mod`` is one of attnlab's mods or an AND of them (an OR is not one interval)."""
     if type(mod) is _masks.CombinedMod:
-        return all(_is_known(part) for part in mod.mods)
-    return type(mod) in _INT_PARAMS
+        return mod.op == "and" and all(_is_direct(part) for part in mod.mods)
+    return type(mod) in _ROW_RANGES
 
 
 def _direct_mod(call: AttentionCall):
-    """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, or a
+    """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, a
     tensor mask, or a mod of the user's own (those go through the dense bias, see the module doc)."""
     if call.mask_kind not in ("none", "mod"):
         return None
     mod = call.mask_mod()
-    return mod if mod is not None and _is_known(mod) else None
+    return mod if mod is not None and _is_direct(mod) else None
 
 
-def _kernel_mod(mod, device: torch.device):
-    """A copy of a known mod for the kernel: int parameters as 0-d tensors, tensors copied.
+def _row_ranges(mod, q: Tensor, tk: int) -> tuple:
+    """(lo, hi, segments or None) of a direct mod: an AND intersects the intervals and pairs the
+    segments (two positions share a pair of segments when they share each)."""
+    if type(mod) is not _masks.CombinedMod:
+        return _ROW_RANGES[type(mod)](mod, q, tk)
+    lo, hi, segments = 0, tk - 1, None
+    for part in mod.mods:
+        part_lo, part_hi, part_segments = _row_ranges(part, q, tk)
+        lo = torch.maximum(torch.as_tensor(lo), torch.as_tensor(part_lo))
+        hi = torch.minimum(torch.as_tensor(hi), torch.as_tensor(part_hi))
+        segments = _pair_segments(segments, part_segments)
+    return lo, hi, segments
 
-    The copy owns its tensors, so that an in-place edit of the user's mod (``PaddingMod.lengths``)
-    never reaches a block mask the cache holds.
-    """
+
+def _pair_segments(first, second):
+    """One segment id per position for two (q, k) segmentings: equal ids = equal in both."""
+    if first is None or second is None:
+        return second if first is None else first
+    rows = max(first[0].shape[0], second[0].shape[0])
+    q_pairs, k_pairs = (torch.stack(torch.broadcast_tensors(a, b), dim=-1).expand(rows, -1, 2)
+                        for a, b in zip(first, second))  # (B, T, 2)
+    _, ids = torch.unique(torch.cat([q_pairs, k_pairs], dim=1).reshape(-1, 2), dim=0, return_inverse=True)
+    ids = ids.view(rows, -1)  # (B, Tq + Tk)
+    return ids[:, : q_pairs.shape[1]], ids[:, q_pairs.shape[1]:]
+
+
+def _row_range_mod(mod, call: AttentionCall) -> RowRangeMod:
+    """The kernel's :class:`RowRangeMod` for a direct mod: fresh contiguous tensors of fixed
+    shapes, so that one compilation serves every mod of a call shape and the cache's entry owns
+    them (an in-place edit of the user's ``lengths`` or ids never reaches it)."""
+    q = torch.arange(call.tq, device=call.device).view(1, -1)  # (1, Tq)
+    lo, hi, segments = _row_ranges(mod, q, call.tk)
+    if segments is None:
+        segments = (torch.zeros(1, call.tq, dtype=torch.int64), torch.zeros(1, call.tk, dtype=torch.int64))
+    sizes = (call.tq, call.tq, call.tq, call.tk)
+    return RowRangeMod(*(torch.as_tensor(t, device=call.device).to(torch.int64).expand(call.batch, n).clone(
+        memory_format=torch.contiguous_format) for t, n in zip((lo, hi, *segments), sizes)))
+
+
+def _describe(mod) -> tuple:
+    """A direct mod by value, for the block-mask cache's key: classes, and/or, every attribute
+    (tensors by shape, dtype and device; their values are compared on a hit)."""
     if type(mod) is _masks.CombinedMod:
-        return _masks.CombinedMod(tuple(_kernel_mod(part, device) for part in mod.mods), mod.op)
-    kernel = copy.copy(mod)
-    for name, value in vars(mod).items():
-        if isinstance(value, Tensor):
-            setattr(kernel, name, value.detach().to(device, copy=True))
-        elif name in _INT_PARAMS[type(mod)] and value is not None:
-            setattr(kernel, name, torch.tensor(value, device=device))
-    return kernel
-
-
-def _describe(mod, *, values: bool) -> tuple:
-    """A known mod's structure: classes, and/or, bools and None by value, tensors by shape and
-    dtype; its int parameters by value when ``values`` (a block mask depends on them, the
-    compiled kernel does not)."""
-    if type(mod) is _masks.CombinedMod:
-        return (mod.op, tuple(_describe(part, values=values) for part in mod.mods))
-    items = []
-    for name, value in sorted(vars(mod).items()):
-        if isinstance(value, Tensor):
-            value = (tuple(value.shape), value.dtype)
-        elif name in _INT_PARAMS[type(mod)] and value is not None and not values:
-            value = int
-        items.append((name, value))
-    return (type(mod).__name__, tuple(items))
+        return (mod.op, tuple(_describe(part) for part in mod.mods))
+    items = tuple((name, (tuple(value.shape), value.dtype, value.device) if isinstance(value, Tensor) else value)
+                  for name, value in sorted(vars(mod).items()))
+    return (type(mod).__name__, items)
 
 
 def _mod_tensors(mod) -> tuple[Tensor, ...]:
-    """Every tensor a known mod holds, in a fixed order (what its block mask was built from)."""
+    """Every tensor a direct mod holds, in a fixed order (what its block mask was built from)."""
     if type(mod) is _masks.CombinedMod:
         return tuple(t for part in mod.mods for t in _mod_tensors(part))
     return tuple(value for _, value in sorted(vars(mod).items()) if isinstance(value, Tensor))
 
 
 def _block_mask_of_mod(mod, call: AttentionCall):
-    """FlexAttention's ``BlockMask`` for a known mod, evaluated one 128-query block at a time.
+    """FlexAttention's ``BlockMask`` for a direct mod, evaluated one 128-query block at a time.
 
-    Each query block is evaluated only over the key blocks its ``kv_bounds`` reach, so memory is
-    O(B * 128 * Tk) at most and work O(visited blocks), never a dense ``(Tq, Tk)`` mask (torch's
-    eager ``create_block_mask`` materialises ``(B, H, Tq, Tk)``: 4.7 GiB at T=8192, H=8).
-    Positions past ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``, so a block holding
-    them is partial, never full. The kernel gets :func:`_kernel_mod`'s copy of ``mod``.
+    The kernel's :class:`RowRangeMod` is evaluated, over only the key blocks ``mod``'s
+    ``kv_bounds`` reach, so memory is O(B * 128 * Tk) at most and never a dense ``(Tq, Tk)``
+    mask (torch's eager ``create_block_mask`` materialises ``(B, H, Tq, Tk)``: 4.7 GiB at
+    T=8192, H=8). Positions past ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``,
+    so a block holding them is partial, never full.
     """
-    size, device = _KV_BLOCK, call.device
+    size, device, kernel_mod = _KV_BLOCK, call.device, _row_range_mod(mod, call)
     n_q, n_k = -(-call.tq // size), -(-call.tk // size)
     partial = torch.zeros(call.batch, 1, n_q, n_k, dtype=torch.bool, device=device)  # (B, 1, nq, nk)
     full = torch.zeros_like(partial)
@@ -202,7 +281,7 @@ def _block_mask_of_mod(mod, call: AttentionCall):
         first, last = lo // size, -(-hi // size)  # key blocks [first, last)
         if last <= first:
             continue
-        allowed = _masks.evaluate(mod, q_range=rows, kv_range=(first * size, min(call.tk, last * size)),
+        allowed = _masks.evaluate(kernel_mod, q_range=rows, kv_range=(first * size, min(call.tk, last * size)),
                                   batch=call.batch, device=device)
         allowed = allowed.expand(call.batch, 1, rows[1] - rows[0], -1)
         allowed = F.pad(allowed, (0, (last - first) * size - allowed.shape[-1], 0, size - allowed.shape[-2]))
@@ -211,8 +290,8 @@ def _block_mask_of_mod(mod, call: AttentionCall):
         partial[:, :, block, first:last] = seen & ~every
         full[:, :, block, first:last] = every
     return _flex_module.BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=size,
-        mask_mod=_kernel_mod(mod, device), seq_lengths=(call.tq, call.tk),
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=size, mask_mod=kernel_mod,
+        seq_lengths=(call.tq, call.tk),
     )
 
 
@@ -274,7 +353,7 @@ class _BlockMaskCache:
         sizes = (call.batch, call.tq, call.tk, str(call.device))
         mod = _direct_mod(call)
         if mod is not None:
-            return ("mod", _describe(mod, values=True)) + sizes
+            return ("mod", _describe(mod)) + sizes
         shape = tuple(call.mask.shape) if isinstance(call.mask, Tensor) else None
         offset = call.causal_offset if call.causal else None
         return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.q_heads,
@@ -423,8 +502,8 @@ class FlexBackend(Backend):
 
     def memory_note(self, call: AttentionCall) -> str:
         if call.mask_kind == "mod" and _direct_mod(call) is None:
-            return ("a mask mod of the user's own is held as a dense (B, H, Tq, Tk) bias: flex takes "
-                    "only attnlab's mods directly (a new function or int would recompile)")
+            return ("this mask mod is held as a dense (B, H, Tq, Tk) bias: flex takes attnlab's mods "
+                    "and ANDs of them directly, not ORs or mods of the user's own")
         if self.memory_for(call) == "quadratic":
             return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
         if _direct_mod(call) is not None:
@@ -433,10 +512,9 @@ class FlexBackend(Backend):
 
     def _variant(self, call: AttentionCall) -> tuple:
         """What the compiled kernel is specialised on (static shapes, see the module doc): the
-        mask path and, for a direct mod, its structure (not its int parameters)."""
-        mod = _direct_mod(call)
-        if mod is not None:
-            mask = _describe(mod, values=False)
+        mask path (none, a dense bias, or row ranges)."""
+        if _direct_mod(call) is not None:
+            mask = "rows"
         else:
             mask = "dense" if call.mask_kind != "none" or call.causal else None
         return (call.device.type, call.dtype, mask, tuple(call.q.shape), tuple(call.k.shape),
