@@ -396,3 +396,26 @@ def test_user_mods_and_ors_take_the_dense_path():
         assert flex.memory_for(call) == "quadratic" and "user's own" in flex.memory_note(call)
     assert flex.memory_for(build_call(q, q, q, causal=True)) == "linear"
     assert flex.memory_for(build_call(q, q, q, mask=torch.ones(T, T, dtype=torch.bool))) == "quadratic"
+
+
+# ------------------------------------------------------------- the benchmark's competitor
+def test_flex_competitor_masks_equal_the_sparse_cases():
+    """The plain functions compiled FlexAttention is timed with allow what attnlab's mods allow."""
+    from attnlab.bench.competitors import flex_mask_mods
+    from attnlab.bench.suites import sparse_cases
+
+    t = 2048  # chunks of 1024, 8 documents of 256, a window of 256
+    ours, theirs = sparse_cases(t), flex_mask_mods(t)
+    assert set(ours) == set(theirs)
+    for case, mod in ours.items():
+        assert torch.equal(masks.materialize(theirs[case], tq=t, tk=t), masks.materialize(mod, tq=t, tk=t)), case
+
+
+def test_compiled_flex_competitor_matches_the_flex_backend():
+    from attnlab.bench.competitors import CompiledFlex
+
+    q, k, v = _qkv()
+    competitor = CompiledFlex(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 64), T, T)
+    with torch.no_grad():
+        out = competitor(q, k, v)
+    _assert_conforms(out, q, k, v, mask=masks.sliding_window_mod(T, T, 64))
