@@ -40,7 +40,10 @@ has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes t
 Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
 score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
 declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
-compiles once. Compiling takes seconds (the measured times are in
+compiles once. Inductor's CPU code is also fixed to the thread count at compile time (compiled
+under ``torch.set_num_threads(1)`` it has no OpenMP loop, and stays serial after the count is
+raised in the same process), so set the thread count before the first flex call. Compiling takes
+seconds (the measured times are in
 :mod:`attnlab.backends.rates`); the cost estimate adds them until a
 variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
 FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
