@@ -56,7 +56,7 @@ def test_sparse_quick_writes_json_with_a_header_and_consistent_rows(tiny, tmp_pa
     out = tmp_path / "sparse.json"
     result = runner.invoke(app, ["bench", "--suite", "sparse", "--quick", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert tiny["sparse_suite"] == {"quick": True}
+    assert tiny["sparse_suite"] == {"quick": True, "with_flex": False}
     document = json.loads(out.read_text())
     _check_rows(document, "sparse")
     assert {row["implementation"] for row in document["rows"]} >= {"auto", "sdpa dense mask"}
@@ -135,6 +135,15 @@ def test_bad_output_paths_are_refused_before_running(args, words, tmp_path, must
     args = [arg.format(tmp=tmp_path) for arg in args]
     assert_one_error_line(runner.invoke(app, ["bench", *args]), *words)
     assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+
+
+def test_with_flex_reaches_the_sparse_suite_and_nothing_else(monkeypatch, must_not_run):
+    assert_one_error_line(runner.invoke(app, ["bench", "--suite", "decode", "--with-flex"]), "--with-flex", "decode")
+    seen = []
+    monkeypatch.setattr(bench, "run_suite", lambda name, **kw: seen.append((name, kw["with_flex"])) or [])
+    assert runner.invoke(app, ["bench", "--suite", "sparse", "--with-flex"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "--suite", "sparse", "--quick"]).exit_code == 0
+    assert seen == [("sparse", True), ("sparse", False)]
 
 
 def test_a_failed_write_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):

@@ -1,18 +1,23 @@
-"""The flex backend: what it declines on CPU, its block-mask cache, and CUDA paths (skipped here)."""
+"""The flex backend: what it declines on CPU, its block-mask cache, mask mods handed to the
+kernel directly (O(T)), and CUDA paths (skipped here)."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import attnlab
 from attnlab import backends, masks, verify
+from attnlab._memory import PeakMemory
 from attnlab.backends import build_call
+from attnlab.backends import flex as flex_module
 
 pytestmark = pytest.mark.skipif("flex" not in backends.available(), reason="no FlexAttention")
-SHAPE = (1, 2, 128, 16)  # one shape for every CPU test here: flex compiles per shape
-T = SHAPE[2]  # a whole 128-key block: on CPU flex declines partial key blocks
+SHAPE = (1, 2, 256, 16)  # one shape for every CPU test here: flex compiles per shape
+T = SHAPE[2]  # two whole 128-key blocks (on CPU flex declines partial ones): block masks have
+# empty, partial and full blocks
 
 
 def _qkv(requires_grad=False, device="cpu"):
@@ -244,3 +249,173 @@ def test_half_inputs_with_an_alibi_like_bias_keep_the_flash_attention_rule(dtype
     err, plain_err = ((t.double() - exact).abs().max().item() for t in (out, plain))
     allowed = verify.allowed_error(plain_err, dtype, 1.0)
     assert err <= allowed, f"flex error {err:.3g} > {allowed:.3g} (plain PyTorch {plain_err:.3g})"
+
+
+# ---------------------------------------------------------- mask mods handed to the kernel
+def _assert_conforms(out, q, k, v, **options):
+    """attnlab's rule: at most 2x the fp32 reference's error vs fp64, plus the fp32 floor."""
+    exact = _reference(q, k, v, **options)
+    plain = attnlab.attention(q, k, v, backend="reference", **options)
+    plain_err, err = ((t.double() - exact).abs().max().item() for t in (plain, out))
+    allowed = verify.allowed_error(plain_err, q.dtype, exact.abs().max().item(),
+                                   reduction=max(q.shape[-1], k.shape[-2]))
+    assert err <= allowed, f"flex error {err:.3g} > {allowed:.3g} (reference fp32 {plain_err:.3g})"
+
+
+def _no_dense_mask(monkeypatch):
+    """Make every way to a dense (B, H, Tq, Tk) mask fail."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense mask was built for a mask-mod call")
+    monkeypatch.setattr(flex_module, "_dense_bias", refuse)
+    monkeypatch.setattr(attnlab._call.AttentionCall, "allowed", refuse)
+    monkeypatch.setattr(masks, "materialize", refuse)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+# Structures that flex's row ranges cover (causal folds in as a CausalMod); one compilation for all.
+MOD_CASES = {
+    "window + causal": (lambda: masks.sliding_window_mod(T, T, 64), True),
+    "documents + causal": (lambda: masks.document_mod(torch.arange(T) // 48, causal=False), True),
+    "prefix-LM": (lambda: masks.prefix_lm_mod(T, T, 100), False),
+    "chunked local": (lambda: masks.chunked_local_mod(T, T, 96, causal=False), False),
+}
+
+
+@pytest.mark.parametrize("case", list(MOD_CASES))
+def test_mask_mods_reach_the_kernel_without_a_dense_mask(case, monkeypatch):
+    make, causal = MOD_CASES[case]
+    q, k, v = _qkv()
+    flex, mod = backends.get("flex"), make()
+    call = build_call(q, k, v, mask=mod, causal=causal)
+    assert flex.memory_for(call) == "linear" and "from the mask mod" in flex.memory_note(call)
+    variants, graphs = len(flex._variants), _graphs()
+    with torch.no_grad(), monkeypatch.context() as patch:
+        _no_dense_mask(patch)
+        out = attnlab.attention(q, k, v, mask=mod, causal=causal, backend="flex")
+    _assert_conforms(out, q, k, v, mask=mod, causal=causal)
+    # the variants flex counts against Dynamo's recompile limit are the graphs Dynamo compiles
+    assert _graphs() - graphs == len(flex._variants) - variants <= 1
+
+
+def test_every_direct_mod_of_a_shape_shares_one_compilation():
+    """Dynamo guards on a mod's class and each int it reads; flex hands every direct mod over as
+    one RowRangeMod of tensors, so another class, window, prefix, document layout or a new
+    instance compiles nothing and is still exact."""
+    q, k, v = _qkv()
+    with torch.no_grad():
+        attnlab.attention(q, k, v, mask=masks.sliding_window_mod(T, T, 64), causal=True, backend="flex")
+        graphs = _graphs()
+        for mod, causal in ((masks.sliding_window_mod(T, T, 64), True), (masks.sliding_window_mod(T, T, 200), False),
+                            (masks.document_mod(torch.arange(T) % 3), False),
+                            (masks.document_mod(torch.arange(T) // 100, causal=False), True),
+                            (masks.prefix_lm_mod(T, T, 7), True), (masks.chunked_local_mod(T, T, 5), False),
+                            (None, True), (masks.padding_mod(torch.tensor([9])) & masks.causal_mod(T, T), False)):
+            out = attnlab.attention(q, k, v, mask=mod, causal=causal, backend="flex")
+            _assert_conforms(out, q, k, v, mask=mod, causal=causal)
+    assert _graphs() == graphs
+
+
+def test_row_ranges_equal_every_mod_of_the_conformance_sweep():
+    """RowRangeMod (what the kernel reads) allows exactly what each mod allows; no compile."""
+    checked = 0
+    for config in verify.configs(300, seed=5):
+        mask = verify._inputs(config)[4]
+        q = torch.randn(config.batch, config.q_heads, config.tq, 4)
+        k = torch.randn(config.batch, config.kv_heads, config.tk, 4)
+        call = build_call(q, k, k, mask=mask, causal=config.causal, align=config.align)
+        mod = flex_module._direct_mod(call)
+        if mod is None or min(config.tq, config.tk) == 0:
+            continue
+        sizes = dict(tq=config.tq, tk=config.tk, batch=config.batch)
+        rows = flex_module._row_range_mod(mod, call)
+        assert torch.equal(masks.materialize(rows, **sizes), masks.materialize(mod, **sizes)), config.label()
+        checked += 1
+    assert checked >= 150
+
+
+@pytest.mark.parametrize("tq, make", [
+    (1024, lambda tq: masks.sliding_window_mod(tq, 1024, 200)),
+    (1024, lambda tq: masks.document_mod(torch.tensor([0] * 300 + [1] * 500 + [2] * 224), causal=False)),
+    (1000, lambda tq: masks.prefix_lm_mod(tq, 1024, 333, align="bottom_right")),
+    (1024, lambda tq: masks.chunked_local_mod(tq, 1024, 256) & masks.padding_mod(torch.tensor([900, 40]))),
+    (900, lambda tq: masks.varlen_causal_mod(torch.tensor([900, 17]), torch.tensor([1000, 600]), window=300)),
+], ids=["window", "documents", "prefix, partial query block", "and of two", "varlen"])
+def test_block_mask_from_a_mod_is_torchs_block_mask(tq, make):
+    """The per-block build equals ``create_block_mask`` (which evaluates every (q, k) pair); no compile."""
+    mod, batch = make(tq), 2
+    call = build_call(torch.randn(batch, 1, tq, 8), torch.randn(batch, 1, 1024, 8), torch.randn(batch, 1, 1024, 8),
+                      mask=mod)
+    ours = flex_module._block_mask_of_mod(mod, call)
+    torchs = flex_module._flex_module.create_block_mask(mod, batch, 1, tq, 1024, device="cpu")
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(torchs, name)), name
+    assert torch.equal(ours.to_dense(), torchs.to_dense())
+
+
+def test_block_mask_from_a_mod_holds_no_dense_mask():
+    """T=8192: a (T, T) bool mask alone is 64 MiB; the per-block build holds ~B * 128 * span."""
+    t = 8192
+    q = torch.randn(1, 1, t, 8)
+    call = build_call(q, q, q, mask=masks.sliding_window_mod(t, t, 256), causal=True)
+    with PeakMemory() as meter:
+        block_mask = flex_module._block_mask_of_mod(call.mask_mod(), call)
+    assert meter.peak_bytes < 2**20, f"{meter.peak_bytes / 2**20:.1f} MiB"
+    assert int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum()) == 3 * (t // 128) - 3
+
+
+def test_equal_mods_share_a_block_mask_that_no_later_edit_reaches():
+    """Two PaddingMods with equal lengths share the cache entry; editing the first afterwards
+    must not change what the second computes (the kernel's copy owns its tensors)."""
+    q, k, v = _qkv()
+    first, second = masks.padding_mod(torch.tensor([200])), masks.padding_mod(torch.tensor([200]))
+    cache = backends.get("flex")._block_masks
+    with torch.no_grad():
+        attnlab.attention(q, k, v, mask=first, backend="flex")
+        assert cache.get(build_call(q, k, v, mask=second)) is cache.get(build_call(q, k, v, mask=first))
+        first.lengths[0] = 3
+        out = attnlab.attention(q, k, v, mask=second, backend="flex")
+        edited = attnlab.attention(q, k, v, mask=first, backend="flex")
+    _assert_conforms(out, q, k, v, mask=second)
+    _assert_conforms(edited, q, k, v, mask=first)
+
+
+def test_user_mods_and_ors_take_the_dense_path():
+    """A lambda or a subclass may hold Python flex cannot trace or ints it would recompile on."""
+    class Shifted(masks.SlidingWindowMod):
+        def __call__(self, b, h, q_idx, kv_idx):
+            return super().__call__(b, h, q_idx, kv_idx + 1)
+
+    q, _, _ = _qkv()
+    flex = backends.get("flex")
+    for mod in (lambda b, h, i, j: i >= j, Shifted(8), masks.causal_mod(T, T) & (lambda b, h, i, j: i >= j),
+                masks.causal_mod(T, T) | masks.padding_mod(torch.tensor([3]))):  # an OR: not one interval
+        call = build_call(q, q, q, mask=mod)
+        assert flex.memory_for(call) == "quadratic" and "user's own" in flex.memory_note(call)
+    assert flex.memory_for(build_call(q, q, q, causal=True)) == "linear"
+    assert flex.memory_for(build_call(q, q, q, mask=torch.ones(T, T, dtype=torch.bool))) == "quadratic"
+
+
+# ------------------------------------------------------------- the benchmark's competitor
+def test_flex_competitor_masks_equal_the_sparse_cases():
+    """The plain functions compiled FlexAttention is timed with allow what attnlab's mods allow."""
+    from attnlab.bench.competitors import flex_mask_mods
+    from attnlab.bench.suites import sparse_cases
+
+    t = 2048  # chunks of 1024, 8 documents of 256, a window of 256
+    ours, theirs = sparse_cases(t), flex_mask_mods(t)
+    assert set(ours) == set(theirs)
+    for case, mod in ours.items():
+        assert torch.equal(masks.materialize(theirs[case], tq=t, tk=t), masks.materialize(mod, tq=t, tk=t)), case
+
+
+def test_compiled_flex_competitor_matches_the_flex_backend():
+    from attnlab.bench.competitors import CompiledFlex
+
+    q, k, v = _qkv()
+    competitor = CompiledFlex(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 64), T, T)
+    with torch.no_grad():
+        out = competitor(q, k, v)
+    _assert_conforms(out, q, k, v, mask=masks.sliding_window_mod(T, T, 64))

@@ -1,15 +1,32 @@
 """The ``flex`` backend: ``torch.nn.attention.flex_attention``, compiled, with block-sparse masks.
 
 FlexAttention takes the mask as a *mask mod* and skips whole blocks that no query of a block
-may attend (a ``BlockMask`` built with ``create_block_mask``). attnlab folds causal (either
-alignment), bool masks and mask mods into one dense bool mask read by a single mask mod class
-and a float mask into one score mod (:class:`BiasScoreMod`); GQA uses
-``enable_gqa=True``. One mask mod *class* for every mask means the compiled kernel is reused:
-each new mask-mod function would otherwise cost a recompilation. Block sparsity
-is kept -- the block mask is computed from the dense mask. Masked calls therefore hold an
-O(Tq*Tk) mask (reported by :meth:`FlexBackend.memory_for`); unmasked calls are O(T). Block
-masks are cached per (mask identity, sizes, causal offset) and served again only while the
-mask's contents (a mask mod's: its dense mask, evaluated afresh) are unchanged.
+may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of two paths:
+
+* **Direct, O(T) memory**: causal (either alignment) and attnlab's own mask mods
+  (:class:`~attnlab.masks.CausalMod`, ``SlidingWindowMod``, ``PrefixLMMod``, ``ChunkedLocalMod``,
+  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod``, and ANDs of them; exact types) reach the
+  kernel as a mask mod, and the block mask is built from it one 128-query block at a time over
+  the key blocks the mod's ``kv_bounds`` reach -- never a dense ``(Tq, Tk)`` mask. torch's
+  ``create_block_mask`` is not used: eager, it materialises ``(B, H, Tq, Tk)`` (715 MiB at
+  T=8192 H=1, 4.7 GiB at H=8, on CPU); compiled, it costs a compilation per mod and shape.
+  The kernel's mod is one class, :class:`RowRangeMod`: each of these mods allows, per query row,
+  one key interval, and positions whose segment (document) matches, and so does an AND of them.
+  torch.compile guards on the mod's class and on every int it reads (``mask_mod.window == 64``
+  recompiles for 32), so handing over attnlab's mods themselves would compile once per mod
+  structure and per window, prefix, chunk or offset value; :class:`RowRangeMod` holds tensors
+  only, so every direct mod of one call shape shares one compilation.
+* **Dense, O(Tq*Tk) memory**: bool and float tensor masks, ORs of mods (not one interval), and
+  mask mods of the user's own (any other callable: each new function, and each int a closure
+  holds, would recompile, and arbitrary Python need not trace) are folded into one dense
+  additive ``(B, Hq, Tq, Tk)`` bias read by one score mod class (:class:`BiasScoreMod`), so the
+  compiled kernel is reused.
+
+:meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
+Block masks are cached and served again only while what they were built from is unchanged
+(:class:`_BlockMaskCache`): a direct mod by value (its classes and ints, so a new
+``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
+identity and contents.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel returns wrong values or NaN on some partial
@@ -22,8 +39,12 @@ the log-sum-exp, so on CPU this backend declines calls that need gradients ("Fle
 has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes the weights).
 Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
 score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
-declared), so each new shape/dtype/masked-or-not variant compiles once. Compiling takes seconds
-(the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds them until a
+declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
+compiles once. Inductor's CPU code is also fixed to the thread count at compile time (compiled
+under ``torch.set_num_threads(1)`` it has no OpenMP loop, and stays serial after the count is
+raised in the same process), so set the thread count before the first flex call. Compiling takes
+seconds (the measured times are in
+:mod:`attnlab.backends.rates`); the cost estimate adds them until a
 variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
 FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
 run and the ``lse`` is returned.
@@ -41,6 +62,7 @@ import shutil
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import masks as _masks
@@ -55,7 +77,7 @@ try:  # FlexAttention appeared in PyTorch 2.5
 except ImportError:  # pragma: no cover - depends on the installed torch
     _flex_module = None
 
-__all__ = ["FlexBackend", "BiasScoreMod"]
+__all__ = ["FlexBackend", "BiasScoreMod", "RowRangeMod"]
 
 _BLOCK_CACHE_SIZE = 32
 
@@ -95,11 +117,201 @@ class _FiniteBias(_masks.MaskMod):
         return self.bias[b, h, q_idx, kv_idx] > float("-inf")
 
 
+class RowRangeMod(_masks.MaskMod):
+    """The mask mod the kernel reads for every mod it takes directly: per query row a key
+    interval ``[lo, hi]``, and a segment per query and per key that must be equal.
+
+    Every attnlab mod is of this form (see :func:`_row_ranges`), and so is an AND of them, so one
+    class with tensor state serves them all: torch.compile guards on a mod's class and on each
+    int it reads (``mask_mod.window == 64``), and compiles nothing new for new tensor values.
+
+    Shapes:
+        lo, hi, q_segment: ``(B, Tq)`` int64; k_segment: ``(B, Tk)`` int64.
+
+    Example:
+        >>> lo, hi = torch.tensor([[0, 0]]), torch.tensor([[0, 1]])  # causal, 2 queries
+        >>> seg = torch.zeros(1, 2, dtype=torch.int64)
+        >>> _masks.materialize(RowRangeMod(lo, hi, seg, seg), tq=2, tk=2)[0, 0].int()
+        tensor([[1, 0],
+                [1, 1]], dtype=torch.int32)
+    """
+
+    def __init__(self, lo: Tensor, hi: Tensor, q_segment: Tensor, k_segment: Tensor):
+        self.lo, self.hi, self.q_segment, self.k_segment = lo, hi, q_segment, k_segment
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        inside = (kv_idx >= self.lo[b, q_idx]) & (kv_idx <= self.hi[b, q_idx])
+        return inside & (self.q_segment[b, q_idx] == self.k_segment[b, kv_idx])
+
+
+# Each attnlab mod as (lo, hi, segments or None) over query positions q = arange(Tq), shape
+# (1, Tq); lo and hi broadcast to (B, Tq). Exact types only: a subclass may override __call__.
+def _rows_causal(mod, q, tk):
+    return 0, q + mod.offset, None
+
+
+def _rows_window(mod, q, tk):
+    last = q + mod.offset
+    return last - mod.window + 1, last, None
+
+
+def _rows_prefix(mod, q, tk):  # keys < prefix_len, or <= the diagonal: one prefix of the keys
+    return 0, torch.clamp(q + mod.offset, min=mod.prefix_len - 1), None
+
+
+def _rows_chunked(mod, q, tk):
+    pos = q + mod.offset
+    start = torch.div(pos, mod.chunk, rounding_mode="floor") * mod.chunk
+    return start, pos if mod.causal else start + mod.chunk - 1, None
+
+
+def _rows_padding(mod, q, tk):
+    return 0, mod.lengths.to(q.device, torch.int64).view(-1, 1) - 1, None
+
+
+def _rows_varlen(mod, q, tk):
+    q_len, k_len = (t.to(q.device, torch.int64).view(-1, 1) for t in (mod.q_lengths, mod.k_lengths))
+    last = q + k_len - q_len  # < k_len for every real query
+    lo = 0 if mod.window is None else last - mod.window + 1
+    return lo, torch.where(q < q_len, last, -1), None  # padded queries: an empty range
+
+
+def _rows_document(mod, q, tk):
+    ids = mod.ids.to(q.device)  # (B|1, L)
+    pos = q[0] + mod.offset
+    return 0, (q + mod.offset) if mod.causal else tk - 1, (ids[:, pos], ids[:, :tk])
+
+
+_ROW_RANGES = {
+    _masks.CausalMod: _rows_causal,
+    _masks.SlidingWindowMod: _rows_window,
+    _masks.PrefixLMMod: _rows_prefix,
+    _masks.ChunkedLocalMod: _rows_chunked,
+    _masks.PaddingMod: _rows_padding,
+    _masks.VarlenCausalMod: _rows_varlen,
+    _masks.DocumentMod: _rows_document,
+}
+
+
+def _is_direct(mod) -> bool:
+    """Whether ``mod`` is one of attnlab's mods or an AND of them (an OR is not one interval)."""
+    if type(mod) is _masks.CombinedMod:
+        return mod.op == "and" and all(_is_direct(part) for part in mod.mods)
+    return type(mod) in _ROW_RANGES
+
+
+def _direct_mod(call: AttentionCall):
+    """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, a
+    tensor mask, or a mod of the user's own (those go through the dense bias, see the module doc)."""
+    if call.mask_kind not in ("none", "mod"):
+        return None
+    mod = call.mask_mod()
+    return mod if mod is not None and _is_direct(mod) else None
+
+
+def _row_ranges(mod, q: Tensor, tk: int) -> tuple:
+    """(lo, hi, segments or None) of a direct mod: an AND intersects the intervals and pairs the
+    segments (two positions share a pair of segments when they share each)."""
+    if type(mod) is not _masks.CombinedMod:
+        return _ROW_RANGES[type(mod)](mod, q, tk)
+    lo, hi, segments = 0, tk - 1, None
+    for part in mod.mods:
+        part_lo, part_hi, part_segments = _row_ranges(part, q, tk)
+        lo = torch.maximum(torch.as_tensor(lo), torch.as_tensor(part_lo))
+        hi = torch.minimum(torch.as_tensor(hi), torch.as_tensor(part_hi))
+        segments = _pair_segments(segments, part_segments)
+    return lo, hi, segments
+
+
+def _pair_segments(first, second):
+    """One segment id per position for two (q, k) segmentings: equal ids = equal in both."""
+    if first is None or second is None:
+        return second if first is None else first
+    rows = max(first[0].shape[0], second[0].shape[0])
+    q_pairs, k_pairs = (torch.stack(torch.broadcast_tensors(a, b), dim=-1).expand(rows, -1, 2)
+                        for a, b in zip(first, second))  # (B, T, 2)
+    _, ids = torch.unique(torch.cat([q_pairs, k_pairs], dim=1).reshape(-1, 2), dim=0, return_inverse=True)
+    ids = ids.view(rows, -1)  # (B, Tq + Tk)
+    return ids[:, : q_pairs.shape[1]], ids[:, q_pairs.shape[1]:]
+
+
+def _row_range_mod(mod, call: AttentionCall) -> RowRangeMod:
+    """The kernel's :class:`RowRangeMod` for a direct mod: fresh contiguous tensors of fixed
+    shapes, so that one compilation serves every mod of a call shape and the cache's entry owns
+    them (an in-place edit of the user's ``lengths`` or ids never reaches it)."""
+    q = torch.arange(call.tq, device=call.device).view(1, -1)  # (1, Tq)
+    lo, hi, segments = _row_ranges(mod, q, call.tk)
+    if segments is None:
+        segments = (torch.zeros(1, call.tq, dtype=torch.int64), torch.zeros(1, call.tk, dtype=torch.int64))
+    sizes = (call.tq, call.tq, call.tq, call.tk)
+    return RowRangeMod(*(torch.as_tensor(t, device=call.device).to(torch.int64).expand(call.batch, n).clone(
+        memory_format=torch.contiguous_format) for t, n in zip((lo, hi, *segments), sizes)))
+
+
+def _describe(mod) -> tuple:
+    """A direct mod by value, for the block-mask cache's key: classes, and/or, every attribute
+    (tensors by shape, dtype and device; their values are compared on a hit)."""
+    if type(mod) is _masks.CombinedMod:
+        return (mod.op, tuple(_describe(part) for part in mod.mods))
+    items = tuple((name, (tuple(value.shape), value.dtype, value.device) if isinstance(value, Tensor) else value)
+                  for name, value in sorted(vars(mod).items()))
+    return (type(mod).__name__, items)
+
+
+def _mod_tensors(mod) -> tuple[Tensor, ...]:
+    """Every tensor a direct mod holds, in a fixed order (what its block mask was built from)."""
+    if type(mod) is _masks.CombinedMod:
+        return tuple(t for part in mod.mods for t in _mod_tensors(part))
+    return tuple(value for _, value in sorted(vars(mod).items()) if isinstance(value, Tensor))
+
+
+def _block_mask_of_mod(mod, call: AttentionCall):
+    """FlexAttention's ``BlockMask`` for a direct mod, evaluated one 128-query block at a time.
+
+    The kernel's :class:`RowRangeMod` is evaluated, over only the key blocks ``mod``'s
+    ``kv_bounds`` reach, so memory is O(B * 128 * Tk) at most and never a dense ``(Tq, Tk)``
+    mask (torch's eager ``create_block_mask`` materialises ``(B, H, Tq, Tk)``: 4.7 GiB at
+    T=8192, H=8). Positions past ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``,
+    so a block holding them is partial, never full.
+    """
+    size, device, kernel_mod = _KV_BLOCK, call.device, _row_range_mod(mod, call)
+    n_q, n_k = -(-call.tq // size), -(-call.tk // size)
+    partial = torch.zeros(call.batch, 1, n_q, n_k, dtype=torch.bool, device=device)  # (B, 1, nq, nk)
+    full = torch.zeros_like(partial)
+    for block in range(n_q):
+        rows = (block * size, min(call.tq, (block + 1) * size))
+        lo, hi = _masks.kv_range(mod, *rows, call.tk)
+        first, last = lo // size, -(-hi // size)  # key blocks [first, last)
+        if last <= first:
+            continue
+        allowed = _masks.evaluate(kernel_mod, q_range=rows, kv_range=(first * size, min(call.tk, last * size)),
+                                  batch=call.batch, device=device)
+        allowed = allowed.expand(call.batch, 1, rows[1] - rows[0], -1)
+        allowed = F.pad(allowed, (0, (last - first) * size - allowed.shape[-1], 0, size - allowed.shape[-2]))
+        tiles = allowed.reshape(call.batch, 1, size, last - first, size)  # (B, 1, q, key block, k)
+        seen, every = tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)  # (B, 1, key block)
+        partial[:, :, block, first:last] = seen & ~every
+        full[:, :, block, first:last] = every
+    return _flex_module.BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=size, mask_mod=kernel_mod,
+        seq_lengths=(call.tq, call.tk),
+    )
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(count, indices) per query block of a ``(B, H, nq, nk)`` bool block matrix: the
+    ``BlockMask`` layout (the blocks present first, in ascending order), int32."""
+    as_int = blocks.to(torch.int32)
+    indices = torch.argsort(as_int, dim=-1, descending=True, stable=True)
+    return as_int.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+
+
 def _dense_bias(call: AttentionCall) -> Tensor | None:
     """Every mask of the call (causal, bool, float, mask mod) as one additive ``(B, Hq, Tq, Tk)``.
 
-    One score mod class and one layout for every mask means the compiled kernel is reused:
-    a new mask-mod *function* would otherwise cost a recompilation.
+    For tensor masks and the user's own mask mods (see :func:`_direct_mod`). One score mod class
+    and one layout for all of them means the compiled kernel is reused: a new mask-mod
+    *function* would otherwise cost a recompilation.
     """
     allowed, bias = call.allowed(), call.bias()  # broadcastable to (B, Hq, Tq, Tk)
     if allowed is None and bias is None:
@@ -115,13 +327,16 @@ def _dense_bias(call: AttentionCall) -> Tensor | None:
 
 
 class _BlockMaskCache:
-    """(score mod, block mask) pairs, served again only while the mask's contents are unchanged.
+    """(score mod, block mask) pairs, served again only while what they were built from is unchanged.
 
-    An entry is found by the mask's identity and the sizes, then confirmed by content: a tensor
-    mask is compared with a copy taken when the entry was made, a mask mod by its freshly
-    materialised dense mask. Identity and ``_version`` are not enough: a mask mod reads state the
-    cache cannot see (a ``PaddingMod``'s ``lengths`` edited in place, a variable a lambda
-    captured), and a tensor written through ``.data`` or numpy keeps its ``_version``.
+    An entry is found by a key, then confirmed by content against copies taken when it was made.
+    A mod flex takes directly (:func:`_direct_mod`) is keyed by value -- its structure and int
+    parameters, so a new ``sliding_window_mod(T, T, 256)`` per step finds the entry -- and
+    confirmed by the tensors it holds (``PaddingMod.lengths``, ``DocumentMod`` ids): O(T) to
+    check. Any other mask is keyed by identity and confirmed by the tensor mask, or a user mod by
+    its freshly materialised dense mask. Identity and ``_version`` are not enough: a mask mod reads
+    state the cache cannot see (``lengths`` edited in place, a variable a lambda captured), and a
+    tensor written through ``.data`` or numpy keeps its ``_version``.
     """
 
     def __init__(self, size: int):
@@ -138,17 +353,25 @@ class _BlockMaskCache:
     def key(call: AttentionCall) -> tuple | None:
         if call.mask_kind == "none" and not call.causal:
             return None
+        sizes = (call.batch, call.tq, call.tk, str(call.device))
+        mod = _direct_mod(call)
+        if mod is not None:
+            return ("mod", _describe(mod)) + sizes
         shape = tuple(call.mask.shape) if isinstance(call.mask, Tensor) else None
         offset = call.causal_offset if call.causal else None
-        return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.batch,
-                call.q_heads, call.tq, call.tk, call.dtype, str(call.device))
+        return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.q_heads,
+                call.dtype) + sizes
 
     @staticmethod
-    def contents(call: AttentionCall) -> Tensor | None:
-        """What the block mask was computed from: the tensor mask, or the mod's dense mask."""
+    def contents(call: AttentionCall) -> tuple[Tensor, ...]:
+        """What the block mask was built from: a direct mod's tensors, the tensor mask, or a
+        user mod's dense mask."""
+        mod = _direct_mod(call)
+        if mod is not None:
+            return _mod_tensors(mod)
         if call.mask_kind == "mod":
-            return call.allowed()  # memoised on the call: a miss builds the bias from it
-        return call.mask if isinstance(call.mask, Tensor) else None
+            return (call.allowed(),)  # memoised on the call: a miss builds the bias from it
+        return (call.mask,) if isinstance(call.mask, Tensor) else ()
 
     def get(self, call: AttentionCall):
         key = self.key(call)
@@ -162,18 +385,16 @@ class _BlockMaskCache:
         return mods
 
     def put(self, call: AttentionCall, mods) -> None:
-        contents = self.contents(call)
-        seen = None if contents is None else contents.detach().clone()
+        seen = tuple(t.detach().clone() for t in self.contents(call))
         self.entries[self.key(call)] = (seen, mods)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
 
-def _same_contents(seen: Tensor | None, now: Tensor | None) -> bool:
-    """Equal shapes and values (NaN never equals, so a NaN mask is never reused)."""
-    if seen is None or now is None:
-        return seen is None and now is None
-    return seen.shape == now.shape and bool(torch.equal(seen, now))
+def _same_contents(seen: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
+    """Equal devices, shapes and values, pairwise (NaN never equals, so a NaN mask is never reused)."""
+    return len(seen) == len(now) and all(
+        a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen, now))
 
 
 def _shape_limits(call: AttentionCall) -> list[str]:
@@ -224,7 +445,8 @@ _KV_BLOCK = 128
 
 
 class FlexBackend(Backend):
-    """FlexAttention, compiled once; block-sparse masks cached per mask; CPU forward only.
+    """FlexAttention, compiled per variant; block masks from attnlab's mods (O(T)) or a dense
+    bias, cached; CPU forward only.
 
     Example:
         >>> import attnlab
@@ -272,22 +494,33 @@ class FlexBackend(Backend):
         return found + _shape_limits(call) + _mask_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
-        """O(T^2) for any masked call (the mask is held densely for the kernel), else O(T).
+        """O(T) unmasked, causal or with one of attnlab's mask mods (the block mask is built from
+        the mod); O(T^2) for a tensor mask or a user's own mod (held densely for the kernel).
 
         Deliberately independent of the block-mask cache, so that dispatch does not change
         between two identical calls.
         """
-        return "linear" if call.mask_kind == "none" and not call.causal else "quadratic"
+        dense = (call.mask_kind != "none" or call.causal) and _direct_mod(call) is None
+        return "quadratic" if dense else "linear"
 
     def memory_note(self, call: AttentionCall) -> str:
+        if call.mask_kind == "mod" and _direct_mod(call) is None:
+            return ("this mask mod is held as a dense (B, H, Tq, Tk) bias: flex takes attnlab's mods "
+                    "and ANDs of them directly, not ORs or mods of the user's own")
         if self.memory_for(call) == "quadratic":
             return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
+        if _direct_mod(call) is not None:
+            return "fused kernel, block mask built from the mask mod, O(T) memory"
         return "fused kernel, O(T) memory"
 
     def _variant(self, call: AttentionCall) -> tuple:
-        """What the compiled kernel is specialised on (static shapes, see the module doc)."""
-        masked = call.mask_kind != "none" or call.causal
-        return (call.device.type, call.dtype, masked, tuple(call.q.shape), tuple(call.k.shape),
+        """What the compiled kernel is specialised on (static shapes, see the module doc): the
+        mask path (none, a dense bias, or row ranges)."""
+        if _direct_mod(call) is not None:
+            mask = "rows"
+        else:
+            mask = "dense" if call.mask_kind != "none" or call.causal else None
+        return (call.device.type, call.dtype, mask, tuple(call.q.shape), tuple(call.k.shape),
                 tuple(call.v.shape))
 
     def compiled(self, call: AttentionCall) -> bool:
@@ -319,16 +552,20 @@ class FlexBackend(Backend):
         cached = self._block_masks.get(call)
         if cached is not None:
             return cached
-        bias = _dense_bias(call)
-        if bias is None:
-            return None, None
-        score_mod = BiasScoreMod(bias)
-        block_mask = _flex_module.create_block_mask(
-            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
-            BLOCK_SIZE=_KV_BLOCK,
-        )
-        self._block_masks.put(call, (score_mod, block_mask))
-        return score_mod, block_mask
+        mod = _direct_mod(call)
+        if mod is not None:
+            mods = (None, _block_mask_of_mod(mod, call))
+        else:
+            bias = _dense_bias(call)
+            if bias is None:
+                return None, None
+            score_mod = BiasScoreMod(bias)
+            mods = (score_mod, _flex_module.create_block_mask(
+                score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
+                BLOCK_SIZE=_KV_BLOCK,
+            ))
+        self._block_masks.put(call, mods)
+        return mods
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)

@@ -4,8 +4,11 @@
   Transformers": three projections and an explicit masked softmax over the full score matrix.
 * :class:`NanoGPTAttention` -- nanoGPT's ``CausalSelfAttention``: one fused projection and
   ``F.scaled_dot_product_attention(is_causal=True)``.
+* :class:`CompiledFlex` -- ``torch.compile(flex_attention)`` with the block mask
+  ``create_block_mask`` builds from a plain mask-mod function, as FlexAttention's documentation
+  writes it; :func:`flex_mask_mods` -- the sparse suite's masks as such functions.
 
-The benchmark suite times them; the tests use them as independent references.
+The benchmark suites time them; the tests use them as independent references.
 
 Example:
     >>> import torch
@@ -19,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SeedMultiHeadAttention", "NanoGPTAttention"]
+try:  # FlexAttention appeared in PyTorch 2.5
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - depends on the installed torch
+    create_block_mask = flex_attention = None
+
+__all__ = ["SeedMultiHeadAttention", "NanoGPTAttention", "CompiledFlex", "flex_mask_mods"]
 
 
 class SeedMultiHeadAttention(nn.Module):
@@ -82,3 +90,58 @@ class NanoGPTAttention(nn.Module):
         q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))  # (B, T, C)
+
+
+def flex_mask_mods(t: int) -> dict:
+    """The masks of :func:`attnlab.bench.suites.sparse_cases` as a FlexAttention user writes them:
+    plain functions closing over their parameters (attention-gym's style), causal inside.
+
+    Example:
+        >>> mods = flex_mask_mods(512)
+        >>> bool(mods["window 256"](0, 0, torch.tensor(300), torch.tensor(44)))
+        False
+    """
+    window, chunk, prefix = 256, 1024, t // 4
+    documents = torch.arange(t) // max(1, t // 8)
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    def packed_documents(b, h, q_idx, kv_idx):
+        return (documents[q_idx] == documents[kv_idx]) & (q_idx >= kv_idx)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < prefix)
+
+    def chunked_local(b, h, q_idx, kv_idx):
+        return (q_idx // chunk == kv_idx // chunk) & (q_idx >= kv_idx)
+
+    return {"window 256": sliding_window, "packed 8 docs": packed_documents,
+            "prefix-LM T/4": prefix_lm, "chunked-local 1024": chunked_local}
+
+
+class CompiledFlex:
+    """``torch.compile(flex_attention)`` with its own block mask, built once from ``mask_mod``.
+
+    What FlexAttention's documentation writes: ``create_block_mask(mask_mod, None, None, Tq, Tk)``
+    (one block mask for every batch row and head) and the compiled kernel; the block mask is
+    built here, outside any timing. Each new ``mask_mod`` function compiles the kernel anew.
+
+    Shapes:
+        q ``(B, H, Tq, D)``, k and v ``(B, H, Tk, D)`` -> ``(B, H, Tq, D)``.
+
+    Example:
+        >>> flex = CompiledFlex(lambda b, h, q, kv: q >= kv, 128, 128)  # doctest: +SKIP
+        >>> flex(q, k, v).shape  # doctest: +SKIP
+        torch.Size([1, 8, 128, 64])
+    """
+
+    def __init__(self, mask_mod, q_len: int, kv_len: int, *, device: str = "cpu"):
+        if flex_attention is None:
+            raise RuntimeError(f"torch {torch.__version__} has no FlexAttention (needs 2.5+)")
+        self.block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
+        self.kernel = torch.compile(flex_attention, dynamic=False)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with torch._dynamo.config.patch(recompile_limit=64):  # one variant per mask mod and shape
+            return self.kernel(q, k, v, block_mask=self.block_mask)

@@ -6,7 +6,8 @@
 * ``modules`` -- :func:`attnlab.bench.modules.run_modules_suite`;
 * ``sparse`` -- masks with structure (sliding window, packed documents, prefix-LM, chunked
   local): ``auto``, every serving backend and SDPA given the equivalent dense mask, forward and
-  forward+backward; FLOPs count only the visible (query, key) pairs;
+  forward+backward; FLOPs count only the visible (query, key) pairs; ``with_flex`` adds the flex
+  backend and compiled FlexAttention with its own block mask (forward; compiles for minutes);
 * ``decode`` -- one decoding step (1 query over a KV cache) through ``auto`` vs raw SDPA;
 * ``decode-model`` -- a 6-layer, d_model=384 GPT generating 256 tokens after a 512-token
   prompt with the KV cache and by recomputing every step: tokens/s of each, their ratio, and
@@ -29,6 +30,7 @@ from attnlab import backends, masks
 from attnlab._checks import positive_int
 from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
+from attnlab.bench.competitors import CompiledFlex, flex_mask_mods
 from attnlab.bench.modules import run_modules_suite
 from attnlab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
@@ -168,21 +170,42 @@ def _run_once(mask, q, k, v, backend: str, grad: bool) -> Callable[[], None]:
     return run
 
 
-def _sparse_backends(call, *, t: int, quick: bool) -> list[str]:
-    """The backends the sparse suite times: every one that serves ``call``, less flex (its CPU
-    compile takes minutes per shape), the O(T^2) reference from T=4096, and with ``quick`` the
-    reference and chunked (seconds per call at T=2048 on 2 cores; ``--quick`` checks the harness)."""
-    left_out = {"flex"} | ({"reference"} if t >= 4096 else set()) | ({"reference", "chunked"} if quick else set())
+def _sparse_backends(call, *, t: int, quick: bool, with_flex: bool = False) -> list[str]:
+    """The backends the sparse suite times: every one that serves ``call``, less flex unless
+    ``with_flex`` (its CPU compile takes seconds to minutes per shape), the O(T^2) reference from
+    T=4096, and with ``quick`` the reference and chunked (seconds per call at T=2048 on 2 cores;
+    ``--quick`` checks the harness)."""
+    left_out = (set() if with_flex else {"flex"}) | ({"reference"} if t >= 4096 else set()) | (
+        {"reference", "chunked"} if quick else set())
     return [n for n, why in backends.reasons(call).items() if not why and n not in left_out]
 
 
+FLEX_OWN = "flex compiled (own block mask)"
+
+
+def _flex_own(case: str, t: int, q, k, v) -> Callable[[], None]:
+    """Compiled FlexAttention given the case's mask as a plain function and its own block mask
+    (:class:`attnlab.bench.competitors.CompiledFlex`), forward."""
+    flex = CompiledFlex(flex_mask_mods(t)[case], t, t)
+    return _no_grad(flex, q, k, v)
+
+
 def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
-                 rounds: int | None = None) -> list[BenchRow]:
+                 rounds: int | None = None, with_flex: bool = False,
+                 cases: tuple[str, ...] | None = None) -> list[BenchRow]:
     """Structured masks at ``T`` in (2048, 8192) (quick: 1024), B=1 H=8 D=64 fp32.
 
     Candidates: ``auto``, the backends of :func:`_sparse_backends`, and
-    ``sdpa dense mask``: SDPA handed the same mask materialised as a dense bool tensor. FLOPs
-    count only the visible pairs: ``2*B*H*visible*(D+Dv)`` forward, 3.5x with backward.
+    ``sdpa dense mask``: SDPA handed the same mask materialised as a dense bool tensor. With
+    ``with_flex``, forward rows also time the flex backend and :data:`FLEX_OWN`: compiled
+    ``flex_attention`` with the block mask ``create_block_mask`` builds from the same mask written
+    as a plain function (what a FlexAttention user writes; block mask and compilation untimed).
+    FLOPs count only the visible pairs: ``2*B*H*visible*(D+Dv)`` forward, 3.5x with backward.
+
+    Args:
+        quick, lengths, rounds: sizes and rounds (see above).
+        with_flex: add the flex rows (compiling takes seconds to minutes per shape and mask).
+        cases: the names of :func:`sparse_cases` to time (default: all).
 
     Example:
         >>> rows = sparse_suite(quick=True, lengths=(256,), rounds=1)  # doctest: +SKIP
@@ -194,6 +217,8 @@ def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
     for t in lengths:
         q, k, v = _attention_inputs(b, h, t, d, torch.float32, "cpu")
         for case, mod in sparse_cases(t).items():
+            if cases is not None and case not in cases:
+                continue
             dense = masks.materialize(mod, tq=t, tk=t)  # (1, 1, T, T) bool
             visible = int(dense.sum())
             for grad in (False, True):
@@ -201,10 +226,12 @@ def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
                 with torch.set_grad_enabled(grad):
                     call = backends.build_call(*x, mask=mod)
                     chosen = backends.select(call).name
-                    names = _sparse_backends(call, t=t, quick=quick)
+                    names = _sparse_backends(call, t=t, quick=quick, with_flex=with_flex)
                 candidates = {n: _run_once(mod, *x, n, grad) for n in names}
                 candidates["auto"] = _run_once(mod, *x, "auto", grad)
                 candidates["sdpa dense mask"] = _run_once(dense, *x, "sdpa", grad)
+                if with_flex and not grad:
+                    candidates[FLEX_OWN] = _flex_own(case, t, *x)
                 seconds, peak = _compare_with_peak(candidates, rounds=rounds,
                                                    min_run_time=0.05 if quick else 0.2)
                 mode = "fwd+bwd" if grad else "fwd"
@@ -359,8 +386,10 @@ def report_generation(timing: GenerationTiming, *, console=None) -> None:
         raise RuntimeError("the KV-cache and the recomputing runs generated different greedy tokens")
 
 
-def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]:
+def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool = False) -> list[BenchRow]:
     """Run one suite (``backends``, ``memory``, ``modules``, ``sparse``, ``decode``, ``decode-model``) or ``all``.
+
+    ``with_flex`` adds FlexAttention's rows to the sparse suite (see :func:`sparse_suite`).
 
     Example:
         >>> run_suite("nope")
@@ -385,7 +414,7 @@ def run_suite(name: str, *, quick: bool = False, console=None) -> list[BenchRow]
             rows += (found := memory_suite(quick=quick))
             print_rows(found, title="peak memory, causal forward+backward, B=1 H=4 D=64", console=console)
         elif suite == "sparse":
-            rows += (found := sparse_suite(quick=quick))
+            rows += (found := sparse_suite(quick=quick, with_flex=with_flex))
             print_rows(found, title="structured masks, B=1 H=8 D=64 fp32 (FLOPs: visible pairs only)",
                        console=console)
         elif suite == "decode":

@@ -29,6 +29,9 @@ def bench(
                                       "tables to stderr)."),
     plot: Path = typer.Option(None, "--plot", metavar="FILE.png",
                               help="Also draw median time and GFLOP/s vs T, one line per implementation."),
+    with_flex: bool = typer.Option(False, "--with-flex",
+                                   help="Sparse suite: also time the flex backend and compiled FlexAttention "
+                                        "with its own block mask, forward (compiles for minutes on CPU)."),
 ) -> None:
     """Time attnlab's implementations side by side on this machine and print GFLOP/s, the
     fraction of the same-dtype matrix-multiply rate measured in the same run, and ratios to the
@@ -42,8 +45,10 @@ def bench(
     with option_errors():
         one_of("--suite", suite, _bench.SUITES + ("all",))
     _check_outputs(suite, json_out, plot)
+    if with_flex and suite not in ("sparse", "all"):
+        fail(f"--with-flex adds rows to the sparse suite; --suite {suite} has none")
     console = Console(stderr=True) if json_out == "-" else None
-    rows = _bench.run_suite(suite, quick=quick, console=console)
+    rows = _bench.run_suite(suite, quick=quick, console=console, with_flex=with_flex)
     if json_out is not None:
         _write("--json", json_out, _bench.bench_json(rows, suite=suite, quick=quick))
     if plot is not None:
