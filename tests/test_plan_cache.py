@@ -228,3 +228,20 @@ def test_a_prepared_run_gives_gradients_as_the_full_path(counted_builds):
     assert len(counted_builds) == 2
     for have, want in zip(got, (q.grad, k.grad, v.grad)):
         assert torch.allclose(have, want, atol=1e-5)
+
+
+def test_a_kernel_that_hides_nan_rows_keeps_the_check(counted_builds, monkeypatch):
+    """Some CPU builds' flash kernel returns zeros for a NaN query row: the probe sees it."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def hiding(q, k, v, **options):
+        out = real(q, k, v, **options)
+        return torch.where(q.isnan().any(dim=-1, keepdim=True), 0.0, out)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", hiding)
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    q[0, 1, 0, 3] = float("nan")
+    out = attnlab.attention(q, k, v)
+    assert len(counted_builds) == 1  # the prepared run served it, with its own check
+    assert out[0, 1].isnan().all() and not out[0, [0, 2, 3]].isnan().any()

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -299,6 +300,33 @@ def _nan_query_rows(q: Tensor, out: Tensor) -> Tensor:
     return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
 
 
+def _kernel_keeps_nan_rows(call: AttentionCall, options: dict) -> bool:
+    """Whether SDPA itself returns a NaN row for a NaN query row at ``call``'s signature.
+
+    Probed once per prepared signature on inputs of its shapes: NaN in the first and the last
+    query row of the first and the last head, every other row finite. Where the kernel keeps
+    the rule, a prepared inference run needs no check of its own (one reduction and a read of
+    its result per call, a sixth of a decoding step at Tk=64 on CPU); where it hides such a row
+    (some CPU builds' flash kernel returns zeros), the check stays. With gradients the check
+    always stays, so that a NaN row's gradient is what the full path gives.
+    """
+    if call.tq == 0 or call.tk == 0:
+        return False
+    generator = torch.Generator(device=call.device).manual_seed(0)
+    q, k, v = (torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+               for t in (call.q, call.k, call.v))
+    rows = [(0, 0, 0), (-1, -1, -1)]  # (batch, head, query) of the NaN rows
+    for b, h, i in rows:
+        q[b, h, i, 0] = float("nan")
+    with torch.no_grad():
+        out = F.scaled_dot_product_attention(q, k, v, **options)  # (B, Hq, Tq, Dv)
+    nan_rows = out.isnan().any(dim=-1)  # (B, Hq, Tq)
+    want = torch.zeros_like(nan_rows)
+    for b, h, i in rows:
+        want[b, h, i] = True
+    return bool(torch.equal(nan_rows, want)) and all(bool(out[b, h, i].isnan().all()) for b, h, i in rows)
+
+
 class SdpaBackend(Backend):
     """PyTorch's ``scaled_dot_product_attention`` (CPU flash; CUDA flash/efficient/cuDNN).
 
@@ -362,6 +390,8 @@ class SdpaBackend(Backend):
                 or call.return_weights or (gqa and not _HAS_GQA)):
             return None
         options = dict(is_causal=source == "is_causal", scale=call.scale, **({"enable_gqa": True} if gqa else {}))
+        if not call.requires_grad and _kernel_keeps_nan_rows(call, options):
+            return functools.partial(F.scaled_dot_product_attention, **options)  # (B, Hq, Tq, Dv)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return _nan_query_rows(q, F.scaled_dot_product_attention(q, k, v, **options))  # (B, Hq, Tq, Dv)
