@@ -146,32 +146,47 @@ def counted_builds(monkeypatch):
     dispatch.clear_plans()
 
 
+def _prime(q, k, v, **options):
+    """Call twice: a signature is prepared the second time it is seen."""
+    for _ in range(2):
+        attnlab.attention(q, k, v, **options)
+
+
 def _decode_inputs(kv_heads=4):
     return torch.randn(1, 4, 1, 16), torch.randn(1, kv_heads, 40, 16), torch.randn(1, kv_heads, 40, 16)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_a_repeated_decoding_step_skips_validation_and_matches_the_full_path(counted_builds, kv_heads):
-    for step in range(3):
+    for step in range(4):
         q, k, v = _decode_inputs(kv_heads)
         out = attnlab.attention(q, k, v, causal=True, align="bottom_right")
         want = attnlab.attention(q.double(), k.double(), v.double(), backend="reference")
         assert torch.allclose(out.double(), want, atol=1e-5)
-    assert len(counted_builds) == 1 + 3  # the first fp32 call, then only the fp64 references
+    # the first two fp32 calls (the second prepares the run), then only the fp64 references
+    assert len(counted_builds) == 2 + 4
+
+
+def test_a_signature_seen_once_leaves_no_prepared_run(counted_builds):
+    q = torch.randn(1, 4, 1, 16)
+    for tk in range(20, 30):  # a decoding loop: Tk grows every step
+        k = torch.randn(1, 4, tk, 16)
+        attnlab.attention(q, k, k)
+    assert not dispatch._RUNS and len(dispatch._SEEN) == 10
 
 
 def test_a_prepared_run_keeps_the_nan_rule(counted_builds):
     q, k, v = _decode_inputs()
-    attnlab.attention(q, k, v)
+    _prime(q, k, v)
     q[0, 2, 0, 5] = float("nan")
     out = attnlab.attention(q, k, v)
-    assert len(counted_builds) == 1  # served by the prepared run
+    assert len(counted_builds) == 2  # served by the prepared run
     assert out[0, 2].isnan().all() and not out[0, [0, 1, 3]].isnan().any()
 
 
 def test_every_change_of_signature_validates_again(counted_builds):
     q, k, v = _decode_inputs()
-    attnlab.attention(q, k, v)
+    _prime(q, k, v)
     changes = [
         dict(q=torch.randn(1, 4, 2, 16)), dict(k=torch.randn(1, 4, 41, 16), v=torch.randn(1, 4, 41, 16)),
         dict(q=q.double(), k=k.double(), v=v.double()), dict(causal=True), dict(scale=0.5),
@@ -192,24 +207,24 @@ def test_every_change_of_signature_validates_again(counted_builds):
 
 def test_registering_a_backend_expires_prepared_runs(counted_builds):
     q, k, v = _decode_inputs()
-    attnlab.attention(q, k, v)
+    _prime(q, k, v)
     backends.register(backends.registry()["sdpa"])
     attnlab.attention(q, k, v)
-    assert len(counted_builds) == 2
+    assert len(counted_builds) == 3
 
 
 @pytest.mark.parametrize("bad", [dict(causal=1), dict(scale=True), dict(dropout_p=False),
                                  dict(scale=float("nan")), dict(align="middle")])
 def test_bad_options_still_raise_after_a_prepared_run(counted_builds, bad):
     q, k, v = _decode_inputs()
-    attnlab.attention(q, k, v, causal=bool(bad.get("causal", False)))
+    _prime(q, k, v, causal=bool(bad.get("causal", False)))
     with pytest.raises((TypeError, ValueError)):
         attnlab.attention(q, k, v, **bad)
 
 
 def test_a_prepared_run_refuses_what_validation_refuses(counted_builds):
     q, k, v = _decode_inputs()
-    attnlab.attention(q, k, v)
+    _prime(q, k, v)
     with pytest.raises(TypeError, match="share a dtype"):
         attnlab.attention(q, k.double(), v)
     with pytest.raises(ValueError, match="Tk"):
@@ -218,14 +233,14 @@ def test_a_prepared_run_refuses_what_validation_refuses(counted_builds):
 
 def test_a_prepared_run_gives_gradients_as_the_full_path(counted_builds):
     q, k, v = (t.requires_grad_() for t in _decode_inputs())
-    for _ in range(2):  # the second call is the prepared run
+    for _ in range(3):  # the third call is the prepared run
         q.grad = k.grad = v.grad = None
         attnlab.attention(q, k, v).square().sum().backward()
     got = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
     attnlab.attention(q, k, v, backend="reference").square().sum().backward()
-    assert len(counted_builds) == 2
+    assert len(counted_builds) == 3
     for have, want in zip(got, (q.grad, k.grad, v.grad)):
         assert torch.allclose(have, want, atol=1e-5)
 
@@ -240,8 +255,8 @@ def test_a_kernel_that_hides_nan_rows_keeps_the_check(counted_builds, monkeypatc
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", hiding)
     q, k, v = _decode_inputs()
-    attnlab.attention(q, k, v)
+    _prime(q, k, v)
     q[0, 1, 0, 3] = float("nan")
     out = attnlab.attention(q, k, v)
-    assert len(counted_builds) == 1  # the prepared run served it, with its own check
+    assert len(counted_builds) == 2  # the prepared run served it, with its own check
     assert out[0, 1].isnan().all() and not out[0, [0, 2, 3]].isnan().any()

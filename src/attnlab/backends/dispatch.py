@@ -34,6 +34,11 @@ PLAN_CACHE_SIZE = 512
 _PLANS: OrderedDict = OrderedDict()
 # Prepared runs (Backend.prepare) by run_key: a hit skips validation and dispatch altogether.
 _RUNS: dict = {}
+# Signatures seen once, not yet prepared. A run is kept from the second sighting on: a decoding
+# loop whose Tk grows meets most signatures once per layer, and thousands of long-lived entries
+# would cost more in Python's garbage collection (full passes over every object) than they save.
+_SEEN: dict = {}
+_SEEN_SIZE = 64
 
 
 def check_backend_name(name: object) -> str:
@@ -206,7 +211,8 @@ def remember_run(key: tuple | None, backend: Backend, call: AttentionCall) -> No
     """Remember ``backend.prepare(call)`` under ``key`` (nothing when either is None).
 
     ``call`` must be the validated call of the arguments ``key`` came from, and ``backend``
-    the one :func:`select` chose for it.
+    the one :func:`select` chose for it. A signature is prepared the second time it is seen
+    (among the last few dozen new ones), so that one-off signatures leave nothing behind.
 
     Example:
         >>> import torch
@@ -214,12 +220,21 @@ def remember_run(key: tuple | None, backend: Backend, call: AttentionCall) -> No
         >>> q = torch.randn(1, 2, 1, 8)
         >>> key = run_key(q, q, q, mask=None, causal=False, align="top_left", scale=None,
         ...               dropout_p=0.0, generator=None, backend="sdpa", return_weights=False)
+        >>> remember_run(key, get("sdpa"), build_call(q, q, q))  # seen once: not yet
+        >>> prepared_run(key) is None
+        True
         >>> remember_run(key, get("sdpa"), build_call(q, q, q))
         >>> prepared_run(key) is not None
         True
     """
     if key is None:
         return
+    if key not in _SEEN:
+        if len(_SEEN) >= _SEEN_SIZE:
+            _SEEN.clear()
+        _SEEN[key] = True
+        return
+    del _SEEN[key]
     run = backend.prepare(call)
     if run is None:
         return
@@ -236,3 +251,4 @@ def clear_plans() -> None:
     """
     _PLANS.clear()
     _RUNS.clear()
+    _SEEN.clear()

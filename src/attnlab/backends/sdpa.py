@@ -300,31 +300,43 @@ def _nan_query_rows(q: Tensor, out: Tensor) -> Tensor:
     return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
 
 
+_NAN_ROWS_KEPT: dict = {}  # probe results by signature less Tk (a decoding loop's Tk grows each step)
+
+
 def _kernel_keeps_nan_rows(call: AttentionCall, options: dict) -> bool:
     """Whether SDPA itself returns a NaN row for a NaN query row at ``call``'s signature.
 
-    Probed once per prepared signature on inputs of its shapes: NaN in the first and the last
-    query row of the first and the last head, every other row finite. Where the kernel keeps
-    the rule, a prepared inference run needs no check of its own (one reduction and a read of
-    its result per call, a sixth of a decoding step at Tk=64 on CPU); where it hides such a row
-    (some CPU builds' flash kernel returns zeros), the check stays. With gradients the check
-    always stays, so that a NaN row's gradient is what the full path gives.
+    Probed once per signature less the key length (the kernel's per-row NaN handling does not
+    depend on how many keys it loops over, and a decoding loop meets a new length every step):
+    NaN in the first and the last query row of the first and the last head, every other row
+    finite. Where the kernel keeps the rule, a prepared inference run needs no check of its own
+    (one reduction and a read of its result per call, a sixth of a decoding step at Tk=64 on
+    CPU); where it hides such a row (some CPU builds' flash kernel returns zeros), the check
+    stays. With gradients the check always stays, so that a NaN row's gradient is what the full
+    path gives.
     """
     if call.tq == 0 or call.tk == 0:
         return False
-    generator = torch.Generator(device=call.device).manual_seed(0)
-    q, k, v = (torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
-               for t in (call.q, call.k, call.v))
+    key = (F.scaled_dot_product_attention, call.device, call.dtype, call.batch, call.q_heads, call.kv_heads,
+           call.tq, call.head_dim, call.value_dim, tuple(sorted(options.items())))
+    if key not in _NAN_ROWS_KEPT:
+        _NAN_ROWS_KEPT[key] = _probe_nan_rows(call, options)
+    return _NAN_ROWS_KEPT[key]
+
+
+def _probe_nan_rows(call: AttentionCall, options: dict) -> bool:
+    """One SDPA call on inputs of ``call``'s shapes with NaN query rows: are they NaN, and only they?"""
+    q = call.q.new_zeros(call.q.shape)  # (B, Hq, Tq, D)
+    k, v = call.k.new_ones(call.k.shape), call.v.new_ones(call.v.shape)  # (B, Hkv, Tk, D|Dv)
     rows = [(0, 0, 0), (-1, -1, -1)]  # (batch, head, query) of the NaN rows
     for b, h, i in rows:
         q[b, h, i, 0] = float("nan")
     with torch.no_grad():
         out = F.scaled_dot_product_attention(q, k, v, **options)  # (B, Hq, Tq, Dv)
-    nan_rows = out.isnan().any(dim=-1)  # (B, Hq, Tq)
-    want = torch.zeros_like(nan_rows)
+    want = torch.zeros(out.shape[:-1], dtype=torch.bool, device=out.device)  # (B, Hq, Tq)
     for b, h, i in rows:
         want[b, h, i] = True
-    return bool(torch.equal(nan_rows, want)) and all(bool(out[b, h, i].isnan().all()) for b, h, i in rows)
+    return bool(torch.equal(out.isnan().any(dim=-1), want)) and all(bool(out[b, h, i].isnan().all()) for b, h, i in rows)
 
 
 class SdpaBackend(Backend):
