@@ -180,3 +180,35 @@ def test_hovering_a_word_shows_its_lines(trained_page, trained_report):
     _check_lines(section, head_color, trained_page.evaluate(LINES), layer=layer, heads=heads, query=meal)
     assert "\u2018meal\u2019 is linked most strongly to" in trained_page.evaluate(
         "document.getElementById('hv-best').textContent")
+
+
+@pytest.fixture(scope="module")
+def ragged_page(tmp_path_factory):
+    """A head view of a model with 2 heads in layer 0 and 1 in layer 1 (NaN pads the missing head)."""
+    import torch
+
+    from attnlab.trained import WordAttention
+    from attnlab.viz.html import TrainedSection
+
+    pieces = ["the", "chef", "made", "a", "meal"]
+    weights = torch.softmax(torch.randn(2, 2, 5, 5, generator=torch.Generator().manual_seed(1)), dim=-1)
+    weights[1, 1] = float("nan")  # (L, H, T, T): layer 1 has one head
+    view = WordAttention.from_pieces(weights, pieces, list(range(5)))
+    section = TrainedSection("ragged", view, focus=1, layer=0, heads=(0, 1), hide_special=False)
+    path = write_report(trace(), tmp_path_factory.mktemp("ragged") / "report.html", trained=section)
+    with _open(path) as browser:
+        yield browser
+
+
+SHOWN_TOGGLES = "[...document.querySelectorAll('input.hv-head')].filter(c => !c.parentNode.hidden).map(c => +c.value)"
+
+
+def test_a_layer_with_fewer_heads_hides_the_toggles_it_lacks(ragged_page):
+    assert ragged_page.evaluate(SHOWN_TOGGLES) == [0, 1]
+    ragged_page.evaluate("(() => { const s = document.getElementById('hv-layer'); s.value = '1';"
+                         " s.dispatchEvent(new Event('change')); })()")
+    assert ragged_page.evaluate(SHOWN_TOGGLES) == [0]
+    assert {line[1] for line in ragged_page.evaluate(LINES)} == {0}  # only the head that exists is drawn
+    ragged_page.evaluate("(() => { const s = document.getElementById('hv-layer'); s.value = '0';"
+                         " s.dispatchEvent(new Event('change')); })()")
+    assert ragged_page.evaluate(SHOWN_TOGGLES) == [0, 1]

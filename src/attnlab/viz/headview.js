@@ -58,7 +58,16 @@
       data.words[top.k] + "\u2019 by head " + top.h + " (" + top.w.toFixed(3) + ").";
   }
 
-  layerSelect.addEventListener("change", function () { state.layer = Number(layerSelect.value); draw(); });
+  function showToggles() {  // a layer with fewer heads hides the toggles of the heads it lacks
+    var count = data.weights[state.layer].length;
+    document.querySelectorAll("input.hv-head").forEach(function (el) {
+      el.parentNode.hidden = Number(el.value) >= count;
+    });
+  }
+
+  layerSelect.addEventListener("change", function () {
+    state.layer = Number(layerSelect.value); showToggles(); draw();
+  });
   document.querySelectorAll("input.hv-head").forEach(function (el) { el.addEventListener("change", draw); });
   document.querySelectorAll(".hv-word.q").forEach(function (el) {
     var i = Number(el.dataset.index);
@@ -66,5 +75,6 @@
     el.addEventListener("mouseleave", function () { state.preview = null; draw(); });
     el.addEventListener("click", function () { state.query = i; state.preview = null; draw(); });
   });
+  showToggles();
   draw();
 })();
