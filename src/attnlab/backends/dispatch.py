@@ -234,7 +234,7 @@ def remember_run(key: tuple | None, backend: Backend, call: AttentionCall) -> No
             _SEEN.clear()
         _SEEN[key] = True
         return
-    del _SEEN[key]
+    _SEEN.pop(key, None)  # pop, not del: another thread may have taken it already
     run = backend.prepare(call)
     if run is None:
         return
