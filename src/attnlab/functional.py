@@ -79,13 +79,15 @@ def attention(
         >>> bool(weights[0, 0, 0, 1:].eq(0).all())           # the first token sees only itself
         True
     """
-    options = dict(mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-                   generator=generator, return_weights=return_weights)
-    key = run_key(q, k, v, backend=backend, **options)
+    key = run_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
+                  generator=generator, backend=backend, return_weights=return_weights)
     run = prepared_run(key)
     if run is not None:  # this signature was validated and dispatched before (decoding steps)
         return run(q, k, v)
-    call = build_call(q, k, v, **options)
+    call = build_call(
+        q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
+        generator=generator, return_weights=return_weights,
+    )
     chosen = select(call, backend)
     remember_run(key, chosen, call)
     result = chosen.forward(call)

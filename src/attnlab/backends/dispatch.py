@@ -37,7 +37,7 @@ _RUNS: dict = {}
 # Signatures seen once, not yet prepared. A run is kept from the second sighting on: a decoding
 # loop whose Tk grows meets most signatures once per layer, and thousands of long-lived entries
 # would cost more in Python's garbage collection (full passes over every object) than they save.
-_SEEN: dict = {}
+_SEEN: set = set()
 _SEEN_SIZE = 64
 
 
@@ -232,9 +232,9 @@ def remember_run(key: tuple | None, backend: Backend, call: AttentionCall) -> No
     if key not in _SEEN:
         if len(_SEEN) >= _SEEN_SIZE:
             _SEEN.clear()
-        _SEEN[key] = True
+        _SEEN.add(key)
         return
-    _SEEN.pop(key, None)  # pop, not del: another thread may have taken it already
+    _SEEN.discard(key)  # discard, not remove: another thread may have taken it already
     run = backend.prepare(call)
     if run is None:
         return
