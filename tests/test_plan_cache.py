@@ -260,3 +260,14 @@ def test_a_kernel_that_hides_nan_rows_keeps_the_check(counted_builds, monkeypatc
     out = attnlab.attention(q, k, v)
     assert len(counted_builds) == 2  # the prepared run served it, with its own check
     assert out[0, 1].isnan().all() and not out[0, [0, 2, 3]].isnan().any()
+
+
+@pytest.mark.parametrize("q_shape, k_shape", [((0, 2, 1, 8), (0, 2, 5, 8)), ((1, 2, 0, 8), (1, 2, 5, 8)),
+                                              ((1, 2, 1, 8), (1, 2, 0, 8))])
+def test_empty_batches_and_sequences_repeat_as_the_full_path_gives_them(counted_builds, q_shape, k_shape):
+    """Regression: preparing a run for an empty batch indexed a query row that does not exist."""
+    for _ in range(3):
+        q, k = torch.randn(q_shape), torch.randn(k_shape)
+        out = attnlab.attention(q, k, k)
+        want = attnlab.attention(q.double(), k.double(), k.double(), backend="reference")
+        assert out.shape == want.shape and torch.allclose(out.double(), want)

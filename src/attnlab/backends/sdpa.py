@@ -315,7 +315,7 @@ def _kernel_keeps_nan_rows(call: AttentionCall, options: dict) -> bool:
     stays. With gradients the check always stays, so that a NaN row's gradient is what the full
     path gives.
     """
-    if call.tq == 0 or call.tk == 0:
+    if call.batch == 0 or call.tq == 0 or call.tk == 0:  # nothing to probe with
         return False
     key = (F.scaled_dot_product_attention, call.device, call.dtype, call.batch, call.q_heads, call.kv_heads,
            call.tq, call.head_dim, call.value_dim, tuple(sorted(options.items())))
