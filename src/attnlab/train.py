@@ -49,7 +49,7 @@ from attnlab import io as _io
 from attnlab._checks import divisible, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
-from attnlab.trained import best_head, count_heads, pad_heads
+from attnlab.trained import best_head, count_heads, pad_heads, unpad_heads
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
 
@@ -811,7 +811,7 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
 
 def _rounded(t: Tensor) -> list:
     """An ``(L, H)`` table as JSON-ready lists, one per layer with that layer's heads (never NaN)."""
-    return [[round(float(v), 4) for v in row[:count]] for row, count in zip(t, count_heads(t))]
+    return [[round(float(v), 4) for v in row] for row in unpad_heads(t)]
 
 
 def _ablate_group(model: GPT, inputs: Tensor, targets: Tensor, heads: list[tuple[int, int]]) -> float:
@@ -850,8 +850,8 @@ def write_figures(trainer: Trainer, analysis: dict, directory: str | os.PathLike
     name = f"{trainer.config.task}, step {trainer.step}"
     written += save_figure(head_grid(weights, labels, title=f"{trainer.config.task}: all heads"),
                            directory / "heads", formats=("png",))
-    for layer, count in enumerate(count_heads(weights)):
-        figure = heatmap(weights[layer, :count], rows=labels, cols=labels, title=f"{name}: layer {layer}",
+    for layer, layer_weights in enumerate(unpad_heads(weights)):  # (H_layer, T, T) each
+        figure = heatmap(layer_weights, rows=labels, cols=labels, title=f"{name}: layer {layer}",
                          annotate=False)
         written += save_figure(figure, directory / f"attention-layer{layer}", formats=("png",))
     return written

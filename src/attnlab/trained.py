@@ -18,9 +18,10 @@ which single head links it most strongly to each other word.
 
 Layers may have different numbers of heads (``GPT(num_heads=(2, 1))``). Their weights and scores
 are then held in one ``(L, H, ...)`` tensor, ``H`` the most heads of any layer, whose missing
-heads are NaN (:func:`pad_heads`): :func:`count_heads` reads the counts back and
-:func:`best_head` never picks a missing head. The NaN never leaves a tensor: tables, JSON and
-pictures show the heads a layer has and nothing for the others.
+heads are NaN (:func:`pad_heads`): :func:`count_heads` reads the counts back,
+:func:`unpad_heads` gives each layer's heads back and :func:`best_head` never picks a missing
+head. The NaN never leaves a tensor: tables, JSON and pictures show the heads a layer has and
+nothing for the others.
 
 Example:
     >>> import torch
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link", "trace_model", "pad_heads", "count_heads",
-           "best_head", "format_heads"]
+           "unpad_heads", "best_head", "format_heads"]
 
 
 def pad_heads(per_layer: Sequence[Tensor]) -> Tensor:
@@ -72,6 +73,16 @@ def count_heads(padded: Tensor) -> tuple[int, ...]:
     """
     present = ~torch.isnan(padded.reshape(*padded.shape[:2], -1)).all(dim=-1)  # (L, H)
     return tuple(int(n) for n in present.sum(dim=1))
+
+
+def unpad_heads(padded: Tensor) -> list[Tensor]:
+    """The inverse of :func:`pad_heads`: ``(L, H, ...)`` -> one ``(H_l, ...)`` view per layer, no NaN heads.
+
+    Example:
+        >>> [t.tolist() for t in unpad_heads(pad_heads([torch.tensor([0.5, 0.25]), torch.tensor([0.75])]))]
+        [[0.5, 0.25], [0.75]]
+    """
+    return [layer[:count] for layer, count in zip(padded, count_heads(padded))]
 
 
 def best_head(table: Tensor) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from attnlab.cli._errors import fail
 from attnlab.models import GPT, BertEncoder
-from attnlab.trained import Link, WordAttention, format_heads, trace_model
+from attnlab.trained import Link, WordAttention, format_heads, trace_model, unpad_heads
 
 DEFAULT_MODEL = "minilm"
 DISPLAY_NAMES = {"minilm": "all-MiniLM-L6-v2"}
@@ -114,7 +114,7 @@ def head_view_heads(view: WordAttention, query: int, layer: int, head: int | Non
     keys = [j for j in others if not view.special[j]] or others  # a one-word sentence: its specials
     if not keys:
         return (0,)
-    best = view.weights[layer, :view.heads_per_layer[layer], query, keys].amax(dim=-1)  # (H_layer,)
+    best = unpad_heads(view.weights)[layer][:, query, keys].amax(dim=-1)  # (H_layer,)
     return tuple(sorted(best.argsort(descending=True)[:HEAD_VIEW_HEADS].tolist()))
 
 
@@ -218,8 +218,7 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
         name = display_name(model)
         written += save_figure(head_grid(view.weights, view.words, title=f"{name}: every layer and head"),
                                out / "heads", formats=("png",) if "png" in images else ())
-        layer_weights = view.weights[layer, :view.heads_per_layer[layer]]  # (H_layer, W, W): no padding
-        figure = head_view(layer_weights, view.words, heads=heads, focus=query, hidden=hidden,
+        figure = head_view(unpad_heads(view.weights)[layer], view.words, heads=heads, focus=query, hidden=hidden,
                            title=f"{name}, layer {layer}, heads {', '.join(map(str, heads))}")
         written += save_figure(figure, out / f"headview-layer{layer}", formats=images)
     if fmt in ("html", "all"):

@@ -19,7 +19,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from attnlab.explain import Trace, format_value
-from attnlab.trained import WordAttention, format_heads
+from attnlab.trained import WordAttention, format_heads, unpad_heads
 from attnlab.viz.headview import HEAD_COLORS, MIN_ALPHA
 from attnlab.viz.heatmap import Blocks, aggregate_blocks
 
@@ -154,8 +154,8 @@ def _trained_data(section: TrainedSection) -> dict:
     view = section.view
     return {
         "words": view.words, "special": view.special, "hide_special": section.hide_special,
-        "weights": [[[[round(float(w), 4) for w in row] for row in head] for head in layer[:count]]
-                    for layer, count in zip(view.weights.tolist(), view.heads_per_layer)],  # no NaN heads
+        "weights": [[[[round(float(w), 4) for w in row] for row in head] for head in layer.tolist()]
+                    for layer in unpad_heads(view.weights)],  # no NaN heads
         "layer": section.layer, "focus": section.focus, "colors": list(HEAD_COLORS), "min_alpha": MIN_ALPHA,
         **{key: _HV[key] for key in ("left", "right", "top", "row")},
     }
