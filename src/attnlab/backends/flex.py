@@ -209,6 +209,14 @@ def _direct_mod(call: AttentionCall):
     return mod if mod is not None and _is_direct(mod) else None
 
 
+def _mask_path(call: AttentionCall) -> str | None:
+    """How the call's mask reaches the kernel: ``"rows"`` (a direct mod, :class:`RowRangeMod`,
+    O(T)), ``"dense"`` (:class:`BiasScoreMod`, O(Tq*Tk)) or None (nothing is masked)."""
+    if _direct_mod(call) is not None:
+        return "rows"
+    return "dense" if call.mask_kind != "none" or call.causal else None
+
+
 def _row_ranges(mod, q: Tensor, tk: int) -> tuple:
     """(lo, hi, segments or None) of a direct mod: an AND intersects the intervals and pairs the
     segments (two positions share a pair of segments when they share each)."""
@@ -500,27 +508,23 @@ class FlexBackend(Backend):
         Deliberately independent of the block-mask cache, so that dispatch does not change
         between two identical calls.
         """
-        dense = (call.mask_kind != "none" or call.causal) and _direct_mod(call) is None
-        return "quadratic" if dense else "linear"
+        return "quadratic" if _mask_path(call) == "dense" else "linear"
 
     def memory_note(self, call: AttentionCall) -> str:
-        if call.mask_kind == "mod" and _direct_mod(call) is None:
+        path = _mask_path(call)
+        if path == "rows":
+            return "fused kernel, block mask built from the mask mod, O(T) memory"
+        if path is None:
+            return "fused kernel, O(T) memory"
+        if call.mask_kind == "mod":
             return ("this mask mod is held as a dense (B, H, Tq, Tk) bias: flex takes attnlab's mods "
                     "and ANDs of them directly, not ORs or mods of the user's own")
-        if self.memory_for(call) == "quadratic":
-            return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
-        if _direct_mod(call) is not None:
-            return "fused kernel, block mask built from the mask mod, O(T) memory"
-        return "fused kernel, O(T) memory"
+        return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
 
     def _variant(self, call: AttentionCall) -> tuple:
         """What the compiled kernel is specialised on (static shapes, see the module doc): the
-        mask path (none, a dense bias, or row ranges)."""
-        if _direct_mod(call) is not None:
-            mask = "rows"
-        else:
-            mask = "dense" if call.mask_kind != "none" or call.causal else None
-        return (call.device.type, call.dtype, mask, tuple(call.q.shape), tuple(call.k.shape),
+        mask path (:func:`_mask_path`)."""
+        return (call.device.type, call.dtype, _mask_path(call), tuple(call.q.shape), tuple(call.k.shape),
                 tuple(call.v.shape))
 
     def compiled(self, call: AttentionCall) -> bool:
