@@ -69,6 +69,7 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._math import score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
+from attnlab.backends.blocks import block_spans
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
@@ -286,15 +287,14 @@ def _block_mask_of_mod(mod, call: AttentionCall):
     n_q, n_k = -(-call.tq // size), -(-call.tk // size)
     partial = torch.zeros(call.batch, 1, n_q, n_k, dtype=torch.bool, device=device)  # (B, 1, nq, nk)
     full = torch.zeros_like(partial)
-    for block in range(n_q):
-        rows = (block * size, min(call.tq, (block + 1) * size))
-        lo, hi = _masks.kv_range(mod, *rows, call.tk)
+    for block, (qs, qe, lo, hi) in enumerate(block_spans(mod, call.tq, call.tk, size)):
         first, last = lo // size, -(-hi // size)  # key blocks [first, last)
         if last <= first:
             continue
-        allowed = _masks.evaluate(kernel_mod, q_range=rows, kv_range=(first * size, min(call.tk, last * size)),
+        allowed = _masks.evaluate(kernel_mod, q_range=(qs, qe),
+                                  kv_range=(first * size, min(call.tk, last * size)),
                                   batch=call.batch, device=device)
-        allowed = allowed.expand(call.batch, 1, rows[1] - rows[0], -1)
+        allowed = allowed.expand(call.batch, 1, qe - qs, -1)
         allowed = F.pad(allowed, (0, (last - first) * size - allowed.shape[-1], 0, size - allowed.shape[-2]))
         tiles = allowed.reshape(call.batch, 1, size, last - first, size)  # (B, 1, q, key block, k)
         seen, every = tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)  # (B, 1, key block)
