@@ -25,8 +25,9 @@ may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of tw
 :meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
 Block masks are cached and served again only while what they were built from is unchanged
 (:class:`_BlockMaskCache`): a direct mod by value (its classes and ints, so a new
-``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
-identity and contents.
+``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so
+editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by identity and
+contents.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel returns wrong values or NaN on some partial
@@ -42,12 +43,11 @@ score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSi
 declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
 compiles once. Inductor's CPU code is also fixed to the thread count at compile time (compiled
 under ``torch.set_num_threads(1)`` it has no OpenMP loop, and stays serial after the count is
-raised in the same process), so set the thread count before the first flex call. Compiling takes
-seconds (the measured times are in
-:mod:`attnlab.backends.rates`); the cost estimate adds them until a
-variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
-FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
-run and the ``lse`` is returned.
+raised in the same process), so set the thread count before the first flex call. Compiling
+takes seconds (the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds
+them until a variant has been compiled, so ``backend="auto"`` does not pick flex for one-off
+shapes on CPU. FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On
+CUDA forward and backward run and the ``lse`` is returned.
 
 Example:
     >>> import torch, attnlab
