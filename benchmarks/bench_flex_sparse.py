@@ -27,6 +27,7 @@ import os
 import torch
 
 from attnlab import backends, masks
+from attnlab._flops import attention_flops
 from attnlab.bench.competitors import CompiledFlex
 from attnlab.bench.suites import FLEX_OWN, _compare_with_peak, _no_grad
 from attnlab.bench.timing import BenchRow, fill_ratios, machine_line, print_rows
@@ -45,7 +46,7 @@ def window_candidates(t: int, window: int) -> tuple[dict, float, str]:
     own = CompiledFlex(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < window), t, t)
     candidates[FLEX_OWN] = _no_grad(own, q, k, v)
     visible = int(masks.materialize(mod, tq=t, tk=t).sum())
-    return candidates, 2.0 * 8 * visible * 2 * 64, chosen
+    return candidates, attention_flops(1, 8, 1, visible, 64), chosen  # the visible pairs as Tq x Tk
 
 
 def main() -> None:

@@ -25,8 +25,9 @@ may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of tw
 :meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
 Block masks are cached and served again only while what they were built from is unchanged
 (:class:`_BlockMaskCache`): a direct mod by value (its classes and ints, so a new
-``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
-identity and contents.
+``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so
+editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by identity and
+contents.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel returns wrong values or NaN on some partial
@@ -42,12 +43,11 @@ score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSi
 declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
 compiles once. Inductor's CPU code is also fixed to the thread count at compile time (compiled
 under ``torch.set_num_threads(1)`` it has no OpenMP loop, and stays serial after the count is
-raised in the same process), so set the thread count before the first flex call. Compiling takes
-seconds (the measured times are in
-:mod:`attnlab.backends.rates`); the cost estimate adds them until a
-variant has been compiled, so ``backend="auto"`` does not pick flex for one-off shapes on CPU.
-FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On CUDA forward and backward
-run and the ``lse`` is returned.
+raised in the same process), so set the thread count before the first flex call. Compiling
+takes seconds (the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds
+them until a variant has been compiled, so ``backend="auto"`` does not pick flex for one-off
+shapes on CPU. FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On
+CUDA forward and backward run and the ``lse`` is returned.
 
 Example:
     >>> import torch, attnlab
@@ -69,6 +69,7 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._math import score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
+from attnlab.backends.blocks import block_spans
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
@@ -209,6 +210,14 @@ def _direct_mod(call: AttentionCall):
     return mod if mod is not None and _is_direct(mod) else None
 
 
+def _mask_path(call: AttentionCall) -> str | None:
+    """How the call's mask reaches the kernel: ``"rows"`` (a direct mod, :class:`RowRangeMod`,
+    O(T)), ``"dense"`` (:class:`BiasScoreMod`, O(Tq*Tk)) or None (nothing is masked)."""
+    if _direct_mod(call) is not None:
+        return "rows"
+    return "dense" if call.mask_kind != "none" or call.causal else None
+
+
 def _row_ranges(mod, q: Tensor, tk: int) -> tuple:
     """(lo, hi, segments or None) of a direct mod: an AND intersects the intervals and pairs the
     segments (two positions share a pair of segments when they share each)."""
@@ -278,15 +287,14 @@ def _block_mask_of_mod(mod, call: AttentionCall):
     n_q, n_k = -(-call.tq // size), -(-call.tk // size)
     partial = torch.zeros(call.batch, 1, n_q, n_k, dtype=torch.bool, device=device)  # (B, 1, nq, nk)
     full = torch.zeros_like(partial)
-    for block in range(n_q):
-        rows = (block * size, min(call.tq, (block + 1) * size))
-        lo, hi = _masks.kv_range(mod, *rows, call.tk)
+    for block, (qs, qe, lo, hi) in enumerate(block_spans(mod, call.tq, call.tk, size)):
         first, last = lo // size, -(-hi // size)  # key blocks [first, last)
         if last <= first:
             continue
-        allowed = _masks.evaluate(kernel_mod, q_range=rows, kv_range=(first * size, min(call.tk, last * size)),
+        allowed = _masks.evaluate(kernel_mod, q_range=(qs, qe),
+                                  kv_range=(first * size, min(call.tk, last * size)),
                                   batch=call.batch, device=device)
-        allowed = allowed.expand(call.batch, 1, rows[1] - rows[0], -1)
+        allowed = allowed.expand(call.batch, 1, qe - qs, -1)
         allowed = F.pad(allowed, (0, (last - first) * size - allowed.shape[-1], 0, size - allowed.shape[-2]))
         tiles = allowed.reshape(call.batch, 1, size, last - first, size)  # (B, 1, q, key block, k)
         seen, every = tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)  # (B, 1, key block)
@@ -500,27 +508,23 @@ class FlexBackend(Backend):
         Deliberately independent of the block-mask cache, so that dispatch does not change
         between two identical calls.
         """
-        dense = (call.mask_kind != "none" or call.causal) and _direct_mod(call) is None
-        return "quadratic" if dense else "linear"
+        return "quadratic" if _mask_path(call) == "dense" else "linear"
 
     def memory_note(self, call: AttentionCall) -> str:
-        if call.mask_kind == "mod" and _direct_mod(call) is None:
+        path = _mask_path(call)
+        if path == "rows":
+            return "fused kernel, block mask built from the mask mod, O(T) memory"
+        if path is None:
+            return "fused kernel, O(T) memory"
+        if call.mask_kind == "mod":
             return ("this mask mod is held as a dense (B, H, Tq, Tk) bias: flex takes attnlab's mods "
                     "and ANDs of them directly, not ORs or mods of the user's own")
-        if self.memory_for(call) == "quadratic":
-            return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
-        if _direct_mod(call) is not None:
-            return "fused kernel, block mask built from the mask mod, O(T) memory"
-        return "fused kernel, O(T) memory"
+        return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
 
     def _variant(self, call: AttentionCall) -> tuple:
         """What the compiled kernel is specialised on (static shapes, see the module doc): the
-        mask path (none, a dense bias, or row ranges)."""
-        if _direct_mod(call) is not None:
-            mask = "rows"
-        else:
-            mask = "dense" if call.mask_kind != "none" or call.causal else None
-        return (call.device.type, call.dtype, mask, tuple(call.q.shape), tuple(call.k.shape),
+        mask path (:func:`_mask_path`)."""
+        return (call.device.type, call.dtype, _mask_path(call), tuple(call.q.shape), tuple(call.k.shape),
                 tuple(call.v.shape))
 
     def compiled(self, call: AttentionCall) -> bool:

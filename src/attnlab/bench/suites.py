@@ -235,7 +235,7 @@ def sparse_suite(*, quick: bool = False, lengths: tuple[int, ...] | None = None,
                 seconds, peak = _compare_with_peak(candidates, rounds=rounds,
                                                    min_run_time=0.05 if quick else 0.2)
                 mode = "fwd+bwd" if grad else "fwd"
-                flops = 2.0 * b * h * visible * 2 * d * (3.5 if grad else 1.0)
+                flops = attention_flops(b, h, 1, visible, d, mode=mode)  # the visible pairs as Tq x Tk
                 for name, sec in seconds.items():
                     note = f"auto -> {chosen}" if name == "auto" else ""
                     rows.append(BenchRow("sparse", f"{case} {mode} T={t}", name, sec, flops, peak, note=note, t=t))
