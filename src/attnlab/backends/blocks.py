@@ -538,7 +538,7 @@ class BlocksBackend(Backend):
                 f"{block}-query blocks, one block's mask at a time")
 
     def cost(self, call: AttentionCall) -> float:
-        return _estimated_seconds(call, choose_block(call))
+        return _fastest(call)[0]
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)
@@ -563,7 +563,13 @@ def choose_block(call: AttentionCall) -> int:
         >>> choose_block(build_call(q, q, q, causal=True))
         256
     """
-    return min(BLOCK_SIZES, key=lambda block: _estimated_seconds(call, block))
+    return _fastest(call)[1]
+
+
+def _fastest(call: AttentionCall) -> tuple[float, int]:
+    """The cost model's ``(seconds, block)`` for the fastest of :data:`BLOCK_SIZES` (the smaller
+    block on a tie): one estimate per size serves both :func:`choose_block` and the cost."""
+    return min((_estimated_seconds(call, block), block) for block in BLOCK_SIZES)
 
 
 def _estimated_seconds(call: AttentionCall, block: int) -> float:
