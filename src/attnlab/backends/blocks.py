@@ -56,6 +56,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
+from attnlab._math import score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -411,7 +412,7 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     run with dead rows, the kernel's own lse (its backward needs it on those rows)."""
     call = plan.call
     B, Hq, Tq, W = q.shape
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = score_dtype(q.dtype)
     out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
     lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
     own_lse = []
