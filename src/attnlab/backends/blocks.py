@@ -250,18 +250,18 @@ def _progressions(pieces: list[_Piece]) -> list[list[_Piece]]:
     return runs
 
 
-def _mask_of(call: AttentionCall, allowed: Tensor | None, dtype: torch.dtype) -> tuple:
+def _mask_of(call: AttentionCall, allowed: Tensor | None) -> tuple:
     """The additive mask and dead rows of a piece (see :class:`_Run`), in the row layout."""
     if allowed is None:
         return None, None
     alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq, 1)
     dead = None if bool(alive.all()) else ~alive
     visible = allowed if dead is None else allowed | dead  # dead rows: a harmless full row
-    bias = torch.zeros(visible.shape, dtype=dtype, device=call.device).masked_fill_(~visible, float("-inf"))
+    bias = torch.zeros(visible.shape, dtype=call.dtype, device=call.device).masked_fill_(~visible, float("-inf"))
     return _rows(bias, call), None if dead is None else _rows(dead, call)[..., 0]
 
 
-def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dtype) -> tuple:
+def _plan_runs(call: AttentionCall, mod: Callable, spans: list) -> tuple:
     """Every query block's pieces, grouped by signature into as few kernel calls as possible."""
     groups: dict[tuple, list[_Piece]] = {}
     for span in spans:
@@ -269,7 +269,7 @@ def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dty
             groups.setdefault(piece.signature(), []).append(piece)
     runs, written = [], set()
     for (bq, keys, pattern), pieces in groups.items():
-        mask, dead = _mask_of(call, pieces[0].allowed, dtype)
+        mask, dead = _mask_of(call, pieces[0].allowed)
         for run in _progressions(pieces):
             q_step = run[1].qs - run[0].qs if len(run) > 1 else bq
             k_step = run[1].ks - run[0].ks if len(run) > 1 else keys
@@ -325,7 +325,7 @@ def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple
         _PLANS.move_to_end(key)
         return _PLANS[key][1]
     block = block or choose_block(call)
-    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block), call.dtype)
+    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block))
     if key is not None:
         _PLANS[key] = (mod, runs)
         if len(_PLANS) > PLAN_CACHE_SIZE:
