@@ -159,6 +159,15 @@ class _Run:
     dead: Tensor | None
     first: bool
 
+    def query_blocks(self, t: Tensor) -> Tensor:
+        """The run's query blocks of ``t`` ``(B, Hq, Tq, *X)``: a view ``(n, B*Hq, bq, *X)``."""
+        return _blocks(t, self.qs, self.q_step, self.n, self.bq)
+
+    def key_blocks(self, t: Tensor) -> Tensor:
+        """The run's key spans of ``t`` ``(B, Hkv, Tk, X)``: a view ``(n, B*Hkv, keys, X)``
+        whose spans may overlap (read only)."""
+        return _blocks(t, self.ks, self.k_step, self.n, self.keys)
+
 
 def _rows(t: Tensor, call: AttentionCall) -> Tensor:
     """A ``(B|1, Hq|1, bq, X)`` mask-like tensor in the kernel's row layout ``(1, B*Hq|1, bq, X)``."""
@@ -403,8 +412,7 @@ def _init(t: Tensor, runs: tuple, *, fill: float) -> Tensor:
 
 def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The run's query blocks ``(n, B*Hq, bq, W)`` and key/value spans ``(n, B*Hkv, keys, W)``."""
-    return (_blocks(q, run.qs, run.q_step, run.n, run.bq), _blocks(k, run.ks, run.k_step, run.n, run.keys),
-            _blocks(v, run.ks, run.k_step, run.n, run.keys))
+    return run.query_blocks(q), run.key_blocks(k), run.key_blocks(v)
 
 
 def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
@@ -422,8 +430,7 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
         own_lse.append(None if run.dead is None else l)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
-        _merge_into(_blocks(out, run.qs, run.q_step, run.n, run.bq),
-                    _blocks(lse, run.qs, run.q_step, run.n, run.bq), o, l, run.first)
+        _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
     return out.to(q.dtype), lse, own_lse
 
 
@@ -449,16 +456,16 @@ class _BlocksFunction(torch.autograd.Function):
         d_out = (F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out).contiguous()
         dq, dk, dv = _init(torch.empty_like(q), plan.runs, fill=0.0), torch.zeros_like(k), torch.zeros_like(v)
         for run, own in zip(plan.runs, ctx.own_lse):
-            do_r = _blocks(d_out, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq, W)
-            lse_r = _blocks(lse, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq)
+            do_r = run.query_blocks(d_out)  # (n, B*Hq, bq, W)
+            lse_r = run.query_blocks(lse)  # (n, B*Hq, bq)
             if run.dead is not None:  # a dropped row passes no gradient and keeps a finite lse
                 do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)
                 lse_r = torch.where(run.dead, own, lse_r)
             q_r, k_r, v_r = _run_views(run, q, k, v)
-            gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, _blocks(out, run.qs, run.q_step, run.n, run.bq),
-                                         lse_r, 0.0, run.causal, attn_mask=run.mask, scale=call.scale)
+            gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
+                                         attn_mask=run.mask, scale=call.scale)
             if run.first:  # the same order as the forward: nothing added to these rows yet
-                _blocks(dq, run.qs, run.q_step, run.n, run.bq).copy_(gq)
+                run.query_blocks(dq).copy_(gq)
             else:
                 _add_blocks(dq, gq, run.qs, run.q_step)
             _add_blocks(dk, gk, run.ks, run.k_step)
