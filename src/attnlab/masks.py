@@ -503,7 +503,7 @@ class DocumentMod(MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         pos = q_idx + self.offset
-        ids = self.ids.to(kv_idx.device) if isinstance(kv_idx, Tensor) else self.ids
+        ids = _on_device(self.ids, kv_idx)
         if ids.shape[0] == 1:  # one row of ids serves every batch row
             same = ids[0][pos] == ids[0][kv_idx]
         else:

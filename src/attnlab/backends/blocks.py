@@ -56,6 +56,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
+from attnlab._math import score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -158,6 +159,15 @@ class _Run:
     dead: Tensor | None
     first: bool
 
+    def query_blocks(self, t: Tensor) -> Tensor:
+        """The run's query blocks of ``t`` ``(B, Hq, Tq, *X)``: a view ``(n, B*Hq, bq, *X)``."""
+        return _blocks(t, self.qs, self.q_step, self.n, self.bq)
+
+    def key_blocks(self, t: Tensor) -> Tensor:
+        """The run's key spans of ``t`` ``(B, Hkv, Tk, X)``: a view ``(n, B*Hkv, keys, X)``
+        whose spans may overlap (read only)."""
+        return _blocks(t, self.ks, self.k_step, self.n, self.keys)
+
 
 def _rows(t: Tensor, call: AttentionCall) -> Tensor:
     """A ``(B|1, Hq|1, bq, X)`` mask-like tensor in the kernel's row layout ``(1, B*Hq|1, bq, X)``."""
@@ -249,18 +259,18 @@ def _progressions(pieces: list[_Piece]) -> list[list[_Piece]]:
     return runs
 
 
-def _mask_of(call: AttentionCall, allowed: Tensor | None, dtype: torch.dtype) -> tuple:
+def _mask_of(call: AttentionCall, allowed: Tensor | None) -> tuple:
     """The additive mask and dead rows of a piece (see :class:`_Run`), in the row layout."""
     if allowed is None:
         return None, None
     alive = allowed.any(dim=-1, keepdim=True)  # (B|1, Hq|1, bq, 1)
     dead = None if bool(alive.all()) else ~alive
     visible = allowed if dead is None else allowed | dead  # dead rows: a harmless full row
-    bias = torch.zeros(visible.shape, dtype=dtype, device=call.device).masked_fill_(~visible, float("-inf"))
+    bias = torch.zeros(visible.shape, dtype=call.dtype, device=call.device).masked_fill_(~visible, float("-inf"))
     return _rows(bias, call), None if dead is None else _rows(dead, call)[..., 0]
 
 
-def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dtype) -> tuple:
+def _plan_runs(call: AttentionCall, mod: Callable, spans: list) -> tuple:
     """Every query block's pieces, grouped by signature into as few kernel calls as possible."""
     groups: dict[tuple, list[_Piece]] = {}
     for span in spans:
@@ -268,7 +278,7 @@ def _plan_runs(call: AttentionCall, mod: Callable, spans: list, dtype: torch.dty
             groups.setdefault(piece.signature(), []).append(piece)
     runs, written = [], set()
     for (bq, keys, pattern), pieces in groups.items():
-        mask, dead = _mask_of(call, pieces[0].allowed, dtype)
+        mask, dead = _mask_of(call, pieces[0].allowed)
         for run in _progressions(pieces):
             q_step = run[1].qs - run[0].qs if len(run) > 1 else bq
             k_step = run[1].ks - run[0].ks if len(run) > 1 else keys
@@ -324,7 +334,7 @@ def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple
         _PLANS.move_to_end(key)
         return _PLANS[key][1]
     block = block or choose_block(call)
-    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block), call.dtype)
+    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block))
     if key is not None:
         _PLANS[key] = (mod, runs)
         if len(_PLANS) > PLAN_CACHE_SIZE:
@@ -402,8 +412,7 @@ def _init(t: Tensor, runs: tuple, *, fill: float) -> Tensor:
 
 def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The run's query blocks ``(n, B*Hq, bq, W)`` and key/value spans ``(n, B*Hkv, keys, W)``."""
-    return (_blocks(q, run.qs, run.q_step, run.n, run.bq), _blocks(k, run.ks, run.k_step, run.n, run.keys),
-            _blocks(v, run.ks, run.k_step, run.n, run.keys))
+    return run.query_blocks(q), run.key_blocks(k), run.key_blocks(v)
 
 
 def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
@@ -411,7 +420,7 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     run with dead rows, the kernel's own lse (its backward needs it on those rows)."""
     call = plan.call
     B, Hq, Tq, W = q.shape
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = score_dtype(q.dtype)
     out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
     lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
     own_lse = []
@@ -421,8 +430,7 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
         own_lse.append(None if run.dead is None else l)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
-        _merge_into(_blocks(out, run.qs, run.q_step, run.n, run.bq),
-                    _blocks(lse, run.qs, run.q_step, run.n, run.bq), o, l, run.first)
+        _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
     return out.to(q.dtype), lse, own_lse
 
 
@@ -448,16 +456,16 @@ class _BlocksFunction(torch.autograd.Function):
         d_out = (F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out).contiguous()
         dq, dk, dv = _init(torch.empty_like(q), plan.runs, fill=0.0), torch.zeros_like(k), torch.zeros_like(v)
         for run, own in zip(plan.runs, ctx.own_lse):
-            do_r = _blocks(d_out, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq, W)
-            lse_r = _blocks(lse, run.qs, run.q_step, run.n, run.bq)  # (n, B*Hq, bq)
+            do_r = run.query_blocks(d_out)  # (n, B*Hq, bq, W)
+            lse_r = run.query_blocks(lse)  # (n, B*Hq, bq)
             if run.dead is not None:  # a dropped row passes no gradient and keeps a finite lse
                 do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)
                 lse_r = torch.where(run.dead, own, lse_r)
             q_r, k_r, v_r = _run_views(run, q, k, v)
-            gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, _blocks(out, run.qs, run.q_step, run.n, run.bq),
-                                         lse_r, 0.0, run.causal, attn_mask=run.mask, scale=call.scale)
+            gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
+                                         attn_mask=run.mask, scale=call.scale)
             if run.first:  # the same order as the forward: nothing added to these rows yet
-                _blocks(dq, run.qs, run.q_step, run.n, run.bq).copy_(gq)
+                run.query_blocks(dq).copy_(gq)
             else:
                 _add_blocks(dq, gq, run.qs, run.q_step)
             _add_blocks(dk, gk, run.ks, run.k_step)
@@ -538,7 +546,7 @@ class BlocksBackend(Backend):
                 f"{block}-query blocks, one block's mask at a time")
 
     def cost(self, call: AttentionCall) -> float:
-        return _estimated_seconds(call, choose_block(call))
+        return _fastest(call)[0]
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)
@@ -563,7 +571,13 @@ def choose_block(call: AttentionCall) -> int:
         >>> choose_block(build_call(q, q, q, causal=True))
         256
     """
-    return min(BLOCK_SIZES, key=lambda block: _estimated_seconds(call, block))
+    return _fastest(call)[1]
+
+
+def _fastest(call: AttentionCall) -> tuple[float, int]:
+    """The cost model's ``(seconds, block)`` for the fastest of :data:`BLOCK_SIZES` (the smaller
+    block on a tie): one estimate per size serves both :func:`choose_block` and the cost."""
+    return min((_estimated_seconds(call, block), block) for block in BLOCK_SIZES)
 
 
 def _estimated_seconds(call: AttentionCall, block: int) -> float:
