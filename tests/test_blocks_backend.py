@@ -298,6 +298,21 @@ def test_a_sliding_window_makes_the_same_few_kernel_calls_at_any_length(monkeypa
     assert calls[4096]["forward"] <= 6 and calls[4096]["backward"] <= 6, calls
 
 
+def test_a_mask_written_through_numpy_gets_a_new_plan():
+    """Regression: plans were keyed on the tensors' ``_version``, which a numpy write keeps."""
+    from attnlab.backends import blocks
+
+    blocks._PLANS.clear()
+    q, k, v, _ = _inputs(2, 2, 2, 40, 40, 4, 4, seed=9)
+    lengths = torch.tensor([40, 30])
+    mod = masks.and_masks(masks.sliding_window_mod(40, 40, 8), masks.padding_mod(lengths))
+    blocks_attention(build_call(q, k, v, mask=mod), block=8)
+    lengths.numpy()[1] = 5  # _version unchanged
+    have = blocks_attention(build_call(q, k, v, mask=mod), block=8).out
+    want = get("reference").forward(build_call(q, k, v, mask=mod)).out
+    assert torch.allclose(have, want, atol=1e-10)
+
+
 def test_plans_are_reused_until_a_mask_tensor_changes_in_place():
     from attnlab.backends import blocks
 

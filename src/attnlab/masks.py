@@ -82,6 +82,8 @@ __all__ = [
     "or_masks",
     "materialize",
     "evaluate",
+    "mod_tensors",
+    "same_tensors",
     "kv_range",
     "causal_mask",
     "sliding_window_mask",
@@ -693,6 +695,34 @@ def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
         (True, True)
     """
     return VarlenCausalMod(q_lengths, k_lengths, window=window)
+
+
+def mod_tensors(mod: Callable) -> tuple[Tensor, ...]:
+    """Every tensor one of attnlab's mask mods holds (through and/or), in a fixed order.
+
+    What a cache keyed on a mod's parameters must compare on a hit: a tensor written through
+    numpy or ``.data`` keeps its ``_version``, so only its values tell that the mask changed.
+
+    Example:
+        >>> mod = and_masks(padding_mod(torch.tensor([3, 5])), sliding_window_mod(6, 6, 2))
+        >>> [t.tolist() for t in mod_tensors(mod)]
+        [[3, 5]]
+    """
+    if type(mod) is CombinedMod:
+        return tuple(t for part in mod.mods for t in mod_tensors(part))
+    return tuple(value for _, value in sorted(vars(mod).items()) if isinstance(value, Tensor))
+
+
+def same_tensors(seen: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
+    """Equal devices, shapes and values, pairwise (NaN never equals, so a NaN mask is never reused).
+
+    Example:
+        >>> ids = torch.tensor([0, 0, 1])
+        >>> same_tensors((ids.clone(),), (ids,)), same_tensors((ids.clone(),), (ids + 1,))
+        (True, False)
+    """
+    return len(seen) == len(now) and all(
+        a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen, now))
 
 
 def evaluate(

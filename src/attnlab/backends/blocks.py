@@ -323,20 +323,23 @@ def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple
     """:func:`_plan_runs` for ``call`` in blocks of ``block`` (None: :func:`choose_block`),
     remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
 
-    The entry keeps the mod alive, so the storages its key names cannot be reused meanwhile.
+    The entry keeps the mod alive, so the storages its key names cannot be reused meanwhile,
+    and copies of the tensors it holds: a hit is confirmed by their values, since a write
+    through numpy or ``.data`` changes a mask without bumping ``_version``.
     """
     mod_key = _mod_key(mod)
     key = None if mod_key is None else (
         mod_key, call.tq, call.tk, call.batch, call.q_heads, call.kv_heads, call.head_dim,
         call.value_dim, block, block is None and call.requires_grad, call.dtype, call.device,
         _MIN_FULL_RUN)
-    if key is not None and key in _PLANS:
+    entry = None if key is None else _PLANS.get(key)
+    if entry is not None and _masks.same_tensors(entry[1], _masks.mod_tensors(mod)):
         _PLANS.move_to_end(key)
-        return _PLANS[key][1]
+        return entry[2]
     block = block or choose_block(call)
     runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block))
     if key is not None:
-        _PLANS[key] = (mod, runs)
+        _PLANS[key] = (mod, tuple(t.clone() for t in _masks.mod_tensors(mod)), runs)
         if len(_PLANS) > PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     return runs

@@ -267,13 +267,6 @@ def _describe(mod) -> tuple:
     return (type(mod).__name__, items)
 
 
-def _mod_tensors(mod) -> tuple[Tensor, ...]:
-    """Every tensor a direct mod holds, in a fixed order (what its block mask was built from)."""
-    if type(mod) is _masks.CombinedMod:
-        return tuple(t for part in mod.mods for t in _mod_tensors(part))
-    return tuple(value for _, value in sorted(vars(mod).items()) if isinstance(value, Tensor))
-
-
 def _block_mask_of_mod(mod, call: AttentionCall):
     """FlexAttention's ``BlockMask`` for a direct mod, evaluated one 128-query block at a time.
 
@@ -376,7 +369,7 @@ class _BlockMaskCache:
         user mod's dense mask."""
         mod = _direct_mod(call)
         if mod is not None:
-            return _mod_tensors(mod)
+            return _masks.mod_tensors(mod)
         if call.mask_kind == "mod":
             return (call.allowed(),)  # memoised on the call: a miss builds the bias from it
         return (call.mask,) if isinstance(call.mask, Tensor) else ()
@@ -387,7 +380,7 @@ class _BlockMaskCache:
         if entry is None:
             return None
         seen, mods = entry
-        if not _same_contents(seen, self.contents(call)):
+        if not _masks.same_tensors(seen, self.contents(call)):
             return None
         self.entries.move_to_end(key)
         return mods
@@ -397,12 +390,6 @@ class _BlockMaskCache:
         self.entries[self.key(call)] = (seen, mods)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
-
-
-def _same_contents(seen: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
-    """Equal devices, shapes and values, pairwise (NaN never equals, so a NaN mask is never reused)."""
-    return len(seen) == len(now) and all(
-        a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen, now))
 
 
 def _shape_limits(call: AttentionCall) -> list[str]:
