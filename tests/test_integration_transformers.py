@@ -180,6 +180,17 @@ def test_unsupported_features_and_reserved_names_are_refused():
         register("sdpa")
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda q: register(123), "name must be a str, got int"),
+    (lambda q: attention_forward("layer", q, q, q, None), "module must be the calling torch.nn.Module, got str"),
+    (lambda q: attention_forward(torch.nn.Module(), q.tolist(), q, q, None), "query must be a torch.Tensor, got list"),
+    (lambda q: attention_forward(torch.nn.Module(), q, q, q, [[True]]), "attention_mask must be a torch.Tensor"),
+])
+def test_arguments_of_the_wrong_kind_raise_type_error(call, message):
+    with pytest.raises(TypeError, match=message):
+        call(torch.randn(1, 1, 2, 4))
+
+
 def _spy():
     """Register attention_forward under another name, recording whether each call returned weights."""
     returned = []
