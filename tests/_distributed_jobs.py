@@ -126,6 +126,7 @@ def bad_calls(rank: int, world: int) -> list[str]:
     good = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
     out = context_parallel_attention(good, good, good, causal=True)
     messages.append("finite" if bool(torch.isfinite(out).all()) else "not finite")
+    messages.append(_error_of(lambda: context_parallel_attention(good, good, good, group=0)))
     return messages
 
 

@@ -168,6 +168,7 @@ def test_bad_calls_fail_alike_on_every_rank_and_leave_the_group_usable():
         assert "rank 0: q=(1, 2, 4, 8)" in messages[6] and "rank 1: q=(1, 2, 8, 8)" in messages[6]
         assert "disagree" in messages[7] and "float64" in messages[7]
         assert messages[8] == "finite"
+        assert messages[9] == "TypeError: group must be a torch.distributed process group or None, got int"
 
 
 @pytest.mark.parametrize("how", ["exit", "raise", "stall"])
@@ -318,6 +319,10 @@ def test_ranks_that_agree_in_different_spellings_run(disagreements):
     (lambda x: _layout.chunk_ids("zigzag", rank=1.0, world=2), "rank must be an int, got float"),
     (lambda x: _layout.chunk_ids("zigzag", rank=0, world="2"), "world must be an int, got str"),
     (lambda x: _layout.shard(x, dim="2"), "dim must be an int, got str"),
+    (lambda x: ContextParallel().positions("4"), "local_len must be an int, got str"),
+    (lambda x: ring_pieces(rank=0, source=0, world=2, layout="zigzag", causal=True, chunk=2.0),
+     "chunk must be an int, got float"),
+    (lambda x: ring_pieces(rank=0, source=0, world=2, layout="zigzag", causal=1, chunk=2), "causal must be a bool"),
     (lambda x: run_local(jobs.worker_world, world="2"), "world must be an int, got str"),
     (lambda x: run_local(jobs.worker_world, world=2, timeout="60"), "timeout must be a number, got str"),
     (lambda x: run_local(jobs.worker_world, world=2, threads=1.5), "threads must be an int, got float"),

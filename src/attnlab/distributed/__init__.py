@@ -38,7 +38,7 @@ from torch import Tensor
 from attnlab._call import build_call
 from attnlab._checks import divisible, instance_of
 from attnlab.distributed._agreement import check_agreement
-from attnlab.distributed._args import choice, timeout_seconds
+from attnlab.distributed._args import choice, integer, timeout_seconds
 from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
 from attnlab.distributed.layout import LAYOUTS, check_length, positions, shard, unshard
 from attnlab.distributed.ring import ring_attention
@@ -188,6 +188,7 @@ class ContextParallel:
 
             ContextParallel().positions(4)   # rank 0: tensor([0, 1, 6, 7])
         """
+        integer("local_len", local_len)
         world, rank = self.world_and_rank()
         return positions(local_len * world, layout=self.layout, rank=rank, world=world, device=device)
 

@@ -70,6 +70,8 @@ def peers(group, timeout: float | None) -> Peers:
         raise RuntimeError("attnlab.distributed needs torch.distributed initialised: call "
                            "torch.distributed.init_process_group (torchrun sets up the environment)")
     timeout_seconds(timeout)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed process group or None, got {type(group).__name__}")
     return Peers(group, dist.get_world_size(group), dist.get_rank(group),
                  DEFAULT_TIMEOUT if timeout is None else float(timeout))
 
