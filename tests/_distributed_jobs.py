@@ -223,6 +223,18 @@ def _scaled_mod(limit: int):
     return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < limit)
 
 
+class _WindowedModel(torch.nn.Module):
+    """A model whose mask mod is a bound method reading a plain attribute (and holding weights)."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.window = window
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.window)
+
+
 def _disagreeing_calls(rank: int) -> dict:
     """Calls where rank 0 and rank 1 differ in one option: name -> (call, option)."""
     g = torch.Generator().manual_seed(0)
@@ -246,6 +258,8 @@ def _disagreeing_calls(rank: int) -> dict:
                                         mask=masks.padding_mod(torch.tensor([7 if one else 6]))), "mask"),
         "mask-dense-values": (lambda: cpa(x, x, x, method="ulysses", mask=dense), "mask"),
         "mask-user-mod": (lambda: cpa(x, x, x, method="ulysses", mask=_scaled_mod(3 if one else 5)), "mask"),
+        "mask-bound-method": (lambda: cpa(x, x, x, method="ulysses", mask=_WindowedModel(3 if one else 5).mask_mod),
+                              "mask"),
         "grad": (lambda: cpa(x.clone().requires_grad_(one), x, x), "grad"),
     }
 
@@ -261,7 +275,10 @@ def disagreements(rank: int, world: int) -> dict:
     out = context_parallel_attention(*(shard(t, dim=2) for t in (q, k, v)), method="ulysses",
                                      mask=masks.sliding_window_mod(8, 8, 3),
                                      scale=None if rank == 0 else 1 / math.sqrt(8))  # the default
-    report["agreeing"] = (unshard(out, dim=2) - ref).abs().max().item()
+    torch.manual_seed(rank)  # different weights on each rank: a bound mod agrees on its options
+    bound = context_parallel_attention(*(shard(t, dim=2) for t in (q, k, v)), method="ulysses",
+                                       mask=_WindowedModel(3).mask_mod)
+    report["agreeing"] = max((unshard(o, dim=2) - ref).abs().max().item() for o in (out, bound))
     return report
 
 

@@ -9,8 +9,10 @@ them, before any attention work.
 
 What a digest sees: numbers, strings, dtypes, shapes; a tensor's dtype, shape and values; a
 mask mod's type and attributes (attnlab's mods, or any object with attributes); a function's
-code, defaults and closure. It cannot see state a function reads from elsewhere (its module's
-globals, a file): such a mask mod agrees when its code does.
+code, defaults and closure; of a module a mod is bound to, its public attributes (not its
+weights). It cannot see state a function reads from elsewhere (its module's globals, a file):
+such a mask mod agrees when its code does. The values of tensors are read on the CPU, once per
+call with more than one rank: a dense mask costs a copy of its bytes.
 
 Example:
     >>> fingerprint(0.125) == fingerprint(0.125), fingerprint(0.125) == fingerprint(0.5)
@@ -86,6 +88,8 @@ def _parts(value: object) -> list:
                 value.__kwdefaults__, cells]
     if isinstance(value, types.CodeType):
         return [value.co_code, value.co_consts, value.co_names]
+    if isinstance(value, torch.nn.Module):  # a mod bound to a model: its options, not its weights
+        return [{key: item for key, item in vars(value).items() if not key.startswith("_")}]
     return [vars(value)] if hasattr(value, "__dict__") else []
 
 
