@@ -644,6 +644,8 @@ def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
     cos, sin = rope.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2): every position < span
     if positions.shape[0] == 1:
         return apply_rotary(x, cos[positions[0]], sin[positions[0]])
+    if x.shape[0] == 0:  # an empty batch has nothing to rotate (and torch.stack refuses [])
+        return x
     return torch.stack([apply_rotary(x[b], cos[positions[b]], sin[positions[b]])
                         for b in range(x.shape[0])])  # (B, H, T, D)
 
