@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from attnlab.models import BertEncoder
 from attnlab.models import _hub
 from attnlab.nn import TransformerBlock
+from _alloc_guard import forbid_large_allocations
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -324,3 +325,91 @@ def test_bad_inputs_are_named():
         model.tokenize(["hi"])
     with pytest.raises(TypeError, match="sentences must be a string or a sequence of strings"):
         model.encode([1, 2])
+
+
+# ------------------------------------------- config checked against the weights' header (issue 18)
+def _rewrite(directory: Path, **changes) -> Path:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    return directory
+
+
+@pytest.mark.parametrize("key, value, tensor, shape", [
+    ("vocab_size", 10**11, "embeddings.word_embeddings.weight", (20, 8)),
+    ("hidden_size", 10**7, "embeddings.word_embeddings.weight", (20, 8)),
+    ("max_position_embeddings", 10**11, "embeddings.position_embeddings.weight", (16, 8)),
+    ("type_vocab_size", 10**11, "embeddings.token_type_embeddings.weight", (2, 8)),
+    ("intermediate_size", 10**10, "encoder.layer.0.intermediate.dense.weight", (12, 8)),
+    ("vocab_size", 21, "embeddings.word_embeddings.weight", (20, 8)),
+])
+def test_config_sizes_are_checked_against_the_header_before_allocating(tmp_path, monkeypatch, key, value,
+                                                                         tensor, shape):
+    directory = _rewrite(_tiny_checkpoint(tmp_path / "c"), **{key: value})
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError) as info:
+        BertEncoder.from_pretrained(directory)
+    message = str(info.value)
+    assert f"config.json': {key}={value} does not match the weights: {tensor} in " in message
+    assert f"has shape {shape}" in message and "model.safetensors" in message
+
+
+def test_a_layer_count_beyond_the_weights_is_refused_before_building_layers(tmp_path, monkeypatch):
+    directory = _rewrite(_tiny_checkpoint(tmp_path / "l"), num_hidden_layers=10**9)
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1000000000 does not match the weights: .*"
+                                         r"model\.safetensors' holds 1 layer\(s\) named encoder\.layer\.<i>"):
+        BertEncoder.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "8", None, 1e11])
+def test_absurd_sizes_are_refused_by_name(tmp_path, monkeypatch, value):
+    directory = _rewrite(_tiny_checkpoint(tmp_path / "a"), vocab_size=value)
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=rf"config\.json': vocab_size must be a positive int, got {value!r}"):
+        BertEncoder.from_pretrained(directory)
+
+
+def _retensor(directory: Path, **tensors) -> Path:
+    path = directory / "model.safetensors"
+    state = {**safetensors.torch.load_file(os.fspath(path)), **tensors}
+    safetensors.torch.save_file(state, os.fspath(path))
+    return directory
+
+
+def test_an_unexpected_tensor_is_refused(tmp_path):
+    # A relative-position table this encoder does not implement: ignoring it gives wrong outputs.
+    name = "encoder.layer.0.attention.self.distance_embedding.weight"
+    directory = _retensor(_tiny_checkpoint(tmp_path / "x"), **{name: torch.zeros(31, 4)})
+    with pytest.raises(ValueError, match=rf"model\.safetensors' has 1 unexpected tensor\(s\) that config\.json "
+                                         rf"does not account for: {name}"):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_transformers_pooler_and_position_ids_are_ignored(tmp_path):
+    directory = _retensor(_tiny_checkpoint(tmp_path / "p"), **{
+        "pooler.dense.weight": torch.randn(8, 8), "pooler.dense.bias": torch.randn(8),
+        "embeddings.position_ids": torch.arange(16)[None]})
+    model = BertEncoder.from_pretrained(directory)
+    state = safetensors.torch.load_file(os.fspath(directory / "model.safetensors"))
+    assert torch.equal(model.word_embeddings.weight, state["embeddings.word_embeddings.weight"])
+
+
+def test_integer_weights_are_refused(tmp_path):
+    name = "embeddings.word_embeddings.weight"
+    directory = _retensor(_tiny_checkpoint(tmp_path / "d"), **{name: torch.ones(20, 8, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=rf"model\.safetensors': {name} has dtype I64; weights must be floating"):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_a_header_claiming_huge_tensors_is_refused_without_allocating(tmp_path, monkeypatch):
+    directory = _tiny_checkpoint(tmp_path / "h")
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header["embeddings.word_embeddings.weight"]["shape"] = [10**11, 8]
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length:])
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=r"model\.safetensors' is truncated or corrupted"):
+        BertEncoder.from_pretrained(directory)

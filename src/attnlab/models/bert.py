@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,19 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "g
 _CONFIG_FIELDS = {"hidden_size": int, "num_attention_heads": int, "num_hidden_layers": int,
                   "intermediate_size": int, "max_position_embeddings": int, "type_vocab_size": int,
                   "vocab_size": int, "layer_norm_eps": float, "hidden_act": str}
+# config.json size -> the tensor (transformers' names) that holds it, checked before building.
+_SIZES = {"vocab_size": _hub.Dim("embeddings.word_embeddings.weight", 0),
+          "hidden_size": _hub.Dim("embeddings.word_embeddings.weight", 1),
+          "max_position_embeddings": _hub.Dim("embeddings.position_embeddings.weight", 0),
+          "type_vocab_size": _hub.Dim("embeddings.token_type_embeddings.weight", 0),
+          "num_hidden_layers": _hub.Count("encoder.layer."),
+          "intermediate_size": _hub.Dim("encoder.layer.0.intermediate.dense.weight", 0),
+          "num_attention_heads": None}
 # sentence-transformers' Pooling flags, in the order it concatenates them.
 _POOLING_FLAGS = {"cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
                   "mean": "pooling_mode_mean_tokens", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens"}
 _PROGRESS_MIN_BATCHES = 20
+V = TypeVar("V")
 
 
 class BertEncoder(nn.Module):
@@ -197,6 +207,8 @@ class BertEncoder(nn.Module):
         if config["hidden_size"] % config["num_attention_heads"]:
             raise ValueError(f"{str(directory / 'config.json')!r}: hidden_size {config['hidden_size']} is "
                              f"not a multiple of num_attention_heads {config['num_attention_heads']}")
+        header = _own_names(_hub.read_header(directory))
+        _hub.check_sizes(directory, config, _SIZES, header)  # before anything is allocated
         model = cls(
             vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
@@ -205,8 +217,9 @@ class BertEncoder(nn.Module):
             type_vocab_size=config["type_vocab_size"], layer_norm_eps=float(config["layer_norm_eps"]),
             activation=_ACTIVATIONS[act], backend=backend,
         )
-        state = _hub.load_weights(directory)
-        model.load_state_dict(_from_hf_names(state, model, directory / _hub.WEIGHTS))
+        sources = _name_table(len(model.layers))
+        _hub.check_tensors(directory, header, _source_shapes(sources, model.state_dict()), ignored=_unused)
+        model.load_state_dict(_from_hf_names(_own_names(_hub.load_weights(directory)), sources))
         model._read_sentence_config(directory)
         return model.eval()
 
@@ -379,29 +392,33 @@ class BertEncoder(nn.Module):
         return F.normalize(out, p=2, dim=-1) if self.normalize else out
 
 
-def _from_hf_names(state: dict[str, Tensor], model: BertEncoder, path: Path) -> dict[str, Tensor]:
-    """transformers' BERT tensor names -> this module's, Q/K/V fused; missing/mis-shaped named."""
-    state = {_canonical(name): tensor for name, tensor in state.items()}
-    if any(name.startswith("bert.") for name in state):
-        state = {name[len("bert."):]: t for name, t in state.items() if name.startswith("bert.")}
-    sources = _name_table(len(model.layers))
-    missing = sorted(n for names in sources.values() for n in names if n not in state)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{str(path)!r} lacks {len(missing)} tensor(s): {shown}")
-    expected = model.state_dict()
-    mapped = {}
+def _own_names(named: dict[str, V]) -> dict[str, V]:
+    """transformers' BERT names without a ``bert.`` prefix; a prefixed checkpoint's task heads dropped."""
+    named = {_canonical(name): value for name, value in named.items()}
+    if any(name.startswith("bert.") for name in named):
+        named = {name[len("bert."):]: value for name, value in named.items() if name.startswith("bert.")}
+    return named
+
+
+def _unused(name: str) -> bool:
+    """Tensors of transformers' BertModel that the encoder does not use (pooler, an old buffer)."""
+    return name.startswith("pooler.") or name == "embeddings.position_ids"
+
+
+def _source_shapes(sources: dict[str, list[str]], expected: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """The shape each transformers tensor must have: fused Q/K/V parts are a third of the rows."""
+    shapes = {}
     for ours, names in sources.items():
-        parts = [state[n] for n in names]
-        shapes = [tuple(p.shape) for p in parts]
-        if len({s[1:] for s in shapes}) != 1 or (len(parts) > 1 and len(set(shapes)) != 1):
-            raise ValueError(f"{str(path)!r}: tensors {names} have mismatched shapes {shapes}")
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows: query, key, value
-        if tuple(tensor.shape) != tuple(expected[ours].shape):
-            raise ValueError(f"{str(path)!r}: {' + '.join(names)} has shape {tuple(tensor.shape)}, "
-                             f"config.json implies {tuple(expected[ours].shape)}")
-        mapped[ours] = tensor
-    return mapped
+        rows, *rest = expected[ours].shape
+        for name in names:
+            shapes[name] = (rows // len(names), *rest)
+    return shapes
+
+
+def _from_hf_names(state: dict[str, Tensor], sources: dict[str, list[str]]) -> dict[str, Tensor]:
+    """transformers' BERT tensors (already checked) -> this module's state dict, Q/K/V fused."""
+    return {ours: state[names[0]] if len(names) == 1 else torch.cat([state[n] for n in names])  # rows: q, k, v
+            for ours, names in sources.items()}
 
 
 def _canonical(name: str) -> str:
