@@ -322,3 +322,14 @@ def test_gpt2_unexpected_tensors_and_integer_weights_are_refused(hf_gpt2):
     old_buffers = {"transformer.h.0.attn.bias": torch.ones(1, 1, 40, 40, dtype=torch.bool)}
     safetensors.torch.save_file({**state, **old_buffers}, path)  # older transformers saved the causal mask
     assert GPT.from_pretrained(folder).config["vocab_size"] == 61
+
+
+# ------------------------------------------------------------- ids outside the vocabulary (issue 18)
+def test_ids_outside_the_vocabulary_are_refused_with_the_bert_wording():
+    with pytest.raises(ValueError, match=r"^input_ids must be in 0\.\.22 \(vocab_size=23\), got values -1\.\.2$"):
+        tiny()(torch.tensor([[-1, 2]]))
+
+
+def test_ids_are_not_read_on_the_meta_device():
+    model = tiny()
+    assert model._check_ids(torch.zeros(2, 5, dtype=torch.long, device="meta"), None) == 0

@@ -413,3 +413,37 @@ def test_a_header_claiming_huge_tensors_is_refused_without_allocating(tmp_path, 
     forbid_large_allocations(monkeypatch)
     with pytest.raises(ValueError, match=r"model\.safetensors' is truncated or corrupted"):
         BertEncoder.from_pretrained(directory)
+
+
+# ------------------------------------------------------------- ids outside the tables (issue 18)
+@pytest.mark.parametrize("ids, types, message", [
+    ([[1, 10]], None, r"input_ids must be in 0\.\.9 \(vocab_size=10\), got values 1\.\.10"),
+    ([[-1, 3]], None, r"input_ids must be in 0\.\.9 \(vocab_size=10\), got values -1\.\.3"),
+    ([[1, 2]], [[0, 2]], r"token_type_ids must be in 0\.\.1 \(type_vocab_size=2\), got values 0\.\.2"),
+    ([[1, 2]], [[-1, 0]], r"token_type_ids must be in 0\.\.1 \(type_vocab_size=2\), got values -1\.\.0"),
+])
+def test_ids_outside_the_embedding_tables_are_refused_by_name(ids, types, message):
+    model = BertEncoder(vocab_size=10, hidden_size=4, num_layers=1, num_heads=1, intermediate_size=8,
+                        max_position_embeddings=4)
+    types = None if types is None else torch.tensor(types)
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor(ids), token_type_ids=types)
+
+
+def test_token_type_ids_must_be_integers_of_the_input_shape():
+    model = BertEncoder(vocab_size=10, hidden_size=4, num_layers=1, num_heads=1, intermediate_size=8)
+    ids = torch.tensor([[1, 2]])
+    for bad in (torch.zeros(1, 2), torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"token_type_ids must be an integer tensor of input_ids' shape \(1, 2\)"):
+            model(ids, token_type_ids=bad)
+
+
+def test_ids_are_not_read_on_the_meta_device():
+    with torch.device("meta"):
+        model = BertEncoder(vocab_size=10, hidden_size=4, num_layers=1, num_heads=1, intermediate_size=8)
+        ids = torch.zeros(2, 3, dtype=torch.long)
+    out = model(ids, token_type_ids=torch.zeros_like(ids))
+    assert out.device.type == "meta" and out.shape == (2, 3, 4)
+    # With an attention mask the model cannot know whether anything is padded: it keeps the mask.
+    mask = torch.ones_like(ids)
+    assert model._check_inputs(ids, mask, torch.zeros_like(ids)).device.type == "meta"

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import one_of, positive_int
-from attnlab.models import _hub
+from attnlab.models import _hub, _inputs
 from attnlab.nn.blocks import TransformerBlock
 
 __all__ = ["BertEncoder"]
@@ -157,21 +157,27 @@ class BertEncoder(nn.Module):
         return (x, tuple(weights)) if return_weights else x
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids) -> Tensor | None:
-        """Validate shapes; the padding mask as bool ``(B, T)``, or None when nothing is padded."""
-        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be an integer tensor (B, T), got {_describe(input_ids)}")
+        """Validate shapes and ids; the padding mask as bool ``(B, T)``, or None when nothing is padded."""
+        _inputs.integer_ids("input_ids", input_ids)
         if input_ids.shape[1] > self.max_position_embeddings:
             raise ValueError(
                 f"input_ids has {input_ids.shape[1]} positions; the model has "
                 f"max_position_embeddings={self.max_position_embeddings}"
             )
-        for name, value in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-            if value is not None and (not isinstance(value, Tensor) or value.shape != input_ids.shape):
-                raise ValueError(f"{name} must be a tensor of input_ids' shape "
-                                 f"{tuple(input_ids.shape)}, got {_describe(value)}")
+        if attention_mask is not None and (not isinstance(attention_mask, Tensor)
+                                           or attention_mask.shape != input_ids.shape):
+            raise ValueError(f"attention_mask must be a tensor of input_ids' shape "
+                             f"{tuple(input_ids.shape)}, got {_inputs.describe(attention_mask)}")
+        _inputs.ids_in_range("input_ids", input_ids, self.word_embeddings.num_embeddings, "vocab_size")
+        if token_type_ids is not None:
+            _inputs.integer_ids("token_type_ids", token_type_ids, tuple(input_ids.shape))
+            _inputs.ids_in_range("token_type_ids", token_type_ids, self.token_type_embeddings.num_embeddings,
+                                 "type_vocab_size")
         if attention_mask is None:
             return None
         padding_mask = attention_mask.bool()
+        if padding_mask.device.type == "meta":  # no values to read: keep the mask
+            return padding_mask
         # No padding at all: pass no mask, so the attention backend may take its unmasked path.
         return None if bool(padding_mask.all()) else padding_mask
 
@@ -478,9 +484,3 @@ def _maybe_progress(batches: list, progress: bool | None):
     from rich.progress import track  # a dependency of attnlab; imported only when drawing
 
     return track(batches, description="encoding", transient=True)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from attnlab import io as _io
 from attnlab._checks import divisible, finite_number, instance_of, one_of, per_layer, positive_int, probability
 from attnlab.distributed import ContextParallel
-from attnlab.models import _hub
+from attnlab.models import _hub, _inputs
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.positional import LearnedPositionalEmbedding
@@ -220,14 +220,8 @@ class GPT(nn.Module):
 
     def _check_ids(self, input_ids: object, caches: list[KVCache] | None) -> int:
         """The position of the first new token; ValueError for bad ids, caches or lengths."""
-        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point() \
-                or input_ids.dtype == torch.bool:
-            what = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be an integer tensor (B, T), got {what}")
-        vocab = self.config["vocab_size"]
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids must be in 0..{vocab - 1}, got values "
-                             f"{int(input_ids.min())}..{int(input_ids.max())}")
+        _inputs.integer_ids("input_ids", input_ids)
+        _inputs.ids_in_range("input_ids", input_ids, self.config["vocab_size"], "vocab_size")
         offset = 0
         if caches is not None:
             instance_of("caches", caches, (list, tuple), "a list of one KVCache per layer")
