@@ -333,3 +333,8 @@ def test_ids_outside_the_vocabulary_are_refused_with_the_bert_wording():
 def test_ids_are_not_read_on_the_meta_device():
     model = tiny()
     assert model._check_ids(torch.zeros(2, 5, dtype=torch.long, device="meta"), None) == 0
+
+
+def test_a_non_bool_bias_is_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match="bias must be a bool, got str"):
+        GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2, bias="no")

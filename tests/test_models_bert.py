@@ -239,6 +239,7 @@ def test_directory_without_config_is_refused(tmp_path):
     (json.dumps({k: v for k, v in TINY.items() if k != "vocab_size"}), "vocab_size must be a positive int, got None"),
     (json.dumps({**TINY, "hidden_act": "swish-ish"}), "hidden_act 'swish-ish' is not supported"),
     (json.dumps({**TINY, "num_attention_heads": 3}), "not a multiple of num_attention_heads"),
+    (json.dumps({**TINY, "layer_norm_eps": float("inf")}), "layer_norm_eps must be a positive float, got inf"),
 ])
 def test_malformed_config_is_named(tmp_path, text, message):
     directory = _tiny_checkpoint(tmp_path / "m")
@@ -447,3 +448,48 @@ def test_ids_are_not_read_on_the_meta_device():
     # With an attention mask the model cannot know whether anything is padded: it keeps the mask.
     mask = torch.ones_like(ids)
     assert model._check_inputs(ids, mask, torch.zeros_like(ids)).device.type == "meta"
+
+
+
+# --------------------------------------------------------- hostile files beside the weights (issue 18)
+@pytest.mark.parametrize("name, text, message", [
+    ("modules.json", "5", r"modules\.json' must be a list of module objects, got int"),
+    ("modules.json", json.dumps([{"type": 3}]), r"modules\.json' must be a list of objects with a string 'type'"),
+    ("modules.json", json.dumps([{"type": "x.Pooling", "path": "../../elsewhere"}]),
+     r"modules\.json' must be .* a 'path' inside the model directory"),
+    ("sentence_bert_config.json", json.dumps({"max_seq_length": "abc"}), r"max_seq_length must be a positive int, got 'abc'"),
+    ("sentence_bert_config.json", json.dumps({"max_seq_length": -5}), r"max_seq_length must be a positive int, got -5"),
+])
+def test_malformed_sentence_transformers_files_are_named(tmp_path, name, text, message):
+    directory = _tiny_checkpoint(tmp_path / "s")
+    (directory / name).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_a_malformed_tokenizer_file_is_named(tmp_path):
+    pytest.importorskip("tokenizers", reason="pip install 'attnlab[models]'")
+    directory = _tiny_checkpoint(tmp_path / "t")
+    (directory / "tokenizer.json").write_text("{garbage")
+    model = BertEncoder.from_pretrained(directory)
+    with pytest.raises(ValueError, match=r"tokenizer\.json' is not a valid tokenizer file"):
+        model.tokenize("hi")
+
+
+def test_a_model_that_is_not_a_directory_is_named(tmp_path):
+    with pytest.raises(TypeError, match=r"the model must be a directory \(str or os\.PathLike\).* got int"):
+        BertEncoder.from_pretrained(123)
+    directory = _tiny_checkpoint(tmp_path / "f")
+    with pytest.raises(FileNotFoundError, match=r"config\.json' is a file, not a directory"):
+        BertEncoder.from_pretrained(directory / "config.json")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("layer_norm_eps", -1.0, "layer_norm_eps must be a positive finite number"),
+    ("intermediate_size", 0, "intermediate_size must be a positive int"),
+    ("dropout_p", 2.0, r"dropout_p must be in \[0, 1\)"),
+])
+def test_constructor_options_are_refused_by_their_own_names(option, value, message):
+    options = dict(vocab_size=5, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=8)
+    with pytest.raises(ValueError, match=message):
+        BertEncoder(**{**options, option: value})

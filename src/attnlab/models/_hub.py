@@ -15,6 +15,7 @@ weights read, so a wrong or hostile ``config.json`` costs no memory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -52,10 +53,16 @@ class Count(NamedTuple):
 
 def model_dir(name_or_dir: str | os.PathLike) -> Path:
     """The directory holding the model files for a short name or a path."""
+    if not isinstance(name_or_dir, (str, os.PathLike)):
+        raise TypeError(f"the model must be a directory (str or os.PathLike) or one of {sorted(SHIPPED)}, "
+                        f"got {type(name_or_dir).__name__}")
     key = os.fspath(name_or_dir)
     if isinstance(name_or_dir, str) and key in SHIPPED:
         return _shipped_dir(key)
     path = Path(key).expanduser()
+    if path.exists() and not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} is a file, not a directory (pass the "
+                                f"directory holding config.json and {WEIGHTS})")
     if not path.is_dir():
         raise FileNotFoundError(
             f"model directory {str(path)!r} does not exist (pass a directory with config.json and "
@@ -106,7 +113,7 @@ def read_config(directory: Path, fields: dict[str, type]) -> dict:
         value = config.get(field)
         ok = isinstance(value, kind) and not isinstance(value, bool)
         if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
         elif kind is int:
             ok = ok and value > 0
         if not ok:

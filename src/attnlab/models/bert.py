@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import one_of, positive_int
+from attnlab._checks import one_of, positive_int, positive_number, probability
 from attnlab.models import _hub, _inputs
 from attnlab.nn.blocks import TransformerBlock
 
@@ -98,9 +98,13 @@ class BertEncoder(nn.Module):
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
-                            ("num_layers", num_layers), ("max_position_embeddings", max_position_embeddings),
+                            ("num_layers", num_layers), ("num_heads", num_heads),
+                            ("intermediate_size", intermediate_size),
+                            ("max_position_embeddings", max_position_embeddings),
                             ("type_vocab_size", type_vocab_size)):
             positive_int(name, value)
+        positive_number("layer_norm_eps", layer_norm_eps)
+        probability("dropout_p", dropout_p)
         self.word_embeddings = nn.Embedding(vocab_size, hidden_size)
         self.position_embeddings = nn.Embedding(max_position_embeddings, hidden_size)
         self.token_type_embeddings = nn.Embedding(type_vocab_size, hidden_size)
@@ -233,11 +237,9 @@ class BertEncoder(nn.Module):
         """Tokenizer path, pooling, normalisation and max length from sentence-transformers files."""
         tokenizer = directory / "tokenizer.json"
         self.tokenizer_path = tokenizer if tokenizer.is_file() else None
-        modules = _hub.read_json(directory / "modules.json", required=False) or []
-        types = [m.get("type", "") for m in modules if isinstance(m, dict)]
-        self.normalize = any(t.endswith(".Normalize") for t in types)
-        pooling_dir = next((m.get("path", "") for m in modules
-                            if isinstance(m, dict) and m.get("type", "").endswith(".Pooling")), "1_Pooling")
+        modules = _read_modules(directory / "modules.json")
+        self.normalize = any(kind.endswith(".Normalize") for kind, _ in modules)
+        pooling_dir = next((path for kind, path in modules if kind.endswith(".Pooling")), "1_Pooling")
         pooling = _hub.read_json(directory / pooling_dir / "config.json", required=False)
         if isinstance(pooling, dict):
             modes = tuple(mode for mode, flag in _POOLING_FLAGS.items() if pooling.get(flag))
@@ -245,9 +247,13 @@ class BertEncoder(nn.Module):
                 raise ValueError(f"{str(directory / pooling_dir / 'config.json')!r}: no supported pooling "
                                  f"mode is set (one of {sorted(_POOLING_FLAGS.values())})")
             self.pooling = modes
-        sbert = _hub.read_json(directory / "sentence_bert_config.json", required=False)
-        if isinstance(sbert, dict) and sbert.get("max_seq_length"):
-            self.max_seq_length = min(int(sbert["max_seq_length"]), self.max_position_embeddings)
+        path = directory / "sentence_bert_config.json"
+        sbert = _hub.read_json(path, required=False)
+        if isinstance(sbert, dict) and sbert.get("max_seq_length") is not None:
+            length = sbert["max_seq_length"]
+            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+                raise ValueError(f"{str(path)!r}: max_seq_length must be a positive int, got {length!r}")
+            self.max_seq_length = min(length, self.max_position_embeddings)
 
     # ------------------------------------------------------------ tokenizing
     def tokenize(self, sentences: str | Sequence[str], *, max_length: int | None = None,
@@ -317,7 +323,10 @@ class BertEncoder(nn.Module):
                 from tokenizers import Tokenizer  # optional dependency, needed only to tokenize
             except ImportError:
                 raise ImportError(f"tokenize/encode need the tokenizers library: {_hub.INSTALL_HINT}") from None
-            self._tokenizer = Tokenizer.from_file(os.fspath(self.tokenizer_path))
+            try:
+                self._tokenizer = Tokenizer.from_file(os.fspath(self.tokenizer_path))
+            except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+                raise ValueError(f"{str(self.tokenizer_path)!r} is not a valid tokenizer file: {exc}") from None
         return self._tokenizer
 
     def _pad_id(self) -> int:
@@ -451,6 +460,25 @@ def _name_table(num_layers: int) -> dict[str, list[str]]:
             table[f"{ours}mlp.fc_out.{kind}"] = [f"{hf}output.dense.{kind}"]
             table[f"{ours}norm_mlp.{kind}"] = [f"{hf}output.LayerNorm.{kind}"]
     return table
+
+
+def _read_modules(path: Path) -> list[tuple[str, str]]:
+    """(type, path) of each module in sentence-transformers' ``modules.json`` (none if absent)."""
+    modules = _hub.read_json(path, required=False)
+    if modules is None:
+        return []
+    if not isinstance(modules, list):
+        raise ValueError(f"{str(path)!r} must be a list of module objects, got {type(modules).__name__}")
+    entries = []
+    for module in modules:
+        kind = module.get("type") if isinstance(module, dict) else None
+        folder = module.get("path", "") if isinstance(module, dict) else None
+        inside = isinstance(folder, str) and not Path(folder).is_absolute() and ".." not in Path(folder).parts
+        if not isinstance(kind, str) or not inside:
+            raise ValueError(f"{str(path)!r} must be a list of objects with a string 'type' and a 'path' "
+                             f"inside the model directory, got {module!r}")
+        entries.append((kind, folder))
+    return entries
 
 
 def _sentence_list(sentences: str | Sequence[str]) -> list[str]:

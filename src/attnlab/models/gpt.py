@@ -114,7 +114,7 @@ class GPT(nn.Module):
         heads = _check_heads(num_heads, num_layers, d_model, num_kv_heads)
         one_of("positions", positions, POSITIONS)
         probability("dropout_p", dropout_p)
-        for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings)):
+        for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings), ("bias", bias)):
             instance_of(name, value, bool, "a bool")
         self.config = dict(  # an int num_heads is saved as an int: older readers expect one
             vocab_size=vocab_size, max_len=max_len, d_model=d_model, num_layers=num_layers,
