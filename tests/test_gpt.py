@@ -338,3 +338,10 @@ def test_ids_are_not_read_on_the_meta_device():
 def test_a_non_bool_bias_is_refused_by_name(tmp_path):
     with pytest.raises(TypeError, match="bias must be a bool, got str"):
         GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2, bias="no")
+
+
+def test_gpt2_flags_must_be_json_booleans(hf_gpt2):
+    _, folder = hf_gpt2
+    _edit_config(folder, tie_word_embeddings="false")  # truthy: would tie and ignore lm_head.weight
+    with pytest.raises(ValueError, match=r"config\.json': tie_word_embeddings must be true or false, got 'false'"):
+        GPT.from_pretrained(folder)

@@ -426,9 +426,13 @@ def _from_gpt2(directory: Path, backend: str) -> GPT:
     if act not in _HF_ACTIVATIONS:
         raise ValueError(f"{str(path)!r}: activation_function {act!r} is not supported "
                          f"(one of {sorted(_HF_ACTIVATIONS)})")
+    for flag, default in (("tie_word_embeddings", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False), ("scale_attn_weights", True)):
+        if not isinstance(config.get(flag, default), bool):  # a string "false" is truthy
+            raise ValueError(f"{str(path)!r}: {flag} must be true or false, got {config[flag]!r}")
     for flag, fine in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
                        ("scale_attn_weights", True)):
-        if bool(config.get(flag, fine)) != fine:
+        if config.get(flag, fine) != fine:
             raise ValueError(f"{str(path)!r}: {flag}={config[flag]} is not supported (attnlab's GPT "
                              f"needs {flag}={fine})")
     if config["n_embd"] % config["n_head"]:
@@ -439,7 +443,7 @@ def _from_gpt2(directory: Path, backend: str) -> GPT:
     model = GPT(config["vocab_size"], max_len=config["n_positions"], d_model=config["n_embd"],
                 num_layers=config["n_layer"], num_heads=config["n_head"], d_ff=config.get("n_inner"),
                 norm_eps=float(config["layer_norm_epsilon"]), activation=_HF_ACTIVATIONS[act],
-                tie_embeddings=bool(config.get("tie_word_embeddings", True)), backend=backend)
+                tie_embeddings=config.get("tie_word_embeddings", True), backend=backend)
     table = _gpt2_table(len(model.blocks), model.config["tie_embeddings"])
     expected = model.state_dict()
     shapes = {hf: tuple(reversed(expected[ours].shape)) if conv else tuple(expected[ours].shape)
