@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from attnlab.models import GPT
 from attnlab.nn import TransformerBlock
+from _alloc_guard import forbid_large_allocations
 
 
 def tiny(**options) -> GPT:
@@ -239,4 +241,108 @@ def test_gpt2_checkpoint_with_a_missing_tensor_is_named(hf_gpt2):
     del state["transformer.h.1.attn.c_proj.weight"]
     safetensors.torch.save_file(state, os.fspath(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks 1 GPT-2 tensor\(s\): h.1.attn.c_proj.weight"):
+        GPT.from_pretrained(folder)
+
+
+# ------------------------------------------- config checked against the weights' header (issue 18)
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("key, value, tensor, shape", [
+    ("vocab_size", 10**11, "tok_emb.weight", (31, 8)),
+    ("d_model", 10**7, "tok_emb.weight", (31, 8)),
+    ("max_len", 10**11, "pos_emb.embedding.weight", (12, 8)),
+    ("d_ff", 10**10, "blocks.0.mlp.fc_in.weight", (32, 8)),
+])
+def test_attnlab_config_sizes_are_checked_against_the_header_before_allocating(tmp_path, monkeypatch, key, value,
+                                                                                tensor, shape):
+    folder = GPT(vocab_size=31, max_len=12, d_model=8, num_layers=2, num_heads=2, d_ff=32).save_pretrained(tmp_path)
+    _edit_config(folder, **{key: value})
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError) as info:
+        GPT.from_pretrained(folder)
+    message = str(info.value)
+    assert f"config.json': {key}={value} does not match the weights: {tensor} in " in message
+    assert f"model.safetensors' has shape {shape}" in message
+
+
+def test_attnlab_layer_count_and_unheld_sizes_are_refused_before_allocating(tmp_path, monkeypatch):
+    folder = GPT(vocab_size=31, max_len=12, d_model=8, num_layers=2, num_heads=2,
+                 positions="rope").save_pretrained(tmp_path)
+    forbid_large_allocations(monkeypatch)
+    _edit_config(folder, num_layers=10**8)
+    with pytest.raises(ValueError, match=r"num_layers=100000000 does not match the weights: .*model\.safetensors' "
+                                         r"holds 2 layer\(s\) named blocks\.<i>"):
+        GPT.from_pretrained(folder)
+    _edit_config(folder, num_layers=2, max_len=2**40)  # rotary positions: no tensor holds max_len
+    with pytest.raises(ValueError, match=r"config\.json': max_len=1099511627776 is absurdly large \(at most 2147483647\)"):
+        GPT.from_pretrained(folder)
+    _edit_config(folder, max_len=True)
+    with pytest.raises(ValueError, match=r"config\.json': max_len must be a positive int, got True"):
+        GPT.from_pretrained(folder)
+
+
+def _gpt2_config_edits(folder, **changes):
+    original = (folder / "config.json").read_text()
+    for key, value in changes.items():
+        (folder / "config.json").write_text(original)
+        _edit_config(folder, **{key: value})
+        with pytest.raises(ValueError) as info:
+            GPT.from_pretrained(folder)
+        yield key, value, str(info.value)
+
+
+def test_gpt2_config_sizes_are_checked_against_the_header_before_allocating(hf_gpt2, monkeypatch):
+    _, folder = hf_gpt2
+    forbid_large_allocations(monkeypatch)
+    held = {"vocab_size": "wte.weight in .* has shape \\(61, 32\\)", "n_embd": "wte.weight in .* has shape \\(61, 32\\)",
+            "n_positions": "wpe.weight in .* has shape \\(40, 32\\)",
+            "n_inner": "h.0.mlp.c_fc.weight in .* has shape \\(32, 128\\)",
+            "n_layer": ".*model.safetensors' holds 2 layer\\(s\\) named h\\.<i>"}
+    huge = {"vocab_size": 10**11, "n_embd": 10**7, "n_positions": 10**11, "n_inner": 10**10, "n_layer": 10**9}
+    for key, value, message in _gpt2_config_edits(folder, **huge):
+        assert re.search(rf"config\.json': {key}={value} does not match the weights: {held[key]}", message), message
+
+
+def test_gpt2_unexpected_tensors_and_integer_weights_are_refused(hf_gpt2):
+    import safetensors.torch
+
+    _, folder = hf_gpt2
+    path = os.fspath(folder / "model.safetensors")
+    state = safetensors.torch.load_file(path)
+    safetensors.torch.save_file({**state, "transformer.h.0.attn.rel_bias": torch.zeros(4)}, path)
+    with pytest.raises(ValueError, match=r"has 1 unexpected GPT-2 tensor\(s\) that config\.json does not account "
+                                         r"for: h\.0\.attn\.rel_bias"):
+        GPT.from_pretrained(folder)
+    safetensors.torch.save_file({**state, "transformer.wpe.weight": torch.zeros(40, 32, dtype=torch.int32)}, path)
+    with pytest.raises(ValueError, match=r"wpe\.weight has dtype I32; weights must be floating point"):
+        GPT.from_pretrained(folder)
+    old_buffers = {"transformer.h.0.attn.bias": torch.ones(1, 1, 40, 40, dtype=torch.bool)}
+    safetensors.torch.save_file({**state, **old_buffers}, path)  # older transformers saved the causal mask
+    assert GPT.from_pretrained(folder).config["vocab_size"] == 61
+
+
+# ------------------------------------------------------------- ids outside the vocabulary (issue 18)
+def test_ids_outside_the_vocabulary_are_refused_with_the_bert_wording():
+    with pytest.raises(ValueError, match=r"^input_ids must be in 0\.\.22 \(vocab_size=23\), got values -1\.\.2$"):
+        tiny()(torch.tensor([[-1, 2]]))
+
+
+def test_ids_are_not_read_on_the_meta_device():
+    with torch.device("meta"):  # a model on meta, as transformers builds one before loading
+        model = tiny()
+    assert model._check_ids(torch.zeros(2, 5, dtype=torch.long, device="meta"), None) == 0
+
+
+def test_a_non_bool_bias_is_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match="bias must be a bool, got str"):
+        GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2, bias="no")
+
+
+def test_gpt2_flags_must_be_json_booleans(hf_gpt2):
+    _, folder = hf_gpt2
+    _edit_config(folder, tie_word_embeddings="false")  # truthy: would tie and ignore lm_head.weight
+    with pytest.raises(ValueError, match=r"config\.json': tie_word_embeddings must be true or false, got 'false'"):
         GPT.from_pretrained(folder)

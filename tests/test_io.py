@@ -125,7 +125,7 @@ def _saved_file(tmp_path):
 def test_truncated_file_is_a_value_error_naming_it(tmp_path, cut):
     path, data = _saved_file(tmp_path)
     path.write_bytes(data[:cut])
-    for read in (io.load_state_dict, io.read_metadata,
+    for read in (io.load_state_dict, io.read_metadata, io.read_header,
                  lambda p: io.load(MultiHeadAttention(8, 8, num_heads=2), p)):
         with pytest.raises(ValueError, match="w.safetensors' is truncated or corrupted"):
             read(path)
@@ -142,7 +142,7 @@ def test_corrupted_header_is_a_value_error_naming_it(tmp_path, damage):
     path.write_bytes(damage(data))
     module = MultiHeadAttention(8, 8, num_heads=2)
     before = _snapshot(module)
-    for read in (io.load_state_dict, io.read_metadata, lambda p: io.load(module, p)):
+    for read in (io.load_state_dict, io.read_metadata, io.read_header, lambda p: io.load(module, p)):
         with pytest.raises(ValueError, match="w.safetensors' is truncated or corrupted"):
             read(path)
     _assert_unchanged(module, before)
@@ -232,3 +232,45 @@ def test_a_header_length_that_starts_like_a_pickle_still_loads(tmp_path, first_b
     fresh = nn.Linear(3, 2)
     io.load(fresh, path)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), module.state_dict().values()))
+
+
+# ------------------------------------------------------- the header is checked first (issue 18)
+def _no_tensor_reads(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("read the tensors")
+
+    monkeypatch.setattr(io.safetensors.torch, "load_file", forbidden)
+
+
+def test_read_header_gives_every_dtype_and_shape_without_reading_tensors(tmp_path, monkeypatch):
+    module = nn.Linear(3, 5).to(torch.float16)
+    module.register_buffer("steps", torch.zeros(2, 7, dtype=torch.int64))
+    path = tmp_path / "m.safetensors"
+    io.save(module, path)
+    _no_tensor_reads(monkeypatch)
+    names = {torch.float16: "F16", torch.int64: "I64"}
+    expected = {name: io.TensorInfo(names[t.dtype], tuple(t.shape)) for name, t in module.state_dict().items()}
+    assert io.read_header(path) == expected
+    assert [info.floating for info in expected.values()] == [True, True, False]
+
+
+def test_a_file_that_does_not_fit_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
+    path = tmp_path / "big.safetensors"
+    io.save(nn.Linear(64, 32), path)
+    module = nn.Linear(2, 3)
+    before = _snapshot(module)
+    _no_tensor_reads(monkeypatch)
+    with pytest.raises(ValueError, match=r"big\.safetensors' does not fit Linear .*weight: file \(32, 64\) vs module \(3, 2\)"):
+        io.load(module, path)
+    _assert_unchanged(module, before)
+
+
+def test_integer_data_for_a_float_tensor_is_refused_and_changes_nothing(tmp_path):
+    path = tmp_path / "ints.safetensors"
+    io.save_state_dict({"weight": torch.ones(3, 2, dtype=torch.int64), "bias": torch.zeros(3)}, path)
+    module = nn.Linear(2, 3)
+    before = _snapshot(module)
+    with pytest.raises(ValueError, match=r"ints\.safetensors' does not fit Linear \(1 problem\(s\)\): "
+                                         r"weight: file dtype I64 vs module torch\.float32"):
+        io.load(module, path)
+    _assert_unchanged(module, before)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from attnlab.models import BertEncoder
 from attnlab.models import _hub
 from attnlab.nn import TransformerBlock
+from _alloc_guard import forbid_large_allocations
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -238,6 +239,7 @@ def test_directory_without_config_is_refused(tmp_path):
     (json.dumps({k: v for k, v in TINY.items() if k != "vocab_size"}), "vocab_size must be a positive int, got None"),
     (json.dumps({**TINY, "hidden_act": "swish-ish"}), "hidden_act 'swish-ish' is not supported"),
     (json.dumps({**TINY, "num_attention_heads": 3}), "not a multiple of num_attention_heads"),
+    (json.dumps({**TINY, "layer_norm_eps": float("inf")}), "layer_norm_eps must be a positive float, got inf"),
 ])
 def test_malformed_config_is_named(tmp_path, text, message):
     directory = _tiny_checkpoint(tmp_path / "m")
@@ -324,3 +326,170 @@ def test_bad_inputs_are_named():
         model.tokenize(["hi"])
     with pytest.raises(TypeError, match="sentences must be a string or a sequence of strings"):
         model.encode([1, 2])
+
+
+# ------------------------------------------- config checked against the weights' header (issue 18)
+def _rewrite(directory: Path, **changes) -> Path:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    return directory
+
+
+@pytest.mark.parametrize("key, value, tensor, shape", [
+    ("vocab_size", 10**11, "embeddings.word_embeddings.weight", (20, 8)),
+    ("hidden_size", 10**7, "embeddings.word_embeddings.weight", (20, 8)),
+    ("max_position_embeddings", 10**11, "embeddings.position_embeddings.weight", (16, 8)),
+    ("type_vocab_size", 10**11, "embeddings.token_type_embeddings.weight", (2, 8)),
+    ("intermediate_size", 10**10, "encoder.layer.0.intermediate.dense.weight", (12, 8)),
+    ("vocab_size", 21, "embeddings.word_embeddings.weight", (20, 8)),
+])
+def test_config_sizes_are_checked_against_the_header_before_allocating(tmp_path, monkeypatch, key, value,
+                                                                         tensor, shape):
+    directory = _rewrite(_tiny_checkpoint(tmp_path / "c"), **{key: value})
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError) as info:
+        BertEncoder.from_pretrained(directory)
+    message = str(info.value)
+    assert f"config.json': {key}={value} does not match the weights: {tensor} in " in message
+    assert f"has shape {shape}" in message and "model.safetensors" in message
+
+
+def test_a_layer_count_beyond_the_weights_is_refused_before_building_layers(tmp_path, monkeypatch):
+    directory = _rewrite(_tiny_checkpoint(tmp_path / "l"), num_hidden_layers=10**9)
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1000000000 does not match the weights: .*"
+                                         r"model\.safetensors' holds 1 layer\(s\) named encoder\.layer\.<i>"):
+        BertEncoder.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "8", None, 1e11])
+def test_absurd_sizes_are_refused_by_name(tmp_path, monkeypatch, value):
+    directory = _rewrite(_tiny_checkpoint(tmp_path / "a"), vocab_size=value)
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=rf"config\.json': vocab_size must be a positive int, got {value!r}"):
+        BertEncoder.from_pretrained(directory)
+
+
+def _retensor(directory: Path, **tensors) -> Path:
+    path = directory / "model.safetensors"
+    state = {**safetensors.torch.load_file(os.fspath(path)), **tensors}
+    safetensors.torch.save_file(state, os.fspath(path))
+    return directory
+
+
+def test_an_unexpected_tensor_is_refused(tmp_path):
+    # A relative-position table this encoder does not implement: ignoring it gives wrong outputs.
+    name = "encoder.layer.0.attention.self.distance_embedding.weight"
+    directory = _retensor(_tiny_checkpoint(tmp_path / "x"), **{name: torch.zeros(31, 4)})
+    with pytest.raises(ValueError, match=rf"model\.safetensors' has 1 unexpected tensor\(s\) that config\.json "
+                                         rf"does not account for: {name}"):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_transformers_pooler_and_position_ids_are_ignored(tmp_path):
+    directory = _retensor(_tiny_checkpoint(tmp_path / "p"), **{
+        "pooler.dense.weight": torch.randn(8, 8), "pooler.dense.bias": torch.randn(8),
+        "embeddings.position_ids": torch.arange(16)[None]})
+    model = BertEncoder.from_pretrained(directory)
+    state = safetensors.torch.load_file(os.fspath(directory / "model.safetensors"))
+    assert torch.equal(model.word_embeddings.weight, state["embeddings.word_embeddings.weight"])
+
+
+def test_integer_weights_are_refused(tmp_path):
+    name = "embeddings.word_embeddings.weight"
+    directory = _retensor(_tiny_checkpoint(tmp_path / "d"), **{name: torch.ones(20, 8, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=rf"model\.safetensors': {name} has dtype I64; weights must be floating"):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_a_header_claiming_huge_tensors_is_refused_without_allocating(tmp_path, monkeypatch):
+    directory = _tiny_checkpoint(tmp_path / "h")
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header["embeddings.word_embeddings.weight"]["shape"] = [10**11, 8]
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length:])
+    forbid_large_allocations(monkeypatch)
+    with pytest.raises(ValueError, match=r"model\.safetensors' is truncated or corrupted"):
+        BertEncoder.from_pretrained(directory)
+
+
+# ------------------------------------------------------------- ids outside the tables (issue 18)
+@pytest.mark.parametrize("ids, types, message", [
+    ([[1, 10]], None, r"input_ids must be in 0\.\.9 \(vocab_size=10\), got values 1\.\.10"),
+    ([[-1, 3]], None, r"input_ids must be in 0\.\.9 \(vocab_size=10\), got values -1\.\.3"),
+    ([[1, 2]], [[0, 2]], r"token_type_ids must be in 0\.\.1 \(type_vocab_size=2\), got values 0\.\.2"),
+    ([[1, 2]], [[-1, 0]], r"token_type_ids must be in 0\.\.1 \(type_vocab_size=2\), got values -1\.\.0"),
+])
+def test_ids_outside_the_embedding_tables_are_refused_by_name(ids, types, message):
+    model = BertEncoder(vocab_size=10, hidden_size=4, num_layers=1, num_heads=1, intermediate_size=8,
+                        max_position_embeddings=4)
+    types = None if types is None else torch.tensor(types)
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor(ids), token_type_ids=types)
+
+
+def test_token_type_ids_must_be_integers_of_the_input_shape():
+    model = BertEncoder(vocab_size=10, hidden_size=4, num_layers=1, num_heads=1, intermediate_size=8)
+    ids = torch.tensor([[1, 2]])
+    for bad in (torch.zeros(1, 2), torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"token_type_ids must be an integer tensor of input_ids' shape \(1, 2\)"):
+            model(ids, token_type_ids=bad)
+
+
+def test_ids_are_not_read_on_the_meta_device():
+    with torch.device("meta"):
+        model = BertEncoder(vocab_size=10, hidden_size=4, num_layers=1, num_heads=1, intermediate_size=8)
+        ids = torch.zeros(2, 3, dtype=torch.long)
+    out = model(ids, token_type_ids=torch.zeros_like(ids))
+    assert out.device.type == "meta" and out.shape == (2, 3, 4)
+    # With an attention mask the model cannot know whether anything is padded: it keeps the mask.
+    mask = torch.ones_like(ids)
+    assert model._check_inputs(ids, mask, torch.zeros_like(ids)).device.type == "meta"
+
+
+
+# --------------------------------------------------------- hostile files beside the weights (issue 18)
+@pytest.mark.parametrize("name, text, message", [
+    ("modules.json", "5", r"modules\.json' must be a list of module objects, got int"),
+    ("modules.json", json.dumps([{"type": 3}]), r"modules\.json' must be a list of objects with a string 'type'"),
+    ("modules.json", json.dumps([{"type": "x.Pooling", "path": "../../elsewhere"}]),
+     r"modules\.json' must be .* a 'path' inside the model directory"),
+    ("sentence_bert_config.json", json.dumps({"max_seq_length": "abc"}), r"max_seq_length must be a positive int, got 'abc'"),
+    ("sentence_bert_config.json", json.dumps({"max_seq_length": -5}), r"max_seq_length must be a positive int, got -5"),
+])
+def test_malformed_sentence_transformers_files_are_named(tmp_path, name, text, message):
+    directory = _tiny_checkpoint(tmp_path / "s")
+    (directory / name).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_a_malformed_tokenizer_file_is_named(tmp_path):
+    pytest.importorskip("tokenizers", reason="pip install 'attnlab[models]'")
+    directory = _tiny_checkpoint(tmp_path / "t")
+    (directory / "tokenizer.json").write_text("{garbage")
+    model = BertEncoder.from_pretrained(directory)
+    with pytest.raises(ValueError, match=r"tokenizer\.json' is not a valid tokenizer file"):
+        model.tokenize("hi")
+
+
+def test_a_model_that_is_not_a_directory_is_named(tmp_path):
+    with pytest.raises(TypeError, match=r"the model must be a directory \(str or os\.PathLike\).* got int"):
+        BertEncoder.from_pretrained(123)
+    directory = _tiny_checkpoint(tmp_path / "f")
+    with pytest.raises(FileNotFoundError, match=r"config\.json' is a file, not a directory"):
+        BertEncoder.from_pretrained(directory / "config.json")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("layer_norm_eps", -1.0, "layer_norm_eps must be a positive finite number"),
+    ("intermediate_size", 0, "intermediate_size must be a positive int"),
+    ("dropout_p", 2.0, r"dropout_p must be in \[0, 1\)"),
+])
+def test_constructor_options_are_refused_by_their_own_names(option, value, message):
+    options = dict(vocab_size=5, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=8)
+    with pytest.raises(ValueError, match=message):
+        BertEncoder(**{**options, option: value})

@@ -29,6 +29,7 @@ import os
 import secrets
 import struct
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import safetensors
 import safetensors.torch
@@ -38,9 +39,26 @@ from torch import Tensor, nn
 from attnlab._checks import instance_of
 
 __all__ = ["save", "load", "save_state_dict", "load_state_dict", "write_atomically", "check_safetensors",
-           "read_metadata"]
+           "read_metadata", "read_header", "TensorInfo"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+
+
+class TensorInfo(NamedTuple):
+    """One tensor of a safetensors header: its dtype (safetensors' name: ``"F32"``, ``"I64"``, ...) and shape.
+
+    Example:
+        >>> TensorInfo("BF16", (4, 2)).floating, TensorInfo("I64", (3,)).floating
+        (True, False)
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def floating(self) -> bool:
+        """Whether the dtype is a floating-point one (``F64``, ``F32``, ``F16``, ``BF16``, ``F8_*``)."""
+        return self.dtype.startswith(("F", "BF"))
 
 
 def check_safetensors(path: str | os.PathLike) -> None:
@@ -264,17 +282,43 @@ def load_state_dict(path: str | os.PathLike, *, device: str | torch.device = "cp
         return safetensors.torch.load_file(os.fspath(path), device=str(device))
 
 
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """The name, dtype and shape of every tensor in a safetensors file, without reading the tensors.
+
+    Only the header is parsed (safetensors checks it whole: every tensor's bytes must lie
+    inside the file and the tensors must cover it exactly), so a loader can compare the
+    shapes with what it expects before it allocates anything.
+
+    Raises:
+        ValueError: not a safetensors file, or a truncated or corrupted one (the message names it).
+        OSError: the file cannot be read (the message names it).
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "lin.safetensors")
+        >>> save(nn.Linear(2, 3), path)
+        >>> read_header(path)["weight"]
+        TensorInfo(dtype='F32', shape=(3, 2))
+    """
+    check_safetensors(path)
+    with _reading(path):
+        with safetensors.safe_open(os.fspath(path), framework="pt") as f:
+            return {name: TensorInfo(f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                    for name in f.keys()}
+
+
 def load(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
     """Load a safetensors file written by :func:`save` into ``module`` (in place) and return it.
 
     Tensors are copied to the module's device and dtype. Tied weights stored once are filled
-    through their aliases. Every tensor is checked against the module before any is copied,
-    so on error the module is unchanged.
+    through their aliases. The file's header is checked against the module before any tensor
+    is read, so a file that does not fit costs no memory and leaves the module unchanged.
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module``.
         ValueError: not a safetensors file, a truncated or corrupted one, or tensors that do
-            not fit the module: wrong shapes, or (when ``strict``) missing or unexpected keys.
+            not fit the module: wrong shapes, integer data for a floating-point tensor (or the
+            reverse), or (when ``strict``) missing or unexpected keys.
         OSError: the file cannot be read (the message names it).
 
     Example:
@@ -285,31 +329,38 @@ def load(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> 
         torch.Size([3, 2])
     """
     instance_of("module", module, nn.Module, "a torch.nn.Module")
-    state = load_state_dict(path)
+    header = read_header(path)
     expected = module.state_dict()
-    for name, original in _aliases(expected).items():
-        if name not in state and original in state:
-            state[name] = state[original]
-    _check_fits(state, expected, module, path, strict=strict)
+    aliases = {name: original for name, original in _aliases(expected).items()
+               if name not in header and original in header}
+    _check_fits({**header, **{name: header[original] for name, original in aliases.items()}},
+                expected, module, path, strict=strict)
+    state = load_state_dict(path)
+    for name, original in aliases.items():
+        state[name] = state[original]
     module.load_state_dict(state, strict=strict)
     return module
 
 
-def _check_fits(state: dict[str, Tensor], expected: dict[str, Tensor], module: nn.Module,
+def _check_fits(header: dict[str, TensorInfo], expected: dict[str, Tensor], module: nn.Module,
                 path: str | os.PathLike, *, strict: bool) -> None:
-    """``ValueError`` naming the file and every key that would not load (before any copy).
+    """``ValueError`` naming the file and every key that would not load (before any read or copy).
 
     ``load_state_dict`` copies what fits before it reports what does not, which would leave
-    the module half loaded.
+    the module half loaded; and it casts integers into floats (or back) without a word.
     """
-    problems = [
-        f"{name}: file {tuple(state[name].shape)} vs module {tuple(tensor.shape)}"
-        for name, tensor in expected.items()
-        if name in state and state[name].shape != tensor.shape
-    ]
+    problems = []
+    for name, tensor in expected.items():
+        if name not in header:
+            continue
+        info = header[name]
+        if info.shape != tuple(tensor.shape):
+            problems.append(f"{name}: file {info.shape} vs module {tuple(tensor.shape)}")
+        elif info.floating != tensor.is_floating_point():
+            problems.append(f"{name}: file dtype {info.dtype} vs module {tensor.dtype}")
     if strict:
-        problems += [f"missing from the file: {name}" for name in expected if name not in state]
-        problems += [f"unexpected in the file: {name}" for name in state if name not in expected]
+        problems += [f"missing from the file: {name}" for name in expected if name not in header]
+        problems += [f"unexpected in the file: {name}" for name in header if name not in expected]
     if problems:
         shown = "; ".join(problems[:10]) + ("; ..." if len(problems) > 10 else "")
         raise ValueError(

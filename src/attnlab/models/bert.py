@@ -24,13 +24,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import has_values, one_of, positive_int, same_device
-from attnlab.models import _hub
+from attnlab._checks import has_values, one_of, positive_int, positive_number, probability, same_device
+from attnlab.models import _hub, _inputs
 from attnlab.nn.blocks import TransformerBlock
 
 __all__ = ["BertEncoder"]
@@ -42,10 +43,19 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "g
 _CONFIG_FIELDS = {"hidden_size": int, "num_attention_heads": int, "num_hidden_layers": int,
                   "intermediate_size": int, "max_position_embeddings": int, "type_vocab_size": int,
                   "vocab_size": int, "layer_norm_eps": float, "hidden_act": str}
+# config.json size -> the tensor (transformers' names) that holds it, checked before building.
+_SIZES = {"vocab_size": _hub.Dim("embeddings.word_embeddings.weight", 0),
+          "hidden_size": _hub.Dim("embeddings.word_embeddings.weight", 1),
+          "max_position_embeddings": _hub.Dim("embeddings.position_embeddings.weight", 0),
+          "type_vocab_size": _hub.Dim("embeddings.token_type_embeddings.weight", 0),
+          "num_hidden_layers": _hub.Count("encoder.layer."),
+          "intermediate_size": _hub.Dim("encoder.layer.0.intermediate.dense.weight", 0),
+          "num_attention_heads": None}
 # sentence-transformers' Pooling flags, in the order it concatenates them.
 _POOLING_FLAGS = {"cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
                   "mean": "pooling_mode_mean_tokens", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens"}
 _PROGRESS_MIN_BATCHES = 20
+V = TypeVar("V")
 
 
 class BertEncoder(nn.Module):
@@ -88,9 +98,13 @@ class BertEncoder(nn.Module):
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
-                            ("num_layers", num_layers), ("max_position_embeddings", max_position_embeddings),
+                            ("num_layers", num_layers), ("num_heads", num_heads),
+                            ("intermediate_size", intermediate_size),
+                            ("max_position_embeddings", max_position_embeddings),
                             ("type_vocab_size", type_vocab_size)):
             positive_int(name, value)
+        positive_number("layer_norm_eps", layer_norm_eps)
+        probability("dropout_p", dropout_p)
         self.word_embeddings = nn.Embedding(vocab_size, hidden_size)
         self.position_embeddings = nn.Embedding(max_position_embeddings, hidden_size)
         self.token_type_embeddings = nn.Embedding(type_vocab_size, hidden_size)
@@ -147,18 +161,22 @@ class BertEncoder(nn.Module):
         return (x, tuple(weights)) if return_weights else x
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids) -> Tensor | None:
-        """Validate shapes; the padding mask as bool ``(B, T)``, or None when nothing is padded."""
-        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be an integer tensor (B, T), got {_describe(input_ids)}")
+        """Validate shapes and ids; the padding mask as bool ``(B, T)``, or None when nothing is padded."""
+        _inputs.integer_ids("input_ids", input_ids)
         if input_ids.shape[1] > self.max_position_embeddings:
             raise ValueError(
                 f"input_ids has {input_ids.shape[1]} positions; the model has "
                 f"max_position_embeddings={self.max_position_embeddings}"
             )
-        for name, value in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-            if value is not None and (not isinstance(value, Tensor) or value.shape != input_ids.shape):
-                raise ValueError(f"{name} must be a tensor of input_ids' shape "
-                                 f"{tuple(input_ids.shape)}, got {_describe(value)}")
+        if attention_mask is not None and (not isinstance(attention_mask, Tensor)
+                                           or attention_mask.shape != input_ids.shape):
+            raise ValueError(f"attention_mask must be a tensor of input_ids' shape "
+                             f"{tuple(input_ids.shape)}, got {_inputs.describe(attention_mask)}")
+        _inputs.ids_in_range("input_ids", input_ids, self.word_embeddings.num_embeddings, "vocab_size")
+        if token_type_ids is not None:
+            _inputs.integer_ids("token_type_ids", token_type_ids, tuple(input_ids.shape))
+            _inputs.ids_in_range("token_type_ids", token_type_ids, self.token_type_embeddings.num_embeddings,
+                                 "type_vocab_size")
         for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
                             ("token_type_ids", token_type_ids)):
             if value is not None:
@@ -166,6 +184,8 @@ class BertEncoder(nn.Module):
         if attention_mask is None:
             return None
         padding_mask = attention_mask.bool()
+        if padding_mask.device.type == "meta":  # no values to read: keep the mask
+            return padding_mask
         # No padding at all: pass no mask, so the attention backend may take its unmasked path.
         return None if has_values(padding_mask) and bool(padding_mask.all()) else padding_mask
 
@@ -201,6 +221,8 @@ class BertEncoder(nn.Module):
         if config["hidden_size"] % config["num_attention_heads"]:
             raise ValueError(f"{str(directory / 'config.json')!r}: hidden_size {config['hidden_size']} is "
                              f"not a multiple of num_attention_heads {config['num_attention_heads']}")
+        header = _own_names(_hub.read_header(directory))
+        _hub.check_sizes(directory, config, _SIZES, header)  # before anything is allocated
         model = cls(
             vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
@@ -209,8 +231,9 @@ class BertEncoder(nn.Module):
             type_vocab_size=config["type_vocab_size"], layer_norm_eps=float(config["layer_norm_eps"]),
             activation=_ACTIVATIONS[act], backend=backend,
         )
-        state = _hub.load_weights(directory)
-        model.load_state_dict(_from_hf_names(state, model, directory / _hub.WEIGHTS))
+        sources = _name_table(len(model.layers))
+        _hub.check_tensors(directory, header, _source_shapes(sources, model.state_dict()), ignored=_unused)
+        model.load_state_dict(_from_hf_names(_own_names(_hub.load_weights(directory)), sources))
         model._read_sentence_config(directory)
         return model.eval()
 
@@ -218,11 +241,9 @@ class BertEncoder(nn.Module):
         """Tokenizer path, pooling, normalisation and max length from sentence-transformers files."""
         tokenizer = directory / "tokenizer.json"
         self.tokenizer_path = tokenizer if tokenizer.is_file() else None
-        modules = _hub.read_json(directory / "modules.json", required=False) or []
-        types = [m.get("type", "") for m in modules if isinstance(m, dict)]
-        self.normalize = any(t.endswith(".Normalize") for t in types)
-        pooling_dir = next((m.get("path", "") for m in modules
-                            if isinstance(m, dict) and m.get("type", "").endswith(".Pooling")), "1_Pooling")
+        modules = _read_modules(directory / "modules.json")
+        self.normalize = any(kind.endswith(".Normalize") for kind, _ in modules)
+        pooling_dir = next((path for kind, path in modules if kind.endswith(".Pooling")), "1_Pooling")
         pooling = _hub.read_json(directory / pooling_dir / "config.json", required=False)
         if isinstance(pooling, dict):
             modes = tuple(mode for mode, flag in _POOLING_FLAGS.items() if pooling.get(flag))
@@ -230,9 +251,13 @@ class BertEncoder(nn.Module):
                 raise ValueError(f"{str(directory / pooling_dir / 'config.json')!r}: no supported pooling "
                                  f"mode is set (one of {sorted(_POOLING_FLAGS.values())})")
             self.pooling = modes
-        sbert = _hub.read_json(directory / "sentence_bert_config.json", required=False)
-        if isinstance(sbert, dict) and sbert.get("max_seq_length"):
-            self.max_seq_length = min(int(sbert["max_seq_length"]), self.max_position_embeddings)
+        path = directory / "sentence_bert_config.json"
+        sbert = _hub.read_json(path, required=False)
+        if isinstance(sbert, dict) and sbert.get("max_seq_length") is not None:
+            length = sbert["max_seq_length"]
+            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+                raise ValueError(f"{str(path)!r}: max_seq_length must be a positive int, got {length!r}")
+            self.max_seq_length = min(length, self.max_position_embeddings)
 
     # ------------------------------------------------------------ tokenizing
     def tokenize(self, sentences: str | Sequence[str], *, max_length: int | None = None,
@@ -302,7 +327,10 @@ class BertEncoder(nn.Module):
                 from tokenizers import Tokenizer  # optional dependency, needed only to tokenize
             except ImportError:
                 raise ImportError(f"tokenize/encode need the tokenizers library: {_hub.INSTALL_HINT}") from None
-            self._tokenizer = Tokenizer.from_file(os.fspath(self.tokenizer_path))
+            try:
+                self._tokenizer = Tokenizer.from_file(os.fspath(self.tokenizer_path))
+            except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+                raise ValueError(f"{str(self.tokenizer_path)!r} is not a valid tokenizer file: {exc}") from None
         return self._tokenizer
 
     def _pad_id(self) -> int:
@@ -383,29 +411,33 @@ class BertEncoder(nn.Module):
         return F.normalize(out, p=2, dim=-1) if self.normalize else out
 
 
-def _from_hf_names(state: dict[str, Tensor], model: BertEncoder, path: Path) -> dict[str, Tensor]:
-    """transformers' BERT tensor names -> this module's, Q/K/V fused; missing/mis-shaped named."""
-    state = {_canonical(name): tensor for name, tensor in state.items()}
-    if any(name.startswith("bert.") for name in state):
-        state = {name[len("bert."):]: t for name, t in state.items() if name.startswith("bert.")}
-    sources = _name_table(len(model.layers))
-    missing = sorted(n for names in sources.values() for n in names if n not in state)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{str(path)!r} lacks {len(missing)} tensor(s): {shown}")
-    expected = model.state_dict()
-    mapped = {}
+def _own_names(named: dict[str, V]) -> dict[str, V]:
+    """transformers' BERT names without a ``bert.`` prefix; a prefixed checkpoint's task heads dropped."""
+    named = {_canonical(name): value for name, value in named.items()}
+    if any(name.startswith("bert.") for name in named):
+        named = {name[len("bert."):]: value for name, value in named.items() if name.startswith("bert.")}
+    return named
+
+
+def _unused(name: str) -> bool:
+    """Tensors of transformers' BertModel that the encoder does not use (pooler, an old buffer)."""
+    return name.startswith("pooler.") or name == "embeddings.position_ids"
+
+
+def _source_shapes(sources: dict[str, list[str]], expected: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """The shape each transformers tensor must have: fused Q/K/V parts are a third of the rows."""
+    shapes = {}
     for ours, names in sources.items():
-        parts = [state[n] for n in names]
-        shapes = [tuple(p.shape) for p in parts]
-        if len({s[1:] for s in shapes}) != 1 or (len(parts) > 1 and len(set(shapes)) != 1):
-            raise ValueError(f"{str(path)!r}: tensors {names} have mismatched shapes {shapes}")
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows: query, key, value
-        if tuple(tensor.shape) != tuple(expected[ours].shape):
-            raise ValueError(f"{str(path)!r}: {' + '.join(names)} has shape {tuple(tensor.shape)}, "
-                             f"config.json implies {tuple(expected[ours].shape)}")
-        mapped[ours] = tensor
-    return mapped
+        rows, *rest = expected[ours].shape
+        for name in names:
+            shapes[name] = (rows // len(names), *rest)
+    return shapes
+
+
+def _from_hf_names(state: dict[str, Tensor], sources: dict[str, list[str]]) -> dict[str, Tensor]:
+    """transformers' BERT tensors (already checked) -> this module's state dict, Q/K/V fused."""
+    return {ours: state[names[0]] if len(names) == 1 else torch.cat([state[n] for n in names])  # rows: q, k, v
+            for ours, names in sources.items()}
 
 
 def _canonical(name: str) -> str:
@@ -432,6 +464,25 @@ def _name_table(num_layers: int) -> dict[str, list[str]]:
             table[f"{ours}mlp.fc_out.{kind}"] = [f"{hf}output.dense.{kind}"]
             table[f"{ours}norm_mlp.{kind}"] = [f"{hf}output.LayerNorm.{kind}"]
     return table
+
+
+def _read_modules(path: Path) -> list[tuple[str, str]]:
+    """(type, path) of each module in sentence-transformers' ``modules.json`` (none if absent)."""
+    modules = _hub.read_json(path, required=False)
+    if modules is None:
+        return []
+    if not isinstance(modules, list):
+        raise ValueError(f"{str(path)!r} must be a list of module objects, got {type(modules).__name__}")
+    entries = []
+    for module in modules:
+        kind = module.get("type") if isinstance(module, dict) else None
+        folder = module.get("path", "") if isinstance(module, dict) else None
+        inside = isinstance(folder, str) and not Path(folder).is_absolute() and ".." not in Path(folder).parts
+        if not isinstance(kind, str) or not inside:
+            raise ValueError(f"{str(path)!r} must be a list of objects with a string 'type' and a 'path' "
+                             f"inside the model directory, got {module!r}")
+        entries.append((kind, folder))
+    return entries
 
 
 def _sentence_list(sentences: str | Sequence[str]) -> list[str]:
@@ -465,9 +516,3 @@ def _maybe_progress(batches: list, progress: bool | None):
     from rich.progress import track  # a dependency of attnlab; imported only when drawing
 
     return track(batches, description="encoding", transient=True)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

@@ -23,18 +23,20 @@ import inspect
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab import io as _io
-from attnlab._checks import (divisible, finite_number, has_values, instance_of, one_of, per_layer, positive_int,
+from attnlab._checks import (divisible, finite_number, instance_of, one_of, per_layer, positive_int,
                              probability, same_device)
 from attnlab.distributed import ContextParallel
-from attnlab.models import _hub
+from attnlab.models import _hub, _inputs
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.positional import LearnedPositionalEmbedding
@@ -48,6 +50,11 @@ _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "g
                    "relu": "relu", "silu": "silu"}
 _GPT2_FIELDS = {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
                 "layer_norm_epsilon": float, "activation_function": str}
+# config.json size -> the tensor (transformers' names, ``transformer.`` removed) that holds it.
+_GPT2_SIZES = {"vocab_size": _hub.Dim("wte.weight", 0), "n_embd": _hub.Dim("wte.weight", 1),
+               "n_positions": _hub.Dim("wpe.weight", 0), "n_layer": _hub.Count("h."), "n_head": None}
+_GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")  # causal-mask buffers older transformers saved
+V = TypeVar("V")
 _INIT_STD = 0.02  # GPT-2's embedding init; torch's N(0, 1) makes tied logits huge at the start
 
 
@@ -108,7 +115,7 @@ class GPT(nn.Module):
         heads = _check_heads(num_heads, num_layers, d_model, num_kv_heads)
         one_of("positions", positions, POSITIONS)
         probability("dropout_p", dropout_p)
-        for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings)):
+        for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings), ("bias", bias)):
             instance_of(name, value, bool, "a bool")
         self.config = dict(  # an int num_heads is saved as an int: older readers expect one
             vocab_size=vocab_size, max_len=max_len, d_model=d_model, num_layers=num_layers,
@@ -214,15 +221,9 @@ class GPT(nn.Module):
 
     def _check_ids(self, input_ids: object, caches: list[KVCache] | None) -> int:
         """The position of the first new token; ValueError for bad ids, caches or lengths."""
-        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point() \
-                or input_ids.dtype == torch.bool:
-            what = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be an integer tensor (B, T), got {what}")
+        _inputs.integer_ids("input_ids", input_ids)
         same_device("input_ids", input_ids, self.tok_emb.weight.device, "the model's weights")
-        vocab = self.config["vocab_size"]
-        if input_ids.numel() and has_values(input_ids) and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids must be in 0..{vocab - 1}, got values "
-                             f"{int(input_ids.min())}..{int(input_ids.max())}")
+        _inputs.ids_in_range("input_ids", input_ids, self.config["vocab_size"], "vocab_size")
         offset = 0
         if caches is not None:
             instance_of("caches", caches, (list, tuple), "a list of one KVCache per layer")
@@ -368,16 +369,29 @@ class GPT(nn.Module):
         if kind != MODEL_TYPE:
             raise ValueError(f"{str(directory / 'config.json')!r}: model_type {kind!r} is not a GPT "
                              f"(expected {MODEL_TYPE!r} or 'gpt2')")
-        names = [n for n in inspect.signature(cls).parameters if n != "backend"]
-        options = {k: v for k, v in config.items() if k in names}
+        parameters = {n: p.default for n, p in inspect.signature(cls).parameters.items() if n != "backend"}
+        options = {k: v for k, v in config.items() if k in parameters}
+        header = _hub.read_header(directory)
+        _hub.check_sizes(directory, {**parameters, **options}, _attnlab_sizes({**parameters, **options}), header)
         try:
             model = cls(**options, backend=backend)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{str(directory / 'config.json')!r}: {err}") from None
-        model.extra = {k: v for k, v in config.items() if k not in names and k != "model_type"}
-        _hub.load_weights(directory)  # refuses a pickle-only or damaged checkpoint, naming the file
-        _io.load(model, directory / _hub.WEIGHTS)
+        model.extra = {k: v for k, v in config.items() if k not in parameters and k != "model_type"}
+        _io.load(model, directory / _hub.WEIGHTS)  # checks the header against the model first
         return model.eval()
+
+
+def _attnlab_sizes(config: dict) -> dict[str, _hub.Dim | _hub.Count | None]:
+    """The sizes of attnlab's own config.json and the tensors that hold them (see ``_hub.check_sizes``)."""
+    sizes = {"vocab_size": _hub.Dim("tok_emb.weight", 0), "d_model": _hub.Dim("tok_emb.weight", 1),
+             "num_layers": _hub.Count("blocks."),
+             "max_len": _hub.Dim("pos_emb.embedding.weight", 0) if config["positions"] == "learned" else None}
+    if config["d_ff"] is not None:
+        sizes["d_ff"] = None if config["attention_only"] is True else _hub.Dim("blocks.0.mlp.fc_in.weight", 0)
+    if config["num_kv_heads"] is not None:
+        sizes["num_kv_heads"] = None
+    return sizes
 
 
 def _check_heads(num_heads: object, num_layers: int, d_model: int, num_kv_heads: object) -> tuple[int, ...]:
@@ -414,20 +428,41 @@ def _from_gpt2(directory: Path, backend: str) -> GPT:
     if act not in _HF_ACTIVATIONS:
         raise ValueError(f"{str(path)!r}: activation_function {act!r} is not supported "
                          f"(one of {sorted(_HF_ACTIVATIONS)})")
+    for flag, default in (("tie_word_embeddings", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False), ("scale_attn_weights", True)):
+        if not isinstance(config.get(flag, default), bool):  # a string "false" is truthy
+            raise ValueError(f"{str(path)!r}: {flag} must be true or false, got {config[flag]!r}")
     for flag, fine in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
                        ("scale_attn_weights", True)):
-        if bool(config.get(flag, fine)) != fine:
+        if config.get(flag, fine) != fine:
             raise ValueError(f"{str(path)!r}: {flag}={config[flag]} is not supported (attnlab's GPT "
                              f"needs {flag}={fine})")
     if config["n_embd"] % config["n_head"]:
         raise ValueError(f"{str(path)!r}: n_embd {config['n_embd']} is not a multiple of n_head {config['n_head']}")
+    header = _gpt2_names(_hub.read_header(directory))
+    inner = {"n_inner": _hub.Dim("h.0.mlp.c_fc.weight", 1)} if config.get("n_inner") is not None else {}
+    _hub.check_sizes(directory, config, {**_GPT2_SIZES, **inner}, header)  # before anything is allocated
     model = GPT(config["vocab_size"], max_len=config["n_positions"], d_model=config["n_embd"],
                 num_layers=config["n_layer"], num_heads=config["n_head"], d_ff=config.get("n_inner"),
                 norm_eps=float(config["layer_norm_epsilon"]), activation=_HF_ACTIVATIONS[act],
-                tie_embeddings=bool(config.get("tie_word_embeddings", True)), backend=backend)
-    state = _hub.load_weights(directory)
-    model.load_state_dict(_from_gpt2_names(state, model, directory / _hub.WEIGHTS))
+                tie_embeddings=config.get("tie_word_embeddings", True), backend=backend)
+    table = _gpt2_table(len(model.blocks), model.config["tie_embeddings"])
+    expected = model.state_dict()
+    shapes = {hf: tuple(reversed(expected[ours].shape)) if conv else tuple(expected[ours].shape)
+              for ours, (hf, conv) in table.items()}  # Conv1D stores (in, out); Linear has (out, in)
+    tied = model.config["tie_embeddings"]
+    _hub.check_tensors(directory, header, shapes, what="GPT-2 tensor",
+                       ignored=lambda name: bool(_GPT2_BUFFER.fullmatch(name)) or (tied and name == "lm_head.weight"))
+    model.load_state_dict(_from_gpt2_names(_gpt2_names(_hub.load_weights(directory)), table, tied))
     return model
+
+
+def _gpt2_names(named: dict[str, V]) -> dict[str, V]:
+    """GPT-2 names without ``transformer.``; other heads of a prefixed checkpoint dropped, but ``lm_head``."""
+    if not any(name.startswith("transformer.") for name in named):
+        return named
+    return {name.removeprefix("transformer."): value for name, value in named.items()
+            if name.startswith("transformer.") or name == "lm_head.weight"}
 
 
 def _gpt2_table(num_layers: int, tied: bool) -> dict[str, tuple[str, bool]]:
@@ -449,22 +484,9 @@ def _gpt2_table(num_layers: int, tied: bool) -> dict[str, tuple[str, bool]]:
     return table
 
 
-def _from_gpt2_names(state: dict[str, Tensor], model: GPT, path: Path) -> dict[str, Tensor]:
-    """transformers' GPT-2 tensors -> this module's state dict; missing or mis-shaped ones named."""
-    state = {name.removeprefix("transformer."): tensor for name, tensor in state.items()}
-    table = _gpt2_table(len(model.blocks), model.config["tie_embeddings"])
-    missing = sorted(hf for hf, _ in table.values() if hf not in state)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{str(path)!r} lacks {len(missing)} GPT-2 tensor(s): {shown}")
-    expected = model.state_dict()
-    mapped = {}
-    for ours, (hf, conv) in table.items():
-        tensor = state[hf].t() if conv else state[hf]  # Conv1D stores (in, out); Linear wants (out, in)
-        if tuple(tensor.shape) != tuple(expected[ours].shape):
-            raise ValueError(f"{str(path)!r}: {hf} has shape {tuple(state[hf].shape)}, the config "
-                             f"implies {tuple(expected[ours].shape)}{' transposed' if conv else ''}")
-        mapped[ours] = tensor.contiguous()
-    if model.config["tie_embeddings"]:
+def _from_gpt2_names(state: dict[str, Tensor], table: dict[str, tuple[str, bool]], tied: bool) -> dict[str, Tensor]:
+    """transformers' GPT-2 tensors (already checked) -> this module's state dict."""
+    mapped = {ours: (state[hf].t() if conv else state[hf]).contiguous() for ours, (hf, conv) in table.items()}
+    if tied:
         mapped["lm_head.weight"] = mapped["tok_emb.weight"]
     return mapped
