@@ -394,7 +394,8 @@ def memory_estimate(config: TrainConfig, *, vocab_size: int, seq_len: int) -> di
     ``parameters``: the weights with their gradients and AdamW's moments; ``activations``: what
     one batch keeps for the backward pass, the attention weights ``(B, H, T, T)`` of every layer
     and the logits. Options left None take the task's defaults; nothing else is checked, so an
-    estimate can be asked for any mix of sizes (to find the one that does not fit).
+    estimate can be asked for any mix of sizes (to find the one that does not fit). It errs low
+    (torch's temporaries are left out), so a limit on it refuses only what cannot fit.
 
     Example:
         >>> parts = memory_estimate(TrainConfig(heads=2), vocab_size=64, seq_len=64)
