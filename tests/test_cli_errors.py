@@ -58,6 +58,59 @@ def test_backends_refuses_bad_options(args, option):
     assert_one_error_line(runner.invoke(app, ["backends", *args]), option)
 
 
+@pytest.mark.parametrize("args, words", [
+    # zero: the library refuses a window or chunk of 0 keys; 0 documents hold no position
+    (["--window", "0"], ["--window must be a positive int, got 0"]),
+    (["--chunk", "0"], ["--chunk must be a positive int, got 0"]),
+    (["--documents", "0"], ["--documents must be a positive int, got 0"]),
+    # negative
+    (["--window", "-1"], ["--window", "-1"]), (["--chunk", "-4"], ["--chunk", "-4"]),
+    (["--documents", "-2"], ["--documents", "-2"]), (["--prefix", "-1"], ["--prefix", "-1"]),
+    # huge: past the key length (the sequence length for documents) a size means nothing more
+    (["--window", "99999999999"], ["--window must be at most 1024", "99999999999"]),
+    (["--chunk", str(2**70)], ["--chunk must be at most 1024"]),
+    (["--prefix", "5000"], ["--prefix must be at most 1024"]),
+    (["--tq", "100", "--tk", "50", "--window", "60"], ["--window must be at most 50"]),
+    (["--documents", "5000"], ["--documents must be at most 1024"]),
+    (["--tq", str(10**11)], [f"--tq {10**11}:", "would take about", "choose a smaller --tq"]),
+    (["--d", str(10**9)], [f"--d {10**9}:", "choose a smaller --d"]),
+    (["--batch", str(10**12)], [f"--batch {10**12}:", "choose a smaller --batch"]),
+    (["--heads", str(10**8), "--tq", str(10**5)], [f"--heads {10**8}:", "choose a smaller --heads"]),
+    (["--heads", "8", "--kv-heads", str(10**9)], ["--kv-heads"]),
+    (["--tk", str(10**12)], [f"--tk {10**12}:", "choose a smaller --tk"]),
+    # not an integer
+    (["--window", "1.5"], ["--window"]), (["--prefix", "x"], ["--prefix"]), (["--documents", "2.5"], ["--documents"]),
+    (["--chunk", ""], ["--chunk"]), (["--tq", "1e3"], ["--tq"]), (["--batch", "x"], ["--batch"]),
+    # combinations
+    (["--window", "4", "--chunk", "4"], ["at most one structured mask", "--window and --chunk"]),
+    (["--padding", "--prefix", "0"], ["--padding cannot be combined with --prefix"]),
+])
+def test_backends_refuses_bad_mask_and_size_values_by_name(args, words):
+    assert_one_error_line(runner.invoke(app, ["backends", *args]), *words)
+
+
+def _explained(args):
+    result = runner.invoke(app, ["backends", *args])
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()
+
+
+def test_backends_prefix_0_is_plain_causal_and_says_so():
+    lines = _explained(["--prefix", "0", "--tq", "256"])
+    assert "mask: --prefix 0: no prefix keys, so plain causal attention" in lines[1]
+    causal = _explained(["--causal", "--tq", "256"])
+    assert lines[2:] == causal[1:]  # the call and every backend's verdict: exactly those of causal=True
+    assert "causal (top_left)" in lines[2] and "mask=none" in lines[2]
+
+
+@pytest.mark.parametrize("option, value", [("--window", "64"), ("--documents", "4"), ("--prefix", "16"),
+                                           ("--chunk", "128"), ("--prefix", "256")])
+def test_backends_explains_the_masked_call_each_structured_option_asks_for(option, value):
+    lines = _explained([option, value, "--tq", "256"])
+    assert lines[1].startswith(f"mask: {option} {value}:")
+    assert "mask=mod" in lines[2] and "causal" not in lines[2].split("mask=")[1]
+
+
 def test_backends_refuses_cuda_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert_one_error_line(runner.invoke(app, ["backends", "--device", "cuda"]), "--device",

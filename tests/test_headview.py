@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 import torch
 
 from attnlab.trained import pad_heads
@@ -67,11 +68,20 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         head_view(weights, tokens, **args)
 
 
+def _panels(fig):
+    """The heatmap panels of a head grid (its last axes is the colour bar)."""
+    bar = fig.axes[-1]
+    assert bar.get_label() == "colour bar" and bar.get_ylabel().startswith("attention weight"), \
+        "the last axes must be the colour bar"
+    assert (bar.get_ylim()[0], bar.get_ylim()[1]) == (0.0, 1.0)
+    return fig.axes[:-1]
+
+
 def test_grid_shows_every_layer_and_head_with_its_own_weights():
     weights = torch.stack([_weights(seed=s) for s in range(2)])  # (L=2, H=3, T, T)
     fig = head_grid(weights, TOKENS)
-    assert len(fig.axes) == 6
-    for index, ax in enumerate(fig.axes):
+    assert len(_panels(fig)) == 6
+    for index, ax in enumerate(_panels(fig)):
         layer, head = divmod(index, 3)
         shown = torch.as_tensor(ax.images[0].get_array())
         torch.testing.assert_close(shown, weights[layer, head], rtol=0, atol=0)
@@ -83,12 +93,42 @@ def test_grid_of_layers_with_different_head_counts_leaves_the_missing_heads_empt
     per_layer = [_weights(heads=1, seed=0), _weights(heads=3, seed=1), _weights(heads=2, seed=2)]
     fig = head_grid(pad_heads(per_layer), TOKENS)  # (L=3, H=3, T, T), NaN where a layer has fewer heads
     cells = [(layer, head) for layer, w in enumerate(per_layer) for head in range(w.shape[0])]
-    assert len(fig.axes) == len(cells) == 6  # no panel, not even an empty one, for a missing head
-    for (layer, head), ax in zip(cells, fig.axes):
+    assert len(_panels(fig)) == len(cells) == 6  # no panel, not even an empty one, for a missing head
+    for (layer, head), ax in zip(cells, _panels(fig)):
         assert ax.get_subplotspec().num1 == layer * 3 + head  # in its own row and column
         torch.testing.assert_close(torch.as_tensor(ax.images[0].get_array()), per_layer[layer][head], rtol=0, atol=0)
-    titles = {ax.get_title() for ax in fig.axes} - {""}
-    assert titles == {"head 0", "head 1", "head 2"}  # head 1's title sits on layer 1, the first that has it
+        assert ax.get_title() == f"head {head}"  # every panel says which head it is
+    assert [ax.get_ylabel() for ax in _panels(fig) if ax.get_ylabel()] == [
+        "layer 0\n(1 head)", "layer 1\n(3 heads)", "layer 2\n(2 heads)"]  # rows say why they are short
+
+
+def test_grid_captions_each_real_head_and_refuses_captions_of_the_wrong_shape():
+    per_layer = [_weights(heads=2, seed=0), _weights(heads=1, seed=1)]
+    captions = [["previous-token 0.93", "no role"], ["induction 0.88\naccuracy if ablated: 12.0 %"]]
+    fig = head_grid(pad_heads(per_layer), TOKENS, captions=captions, title="a title\non two lines")
+    assert [ax.get_title() for ax in _panels(fig)] == [
+        "head 0\nprevious-token 0.93", "head 1\nno role", "head 0\ninduction 0.88\naccuracy if ablated: 12.0 %"]
+    with pytest.raises(ValueError, match=r"captions must give one text per head of each layer \[2, 1\], got \[2, 2\]"):
+        head_grid(pad_heads(per_layer), TOKENS, captions=[["a", "b"], ["c", "d"]])
+
+
+def test_grid_panels_titles_and_colour_bar_do_not_overlap():
+    """The layout keeps every text and panel apart, for a few heads or many, with or without token labels."""
+    for layers, heads, tokens in ((2, 2, 64), (6, 12, len(TOKENS)), (1, 1, len(TOKENS))):
+        weights = torch.softmax(torch.randn(layers, heads, tokens, tokens, generator=torch.Generator().manual_seed(0)),
+                                dim=-1)
+        labels = TOKENS if tokens == len(TOKENS) else [str(i) for i in range(tokens)]
+        captions = [["previous-token 0.93\naccuracy if ablated: 1.0 %"] * heads] * layers
+        fig = head_grid(weights, labels, captions=captions, title="a title\nline two")
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        boxes = [ax.get_window_extent(renderer) for ax in fig.axes]  # panels and the colour bar
+        boxes += [ax.title.get_window_extent(renderer) for ax in _panels(fig)]
+        boxes += [fig._suptitle.get_window_extent(renderer)]
+        for i, a in enumerate(boxes):
+            assert 0 <= a.x0 and a.x1 <= fig.bbox.width and 0 <= a.y0 and a.y1 <= fig.bbox.height, (layers, heads, i)
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (layers, heads, a, b)
+        assert min(fig.bbox.width, fig.bbox.height) >= 200
 
 
 def test_colours_are_distinct_for_twelve_heads():

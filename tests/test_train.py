@@ -12,7 +12,7 @@ from attnlab import io
 from attnlab.models import GPT
 from attnlab.trained import pad_heads
 from attnlab.train import (IGNORE, TextTask, TrainConfig, Trainer, ablate_heads, analyze, evaluate,
-                           head_scores, make_task, summarize, write_figures)
+                           head_scores, make_task, memory_estimate, read_checkpoint, summarize, write_figures)
 
 TINY = dict(d_model=16, heads=2, batch_size=4, eval_sequences=16, eval_every=2)
 
@@ -358,3 +358,80 @@ def test_a_checkpoint_whose_header_length_ends_in_0x80_still_loads(tmp_path):
     path.write_bytes(safetensors.torch.save(tensors, metadata={"p": "x" * pad}))
     assert path.read_bytes()[:1] == b"\x80"
     assert torch.equal(io.load_state_dict(path)["w"], tensors["w"])
+
+
+def _png_size(path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]  # PNG signature, IHDR length and type, then width and height
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def test_heads_figure_labels_every_real_head_with_its_role_score_and_ablation(tmp_path, monkeypatch):
+    """heads.png: one panel per real head (ragged layers: none for a missing head), each titled
+    with its head, its role and score from the analysis and its ablation figure; a colour bar;
+    a size a person can read."""
+    import attnlab.train as train_module
+
+    run = Trainer(TrainConfig(steps=2, **{**TINY, "heads": (2, 1)}))
+    run.train()
+    analysis = analyze(run, sequences=4)
+    # Scores injected so that every kind of caption shows: a previous-token head, a head with
+    # no role (whose best score is an induction score, below the threshold), an induction head.
+    analysis["heads"] = {"previous_token": [[0.91, 0.12], [0.3]], "induction": [[0.02, 0.34], [0.87]],
+                         "ablation_accuracy": [[0.25, 0.5], [0.125]]}
+    figures, real_save = {}, train_module.save_figure
+
+    def keep_and_save(fig, path, **options):
+        figures[path.name] = fig
+        return real_save(fig, path, **options)
+
+    monkeypatch.setattr(train_module, "save_figure", keep_and_save)
+    write_figures(run, analysis, tmp_path)
+    fig = figures["heads"]
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(panels) == 3  # 2 + 1 real heads, no empty panel
+    titles = [ax.get_title() for ax in panels]
+    assert titles == ["head 0\nprevious-token 0.91\naccuracy if ablated: 25.0 %",
+                      "head 1\nno role (prev 0.12, ind 0.34)\naccuracy if ablated: 50.0 %",
+                      "head 0\ninduction 0.87\naccuracy if ablated: 12.5 %"]
+    assert [ax.get_ylabel() for ax in panels if ax.get_ylabel()] == ["layer 0\n(2 heads)", "layer 1\n(1 head)"]
+    bars = [ax for ax in fig.axes if ax.get_label() == "colour bar"]
+    assert len(bars) == 1 and "attention weight" in bars[0].get_ylabel()
+    assert "induction" in fig._suptitle.get_text() and f"step {run.step}" in fig._suptitle.get_text()
+    width, height = _png_size(tmp_path / "heads.png")
+    assert width >= 500 and height >= 400, (width, height)
+
+
+@pytest.mark.parametrize("task, options", [
+    ("induction", dict(heads=(2, 1))), ("recall", dict(layers=3, heads=4, d_model=32)),
+    ("reverse", dict(positions="learned")), ("sort", dict(attention_only=True, heads=(4, 2))),
+])
+def test_memory_estimate_counts_the_models_real_parameters(task, options):
+    """The estimate's parameter part is 16 bytes (weights, gradients, AdamW's two moments in fp32)
+    per parameter of the GPT the trainer really builds; the activations grow with the batch."""
+    config = TrainConfig(task=task, eval_sequences=4, **options)
+    run = Trainer(config)
+    parts = memory_estimate(config, vocab_size=run.task.vocab_size, seq_len=run.task.seq_len)
+    assert parts["parameters"] == 16 * sum(p.numel() for p in run.model.parameters())
+    bigger = memory_estimate(TrainConfig(task=task, batch_size=2 * run.config.batch_size, **options),
+                             vocab_size=run.task.vocab_size, seq_len=run.task.seq_len)
+    assert bigger["parameters"] == parts["parameters"] and bigger["activations"] == 2 * parts["activations"]
+
+
+def test_memory_estimate_of_every_tasks_default_model_is_small():
+    """Normal sizes are never refused: every task's default needs well under 1 GB."""
+    for task in ("induction", "recall", "reverse", "sort"):
+        t = make_task(task)
+        assert sum(memory_estimate(TrainConfig(task=task), vocab_size=t.vocab_size, seq_len=t.seq_len).values()) < 1e9
+    assert sum(memory_estimate(TrainConfig(task="text"), vocab_size=200, seq_len=128).values()) < 1e9
+
+
+def test_resume_refuses_a_total_below_the_checkpoints_step_and_writes_nothing(tmp_path):
+    run = Trainer(TrainConfig(steps=4, **TINY))
+    run.train(out=tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"steps \(3\) must be at least the checkpoint's step \(4\)"):
+        Trainer.resume(tmp_path, steps=3)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    config, step, chars = read_checkpoint(tmp_path)
+    assert (config, step, chars) == (run.config, 4, None)

@@ -33,13 +33,14 @@ def small_eval(monkeypatch):
         monkeypatch.setitem(_train.TASK_DEFAULTS, task, {**defaults, "eval_sequences": 16})
 
 
-def assert_one_error_line(result, *words: str) -> None:
+def assert_one_error_line(result, *words: str) -> str:
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert "Traceback" not in result.output
     for word in words:
         assert word in lines[0], result.output
+    return lines[0]
 
 
 def test_train_writes_checkpoint_metrics_curves_and_heatmaps(tmp_path, small_eval):
@@ -129,6 +130,74 @@ def test_bad_options_give_one_error_line_and_write_nothing(tmp_path, args, words
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args, option", [
+    (["--task", "nope"], "--task"),
+    (["--layers", "0"], "--layers"), (["--layers", "-2"], "--layers"), (["--layers", "1.5"], "--layers"),
+    (["--heads", "0"], "--heads"), (["--heads", "-1"], "--heads"), (["--heads", "x"], "--heads"),
+    (["--d-model", "0"], "--d-model"), (["--d-model", "-8"], "--d-model"), (["--d-model", "x"], "--d-model"),
+    (["--steps", "0"], "--steps"), (["--steps", "-1"], "--steps"), (["--steps", "1e3"], "--steps"),
+    (["--batch-size", "0"], "--batch-size"), (["--batch-size", "x"], "--batch-size"),
+    (["--lr", "0"], "--lr"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "inf"], "--lr"),
+    (["--lr", "x"], "--lr"),
+    (["--seed", "-1"], "--seed"), (["--seed", str(2**40)], "--seed"), (["--seed", "x"], "--seed"),
+    (["--device", "nonsense"], "--device"),
+    (["--positions", "alibi"], "--positions"), (["--positions", ""], "--positions"),
+    (["--task", "text", "--text", "missing.txt"], "--text"), (["--text", "notes.txt"], "--text"),
+    (["--threads", "0"], "--threads"), (["--threads", str(10**8)], "--threads"), (["--threads", "x"], "--threads"),
+    (["--resume", "no-such-folder"], "--resume"),
+])
+def test_every_bad_train_option_is_refused_by_its_flag_name(tmp_path, args, option):
+    """The error names the option as typed on the command line (--d-model), never the Python
+    parameter behind it (d_model, positions), and nothing is written."""
+    out = tmp_path / "out"
+    line = assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), option)
+    bare = option.lstrip("-")
+    assert not re.search(rf"(?<![-\w]){bare} must", line), line  # "positions must be one of ..."
+    assert "_" not in bare.replace("-", "_") or bare.replace("-", "_") not in line, line  # "d_model", "batch_size"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--d-model", "10000000"], "--d-model 10000000"),
+    (["--layers", str(10**11)], "--layers 100000000000"),
+    (["--batch-size", str(10**23)], f"--batch-size {10**23}"),
+    (["--heads", "4", "--d-model", "4000000", "--layers", "3"], "--d-model 4000000"),
+    (["--task", "recall", "--heads", str(10**6), "--d-model", str(10**6)], "--d-model 1000000 and --heads 1000000"),
+])
+def test_a_model_too_big_for_memory_is_refused_by_name_before_anything_is_built(tmp_path, monkeypatch, args, option):
+    """The estimate comes from the options: no model, optimizer or tensor of that size is made."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before its size was checked")
+
+    monkeypatch.setattr(_train, "GPT", no_model)
+    out = tmp_path / "out"
+    line = assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), option, "would take about",
+                                 "of memory")
+    assert line.endswith("choose a smaller " + " and ".join(part.split()[0] for part in option.split(" and ")))
+    assert not out.exists()
+
+
+def test_the_memory_limit_is_the_devices_and_names_the_option_that_dominates(tmp_path, monkeypatch, small_eval):
+    """With a 2 GB machine, d_model 4096 (a 4 GB model with its optimizer state) is refused by
+    --d-model, not by --batch-size; the same options fit a machine with 16 GB."""
+    from attnlab.cli import _memory
+
+    args = ["train", "--d-model", "4096", "--heads", "2", "--layers", "4", "--batch-size", "4", "--steps", "1"]
+    monkeypatch.setattr(_memory, "total_memory", lambda device: 2 * 10**9)
+    assert_one_error_line(runner.invoke(app, [*args, "--out", str(tmp_path / "a")]), "--d-model 4096:",
+                          "2.0 GB of memory")
+    class Built(Exception):
+        pass
+
+    def trainer(config, *, task):
+        raise Built(config.d_model)
+
+    monkeypatch.setattr(_memory, "total_memory", lambda device: 16 * 10**9)
+    monkeypatch.setattr(_train, "Trainer", trainer)  # refused or not is all this test needs to know
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
+    assert isinstance(result.exception, Built) and result.exception.args == (4096,), result.output
+
+
 @pytest.mark.parametrize("name, content, words", [
     ("missing.txt", None, ["missing.txt", "cannot be read"]),
     ("empty.txt", b"", ["empty.txt", "is empty"]),
@@ -154,9 +223,65 @@ def test_resume_of_a_folder_that_is_not_a_checkpoint_is_one_error_line(tmp_path)
     assert_one_error_line(runner.invoke(app, ["train", "--resume", str(tmp_path / "none")]), "--resume", "none")
 
 
-def test_resume_refuses_options_the_checkpoint_fixes(tmp_path):
-    result = runner.invoke(app, ["train", "--resume", str(tmp_path), "--heads", "4", "--lr", "0.1"])
-    assert_one_error_line(result, "--heads, --lr cannot change on --resume")
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A finished 6-step induction run: d_model 16, 2 heads in each layer, batch 4."""
+    out = tmp_path_factory.mktemp("checkpoint")
+    with pytest.MonkeyPatch.context() as patch:  # small_eval, for a module-scoped fixture
+        for task, defaults in _train.TASK_DEFAULTS.items():
+            patch.setitem(_train.TASK_DEFAULTS, task, {**defaults, "eval_sequences": 16})
+        result = runner.invoke(app, ["train", "--steps", "6", *TINY, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("args, given, saved", [
+    (["--task", "recall"], "--task recall", "--task induction"),
+    (["--layers", "3"], "--layers 3", "--layers 2"),
+    (["--heads", "2,1"], "--heads 2,1", "--heads 2"),
+    (["--d-model", "32"], "--d-model 32", "--d-model 16"),
+    (["--mlp"], "--mlp", "--attention-only"),
+    (["--batch-size", "8"], "--batch-size 8", "--batch-size 4"),
+    (["--lr", "0.1"], "--lr 0.1", "--lr 0.003"),
+    (["--seed", "3"], "--seed 3", "--seed 0"),
+    (["--positions", "learned"], "--positions learned", "--positions rope"),
+    (["--text", "notes.txt"], "--text notes.txt", "no --text"),
+])
+def test_resume_refuses_an_option_that_conflicts_with_the_checkpoint_and_writes_nothing(checkpoint, args, given,
+                                                                                        saved):
+    before = _files(checkpoint)
+    result = runner.invoke(app, ["train", "--resume", str(checkpoint), "--steps", "8", *args])
+    assert_one_error_line(result, f"{given} conflicts with the checkpoint", f"trained with {saved}")
+    assert _files(checkpoint) == before
+
+
+def test_resume_takes_options_that_agree_with_the_checkpoint(checkpoint, tmp_path, small_eval):
+    out = tmp_path / "more"
+    result = runner.invoke(app, ["train", "--resume", str(checkpoint), "--steps", "7", "--out", str(out), "--task",
+                                 "induction", "--heads", "2,2", "--d-model", "16", "--attention-only", "--seed", "0",
+                                 "--lr", "0.003"])
+    assert result.exit_code == 0, result.output
+    assert "from step 6" in result.output and json.loads((out / "metrics.json").read_text())["steps"] == 7
+
+
+def test_resume_refuses_steps_below_the_checkpoints_step_and_leaves_its_files_as_they_were(checkpoint):
+    before = _files(checkpoint)
+    result = runner.invoke(app, ["train", "--resume", str(checkpoint), "--steps", "3"])
+    assert_one_error_line(result, "--steps 3", "step 6 of the checkpoint")
+    assert _files(checkpoint) == before
+
+
+@pytest.mark.parametrize("args", [[], ["--steps", "6"]])
+def test_resuming_a_checkpoint_at_its_last_step_has_nothing_to_do(checkpoint, args):
+    before = _files(checkpoint)
+    result = runner.invoke(app, ["train", "--resume", str(checkpoint), *args])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Nothing to do") and "already at step 6" in result.output
+    assert _files(checkpoint) == before
 
 
 @pytest.fixture(scope="module")

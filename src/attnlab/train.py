@@ -49,12 +49,14 @@ from attnlab import io as _io
 from attnlab._checks import divisible, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
-from attnlab.trained import best_head, count_heads, pad_heads, unpad_heads
+from attnlab.models.gpt import POSITIONS
+from attnlab.trained import ROLE_THRESHOLD, best_head, count_heads, head_roles, pad_heads, unpad_heads
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
 
-__all__ = ["TASKS", "IGNORE", "TrainConfig", "default_heads", "Task", "make_task", "Trainer", "TrainResult",
-           "head_scores", "ablate_heads", "summarize", "evaluate", "analyze", "write_figures", "TextTask"]
+__all__ = ["TASKS", "POSITIONS", "IGNORE", "TrainConfig", "default_heads", "Task", "make_task", "Trainer",
+           "TrainResult", "head_scores", "ablate_heads", "summarize", "evaluate", "analyze", "write_figures",
+           "TextTask", "memory_estimate", "read_checkpoint"]
 
 TASKS = ("induction", "recall", "reverse", "sort", "text")
 IGNORE = -100  # F.cross_entropy's ignore_index: positions whose next token is not determined
@@ -374,8 +376,44 @@ class TrainConfig:
         if not isinstance(config.heads, int):
             config.heads = counts  # a list read back from config.json becomes the tuple it was
         positive_number("lr", config.lr)
-        one_of("positions", config.positions, ("learned", "rope"))
+        one_of("positions", config.positions, POSITIONS)
         return config
+
+
+_FLOAT_BYTES = 4  # the model trains in float32
+# Weights, their gradients and AdamW's two moments: four floats per parameter.
+_FLOATS_PER_PARAMETER = 4
+# Floats one layer keeps per token for the backward pass, in units of d_model: the norm's output,
+# q, k, v, the context, the projection and the residual; an MLP adds its 4 d_model hidden twice.
+_KEPT_PER_LAYER = {True: 8, False: 18}
+
+
+def memory_estimate(config: TrainConfig, *, vocab_size: int, seq_len: int) -> dict[str, int]:
+    """Rough bytes one training step needs, by part, from the sizes alone (nothing is allocated).
+
+    ``parameters``: the weights with their gradients and AdamW's moments; ``activations``: what
+    one batch keeps for the backward pass, the attention weights ``(B, H, T, T)`` of every layer
+    and the logits. Options left None take the task's defaults; nothing else is checked, so an
+    estimate can be asked for any mix of sizes (to find the one that does not fit). It errs low
+    (torch's temporaries are left out), so a limit on it refuses only what cannot fit.
+
+    Example:
+        >>> parts = memory_estimate(TrainConfig(heads=2), vocab_size=64, seq_len=64)
+        >>> sorted(parts), parts["parameters"] == 16 * (64 * 64 + 2 * (4 * 64 * 64 + 6 * 64) + 2 * 64)
+        (['activations', 'parameters'], True)
+    """
+    defaults = TASK_DEFAULTS[one_of("task", config.task, TASKS)]
+    c = {name: default if getattr(config, name) is None else getattr(config, name)
+         for name, default in defaults.items()}
+    layers, d, batch = c["layers"], c["d_model"], c["batch_size"]
+    heads = default_heads(config.task, layers) if config.heads is None else config.heads
+    most_heads = heads if isinstance(heads, int) else max(heads)
+    per_layer = 4 * d * d + 6 * d + (0 if c["attention_only"] else 8 * d * d + 7 * d)
+    parameters = vocab_size * d + (seq_len * d if c["positions"] == "learned" else 0) + layers * per_layer + 2 * d
+    kept = batch * seq_len * (layers * _KEPT_PER_LAYER[bool(c["attention_only"])] * d + 2 * vocab_size)
+    weights = 2 * batch * layers * most_heads * seq_len * seq_len  # scores and probabilities
+    return {"parameters": _FLOAT_BYTES * _FLOATS_PER_PARAMETER * parameters,
+            "activations": _FLOAT_BYTES * (kept + weights)}
 
 
 @dataclass
@@ -588,13 +626,12 @@ class Trainer:
             (1, 3)
         """
         directory = _hub.model_dir(os.fspath(directory))
-        saved = _hub.read_config(directory, {"model_type": str})
-        if not isinstance(saved.get("train"), dict):
-            raise ValueError(f"{str(directory / 'config.json')!r} is not an attnlab train checkpoint (no 'train' entry)")
-        options = {k: v for k, v in saved["train"].items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
-        config = TrainConfig(**options)
+        config, step, chars = read_checkpoint(directory)
+        if steps is not None and positive_int("steps", steps) < step:
+            raise ValueError(f"steps ({steps}) must be at least the checkpoint's step ({step}): a resumed run "
+                             "can only go on")
         config = dataclasses.replace(config, steps=steps or config.steps, device=device or config.device)
-        task = make_task(config.task, text=config.text, chars=saved.get("chars"))
+        task = make_task(config.task, text=config.text, chars=chars)
         trainer = cls(config, task=task)
         _io.load(trainer.model, directory / _hub.WEIGHTS)
         trainer.step, trainer.seconds = _load_optimizer(trainer.optimizer, directory / OPTIMIZER_FILE)
@@ -603,6 +640,28 @@ class Trainer:
             trainer.history = {k: [v for v, s in zip(metrics["history"][k], _steps_of(metrics["history"], k))
                                    if s <= trainer.step] for k in trainer.history}
         return trainer
+
+
+def read_checkpoint(directory: str | os.PathLike) -> tuple[TrainConfig, int, list[str] | None]:
+    """A train checkpoint's resolved config, its step and its text task's characters (None for others).
+
+    Reads ``config.json`` and the optimizer file's header only: no weights are loaded, nothing is written.
+
+    Example:
+        >>> import tempfile
+        >>> run = Trainer(TrainConfig(steps=2, batch_size=2, d_model=8, heads=2, eval_sequences=4))
+        >>> _ = run.train(out=(folder := tempfile.mkdtemp()))
+        >>> config, step, chars = read_checkpoint(folder)
+        >>> config.d_model, step, chars
+        (8, 2, None)
+    """
+    directory = _hub.model_dir(os.fspath(directory))
+    saved = _hub.read_config(directory, {"model_type": str})
+    if not isinstance(saved.get("train"), dict):
+        raise ValueError(f"{str(directory / 'config.json')!r} is not an attnlab train checkpoint (no 'train' entry)")
+    options = {k: v for k, v in saved["train"].items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+    step = int(_io.read_metadata(directory / OPTIMIZER_FILE)["step"])
+    return TrainConfig(**options).resolved(), step, saved.get("chars")
 
 
 def _steps_of(history: dict, key: str) -> list[int]:
@@ -767,9 +826,9 @@ def summarize(task: str, accuracy: float, scores: dict[str, Tensor], ablated: Te
 
 # ------------------------------------------------------------------ analysis
 def _named(layer: int, head: int, role: str, score_name: str, score: float, ablated: float) -> str:
-    """``Layer l head h is <role> (...)`` when its score reaches 0.5, else that no head is one yet."""
+    """``Layer l head h is <role> (...)`` when its score reaches the role threshold, else that no head is one yet."""
     figures = f"{score_name} score {score:.2f}; ablated: {100 * ablated:.1f} %"
-    if score >= 0.5:
+    if score >= ROLE_THRESHOLD:
         return f"Layer {layer} head {head} is {role} ({figures})."
     return f"No head is {role} yet (the closest, layer {layer} head {head}: {figures})."
 
@@ -795,7 +854,7 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
     result = {"heads": {"previous_token": _rounded(scores["previous_token"]),
                         "induction": _rounded(scores["induction"]), "ablation_accuracy": _rounded(ablated)},
               "summary": text, "weights": scores["weights"], "example": inputs[0]}
-    later = torch.nonzero(scores["induction"][1:] >= 0.5).tolist()  # (layer - 1, head) rows
+    later = torch.nonzero(scores["induction"][1:] >= ROLE_THRESHOLD).tolist()  # (layer - 1, head) rows
     group = [(layer + 1, head) for layer, head in later]
     if group:
         together = _ablate_group(trainer.model, inputs, targets, group)
@@ -848,13 +907,31 @@ def write_figures(trainer: Trainer, analysis: dict, directory: str | os.PathLike
     labels = trainer.task.labels(analysis["example"])
     weights = analysis["weights"]  # (L, H, T, T)
     name = f"{trainer.config.task}, step {trainer.step}"
-    written += save_figure(head_grid(weights, labels, title=f"{trainer.config.task}: all heads"),
-                           directory / "heads", formats=("png",))
+    accuracy = 100 * trainer.history["eval_accuracy"][-1]
+    grid = head_grid(weights, labels, captions=_head_captions(analysis["heads"]),
+                     title=f"{trainer.config.task}: every head on a held-out example\n"
+                           f"step {trainer.step}, held-out accuracy {accuracy:.1f} %")
+    written += save_figure(grid, directory / "heads", formats=("png",))
     for layer, layer_weights in enumerate(unpad_heads(weights)):  # (H_layer, T, T) each
         figure = heatmap(layer_weights, rows=labels, cols=labels, title=f"{name}: layer {layer}",
                          annotate=False)
         written += save_figure(figure, directory / f"attention-layer{layer}", formats=("png",))
     return written
+
+
+def _head_captions(heads: dict) -> list[list[str]]:
+    """Per layer, per head: its role and score (:func:`attnlab.trained.head_roles`) and its ablation figure."""
+    previous = pad_heads([torch.tensor(row) for row in heads["previous_token"]])  # (L, H), NaN: missing
+    induction = pad_heads([torch.tensor(row) for row in heads["induction"]])
+    captions = []
+    for layer, roles in enumerate(head_roles(previous, induction)):
+        row = []
+        for head, (role, score) in enumerate(roles):
+            named = (f"{role} {score:.2f}" if role else
+                     f"no role (prev {previous[layer, head]:.2f}, ind {induction[layer, head]:.2f})")
+            row.append(f"{named}\naccuracy if ablated: {100 * heads['ablation_accuracy'][layer][head]:.1f} %")
+        captions.append(row)
+    return captions
 
 
 def _curves(trainer: Trainer):

@@ -43,7 +43,10 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link", "trace_model", "pad_heads", "count_heads",
-           "unpad_heads", "best_head", "format_heads"]
+           "unpad_heads", "best_head", "format_heads", "ROLE_THRESHOLD", "head_roles"]
+
+# The score from which a head is named for a role (summaries, tables and pictures agree on it).
+ROLE_THRESHOLD = 0.5
 
 
 def pad_heads(per_layer: Sequence[Tensor]) -> Tensor:
@@ -106,6 +109,36 @@ def format_heads(counts: Sequence[int]) -> str:
         ('2', '2,1')
     """
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+
+
+def head_roles(previous_token: Tensor, induction: Tensor, *,
+               threshold: float = ROLE_THRESHOLD) -> list[list[tuple[str | None, float]]]:
+    """Each real head's role and the score behind it, from ``(L, H)`` score tables (:func:`pad_heads` form).
+
+    A head is ``"induction"`` when its induction score reaches ``threshold`` (never in the first
+    layer: an induction head needs a previous-token head before it), else ``"previous-token"``
+    when that score does; otherwise its role is None and the score is the larger of the two.
+    Missing heads (NaN) get no entry: one list per layer, as long as that layer's heads.
+
+    Example:
+        >>> previous = pad_heads([torch.tensor([0.9, 0.1]), torch.tensor([0.25])])
+        >>> induction = pad_heads([torch.tensor([0.75, 0.0]), torch.tensor([0.5])])
+        >>> head_roles(previous, induction)
+        [[('previous-token', 0.8999999761581421), (None, 0.10000000149011612)], [('induction', 0.5)]]
+    """
+    roles = []
+    for layer, count in enumerate(count_heads(previous_token)):
+        row = []
+        for head in range(count):
+            prev, ind = float(previous_token[layer, head]), float(induction[layer, head])
+            if layer > 0 and ind >= threshold:
+                row.append(("induction", ind))
+            elif prev >= threshold:
+                row.append(("previous-token", prev))
+            else:
+                row.append((None, max(prev, ind)))
+        roles.append(row)
+    return roles
 
 
 def piece_groups(word_ids) -> list[list[int]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 from attnlab._checks import divisible, non_negative_int, one_of, positive_int, probability
-from attnlab.cli._errors import fail, option_errors
+from attnlab.cli._errors import at_most, fail, option_errors
+from attnlab.cli._memory import refuse_if_too_big
 from attnlab.masks import ALIGNMENTS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -27,14 +28,15 @@ def backends_command(
     dropout: float = typer.Option(0.0, "--dropout", help="Dropout probability, in [0, 1)."),
     grad: bool = typer.Option(False, "--grad", help="The call needs gradients (training)."),
     device: str = typer.Option("cpu", "--device", help=f"Where the call runs: {' or '.join(DEVICES)}."),
-    window: int = typer.Option(0, "--window", show_default=False,
-                               help="A causal sliding-window mask mod of this many keys."),
-    documents: int = typer.Option(0, "--documents", show_default=False,
-                                  help="This many equal packed documents (causal document mask mod)."),
-    prefix: int = typer.Option(0, "--prefix", show_default=False,
-                               help="A prefix-LM mask mod with this many prefix keys."),
-    chunk: int = typer.Option(0, "--chunk", show_default=False,
-                              help="A chunked-local mask mod with chunks of this many keys."),
+    window: int = typer.Option(None, "--window", show_default=False,
+                               help="A causal sliding-window mask mod of this many keys (1 to --tk)."),
+    documents: int = typer.Option(None, "--documents", show_default=False,
+                                  help="This many equal packed documents (causal document mask mod; 1 to the "
+                                       "sequence length)."),
+    prefix: int = typer.Option(None, "--prefix", show_default=False,
+                               help="A prefix-LM mask mod with this many prefix keys (0 to --tk; 0 is plain causal)."),
+    chunk: int = typer.Option(None, "--chunk", show_default=False,
+                              help="A chunked-local mask mod with chunks of this many keys (1 to --tk)."),
     plain_mod: bool = typer.Option(False, "--plain-mod",
                                    help="A plain mask function (i >= j) that declares no key bounds."),
 ) -> None:
@@ -43,18 +45,24 @@ def backends_command(
     from attnlab import backends
 
     tk, kv_heads = _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device)
+    given = {option: value for option, value in (("--window", window), ("--documents", documents),
+                                                 ("--prefix", prefix), ("--chunk", chunk)) if value is not None}
+    given.update({"--plain-mod": True} if plain_mod else {})
+    _check_structured(given, tq, tk)
+    if padding and given:
+        fail(f"--padding cannot be combined with {' or '.join(given)}")
+    _check_memory(dtype, device, batch, heads, kv_heads, tq, tk, d)
     q, k, v, mask = _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding)
-    structured = _structured_mask(tq, tk, align, window, documents, prefix, chunk, plain_mod)
-    if structured is not None:
-        if mask is not None:
-            fail("--padding cannot be combined with --window/--documents/--prefix/--chunk/--plain-mod")
-        mask = structured
-    options = dict(causal=causal, align=align, dropout_p=dropout)
+    structured, described = _structured_mask(tq, tk, align, given)
+    options = dict(causal=causal or described.startswith("--prefix 0"), align=align, dropout_p=dropout)
+    mask = structured if structured is not None else mask
     if mask is not None:
         options["mask"] = mask
     with option_errors():  # anything dispatch still refuses is a bad combination of options
         text = backends.why(q, k, v, **options)
     typer.echo(f"backends available here: {', '.join(backends.available())}")
+    if described:
+        typer.echo(f"mask: {described}")
     typer.echo(text)
 
 
@@ -78,31 +86,74 @@ def _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, dev
     return tk or tq, kv_heads or heads
 
 
-def _structured_mask(tq, tk, align, window, documents, prefix, chunk, plain_mod):
-    """The one mask mod the structured-mask options ask for (None when none is given)."""
+def _check_structured(given: dict, tq: int, tk: int) -> None:
+    """Refuse, by name, a structured-mask size the library refuses or that cannot mean anything.
+
+    A window or chunk of 0 keys would leave every query with nothing to attend (the library
+    refuses it), as would 0 documents; a prefix of 0 keys is plain causal attention. Past the key
+    length (the sequence length, for documents) a size means nothing more: it is refused rather
+    than silently taken as the key length.
+    """
+    if len(given) > 1:
+        fail(f"give at most one structured mask; got {' and '.join(given)}")
+    length = max(tq, tk)
+    caps = {"--window": (tk, "a window of every key is plain causal attention"),
+            "--chunk": (tk, "one chunk of every key is plain causal attention"),
+            "--prefix": (tk, "a prefix of every key is full attention"),
+            "--documents": (length, "each document needs a position")}
+    for option, value in given.items():
+        if option == "--plain-mod":
+            continue
+        with option_errors():
+            (non_negative_int if option == "--prefix" else positive_int)(option, value)
+        cap, why = caps[option]
+        at_most(option, value, cap, f"{'the sequence length' if option == '--documents' else '--tk'}: {why}")
+
+
+def _structured_mask(tq: int, tk: int, align: str, given: dict):
+    """The mask mod the structured-mask options ask for (None when none is given, or for plain
+    causal) and one line describing it (empty when none is given)."""
     import torch
 
     from attnlab import masks
 
-    given = {"--window": window, "--documents": documents, "--prefix": prefix, "--chunk": chunk}
-    with option_errors():
-        for option, value in given.items():
-            non_negative_int(option, value)
-    chosen = [option for option, value in given.items() if value] + (["--plain-mod"] if plain_mod else [])
-    if len(chosen) > 1:
-        fail(f"give at most one structured mask; got {' and '.join(chosen)}")
-    if window:
-        return masks.sliding_window_mod(tq, tk, window, align=align)
-    if documents:
+    if not given:
+        return None, ""
+    option, value = next(iter(given.items()))
+    if option == "--window":
+        return masks.sliding_window_mod(tq, tk, value, align=align), (
+            f"--window {value}: causal sliding window, each query sees its last {value} keys (a mask mod)")
+    if option == "--documents":
         length = max(tq, tk)
-        return masks.document_mod(torch.arange(length) * documents // length)
-    if prefix:
-        return masks.prefix_lm_mod(tq, tk, prefix, align=align)
-    if chunk:
-        return masks.chunked_local_mod(tq, tk, chunk, align=align)
-    if plain_mod:
-        return lambda b, h, i, j: i >= j
-    return None
+        ids = torch.arange(length) * value // length  # (T,): `value` runs of equal length
+        return masks.document_mod(ids), (f"--documents {value}: {value} packed documents of ~{length // value} "
+                                         "positions, causal within each (a mask mod)")
+    if option == "--prefix" and value == 0:
+        return None, "--prefix 0: no prefix keys, so plain causal attention (causal=True)"
+    if option == "--prefix":
+        return masks.prefix_lm_mod(tq, tk, value, align=align), (
+            f"--prefix {value}: every query sees the first {value} keys, the rest causally (a mask mod)")
+    if option == "--chunk":
+        return masks.chunked_local_mod(tq, tk, value, align=align), (
+            f"--chunk {value}: each query sees the earlier keys of its own {value}-key chunk (a mask mod)")
+    return (lambda b, h, i, j: i >= j), "--plain-mod: a plain function i >= j that declares no key bounds"
+
+
+def _check_memory(dtype: str, device: str, batch: int, heads: int, kv_heads: int, tq: int, tk: int, d: int) -> None:
+    """Refuse, naming the sizes to lower, a call whose q, k and v cannot fit in the device's memory."""
+    import torch
+
+    item = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    defaults = {"--batch": 1, "--heads": 8, "--kv-heads": 0, "--tq": 1024, "--tk": 0, "--d": 64}
+
+    def need(o: dict) -> int:
+        tq_, heads_ = o["--tq"], o["--heads"]
+        tk_, kv_ = o["--tk"] or tq_, o["--kv-heads"] or heads_  # 0: the same as --tq / --heads
+        return item * o["--batch"] * o["--d"] * (heads_ * tq_ + 2 * kv_ * tk_)  # q, k and v
+
+    options = {"--batch": batch, "--heads": heads, "--kv-heads": kv_heads if kv_heads != heads else 0, "--tq": tq,
+               "--tk": tk if tk != tq else 0, "--d": d}
+    refuse_if_too_big(need, options, defaults, device=device, what="the call's q, k and v tensors")
 
 
 def _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding):

@@ -3,14 +3,22 @@
 ``--heads`` takes one count for every layer (``2``) or one per layer (``2,1``). Everything is
 checked before anything is written: a bad ``--text`` file, ``--steps 0``, a ``--heads`` that is
 not counts, has the wrong number of them or does not divide ``--d-model``, or an unwritable
-``--out`` give one ``error:`` line (exit 2) and leave nothing behind. Ctrl-C finishes the
-current step, saves a checkpoint and prints the command that resumes it (exit 130); a second
-Ctrl-C stops at once.
+``--out`` give one ``error:`` line (exit 2) and leave nothing behind, as does a model too big
+for the device's memory (named by the option that makes it so, before anything is allocated).
+Ctrl-C finishes the current step, saves a checkpoint and prints the command that resumes it
+(exit 130); a second Ctrl-C stops at once.
+
+``--resume DIR`` continues a checkpoint with its own options: an option given as well must say
+what the checkpoint says (``--task recall`` on an induction checkpoint is refused, naming both),
+and ``--steps`` below the checkpoint's step is refused; at the checkpoint's step there is nothing
+to do. In each case nothing is written: the checkpoint's files stay as they were.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -19,15 +27,17 @@ import typer
 
 from attnlab import io as _io
 from attnlab import train as _train
-from attnlab._checks import one_of, positive_int, positive_number
-from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, check_seed, fail, option_errors
+from attnlab._checks import one_of, per_layer, positive_int, positive_number
+from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, at_most, check_seed, fail, option_errors
+from attnlab.cli._memory import refuse_if_too_big
 from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
 
 
 def train(
-    task: str = typer.Option("induction", "--task", help=f"{', '.join(_train.TASKS)}."),
+    task: str = typer.Option(None, "--task", show_default=False,
+                             help=f"{', '.join(_train.TASKS)} (default: induction)."),
     layers: int = typer.Option(None, "--layers", help="Transformer layers (induction: 2)."),
     heads: str = typer.Option(None, "--heads", help="Attention heads: one count for every layer (2) or one per "
                                                     "layer (2,1); each must divide --d-model (induction: 2,1)."),
@@ -37,15 +47,18 @@ def train(
     steps: int = typer.Option(None, "--steps", help="Optimizer steps in all (with --resume: the new total)."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per step."),
     lr: float = typer.Option(None, "--lr", help="Peak learning rate (warm-up, then cosine decay)."),
-    seed: int = typer.Option(0, "--seed", help=f"Seed of the initial weights and the data, 0 to {MAX_SEED}."),
+    seed: int = typer.Option(None, "--seed", show_default=False,
+                             help=f"Seed of the initial weights and the data, 0 to {MAX_SEED} (default 0)."),
     device: str = typer.Option("cpu", "--device", help="torch device (cpu, cuda, ...)."),
-    positions: str = typer.Option(None, "--positions", help="rope or learned (default: the task's)."),
+    positions: str = typer.Option(None, "--positions",
+                                  help=f"{' or '.join(_train.POSITIONS)} (default: the task's)."),
     text: Path = typer.Option(None, "--text", help="--task text: the UTF-8 text file to model."),
     threads: int = typer.Option(1, "--threads",
                                 help="CPU threads; tiny models run fastest on one (threads mostly wait on each other)."),
     out: Path = typer.Option(None, "--out", help=f"Checkpoint and report folder (default {DEFAULT_OUT}; "
                                                  "with --resume: the resumed folder)."),
-    resume: Path = typer.Option(None, "--resume", help="Continue the checkpoint in this folder at its step."),
+    resume: Path = typer.Option(None, "--resume", help="Continue the checkpoint in this folder at its step; "
+                                                       "options given must agree with it, the others are its own."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -53,11 +66,15 @@ def train(
     and name the heads that do the task (previous-token and induction scores, head ablation)."""
     from rich.console import Console
 
-    check_seed(seed)
-    with option_errors():
-        positive_int("--threads", threads)
-        trainer = _make_trainer(task, layers, heads, d_model, attention_only, steps, batch_size, lr, seed,
-                                device, positions, text, resume)
+    given = {name: value for name, value in dict(
+        task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
+        lr=lr, seed=seed, positions=positions, text=text).items() if value is not None}
+    _check_options(given, steps, threads)
+    _check_device(device)
+    if resume is not None:
+        trainer = _resumed_trainer(resume, given, steps, device)
+    else:
+        trainer = _new_trainer(given, steps, device)
     out = out if out is not None else (resume if resume is not None else DEFAULT_OUT)
     _check_out(out)
     torch.set_num_threads(threads)
@@ -76,40 +93,114 @@ def train(
     _finish(trainer, result, out, console)
 
 
-def _make_trainer(task, layers, heads, d_model, attention_only, steps, batch_size, lr, seed, device,
-                  positions, text, resume) -> _train.Trainer:
-    """The trainer for the options (every ValueError names its option); nothing is written."""
-    _check_device(device)
-    if resume is not None:
-        fixed = {"--layers": layers, "--heads": heads, "--d-model": d_model, "--attention-only/--mlp": attention_only,
-                 "--batch-size": batch_size, "--lr": lr, "--positions": positions, "--text": text}
-        given = [option for option, value in fixed.items() if value is not None]
-        if given:
-            fail(f"{', '.join(given)} cannot change on --resume (the checkpoint fixes them; only --steps, "
-                 "--device, --threads and --out can)")
-        if steps is not None:
-            positive_int("--steps", steps)
+# The command line's name of each TrainConfig field an option sets.
+FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": "--d-model",
+         "attention_only": "--attention-only/--mlp", "steps": "--steps", "batch_size": "--batch-size", "lr": "--lr",
+         "seed": "--seed", "positions": "--positions", "text": "--text"}
+# The options that size the model and its batch, in the order a refusal for memory considers them.
+SIZES = ("d_model", "layers", "heads", "batch_size")
+
+
+def _shown(name: str, value) -> str:
+    """An option as the user would type it: ``--heads 2,1``, ``--mlp``; ``no --text`` for None."""
+    if value is None:
+        return f"no {FLAGS[name]}"
+    if name == "attention_only":
+        return "--attention-only" if value else "--mlp"
+    if name == "heads":
+        return f"--heads {format_heads(value if isinstance(value, tuple) else (value,))}"
+    return f"{FLAGS[name]} {value}"
+
+
+def _check_options(given: dict, steps: int | None, threads: int) -> None:
+    """Check every value on its own, naming its option; parse ``--heads`` in place. Nothing is read or written."""
+    if "seed" in given:
+        check_seed(given["seed"])
+    with option_errors():
+        positive_int("--threads", threads)
+        if "task" in given:
+            one_of("--task", given["task"], _train.TASKS)
+        for name, value in (*given.items(), ("steps", steps)):
+            if name in ("layers", "d_model", "batch_size", "steps") and value is not None:
+                positive_int(FLAGS[name], value)
+        if "lr" in given:
+            positive_number("--lr", given["lr"])
+        if "positions" in given:
+            one_of("--positions", given["positions"], _train.POSITIONS)
+    at_most("--threads", threads, os.cpu_count() or 1, "this machine's CPUs")
+    if "heads" in given:
+        given["heads"] = _parse_heads(given["heads"])
+
+
+def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
+    """The trainer of a new run (every refusal names its option); nothing is written."""
+    task_name = given.get("task", "induction")
+    if task_name != "text" and "text" in given:
+        fail(f"--text is only for --task text (got --task {task_name})")
+    _check_heads(task_name, given.get("heads"), given.get("layers"), given.get("d_model"))
+    options = {name: value for name, value in given.items() if name != "text"}
+    config = _train.TrainConfig(**{**options, "task": task_name}, steps=steps, device=device,
+                                text=None if "text" not in given else str(given["text"]))
+    with option_errors():  # the options are checked above: what is left is the --text file
+        task = _train.make_task(config.task, text=config.text)
+    _check_memory(config, task, given, device)  # before resolving: --layers 10**11 would build a 10**11-tuple
+    return _train.Trainer(config.resolved(), task=task)
+
+
+def _check_memory(config: _train.TrainConfig, task: _train.Task, given: dict, device: str) -> None:
+    """Refuse, naming the options to lower, a model whose training cannot fit in the device's memory."""
+    field = {FLAGS[name]: name for name in SIZES}
+
+    def need(sizes: dict) -> int:
+        c = dataclasses.replace(config, **{field[flag]: value for flag, value in sizes.items()})
+        return sum(_train.memory_estimate(c, vocab_size=task.vocab_size, seq_len=task.seq_len).values())
+
+    sizes = {flag: given.get(name) for flag, name in field.items()}  # None: the task's default
+    refuse_if_too_big(need, sizes, dict.fromkeys(sizes), device=device, what="training this model",
+                      shown=lambda flag, value: _shown(field[flag], value))
+
+
+def _resumed_trainer(resume: Path, given: dict, steps: int | None, device: str) -> _train.Trainer:
+    """The trainer continuing ``resume``: options given must agree with the checkpoint's; nothing is written."""
+    try:
+        config, step, _ = _train.read_checkpoint(resume)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        fail(f"--resume {str(resume)!r}: {err}")
+    for name, value in given.items():
+        saved = getattr(config, name)
+        if not _agrees(name, value, saved, config.layers):
+            fail(f"{_shown(name, value)} conflicts with the checkpoint in {str(resume)!r}, which was trained with "
+                 f"{_shown(name, saved)}; a resumed run keeps its checkpoint's options (leave {FLAGS[name]} out, "
+                 "or start a new run with another --out)")
+    target = config.steps if steps is None else steps
+    if target < step:
+        fail(f"--steps {target} is below the step {step} of the checkpoint in {str(resume)!r}: a resumed run can "
+             f"only go on (give --steps above {step})")
+    if target == step:
+        typer.echo(f"Nothing to do: the checkpoint in {str(resume)!r} is already at step {step} of {target}; "
+                   f"give --steps above {step} to train it further. Nothing was written.")
+        raise typer.Exit(0)
+    with option_errors():
+        return _train.Trainer.resume(resume, steps=steps, device=device)
+
+
+def _agrees(name: str, given, saved, layers: int) -> bool:
+    """Whether an option given on ``--resume`` says what the checkpoint says (``--heads 2`` = ``2,2``)."""
+    if name == "heads":
         try:
-            return _train.Trainer.resume(resume, steps=steps, device=device)
-        except FileNotFoundError as err:
-            fail(f"--resume {str(resume)!r}: {err}")
-        except ValueError as err:
-            fail(f"--resume {str(resume)!r}: {err}")
-    named = {"--layers": layers, "--d-model": d_model, "--steps": steps, "--batch-size": batch_size}
-    for option, value in named.items():
-        if value is not None:
-            positive_int(option, value)
-    if lr is not None:
-        positive_number("--lr", lr)
-    if task != "text" and text is not None:
-        fail(f"--text is only for --task text (got --task {task})")
-    one_of("--task", task, _train.TASKS)
-    counts = None if heads is None else _parse_heads(heads)
-    _check_heads(task, counts, layers, d_model)
-    config = _train.TrainConfig(task=task, layers=layers, heads=counts, d_model=d_model, attention_only=attention_only,
-                                steps=steps, batch_size=batch_size, lr=lr, seed=seed, device=device,
-                                positions=positions, text=None if text is None else str(text))
-    return _train.Trainer(config)
+            return per_layer("heads", given, layers) == per_layer("heads", saved, layers)
+        except ValueError:  # a count per layer for another depth
+            return False
+    if name == "text":
+        return saved is not None and (Path(given) == Path(saved) or _same_file(Path(given), Path(saved)))
+    return given == saved
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
 
 
 def _parse_heads(text: str) -> int | tuple[int, ...]:

@@ -127,28 +127,46 @@ def head_view(weights: Tensor, tokens, *, heads=None, focus: int | None = None, 
     return fig
 
 
-def head_grid(weights: Tensor, tokens, *, title: str | None = None, max_labels: int = 24) -> Figure:
-    """One small heatmap per layer and head: ``weights`` ``(L, H, T, T)`` -> an L x H grid.
+# head_grid's layout, in inches: fixed margins keep the title, the panel titles, the row labels
+# and the colour bar apart at every grid size (the constrained engine costs seconds on 6 x 12).
+_PANEL = {True: 1.9, False: 1.3}  # side of a panel, few heads (<= 4 per layer) or many
+_GAP = 0.12  # between panels of a row
+_LINE = 0.17  # one line of a panel's title
+_CHAR = 0.062  # the most one character of a panel's title takes (8 pt): a panel is as wide as its title
+_MARGIN = dict(left=0.85, right=1.0, bottom=0.45, top=0.2, title=0.25, labels=0.35, positions=0.15)  # title: per line
+
+
+def head_grid(weights: Tensor, tokens, *, title: str | None = None, captions=None, max_labels: int = 24) -> Figure:
+    r"""One heatmap per layer and head: ``weights`` ``(L, H, T, T)`` -> a grid, a row per layer.
+
+    Each panel is titled with its head (and its caption); each row is labelled with its layer; one
+    colour bar (attention weight, 0 to 1) serves every panel.
 
     Args:
         weights: per-layer attention weights, rows are queries. A layer with fewer heads than
-            ``H`` holds NaN for the heads it lacks (:func:`attnlab.trained.pad_heads`); their
-            cells stay empty.
+            ``H`` holds NaN for the heads it lacks (:func:`attnlab.trained.pad_heads`): they get
+            no panel, and the layer's row label says how many heads it has.
         tokens: ``T`` labels; drawn on the first column and last row when ``T <= max_labels``.
         title: figure title.
+        captions: per layer, one text per head that layer has (its role and score, say), shown
+            under the panel's title; ``\n`` starts another line.
         max_labels: longer inputs get no tick labels (they would not be readable at this size).
+
+    Returns:
+        a matplotlib ``Figure``: one axes per real head, in order of (layer, head), then the colour bar's.
 
     Example:
         >>> import torch
         >>> fig = head_grid(torch.softmax(torch.randn(2, 3, 4, 4), dim=-1), list("abcd"))
-        >>> len(fig.axes)                                   # 2 layers x 3 heads
-        6
+        >>> len(fig.axes)                                   # 2 layers x 3 heads, and the colour bar
+        7
         >>> from attnlab.trained import pad_heads
         >>> ragged = pad_heads([torch.full((2, 4, 4), 0.25), torch.full((1, 4, 4), 0.25)])
-        >>> len(head_grid(ragged, list("abcd")).axes)       # 2 + 1 heads: no panel for the missing one
-        3
+        >>> fig = head_grid(ragged, list("abcd"), captions=[["prev", "-"], ["induction"]])
+        >>> [ax.get_title() for ax in fig.axes[:-1]]      # 2 + 1 heads: no panel for the missing one
+        ['head 0\nprev', 'head 1\n-', 'head 0\ninduction']
     """
-    from matplotlib.figure import Figure
+    from matplotlib.colors import PowerNorm
 
     if not isinstance(weights, Tensor) or weights.ndim != 4:
         shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
@@ -156,26 +174,82 @@ def head_grid(weights: Tensor, tokens, *, title: str | None = None, max_labels: 
     n_layers, n_heads, n_tokens, _ = weights.shape
     _check_weights(weights[0], tokens)
     weights = weights.detach().float().cpu()
-    panel = 1.1 if n_tokens <= max_labels else 0.9
-    # A fixed layout: the constrained engine costs seconds on a 6 x 12 grid of panels.
-    fig = Figure(figsize=(0.9 + panel * n_heads, 0.7 + panel * n_layers), dpi=110)
-    fig.subplots_adjust(left=0.9 / (0.9 + panel * n_heads), right=0.99, bottom=0.7 / (0.7 + panel * n_layers),
-                        top=0.93, wspace=0.08, hspace=0.12)
-    labelled = n_tokens <= max_labels
     counts = count_heads(weights)
+    captions = _check_captions(captions, counts)
+    labelled = n_tokens <= max_labels
+    caption_lines = [caption.split("\n") for row in captions for caption in row]
+    lines = 1 + max(map(len, caption_lines), default=0)
+    widest = max((len(line) for caption in caption_lines for line in caption), default=0)
+    title_lines = title.count("\n") + 1 if title else 0
+    fig, grid, (bar_left, bar_bottom, bar_top) = _grid_layout(n_layers, n_heads, lines, widest, labelled,
+                                                              title_lines)
+    # A square-root scale: a head spread over T keys puts ~1/T on each, which a linear scale paints
+    # as black as a weight of zero; sharp heads (weights near 1) stay as bright either way.
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+    image = None
     for layer in range(n_layers):
         for h in range(counts[layer]):
-            ax = fig.add_subplot(n_layers, n_heads, layer * n_heads + h + 1)
-            ax.imshow(weights[layer, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+            ax = fig.add_subplot(grid[layer, h])
+            image = ax.imshow(weights[layer, h].numpy(), cmap="viridis", norm=norm, interpolation="nearest",
+                              aspect="auto")
             ax.set_xticks([])
             ax.set_yticks([])
-            if layer == min(l for l, count in enumerate(counts) if count > h):  # the column's top panel
-                ax.set_title(f"head {h}", fontsize=7)
-            if h == 0:
-                ax.set_ylabel(f"layer {layer}", fontsize=7)
-            if labelled and h == 0 and layer == n_layers - 1:
-                ax.set_yticks(range(n_tokens), tokens, fontsize=4)
-                ax.set_xticks(range(n_tokens), tokens, fontsize=4, rotation=90)
-    if title:
-        fig.suptitle(title, fontsize=10)
+            ax.set_title("\n".join([f"head {h}", *captions[layer][h:h + 1]]), fontsize=8, linespacing=1.15)
+            if h == 0:  # the row's label; when layers differ, with its head count (why the row is short)
+                count = counts[layer]
+                heads_here = "" if len(set(counts)) == 1 else f"\n({count} head{'s' if count > 1 else ''})"
+                ax.set_ylabel(f"layer {layer}{heads_here}", fontsize=9, fontweight="bold")
+            if h == 0 and layer == n_layers - 1:  # the bottom-left panel: tokens, or a few positions
+                ticks = range(n_tokens) if labelled else sorted({0, n_tokens // 2, n_tokens - 1})
+                names = tokens if labelled else [str(t) for t in ticks]
+                ax.set_yticks(ticks, names, fontsize=6)
+                ax.set_xticks(ticks, names, fontsize=6, rotation=90 if labelled else 0)
+    _label_figure(fig, image, (bar_left, bar_bottom, bar_top), title)
     return fig
+
+
+def _label_figure(fig: Figure, image, bar: tuple[float, float, float], title: str | None) -> None:
+    """The colour bar of ``image`` at ``bar`` (left, bottom, top), the axis names and the title."""
+    if image is not None:
+        left, bottom, top = bar
+        cax = fig.add_axes((left, bottom, 0.12 / fig.get_figwidth(), top - bottom), label="colour bar")
+        fig.colorbar(image, cax=cax).set_label("attention weight (square-root scale; each query row sums to 1)",
+                                               fontsize=8)
+        cax.tick_params(labelsize=7)
+    fig.supxlabel("key position (attended to)", fontsize=8, y=0.08 / fig.get_figheight())
+    fig.supylabel("query position", fontsize=8, x=0.08 / fig.get_figwidth())
+    if title:
+        fig.suptitle(title, fontsize=11, y=1 - 0.1 / fig.get_figheight(), va="top")
+
+
+def _check_captions(captions, counts: tuple[int, ...]) -> list[list[str]]:
+    """``captions`` as lists of strings, one per real head of each layer (empty lists when None)."""
+    if captions is None:
+        return [[] for _ in counts]
+    shape = [len(row) for row in captions]
+    if shape != list(counts):
+        raise ValueError(f"captions must give one text per head of each layer {list(counts)}, got {shape}")
+    return [[str(caption) for caption in row] for row in captions]
+
+
+def _grid_layout(n_layers: int, n_heads: int, lines: int, widest: int, labelled: bool, title_lines: int):
+    """The figure, its ``(L, H)`` grid of panels and the colour bar's (left, bottom, top) in figure fractions.
+
+    ``lines``: the most lines of a panel's title; ``widest``: the characters of its longest line.
+    """
+    from matplotlib.figure import Figure
+
+    panel = max(_PANEL[n_heads <= 4], _CHAR * widest)
+    head = _LINE * lines + 0.1  # above each panel: its title
+    m = _MARGIN
+    ticks = m["labels"] if labelled else m["positions"]  # the bottom-left panel's tick labels
+    left, bottom = m["left"] + ticks, m["bottom"] + ticks
+    top = m["top"] + m["title"] * title_lines
+    width = left + n_heads * panel + (n_heads - 1) * _GAP + m["right"]
+    height = bottom + n_layers * (panel + head) + top
+    fig = Figure(figsize=(width, height), dpi=110)
+    grid = fig.add_gridspec(n_layers, n_heads, left=left / width, right=(width - m["right"]) / width,
+                            bottom=bottom / height, top=(height - top - head) / height,
+                            wspace=_GAP / panel, hspace=head / panel)
+    bar_left = (width - m["right"] + 0.25) / width
+    return fig, grid, (bar_left, bottom / height, (height - top - head) / height)
