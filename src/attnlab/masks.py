@@ -760,12 +760,30 @@ def _scalar_call(mod: Callable) -> Callable:
     """``mod`` called on 0-d indices; what vmap maps. One value per position, or an error."""
 
     def call(*indices):
-        allowed = mod(*(i.reshape(()) if isinstance(i, Tensor) else i for i in indices))
+        allowed = mod(*(i.reshape(()) if isinstance(i, Tensor) and i.dim() else i for i in indices))
         if isinstance(allowed, Tensor) and allowed.numel() != 1:
             raise ValueError(f"it returned shape {tuple(allowed.shape)} for one position, not one value")
         return allowed.reshape(()) if isinstance(allowed, Tensor) else allowed
 
     return call
+
+
+def _broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` for index tensors, a tenth of its cost (it runs per tile).
+
+    Example:
+        >>> _broadcast_shape([(2, 1, 1), (1, 3), ()])
+        (2, 1, 3)
+    """
+    rank = max(map(len, shapes))
+    shape = [1] * rank
+    for one in shapes:
+        for axis, size in enumerate(one, start=rank - len(one)):
+            if size != 1:
+                if shape[axis] not in (1, size):
+                    raise ValueError(f"mask mod indices of shapes {shapes} do not broadcast")
+                shape[axis] = size
+    return tuple(shape)
 
 
 def _vmapped(mod: Callable, indices: tuple) -> Tensor:
@@ -777,8 +795,8 @@ def _vmapped(mod: Callable, indices: tuple) -> Tensor:
     back to size 1) where the mod ignores an axis, and no full index grid is ever built.
     """
     tensors = [i for i in indices if isinstance(i, Tensor)]
-    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    padded = [i.reshape((1,) * (len(shape) - i.dim()) + tuple(i.shape)) if isinstance(i, Tensor) else i
+    shape = _broadcast_shape([tuple(t.shape) for t in tensors])
+    padded = [i.view((1,) * (len(shape) - i.dim()) + tuple(i.shape)) if isinstance(i, Tensor) else i
               for i in indices]
     if 0 in shape:
         return torch.zeros(shape, dtype=torch.bool, device=tensors[0].device)
@@ -799,8 +817,8 @@ def _vmapped(mod: Callable, indices: tuple) -> Tensor:
 
 
 def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # vmap's text goes on
+    return f"{type(err).__name__}: {first}"
 
 
 def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
