@@ -10,6 +10,9 @@ against an fp64 computation written in this file.
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
@@ -199,3 +202,10 @@ def test_head_shifted_mod_evaluates_a_plain_mod_per_position():
     shifted = HeadShiftedMod(per_head, offset=1)
     expected = _mask_by_loop(per_head, batch=1, heads=3)[:, 1:]
     assert torch.equal(masks.materialize(shifted, tq=T, tk=T, heads=2), expected)
+
+
+def test_docs_example_runs():
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "sparse.md").read_text()
+    section = text.split("## Mask mods of your own, written as for FlexAttention", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/sparse.md", "exec"), {})

@@ -5,10 +5,13 @@ Two forms describe the same patterns:
 * **Dense masks** are tensors that broadcast to ``(B, H, Tq, Tk)``. A bool mask says which key
   positions a query may attend to (True = attend); a float mask is added to the scores (``-inf``
   blocks a position, other values bias it).
-* **Mask mods** are callables ``mod(b, h, q_idx, kv_idx) -> bool tensor`` with the same polarity,
-  written with tensor operations so that they broadcast over index tensors (and so that
-  FlexAttention can trace them). The mods in this module also know which key range a block of
-  queries can reach (:meth:`MaskMod.kv_bounds`), which lets tiled backends skip whole tiles.
+* **Mask mods** are callables ``mod(b, h, q_idx, kv_idx) -> bool tensor`` with the same polarity.
+  A mod means what it returns for one position, on 0-d index tensors: FlexAttention's rule, so
+  a mod written for FlexAttention (attention-gym's, say) runs unchanged; a plain function is
+  evaluated through ``torch.vmap`` as FlexAttention does (:func:`apply_mod`). The mods in this
+  module also broadcast over whole index grids, which is how they are evaluated (fast), and
+  know which key range a block of queries can reach (:meth:`MaskMod.kv_bounds`), which lets
+  tiled backends skip whole tiles.
 
 One constructor per pattern and form:
 
@@ -890,6 +893,8 @@ def evaluate(
     device: torch.device | str | None = None,
 ) -> Tensor:
     """Evaluate a mask mod on the index grid ``q_range x kv_range`` (one tile or the whole matrix).
+
+    Each position gets the value the mod gives it on 0-d indices (see :func:`apply_mod`).
 
     Args:
         mod: a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
