@@ -209,3 +209,11 @@ def test_docs_example_runs():
     section = text.split("## Mask mods of your own, written as for FlexAttention", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "docs/sparse.md", "exec"), {})
+
+
+def test_an_error_the_mod_raises_itself_reaches_the_user_as_it_is():
+    def refusing(b, h, q_idx, kv_idx):
+        raise LookupError("no table for this model")
+
+    with pytest.raises(LookupError, match="no table for this model"):
+        masks.materialize(refusing, tq=4, tk=4)

@@ -846,7 +846,8 @@ def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
 
     Raises:
         TypeError: the mod can be evaluated neither way; the message names ``mask``, the mod
-            and both errors.
+            and both errors. An error the mod raises the same way both times (its own
+            ``raise``) propagates as it is.
 
     Example:
         >>> intervals = torch.tensor([[0, 2], [2, 4]])     # image i is seen by queries [lo, hi)
@@ -873,6 +874,8 @@ def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
                                    *(i.shape for i in indices if isinstance(i, Tensor)))
             return allowed
         except Exception as grid_err:  # noqa: BLE001
+            if _first_line(grid_err) == _first_line(scalar_err):
+                raise  # the mod's own error, whichever way it is called: the user's to see
             name = getattr(mod, "__qualname__", None) or repr(mod)
             raise TypeError(
                 f"mask: the mask mod {name} cannot be evaluated. attnlab evaluates a mask mod as "
