@@ -217,3 +217,14 @@ def test_an_error_the_mod_raises_itself_reaches_the_user_as_it_is():
 
     with pytest.raises(LookupError, match="no table for this model"):
         masks.materialize(refusing, tq=4, tk=4)
+
+
+def test_a_mod_returning_several_values_per_position_is_refused():
+    lengths = torch.tensor([3, 5])
+
+    def whole_rows(b, h, q_idx, kv_idx):  # ignores the indices: a (B, 1, 1, Tk) mask
+        return (torch.arange(T) < lengths[:, None])[:, None, None, :]
+
+    with pytest.raises(TypeError, match=r"mask: the mask mod .*whole_rows returned shape \(2, 1, 1, 20\) "
+                                        r"for one position"):
+        masks.materialize(whole_rows, tq=T, tk=T, batch=2)

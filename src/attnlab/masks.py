@@ -759,13 +759,17 @@ class _IndexWithTensors(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _NotOneValue(ValueError):
+    """A mod returned more than one value for one position: no evaluation can make it a mask."""
+
+
 def _scalar_call(mod: Callable) -> Callable:
     """``mod`` called on 0-d indices; what vmap maps. One value per position, or an error."""
 
     def call(*indices):
         allowed = mod(*(i.reshape(()) if isinstance(i, Tensor) and i.dim() else i for i in indices))
         if isinstance(allowed, Tensor) and allowed.numel() != 1:
-            raise ValueError(f"it returned shape {tuple(allowed.shape)} for one position, not one value")
+            raise _NotOneValue(f"returned shape {tuple(allowed.shape)} for one position")
         return allowed.reshape(()) if isinstance(allowed, Tensor) else allowed
 
     return call
@@ -819,6 +823,16 @@ def _vmapped(mod: Callable, indices: tuple) -> Tensor:
     return allowed
 
 
+def _on_grid(mod: Callable, indices: tuple) -> Tensor:
+    """``mod`` called once on the index tensors; its result must broadcast to their shape."""
+    allowed = mod(*indices)
+    shape = _broadcast_shape([tuple(i.shape) for i in indices if isinstance(i, Tensor)])
+    got = tuple(torch.as_tensor(allowed).shape)
+    if len(got) > len(shape) or _broadcast_shape([got, shape]) != shape:
+        raise ValueError(f"returned shape {got} for index tensors of shape {shape}")
+    return allowed
+
+
 def _first_line(err: BaseException) -> str:
     first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # vmap's text goes on
     return f"{type(err).__name__}: {first}"
@@ -865,18 +879,18 @@ def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
     if getattr(mod, "broadcasts", False) or all(
             not isinstance(i, Tensor) or i.dim() == 0 for i in indices):  # one position: call it
         return mod(*indices)
+    name = getattr(mod, "__qualname__", None) or repr(mod)
     try:
         return _vmapped(mod, indices)
+    except _NotOneValue as err:
+        raise TypeError(f"mask: the mask mod {name} {err} (b, h, q_idx, kv_idx); a mask mod "
+                        f"returns one bool per position, as in FlexAttention") from None
     except Exception as scalar_err:  # noqa: BLE001 -- any failure under vmap: try the grid
         try:
-            allowed = mod(*indices)
-            torch.broadcast_shapes(torch.as_tensor(allowed).shape,
-                                   *(i.shape for i in indices if isinstance(i, Tensor)))
-            return allowed
+            return _on_grid(mod, indices)
         except Exception as grid_err:  # noqa: BLE001
             if _first_line(grid_err) == _first_line(scalar_err):
                 raise  # the mod's own error, whichever way it is called: the user's to see
-            name = getattr(mod, "__qualname__", None) or repr(mod)
             raise TypeError(
                 f"mask: the mask mod {name} cannot be evaluated. attnlab evaluates a mask mod as "
                 f"FlexAttention does, once per position on 0-d index tensors under torch.vmap, where "
