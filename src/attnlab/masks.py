@@ -5,10 +5,13 @@ Two forms describe the same patterns:
 * **Dense masks** are tensors that broadcast to ``(B, H, Tq, Tk)``. A bool mask says which key
   positions a query may attend to (True = attend); a float mask is added to the scores (``-inf``
   blocks a position, other values bias it).
-* **Mask mods** are callables ``mod(b, h, q_idx, kv_idx) -> bool tensor`` with the same polarity,
-  written with tensor operations so that they broadcast over index tensors (and so that
-  FlexAttention can trace them). The mods in this module also know which key range a block of
-  queries can reach (:meth:`MaskMod.kv_bounds`), which lets tiled backends skip whole tiles.
+* **Mask mods** are callables ``mod(b, h, q_idx, kv_idx) -> bool tensor`` with the same polarity.
+  A mod means what it returns for one position, on 0-d index tensors: FlexAttention's rule, so
+  a mod written for FlexAttention (attention-gym's, say) runs unchanged; a plain function is
+  evaluated through ``torch.vmap`` as FlexAttention does (:func:`apply_mod`). The mods in this
+  module also broadcast over whole index grids, which is how they are evaluated (fast), and
+  know which key range a block of queries can reach (:meth:`MaskMod.kv_bounds`), which lets
+  tiled backends skip whole tiles.
 
 One constructor per pattern and form:
 
@@ -82,6 +85,7 @@ __all__ = [
     "or_masks",
     "materialize",
     "evaluate",
+    "apply_mod",
     "mod_tensors",
     "same_tensors",
     "kv_range",
@@ -150,6 +154,15 @@ class MaskMod:
     no query in a block can reach. Any plain callable with the same signature is accepted
     wherever a mask mod is; it simply has no bounds.
 
+    A mod means what it returns for one position (0-d indices, FlexAttention's rule). A plain
+    callable is therefore evaluated through ``torch.vmap`` (see :func:`apply_mod`); a subclass
+    promises, with ``broadcasts = True`` (the default), that its ``__call__`` also gives the
+    right values when called once on broadcast index tensors ``b (B,1,1,1)``, ``h (1,H,1,1)``,
+    ``q_idx (1,1,Tq,1)``, ``kv_idx (1,1,1,Tk)`` -- elementwise operations and indexing a
+    captured tensor by the indices do -- and is called that way, the fast path. A subclass
+    whose ``__call__`` is written for scalar indices only (``table[image_of[kv_idx]][0]``)
+    sets ``broadcasts = False`` and is evaluated like a plain callable.
+
     Example:
         >>> class EvenKeys(MaskMod):
         ...     def __call__(self, b, h, q_idx, kv_idx):
@@ -159,6 +172,8 @@ class MaskMod:
                 [1, 0, 0],
                 [1, 0, 1]], dtype=torch.int32)
     """
+
+    broadcasts = True
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
@@ -564,9 +579,9 @@ class CombinedMod(MaskMod):
         self.op = op
 
     def __call__(self, b, h, q_idx, kv_idx):
-        result = self.mods[0](b, h, q_idx, kv_idx)
+        result = apply_mod(self.mods[0], b, h, q_idx, kv_idx)
         for mod in self.mods[1:]:
-            other = mod(b, h, q_idx, kv_idx)
+            other = apply_mod(mod, b, h, q_idx, kv_idx)
             result = (result & other) if self.op == "and" else (result | other)
         return result
 
@@ -738,6 +753,166 @@ def same_tensors(seen: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
         a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen, now))
 
 
+class _IndexWithTensors(torch.overrides.TorchFunctionMode):
+    """``x[i]`` with integer or tensor indices becomes ``aten.index``, as FlexAttention does.
+
+    Python indexing turns a 0-d index tensor into a Python int (``.item()``), which ``vmap``
+    refuses; ``aten.index`` keeps it a tensor, so ``intervals[image_of[kv_idx]]`` maps. This is
+    the rule of torch's ``TransformGetItemToIndex``, which ``create_mask`` runs mods under,
+    written here because that class is private.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is Tensor.__getitem__:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if all(isinstance(i, (Tensor, int)) and not isinstance(i, bool) for i in index):
+                device = args[0].device
+                return torch.ops.aten.index(args[0], [
+                    i if isinstance(i, Tensor) else torch.tensor(i, device=device) for i in index])
+        return func(*args, **(kwargs or {}))
+
+
+class _NotOneValue(ValueError):
+    """A mod returned more than one value for one position: no evaluation can make it a mask."""
+
+
+def _scalar_call(mod: Callable) -> Callable:
+    """``mod`` called on 0-d indices; what vmap maps. One value per position, or an error."""
+
+    def call(*indices):
+        allowed = mod(*(i.reshape(()) if isinstance(i, Tensor) and i.dim() else i for i in indices))
+        if isinstance(allowed, Tensor) and allowed.numel() != 1:
+            raise _NotOneValue(f"returned shape {tuple(allowed.shape)} for one position")
+        return allowed.reshape(()) if isinstance(allowed, Tensor) else allowed
+
+    return call
+
+
+def _broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` for index tensors, a tenth of its cost (it runs per tile).
+
+    Example:
+        >>> _broadcast_shape([(2, 1, 1), (1, 3), ()])
+        (2, 1, 3)
+    """
+    rank = max(map(len, shapes))
+    shape = [1] * rank
+    for one in shapes:
+        for axis, size in enumerate(one, start=rank - len(one)):
+            if size != 1:
+                if shape[axis] not in (1, size):
+                    raise ValueError(f"mask mod indices of shapes {shapes} do not broadcast")
+                shape[axis] = size
+    return tuple(shape)
+
+
+def _vmapped(mod: Callable, indices: tuple) -> Tensor:
+    """``mod`` on each position of the broadcast index tensors, through nested ``torch.vmap``.
+
+    FlexAttention's ``create_mask`` nests one vmap per axis of ``(b, h, q_idx, kv_idx)``; here
+    an axis is mapped only where some index varies along it, and each index tensor only along
+    the axes where it is longer than 1, so the result keeps size 1 (or a stride-0 axis, cut
+    back to size 1) where the mod ignores an axis, and no full index grid is ever built.
+    """
+    tensors = [i for i in indices if isinstance(i, Tensor)]
+    shape = _broadcast_shape([tuple(t.shape) for t in tensors])
+    padded = [i.view((1,) * (len(shape) - i.dim()) + tuple(i.shape)) if isinstance(i, Tensor) else i
+              for i in indices]
+    if 0 in shape:
+        return torch.zeros(shape, dtype=torch.bool, device=tensors[0].device)
+    axes = [axis for axis, size in enumerate(shape) if size > 1]
+    fn = _scalar_call(mod)
+    for axis in reversed(axes):  # the last wrapped vmap is the outermost: axes[0]
+        in_dims = tuple(
+            axis - sum(1 for a in axes if a < axis and i.shape[a] > 1)  # axes outer levels took
+            if isinstance(i, Tensor) and i.shape[axis] > 1 else None for i in padded)
+        fn = torch.vmap(fn, in_dims=in_dims)
+    with _IndexWithTensors():
+        allowed = fn(*padded)
+    allowed = allowed.reshape(shape)
+    for axis in axes:
+        if allowed.stride(axis) == 0:  # the mod ignores this axis: vmap expanded it
+            allowed = allowed.narrow(axis, 0, 1)
+    return allowed
+
+
+def _on_grid(mod: Callable, indices: tuple) -> Tensor:
+    """``mod`` called once on the index tensors; its result must broadcast to their shape."""
+    allowed = mod(*indices)
+    shape = _broadcast_shape([tuple(i.shape) for i in indices if isinstance(i, Tensor)])
+    got = tuple(torch.as_tensor(allowed).shape)
+    if len(got) > len(shape) or _broadcast_shape([got, shape]) != shape:
+        raise ValueError(f"returned shape {got} for index tensors of shape {shape}")
+    return allowed
+
+
+def _first_line(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # vmap's text goes on
+    return f"{type(err).__name__}: {first}"
+
+
+def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
+    """A mask mod at every position of broadcast index tensors, by FlexAttention's semantics.
+
+    A mask mod's meaning is what it returns for one position: ``mod(b, h, q_idx, kv_idx)`` on
+    0-d index tensors (FlexAttention's rule; it maps mods with ``torch.vmap``). So a plain
+    callable is evaluated through ``torch.vmap`` over the axes its indices vary along: a mod
+    written for FlexAttention (``intervals[image_of[kv_idx]]``) and an elementwise one
+    (``kv_idx <= q_idx``) both give the right mask. A :class:`MaskMod` whose ``broadcasts`` is
+    True (attnlab's own) is called on the index tensors directly, the fast path. A callable
+    that vmap refuses (``.numpy()``, data-dependent shapes) is called on the index tensors
+    directly, which is what such code can only mean; one that fails both ways raises.
+
+    Args:
+        mod: a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
+        b, h, q_idx, kv_idx: ints or index tensors that broadcast together.
+
+    Returns:
+        The mod's values, broadcastable to the indices' broadcast shape (size 1 along an axis
+        the mod ignores).
+
+    Raises:
+        TypeError: the mod can be evaluated neither way; the message names ``mask``, the mod
+            and both errors. An error the mod raises the same way both times (its own
+            ``raise``) propagates as it is.
+
+    Example:
+        >>> intervals = torch.tensor([[0, 2], [2, 4]])     # image i is seen by queries [lo, hi)
+        >>> image_of = torch.tensor([0, 0, 1])              # image of each key (attention-gym)
+        >>> def flamingo(b, h, q_idx, kv_idx):
+        ...     interval = intervals[image_of[kv_idx]]
+        ...     return (q_idx >= interval[0]) & (q_idx < interval[1])
+        >>> apply_mod(flamingo, 0, 0, torch.arange(4)[:, None], torch.arange(3)).int()
+        tensor([[1, 1, 0],
+                [1, 1, 0],
+                [0, 0, 1],
+                [0, 0, 1]], dtype=torch.int32)
+    """
+    indices = (b, h, q_idx, kv_idx)
+    if getattr(mod, "broadcasts", False) or all(
+            not isinstance(i, Tensor) or i.dim() == 0 for i in indices):  # one position: call it
+        return mod(*indices)
+    name = getattr(mod, "__qualname__", None) or repr(mod)
+    try:
+        return _vmapped(mod, indices)
+    except _NotOneValue as err:
+        raise TypeError(f"mask: the mask mod {name} {err} (b, h, q_idx, kv_idx); a mask mod "
+                        f"returns one bool per position, as in FlexAttention") from None
+    except Exception as scalar_err:  # noqa: BLE001 -- any failure under vmap: try the grid
+        try:
+            return _on_grid(mod, indices)
+        except Exception as grid_err:  # noqa: BLE001
+            if _first_line(grid_err) == _first_line(scalar_err):
+                raise  # the mod's own error, whichever way it is called: the user's to see
+            raise TypeError(
+                f"mask: the mask mod {name} cannot be evaluated. attnlab evaluates a mask mod as "
+                f"FlexAttention does, once per position on 0-d index tensors under torch.vmap, where "
+                f"{_first_line(scalar_err)}; called on whole index tensors instead, "
+                f"{_first_line(grid_err)}. Write it with tensor operations on the indices (torch.where "
+                f"for choices; no .item(), int(), bool() or Python if/while on index values)"
+            ) from scalar_err
+
+
 def evaluate(
     mod: Callable,
     *,
@@ -748,6 +923,8 @@ def evaluate(
     device: torch.device | str | None = None,
 ) -> Tensor:
     """Evaluate a mask mod on the index grid ``q_range x kv_range`` (one tile or the whole matrix).
+
+    Each position gets the value the mod gives it on 0-d indices (see :func:`apply_mod`).
 
     Args:
         mod: a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
@@ -769,7 +946,7 @@ def evaluate(
     h = torch.arange(heads, device=device).view(1, heads, 1, 1)
     q_idx = torch.arange(qs, qe, device=device).view(1, 1, qe - qs, 1)
     kv_idx = torch.arange(ks, ke, device=device).view(1, 1, 1, ke - ks)
-    allowed = torch.as_tensor(mod(b, h, q_idx, kv_idx), device=device)
+    allowed = torch.as_tensor(apply_mod(mod, b, h, q_idx, kv_idx), device=device)
     if allowed.dtype != torch.bool:
         raise TypeError(f"mask mod {mod!r} must return a bool tensor, got dtype {allowed.dtype}")
     return allowed

@@ -85,7 +85,7 @@ class HeadShiftedMod(_masks.MaskMod):
         self.mod, self.offset = mod, offset
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return self.mod(b, h + self.offset, q_idx, kv_idx)
+        return _masks.apply_mod(self.mod, b, h + self.offset, q_idx, kv_idx)  # a plain mod: vmapped
 
     def kv_bounds(self, q_start, q_end):
         bounds = getattr(self.mod, "kv_bounds", None)
