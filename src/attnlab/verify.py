@@ -336,6 +336,7 @@ class CheckResult:
     allowed: tuple
     passed: bool
     note: str
+    grad_mode: str = ""  # set by check_grad_mode, e.g. "no_grad, requires_grad: qkv"
 
     def worst_ratio(self) -> float:
         """Largest error / allowed ratio (1.0 or more fails)."""
@@ -412,8 +413,12 @@ def check_grad_mode(backend: str, config: Config, dtype: torch.dtype, *, grad_en
         >>> check_grad_mode("sdpa", config, torch.float32, grad_enabled=False, inputs="qkv").passed
         True
     """
-    label = f"{config.label()} [{'grad' if grad_enabled else 'no_grad'}, requires_grad: {inputs or '-'}]"
-    result = functools.partial(CheckResult, backend, _dtype_name(dtype), label)
+    mode = f"{'grad' if grad_enabled else 'no_grad'}, requires_grad: {inputs or '-'}"
+    label = f"{config.label()} [{mode}]"
+
+    def result(*fields) -> CheckResult:
+        return CheckResult(backend, _dtype_name(dtype), label, *fields, grad_mode=mode)
+
     q64, k64, v64, grad_weights, mask = _inputs(config)
     tensors = [t.to(dtype, copy=True).requires_grad_(name in inputs) for name, t in zip("qkv", (q64, k64, v64))]
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
