@@ -7,6 +7,7 @@ independently of attnlab.distributed.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -125,6 +126,7 @@ def bad_calls(rank: int, world: int) -> list[str]:
     good = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
     out = context_parallel_attention(good, good, good, causal=True)
     messages.append("finite" if bool(torch.isfinite(out).all()) else "not finite")
+    messages.append(_error_of(lambda: context_parallel_attention(good, good, good, group=0)))
     return messages
 
 
@@ -214,3 +216,70 @@ def subgroups(rank: int, world: int) -> float:
     uly = context_parallel_attention(*local, causal=True, group=group, method="ulysses")
     errors = [(unshard(o, dim=2, group=group) - ref).abs().max().item() for o in (out, uly)]
     return max(errors)
+
+
+def _scaled_mod(limit: int):
+    """A user's mask mod whose behaviour lives in its closure."""
+    return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < limit)
+
+
+class _WindowedModel(torch.nn.Module):
+    """A model whose mask mod is a bound method reading a plain attribute (and holding weights)."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.window = window
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.window)
+
+
+def _disagreeing_calls(rank: int) -> dict:
+    """Calls where rank 0 and rank 1 differ in one option: name -> (call, option)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64)  # T = 8 over two ranks
+    one = rank == 0  # True on rank 0, False on rank 1
+    dense = torch.ones(1, 2, 8, 8, dtype=torch.bool)
+    dense[0, 1, 5, 2] = one  # one entry differs
+    cpa = context_parallel_attention
+    return {
+        "shapes": (lambda: cpa(x, x[:, :1] if one else x, x[:, :1] if one else x), "k, v"),
+        "dtype": (lambda: cpa(*(x if one else x.float(),) * 3), "dtype"),
+        "scale": (lambda: cpa(x, x, x, scale=0.125 if one else 0.5), "scale"),
+        "causal": (lambda: cpa(x, x, x, causal=one), "causal"),
+        "method": (lambda: cpa(x, x, x, method="ring" if one else "ulysses"), "method"),
+        "layout": (lambda: cpa(x, x, x, layout="zigzag" if one else "contiguous"), "layout"),
+        "mask-kind": (lambda: cpa(x, x, x, method="ulysses", mask=masks.causal_mod(8, 8) if one else None),
+                      "mask"),
+        "mask-mod-params": (lambda: cpa(x, x, x, method="ulysses",
+                                        mask=masks.sliding_window_mod(8, 8, 3 if one else 4)), "mask"),
+        "mask-mod-tensor": (lambda: cpa(x, x, x, method="ulysses",
+                                        mask=masks.padding_mod(torch.tensor([7 if one else 6]))), "mask"),
+        "mask-dense-values": (lambda: cpa(x, x, x, method="ulysses", mask=dense), "mask"),
+        "mask-user-mod": (lambda: cpa(x, x, x, method="ulysses", mask=_scaled_mod(3 if one else 5)), "mask"),
+        "mask-bound-method": (lambda: cpa(x, x, x, method="ulysses", mask=_WindowedModel(3 if one else 5).mask_mod),
+                              "mask"),
+        "grad": (lambda: cpa(x.clone().requires_grad_(one), x, x), "grad"),
+    }
+
+
+def disagreements(rank: int, world: int) -> dict:
+    """Each disagreeing call's error on this rank, then calls that agree in different spellings
+    (scale None and 1/sqrt(D); equal masks built separately) and their error against one process."""
+    report = {name: _error_of(call) for name, (call, _) in _disagreeing_calls(rank).items()}
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    window = masks.sliding_window_mod(8, 8, 3)
+    ref = attnlab.attention(q, k, v, mask=window, backend="reference")
+    out = context_parallel_attention(*(shard(t, dim=2) for t in (q, k, v)), method="ulysses",
+                                     mask=masks.sliding_window_mod(8, 8, 3),
+                                     scale=None if rank == 0 else 1 / math.sqrt(8))  # the default
+    torch.manual_seed(rank)  # different weights on each rank: a bound mod agrees on its options
+    bound = context_parallel_attention(*(shard(t, dim=2) for t in (q, k, v)), method="ulysses",
+                                       mask=_WindowedModel(3).mask_mod)
+    report["agreeing"] = max((unshard(o, dim=2) - ref).abs().max().item() for o in (out, bound))
+    return report
+
+
+DISAGREEMENT_OPTIONS = {name: option for name, (_, option) in _disagreeing_calls(0).items()}

@@ -120,14 +120,36 @@ def test_quick_sweep_catches_a_backend_wrong_on_short_key_tails():
     assert any(not r.passed for r in results)
 
 
+INJECTED = 1e-3  # far above any allowed error of these shapes in float32 (about 1e-5)
+
+
 @pytest.mark.skipif("flex" not in backends.available(), reason="no FlexAttention")
-def test_sweep_catches_flex_when_its_decline_is_switched_off(monkeypatch):
-    """Without the decline flex is served at Tk = 8 and the sweep must see it wrong."""
-    monkeypatch.setattr("attnlab.backends.flex._shape_limits", lambda call: [])
-    monkeypatch.setattr(verify, "FLEX_SHAPES", ((1, 2, 2, 8, 8, 16, 16),))
-    results = verify.sweep(["flex"], [torch.float32], n=12, seed=3)
-    assert all(r.served for r in results)
-    assert any(not r.passed for r in results)
+def test_sweep_catches_flex_when_it_is_wrong(monkeypatch):
+    """flex served wrong results (off by INJECTED) at a partial and a whole key block: the sweep
+    must flag every one, by that amount. The wrong result is injected, so this holds on every
+    CPU and torch, whether or not torch's own kernel is right there; the sweep's flex path
+    (fixed shapes, decline, forward only on CPU) is the one ``attnlab verify`` runs."""
+    flex, reference = backends.get("flex"), backends.get("reference")
+    monkeypatch.setattr("attnlab.backends.flex._shape_limits", lambda call: [])  # serve Tk = 8 too
+    monkeypatch.setattr(verify, "FLEX_SHAPES", ((1, 2, 2, 8, 8, 16, 16), (1, 2, 2, 128, 128, 16, 16)))
+    for offset in (0.0, INJECTED):  # 0: the same sweep passes when nothing is injected
+        seen = []
+
+        def shifted_forward(call, offset=offset):
+            seen.append(call.tk)
+            return backends.AttentionResult(out=reference.forward(call).out + offset)
+
+        monkeypatch.setattr(flex, "forward", shifted_forward)  # compiles nothing
+        # The grad-mode crossings that need a backward are declined (flex has none on CPU).
+        results = [r for r in verify.sweep(["flex"], [torch.float32], n=12, seed=3)
+                   if not (r.grad_mode.startswith("grad,") and r.grad_mode != "grad, requires_grad: -")]
+        assert all(r.served for r in results) and set(seen) == {8, 128}
+        if offset == 0.0:
+            assert all(r.passed for r in results)
+            continue
+        assert not any(r.passed for r in results)
+        for r in results:
+            assert r.errors[0] == pytest.approx(INJECTED, rel=1e-2), r.config
 
 
 @pytest.mark.skipif("flex" not in backends.available(), reason="no FlexAttention")

@@ -102,8 +102,10 @@ def test_document_ids_are_checked():
     x = torch.randn(2, 5, 8)
     with pytest.raises(ValueError, match="document_ids must be an integer tensor"):
         mha(x, document_ids=torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match="document_ids must be an integer tensor"):
+    with pytest.raises(TypeError, match="document_ids must have an integer dtype, got torch.float32"):
         mha(x, document_ids=torch.zeros(5))
+    with pytest.raises(TypeError, match="document_ids must have an integer dtype, got torch.bool"):
+        mha(x, document_ids=torch.zeros(5, dtype=torch.bool))
     with pytest.raises(ValueError, match="cannot be combined"):
         mha(x, document_ids=torch.zeros(5, dtype=torch.long), cache=mha.new_cache(2, 8))
 

@@ -111,7 +111,8 @@ def _reference(q, k, v, **options):
 
 @pytest.mark.parametrize("tq, tk", [(8, 8), (24, 24), (17, 8), (16, 8), (136, 136), (8, 1)])
 def test_partial_key_blocks_are_declined_on_cpu(tq, tk):
-    """torch's compiled CPU kernel is wrong (up to 2.2 abs, or NaN) at Tk = 8, 24, 136, ..."""
+    """Declined on every CPU: torch's compiled CPU kernel built for AVX2 is wrong (up to 2.2 abs,
+    or NaN) at Tk = 8, 24, 136, ...; this asserts the decline, not that torch is wrong."""
     q, k = torch.randn(1, 2, tq, 16), torch.randn(1, 2, tk, 16)
     with torch.no_grad():
         call = build_call(q, k, k, causal=True)

@@ -146,6 +146,7 @@ def test_causal_lm_output_attentions_equal_eager(causal_lm_dir):
         ref = _load(causal_lm_dir, "eager")(input_ids=ids, attention_mask=mask, output_attentions=True)
         ours = _load(causal_lm_dir, NAME)(input_ids=ids, attention_mask=mask, output_attentions=True)
     real_queries = mask.bool()[:, None, :, None]  # (B, 1, T, 1): rows of real queries
+    assert len(ours.attentions) == len(ref.attentions) == 2  # one per layer (GPT-2 pops the keyword)
     for mine, theirs in zip(ours.attentions, ref.attentions):
         assert mine.shape == theirs.shape
         assert ((mine - theirs) * real_queries).abs().max().item() <= 1e-5
@@ -177,3 +178,124 @@ def test_unsupported_features_and_reserved_names_are_refused():
         attention_forward(layer, q, q, q, None, softcap=30.0)
     with pytest.raises(ValueError, match="name must be a non-empty string other than eager, sdpa"):
         register("sdpa")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q: register(123), "name must be a str, got int"),
+    (lambda q: attention_forward("layer", q, q, q, None), "module must be the calling torch.nn.Module, got str"),
+    (lambda q: attention_forward(torch.nn.Module(), q.tolist(), q, q, None), "query must be a torch.Tensor, got list"),
+    (lambda q: attention_forward(torch.nn.Module(), q, q, q, [[True]]), "attention_mask must be a torch.Tensor"),
+])
+def test_arguments_of_the_wrong_kind_raise_type_error(call, message):
+    with pytest.raises(TypeError, match=message):
+        call(torch.randn(1, 1, 2, 4))
+
+
+def _spy():
+    """Register attention_forward under another name, recording whether each call returned weights."""
+    returned = []
+
+    def spy(*args, **kwargs):
+        out, weights = attention_forward(*args, **kwargs)
+        returned.append(weights is not None)
+        return out, weights
+
+    transformers.AttentionInterface.register("attnlab_spy", spy)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "attnlab_spy", transformers.masking_utils.sdpa_mask)
+    return returned
+
+
+def test_causal_lm_computes_weights_only_when_they_are_recorded(causal_lm_dir):
+    """Weights are computed exactly when the model will return them, whether it hands the layers
+    the keyword (Llama) or pops it and records with hooks (GPT-2)."""
+    returned = _spy()
+    ids, mask = _padded("right")
+    model = _load(causal_lm_dir, "attnlab_spy")
+    with torch.no_grad():
+        for options, wanted in [({"output_attentions": False}, False), ({"output_hidden_states": True}, False),
+                                ({"output_attentions": True}, True), ({}, False)]:
+            returned.clear()
+            result = model(input_ids=ids, attention_mask=mask, **options)
+            assert returned == [wanted, wanted], options
+            assert (result.attentions is not None) == wanted, options
+
+
+# ------------------------------------------------------------------- sliding windows
+WINDOW = 4
+
+
+def _window_allowed(tq: int, tk: int, window: int) -> torch.Tensor:
+    """transformers' sliding window (``kv_idx > q_idx - window``, causal) for the last ``tq`` of
+    ``tk`` positions: ``(tq, tk)`` bool, True = attend."""
+    q_pos = torch.arange(tk - tq, tk)[:, None]
+    kv_pos = torch.arange(tk)[None, :]
+    return (kv_pos <= q_pos) & (kv_pos > q_pos - window)
+
+
+def _fp64_attention(q, k, v, allowed, scale):
+    """Softmax attention in fp64 over ``allowed`` ``(B|1, 1, Tq, Tk)``; GQA by repeating heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)  # (B, Tq, H, D)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no-mask", "prepared-mask"])
+@pytest.mark.parametrize("tk", [3, WINDOW, WINDOW + 5], ids=["tk<W", "tk=W", "tk>W"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_attention_forward_sliding_window_equals_fp64(decode, tk, with_mask):
+    """One decoding query or a prefill (Tq = Tk), with no mask (the window comes from the
+    ``sliding_window`` keyword) or transformers' prepared bool mask (window and padding in it)."""
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    tq = 1 if decode else tk
+    g = torch.Generator().manual_seed(tk)
+    q = torch.randn(2, 4, tq, 8, generator=g)
+    k, v = torch.randn(2, 2, tk, 8, generator=g), torch.randn(2, 2, tk, 8, generator=g)
+    allowed = _window_allowed(tq, tk, WINDOW)[None, None].expand(2, 1, tq, tk).clone()  # (B, 1, Tq, Tk)
+    if with_mask:
+        allowed[1, ..., 0] = False  # row 1 is left-padded by one key
+    out, _ = attention_forward(layer, q, k, v, allowed if with_mask else None, scaling=0.3,
+                               sliding_window=WINDOW)
+    expected = _fp64_attention(q, k, v, allowed, 0.3).nan_to_num(0.0)  # a row with no key gives zeros
+    assert (out.double() - expected).abs().max().item() <= 1e-5
+
+
+def test_attention_forward_refuses_a_window_of_the_wrong_kind_or_size():
+    layer = torch.nn.Module()
+    q = torch.randn(1, 1, 1, 4)
+    with pytest.raises(TypeError, match="sliding_window must be an int, got str"):
+        attention_forward(layer, q, q, q, None, sliding_window="4")
+    with pytest.raises(ValueError, match="sliding_window must be a positive int, got 0"):
+        attention_forward(layer, q, q, q, None, sliding_window=0)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = _mistral()
+    config.sliding_window = WINDOW
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("mistral-window")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padded"])
+def test_sliding_window_model_decodes_past_the_window_like_eager(mistral_dir, padded):
+    """Prefill of 2 tokens, then 9 decoding steps: the keys grow from below the window to
+    past it; every step's logits equal transformers' eager implementation."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, 97, (2, 3))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, 0], mask[1, 0] = 0, 0
+    options = dict(max_new_tokens=9, do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
+                   return_dict_in_generate=True, attention_mask=mask)
+    with torch.no_grad():
+        ref = _load(mistral_dir, "eager").generate(input_ids=ids, **options)
+        ours = _load(mistral_dir, NAME).generate(input_ids=ids, **options)
+    assert torch.equal(ours.sequences, ref.sequences)
+    for step, (mine, theirs) in enumerate(zip(ours.logits, ref.logits)):
+        assert (mine - theirs).abs().max().item() <= 1e-5, step

@@ -94,3 +94,15 @@ def test_alibi_bias_formula_and_alignment():
                 assert bias[0, h, i, j].item() == pytest.approx(-slopes[h] * abs(i + tk - tq - j))
     top_left = alibi_bias(H, tq, tk, align="top_left", dtype=torch.float64)
     assert top_left[0, 1, 2, 0].item() == pytest.approx(-slopes[1] * 2)
+
+
+def test_learned_positions_refuse_unsigned_and_negative_positions_by_name():
+    """uint8 positions indexed the table as a bool mask; -1 silently took the last position."""
+    from attnlab.nn.positional import LearnedPositionalEmbedding
+    emb, x = LearnedPositionalEmbedding(8, 4), torch.zeros(1, 3, 4)
+    with pytest.raises(TypeError, match="positions must have a signed integer dtype.*uint8"):
+        emb(x, positions=torch.tensor([0, 1, 2], dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"positions -1\.\.2 are outside the 8 learned positions"):
+        emb(x, positions=torch.tensor([-1, 1, 2]))
+    got = emb(x, positions=torch.tensor([5, 0, 7], dtype=torch.int32))
+    torch.testing.assert_close(got, emb.embedding.weight[[5, 0, 7]].expand(1, 3, 4))

@@ -191,13 +191,22 @@ def test_docs_example_runs():
     ([-1, 2], [3, 3], r"q_lengths must be non-negative, got \[-1, 2\]"),
     ([1, 2], [3, -4], r"k_lengths must be non-negative, got \[3, -4\]"),
     ([[1, 2]], [[3, 3]], r"q_lengths must be a 1-D integer tensor, got shape \(1, 2\)"),
-    ([1.0, 2.0], [3, 3], r"q_lengths must be a 1-D integer tensor, got shape \(2,\) dtype torch.float32"),
-    ([1, 2], [True, False], r"k_lengths must be a 1-D integer tensor"),
     ([1, 2, 3], [3, 3], r"q_lengths and k_lengths .* q_lengths \[1, 2, 3\] and k_lengths \[3, 3\]"),
 ])
 def test_bad_lengths_are_refused(q_lengths, k_lengths, match):
     with pytest.raises(ValueError, match=match):
         masks.varlen_causal_mod(torch.tensor(q_lengths), torch.tensor(k_lengths))
+
+
+@pytest.mark.parametrize("name, dtype", [("q_lengths", torch.float32), ("k_lengths", torch.bool),
+                                         ("q_lengths", torch.uint8), ("k_lengths", torch.uint8)])
+def test_lengths_of_a_wrong_dtype_are_refused_by_name(name, dtype):
+    """Unsigned lengths wrapped around in ``k_len - q_len`` (uint8: 3 - 5 == 254), so a row
+    with fewer keys than queries attended keys instead of giving zero rows."""
+    lengths = {"q_lengths": torch.tensor([1, 1]), "k_lengths": torch.tensor([1, 1])}
+    lengths[name] = lengths[name].to(dtype)
+    with pytest.raises(TypeError, match=f"{name} must have a signed integer dtype.*got {dtype}"):
+        masks.varlen_causal_mod(lengths["q_lengths"], lengths["k_lengths"])
 
 
 def test_bad_window_is_refused():
@@ -235,3 +244,59 @@ def test_kv_bounds_hold_every_allowed_key(lengths, window, block):
         assert all(lo <= j < hi for j in keys), (q_start, q_end, lo, hi, keys)
         if window is None and keys:  # without a window the bounds are exact
             assert (lo, hi) == (0, max(keys) + 1)
+
+
+# ----------------------------------------------------------------------------- length dtypes
+
+
+def _fp64_attention(q, k, v, allowed):
+    """softmax(q k^T / sqrt(D)) v in fp64 over the allowed keys ``(B, 1|H, Tq, Tk)``; zero rows
+    where no key is allowed."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    alive = allowed.any(dim=-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~alive, 0.0), dim=-1)
+    return (weights * alive) @ v
+
+
+SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@pytest.mark.parametrize("dtype", SIGNED)
+@pytest.mark.parametrize("name", GRAD_BACKENDS)
+def test_signed_lengths_of_every_width_give_the_fp64_result(name, dtype):
+    """Rows with fewer keys than queries and empty rows, lengths in every signed dtype: varlen
+    and key padding agree with an fp64 computation on every backend."""
+    q_lengths, k_lengths, tq, tk = [4, 3, 0, 2], [2, 3, 4, 0], 5, 4
+    q, k, v, _ = _inputs(len(q_lengths), 2, 1, tq, tk, dtype=torch.float32)
+    ql, kl = torch.tensor(q_lengths, dtype=dtype), torch.tensor(k_lengths, dtype=dtype)
+    varlen = explicit(q_lengths, k_lengths, tq, tk)[:, None]  # (B, 1, Tq, Tk)
+    padded = (torch.arange(tk) < torch.tensor(k_lengths)[:, None])[:, None, None]  # (B, 1, 1, Tk)
+    for mod, allowed in ((masks.varlen_causal_mod(ql, kl), varlen),
+                         (masks.padding_mod(kl) & masks.causal_mod(tq, tk), padded & masks.causal_mask(tq, tk))):
+        got = attnlab.attention(q, k, v, mask=mod, backend=name)
+        torch.testing.assert_close(got.double(), _fp64_attention(q, k, v, allowed.expand(-1, 1, tq, tk)),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_flex_with_int8_lengths_gives_the_fp64_result():
+    if "flex" not in backends.available():
+        pytest.skip("flex not available")
+    q_lengths, k_lengths = [4, 3], [2, 100]
+    q, k, v, _ = _inputs(2, 2, 1, 4, 128, dtype=torch.float32)  # flex on CPU: whole 128-key blocks
+    mod = masks.varlen_causal_mod(torch.tensor(q_lengths, dtype=torch.int8),
+                                  torch.tensor(k_lengths, dtype=torch.int8))
+    with torch.no_grad():
+        got = attnlab.attention(q, k, v, mask=mod, backend="flex")
+    want = _fp64_attention(q, k, v, explicit(q_lengths, k_lengths, 4, 128)[:, None])
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_lengths_of_a_wrong_dtype_are_refused_by_name():
+    for dtype in (torch.uint8, torch.bool, torch.float32):
+        with pytest.raises(TypeError, match=f"lengths must have a signed integer dtype.*got {dtype}"):
+            masks.padding_mod(torch.tensor([1, 0], dtype=dtype))
+        with pytest.raises(TypeError, match=f"lengths must have a signed integer dtype.*got {dtype}"):
+            masks.padding_mask(torch.tensor([1, 0], dtype=dtype), 2)

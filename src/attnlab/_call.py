@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import finite_number, instance_of, probability
+from attnlab._checks import finite_number, has_values, instance_of, probability
 
 __all__ = ["AttentionCall", "build_call", "MEMO_KEYS", "all_finite"]
 
@@ -138,8 +138,8 @@ class AttentionCall:
             >>> build_call(q, q, q).non_finite(), build_call(q, q * float("nan"), q).non_finite()
             ((), ('k',))
         """
-        return self.memo("non_finite", lambda: tuple(
-            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if not all_finite(t)))
+        return self.memo("non_finite", lambda: tuple(  # meta tensors hold no values, so none
+            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if has_values(t) and not all_finite(t)))
 
     def mask_mod(self) -> Callable | None:
         """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""

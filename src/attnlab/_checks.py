@@ -30,6 +30,9 @@ __all__ = [
     "instance_of",
     "int_value",
     "per_layer",
+    "integer_dtype",
+    "has_values",
+    "same_device",
 ]
 
 
@@ -176,3 +179,54 @@ def per_layer(name: str, value: object, layers: int) -> tuple[int, ...]:
     for index, entry in enumerate(value):
         positive_int(f"{name}[{index}]", entry)
     return tuple(value)
+
+
+def integer_dtype(name: str, value: torch.Tensor, *, unsigned: bool = False) -> torch.Tensor:
+    """``value`` if its dtype is a signed integer (or any integer with ``unsigned``); ``TypeError``
+    naming ``name`` otherwise.
+
+    Lengths and positions are subtracted from each other, and unsigned integers wrap around
+    there (``uint8``: ``3 - 5 == 254``), so they are refused unless the caller converts to
+    int64 itself; bool, floating and complex dtypes are never counts.
+
+    Example:
+        >>> integer_dtype("lengths", torch.tensor([3], dtype=torch.uint8))
+        Traceback (most recent call last):
+        ...
+        TypeError: lengths must have a signed integer dtype (int8/16/32/64), got torch.uint8: unsigned integers wrap around when subtracted (convert with .long())
+    """
+    dtype = value.dtype
+    integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    if integer and (unsigned or dtype.is_signed):
+        return value
+    kind = "an integer dtype" if unsigned else "a signed integer dtype (int8/16/32/64)"
+    why = ": unsigned integers wrap around when subtracted (convert with .long())" if integer else ""
+    raise TypeError(f"{name} must have {kind}, got {dtype}{why}")
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values that may be read: False on the meta device, where a tensor
+    has only a shape and a dtype, so a decision that reads values must take the general path.
+
+    Example:
+        >>> has_values(torch.ones(2)), has_values(torch.ones(2, device="meta"))
+        (True, False)
+    """
+    return t.device.type != "meta"
+
+
+def same_device(name: str, value: torch.Tensor, device: torch.device, owner: str = "the module's weights") -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is on ``device`` (where ``owner`` lives).
+
+    A meta input to a module with real weights (or the reverse) is refused here rather than
+    half-computed: some layers would return meta, others (an embedding) a real tensor.
+
+    Example:
+        >>> same_device("x", torch.ones(1, device="meta"), torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: x is on meta but the module's weights are on cpu; move one of them (module.to(...) or x.to(...))
+    """
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but {owner} are on {device}; move one of them "
+                         f"(module.to(...) or {name}.to(...))")

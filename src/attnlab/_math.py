@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
+from attnlab._checks import has_values
 
 __all__ = [
     "repeat_kv",
@@ -104,7 +105,7 @@ def live(reached: Tensor) -> Tensor | None:
         >>> live(allowed.any(dim=-2)).flatten().tolist(), live(allowed.any(dim=-1))
         ([True, False], None)
     """
-    return None if bool(reached.all()) else reached.unsqueeze(-1)
+    return None if has_values(reached) and bool(reached.all()) else reached.unsqueeze(-1)
 
 
 def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:

@@ -137,6 +137,7 @@ def _state_for_saving(module: nn.Module) -> dict[str, Tensor]:
     """
     state, seen, storages = {}, set(), set()
     for name, tensor in module.state_dict().items():
+        _check_materialized(name, tensor)
         if tensor.numel() and _key(tensor) in seen:
             continue
         seen.add(_key(tensor))
@@ -146,6 +147,13 @@ def _state_for_saving(module: nn.Module) -> dict[str, Tensor]:
         state[name] = tensor.clone() if shared else tensor.contiguous()
         storages.add(storage)
     return state
+
+
+def _check_materialized(name: str, tensor: Tensor) -> None:
+    """A meta tensor has a shape and no values: saving it is always a mistake, said by name."""
+    if tensor.is_meta:
+        raise ValueError(f"{name} is on the meta device; load or materialize weights first "
+                         f"(e.g. module.to_empty(device='cpu') and load a checkpoint)")
 
 
 def _check_metadata(metadata: object) -> dict[str, str]:
@@ -204,6 +212,7 @@ def save(module: nn.Module, path: str | os.PathLike, *, metadata: dict[str, str]
 
     Raises:
         TypeError: ``module`` is not a module, or ``metadata`` is not a str-to-str dict.
+        ValueError: a parameter or buffer is on the meta device (it has no values to save).
         OSError: ``path`` cannot be written (its subclass says why; the message names ``path``).
 
     Example:
@@ -230,6 +239,8 @@ def save_state_dict(tensors: dict[str, Tensor], path: str | os.PathLike, *,
         [1.0, 1.0]
     """
     meta = {"format": "pt", **_check_metadata(metadata)}
+    for name, tensor in tensors.items():
+        _check_materialized(name, tensor)
     write_atomically(safetensors.torch.save(tensors, metadata=meta), path, what="a safetensors file")
 
 

@@ -61,7 +61,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import int_value, non_negative_int, one_of, positive_int
+from attnlab._checks import has_values, int_value, integer_dtype, non_negative_int, one_of, positive_int
 
 __all__ = [
     "ALIGNMENTS",
@@ -242,12 +242,14 @@ class SlidingWindowMod(MaskMod):
 
 
 def _lengths_tensor(name: str, lengths: object) -> Tensor:
-    """``lengths`` as a 1-D non-negative integer tensor (the caller's own tensor when it is one).
+    """``lengths`` as a 1-D non-negative signed-integer tensor (the caller's own tensor when it
+    is one, so that lengths updated in place are seen by the next call).
 
     Raises:
-        TypeError: ``lengths`` is not convertible to a tensor.
-        ValueError: not 1-D, not an integer dtype, or a negative entry; the message names
-            ``name`` and shows the value.
+        TypeError: ``lengths`` is not convertible to a tensor, or its dtype is not a signed
+            integer (unsigned lengths wrap around in ``k_len - q_len``).
+        ValueError: not 1-D, or a negative entry; the message names ``name`` and shows the
+            value.
 
     Example:
         >>> _lengths_tensor("k_lengths", [2, -1])
@@ -259,14 +261,17 @@ def _lengths_tensor(name: str, lengths: object) -> Tensor:
         lengths = torch.as_tensor(lengths)
     except (TypeError, ValueError, RuntimeError) as err:
         raise TypeError(f"{name} must be a 1-D integer tensor, got {lengths!r}") from err
-    if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(
-            f"{name} must be a 1-D integer tensor, got shape {tuple(lengths.shape)} "
-            f"dtype {lengths.dtype}"
-        )
-    if lengths.numel() and bool((lengths < 0).any()):
+    integer_dtype(name, lengths)
+    if lengths.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(lengths.shape)}")
+    if lengths.numel() and has_values(lengths) and bool((lengths < 0).any()):
         raise ValueError(f"{name} must be non-negative, got {lengths.tolist()}")
     return lengths
+
+
+def _shown(t: Tensor) -> object:
+    """``t``'s values for a message or repr; a meta tensor has only a shape to show."""
+    return t.tolist() if has_values(t) else f"<meta {tuple(t.shape)}>"
 
 
 def _on_device(t: Tensor, like: object) -> Tensor:
@@ -296,7 +301,7 @@ class PaddingMod(MaskMod):
             )
 
     def __repr__(self) -> str:
-        return f"PaddingMod(lengths={self.lengths.tolist()})"
+        return f"PaddingMod(lengths={_shown(self.lengths)})"
 
 
 class VarlenCausalMod(MaskMod):
@@ -323,7 +328,9 @@ class VarlenCausalMod(MaskMod):
         window: optional causal sliding window (keys per query, ``>= 1``).
 
     Raises:
-        ValueError: lengths that are not 1-D integer, negative, of different shapes, or a
+        TypeError: lengths whose dtype is not a signed integer (unsigned lengths would wrap
+            around in ``k_lengths[b] - q_lengths[b]``).
+        ValueError: lengths that are not 1-D, negative, of different shapes, or a
             window below 1; at call time (:meth:`check_sizes`) lengths that do not match the
             batch or exceed ``Tq`` / ``Tk``.
 
@@ -343,7 +350,7 @@ class VarlenCausalMod(MaskMod):
         if self.q_lengths.shape != self.k_lengths.shape:
             raise ValueError(
                 f"q_lengths and k_lengths must have one entry per batch row each; got "
-                f"q_lengths {self.q_lengths.tolist()} and k_lengths {self.k_lengths.tolist()}"
+                f"q_lengths {_shown(self.q_lengths)} and k_lengths {_shown(self.k_lengths)}"
             )
         self.window = None if window is None else positive_int("window", window)
 
@@ -355,6 +362,8 @@ class VarlenCausalMod(MaskMod):
 
     def kv_bounds(self, q_start, q_end):
         """The union over the batch rows of the keys their real queries in the block reach."""
+        if not has_values(self.q_lengths) or not has_values(self.k_lengths):
+            return None  # meta lengths: no values to bound by
         q_len, k_len = self.q_lengths.to(torch.int64), self.k_lengths.to(torch.int64)
         live = q_len > q_start  # rows with a real query in q_start..q_end-1
         if not bool(live.any()):
@@ -369,14 +378,14 @@ class VarlenCausalMod(MaskMod):
                                           ("k_lengths", self.k_lengths, tk, "Tk")):
             if lengths.shape[0] != batch:
                 raise ValueError(f"mask: VarlenCausalMod has {lengths.shape[0]} {name} "
-                                 f"{lengths.tolist()} but the batch has {batch} rows")
-            if lengths.numel() and int(lengths.max()) > size:
+                                 f"{_shown(lengths)} but the batch has {batch} rows")
+            if lengths.numel() and has_values(lengths) and int(lengths.max()) > size:
                 raise ValueError(f"mask: VarlenCausalMod's {name} {lengths.tolist()} exceed "
                                  f"the call's {what} = {size}")
 
     def __repr__(self) -> str:
-        return (f"VarlenCausalMod(q_lengths={self.q_lengths.tolist()}, "
-                f"k_lengths={self.k_lengths.tolist()}, window={self.window})")
+        return (f"VarlenCausalMod(q_lengths={_shown(self.q_lengths)}, "
+                f"k_lengths={_shown(self.k_lengths)}, window={self.window})")
 
 
 class PrefixLMMod(MaskMod):
@@ -445,9 +454,10 @@ class ChunkedLocalMod(MaskMod):
 
 
 def _document_rows(document_ids: Tensor) -> Tensor:
-    """``document_ids`` checked and made 2-D ``(B|1, T)`` int64."""
-    ids = torch.as_tensor(document_ids)
-    if ids.ndim not in (1, 2) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    """``document_ids`` checked and made 2-D ``(B|1, T)`` int64 (ids are only compared, so
+    unsigned ids are converted, not refused; a bool or float dtype is a ``TypeError``)."""
+    ids = integer_dtype("document_ids", torch.as_tensor(document_ids), unsigned=True)
+    if ids.ndim not in (1, 2):
         raise ValueError(
             f"document_ids must be a (T,) or (B, T) integer tensor, got shape "
             f"{tuple(ids.shape)} dtype {ids.dtype}"
@@ -501,7 +511,8 @@ class DocumentMod(MaskMod):
         self.ids = _document_rows(document_ids)  # (B|1, T)
         self.causal = causal
         self.offset = non_negative_int("offset", offset)
-        self._first, self._end = _occurrence_bounds(self.ids)  # (B|1, T) each
+        # (B|1, T) each; meta ids have no values to bound by
+        self._first, self._end = _occurrence_bounds(self.ids) if has_values(self.ids) else (None, None)
 
     def __call__(self, b, h, q_idx, kv_idx):
         pos = q_idx + self.offset
@@ -515,7 +526,9 @@ class DocumentMod(MaskMod):
     def kv_bounds(self, q_start, q_end):
         start = max(0, q_start + self.offset)
         stop = min(self.ids.shape[1], q_end + self.offset)
-        if stop <= start:
+        if self._first is None:
+            return None
+        if stop <= start or self.ids.shape[0] == 0:  # no positions, or ids for an empty batch
             return 0, 0
         lo = int(self._first[:, start:stop].min())
         hi = int(self._end[:, start:stop].max())
@@ -853,8 +866,9 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
             empty (a batch of 0 rows gives a mask of shape ``(0, 1, 1, max_len)``).
 
     Raises:
-        ValueError: ``lengths`` is not 1-D integer, has a negative entry, or is empty without
-            ``max_len``; ``max_len`` is not a non-negative int.
+        TypeError: ``lengths`` is not a tensor of a signed integer dtype.
+        ValueError: ``lengths`` is not 1-D, has a negative entry, or is empty (or on the meta
+            device) without ``max_len``; ``max_len`` is not a non-negative int.
 
     Example:
         >>> padding_mask(torch.tensor([1, 3]), 3)[:, 0, 0]
@@ -863,10 +877,10 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
     """
     mod = PaddingMod(lengths)
     if max_len is None:
-        if mod.lengths.numel() == 0:
+        if mod.lengths.numel() == 0 or not has_values(mod.lengths):
             raise ValueError(
-                f"padding_mask cannot infer max_len from empty lengths of shape "
-                f"{tuple(mod.lengths.shape)}; pass max_len"
+                f"padding_mask cannot infer max_len from {'empty' if has_values(mod.lengths) else 'meta'} "
+                f"lengths of shape {tuple(mod.lengths.shape)}; pass max_len"
             )
         max_len = int(mod.lengths.max())
     non_negative_int("max_len", max_len)

@@ -511,9 +511,9 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     """
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block must be a positive int or None, got {block!r}")
-    mod = call.mask_mod()
-    plan = _Plan(call, _cached_runs(call, mod, block), fold=folds_scale(call))
-    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, plan)
+    # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
+    runs = () if call.batch == 0 else _cached_runs(call, call.mask_mod(), block)
+    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs, fold=folds_scale(call)))
     return AttentionResult(out=out, lse=lse)
 
 

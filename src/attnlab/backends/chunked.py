@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab._checks import positive_int
+from attnlab._checks import has_values, positive_int
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
@@ -180,7 +180,7 @@ def _tile_allowed(plan: _Plan, bias_tile: Tensor | None, shape: tuple, qs: int, 
     if bias_tile is not None:
         parts.append(bias_tile > float("-inf"))
     allowed = _masks.and_masks(*parts)
-    return None if allowed is None or bool(allowed.all()) else allowed
+    return None if allowed is None or (has_values(allowed) and bool(allowed.all())) else allowed
 
 
 @dataclass
@@ -208,17 +208,17 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor |
     B, Hq = q_tile.shape[:2]
     bias_tile = None if bias is None else _slice_tile(bias, qs, qe, ks, ke).to(plan.acc_dtype)
     allowed = _tile_allowed(plan, bias_tile, (B, Hq), qs, qe, ks, ke, q_tile.device)
-    if allowed is not None and not bool(allowed.any()):
+    if allowed is not None and has_values(allowed) and not bool(allowed.any()):
         return None
     k_tile = repeat_kv(k[:, :, ks:ke].to(plan.acc_dtype), Hq)  # (B, Hq, bk, D)
     v_tile = repeat_kv(v[:, :, ks:ke].to(plan.acc_dtype), Hq)  # (B, Hq, bk, Dv)
     if allowed is not None:
         col_live = allowed.any(dim=-2, keepdim=True).transpose(-2, -1)  # (B|1, H|1, bk|1, 1)
-        if not bool(col_live.all()):
+        if not (has_values(col_live) and bool(col_live.all())):
             k_tile = torch.where(col_live, k_tile, 0.0)
             v_tile = torch.where(col_live, v_tile, 0.0)
         row_live = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, bq|1, 1)
-        if not bool(row_live.all()):
+        if not (has_values(row_live) and bool(row_live.all())):
             q_tile = torch.where(row_live, q_tile, 0.0)
     attn_scores = torch.matmul(q_tile, k_tile.transpose(-2, -1)).mul_(plan.scale)  # (B,Hq,bq,bk)
     if bias_tile is not None:

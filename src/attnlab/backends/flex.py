@@ -30,9 +30,9 @@ editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by
 contents.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
-the 128-key block (torch's compiled CPU kernel returns wrong values or NaN on some partial
-blocks, e.g. ``Tk = 8, 24, 136``); empty sequences (the kernel divides by zero); and a float
-mask that requires grad while gradients are on.
+the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
+on some partial blocks, e.g. ``Tk = 8, 24, 136``); empty sequences (the kernel divides by
+zero); and a float mask that requires grad while gradients are on.
 
 ``flex_attention`` is compiled once with ``torch.compile``. Limits found on this
 installation (torch 2.13, CPU): the compiled CPU kernel is inference only and cannot return
@@ -430,12 +430,13 @@ _HAS_CPP_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is no
 # raises that limit for flex alone, and the backend declines a new variant past this bound.
 _MAX_VARIANTS = 64
 
-# FlexAttention's block: the block mask and the CPU kernel work on 128-key blocks. Measured on
-# this installation (torch 2.13, AVX2 CPU), the compiled CPU kernel returns wrong values or NaN,
-# nondeterministically, whenever the last key block is partial with a length of 8 mod 16 (Tk = 8,
-# 24, 40, 72, 88, 104, 120, 136; D = 8 or 16), whatever the mask and Tq; a partial block holds
-# a vector tail, and its failing length depends on the vector width, so only full blocks are
-# trusted on CPU (Tk = 128, 256, ... were exact in every trial).
+# FlexAttention's block: the block mask and the CPU kernel work on 128-key blocks. The compiled
+# CPU kernel of torch 2.13 and 2.14, built for AVX2 (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2),
+# returns wrong values or NaN, nondeterministically, whenever the last key block is partial with
+# a length of 8 mod 16 (Tk = 8, 24, 40, 72, 88, 104, 120, 136; D = 8 or 16), whatever the mask
+# and Tq; built for AVX-512 the same shapes are exact. A partial block holds a vector tail whose
+# failing length depends on the vector width, and the ISA Inductor builds for depends on the
+# machine, so only full blocks are trusted on CPU (Tk = 128, 256, ... were exact in every trial).
 _KV_BLOCK = 128
 
 

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
+from attnlab._checks import has_values
 from attnlab._math import folds_scale, live, repeat_kv, zero_dead
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
@@ -322,7 +323,7 @@ def _kernel_keeps_nan_rows(call: AttentionCall, options: dict) -> bool:
     stays. With gradients the check always stays, so that a NaN row's gradient is what the full
     path gives.
     """
-    if call.batch == 0 or call.tq == 0 or call.tk == 0:  # nothing to probe with
+    if call.batch == 0 or call.tq == 0 or call.tk == 0 or not has_values(call.q):  # nothing to probe with
         return False
     key = (F.scaled_dot_product_attention, call.device, call.dtype, call.batch, call.q_heads, call.kv_heads,
            call.tq, call.head_dim, call.value_dim, tuple(sorted(options.items())))

@@ -36,8 +36,10 @@ import torch
 from torch import Tensor
 
 from attnlab._call import build_call
-from attnlab._checks import divisible, instance_of, one_of
-from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, check_agreement, peers
+from attnlab._checks import divisible, instance_of
+from attnlab.distributed._agreement import check_agreement
+from attnlab.distributed._args import choice, integer, timeout_seconds
+from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
 from attnlab.distributed.layout import LAYOUTS, check_length, positions, shard, unshard
 from attnlab.distributed.ring import ring_attention
 from attnlab.distributed.ulysses import ulysses_attention
@@ -70,8 +72,10 @@ def context_parallel_attention(
         the ring passes only the ``Hkv`` heads around).
 
     Args:
-        q, k, v: this rank's shards; every rank passes the same shapes and dtype (checked with
-            one small all-gather before any work: a mismatch raises ``ValueError`` on every rank).
+        q, k, v: this rank's shards; every rank passes the same shapes, dtype and options
+            (``causal``, ``mask`` with the values it holds, ``scale``, ``method``, ``layout``, grad
+            mode), checked with one small all-gather before any work: a mismatch raises
+            ``ValueError`` on every rank, naming what differs.
         causal: causal mask over global positions.
         mask: ``method="ulysses"`` only: any attnlab mask over the global sequence, a mask mod
             (global query/key indices and head numbers) or a tensor broadcasting to
@@ -91,6 +95,7 @@ def context_parallel_attention(
         backward, as the ring's backward passes gradients between ranks).
 
     Raises:
+        TypeError: an option of the wrong kind (``method=1``, ``scale="0.5"``, ...).
         ValueError: bad shapes or options, ``T`` not divisible, heads not divisible by ``P``
             (Ulysses), ranks that disagree.
         RuntimeError: torch.distributed not initialised; a peer failed or timed out.
@@ -99,22 +104,33 @@ def context_parallel_attention(
 
         out_l = context_parallel_attention(q_l, k_l, v_l, causal=True, method="ulysses")
     """
-    one_of("method", method, METHODS)
-    one_of("layout", layout, LAYOUTS)
-    instance_of("causal", causal, bool, "a bool")
+    _check_kinds(method=method, layout=layout, causal=causal, mask=mask, scale=scale, stats=stats)
     who = peers(group, timeout)
     call = build_call(q, k, v, causal=causal, scale=scale)  # checks dtypes, ranks, heads, sizes
     _check_shards(q, k, v, mask, method, who)
     global_len = q.shape[2] * who.world
     check_length(global_len, layout=layout, world=who.world, name="global sequence length (T_local * world)")
+    # Everything that changes the result, so that ranks never silently compute different things.
     check_agreement({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": q.dtype,
-                     "causal": causal, "method": METHODS.index(method), "layout": LAYOUTS.index(layout),
-                     "masked": mask is not None, "grad": torch.is_grad_enabled() and call.requires_grad},
-                    who, q.device)
+                     "causal": causal, "scale": call.scale, "mask": mask, "method": method, "layout": layout,
+                     "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
     if method == "ring":
         return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, stats=stats)
     return ulysses_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale,
                              mask=mask, stats=stats)
+
+
+def _check_kinds(*, method, layout, causal, mask, scale, stats) -> None:
+    """``TypeError`` for an option of the wrong kind, ``ValueError`` for a bad choice."""
+    choice("method", method, METHODS)
+    choice("layout", layout, LAYOUTS)
+    instance_of("causal", causal, bool, "a bool")
+    if mask is not None and not (isinstance(mask, torch.Tensor) or callable(mask)):
+        raise TypeError(f"mask must be a tensor, a mask mod or None, got {type(mask).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if stats is not None:
+        instance_of("stats", stats, CommStats, "a CommStats or None")
 
 
 def _check_shards(q: Tensor, k: Tensor, v: Tensor, mask, method: str, who: Peers) -> None:
@@ -151,8 +167,9 @@ class ContextParallel:
     timeout: float | None = None
 
     def __post_init__(self):
-        one_of("method", self.method, METHODS)
-        one_of("layout", self.layout, LAYOUTS)
+        choice("method", self.method, METHODS)
+        choice("layout", self.layout, LAYOUTS)
+        timeout_seconds(self.timeout)
 
     def world_and_rank(self) -> tuple[int, int]:
         """``(P, r)``: the group's size and this rank (needs torch.distributed initialised).
@@ -171,6 +188,7 @@ class ContextParallel:
 
             ContextParallel().positions(4)   # rank 0: tensor([0, 1, 6, 7])
         """
+        integer("local_len", local_len)
         world, rank = self.world_and_rank()
         return positions(local_len * world, layout=self.layout, rank=rank, world=world, device=device)
 

@@ -1,4 +1,5 @@
-"""Communication for context parallelism: the ring exchange, all-to-all, the agreement check.
+"""Communication for context parallelism: the ring exchange and all-to-all (the agreement check
+is in :mod:`attnlab.distributed._agreement`).
 
 Every wait goes through :func:`_wait`, so a peer that raised, exited or stalled turns into one
 ``RuntimeError`` that names this rank, the step and the timeout, never a hang.
@@ -13,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from attnlab.distributed._args import timeout_seconds
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for its peers before it gives up
 
@@ -66,9 +69,9 @@ def peers(group, timeout: float | None) -> Peers:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("attnlab.distributed needs torch.distributed initialised: call "
                            "torch.distributed.init_process_group (torchrun sets up the environment)")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout_seconds(timeout)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed process group or None, got {type(group).__name__}")
     return Peers(group, dist.get_world_size(group), dist.get_rank(group),
                  DEFAULT_TIMEOUT if timeout is None else float(timeout))
 
@@ -151,56 +154,3 @@ def all_to_all(x: Tensor, who: Peers, *, what: str, stats: CommStats | None) -> 
         stats.bytes_sent += x.numel() * x.element_size() * (who.world - 1) // who.world
         stats.messages += 1
     return out
-
-
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_agreement(signature: dict[str, object], who: Peers, device: torch.device) -> None:
-    """One small all-gather: every rank's shapes and options must match, or every rank raises.
-
-    ``signature`` maps a name to an int, a tuple of ints or a dtype. Costs one collective of a
-    few dozen int64s; runs before any attention work, so disagreeing ranks fail fast and alike.
-    """
-    values = _encode(signature)
-    if who.world == 1:
-        return
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    table = [torch.empty_like(mine) for _ in range(who.world)]
-    what = "the shape check (all-gather)"
-    work = _start(lambda: dist.all_gather(table, mine, group=who.group, async_op=True), who, what)
-    _wait(work, who, what, None)
-    rows = [row.tolist() for row in table]
-    if all(row == rows[0] for row in rows):
-        return
-    lines = "; ".join(f"rank {r}: {_decode(signature, row)}" for r, row in enumerate(rows))
-    raise ValueError(f"context-parallel attention: the ranks' shards disagree ({lines}); every rank "
-                     "must pass shards of the same shape and dtype, and the same options")
-
-
-def _encode(signature: dict[str, object]) -> list[int]:
-    values: list[int] = []
-    for value in signature.values():
-        if isinstance(value, torch.dtype):
-            values.append(_DTYPES.index(value) if value in _DTYPES else 99)
-        elif isinstance(value, tuple):
-            values += [len(value), *value]
-        else:
-            values.append(int(value))
-    return values
-
-
-def _decode(signature: dict[str, object], row: list[int]) -> str:
-    parts, i = [], 0
-    for name, value in signature.items():
-        if isinstance(value, torch.dtype):
-            parts.append(f"{name}={str(_DTYPES[row[i]]).replace('torch.', '') if row[i] < len(_DTYPES) else '?'}")
-            i += 1
-        elif isinstance(value, tuple):
-            n = row[i]
-            parts.append(f"{name}={tuple(row[i + 1:i + 1 + n])}")
-            i += 1 + n
-        else:
-            parts.append(f"{name}={row[i]}")
-            i += 1
-    return ", ".join(parts)

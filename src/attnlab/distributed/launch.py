@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnlab._checks import positive_int, positive_number
+from attnlab._checks import instance_of, positive_int, positive_number
+from attnlab.distributed._args import integer, number
 
 __all__ = ["Outcome", "run_local", "world_size_and_rank"]
 
@@ -103,8 +104,14 @@ def run_local(fn: Callable, *, world: int, args: tuple = (), backend: str = "glo
         >>> run_local(world_size_and_rank, world=1)[0].value
         (1, 0)
     """
-    positive_int("world", world)
-    positive_number("timeout", timeout)
+    if not callable(fn):
+        raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
+    positive_int("world", integer("world", world))
+    instance_of("args", args, tuple, "a tuple")
+    instance_of("backend", backend, str, "a str (\"gloo\", \"nccl\")")
+    positive_number("timeout", number("timeout", timeout))
+    if threads is not None:
+        positive_int("threads", integer("threads", threads))
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()

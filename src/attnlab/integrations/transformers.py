@@ -1,6 +1,6 @@
 """Run Hugging Face transformers models on :func:`attnlab.attention`: ``register()``.
 
-Tested with transformers 5.23.0 (torch 2.13 CPU); it needs transformers 5.x, whose attention
+Tested with transformers 5.23.0 and 5.24.0 (torch 2.13 CPU); it needs transformers 5.x, whose attention
 layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose mask builders
 (``masking_utils.create_causal_mask`` / ``create_bidirectional_mask`` / the sliding-window one)
 call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
@@ -18,11 +18,16 @@ call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
    ``(B, 1, Tq, Tk)`` mask with transformers' polarity **True = attend** -- attnlab's polarity --
    with causality, padding and sliding windows folded in, or None when the pattern is plain
    causal / full without padding; then, as transformers' sdpa path does, causality comes from
-   ``is_causal`` (or ``module.is_causal``) and applies when ``Tq > 1``, aligned top-left.
+   ``is_causal`` (or ``module.is_causal``) and applies when ``Tq > 1``, aligned top-left. A
+   layer's ``sliding_window`` then applies on the same diagonal (one decoding query sees the last
+   ``sliding_window`` keys); a prepared mask already holds the window, as in transformers' eager
+   and sdpa paths.
 
 A float mask (e.g. made by "eager" mask builders or passed by the user as a prepared 4-D mask)
-is added to the scores, as transformers does. With ``output_attentions=True`` the weights come
-from ``attnlab.attention(..., return_weights=True)``: the output still comes from the fast path.
+is added to the scores, as transformers does. When weights are asked for (an
+``output_attentions`` keyword, or transformers' ``capture_outputs`` recording ``attentions``:
+GPT-2 pops the keyword and records each layer's returned weights with hooks) they come from
+``attnlab.attention(..., return_weights=True)``: the output still comes from the fast path.
 
 Example:
     >>> from attnlab.integrations.transformers import register
@@ -33,6 +38,8 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import Tensor, nn
 
@@ -42,7 +49,7 @@ from attnlab.functional import attention
 __all__ = ["register", "attention_forward", "DEFAULT_NAME", "TESTED_VERSIONS"]
 
 DEFAULT_NAME = "attnlab"
-TESTED_VERSIONS = ("5.23.0",)
+TESTED_VERSIONS = ("5.23.0", "5.24.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
@@ -67,8 +74,9 @@ def attention_forward(
         attention_mask: the mask transformers prepared, or None.
         scaling: score multiplier (default ``1 / sqrt(D)``).
         dropout: attention dropout, applied only when ``module.training``.
-        **kwargs: ``is_causal``, ``sliding_window``, ``output_attentions`` are honoured;
-            ``softcap``, ``s_aux`` and ``position_bias`` raise ``ValueError``.
+        **kwargs: ``is_causal``, ``sliding_window`` (the keys a query sees, ending at its own
+            position; applied when there is no prepared mask), ``output_attentions`` are
+            honoured; ``softcap``, ``s_aux`` and ``position_bias`` raise ``ValueError``.
 
     Example:
         >>> layer = nn.Module()
@@ -78,6 +86,7 @@ def attention_forward(
         >>> out.shape, weights is None
         (torch.Size([1, 5, 4, 8]), True)
     """
+    _check_kinds(module, query, key, value, attention_mask)
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise ValueError(f"the attnlab attention implementation does not support {name}; "
@@ -92,18 +101,82 @@ def attention_forward(
     # causality applies only to several queries (one decoding query sees every cached key).
     causal = bool(is_causal) and mask is None and tq > 1
     window = kwargs.get("sliding_window")
-    if causal and window is not None and tk > window:
-        mask, causal = _masks.sliding_window_mask(tq, tk, window, device=query.device), False
-    if mask is not None and mask.dtype != torch.bool:
+    if bool(is_causal) and mask is None and window is not None:
+        mask = _window_mod(tq, tk, window)
+        causal = causal and mask is None
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
-    want_weights = bool(kwargs.get("output_attentions",
-                                   getattr(getattr(module, "config", None), "output_attentions", False)))
+    want_weights = _wants_weights(module, kwargs)
     result = attention(
         query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
         dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+def _check_kinds(module: object, query: object, key: object, value: object, mask: object) -> None:
+    """``TypeError`` naming the argument for a value of the wrong kind (sizes are checked later)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be the calling torch.nn.Module, got {type(module).__name__}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if mask is not None and not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if query.ndim != 4 or key.ndim != 4:
+        raise ValueError(f"query and key must be (B, H, T, D); got query of shape {tuple(query.shape)} "
+                         f"and key of shape {tuple(key.shape)}")
+
+
+def _window_mod(tq: int, tk: int, window: object) -> _masks.SlidingWindowMod | None:
+    """The causal window a layer without a prepared mask asks for, on the diagonal causality uses
+    (None when every key is inside it).
+
+    transformers' window (``masking_utils.sliding_window_overlay``) lets a query see the
+    ``window`` keys ending at its own position. Several queries are placed top-left, as the
+    causal rule above (sdpa's ``is_causal``, a static cache's prefill); one decoding query is
+    the newest token, so it sees the last ``window`` keys (bottom-right).
+    """
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"sliding_window must be an int, got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"sliding_window must be a positive int, got {window}")
+    align = "top_left" if tq > 1 else "bottom_right"
+    if tq + _masks.causal_offset(tq, tk, align) <= window:
+        return None  # the last query's window starts at key 0: the causal rule alone serves
+    return _masks.sliding_window_mod(tq, tk, window, align=align)
+
+
+def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
+    """Whether the caller will use the attention weights.
+
+    An ``output_attentions`` keyword decides when the layer passes one. Models whose forward is
+    wrapped in transformers' ``capture_outputs`` (GPT-2 pops the keyword before its layers run)
+    record the weights a layer returns through forward hooks, only while its output collector
+    holds an ``...attentions`` entry; that collector is what transformers itself consults, so it
+    decides next. Outside such a forward, ``config.output_attentions`` does.
+    """
+    asked = kwargs.get("output_attentions")
+    if asked is not None:
+        return bool(asked)
+    recording = _recorded_outputs()
+    if recording is not None:
+        return any(key.endswith("attentions") for key in recording)
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
+def _recorded_outputs() -> dict | None:
+    """The outputs transformers' active ``capture_outputs`` collects, or None outside one."""
+    for where in ("transformers.utils.output_capturing", "transformers.utils.generic"):
+        try:
+            collector = getattr(importlib.import_module(where), "_active_collector", None)
+        except ImportError:
+            continue
+        if collector is not None:
+            recording = collector.get()
+            return recording if isinstance(recording, dict) else None
+    return None
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -115,6 +188,7 @@ def register(name: str = DEFAULT_NAME) -> str:
 
     Raises:
         ImportError: transformers is not installed (``pip install 'attnlab[hf]'``) or too old.
+        TypeError: ``name`` is not a str.
         ValueError: ``name`` is empty or one of transformers' built-in implementations.
 
     Example:
@@ -123,7 +197,9 @@ def register(name: str = DEFAULT_NAME) -> str:
         'attnlab'
         >>> # model = AutoModel.from_pretrained(path, attn_implementation="attnlab")
     """
-    if not isinstance(name, str) or not name or name in _RESERVED:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not name or name in _RESERVED:
         raise ValueError(f"name must be a non-empty string other than {', '.join(_RESERVED)}; got {name!r}")
     try:  # imported here: attnlab itself never needs transformers
         from transformers import AttentionInterface

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import one_of, positive_int
+from attnlab._checks import has_values, one_of, positive_int, same_device
 from attnlab.models import _hub
 from attnlab.nn.blocks import TransformerBlock
 
@@ -159,11 +159,15 @@ class BertEncoder(nn.Module):
             if value is not None and (not isinstance(value, Tensor) or value.shape != input_ids.shape):
                 raise ValueError(f"{name} must be a tensor of input_ids' shape "
                                  f"{tuple(input_ids.shape)}, got {_describe(value)}")
+        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                            ("token_type_ids", token_type_ids)):
+            if value is not None:
+                same_device(name, value, self.word_embeddings.weight.device, "the model's weights")
         if attention_mask is None:
             return None
         padding_mask = attention_mask.bool()
         # No padding at all: pass no mask, so the attention backend may take its unmasked path.
-        return None if bool(padding_mask.all()) else padding_mask
+        return None if has_values(padding_mask) and bool(padding_mask.all()) else padding_mask
 
     # -------------------------------------------------------------- loading
     @classmethod

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab import io as _io
-from attnlab._checks import divisible, finite_number, instance_of, one_of, per_layer, positive_int, probability
+from attnlab._checks import (divisible, finite_number, has_values, instance_of, one_of, per_layer, positive_int,
+                             probability, same_device)
 from attnlab.distributed import ContextParallel
 from attnlab.models import _hub
 from attnlab.nn.blocks import TransformerBlock
@@ -217,8 +218,9 @@ class GPT(nn.Module):
                 or input_ids.dtype == torch.bool:
             what = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be an integer tensor (B, T), got {what}")
+        same_device("input_ids", input_ids, self.tok_emb.weight.device, "the model's weights")
         vocab = self.config["vocab_size"]
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        if input_ids.numel() and has_values(input_ids) and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids must be in 0..{vocab - 1}, got values "
                              f"{int(input_ids.min())}..{int(input_ids.max())}")
         offset = 0

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import divisible, instance_of, positive_int, probability
+from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, positive_int, probability,
+                             same_device)
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.distributed import ContextParallel
@@ -442,7 +443,7 @@ class MultiHeadAttention(nn.Module):
         return q, k, v, offset
 
     def _check_inputs(self, x, context, value_input) -> None:
-        """Tensors of the module's floating dtype (or any float under autocast)."""
+        """Tensors of the module's floating dtype (or any float under autocast), on its device."""
         weight = self.out_proj.weight
         for name, t in (("x", x), ("context", context), ("value_input", value_input)):
             if t is None and name != "x":
@@ -450,6 +451,7 @@ class MultiHeadAttention(nn.Module):
             instance_of(name, t, Tensor, "a torch.Tensor")
             if not t.dtype.is_floating_point:
                 raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
+            same_device(name, t, weight.device)
             if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
                 raise TypeError(
                     f"{name} has dtype {t.dtype} but the module's weights are {weight.dtype}; "
@@ -613,10 +615,10 @@ def _check_documents(document_ids: object, x: Tensor, context, cache) -> Tensor 
         raise ValueError("document_ids packs documents for self-attention; it cannot be combined "
                          "with context= or cache=")
     instance_of("document_ids", document_ids, Tensor, "an integer tensor (T,) or (B, T)")
+    integer_dtype("document_ids", document_ids, unsigned=True)  # ids are only compared
     ids = document_ids if document_ids.ndim != 1 else document_ids[None]  # (B|1, T)
     B, T = x.shape[:2]
-    if ids.ndim != 2 or ids.shape[1] != T or ids.shape[0] not in (1, B) or ids.dtype.is_floating_point \
-            or ids.dtype == torch.bool:
+    if ids.ndim != 2 or ids.shape[1] != T or ids.shape[0] not in (1, B):
         raise ValueError(
             f"document_ids must be an integer tensor (T,) or (B, T) with T = {T}, B = {B}; got "
             f"shape {tuple(document_ids.shape)} dtype {document_ids.dtype}"
@@ -635,10 +637,15 @@ def _with_documents(mask, documents: Tensor, *, tq: int):
 
 def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
     """Rotate ``x`` ``(B, H, T, D)`` with per-token ``positions`` ``(B|1, T)``."""
-    span = int(positions.max()) + 1 if positions.numel() else 0
+    if not has_values(positions):  # meta: only the shapes matter, any table length serves
+        span = positions.shape[-1]
+    else:
+        span = int(positions.max()) + 1 if positions.numel() else 0
     cos, sin = rope.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2): every position < span
     if positions.shape[0] == 1:
         return apply_rotary(x, cos[positions[0]], sin[positions[0]])
+    if x.shape[0] == 0:  # an empty batch has nothing to rotate (and torch.stack refuses [])
+        return x
     return torch.stack([apply_rotary(x[b], cos[positions[b]], sin[positions[b]])
                         for b in range(x.shape[0])])  # (B, H, T, D)
 

@@ -24,7 +24,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import instance_of, non_negative_int, one_of, positive_int, positive_number
+from attnlab._checks import (has_values, instance_of, integer_dtype, non_negative_int, one_of, positive_int,
+                             positive_number)
 
 __all__ = [
     "sinusoidal_table",
@@ -150,8 +151,10 @@ class LearnedPositionalEmbedding(nn.Module):
         if positions is not None:
             if tuple(positions.shape) != (T,):
                 raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
-            if T and int(positions.max()) >= max_len:
-                raise ValueError(f"position {int(positions.max())} is outside the {max_len} learned positions")
+            integer_dtype("positions", positions)  # uint8 would index as a bool mask
+            if T and has_values(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < max_len:
+                raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} are outside the "
+                                 f"{max_len} learned positions")
             return x + self.embedding.weight[positions]  # (T, C) broadcasts
         if offset + T > max_len:
             raise ValueError(
