@@ -140,7 +140,9 @@ def test_sweep_catches_flex_when_it_is_wrong(monkeypatch):
             return backends.AttentionResult(out=reference.forward(call).out + offset)
 
         monkeypatch.setattr(flex, "forward", shifted_forward)  # compiles nothing
-        results = verify.sweep(["flex"], [torch.float32], n=12, seed=3)
+        # The grad-mode crossings that need a backward are declined (flex has none on CPU).
+        results = [r for r in verify.sweep(["flex"], [torch.float32], n=12, seed=3)
+                   if not (r.grad_mode.startswith("grad,") and r.grad_mode != "grad, requires_grad: -")]
         assert all(r.served for r in results) and set(seen) == {8, 128}
         if offset == 0.0:
             assert all(r.passed for r in results)

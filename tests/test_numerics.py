@@ -16,7 +16,7 @@ import torch
 
 import attnlab
 from attnlab import backends, masks, verify
-from attnlab.backends import build_call
+from attnlab.backends import build_call, dispatch
 from attnlab.nn import MultiHeadAttention
 
 B, H, T, D = 2, 3, 128, 40  # one shape for every flex call: flex compiles per shape, and on CPU
@@ -248,3 +248,164 @@ def test_fp16_large_scores_are_finite_and_match_fp64(name):
     assert torch.isfinite(out).all() and torch.isfinite(weights).all()
     assert _max_err(weights, exact_weights) <= FLOOR[torch.float16]
     assert _max_err(out, exact) <= FLOOR[torch.float16] * math.sqrt(T) * exact.abs().max().item()
+
+
+# ----------------------------------------------------------------------------- every scale
+def _fp64_attention(q, k, v, allowed, scale, d_out):
+    """Plain fp64 math, independent of every backend: output, q/k/v gradients and weights.
+
+    allowed: bool broadcasting to (B, Hq, Tq, Tk); a row with nothing allowed gets zeros."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    keys, values = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # (B, Hq, Tk, D)
+    scores = (q @ keys.transpose(-2, -1)) * scale
+    alive = allowed.any(dim=-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~allowed, -INF).masked_fill(~alive, 0.0), dim=-1) * alive
+    out = weights @ values
+    grads = torch.autograd.grad(out, (q, k, v), d_out.double())
+    return out.detach(), list(grads), weights.detach()
+
+
+def _d_out(shape):
+    """The output gradient _run uses."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(9))
+
+
+def _assert_within_rule(name, got, exact, plain, *, extra=(0.0, 0.0, 0.0, 0.0)):
+    """attnlab.verify's rule: each of out, dq, dk, dv within 2x (3x) the fp32 reference's error
+    vs fp64 plus the floor (plus ``extra``, per tensor)."""
+    out, grads = got
+    pairs = [(out, exact[0], plain[0])] + list(zip(grads or [], exact[1], plain[1] or []))
+    magnitude = max(float(t.abs().max()) for t in [exact[0], *exact[1]])
+    for i, (have, want, ref) in enumerate(pairs):
+        what = ["out", "dq", "dk", "dv"][i]
+        assert torch.isfinite(have).all(), f"{name}: {what} is not finite"
+        allowed = verify.allowed_error(_max_err(ref, want), have.dtype, magnitude,
+                                       reduction=want.shape[-2], gradient=i > 0) + extra[i]
+        assert _max_err(have, want) <= allowed, f"{name}: {what} error {_max_err(have, want):.3g} > {allowed:.3g}"
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("name", _names())
+def test_causal_zero_scale_is_the_running_mean_of_v(name, align):
+    """The tutorials' averaging trick: uniform weights over the past. PyTorch's CPU kernel
+    gave NaN there (it scales its causal -inf fill: -inf * 0), in sdpa and in blocks."""
+    q, k, v = _qkv()
+    tq = T if align == "top_left" else T // 2
+    if name == "flex" and tq != T:
+        pytest.skip("flex compiles per shape; the top-left case checks it at the module's shape")
+    q = q[:, :, :tq]
+    seen = torch.arange(T).view(1, T) <= torch.arange(tq).view(tq, 1) + (T - tq if align == "bottom_right" else 0)
+    running_mean = (seen.double() / seen.sum(-1, keepdim=True)) @ v.double()  # (B, H, Tq, D)
+    out, grads = _run(name, [q, k, v], causal=True, align=align, scale=0.0)
+    torch.testing.assert_close(out.double(), running_mean, rtol=0, atol=1e-5)
+    if grads is not None:
+        _, exact_grads, _ = _fp64_attention(q, k, v, seen, 0.0, _d_out(out.shape))
+        assert grads[0].eq(0).all() and grads[1].eq(0).all()  # the scores do not depend on q, k
+        torch.testing.assert_close(grads[2].double(), exact_grads[2], rtol=0, atol=1e-5)
+
+
+def _scale_mods(t: int):
+    """Mask mods whose blocks pieces include causal diagonals (the kernel's is_causal) at length t."""
+    return {
+        "causal": None,
+        "window-wider-than-T": masks.sliding_window_mod(t, t, 2 * t),
+        "prefix-lm": masks.prefix_lm_mod(t, t, t // 3),
+        "chunked-local": masks.chunked_local_mod(t, t, t // 3),
+        "or-masks": masks.or_masks(masks.sliding_window_mod(t, t, 8), masks.prefix_lm_mod(t, t, 20)),
+    }
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3, -2.0])
+@pytest.mark.parametrize("kind", list(_scale_mods(T)))
+@pytest.mark.parametrize("name", _names())
+def test_zero_and_negative_scales_on_every_causal_piece(name, kind, scale):
+    # 3T: blocks then cuts every mod into several query blocks, with causal-diagonal pieces
+    # (at T it runs one 256-query block); flex compiles per shape and stays at the module's.
+    t = T if name == "flex" else 3 * T
+    mod = _scale_mods(t)[kind]
+    options = dict(causal=True) if mod is None else dict(mask=mod)
+    allowed = masks.materialize(masks.CausalMod(0) if mod is None else mod, tq=t, tk=t).expand(B, H, t, t)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, t, D, generator=gen) for _ in range(3))
+    got = _run(name, [q, k, v], scale=scale, **options)
+    plain = _run("reference", [q, k, v], scale=scale, **options)
+    exact = _fp64_attention(q, k, v, allowed, scale, _d_out(got[0].shape))
+    _assert_within_rule(name, got, exact, plain)
+
+
+# ----------------------------------------------------------------------------- large logits
+MAGNITUDES = [1e3, 1e5, 1e8]
+
+
+def _large_logits(magnitude: float):
+    """fp32 q, k, v whose scaled scores reach about ``magnitude``; batch 1's keys are all
+    padding, so its rows attend nothing."""
+    q, k, v = _qkv()
+    return q, k * (magnitude / math.sqrt(D)), v
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES, ids=lambda m: f"{m:g}")
+@pytest.mark.parametrize("name", _names())
+def test_returned_weights_are_a_softmax_at_any_logit_range(name, magnitude):
+    """Rows sum to 1 (0 where nothing is attended), blocked keys get 0. blocks once gave
+    exp(scores - lse) with its kernel's lse: rows summed to 0.94-1.008 at 1e3, 1e-7 at 1e8."""
+    q, k, v = _large_logits(magnitude)
+    options = dict(causal=True, mask=masks.PaddingMod(torch.tensor([T, 0])))
+    if not _serves(name, (q, k, v), False, **options):
+        pytest.skip(f"{name} declines this call")
+    with torch.no_grad():
+        _, weights = attnlab.attention(q, k, v, backend=name, return_weights=True, **options)
+    views = [weights]
+    if name == "auto":
+        views.append(attnlab.attention_weights(q, k, **options))
+    for w in views:
+        assert torch.isfinite(w).all()
+        sums = w.double().sum(-1)  # (B, H, Tq)
+        torch.testing.assert_close(sums[0], torch.ones_like(sums[0]), rtol=0, atol=T * 2.0**-24)
+        assert w[1].eq(0).all(), "rows with nothing to attend are zeros"
+        assert w[0].triu(1).eq(0).all(), "causally blocked keys get weight 0"
+
+
+def _flash_rounding(q, k, v, d_out, magnitude, exact):
+    """What FlashAttention-style backwards (sdpa's and blocks' kernel, chunked) add to the
+    rule, per out, dq, dk, dv, at scores of ``magnitude``:
+
+    * the weights are recomputed as ``exp(s - lse)`` from an fp32 lse, rounded to half an ulp
+      of the largest score: a relative error of ``2**-24 * |s|`` in each weight. It shows in
+      rows whose top scores lie within a few units (at 1e5); at 1e8 these inputs' score gaps
+      are ~1e7, every row is one-hot and the weights are exact, so it is left out there;
+    * ``dS = P * (dP - rowsum(dO * O))`` cancels ``dP`` against a sum rounded another way:
+      ``2**-24 * |dO| |v|`` per score, times ``scale * |k|`` in dq (``|q|`` in dk) -- 0 in
+      the plain softmax backward, ~30 at 1e8 in dq whose exact value is 0.
+    """
+    weights = 2.0**-24 * magnitude if magnitude < 1e6 else 0.0
+    delta = 2.0**-24 * float(d_out.abs().max() * v.abs().max()) * math.sqrt(T) * D ** -0.5
+    return (weights * float(exact[0].abs().max()), delta * float(k.abs().max()),
+            delta * float(q.abs().max()), weights * float(exact[1][2].abs().max()))
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES, ids=lambda m: f"{m:g}")
+@pytest.mark.parametrize("name", _names())
+def test_gradients_at_large_logits_match_fp64(name, magnitude):
+    """PyTorch's CPU flash backward recomputed the scores as scale * (q @ k^T) where its forward
+    scaled q @ k^T after rounding it: value gradients were 0.2 off at scores 1e5, 1e27 at 1e8
+    (sdpa, blocks), until the scale was folded into q."""
+    q, k, v = _large_logits(magnitude)
+    mod = masks.sliding_window_mod(T, T, 100)
+    got = _run(name, [q, k, v], mask=mod)
+    plain = _run("reference", [q, k, v], mask=mod)
+    allowed = masks.materialize(mod, tq=T, tk=T).expand(B, H, T, T)
+    d_out = _d_out(got[0].shape)
+    exact = _fp64_attention(q, k, v, allowed, D ** -0.5, d_out)
+    _assert_within_rule(name, got, exact, plain, extra=_flash_rounding(q, k, v, d_out, magnitude, exact))
+
+
+def test_sdpa_prepared_runs_keep_a_zero_scale():
+    """A repeated signature runs a prepared SDPA call (no validation): it must fold the scale too."""
+    dispatch.clear_plans()
+    x = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(3))
+    running_mean = torch.cumsum(x.double(), dim=2) / torch.arange(1, 6).view(5, 1)
+    for _ in range(3):  # seen, prepared, run prepared
+        out = attnlab.attention(x, x, x, causal=True, scale=0.0, backend="sdpa")
+        torch.testing.assert_close(out.double(), running_mean, rtol=0, atol=1e-6)

@@ -96,7 +96,10 @@ class AttentionCall:
 
     @property
     def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+        """Whether a backward pass may follow: grad mode is on and q, k, v or a float mask
+        requires grad (under ``no_grad`` nothing is recorded, whatever the inputs say)."""
+        inputs = (self.q, self.k, self.v, self.mask if isinstance(self.mask, Tensor) else self.q)
+        return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
     @property
     def mask_kind(self) -> str:

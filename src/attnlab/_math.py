@@ -29,6 +29,7 @@ __all__ = [
     "masked_scores",
     "softmax_rows",
     "apply_dropout",
+    "folds_scale",
 ]
 
 
@@ -197,3 +198,23 @@ def apply_dropout(attn_weights: Tensor, p: float, generator: torch.Generator | N
         return attn_weights
     keep = torch.empty_like(attn_weights).bernoulli_(1.0 - p, generator=generator)
     return attn_weights * keep.div_(1.0 - p)
+
+
+def folds_scale(call: AttentionCall) -> bool:
+    """Whether a fused kernel must get ``q * scale`` and scale 1 rather than ``q`` and ``scale``.
+
+    PyTorch's CPU flash kernel (behind ``sdpa`` and ``blocks``) fills causally blocked scores
+    with ``-inf`` before it multiplies by the scale: a scale of 0 makes them ``-inf * 0 = NaN``
+    and a negative one ``+inf``. Its backward recomputes the scores as one ``scale * q @ k^T``
+    product where its forward rounded ``q @ k^T`` and then scaled it, so at scores of 1e5 and
+    beyond ``exp(scores - lse)`` is off by ``e**ulp(scores)`` (value gradients 1e27 off at 1e8).
+    With the scale folded into q and scale 1 passed, both passes compute the same products;
+    it costs one pass over q, paid only where it matters: scale <= 0, or a backward pass ahead.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> folds_scale(build_call(q, q, q, scale=0.0)), folds_scale(build_call(q, q, q))
+        (True, False)
+    """
+    return call.scale <= 0.0 or (call.requires_grad and call.scale != 1.0)

@@ -94,7 +94,7 @@ def attention(
     out = _restore_rank(result.out, call.input_rank)
     if not return_weights:
         return out
-    weights = result.weights if result.weights is not None else _weights_of(call, result.lse)
+    weights = result.weights if result.weights is not None else _weights_of(call)
     return out, _restore_rank(weights, call.input_rank)
 
 
@@ -129,21 +129,17 @@ def attention_weights(
     return _restore_rank(_weights_of(call), call.input_rank)
 
 
-def _weights_of(call: AttentionCall, lse: Tensor | None = None) -> Tensor:
-    """Weights ``(B, Hq, Tq, Tk)`` of a validated call; with a backend's row log-sum-exp
-    ``lse`` ``(B, Hq, Tq)`` they are ``exp(scores - lse)`` without a second softmax reduction.
+def _weights_of(call: AttentionCall) -> Tensor:
+    """Weights ``(B, Hq, Tq, Tk)`` of a validated call: the softmax of its recomputed scores.
 
-    Scores, lse and exp stay in fp32 for half inputs (an lse near 16k rounded to fp16 would
-    scale every weight by up to ``e**8``); only the weights are rounded to the input dtype.
-    Rows with ``lse = -inf`` attend nothing (zeros); a NaN lse gives NaN weights."""
+    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores (1e3 and
+    beyond in fp32) an lse that rounded differently from the recomputed scores scales whole
+    rows, which then sum to 0.94 or 1e-7 instead of 1. Scores and softmax stay in fp32 for half
+    inputs; only the weights are rounded to the input dtype. Rows with nothing to attend are
+    zeros; a NaN score gives a NaN row."""
     with torch.no_grad():
         attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
-        if lse is None:
-            return softmax_rows(attn_scores).to(call.dtype)
-        lse = lse.to(attn_scores.dtype).unsqueeze(-1)  # (B, H, Tq, 1)
-        dead = lse == float("-inf")
-        weights = torch.where(dead, 0.0, torch.exp(attn_scores - torch.where(dead, 0.0, lse)))
-        return weights.to(call.dtype)
+        return softmax_rows(attn_scores).to(call.dtype)
 
 
 def _restore_rank(t: Tensor, rank: int) -> Tensor:

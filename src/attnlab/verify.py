@@ -18,7 +18,11 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
 * :func:`check` runs one backend on one configuration in one dtype and compares it with the
   reference run in fp64 -- the conformance rule: the backend's max error is at most 2x the
   error of the reference computed in the same dtype, plus a floor; gradients at most 3x.
-* :func:`sweep` runs many checks and reports progress.
+* :func:`check_grad_mode` runs one configuration with grad mode on or off and
+  ``requires_grad`` on some of q, k, v (:data:`GRAD_MODES`): a backend decides from what the
+  call needs, and never accepts a call it then fails on.
+* :func:`sweep` runs many checks and reports progress; it crosses the first
+  ``GRAD_MODE_CONFIGS`` configurations each backend serves with every grad mode.
 
 Floors are ``base * max(1, m) * sqrt(K)`` with ``m`` the largest fp64 value among out, dq,
 dk, dv of the configuration and ``K = max(D, Dv, Tk)`` the longest reduction (rounding error
@@ -53,7 +57,7 @@ from attnlab._call import build_call
 from attnlab._checks import positive_int
 from attnlab.functional import attention
 
-__all__ = ["Config", "CheckResult", "configs", "check", "sweep", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
+__all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
            "SMALL_MAX", "BOUNDED_MASKS"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
@@ -110,8 +114,9 @@ class Config:
         """A short readable id, e.g. ``B1 H2/1 T3x5 D4/4 causal:bottom_right none``."""
         causal = f" causal:{self.align}" if self.causal else ""
         dead = " dead-rows" if self.dead_rows else ""
+        scale = "" if self.scale is None else f" scale={self.scale:.3g}"
         return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} T{self.tq}x{self.tk} "
-                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}")
+                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}")
 
 
 def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None,
@@ -140,9 +145,17 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     causal, align = _CAUSAL[(kind + turn) % len(_CAUSAL)]  # each turn shifts the pairing
     # Drawn for every kind, so that the shapes drawn do not depend on the list of mask kinds.
     dead_rows = bool(torch.rand((), generator=rng) < 0.3) and mask in ("bool", "float", "padding")
-    scale = None if bool(torch.rand((), generator=rng) < 0.7) else float(torch.rand((), generator=rng)) + 0.05
+    scale = None if bool(torch.rand((), generator=rng) < 0.7) else _scale_of(float(torch.rand((), generator=rng)))
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
                   align, dead_rows, scale)
+
+
+def _scale_of(u: float) -> float:
+    """A custom scale from a uniform draw ``u``: mostly in [0.3, 1.05), sometimes 0 (uniform
+    weights: with causal, the running mean) or negative (fused kernels mask before scaling)."""
+    if u < 0.1:
+        return 0.0
+    return -4.0 * u if u < 0.25 else u + 0.05
 
 
 def configs(
@@ -323,6 +336,7 @@ class CheckResult:
     allowed: tuple
     passed: bool
     note: str
+    grad_mode: str = ""  # set by check_grad_mode, e.g. "no_grad, requires_grad: qkv"
 
     def worst_ratio(self) -> float:
         """Largest error / allowed ratio (1.0 or more fails)."""
@@ -353,19 +367,81 @@ def check(backend: str, config: Config, dtype: torch.dtype) -> CheckResult:
         note = "; ".join(_serves(config, dtype, backend, False))
         return CheckResult(backend, _dtype_name(dtype), config.label(), False, False, (), (),
                            True, note)
-    exact, same_dtype = _oracle(config, dtype, with_grad)
     got = _run(config, dtype, backend, with_grad)
-    errors, allowed = [], []
+    errors, allowed = _compare(config, dtype, _oracle(config, dtype, with_grad), got, range(len(got)))
+    passed = all(e <= a for e, a in zip(errors, allowed))
+    return CheckResult(backend, _dtype_name(dtype), config.label(), True, with_grad,
+                       tuple(errors), tuple(allowed), passed, "")
+
+
+def _compare(config: Config, dtype: torch.dtype, oracle: tuple, got: list[Tensor],
+             which: Iterable[int]) -> tuple[tuple, tuple]:
+    """(errors, allowed) of ``got``: the results ``which`` (0 out, 1 dq, 2 dk, 3 dv) of a run,
+    against the fp64 reference and the same-dtype reference of ``oracle``."""
+    exact, same_dtype = oracle
     # Gradient noise scales with the problem's largest quantities, not with each gradient
     # (dq, dk are exactly 0 with one key, yet a fused kernel's rounding is not).
     magnitude = max((float(t.abs().max()) for t in exact if t.numel()), default=0.0)
     reduction = max(config.head_dim, config.value_dim, config.tk)
-    for i, (want, ref, have) in enumerate(zip(exact, same_dtype, got)):
-        allowed.append(allowed_error(_max_err(ref, want), dtype, magnitude, reduction=reduction, gradient=i > 0))
-        errors.append(_max_err(have, want))
-    passed = all(e <= a for e, a in zip(errors, allowed))
-    return CheckResult(backend, _dtype_name(dtype), config.label(), True, with_grad,
-                       tuple(errors), tuple(allowed), passed, "")
+    errors, allowed = [], []
+    for i, have in zip(which, got):
+        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), dtype, magnitude,
+                                     reduction=reduction, gradient=i > 0))
+        errors.append(_max_err(have, exact[i]))
+    return tuple(errors), tuple(allowed)
+
+
+# Grad mode crossed with the inputs that require grad, as (grad enabled, inputs): a backend
+# must decide from what the call will need (flex once served a no_grad call whose inputs
+# required grad, and PyTorch's CPU kernel then raised).
+GRAD_MODES = ((False, "qkv"), (False, "q"), (True, ""), (True, "q"), (True, "k"), (True, "v"),
+              (True, "qkv"))
+GRAD_MODE_CONFIGS = 2  # served configurations per backend and dtype that sweep crosses with them
+
+
+def check_grad_mode(backend: str, config: Config, dtype: torch.dtype, *, grad_enabled: bool,
+                    inputs: str) -> CheckResult:
+    """Run ``backend`` on ``config`` with grad mode ``grad_enabled`` and ``requires_grad`` on
+    the inputs named in ``inputs`` (``"qkv"``, ``"k"``, ``""``), and compare with fp64.
+
+    Passes when the backend declines with a reason, or serves without an error, records a
+    graph exactly when the call needs one, and gives the output and the gradient of each input
+    that requires grad within the rule of :func:`check`.
+
+    Example:
+        >>> config = configs(1, seed=3)[0]
+        >>> check_grad_mode("sdpa", config, torch.float32, grad_enabled=False, inputs="qkv").passed
+        True
+    """
+    mode = f"{'grad' if grad_enabled else 'no_grad'}, requires_grad: {inputs or '-'}"
+    label = f"{config.label()} [{mode}]"
+
+    def result(*fields) -> CheckResult:
+        return CheckResult(backend, _dtype_name(dtype), label, *fields, grad_mode=mode)
+
+    q64, k64, v64, grad_weights, mask = _inputs(config)
+    tensors = [t.to(dtype, copy=True).requires_grad_(name in inputs) for name, t in zip("qkv", (q64, k64, v64))]
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    options = dict(mask=mask, causal=config.causal, align=config.align, scale=config.scale)
+    with torch.set_grad_enabled(grad_enabled):
+        why_not = _backends.reasons(build_call(*tensors, **options))[backend]
+        if why_not:
+            return result(False, False, (), (), True, "; ".join(why_not))
+        try:
+            out = attention(*tensors, backend=backend, **options)
+        except Exception as error:  # noqa: BLE001 - a backend that serves a call must not fail on it
+            return result(True, False, (), (), False, f"{type(error).__name__}: {error}")
+    needed = grad_enabled and bool(inputs)
+    if out.requires_grad != needed:
+        return result(True, needed, (), (), False, f"the output's requires_grad is {out.requires_grad}")
+    which = [0] + [i + 1 for i, name in enumerate("qkv") if needed and name in inputs]
+    got = [out.detach().double()]
+    if needed:
+        leaves = [tensors[i - 1] for i in which[1:]]
+        got += [g.double() for g in torch.autograd.grad((out * grad_weights.to(dtype)).sum(), leaves)]
+    errors, allowed = _compare(config, dtype, _oracle(config, dtype, True), got, which)
+    return result(True, needed, errors, allowed, all(e <= a for e, a in zip(errors, allowed)), "")
 
 
 def _max_err(a: Tensor, b: Tensor) -> float:
@@ -422,12 +498,19 @@ def sweep(
                 draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS)
             else:
                 draw = configs(n, seed=seed, small=small)
+            crossed = 0
             for config in draw:
                 result = _not_compiled(name, config, dtype) if small else None
                 result = result or check(name, config, dtype)
-                results.append(result)
-                if progress is not None:
-                    progress(result)
+                found = [result]
+                if result.served and crossed < GRAD_MODE_CONFIGS:
+                    crossed += 1
+                    found += [check_grad_mode(name, config, dtype, grad_enabled=enabled, inputs=inputs)
+                              for enabled, inputs in GRAD_MODES]
+                for result in found:
+                    results.append(result)
+                    if progress is not None:
+                        progress(result)
     return results
 
 

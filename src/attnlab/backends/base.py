@@ -38,7 +38,7 @@ class AttentionResult:
     Attributes:
         out: ``(B, Hq, Tq, Dv)`` context vectors.
         lse: optional ``(B, Hq, Tq)`` log-sum-exp of the scaled, masked scores (``-inf`` for
-            fully masked rows); lets the weights be recomputed without a second softmax pass.
+            fully masked rows), for merging partial results (ring attention).
         weights: optional ``(B, Hq, Tq, Tk)`` attention weights (before dropout).
 
     Example:

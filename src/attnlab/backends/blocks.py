@@ -30,7 +30,10 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
   would pass for a fully masked row), as are dropout, dense masks and bounds-less mods;
 * grouped-query attention uses the kernel's own grouping (query head ``b*Hq + h`` of the
   stacked view reads key/value head ``b*Hkv + h // G``), so keys and values are never repeated;
-* ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact.
+* ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact;
+* a scale <= 0, or any scale when a backward pass will run, is folded into q (the kernel
+  scales its causal ``-inf`` fill, and its backward recomputes the scores with a different
+  rounding; see :func:`attnlab._math.folds_scale`).
 
 Example:
     >>> import torch, attnlab
@@ -56,7 +59,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab._math import score_dtype
+from attnlab._math import folds_scale, score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -386,10 +389,18 @@ def _padded(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the autograd function needs besides the tensors."""
+    """What the autograd function needs besides the tensors.
+
+    fold: the kernel gets ``q * scale`` and scale 1 (see :func:`attnlab._math.folds_scale`).
+    """
 
     call: AttentionCall
     runs: tuple
+    fold: bool = False
+
+    @property
+    def kernel_scale(self) -> float:
+        return 1.0 if self.fold else self.call.scale
 
 
 def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor, first: bool) -> None:
@@ -429,7 +440,7 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
     own_lse = []
     for run in plan.runs:
         o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=run.mask,
-                      scale=call.scale)  # (n, B*Hq, bq, W|)
+                      scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
         own_lse.append(None if run.dead is None else l)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
@@ -444,6 +455,8 @@ class _BlocksFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         call = plan.call
         qp, kp, vp = _padded(call)
+        if plan.fold:
+            qp = qp * call.scale
         out, lse, own_lse = _block_forward(plan, qp, kp, vp)
         ctx.plan, ctx.own_lse = plan, own_lse
         ctx.save_for_backward(qp, kp, vp, out, lse)
@@ -466,13 +479,15 @@ class _BlocksFunction(torch.autograd.Function):
                 lse_r = torch.where(run.dead, own, lse_r)
             q_r, k_r, v_r = _run_views(run, q, k, v)
             gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
-                                         attn_mask=run.mask, scale=call.scale)
+                                         attn_mask=run.mask, scale=plan.kernel_scale)
             if run.first:  # the same order as the forward: nothing added to these rows yet
                 run.query_blocks(dq).copy_(gq)
             else:
                 _add_blocks(dq, gq, run.qs, run.q_step)
             _add_blocks(dk, gk, run.ks, run.k_step)
             _add_blocks(dv, gv, run.ks, run.k_step)
+        if plan.fold:
+            dq.mul_(call.scale)  # the kernel differentiated by q * scale
         return (dq[..., :call.head_dim], dk[..., :call.head_dim], dv[..., :call.value_dim], None)
 
 
@@ -498,7 +513,7 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
         raise ValueError(f"block must be a positive int or None, got {block!r}")
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
     runs = () if call.batch == 0 else _cached_runs(call, call.mask_mod(), block)
-    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs))
+    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs, fold=folds_scale(call)))
     return AttentionResult(out=out, lse=lse)
 
 

@@ -562,10 +562,13 @@ class FlexBackend(Backend):
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)
         want_lse = call.device.type == "cuda"
+        q, k, v = _prescaled_q(call), call.k, call.v
+        if not call.requires_grad:  # e.g. under no_grad: the compiled CPU kernel refuses inputs
+            q, k, v = q.detach(), k.detach(), v.detach()  # that require grad, even with no graph
         try:
             with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS):
                 result = self._kernel()(
-                    _prescaled_q(call), call.k, call.v, score_mod=score_mod, block_mask=block_mask,
+                    q, k, v, score_mod=score_mod, block_mask=block_mask,
                     scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
                 )
         except Exception as error:  # compile failures surface here; decline from now on

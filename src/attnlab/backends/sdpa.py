@@ -15,6 +15,10 @@ SDPA's arguments faithfully:
   and mask mods are materialised into one dense mask -- O(Tq*Tk) memory, and
   :meth:`SdpaBackend.memory_for` says so for that call;
 * grouped-query attention uses ``enable_gqa=True`` (heads are repeated on PyTorch < 2.5);
+* a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
+  with scale 1 passed): the CPU kernel scales causally blocked ``-inf`` scores (``-inf * 0``
+  is NaN) and its backward recomputes the scores with different rounding (see
+  :func:`attnlab._math.folds_scale`);
 * rows with no attendable key are given a harmless mask row (and a zero query) before the
   kernel runs and are zeroed afterwards with ``torch.where``, so they are zeros with zero
   gradient whatever the PyTorch version does with fully masked rows;
@@ -51,7 +55,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 from attnlab._checks import has_values
-from attnlab._math import live, repeat_kv, zero_dead
+from attnlab._math import folds_scale, live, repeat_kv, zero_dead
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -269,7 +273,10 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
     """
     source = _mask_source(call)
     masking = _build_mask(call, source)
+    scale = call.scale
     q = zero_dead(call.q, masking.row_alive)  # a NaN query of a dead row must not reach dK
+    if folds_scale(call):  # scale <= 0 with is_causal, or scores the backward must recompute exactly
+        q, scale = q * call.scale, 1.0
     k = zero_dead(call.k, masking.keys_live)  # (B, Hkv, Tk, D)
     v = zero_dead(call.v, masking.keys_live)  # (B, Hkv, Tk, Dv)
     extra = {}
@@ -281,7 +288,7 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
     with _dropout_rng(call):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=masking.attn_mask, dropout_p=call.dropout_p,
-            is_causal=source == "is_causal", scale=call.scale, **extra,
+            is_causal=source == "is_causal", scale=scale, **extra,
         )  # (B, Hq, Tq, Dv)
     out = _nan_query_rows(q, out)
     if masking.row_alive is not None:
@@ -398,11 +405,15 @@ class SdpaBackend(Backend):
         if (call.input_rank != 4 or source not in ("none", "is_causal") or call.dropout_p > 0.0
                 or call.return_weights or (gqa and not _HAS_GQA)):
             return None
-        options = dict(is_causal=source == "is_causal", scale=call.scale, **({"enable_gqa": True} if gqa else {}))
-        if not call.requires_grad and _kernel_keeps_nan_rows(call, options):
+        fold = folds_scale(call)  # as sdpa_forward does
+        options = dict(is_causal=source == "is_causal", scale=1.0 if fold else call.scale,
+                       **({"enable_gqa": True} if gqa else {}))
+        if not fold and not call.requires_grad and _kernel_keeps_nan_rows(call, options):
             return functools.partial(F.scaled_dot_product_attention, **options)  # (B, Hq, Tq, Dv)
+        q_factor = call.scale if fold else None
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q = q if q_factor is None else q * q_factor
             return _nan_query_rows(q, F.scaled_dot_product_attention(q, k, v, **options))  # (B, Hq, Tq, Dv)
 
         return run

@@ -35,7 +35,8 @@ def verify(
     console = Console(width=max(120, Console().width))  # the table needs ~110 columns
     flex_n = min(n, 8) if quick else n
     dtypes = [torch.float32, torch.bfloat16]
-    total = sum((flex_n if name == "flex" else n) for name in names) * len(dtypes)
+    crossed = _verify.GRAD_MODE_CONFIGS * len(_verify.GRAD_MODES)  # at most, per backend and dtype
+    total = sum((flex_n if name == "flex" else n) + crossed for name in names) * len(dtypes)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=total)
         results = _verify.sweep(names, dtypes, n=n, seed=seed, small=quick, flex_n=flex_n,
