@@ -348,21 +348,41 @@ def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple
     return runs
 
 
-def _blocks(t: Tensor, start: int, step: int, n: int, length: int) -> Tensor:
-    """``n`` row blocks of a contiguous ``(B, H, T, *X)`` tensor as one view ``(n, B*H, length, *X)``.
+def _merged_stride(t: Tensor) -> int | None:
+    """The one stride that steps through the batch and head axes of ``(B, H, ...)`` ``t`` as
+    a single axis ``b*H + h``, or None when there is none.
 
-    Block ``i`` is rows ``[start + i*step, +length)``; blocks may overlap (keys of a sliding
-    window), in which case the view must only be read.
+    ``is_contiguous()`` does not give ``stride(0) == H * stride(1)``: it ignores the strides of
+    size-1 dims, so keys projected to ``(B, T, 1, D)`` and transposed to ``(B, 1, T, D)`` are
+    "contiguous" with ``stride(1) == D``. With one head the batch stride is the step, with one
+    batch element the head stride is, else the two must chain.
     """
-    s = t.stride()
+    (B, H), (s0, s1) = t.shape[:2], t.stride()[:2]
+    if H == 1:
+        return s0
+    if B == 1 or s0 == H * s1:
+        return s1
+    return None
+
+
+def _blocks(t: Tensor, start: int, step: int, n: int, length: int) -> Tensor:
+    """``n`` row blocks of a ``(B, H, T, *X)`` tensor as one view ``(n, B*H, length, *X)``.
+
+    ``t`` must have a merged batch-head stride (:func:`_merged_stride`; :func:`_kernel_layout`
+    makes sure). Block ``i`` is rows ``[start + i*step, +length)``; blocks may overlap (keys of
+    a sliding window), in which case the view must only be read.
+    """
+    s, merged = t.stride(), _merged_stride(t)
+    if merged is None:
+        raise RuntimeError(f"blocks: no merged batch-head stride for shape {tuple(t.shape)} stride {s}")
     return t.as_strided((n, t.shape[0] * t.shape[1], length, *t.shape[3:]),
-                        (step * s[2], s[1], s[2], *s[3:]), t.storage_offset() + start * s[2])
+                        (step * s[2], merged, s[2], *s[3:]), t.storage_offset() + start * s[2])
 
 
 def _add_blocks(dst: Tensor, src: Tensor, start: int, step: int) -> None:
     """``dst`` rows of block ``i`` += ``src[i]`` (the inverse of :func:`_blocks`), overlaps summed.
 
-    ``dst``: contiguous ``(B, H, T, X)``; ``src``: ``(n, B*H, length, X)``.
+    ``dst``: ``(B, H, T, X)`` in the standard contiguous layout; ``src``: ``(n, B*H, length, X)``.
     """
     n, length = src.shape[0], src.shape[2]
     if n == 1 or step >= length:
@@ -375,16 +395,30 @@ def _add_blocks(dst: Tensor, src: Tensor, start: int, step: int) -> None:
             _blocks(dst, start + offset, step, n, width).add_(src[:, :, offset:offset + width])
 
 
+def _kernel_layout(t: Tensor) -> Tensor:
+    """``t`` itself when the kernel can read its blocks as views, else a contiguous copy.
+
+    Any layout whose batch and head axes merge (:func:`_merged_stride`) and whose last dim is
+    dense is read in place, whatever its other strides and offset (the transposed
+    ``(B, T, H, D)`` layout with one head or one batch element, expanded batch-1 keys with one
+    head, sliced heads of one batch element). The fused kernel misreads a last dim with a
+    stride other than 1, so such a tensor is copied, as is one whose axes do not merge.
+    """
+    if t.stride(-1) == 1 and _merged_stride(t) is not None:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _padded(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v contiguous with a common head size (the kernel needs ``Dv == D``); zero columns
-    are exact."""
+    """q, k, v in a layout the kernel reads (:func:`_kernel_layout`) with a common head size
+    (the kernel needs ``Dv == D``); zero columns are exact."""
     q, k, v = call.q, call.k, call.v
     width = max(call.head_dim, call.value_dim)
     if call.head_dim < width:
         q, k = (F.pad(t, (0, width - call.head_dim)) for t in (q, k))
     if call.value_dim < width:
         v = F.pad(v, (0, width - call.value_dim))
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    return _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
 
 
 @dataclass(frozen=True)
@@ -469,8 +503,10 @@ class _BlocksFunction(torch.autograd.Function):
         plan, call = ctx.plan, ctx.plan.call
         q, k, v, out, lse = ctx.saved_tensors
         W = k.shape[-1]
-        d_out = (F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out).contiguous()
-        dq, dk, dv = _init(torch.empty_like(q), plan.runs, fill=0.0), torch.zeros_like(k), torch.zeros_like(v)
+        d_out = _kernel_layout(F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out)
+        # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
+        dq = _init(q.new_empty(q.shape), plan.runs, fill=0.0)
+        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
         for run, own in zip(plan.runs, ctx.own_lse):
             do_r = run.query_blocks(d_out)  # (n, B*Hq, bq, W)
             lse_r = run.query_blocks(lse)  # (n, B*Hq, bq)
