@@ -72,3 +72,19 @@ def test_rank3_permuted_query_of_one_row_and_one_column():
     d_out = torch.randn(3, 1, 1, generator=gen)
     mod = masks.document_mod(torch.tensor([[0, 0, 1, 1, 1]] * 3))
     _assert_close(_run("blocks", q, k, v, d_out, mask=mod), _oracle(q, k, v, d_out, mask=mod))
+
+
+def test_ring_pieces_read_a_permuted_last_dim_correctly():
+    """The fused kernel misreads a last dim whose stride is not 1; ring attention's pieces
+    call it directly, so a permuted q/k/v must reach it copied."""
+    from attnlab.distributed import ring
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, d_out = (torch.randn(2, 3, 40, 8, generator=gen) for _ in range(4))
+    permuted = [t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0) for t in (q, k, v)]  # D outermost
+    assert permuted[0].stride(-1) != 1
+    setup = ring._Setup(None, layout="contiguous", causal=True, scale=0.3, stats=None)
+    want = _oracle(q, k, v, d_out, causal=True, scale=0.3)
+    out, lse = ring._piece_forward(setup, *permuted, True)
+    grads = ring._piece_backward(setup, *permuted, True, out, lse, d_out)
+    _assert_close([out, *grads], want)

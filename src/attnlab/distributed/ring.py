@@ -124,10 +124,12 @@ def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def _same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Zero-pad q/k or v to one head size (the fused kernel needs ``Dv == D``); exact."""
+    """Zero-pad q/k or v to one head size (the fused kernel needs ``Dv == D``); exact. The
+    kernel reads any strides but the last dim's, which must be 1 (a permuted input is copied)."""
     width = max(q.shape[-1], v.shape[-1])
     pad = lambda t: t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))  # noqa: E731
-    return pad(q), pad(k), pad(v)
+    dense = lambda t: t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)  # noqa: E731
+    return dense(pad(q)), dense(pad(k)), dense(pad(v))
 
 
 def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
