@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import masks
+from attnlab import masks, verify
 from attnlab.backends import blocks as blocks_backend
 
 
@@ -27,11 +27,14 @@ def _run(backend, q, k, v, d_out, **options):
     return [out.detach(), *torch.autograd.grad(out, leaves, d_out)]
 
 
-def _assert_close(got, want, atol=1e-4):
+def _assert_close(got, want, rtol=1e-4, label=""):
+    """Max error of each of out, dq, dk, dv within ``rtol`` of the largest fp64 value (fp32
+    rounding is ~1e-6 there; a misread block is off by O(1))."""
+    magnitude = max(1.0, *(float(t.abs().max()) for t in want if t.numel()))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert a.shape == b.shape, name
+        assert a.shape == b.shape, f"{label} {name}"
         err = float((a.double() - b).abs().max()) if a.numel() else 0.0
-        assert err <= atol, f"{name}: max error {err:.3g}"
+        assert err <= rtol * magnitude, f"{label} {name}: max error {err:.3g}"
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:
@@ -88,3 +91,92 @@ def test_ring_pieces_read_a_permuted_last_dim_correctly():
     out, lse = ring._piece_forward(setup, *permuted, True)
     grads = ring._piece_backward(setup, *permuted, True, out, lse, d_out)
     _assert_close([out, *grads], want)
+
+
+# ----------------------------------------------------------------------------- the sweep draws layouts
+def _old_blocks(t, start, step, n, length):
+    """``blocks._blocks`` before issue 20: the batch-head axis stepped by stride(1) always."""
+    s = t.stride()
+    return t.as_strided((n, t.shape[0] * t.shape[1], length, *t.shape[3:]),
+                        (step * s[2], s[1], s[2], *s[3:]), t.storage_offset() + start * s[2])
+
+
+def test_sweep_catches_the_planted_stride_assumption(monkeypatch):
+    """Plant the old ``as_strided`` assumption back: the quick sweep of blocks fails."""
+    monkeypatch.setattr(blocks_backend, "_blocks", _old_blocks)
+    results = verify.sweep(["blocks"], [torch.float32], n=12, seed=1, small=True)
+    assert any(r.served and not r.passed for r in results)
+
+
+def test_sweep_draws_every_layout_with_one_two_and_all_kv_heads():
+    cfgs = verify.configs(220, seed=1)  # what tests/test_conformance.py sweeps
+    kv = {(c.kv_layout, c.kv_heads == 1, c.kv_heads == c.q_heads, c.batch > 1) for c in cfgs}
+    for layout in verify.LAYOUTS:
+        assert (layout, True, False, True) in kv  # one kv head shared by several query heads, B >= 2
+        assert (layout, False, True, True) in kv  # as many kv heads as query heads
+        assert (layout, False, False, True) in kv  # two kv heads, grouped
+        assert any(c.kv_layout == layout and c.batch == 1 for c in cfgs)
+    assert {c.q_layout for c in cfgs} == set(verify.LAYOUTS)
+    first = verify.configs(12, seed=1, small=True, masks=verify.BOUNDED_MASKS)  # the planted test's
+    assert any(c.kv_layout == "transposed" and c.kv_heads == 1 and c.batch > 1 for c in first)
+
+
+@pytest.mark.parametrize("layout", verify.LAYOUTS)
+def test_relayout_keeps_the_values(layout):
+    t = verify.broadcastable(torch.randn(2, 3, 5, 4, dtype=torch.float64), layout)
+    laid = verify.relayout(t, layout)
+    assert torch.equal(laid, t)
+    assert layout == "contiguous" or laid.stride() != t.stride()
+
+
+# ----------------------------------------------------------------------------- acceptance matrix
+BACKENDS = ("reference", "sdpa", "chunked", "blocks")
+MASKS = ("causal", "causal_bottom_right", "window", "document", "padding")
+TQ, TK, HQ, D = 100, 139, 4, 8  # two 64-query blocks and several key spans for blocks
+
+
+def _options(kind, batch, gen):
+    """Keyword arguments of one mask kind, all served by every backend of :data:`BACKENDS`."""
+    if kind == "causal":
+        return dict(causal=True)
+    if kind == "causal_bottom_right":
+        return dict(causal=True, align="bottom_right")
+    if kind == "window":
+        return dict(mask=masks.sliding_window_mod(TQ, TK, 40, align="bottom_right"))
+    if kind == "document":
+        ids = torch.randint(0, 3, (batch, TK), generator=gen).sort(dim=1).values
+        return dict(mask=masks.document_mod(ids, causal=True))
+    lengths = torch.randint(1, TK + 1, (batch,), generator=gen)  # padding, with causal for bounds
+    return dict(mask=masks.padding_mod(lengths), causal=True, align="bottom_right")
+
+
+def _matrix_inputs(batch, kv_heads, q_layout, kv_layout, gen):
+    shapes = ((batch, HQ, TQ, D), (batch, kv_heads, TK, D), (batch, kv_heads, TK, D), (batch, HQ, TQ, D))
+    q, k, v, d_out = (torch.randn(*shape, generator=gen) for shape in shapes)
+    q, d_out = (verify.broadcastable(t, q_layout) for t in (q, d_out))
+    k, v = (verify.broadcastable(t, kv_layout) for t in (k, v))
+    laid = [verify.relayout(t, layout) for t, layout in ((q, q_layout), (k, kv_layout), (v, kv_layout),
+                                                           (d_out, q_layout))]
+    return (q, k, v, d_out), laid
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("layout", verify.LAYOUTS)
+def test_every_backend_on_every_layout(layout, kind):
+    """k/v in ``layout``, q (and the output gradient) in another; two of the nine pairs of
+    B in {1, 2, 3} and Hkv in {1, 2, Hq} per mask kind, so that each layout meets all nine."""
+    i, m = verify.LAYOUTS.index(layout), MASKS.index(kind)
+    q_layout = verify.LAYOUTS[(i + 3 + m) % len(verify.LAYOUTS)]
+    gen = torch.Generator().manual_seed(100 * i + m)
+    for pair in (2 * m + i) % 9, (2 * m + i + 1) % 9:
+        batch, kv_heads = (1, 2, 3)[pair // 3], (1, 2, HQ)[pair % 3]
+        (q, k, v, d_out), laid = _matrix_inputs(batch, kv_heads, q_layout, layout, gen)
+        options = _options(kind, batch, gen)
+        want = _oracle(q, k, v, d_out, **options)
+        call = attnlab.backends.build_call(*laid[:3], **options)
+        declined = {name: why for name, why in attnlab.backends.reasons(call).items()
+                    if name in BACKENDS and why}
+        assert not declined, declined
+        for name in BACKENDS:
+            _assert_close(_run(name, *laid, **options), want,
+                          label=f"{name} B{batch} Hkv{kv_heads} q:{q_layout} kv:{layout}")

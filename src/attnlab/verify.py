@@ -7,7 +7,11 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   D in {1, 3, 8, 16, 40, 64, 111}, Dv != D, H in {1, 3, 5}, grouped-query, every mask kind --
   none, bool, padding, float, mask mods (window, lambda, padding, combined, packed documents,
   prefix-LM, chunked local, varlen causal per sequence) -- each without causal and with causal
-  in both alignments, and rows with nothing to attend. Mask kind
+  in both alignments, and rows with nothing to attend. Every other configuration hands q
+  (with the output gradient) and k/v in memory layouts (:data:`LAYOUTS`: transposed from
+  ``(B, T, H, D)``, sliced or strided heads, a storage offset, a sliced or strided last dim,
+  other permutations, batch-1 or one-head inputs expanded with stride 0; the same values in
+  every layout), crossed with one, two and all key/value heads and batch 1 and 2-3. Mask kind
   and causal mode are cycled, not drawn: the first 12 configurations hold every mask kind and
   every causal mode, the first 36 every pairing of the two. Dropout off (dropout is tested
   separately: its random mask differs by backend).
@@ -58,7 +62,7 @@ from attnlab._checks import positive_int
 from attnlab.functional import attention
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
-           "SMALL_MAX", "BOUNDED_MASKS"]
+           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
 # Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
@@ -81,6 +85,23 @@ FLEX_SHAPES = (
     (1, 2, 1, 33, 128, 40, 24),
     (1, 2, 2, 128, 128, 16, 16),
 )
+# Memory layouts of q, k, v that hold the same values (see :func:`relayout`). Backends that
+# view tensors by their strides (merging batch and heads, blocks of rows) must read each right.
+LAYOUTS = ("contiguous", "transposed", "heads_sliced", "heads_strided", "offset", "last_dim_sliced",
+           "last_dim_strided", "permuted", "heads_outer", "batch_expanded", "heads_expanded")
+_LAYOUT_WEIGHTS = (0.1, 0.2, *(0.7 / (len(LAYOUTS) - 2),) * (len(LAYOUTS) - 2))  # q's draw
+# Where each layout keeps its values: the memory order of the (B, H, T, X) dims, or a wider
+# tensor that is sliced back.
+_MEMORY_ORDERS = {"transposed": (0, 2, 1, 3), "permuted": (2, 0, 3, 1), "heads_outer": (1, 0, 2, 3)}
+_SLICES = {  # (growth of each dim, the slice back to the tensor)
+    "heads_sliced": ((0, 1, 0, 0), (slice(None), slice(0, -1))),
+    "offset": ((0, 0, 17, 0), (slice(None), slice(None), slice(17, None))),
+    "last_dim_sliced": ((0, 0, 0, 3), (..., slice(0, -3))),
+}
+_LAYOUT_HEADS = ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 4))  # (Hq, Hkv): 1, 2 and all kv heads
+_STRIDED = {"heads_strided": 1, "last_dim_strided": 3}  # every other entry of this dim
+_EXPANDED = {"batch_expanded": 0, "heads_expanded": 1}  # stride 0 along this dim
+
 _FLOORS = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9,
            torch.float64: 1e-12}
 
@@ -109,14 +130,18 @@ class Config:
     align: str
     dead_rows: bool
     scale: float | None
+    q_layout: str = "contiguous"
+    kv_layout: str = "contiguous"
 
     def label(self) -> str:
         """A short readable id, e.g. ``B1 H2/1 T3x5 D4/4 causal:bottom_right none``."""
         causal = f" causal:{self.align}" if self.causal else ""
         dead = " dead-rows" if self.dead_rows else ""
         scale = "" if self.scale is None else f" scale={self.scale:.3g}"
+        layouts = "" if self.q_layout == self.kv_layout == "contiguous" else \
+            f" q:{self.q_layout} kv:{self.kv_layout}"
         return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} T{self.tq}x{self.tk} "
-                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}")
+                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}{layouts}")
 
 
 def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None,
@@ -146,8 +171,31 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     # Drawn for every kind, so that the shapes drawn do not depend on the list of mask kinds.
     dead_rows = bool(torch.rand((), generator=rng) < 0.3) and mask in ("bool", "float", "padding")
     scale = None if bool(torch.rand((), generator=rng) < 0.7) else _scale_of(float(torch.rand((), generator=rng)))
+    q_layout, kv_layout, heads = _draw_layouts(seed, index)
+    if shape is None and heads is not None:
+        batch, q_heads, kv_heads = heads
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
-                  align, dead_rows, scale)
+                  align, dead_rows, scale, q_layout, kv_layout)
+
+
+def _draw_layouts(seed: int, index: int) -> tuple[str, str, tuple | None]:
+    """The q and k/v layouts of configuration ``index`` and the ``(B, Hq, Hkv)`` to use instead
+    of the drawn ones (None: keep them).
+
+    Even configurations are contiguous, as drawn. Layout bugs hide in how batch and heads
+    merge, so on odd ones the k/v layout, the head counts and the batch cycle with coprime
+    periods: every layout within 22 configurations, each crossed with one, two and all
+    key/value heads at batch 2-3 and with batch 1 within 220. The q layout is drawn from a
+    generator of its own, which keeps every other draw as it was.
+    """
+    if index % 2 == 0:
+        return "contiguous", "contiguous", None
+    rng = torch.Generator().manual_seed(seed + 7919)
+    q_layout = LAYOUTS[int(torch.multinomial(torch.tensor(_LAYOUT_WEIGHTS), 1, generator=rng))]
+    turn = index // 2
+    kv_layout = LAYOUTS[(turn + 1) % len(LAYOUTS)]  # transposed first: the commonest layout
+    batch = (2, 1, 3, 2)[turn % 4]
+    return q_layout, kv_layout, (batch, *_LAYOUT_HEADS[turn % len(_LAYOUT_HEADS)])
 
 
 def _scale_of(u: float) -> float:
@@ -242,9 +290,65 @@ def _mask_for(config: Config, gen: torch.Generator):
     return None
 
 
+def relayout(t: Tensor, layout: str) -> Tensor:
+    """The values of ``t`` ``(B, H, T, X)`` in the memory layout ``layout`` (one of :data:`LAYOUTS`).
+
+    The expanded layouts read ``t[:1]`` (``batch_expanded``) or ``t[:, :1]`` (``heads_expanded``)
+    with stride 0: they equal ``t`` only when ``t`` is the same along that dim
+    (:func:`broadcastable` makes it so).
+
+    Example:
+        >>> t = torch.arange(24.0).view(2, 3, 4, 1)
+        >>> u = relayout(t, "transposed")
+        >>> torch.equal(u, t), u.stride()
+        (True, (12, 1, 3, 1))
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout in _MEMORY_ORDERS:
+        order = _MEMORY_ORDERS[layout]
+        back = tuple(order.index(dim) for dim in range(4))
+        memory = torch.empty([t.shape[dim] for dim in order], dtype=t.dtype, device=t.device)
+        return memory.permute(back).copy_(t)  # (B, H, T, X) view of the permuted memory
+    if layout in _SLICES:
+        growth, back = _SLICES[layout]
+        wide = torch.zeros([n + g for n, g in zip(t.shape, growth)], dtype=t.dtype, device=t.device)
+        return wide[back].copy_(t)
+    if layout in _STRIDED:
+        dim = _STRIDED[layout]
+        wide = torch.zeros([2 * n if d == dim else n for d, n in enumerate(t.shape)], dtype=t.dtype,
+                           device=t.device)
+        return wide.unflatten(dim, (t.shape[dim], 2)).select(dim + 1, 0).copy_(t)
+    if layout in _EXPANDED:
+        dim = _EXPANDED[layout]
+        return t.narrow(dim, 0, min(1, t.shape[dim])).clone().expand(t.shape)
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def broadcastable(t: Tensor, layout: str) -> Tensor:
+    """``t`` made equal along the dim ``layout`` expands (the first entry repeated), else ``t``.
+
+    Example:
+        >>> broadcastable(torch.arange(4.0).view(2, 2, 1, 1), "batch_expanded").flatten().tolist()
+        [0.0, 1.0, 0.0, 1.0]
+    """
+    if layout not in _EXPANDED:
+        return t
+    dim = _EXPANDED[layout]
+    return t.narrow(dim, 0, min(1, t.shape[dim])).expand(t.shape).contiguous()
+
+
 @functools.lru_cache(maxsize=512)
 def _inputs(config: Config):
-    """fp64 q, k, v, output-gradient weights and the mask of a configuration (cached)."""
+    """fp64 q, k, v, output-gradient weights and the mask of a configuration (cached); q and
+    the output gradient are broadcastable to the q layout, k and v to the kv layout."""
+    q, k, v, grad_weights, mask = _drawn_inputs(config)
+    q, grad_weights = (broadcastable(t, config.q_layout) for t in (q, grad_weights))
+    k, v = (broadcastable(t, config.kv_layout) for t in (k, v))
+    return q, k, v, grad_weights, mask
+
+
+def _drawn_inputs(config: Config):
     gen = torch.Generator().manual_seed(config.seed)
     q = torch.randn(config.batch, config.q_heads, config.tq, config.head_dim, generator=gen,
                     dtype=torch.float64)
@@ -257,10 +361,21 @@ def _inputs(config: Config):
     return q, k, v, grad_weights, _mask_for(config, gen)
 
 
-def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool) -> list[Tensor]:
+def _laid_out(config: Config, dtype: torch.dtype, with_grad: bool, laid_out: bool) -> tuple:
+    """q, k, v (leaves) and the output gradient in ``dtype``, in the configuration's layouts
+    when ``laid_out`` (else contiguous)."""
+    q64, k64, v64, grad_weights, _ = _inputs(config)
+    q_layout, kv_layout = (config.q_layout, config.kv_layout) if laid_out else ("contiguous",) * 2
+    q, k, v, d_out = (relayout(t.to(dtype), layout) for t, layout in
+                      ((q64, q_layout), (k64, kv_layout), (v64, kv_layout), (grad_weights, q_layout)))
+    return (*(t.requires_grad_(with_grad) for t in (q, k, v)), d_out)
+
+
+def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, *,
+         laid_out: bool = True) -> list[Tensor]:
     """Output (and q/k/v gradients) of one backend, in fp64 for comparison."""
-    q64, k64, v64, grad_weights, mask = _inputs(config)
-    q, k, v = (t.to(dtype, copy=True).requires_grad_(with_grad) for t in (q64, k64, v64))
+    q, k, v, d_out = _laid_out(config, dtype, with_grad, laid_out)
+    mask = _inputs(config)[4]
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     options = dict(mask=mask, causal=config.causal, align=config.align, scale=config.scale)
@@ -268,15 +383,15 @@ def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool) -> l
         out = attention(q, k, v, backend=backend, **options)
     if not with_grad:
         return [out.detach().double()]
-    grads = torch.autograd.grad((out * grad_weights.to(dtype)).sum(), (q, k, v))
+    grads = torch.autograd.grad(out, (q, k, v), d_out)  # d_out in q's layout: its layout must not matter
     return [t.detach().double() for t in (out, *grads)]
 
 
 @functools.lru_cache(maxsize=1024)
 def _oracle(config: Config, dtype: torch.dtype, with_grad: bool) -> tuple:
     """(fp64 reference results, same-dtype reference results), cached across backends."""
-    return (_run(config, torch.float64, "reference", with_grad),
-            _run(config, dtype, "reference", with_grad))
+    return (_run(config, torch.float64, "reference", with_grad, laid_out=False),
+            _run(config, dtype, "reference", with_grad, laid_out=False))
 
 
 FORWARD_FACTOR = 2.0  # a fast path may err at most 2x the plain computation's error (outputs) ...
@@ -344,8 +459,8 @@ class CheckResult:
 
 
 def _serves(config: Config, dtype: torch.dtype, backend: str, with_grad: bool) -> list[str]:
-    q64, k64, v64, _, mask = _inputs(config)
-    q, k, v = (t.to(dtype, copy=True).requires_grad_(with_grad) for t in (q64, k64, v64))
+    q, k, v, _ = _laid_out(config, dtype, with_grad, True)
+    mask = _inputs(config)[4]
     with torch.set_grad_enabled(with_grad):
         call = build_call(q, k, v, mask=mask, causal=config.causal, align=config.align,
                           scale=config.scale)
@@ -519,8 +634,8 @@ def _not_compiled(backend: str, config: Config, dtype: torch.dtype) -> CheckResu
     compiled = getattr(_backends.get(backend), "compiled", None)
     if compiled is None:
         return None
-    q64, k64, v64, _, mask = _inputs(config)
-    q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+    q, k, v, _ = _laid_out(config, dtype, False, True)
+    mask = _inputs(config)[4]
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     with torch.no_grad():
