@@ -180,3 +180,65 @@ def test_every_backend_on_every_layout(layout, kind):
         for name in BACKENDS:
             _assert_close(_run(name, *laid, **options), want,
                           label=f"{name} B{batch} Hkv{kv_heads} q:{q_layout} kv:{layout}")
+
+
+# ----------------------------------------------------------------------------- batch broadcasting
+def _sdpa64(q, k, v, d_out, causal):
+    """fp64 ``F.scaled_dot_product_attention`` (which broadcasts batch dims) and its gradients."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    gqa = q.ndim >= 4 and q.shape[-3] != k.shape[-3]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
+    return [out.detach(), *torch.autograd.grad(out, leaves, d_out.double())]
+
+
+BROADCASTS = (  # q shape, k/v shape, out shape
+    ((3, 4, 150, 8), (1, 4, 150, 8), (3, 4, 150, 8)),  # a shared prompt's keys for a batch
+    ((3, 4, 150, 8), (1, 2, 150, 8), (3, 4, 150, 8)),  # ... grouped
+    ((2, 4, 150, 8), (1, 1, 150, 8), (2, 4, 150, 8)),  # ... multi-query
+    ((1, 4, 150, 8), (3, 1, 150, 8), (3, 4, 150, 8)),  # one query sequence, three key sets
+    ((3, 150, 8), (1, 150, 8), (3, 150, 8)),
+    ((2, 3, 4, 150, 8), (1, 3, 2, 150, 8), (2, 3, 4, 150, 8)),  # rank 5 stays rank 5
+    ((2, 3, 4, 150, 8), (2, 1, 4, 150, 8), (2, 3, 4, 150, 8)),
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shapes", BROADCASTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_batch_dims_broadcast_as_sdpa(shapes, backend):
+    """Same output and gradients as SDPA; the broadcast k/v gradient is summed over the batch."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, d_out = (torch.randn(*shape, generator=gen) for shape in (shapes[0], shapes[1], shapes[1], shapes[2]))
+    got = _run(backend, q, k, v, d_out, causal=True)
+    assert got[0].shape == shapes[2] and got[2].shape == k.shape
+    _assert_close(got, _sdpa64(q, k, v, d_out, causal=True))
+
+
+def test_broadcast_keys_are_read_in_place():
+    """Broadcast keys reach the backends as stride-0 views of the user's tensor: blocks (one
+    key/value head) and chunked read them without a copy."""
+    q, k = torch.randn(3, 4, 150, 8), torch.randn(1, 1, 150, 8)
+    call = attnlab.backends.build_call(q, k, k, causal=True)
+    assert call.k.shape == (3, 1, 150, 8) and call.k.stride(0) == 0
+    assert call.k.data_ptr() == k.data_ptr()
+    assert blocks_backend._kernel_layout(call.k) is call.k
+
+
+@pytest.mark.parametrize("q_shape, kv_shape", [
+    ((2, 4, 5, 8), (3, 4, 5, 8)),
+    ((2, 5, 8), (3, 5, 8)),
+    ((2, 3, 4, 5, 8), (2, 2, 4, 5, 8)),
+])
+def test_batch_dims_that_do_not_broadcast_are_refused(q_shape, kv_shape):
+    q, k = torch.randn(*q_shape), torch.randn(*kv_shape)
+    with pytest.raises(ValueError, match=r"batch dims of q and k/v must be equal or 1.*got q"):
+        attnlab.attention(q, k, k)
+
+
+def test_rank5_mask_broadcasts_over_both_batch_dims():
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 3, 2, 6, 4, generator=gen), torch.randn(1, 3, 2, 7, 4, generator=gen)
+    mask = torch.rand(2, 1, 1, 6, 7, generator=gen) < 0.6
+    got = attnlab.attention(q, k, k, mask=mask, backend="chunked")
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), k.double(), attn_mask=mask)
+    rows = mask.any(-1, keepdim=True)  # SDPA gives NaN on a row with nothing to attend, attnlab 0
+    assert torch.allclose(got.double(), want.where(rows, 0.0), atol=1e-5)

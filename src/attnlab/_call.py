@@ -2,6 +2,9 @@
 
 ``build_call`` checks the user's arguments once and returns an :class:`AttentionCall` whose
 tensors are always 4-D: q ``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``.
+Batch dims that broadcast (keys and values of batch 1 shared by a batch of queries, as
+``F.scaled_dot_product_attention`` allows) are expanded to ``B`` as stride-0 views, never
+copied; rank-5 inputs ``(A, B, H, T, D)`` have their two batch dims flattened into ``B``.
 Backends read this object and never re-validate.
 """
 
@@ -17,7 +20,7 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._checks import finite_number, has_values, instance_of, probability
 
-__all__ = ["AttentionCall", "build_call", "MEMO_KEYS", "all_finite"]
+__all__ = ["AttentionCall", "build_call", "batch_shape", "MEMO_KEYS", "all_finite"]
 
 # What a call may remember once computed: the dense mask of attendable positions, sdpa's plan
 # (the kernel choice, asked for by dispatch's memory and cost questions and by forward), and
@@ -40,8 +43,10 @@ class AttentionCall:
         scale: multiplier of ``q @ k^T``.
         dropout_p: probability of dropping an attention weight.
         generator: random generator for dropout (``None`` = PyTorch's default).
-        input_rank: rank of the user's q (2, 3 or 4), to restore the output layout.
+        input_rank: rank of the user's q (2 to 5), to restore the output layout.
         return_weights: whether the caller also wants the attention weights.
+        batch_shape: the broadcast batch dims of the user's inputs (``()`` for rank 2,
+            ``(B,)`` for ranks 3 and 4, ``(A, B)`` for rank 5), flattened into ``B``.
     """
 
     q: Tensor
@@ -55,6 +60,7 @@ class AttentionCall:
     generator: torch.Generator | None
     input_rank: int
     return_weights: bool = False
+    batch_shape: tuple = ()
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     # Sizes, named as in the docs.
@@ -195,9 +201,9 @@ def _check_tensor(name: str, value: object) -> Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not value.dtype.is_floating_point:
         raise TypeError(f"{name} must have a floating-point dtype, got {value.dtype}")
-    if value.ndim not in (2, 3, 4):
+    if value.ndim not in (2, 3, 4, 5):
         raise ValueError(
-            f"{name} must have rank 2 (T, D), 3 (B, T, D) or 4 (B, H, T, D); "
+            f"{name} must have rank 2 (T, D), 3 (B, T, D), 4 (B, H, T, D) or 5 (A, B, H, T, D); "
             f"got rank {value.ndim} with shape {tuple(value.shape)}"
         )
     return value
@@ -219,16 +225,31 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"k must have the same last dim D as q; got {shapes}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"v must have as many positions Tk as k; got {shapes}")
-    if q.shape[0] != k.shape[0] and q.ndim >= 3:
-        raise ValueError(f"k must have the same batch size as q; got {shapes}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"v must match k in every dim but the last; got {shapes}")
+    if batch_shape(q, k, v) is None:
+        raise ValueError(f"the batch dims of q and k/v must be equal or 1 (they broadcast); got {shapes}")
     _check_sizes(q, k, v, shapes)
-    if q.ndim == 4 and q.shape[1] % k.shape[1] != 0:
+    if q.ndim >= 4 and q.shape[-3] % k.shape[-3] != 0:
         raise ValueError(
-            f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
-            f"key/value heads ({k.shape[1]}); got {shapes}"
+            f"the number of query heads ({q.shape[-3]}) must be a multiple of the number of "
+            f"key/value heads ({k.shape[-3]}); got {shapes}"
         )
+
+
+def batch_shape(q: Tensor, k: Tensor, v: Tensor) -> tuple | None:
+    """The broadcast batch dims of q, k and v of one rank (all dims before the heads, or
+    before ``T`` for rank 3), or None when they do not broadcast.
+
+    Example:
+        >>> batch_shape(torch.ones(2, 4, 5, 8), torch.ones(1, 1, 7, 8), torch.ones(1, 1, 7, 8))
+        (2,)
+    """
+    lead = q.ndim - (2 if q.ndim <= 3 else 3)
+    try:
+        return tuple(torch.broadcast_shapes(*(tuple(t.shape[:lead]) for t in (q, k, v))))
+    except RuntimeError:
+        return None
 
 
 def _check_sizes(q: Tensor, k: Tensor, v: Tensor, shapes: str) -> None:
@@ -242,28 +263,34 @@ def _check_sizes(q: Tensor, k: Tensor, v: Tensor, shapes: str) -> None:
         raise ValueError(f"q and k must have a head dim D >= 1 (last dim); got {shapes}")
     if v.shape[-1] == 0:
         raise ValueError(f"v must have a value dim Dv >= 1 (last dim); got {shapes}")
-    if q.ndim == 4 and (q.shape[1] == 0 or k.shape[1] == 0):
+    if q.ndim >= 4 and (q.shape[-3] == 0 or k.shape[-3] == 0):
         raise ValueError(
-            f"q and k/v must have at least one head (dim 1 of a 4-D tensor); got {shapes}"
+            f"q and k/v must have at least one head (dim -3 of a 4-D or 5-D tensor); got {shapes}"
         )
 
 
-def _to_4d(t: Tensor) -> Tensor:
+def _to_4d(t: Tensor, batch: tuple = ()) -> Tensor:
+    """``t`` as ``(B, H, T, X)``, its batch dims expanded to ``batch`` (a stride-0 view where
+    they are 1: broadcast keys are read, never repeated) and flattened into one."""
     if t.ndim == 2:
         return t[None, None]  # (1, 1, T, D)
+    t = t.expand(*batch, *t.shape[len(batch):])
     if t.ndim == 3:
         return t[:, None]  # (B, 1, T, D)
+    if t.ndim == 5:  # a view when the two batch dims merge, else a copy
+        return t.flatten(0, 1)  # (A*B, H, T, D)
     return t
 
 
-def _normalize_mask(mask: object, q: Tensor, tk: int) -> Tensor | Callable | None:
-    """Check a mask against q's leading dims and return it 4-D (dims 1 or full size)."""
+def _normalize_mask(mask: object, q: Tensor, tk: int, batch: tuple = ()) -> Tensor | Callable | None:
+    """Check a mask against the output's leading dims (q's, with the broadcast ``batch``) and
+    return it 4-D (dims 1 or full size)."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
         if callable(mask):
             if isinstance(mask, _masks.MaskMod):
-                B, H, Tq, _ = _to_4d(q).shape
+                B, H, Tq, _ = _to_4d(q, batch).shape
                 mask.check_sizes(batch=B, heads=H, tq=Tq, tk=tk)
             return mask
         raise TypeError(
@@ -276,7 +303,7 @@ def _normalize_mask(mask: object, q: Tensor, tk: int) -> Tensor | Callable | Non
         )
     if mask.device != q.device:
         raise ValueError(f"mask must be on q's device {q.device}, got {mask.device}")
-    target = tuple(q.shape[:-1]) + (tk,)  # (..., Tq, Tk)
+    target = (*batch, *q.shape[len(batch):-1], tk)  # (..., Tq, Tk)
     try:
         broadcast = torch.broadcast_shapes(tuple(mask.shape), target)
     except RuntimeError:
@@ -286,6 +313,9 @@ def _normalize_mask(mask: object, q: Tensor, tk: int) -> Tensor | Callable | Non
             f"mask of shape {tuple(mask.shape)} does not broadcast to (..., Tq, Tk) = {target}"
         )
     mask = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))
+    if mask.ndim == 5:  # (A|1, B|1, ...): flatten the batch dims unless both are 1
+        mask = mask[0, :1] if mask.shape[:2] == (1, 1) else mask.expand(*batch, *mask.shape[2:])
+        return mask.flatten(0, 1) if mask.ndim == 5 else mask  # (A*B|1, H|1, Tq|1, Tk|1)
     return _to_4d(mask)  # (B|1, H|1, Tq|1, Tk|1)
 
 
@@ -336,14 +366,15 @@ def build_call(
     _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
     _check_generator(generator, q.device)
-    norm_mask = _normalize_mask(mask, q, k.shape[-2])
+    batch = batch_shape(q, k, v)
+    norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
     if causal and _masks.causal_offset(q.shape[-2], k.shape[-2], align) >= k.shape[-2] - 1:
         causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return AttentionCall(
-        q=_to_4d(q),
-        k=_to_4d(k),
-        v=_to_4d(v),
+        q=_to_4d(q, batch),
+        k=_to_4d(k, batch),
+        v=_to_4d(v, batch),
         mask=norm_mask,
         causal=causal,
         align=align,
@@ -352,4 +383,5 @@ def build_call(
         generator=generator,
         input_rank=q.ndim,
         return_weights=return_weights,
+        batch_shape=batch,
     )

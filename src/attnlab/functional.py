@@ -30,10 +30,17 @@ def attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
 
-    Shapes (``...`` is nothing, ``B`` or ``B, H``; all three tensors have the same rank):
+    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; all three tensors have the
+    same rank):
         q: ``(..., Tq, D)``, k: ``(..., Tk, D)``, v: ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
-        With rank 4, k and v may have fewer heads than q (grouped-query attention): ``Hq`` must
-        be a multiple of ``Hkv`` and query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
+        With rank 4 or 5, k and v may have fewer heads than q (grouped-query attention): ``Hq``
+        must be a multiple of ``Hkv`` and query head ``h`` reads key/value head
+        ``h // (Hq // Hkv)``. The batch dims (``B``, or ``A, B``) broadcast as in
+        ``torch.nn.functional.scaled_dot_product_attention``: keys and values of batch 1
+        serve every query of a batch (a shared prompt) and are read in place, never copied
+        (rank 5 copies them only when ``A`` is broadcast and ``B`` is not); their gradient is
+        the sum over the batch they served. Mask mods see the flattened batch index
+        ``b = a * B + b'`` for rank 5.
 
     Args:
         q, k, v: query, key and value tensors of one floating dtype on one device.
@@ -66,8 +73,9 @@ def attention(
 
     Raises:
         TypeError: non-tensor input, a non-float or mixed dtype, an integer mask.
-        ValueError: wrong rank, mismatched sizes, heads not divisible, a mask that does not
-            broadcast, ``dropout_p`` outside ``[0, 1)``, an unknown or unable backend.
+        ValueError: wrong rank, mismatched sizes, batch dims that do not broadcast, heads not
+            divisible, a mask that does not broadcast, ``dropout_p`` outside ``[0, 1)``, an
+            unknown or unable backend.
 
     Example:
         >>> import torch, attnlab
@@ -78,6 +86,9 @@ def attention(
         (torch.Size([2, 4, 10, 8]), torch.Size([2, 4, 10, 10]))
         >>> bool(weights[0, 0, 0, 1:].eq(0).all())           # the first token sees only itself
         True
+        >>> shared = torch.randn(1, 2, 10, 16)                # one prompt's keys for the batch
+        >>> attnlab.attention(q, shared, shared).shape
+        torch.Size([2, 4, 10, 16])
     """
     key = run_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
                   generator=generator, backend=backend, return_weights=return_weights)
@@ -91,11 +102,11 @@ def attention(
     chosen = select(call, backend)
     remember_run(key, chosen, call)
     result = chosen.forward(call)
-    out = _restore_rank(result.out, call.input_rank)
+    out = _restore_rank(result.out, call)
     if not return_weights:
         return out
     weights = result.weights if result.weights is not None else _weights_of(call)
-    return out, _restore_rank(weights, call.input_rank)
+    return out, _restore_rank(weights, call)
 
 
 def attention_weights(
@@ -126,7 +137,7 @@ def attention_weights(
     # v only fixes the shapes for validation; it is never read.
     v = k.new_zeros(()).expand(k.shape) if isinstance(k, Tensor) else k
     call = build_call(q, k, v, mask=mask, causal=causal, align=align, scale=scale)
-    return _restore_rank(_weights_of(call), call.input_rank)
+    return _restore_rank(_weights_of(call), call)
 
 
 def _weights_of(call: AttentionCall) -> Tensor:
@@ -142,9 +153,12 @@ def _weights_of(call: AttentionCall) -> Tensor:
         return softmax_rows(attn_scores).to(call.dtype)
 
 
-def _restore_rank(t: Tensor, rank: int) -> Tensor:
-    if rank == 2:
+def _restore_rank(t: Tensor, call: AttentionCall) -> Tensor:
+    """A 4-D result ``(B, H, T, X)`` in the layout of the user's inputs (rank 2 to 5)."""
+    if call.input_rank == 2:
         return t[0, 0]  # (T, D)
-    if rank == 3:
+    if call.input_rank == 3:
         return t[:, 0]  # (B, T, D)
+    if call.input_rank == 5:
+        return t.unflatten(0, call.batch_shape)  # (A, B, H, T, D)
     return t
