@@ -242,3 +242,15 @@ def test_rank5_mask_broadcasts_over_both_batch_dims():
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), k.double(), attn_mask=mask)
     rows = mask.any(-1, keepdim=True)  # SDPA gives NaN on a row with nothing to attend, attnlab 0
     assert torch.allclose(got.double(), want.where(rows, 0.0), atol=1e-5)
+
+
+@pytest.mark.skipif("flex" not in attnlab.backends.available(), reason="no FlexAttention")
+def test_flex_on_the_multi_query_layout():
+    """flex compiles per layout (slow on CPU), so one case: the repro's layout, forward."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 128, 16, generator=gen)
+    k, v = (verify.relayout(torch.randn(2, 1, 128, 16, generator=gen), "transposed") for _ in range(2))
+    with torch.no_grad():
+        out = attnlab.attention(q, k, v, causal=True, backend="flex")
+    want = attnlab.attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
+    assert float((out.double() - want).abs().max()) <= 1e-5
