@@ -34,7 +34,7 @@ def test_backend_matches_fp64_reference(name, dtype):
     wanted = 80 if flex_on_cpu else 200  # 2 of the 5 flex shapes are whole key blocks
     assert len(served) >= wanted, f"{name} served only {len(served)} of {len(results)} configurations"
     if flex_on_cpu:
-        assert all("128-key block" in r.note for r in results if not r.served)
+        assert all("128-key block" in r.note for r in results if not r.served and not r.grad_mode)
     if name != "flex" or torch.cuda.is_available():
         assert sum(r.grad for r in served) >= 200, "backward must be checked on >= 200 configs"
 
