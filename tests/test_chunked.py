@@ -463,8 +463,9 @@ def test_double_backward_raises_instead_of_returning_wrong_gradients():
         grad.sum().backward()
 
 
-@pytest.mark.parametrize("name,value", [("q_block", 0), ("kv_block", -3), ("q_block", 2.5)])
-def test_bad_block_sizes_raise_naming_the_argument(name, value):
+@pytest.mark.parametrize("name,value,error", [("q_block", 0, ValueError), ("kv_block", -3, ValueError),
+                                              ("q_block", 2.5, TypeError)])
+def test_bad_block_sizes_raise_naming_the_argument(name, value, error):
     q = torch.randn(1, 1, 4, 2)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(error, match=name):
         chunked_attention(build_call(q, q, q), **{name: value})

@@ -7,6 +7,8 @@ half-updated. State tests compare the state before and after bitwise.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -100,7 +102,7 @@ def test_generator_on_another_device_type_is_a_value_error():
         (lambda: masks.materialize(masks.CausalMod(), tq=-1, tk=2), "tq must be a non-negative int"),
         (lambda: masks.materialize(masks.CausalMod(), tq=2, tk=2, heads=-1), "heads must be"),
         (lambda: masks.padding_mask(torch.tensor([-1, 2])), r"lengths must be non-negative, got \[-1, 2\]"),
-        (lambda: masks.padding_mask(torch.tensor([1, 2]), 1.5), "max_len must be a non-negative int"),
+        (lambda: masks.padding_mask(torch.tensor([1, 2]), 1.5), "max_len must be a non-negative int, got 1.5"),
         (lambda: masks.padding_mask(torch.tensor([1, 2]), -1), "max_len must be a non-negative int"),
     ],
     ids=["causal_neg", "causal_float", "causal_tk_neg", "causal_tk_float", "sliding_neg",
@@ -109,7 +111,9 @@ def test_generator_on_another_device_type_is_a_value_error():
          "padding_neg_max_len"],
 )
 def test_mask_constructors_refuse_bad_sizes(build, pattern):
-    with pytest.raises(ValueError, match=pattern):
+    # A size of the wrong kind (2.5) is a TypeError, a negative one a ValueError; both name it.
+    error = TypeError if re.search(r"got -?\d+\.\d", pattern) else ValueError
+    with pytest.raises(error, match=pattern):
         build()
 
 
@@ -328,3 +332,15 @@ def test_module_calls_refuse_bad_inputs(call, error, pattern):
 def test_other_raw_errors_name_their_argument(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+@pytest.mark.parametrize("options, error, pattern", [
+    ({"scale": "0.5"}, TypeError, "scale must be a finite number, got '0.5'"),
+    ({"scale": float("nan")}, ValueError, "scale must be a finite number, got nan"),
+    ({"align": 1}, TypeError, "align must be one of"),
+    ({"align": "left"}, ValueError, "align must be one of"),
+])
+def test_a_wrong_kind_is_a_type_error_and_a_bad_value_a_value_error(options, error, pattern):
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(error, match=pattern):
+        attnlab.attention(q, q, q, causal=True, **options)

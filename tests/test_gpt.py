@@ -169,7 +169,8 @@ def test_per_layer_heads_equal_blocks_built_by_hand_with_those_heads():
     ("2,1", None, "num_heads must be a positive int or one per layer"),
 ])
 def test_bad_head_counts_are_refused_naming_num_heads(heads, kv, match):
-    with pytest.raises(ValueError, match=match):
+    error = TypeError if isinstance(heads, str) else ValueError  # a wrong kind is a TypeError
+    with pytest.raises(error, match=match):
         GPT(vocab_size=5, max_len=4, d_model=16, num_layers=3, num_heads=heads, num_kv_heads=kv)
 
 

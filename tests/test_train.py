@@ -116,7 +116,8 @@ def test_training_batches_depend_only_on_seed_and_step_and_never_match_held_out_
     ("2,1", 2, r"heads must be a positive int or one per layer"),
 ])
 def test_bad_head_counts_are_refused_naming_heads(heads, layers, match):
-    with pytest.raises(ValueError, match=match):
+    error = TypeError if isinstance(heads, str) else ValueError  # a wrong kind is a TypeError
+    with pytest.raises(error, match=match):
         TrainConfig(**{**TINY, "heads": heads, "layers": layers}).resolved()
 
 

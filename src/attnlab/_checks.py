@@ -42,7 +42,7 @@ def _is_int(value: object) -> bool:
 
 
 def int_value(name: str, value: object) -> int:
-    """``value`` if it is an int (any sign); ``ValueError`` naming ``name`` otherwise.
+    """``value`` if it is an int (any sign); ``TypeError`` naming ``name`` otherwise.
 
     Example:
         >>> int_value("offset", -2)
@@ -50,33 +50,39 @@ def int_value(name: str, value: object) -> int:
         >>> int_value("offset", 1.5)
         Traceback (most recent call last):
         ...
-        ValueError: offset must be an int, got 1.5
+        TypeError: offset must be an int, got 1.5
     """
     if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise TypeError(f"{name} must be an int, got {value!r}")
     return value
 
 
 def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int ``>= 1``; ``ValueError`` naming ``name`` otherwise.
+    """``value`` if it is an int ``>= 1``; ``TypeError`` (not an int) or ``ValueError`` (below 1)
+    naming ``name`` otherwise.
 
     Example:
         >>> positive_int("d_model", 8)
         8
     """
-    if not _is_int(value) or value < 1:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def non_negative_int(name: str, value: object) -> int:
-    """``value`` if it is an int ``>= 0``; ``ValueError`` naming ``name`` otherwise.
+    """``value`` if it is an int ``>= 0``; ``TypeError`` (not an int) or ``ValueError`` (negative)
+    naming ``name`` otherwise.
 
     Example:
         >>> non_negative_int("offset", 0)
         0
     """
-    if not _is_int(value) or value < 0:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    if value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return value
 
@@ -96,13 +102,16 @@ def probability(name: str, value: object) -> float:
 
 
 def finite_number(name: str, value: object) -> float:
-    """``value`` as a float if it is a finite real number; ``ValueError`` otherwise.
+    """``value`` as a float if it is a finite real number; ``TypeError`` (not a number) or
+    ``ValueError`` (NaN or infinite) naming ``name`` otherwise.
 
     Example:
         >>> finite_number("scale", 0.5)
         0.5
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -141,7 +150,9 @@ def one_of(name: str, value: object, choices: Iterable[str]) -> str:
         'top_left'
     """
     choices = tuple(choices)
-    if not isinstance(value, str) or value not in choices:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
 
@@ -173,7 +184,7 @@ def per_layer(name: str, value: object, layers: int) -> tuple[int, ...]:
     if _is_int(value):
         return (positive_int(name, value),) * layers
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"{name} must be a positive int or one per layer, got {value!r}")
+        raise TypeError(f"{name} must be a positive int or one per layer, got {value!r}")
     if len(value) != layers:
         raise ValueError(f"{name} must have one entry per layer ({layers}), got {len(value)}: {value!r}")
     for index, entry in enumerate(value):

@@ -49,7 +49,7 @@ def fail(message: str) -> NoReturn:
 
 @contextmanager
 def option_errors() -> Iterator[None]:
-    """Turn the ``ValueError`` of a check into a refusal of the command line.
+    """Turn the ``ValueError``/``TypeError`` of a check into a refusal of the command line.
 
     Use it around :mod:`attnlab._checks` calls that name the option (``positive_int("--heads",
     heads)``) and around lower-layer calls whose ``ValueError`` only ever means a bad argument.
@@ -57,7 +57,7 @@ def option_errors() -> Iterator[None]:
     """
     try:
         yield
-    except ValueError as err:
+    except (ValueError, TypeError) as err:  # a bad value, or a value of the wrong kind
         fail(str(err))
 
 
