@@ -5,6 +5,8 @@
 * :mod:`attnlab.bench.suites` -- the ``backends`` and ``memory`` suites and :func:`run_suite`.
 * :mod:`attnlab.bench.modules` -- the ``modules`` suite: attnlab's ``MultiHeadAttention``
   beside torch's, the tutorial's and nanoGPT's (:mod:`attnlab.bench.competitors`).
+* :mod:`attnlab.bench.overhead` -- the ``overhead`` suite: attnlab beside plain PyTorch on
+  decode, prefill with transformers' mask, a tiny Llama, MultiHeadAttention and torch.compile.
 * :mod:`attnlab.bench.report` -- the rows as JSON (:func:`bench_json`) and as a PNG of time and
   GFLOP/s vs T (:func:`plot_rows`), behind ``attnlab bench --json`` / ``--plot``.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from attnlab._flops import attention_flops
 from attnlab.bench.modules import ModulesConfig, run_modules_suite
+from attnlab.bench.overhead import OverheadRow, overhead_suite
 from attnlab.bench.report import bench_json, plot_rows
 from attnlab.bench.suites import SUITES, backend_cases, backends_suite, memory_suite, run_suite
 from attnlab.bench.timing import BenchRow, compare, machine_line, matmul_peak, print_rows, time_fn
@@ -39,6 +42,8 @@ __all__ = [
     "memory_suite",
     "ModulesConfig",
     "run_modules_suite",
+    "OverheadRow",
+    "overhead_suite",
     "bench_json",
     "plot_rows",
 ]

@@ -36,7 +36,7 @@ from attnlab.bench.competitors import NanoGPTAttention, SeedMultiHeadAttention
 from attnlab.bench.timing import BenchRow, compare, machine_line, matmul_peak, print_rows
 from attnlab.nn.multihead import MultiHeadAttention
 
-__all__ = ["ModulesConfig", "build_modules", "run_modules_suite"]
+__all__ = ["ModulesConfig", "build_modules", "nanogpt_twin", "run_modules_suite"]
 
 
 @dataclass(frozen=True)
@@ -82,15 +82,12 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
     ours = MultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
     theirs = ours.to_torch(batch_first=True)
     seed = SeedMultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
-    nano = NanoGPTAttention(C, H).to(config.dtype)
     with torch.no_grad():
         for part in ("W_query", "W_key", "W_value"):
             getattr(seed, part).weight.copy_(getattr(ours, part).weight)
             getattr(seed, part).bias.copy_(getattr(ours, part).bias)
-        nano.c_attn.weight.copy_(ours.in_proj_weight)
-        nano.c_attn.bias.copy_(ours.in_proj_bias)
-        for target in (seed.out_proj, nano.c_proj):
-            target.load_state_dict(ours.out_proj.state_dict())
+        seed.out_proj.load_state_dict(ours.out_proj.state_dict())
+    nano = nanogpt_twin(ours, num_heads=H)
     blocked = ~torch.ones(T, T, dtype=torch.bool).tril()  # torch: True = may NOT attend
 
     def torch_mha(x: Tensor) -> Tensor:
@@ -104,6 +101,25 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
     contenders.update({"torch.nn.MultiheadAttention": torch_mha, "seed document": seed,
                        "nanoGPT-style": nano})
     return contenders
+
+
+def nanogpt_twin(ours: MultiHeadAttention, *, num_heads: int) -> NanoGPTAttention:
+    """A :class:`NanoGPTAttention` computing the same function as ``ours`` (its fused input
+    projection and output projection copied; ``ours`` must have biases).
+
+    Example:
+        >>> ours = MultiHeadAttention(16, 16, 8, 0.0, 2, qkv_bias=True)
+        >>> x = torch.randn(1, 8, 16)
+        >>> bool(torch.allclose(nanogpt_twin(ours, num_heads=2)(x), ours(x), atol=1e-5))
+        True
+    """
+    weight = ours.in_proj_weight  # (3C, C): query, key, value rows, as nanoGPT's c_attn
+    nano = NanoGPTAttention(weight.shape[1], num_heads).to(weight.dtype)
+    with torch.no_grad():
+        nano.c_attn.weight.copy_(weight)
+        nano.c_attn.bias.copy_(ours.in_proj_bias)
+        nano.c_proj.load_state_dict(ours.out_proj.state_dict())
+    return nano
 
 
 def _step(module: Callable, x: Tensor, grad_out: Tensor | None) -> Callable[[], object]:

@@ -9,6 +9,9 @@
   forward+backward; FLOPs count only the visible (query, key) pairs; ``with_flex`` adds the flex
   backend and compiled FlexAttention with its own block mask (forward; compiles for minutes);
 * ``decode`` -- one decoding step (1 query over a KV cache) through ``auto`` vs raw SDPA;
+* ``overhead`` -- attnlab beside plain PyTorch on the calls real models make (decode, prefill
+  with transformers' mask, a tiny Llama, MultiHeadAttention, torch.compile):
+  :func:`attnlab.bench.overhead.overhead_suite`;
 * ``decode-model`` -- a 6-layer, d_model=384 GPT generating 256 tokens after a 512-token
   prompt with the KV cache and by recomputing every step: tokens/s of each, their ratio, and
   whether the two greedy outputs are the same tokens (:func:`decode_model_suite`).
@@ -32,6 +35,7 @@ from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
 from attnlab.bench.competitors import CompiledFlex, flex_mask_mods
 from attnlab.bench.modules import run_modules_suite
+from attnlab.bench import overhead
 from attnlab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
 from attnlab.models import GPT
@@ -39,7 +43,7 @@ from attnlab.models import GPT
 __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
            "sparse_cases", "sparse_suite", "decode_suite", "GenerationTiming", "decode_model_suite"]
 
-SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model")
+SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model", "overhead")
 
 
 def _attention_inputs(b, h, t, d, dtype, device, seed=0):
@@ -387,7 +391,8 @@ def report_generation(timing: GenerationTiming, *, console=None) -> None:
 
 
 def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool = False) -> list[BenchRow]:
-    """Run one suite (``backends``, ``memory``, ``modules``, ``sparse``, ``decode``, ``decode-model``) or ``all``.
+    """Run one suite (``backends``, ``memory``, ``modules``, ``sparse``, ``decode``, ``decode-model``,
+    ``overhead``) or ``all``.
 
     ``with_flex`` adds FlexAttention's rows to the sparse suite (see :func:`sparse_suite`).
 
@@ -395,7 +400,7 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
         >>> run_suite("nope")
         Traceback (most recent call last):
         ...
-        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'decode-model', 'all'), got 'nope'
+        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'decode-model', 'overhead', 'all'), got 'nope'
     """
     if name not in SUITES + ("all",):
         raise ValueError(f"suite must be one of {SUITES + ('all',)}, got {name!r}")
@@ -425,6 +430,11 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
             timing = decode_model_suite(**sizes)
             rows += timing.rows(f"{timing.new_tokens} new tokens")
             report_generation(timing, console=console)
+        elif suite == "overhead":
+            found = overhead.overhead_suite(sizes=(sizes := overhead.sizes_for(quick=quick)))
+            rows += [row for case in found for row in case.bench_rows()]
+            overhead.print_overhead(found, title="overhead: attnlab vs plain PyTorch (ratio = attnlab / plain; "
+                                        "compile: compiled / eager)", sizes=sizes, console=console)
         else:
             rows += run_modules_suite(quick=quick, console=console)
     return rows

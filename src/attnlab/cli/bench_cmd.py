@@ -20,7 +20,7 @@ _UNPLOTTABLE = ("memory", "decode-model")
 
 def bench(
     suite: str = typer.Option(None, "--suite", show_default=False,
-                              help="backends, memory, modules, sparse, decode, decode-model or all "
+                              help="backends, memory, modules, sparse, decode, decode-model, overhead or all "
                                    "[default: backends; all with --quick]."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, one round (every suite: under 3 minutes "
                                                       "on 2 cores)."),
