@@ -202,11 +202,11 @@ def decode_rows(sizes: OverheadSizes) -> list[OverheadRow]:
             q, k, v = _inputs(sizes, 1, tk)
             mask = masks.padding_mask(_lengths(sizes.batch, tk), tk)  # (B, 1, 1, Tk) bool
             rows.append(_timed(
-                f"decode Tk={tk}, bool padding mask", "attention(mask, bottom_right)",
+                f"decode Tk={tk}, bool padding mask, 1 thread", "attention(mask, bottom_right)",
                 "F.sdpa same mask", _no_grad(attention, q, k, v, mask=mask, align="bottom_right"),
                 _no_grad(F.scaled_dot_product_attention, q, k, v, attn_mask=mask), sizes, bound=1.15, t=tk))
             rows.append(_timed(
-                f"decode Tk={tk}, unmasked", "attention", "F.sdpa",
+                f"decode Tk={tk}, unmasked, 1 thread", "attention", "F.sdpa",
                 _no_grad(attention, q, k, v), _no_grad(F.scaled_dot_product_attention, q, k, v), sizes,
                 bound=1.10, t=tk))
     return rows
