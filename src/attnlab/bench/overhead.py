@@ -105,7 +105,7 @@ class OverheadRow:
     """One case: attnlab's call and the plain call it is measured against, both medians.
 
     Attributes:
-        case: what was run (sizes, mask, threads).
+        case: what was run, briefly (the sizes: :func:`legend`).
         name, baseline: attnlab's side and the plain side (compile rows: compiled and eager attnlab).
         seconds, baseline_seconds: their medians (None when not timed: skipped, failed to compile).
         bound: the target for :attr:`ratio` (None: no timing target).
