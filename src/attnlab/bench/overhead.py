@@ -338,9 +338,11 @@ def _compile(fn: Callable) -> Callable:
     return torch.compile(fn, fullgraph=True)
 
 
-def _first_line(err: BaseException) -> str:
+def _first_line(err: BaseException, width: int = 100) -> str:
+    """The exception's type and first line, cut to ``width`` characters (dynamo's run long)."""
     lines = [line for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0].strip() if lines else ''}".rstrip(": ")
+    text = f"{type(err).__name__}: {lines[0].strip() if lines else ''}".rstrip(": ")
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _compile_row(case: str, options: dict, sizes: OverheadSizes) -> OverheadRow:
