@@ -190,7 +190,7 @@ def _bad_inputs():
     q4, k4 = torch.randn(1, 3, 2, 4), torch.randn(1, 2, 2, 4)
     return {
         # name: (args, kwargs, exception, regex that the message must match)
-        "rank_5": ((torch.randn(1, 1, 1, 3, 4), k, v), {}, ValueError, r"q.*rank.*\(1, 1, 1, 3, 4\)"),
+        "rank_6": ((torch.randn(1, 1, 1, 1, 3, 4), k, v), {}, ValueError, r"q.*rank.*\(1, 1, 1, 1, 3, 4\)"),
         "rank_1": ((q, torch.randn(4), v), {}, ValueError, r"k.*rank.*\(4,\)"),
         "mismatched_D": ((q, torch.randn(2, 5, 3), v), {}, ValueError, r"k.*D.*q \(2, 3, 4\).*k \(2, 5, 3\)"),
         "mismatched_Tk": ((q, k, torch.randn(2, 4, 6)), {}, ValueError, r"v.*Tk.*k \(2, 5, 4\).*v \(2, 4, 6\)"),

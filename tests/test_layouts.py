@@ -213,6 +213,40 @@ def test_batch_dims_broadcast_as_sdpa(shapes, backend):
     _assert_close(got, _sdpa64(q, k, v, d_out, causal=True))
 
 
+# Ranks that differ, aligned from the right as SDPA aligns them; the first is the broadcast sample
+# of PyTorch's own SDPA op tests (q (H, Tq, D) against k/v (B, H, Tk, D)).
+MIXED_RANKS = (  # q shape, k shape, v shape, out shape
+    ((8, 3, 4), (4, 8, 2, 4), (4, 8, 2, 4), (4, 8, 3, 4)),
+    ((3, 4), (2, 2, 7, 4), (2, 2, 7, 4), (2, 2, 3, 4)),
+    ((2, 3, 4), (7, 4), (7, 4), (2, 3, 4)),
+    ((2, 4, 8, 3, 4), (8, 2, 4), (8, 2, 4), (2, 4, 8, 3, 4)),
+    ((4, 8, 3, 4), (4, 8, 2, 4), (8, 2, 5), (4, 8, 3, 5)),  # k and v of different ranks
+    ((2, 1, 5, 4), (2, 3, 6, 4), (2, 3, 6, 4), (2, 3, 5, 4)),  # one query head, three kv heads
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shapes", MIXED_RANKS, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_mixed_ranks_broadcast_as_sdpa(shapes, backend):
+    """Refused before (same rank required); SDPA takes them, and so does attnlab, with the same
+    output and gradients (a broadcast input's gradient sums over what it served)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, d_out = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in shapes)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*leaves)
+    want_grads = torch.autograd.grad(want, leaves, d_out)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    try:
+        out = attnlab.attention(*mine, backend=backend)
+    except ValueError as error:  # a backend that declines says so; auto and sdpa always serve
+        assert backend not in ("auto", "sdpa", "reference"), str(error)
+        return
+    assert out.shape == shapes[3]
+    torch.testing.assert_close(out, want)
+    for got, exact in zip(torch.autograd.grad(out, mine, d_out), want_grads):
+        torch.testing.assert_close(got, exact)
+
+
 def test_broadcast_keys_are_read_in_place():
     """Broadcast keys reach the backends as stride-0 views of the user's tensor: blocks (one
     key/value head) and chunked read them without a copy."""

@@ -20,7 +20,7 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._checks import finite_number, has_values, instance_of, probability
 
-__all__ = ["AttentionCall", "build_call", "batch_shape", "MEMO_KEYS", "all_finite"]
+__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS", "all_finite"]
 
 # What a call may remember once computed: the dense mask of attendable positions, sdpa's plan
 # (the kernel choice, asked for by dispatch's memory and cost questions and by forward), and
@@ -225,8 +225,9 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"k must have the same last dim D as q; got {shapes}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"v must have as many positions Tk as k; got {shapes}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"v must match k in every dim but the last; got {shapes}")
+    lead = q.ndim - (2 if q.ndim <= 3 else 3)  # the batch dims, which broadcast
+    if k.shape[lead:-1] != v.shape[lead:-1]:
+        raise ValueError(f"v must match k in every dim but the batch dims and the last; got {shapes}")
     if batch_shape(q, k, v) is None:
         raise ValueError(f"the batch dims of q and k/v must be equal or 1 (they broadcast); got {shapes}")
     _check_sizes(q, k, v, shapes)
@@ -235,6 +236,32 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"the number of query heads ({q.shape[-3]}) must be a multiple of the number of "
             f"key/value heads ({k.shape[-3]}); got {shapes}"
         )
+
+
+def sdpa_aligned(q: object, k: object, v: object) -> tuple:
+    """q, k and v aligned as ``F.scaled_dot_product_attention`` aligns them (views, free).
+
+    Leading dims count from the right, so a tensor of lower rank gets size-1 dims in front: q
+    ``(H, Tq, D)`` with k, v ``(B, H, Tk, D)`` is q ``(1, H, Tq, D)``, one query set meeting every
+    key set of the batch. A single query head against several key/value heads broadcasts too
+    (expanded with stride 0; its gradient sums over the heads it served); otherwise query heads
+    must be a multiple of key/value heads (grouped-query attention). Anything that is not a
+    tensor of rank 2 to 5 is returned as it is, for :func:`build_call` to refuse by name.
+
+    Example:
+        >>> q, k = torch.ones(5, 8), torch.ones(2, 4, 7, 8)
+        >>> [tuple(t.shape) for t in sdpa_aligned(q, k, k)]
+        [(1, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8)]
+    """
+    tensors = (q, k, v)
+    if not all(isinstance(t, Tensor) and 2 <= t.ndim <= 5 for t in tensors):
+        return tensors
+    rank = max(t.ndim for t in tensors)
+    q, k, v = (t.reshape((1,) * (rank - t.ndim) + tuple(t.shape)) if t.ndim < rank else t
+               for t in tensors)
+    if rank >= 4 and q.shape[-3] == 1 < k.shape[-3]:
+        q = q.expand(*q.shape[:-3], k.shape[-3], *q.shape[-2:])  # (..., Hkv, Tq, D), stride 0
+    return q, k, v
 
 
 def batch_shape(q: Tensor, k: Tensor, v: Tensor) -> tuple | None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnlab._call import AttentionCall, build_call
+from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
 from attnlab.backends.dispatch import prepared_run, remember_run, run_key, select
 
@@ -30,8 +30,8 @@ def attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
 
-    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; all three tensors have the
-    same rank):
+    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; a tensor of lower rank than the
+    others gets size-1 leading dims, as SDPA aligns them from the right):
         q: ``(..., Tq, D)``, k: ``(..., Tk, D)``, v: ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
         With rank 4 or 5, k and v may have fewer heads than q (grouped-query attention): ``Hq``
         must be a multiple of ``Hkv`` and query head ``h`` reads key/value head
@@ -90,6 +90,7 @@ def attention(
         >>> attnlab.attention(q, shared, shared).shape
         torch.Size([2, 4, 10, 16])
     """
+    q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
     key = run_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
                   generator=generator, backend=backend, return_weights=return_weights)
     run = prepared_run(key)
@@ -136,6 +137,7 @@ def attention_weights(
     """
     # v only fixes the shapes for validation; it is never read.
     v = k.new_zeros(()).expand(k.shape) if isinstance(k, Tensor) else k
+    q, k, v = sdpa_aligned(q, k, v)
     call = build_call(q, k, v, mask=mask, causal=causal, align=align, scale=scale)
     return _restore_rank(_weights_of(call), call)
 
