@@ -68,7 +68,7 @@ def test_backends_refuses_bad_options(args, option):
     (["--documents", "-2"], ["--documents", "-2"]), (["--prefix", "-1"], ["--prefix", "-1"]),
     # huge: past the key length (the sequence length for documents) a size means nothing more
     (["--window", "99999999999"], ["--window must be at most 1024", "99999999999"]),
-    (["--chunk", str(2**70)], ["--chunk must be at most 1024"]),
+    (["--chunk", str(2**70)], ["--chunk must be at most 2**62"]),  # past int64 before any size
     (["--prefix", "5000"], ["--prefix must be at most 1024"]),
     (["--tq", "100", "--tk", "50", "--window", "60"], ["--window must be at most 50"]),
     (["--documents", "5000"], ["--documents must be at most 1024"]),

@@ -344,3 +344,20 @@ def test_a_wrong_kind_is_a_type_error_and_a_bad_value_a_value_error(options, err
     q = torch.randn(1, 1, 3, 4)
     with pytest.raises(error, match=pattern):
         attnlab.attention(q, q, q, causal=True, **options)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: masks.sliding_window_mod(5, 5, 2**64),
+    lambda: masks.prefix_lm_mod(5, 5, 2**64),
+    lambda: masks.chunked_local_mod(5, 5, 2**64),
+    lambda: masks.CausalMod(-(2**64)),
+    lambda: masks.varlen_causal_mod(torch.tensor([5]), torch.tensor([5]), window=2**64),
+    lambda: masks.sliding_window_mask(5, 5, 2**64),
+], ids=["window", "prefix", "chunk", "offset", "varlen_window", "window_mask"])
+def test_sizes_past_int64_index_arithmetic_are_refused_by_name(build):
+    """They passed the checks and then raised OverflowError inside attention (or, near 2**63,
+    would wrap around in int64 index arithmetic)."""
+    q = torch.randn(1, 1, 5, 4)
+    with pytest.raises(ValueError, match=r"must be at most 2\*\*62 in magnitude"):
+        mask = build()
+        attnlab.attention(q, q, q, mask=mask)

@@ -36,6 +36,12 @@ __all__ = [
 ]
 
 
+# The largest magnitude an int argument may have. Sizes, offsets and windows become int64 index
+# arithmetic (``q_idx + offset - window``), where a Python int past 2**63 raises OverflowError and
+# one near it wraps around silently; no sequence comes near 2**62, so larger values are refused.
+MAX_INT = 2**62
+
+
 def _is_int(value: object) -> bool:
     # A SymInt is a size under torch.compile's dynamic shapes: an int as far as callers know.
     return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
@@ -54,7 +60,7 @@ def int_value(name: str, value: object) -> int:
     """
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    return value
+    return _bounded(name, value)
 
 
 def positive_int(name: str, value: object) -> int:
@@ -69,7 +75,7 @@ def positive_int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be a positive int, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return _bounded(name, value)
 
 
 def non_negative_int(name: str, value: object) -> int:
@@ -84,6 +90,12 @@ def non_negative_int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return _bounded(name, value)
+
+
+def _bounded(name: str, value: int) -> int:
+    if isinstance(value, int) and abs(value) > MAX_INT:  # a SymInt is a real size: never this large
+        raise ValueError(f"{name} must be at most 2**62 in magnitude (values become int64), got {value!r}")
     return value
 
 
