@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from attnlab._call import build_call
-from attnlab._checks import divisible, instance_of
+from attnlab._checks import divisible, instance_of, int_value, one_of
 from attnlab.distributed._agreement import check_agreement
-from attnlab.distributed._args import choice, integer, timeout_seconds
+from attnlab.distributed._args import timeout_seconds
 from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
 from attnlab.distributed.layout import LAYOUTS, check_length, positions, shard, unshard
 from attnlab.distributed.ring import ring_attention
@@ -122,8 +122,8 @@ def context_parallel_attention(
 
 def _check_kinds(*, method, layout, causal, mask, scale, stats) -> None:
     """``TypeError`` for an option of the wrong kind, ``ValueError`` for a bad choice."""
-    choice("method", method, METHODS)
-    choice("layout", layout, LAYOUTS)
+    one_of("method", method, METHODS)
+    one_of("layout", layout, LAYOUTS)
     instance_of("causal", causal, bool, "a bool")
     if mask is not None and not (isinstance(mask, torch.Tensor) or callable(mask)):
         raise TypeError(f"mask must be a tensor, a mask mod or None, got {type(mask).__name__}")
@@ -167,8 +167,8 @@ class ContextParallel:
     timeout: float | None = None
 
     def __post_init__(self):
-        choice("method", self.method, METHODS)
-        choice("layout", self.layout, LAYOUTS)
+        one_of("method", self.method, METHODS)
+        one_of("layout", self.layout, LAYOUTS)
         timeout_seconds(self.timeout)
 
     def world_and_rank(self) -> tuple[int, int]:
@@ -188,7 +188,7 @@ class ContextParallel:
 
             ContextParallel().positions(4)   # rank 0: tensor([0, 1, 6, 7])
         """
-        integer("local_len", local_len)
+        int_value("local_len", local_len)
         world, rank = self.world_and_rank()
         return positions(local_len * world, layout=self.layout, rank=rank, world=world, device=device)
 

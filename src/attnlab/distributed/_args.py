@@ -1,48 +1,24 @@
-"""Argument checks of attnlab.distributed: a value of the wrong kind is a ``TypeError``, a bad
-value of the right kind a ``ValueError``; both name the argument.
+"""Argument checks of attnlab.distributed that :mod:`attnlab._checks` has no twin for: timeouts.
+
+A value of the wrong kind is a ``TypeError``, a bad value of the right kind a ``ValueError``;
+both name the argument (ints, choices and instances go through :mod:`attnlab._checks`).
 
 Example:
-    >>> choice("layout", "zigzag", ("zigzag", "contiguous"))
-    'zigzag'
-    >>> integer("rank", 1.5)
+    >>> timeout_seconds(2.5)
+    2.5
+    >>> number("timeout", "5")
     Traceback (most recent call last):
     ...
-    TypeError: rank must be an int, got float
+    TypeError: timeout must be a number, got str
 """
 
 from __future__ import annotations
 
-import torch
-
-from attnlab._checks import instance_of, one_of
-
-__all__ = ["choice", "integer", "number", "timeout_seconds"]
-
-
-def choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    """``value`` if it is one of ``choices``.
-
-    Example:
-        >>> choice("method", "ring", ("ring", "ulysses"))
-        'ring'
-    """
-    return one_of(name, instance_of(name, value, str, "a str"), choices)
-
-
-def integer(name: str, value: object) -> int:
-    """``value`` if it is an int (a bool is not).
-
-    Example:
-        >>> integer("dim", -1)
-        -1
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):  # SymInt: a size under compile
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
+__all__ = ["number", "timeout_seconds"]
 
 
 def number(name: str, value: object) -> float:
-    """``value`` if it is a real number (a bool is not).
+    """``value`` if it is a real number (a bool is not); infinity is allowed (wait forever).
 
     Example:
         >>> number("timeout", 2.5)

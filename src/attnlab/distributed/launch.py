@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attnlab._checks import instance_of, positive_int, positive_number
-from attnlab.distributed._args import integer, number
+from attnlab.distributed._args import number
 
 __all__ = ["Outcome", "run_local", "world_size_and_rank"]
 
@@ -106,12 +106,12 @@ def run_local(fn: Callable, *, world: int, args: tuple = (), backend: str = "glo
     """
     if not callable(fn):
         raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
-    positive_int("world", integer("world", world))
+    positive_int("world", world)
     instance_of("args", args, tuple, "a tuple")
     instance_of("backend", backend, str, "a str (\"gloo\", \"nccl\")")
     positive_number("timeout", number("timeout", timeout))
     if threads is not None:
-        positive_int("threads", integer("threads", threads))
+        positive_int("threads", threads)
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()

@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnlab._checks import instance_of, non_negative_int, positive_int
-from attnlab.distributed._args import choice, integer
+from attnlab._checks import instance_of, int_value, non_negative_int, one_of, positive_int
 from attnlab.distributed._comm import peers
 
 __all__ = ["LAYOUTS", "chunk_ids", "chunks_per_rank", "check_length", "positions", "shard", "unshard"]
@@ -44,7 +43,7 @@ def chunks_per_rank(layout: str) -> int:
         >>> chunks_per_rank("zigzag")
         2
     """
-    return 2 if choice("layout", layout, LAYOUTS) == "zigzag" else 1
+    return 2 if one_of("layout", layout, LAYOUTS) == "zigzag" else 1
 
 
 def chunk_ids(layout: str, *, rank: int, world: int) -> list[int]:
@@ -54,8 +53,8 @@ def chunk_ids(layout: str, *, rank: int, world: int) -> list[int]:
         >>> chunk_ids("contiguous", rank=2, world=4), chunk_ids("zigzag", rank=2, world=4)
         ([2], [2, 5])
     """
-    positive_int("world", integer("world", world))
-    if not 0 <= non_negative_int("rank", integer("rank", rank)) < world:
+    positive_int("world", world)
+    if not 0 <= non_negative_int("rank", rank) < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
 
@@ -71,8 +70,8 @@ def check_length(length: int, *, layout: str, world: int, name: str = "sequence 
         ...
         ValueError: sequence length 10 must be a positive multiple of 2 * world = 8 for layout='zigzag' (pad it: see attnlab.distributed.layout)
     """
-    integer(name, length)
-    pieces = chunks_per_rank(layout) * positive_int("world", integer("world", world))
+    int_value(name, length)
+    pieces = chunks_per_rank(layout) * positive_int("world", world)
     if length <= 0 or length % pieces:
         what = "2 * world" if pieces != world else "world"
         raise ValueError(f"{name} {length} must be a positive multiple of {what} = {pieces} for "
@@ -179,11 +178,11 @@ def to_rank_major(x: Tensor, *, dim: int, layout: str, world: int) -> Tensor:
 
 def _in_order(layout: str, world: int) -> bool:
     """Rank-major order is global order: one rank, or contiguous chunks (no copy needed)."""
-    return world == 1 or choice("layout", layout, LAYOUTS) == "contiguous"
+    return world == 1 or one_of("layout", layout, LAYOUTS) == "contiguous"
 
 
 def _dim(x: Tensor, dim: object) -> int:
-    integer("dim", dim)
+    int_value("dim", dim)
     if not -x.ndim <= dim < x.ndim:
         raise ValueError(f"dim must be in [{-x.ndim}, {x.ndim}) for a {x.ndim}-d tensor, got {dim}")
     return dim % x.ndim

@@ -29,7 +29,6 @@ from attnlab._call import all_finite, build_call
 from attnlab._checks import instance_of, positive_int
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
-from attnlab.distributed._args import integer
 from attnlab.distributed._comm import CommStats, Peers, exchange
 from attnlab.distributed.layout import chunk_ids
 
@@ -58,7 +57,7 @@ def ring_pieces(*, rank: int, source: int, world: int, layout: str, causal: bool
         >>> ring_pieces(rank=0, source=1, world=2, layout="contiguous", causal=True, chunk=4)
         []
     """
-    positive_int("chunk", integer("chunk", chunk))
+    positive_int("chunk", chunk)
     instance_of("causal", causal, bool, "a bool")
     q_chunks = chunk_ids(layout, rank=rank, world=world)
     if causal and source == rank:
