@@ -104,8 +104,9 @@ class AttentionCall:
     def requires_grad(self) -> bool:
         """Whether a backward pass may follow: grad mode is on and q, k, v or a float mask
         requires grad (under ``no_grad`` nothing is recorded, whatever the inputs say)."""
-        inputs = (self.q, self.k, self.v, self.mask if isinstance(self.mask, Tensor) else self.q)
-        return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        return torch.is_grad_enabled() and (
+            self.q.requires_grad or self.k.requires_grad or self.v.requires_grad
+            or (isinstance(self.mask, Tensor) and self.mask.requires_grad))
 
     @property
     def mask_kind(self) -> str:
@@ -209,7 +210,8 @@ def _check_tensor(name: str, value: object) -> Tensor:
     return value
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """Refuse q, k, v that no backend can take; return their broadcast batch dims."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -228,7 +230,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     lead = q.ndim - (2 if q.ndim <= 3 else 3)  # the batch dims, which broadcast
     if k.shape[lead:-1] != v.shape[lead:-1]:
         raise ValueError(f"v must match k in every dim but the batch dims and the last; got {shapes}")
-    if batch_shape(q, k, v) is None:
+    batch = batch_shape(q, k, v)
+    if batch is None:
         raise ValueError(f"the batch dims of q and k/v must be equal or 1 (they broadcast); got {shapes}")
     _check_sizes(q, k, v, shapes)
     if q.ndim >= 4 and q.shape[-3] % k.shape[-3] != 0:
@@ -236,6 +239,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"the number of query heads ({q.shape[-3]}) must be a multiple of the number of "
             f"key/value heads ({k.shape[-3]}); got {shapes}"
         )
+    return batch
 
 
 def sdpa_aligned(q: object, k: object, v: object) -> tuple:
@@ -254,7 +258,11 @@ def sdpa_aligned(q: object, k: object, v: object) -> tuple:
         [(1, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8)]
     """
     tensors = (q, k, v)
-    if not all(isinstance(t, Tensor) and 2 <= t.ndim <= 5 for t in tensors):
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return tensors
+    if q.ndim == k.ndim == v.ndim and (q.ndim < 4 or q.shape[-3] != 1 or k.shape[-3] == 1):
+        return tensors  # the common call: nothing to align (this runs on every call)
+    if not all(2 <= t.ndim <= 5 for t in tensors):
         return tensors
     rank = max(t.ndim for t in tensors)
     q, k, v = (t.reshape((1,) * (rank - t.ndim) + tuple(t.shape)) if t.ndim < rank else t
@@ -390,10 +398,9 @@ def build_call(
             argument and the shapes seen. Empty batches and sequences (B, Tq or Tk of 0) are
             legal.
     """
-    _check_qkv(q, k, v)
+    batch = _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
     _check_generator(generator, q.device)
-    batch = batch_shape(q, k, v)
     norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
     if causal and _masks.causal_offset(q.shape[-2], k.shape[-2], align) >= k.shape[-2] - 1:
         causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
