@@ -303,8 +303,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     check_safetensors(path)
     with _reading(path):
         with safetensors.safe_open(os.fspath(path), framework="pt") as f:
-            return {name: TensorInfo(f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
-                    for name in f.keys()}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: TensorInfo(s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
 
 
 def load(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:

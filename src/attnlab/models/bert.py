@@ -184,8 +184,6 @@ class BertEncoder(nn.Module):
         if attention_mask is None:
             return None
         padding_mask = attention_mask.bool()
-        if padding_mask.device.type == "meta":  # no values to read: keep the mask
-            return padding_mask
         # No padding at all: pass no mask, so the attention backend may take its unmasked path.
         return None if has_values(padding_mask) and bool(padding_mask.all()) else padding_mask
 

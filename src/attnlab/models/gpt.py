@@ -53,6 +53,8 @@ _GPT2_FIELDS = {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer":
 # config.json size -> the tensor (transformers' names, ``transformer.`` removed) that holds it.
 _GPT2_SIZES = {"vocab_size": _hub.Dim("wte.weight", 0), "n_embd": _hub.Dim("wte.weight", 1),
                "n_positions": _hub.Dim("wpe.weight", 0), "n_layer": _hub.Count("h."), "n_head": None}
+# config.json flags whose other value changes the model into one attnlab's GPT is not (absent: the value shown).
+_GPT2_NEEDED = {"scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False, "scale_attn_weights": True}
 _GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")  # causal-mask buffers older transformers saved
 V = TypeVar("V")
 _INIT_STD = 0.02  # GPT-2's embedding init; torch's N(0, 1) makes tied logits huge at the start
@@ -371,8 +373,8 @@ class GPT(nn.Module):
                              f"(expected {MODEL_TYPE!r} or 'gpt2')")
         parameters = {n: p.default for n, p in inspect.signature(cls).parameters.items() if n != "backend"}
         options = {k: v for k, v in config.items() if k in parameters}
-        header = _hub.read_header(directory)
-        _hub.check_sizes(directory, {**parameters, **options}, _attnlab_sizes({**parameters, **options}), header)
+        settings = {**parameters, **options}  # what the constructor will see, defaults included
+        _hub.check_sizes(directory, settings, _attnlab_sizes(settings), _hub.read_header(directory))
         try:
             model = cls(**options, backend=backend)
         except (TypeError, ValueError) as err:
@@ -428,12 +430,10 @@ def _from_gpt2(directory: Path, backend: str) -> GPT:
     if act not in _HF_ACTIVATIONS:
         raise ValueError(f"{str(path)!r}: activation_function {act!r} is not supported "
                          f"(one of {sorted(_HF_ACTIVATIONS)})")
-    for flag, default in (("tie_word_embeddings", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False), ("scale_attn_weights", True)):
+    for flag, default in {"tie_word_embeddings": True, **_GPT2_NEEDED}.items():
         if not isinstance(config.get(flag, default), bool):  # a string "false" is truthy
             raise ValueError(f"{str(path)!r}: {flag} must be true or false, got {config[flag]!r}")
-    for flag, fine in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
-                       ("scale_attn_weights", True)):
+    for flag, fine in _GPT2_NEEDED.items():
         if config.get(flag, fine) != fine:
             raise ValueError(f"{str(path)!r}: {flag}={config[flag]} is not supported (attnlab's GPT "
                              f"needs {flag}={fine})")
@@ -446,11 +446,11 @@ def _from_gpt2(directory: Path, backend: str) -> GPT:
                 num_layers=config["n_layer"], num_heads=config["n_head"], d_ff=config.get("n_inner"),
                 norm_eps=float(config["layer_norm_epsilon"]), activation=_HF_ACTIVATIONS[act],
                 tie_embeddings=config.get("tie_word_embeddings", True), backend=backend)
-    table = _gpt2_table(len(model.blocks), model.config["tie_embeddings"])
+    tied = model.config["tie_embeddings"]
+    table = _gpt2_table(len(model.blocks), tied)
     expected = model.state_dict()
     shapes = {hf: tuple(reversed(expected[ours].shape)) if conv else tuple(expected[ours].shape)
               for ours, (hf, conv) in table.items()}  # Conv1D stores (in, out); Linear has (out, in)
-    tied = model.config["tie_embeddings"]
     _hub.check_tensors(directory, header, shapes, what="GPT-2 tensor",
                        ignored=lambda name: bool(_GPT2_BUFFER.fullmatch(name)) or (tied and name == "lm_head.weight"))
     model.load_state_dict(_from_gpt2_names(_gpt2_names(_hub.load_weights(directory)), table, tied))
