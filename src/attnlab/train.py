@@ -362,13 +362,9 @@ class TrainConfig:
             >>> TrainConfig(task="text", text="x.txt", steps=5).resolved().steps
             5
         """
-        one_of("task", self.task, TASKS)
-        filled = {k: (v if getattr(self, k) is None else getattr(self, k)) for k, v in TASK_DEFAULTS[self.task].items()}
-        config = dataclasses.replace(self, **filled)
+        config = self._filled()
         for name in ("layers", "d_model", "steps", "batch_size", "eval_every", "eval_sequences"):
             positive_int(name, getattr(config, name))
-        if self.heads is None:
-            config.heads = default_heads(self.task, config.layers)
         counts = per_layer("heads", config.heads, config.layers)
         for layer, count in enumerate(counts):
             divisible("d_model", config.d_model, "heads" if isinstance(config.heads, int) else f"heads[{layer}]",
@@ -377,6 +373,15 @@ class TrainConfig:
             config.heads = counts  # a list read back from config.json becomes the tuple it was
         positive_number("lr", config.lr)
         one_of("positions", config.positions, POSITIONS)
+        return config
+
+    def _filled(self) -> "TrainConfig":
+        """A copy with every None filled from the task's defaults; only the task is checked."""
+        one_of("task", self.task, TASKS)
+        filled = {k: (v if getattr(self, k) is None else getattr(self, k)) for k, v in TASK_DEFAULTS[self.task].items()}
+        config = dataclasses.replace(self, **filled)
+        if self.heads is None:
+            config.heads = default_heads(self.task, config.layers)
         return config
 
 
@@ -402,15 +407,12 @@ def memory_estimate(config: TrainConfig, *, vocab_size: int, seq_len: int) -> di
         >>> sorted(parts), parts["parameters"] == 16 * (64 * 64 + 2 * (4 * 64 * 64 + 6 * 64) + 2 * 64)
         (['activations', 'parameters'], True)
     """
-    defaults = TASK_DEFAULTS[one_of("task", config.task, TASKS)]
-    c = {name: default if getattr(config, name) is None else getattr(config, name)
-         for name, default in defaults.items()}
-    layers, d, batch = c["layers"], c["d_model"], c["batch_size"]
-    heads = default_heads(config.task, layers) if config.heads is None else config.heads
-    most_heads = heads if isinstance(heads, int) else max(heads)
-    per_layer = 4 * d * d + 6 * d + (0 if c["attention_only"] else 8 * d * d + 7 * d)
-    parameters = vocab_size * d + (seq_len * d if c["positions"] == "learned" else 0) + layers * per_layer + 2 * d
-    kept = batch * seq_len * (layers * _KEPT_PER_LAYER[bool(c["attention_only"])] * d + 2 * vocab_size)
+    c = config._filled()
+    layers, d, batch = c.layers, c.d_model, c.batch_size
+    most_heads = c.heads if isinstance(c.heads, int) else max(c.heads)
+    per_block = 4 * d * d + 6 * d + (0 if c.attention_only else 8 * d * d + 7 * d)
+    parameters = vocab_size * d + (seq_len * d if c.positions == "learned" else 0) + layers * per_block + 2 * d
+    kept = batch * seq_len * (layers * _KEPT_PER_LAYER[bool(c.attention_only)] * d + 2 * vocab_size)
     weights = 2 * batch * layers * most_heads * seq_len * seq_len  # scores and probabilities
     return {"parameters": _FLOAT_BYTES * _FLOATS_PER_PARAMETER * parameters,
             "activations": _FLOAT_BYTES * (kept + weights)}
@@ -862,7 +864,7 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
         result["induction_heads_ablated"] = {"heads": names, "accuracy": round(together, 4)}
         if len(group) > 1:
             alone = [100 * float(ablated[l, h]) for l, h in group]
-            result["summary"] += (f" The {len(group)} heads with induction score >= 0.5 ({names}) share the job: "
+            result["summary"] += (f" The {len(group)} heads with induction score >= {ROLE_THRESHOLD} ({names}) share the job: "
                                   f"ablating one alone leaves {min(alone):.1f}-{max(alone):.1f} %, ablating them "
                                   f"together drops accuracy to {100 * together:.1f} %.")
     return result

@@ -47,14 +47,15 @@ def backends_command(
     tk, kv_heads = _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device)
     given = {option: value for option, value in (("--window", window), ("--documents", documents),
                                                  ("--prefix", prefix), ("--chunk", chunk)) if value is not None}
-    given.update({"--plain-mod": True} if plain_mod else {})
+    if plain_mod:
+        given["--plain-mod"] = True
     _check_structured(given, tq, tk)
     if padding and given:
         fail(f"--padding cannot be combined with {' or '.join(given)}")
     _check_memory(dtype, device, batch, heads, kv_heads, tq, tk, d)
     q, k, v, mask = _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, padding)
     structured, described = _structured_mask(tq, tk, align, given)
-    options = dict(causal=causal or described.startswith("--prefix 0"), align=align, dropout_p=dropout)
+    options = dict(causal=causal or given.get("--prefix") == 0, align=align, dropout_p=dropout)
     mask = structured if structured is not None else mask
     if mask is not None:
         options["mask"] = mask

@@ -181,8 +181,7 @@ def head_grid(weights: Tensor, tokens, *, title: str | None = None, captions=Non
     lines = 1 + max(map(len, caption_lines), default=0)
     widest = max((len(line) for caption in caption_lines for line in caption), default=0)
     title_lines = title.count("\n") + 1 if title else 0
-    fig, grid, (bar_left, bar_bottom, bar_top) = _grid_layout(n_layers, n_heads, lines, widest, labelled,
-                                                              title_lines)
+    fig, grid, bar = _grid_layout(n_layers, n_heads, lines, widest, labelled, title_lines)
     # A square-root scale: a head spread over T keys puts ~1/T on each, which a linear scale paints
     # as black as a weight of zero; sharp heads (weights near 1) stay as bright either way.
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
@@ -204,7 +203,7 @@ def head_grid(weights: Tensor, tokens, *, title: str | None = None, captions=Non
                 names = tokens if labelled else [str(t) for t in ticks]
                 ax.set_yticks(ticks, names, fontsize=6)
                 ax.set_xticks(ticks, names, fontsize=6, rotation=90 if labelled else 0)
-    _label_figure(fig, image, (bar_left, bar_bottom, bar_top), title)
+    _label_figure(fig, image, bar, title)
     return fig
 
 
