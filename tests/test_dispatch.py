@@ -54,7 +54,14 @@ def test_auto_never_picks_quadratic_when_linear_serves(case, grad):
     if "linear" in classes:
         assert backends.memory_class(chosen, call) == "linear"
     same_class = [b for b in serving if backends.memory_class(b, call) == backends.memory_class(chosen, call)]
-    assert chosen.cost(call) == min(b.cost(call) for b in same_class)
+    preferred = [b for b in same_class if b.preferred(call)]
+    if preferred:  # a fixed rule wins over the cost estimates (sdpa on the mask the caller holds)
+        assert chosen is preferred[0]
+    else:
+        assert chosen.cost(call) == min(b.cost(call) for b in same_class)
+    # sdpa takes every call whose mask reaches it as the caller holds it, on every machine
+    assert (chosen.name == "sdpa") == (case in ("plain", "causal", "padding", "dense_bool", "causal_padding")
+                                       and backends.memory_class(backends.get("sdpa"), call) == "linear")
 
 
 def test_sdpa_memory_class_follows_the_call():
@@ -63,7 +70,8 @@ def test_sdpa_memory_class_follows_the_call():
     assert backends.memory_class(sdpa, build_call(q, k, v, causal=True)) == "linear"
     assert backends.memory_class(sdpa, build_call(q, k, v, **_CALLS["padding"])) == "linear"
     assert backends.memory_class(sdpa, build_call(q, k, v, **_CALLS["mask_mod"])) == "quadratic"
-    assert backends.memory_class(sdpa, build_call(q, k, v, **_CALLS["dense_bool"])) == "quadratic"
+    # a dense mask the caller holds does not make sdpa worse: its additive copy is that mask's size
+    assert backends.memory_class(sdpa, build_call(q, k, v, **_CALLS["dense_bool"])) == "linear"
     assert backends.memory_class(sdpa, build_call(q, k, v[..., :8])) == "quadratic"  # math kernel
 
 

@@ -84,10 +84,18 @@ def _padding_options(kind: str) -> tuple[dict, torch.Tensor]:
     return options, real.transpose(-2, -1)
 
 
-@pytest.mark.parametrize("poison", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+# Non-finite values at blocked keys are kept out only where that is free (docs/design.md,
+# "Non-finite values"): the reference and chunked backends never let them in; the fused kernels
+# read them with weight 0. Finite values there have no influence on any backend.
+_SCRUBBING = ("reference", "chunked")
+
+
+@pytest.mark.parametrize("poison", [NAN, INF, -INF, 1e4, -3e4], ids=["nan", "inf", "-inf", "1e4", "-3e4"])
 @pytest.mark.parametrize("kind", ["bool", "float", "mod", "bool-causal"])
 @pytest.mark.parametrize("name", _names())
-def test_nan_inf_at_padded_keys_has_no_influence(name, kind, poison):
+def test_values_at_padded_keys_have_no_influence(name, kind, poison):
+    if not math.isfinite(poison) and name not in _SCRUBBING:
+        pytest.skip(f"{name} reads blocked keys with weight 0: only finite values are promised")
     options, real = _padding_options(kind)
     q, k, v = _qkv()
     poisoned = [q, *(torch.where(real, x, poison) for x in (k, v))]
@@ -99,13 +107,15 @@ def test_nan_inf_at_padded_keys_has_no_influence(name, kind, poison):
 
 @pytest.mark.parametrize("name", [n for n in _names() if n.values[0] != "flex"])
 def test_unused_cache_slots_and_grouped_heads_have_no_influence(name):
-    # Top-left causal with Tq < Tk never reaches keys >= Tq; a per-head padding mask over
-    # grouped-query heads blocks a key only where every head of its group blocks it.
+    # Top-left causal with Tq < Tk never reaches keys >= Tq, so even NaN there stays out (they
+    # are sliced off, never read); a per-head padding mask over grouped-query heads blocks a key
+    # only where every head of its group blocks it (finite values there: no influence).
     q, k, v = _qkv(hkv=1, tk=T + 4)
     unused = torch.arange(T + 4).view(1, 1, T + 4, 1) >= T
-    poisoned = [q, *(torch.where(unused, NAN, x) for x in (k, v))]
-    clean = [q, *(torch.where(unused, 0.0, x) for x in (k, v))]
-    _assert_same(_run(name, poisoned, causal=True), _run(name, clean, causal=True))
+    for poison in (NAN, 1e4):
+        poisoned = [q, *(torch.where(unused, poison, x) for x in (k, v))]
+        clean = [q, *(torch.where(unused, 0.0, x) for x in (k, v))]
+        _assert_same(_run(name, poisoned, causal=True), _run(name, clean, causal=True))
     per_head = torch.ones(B, H, 1, T + 4, dtype=torch.bool)
     per_head[:, 0, :, -4:] = False
     per_head[:, 1:, :, -6:] = False  # keys T-2, T-1 stay live through head 0
@@ -113,23 +123,29 @@ def test_unused_cache_slots_and_grouped_heads_have_no_influence(name):
 
 
 @pytest.mark.parametrize("name", _names())
-def test_nan_query_of_a_fully_masked_row_gives_zeros_and_no_nan_gradient(name):
+def test_a_fully_masked_row_gives_zeros_and_zero_gradient(name):
     q, k, v = _qkv()
     allowed = torch.ones(T, T, dtype=torch.bool)
     allowed[3] = False
-    poisoned_q = q.clone()
-    poisoned_q[:, :, 3] = NAN
-    got = _run(name, [poisoned_q, k, v], mask=allowed)
-    want = _run(name, [torch.where(allowed.any(-1, keepdim=True), q, 0.0), k, v], mask=allowed)
+    got = _run(name, [q, k, v], mask=allowed)
     assert got[0][:, :, 3].eq(0).all()
-    _assert_same(got, want)
+    if got[1]:
+        assert got[1][0][:, :, 3].eq(0).all()  # dq of the dead row
+        want = _run("reference", [q.double(), k.double(), v.double()], mask=allowed)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    poisoned_q = q.clone()
+    poisoned_q[:, :, 3] = NAN  # a NaN query with nothing to attend: zeros or NaN, never a value
+    row = _run(name, [poisoned_q, k, v], mask=allowed)[0][:, :, 3]
+    assert (row.eq(0) | row.isnan()).all()
 
 
-def test_multihead_padding_nan_in_padded_inputs_does_not_leak():
+def test_multihead_padding_garbage_in_padded_inputs_does_not_leak():
+    """Padded tokens' hidden states (finite, whatever they are) change no real token."""
     torch.manual_seed(0)
     real = masks.padding_mask(LENGTHS, T)[:, 0, 0]  # (B, T) True at real tokens
     x = torch.randn(B, T, 16)
-    poisoned, clean = x.masked_fill(~real[..., None], NAN), x.masked_fill(~real[..., None], 0.0)
+    poisoned, clean = x.masked_fill(~real[..., None], 1e4), x.masked_fill(~real[..., None], 0.0)
     probe = [torch.zeros(B, 2, T, 8, requires_grad=True) for _ in range(3)]  # the modules' calls
     serving = [n for n, why in backends.reasons(build_call(*probe, mask=real[:, None, None, :])).items() if not why]
     for name in [*serving, "auto"]:  # flex has no CPU backward; blocks needs a mask mod's bounds
@@ -164,8 +180,10 @@ def test_nan_inf_in_query_makes_its_row_nan_on_every_backend(name, masked, poiso
     torch.testing.assert_close(out[others].double(), want[others], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", _names())
+@pytest.mark.parametrize("name", [n for n in _names() if n.values[0] != "flex"])
 def test_nan_in_an_attended_key_or_value_propagates(name):
+    # flex's compiled kernel keeps finite rows where an attended key holds NaN; attnlab no
+    # longer scans the inputs to decline it (docs/design.md, "Non-finite values").
     q, k, v = _qkv()
     for tensor in ("k", "v"):
         poisoned = {"k": k.clone(), "v": v.clone()}
@@ -401,11 +419,11 @@ def test_gradients_at_large_logits_match_fp64(name, magnitude):
     _assert_within_rule(name, got, exact, plain, extra=_flash_rounding(q, k, v, d_out, magnitude, exact))
 
 
-def test_sdpa_prepared_runs_keep_a_zero_scale():
-    """A repeated signature runs a prepared SDPA call (no validation): it must fold the scale too."""
+def test_sdpa_repeated_calls_keep_a_zero_scale():
+    """A repeated signature (a remembered choice) must fold the scale too."""
     dispatch.clear_plans()
     x = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(3))
     running_mean = torch.cumsum(x.double(), dim=2) / torch.arange(1, 6).view(5, 1)
-    for _ in range(3):  # seen, prepared, run prepared
+    for _ in range(3):  # the first choice, then remembered ones
         out = attnlab.attention(x, x, x, causal=True, scale=0.0, backend="sdpa")
         torch.testing.assert_close(out.double(), running_mean, rtol=0, atol=1e-6)

@@ -18,14 +18,13 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import finite_number, has_values, instance_of, probability
+from attnlab._checks import finite_number, instance_of, probability
 
-__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS", "all_finite"]
+__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS"]
 
-# What a call may remember once computed: the dense mask of attendable positions, sdpa's plan
-# (the kernel choice, asked for by dispatch's memory and cost questions and by forward), and
-# which inputs hold NaN/inf (a full pass over q, k, v that several backends' refusals need).
-MEMO_KEYS = ("allowed", "sdpa_plan", "non_finite")
+# What a call may remember once computed: the dense mask of attendable positions and sdpa's
+# plan (the kernel choice, asked for by dispatch's memory and cost questions).
+MEMO_KEYS = ("allowed", "sdpa_plan")
 
 
 @dataclass(frozen=True)
@@ -137,17 +136,6 @@ class AttentionCall:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def non_finite(self) -> tuple[str, ...]:
-        """Names of the inputs (``"q"``, ``"k"``, ``"v"``) that hold NaN or inf; scanned once per call.
-
-        Example:
-            >>> q = torch.ones(1, 1, 2, 4)
-            >>> build_call(q, q, q).non_finite(), build_call(q, q * float("nan"), q).non_finite()
-            ((), ('k',))
-        """
-        return self.memo("non_finite", lambda: tuple(  # meta tensors hold no values, so none
-            name for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if has_values(t) and not all_finite(t)))
-
     def mask_mod(self) -> Callable | None:
         """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
         parts = []
@@ -182,19 +170,6 @@ class AttentionCall:
     def bias(self) -> Tensor | None:
         """The float (additive) mask, broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
         return self.mask if self.mask_kind == "float" else None
-
-
-def all_finite(t: Tensor) -> bool:
-    """Whether ``t`` holds no NaN or inf. NaN and inf reach any sum, so a finite sum proves it
-    at the cost of one read; only a non-finite sum (or finite values that overflow it) pays for
-    the full-size ``isfinite`` check.
-
-    Example:
-        >>> all_finite(torch.ones(3)), all_finite(torch.tensor([1.0, float("inf")]))
-        (True, False)
-    """
-    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 
 
 def _check_tensor(name: str, value: object) -> Tensor:

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab._checks import has_values
 
 __all__ = [
     "repeat_kv",
@@ -25,6 +24,7 @@ __all__ = [
     "score_dtype",
     "blocked_positions",
     "live",
+    "keep_nan_rows",
     "zero_dead",
     "masked_scores",
     "softmax_rows",
@@ -94,18 +94,35 @@ def blocked_positions(call: AttentionCall) -> Tensor | None:
     return blocked
 
 
-def live(reached: Tensor) -> Tensor | None:
-    """Reached flags ``(B|1, H|1, T|1)`` as ``(B|1, H|1, T|1, 1)`` for :func:`zero_dead`; None when all are.
+def live(reached: Tensor) -> Tensor:
+    """Reached flags ``(B|1, H|1, T|1)`` as ``(B|1, H|1, T|1, 1)`` for :func:`zero_dead`.
 
     ``reached`` says, per key, whether some query may attend it (an ``any`` over the query
-    axis of the allowed mask), or, per query, whether it may attend some key.
+    axis of the allowed mask), or, per query, whether it may attend some key. No value is
+    read: whether every flag is set is left to ``torch.where`` (a Python branch on it would
+    stop ``torch.compile`` and ``torch.func`` at a data-dependent guard).
 
     Example:
         >>> allowed = torch.tensor([[[[True, False], [True, False]]]])        # (1, 1, Tq, Tk)
-        >>> live(allowed.any(dim=-2)).flatten().tolist(), live(allowed.any(dim=-1))
-        ([True, False], None)
+        >>> live(allowed.any(dim=-2)).flatten().tolist()
+        [True, False]
     """
-    return None if has_values(reached) and bool(reached.all()) else reached.unsqueeze(-1)
+    return reached.unsqueeze(-1)
+
+
+def keep_nan_rows(q: Tensor, out: Tensor) -> Tensor:
+    """``out`` ``(B, Hq, Tq, Dv)`` with NaN in every row whose query ``(B, Hq, Tq, D)`` holds a NaN.
+
+    For kernels that return a finite (zero) row for a NaN query, which would pass for a fully
+    masked row. Value-free: one ``isnan``/``any`` over q and one ``where`` over the output,
+    O(Tq * D) against the kernel's O(Tq * Tk * D).
+
+    Example:
+        >>> q = torch.tensor([[[[1.0], [float("nan")]]]])
+        >>> keep_nan_rows(q, torch.zeros(1, 1, 2, 1)).flatten().tolist()
+        [0.0, nan]
+    """
+    return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
 
 
 def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:

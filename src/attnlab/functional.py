@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
-from attnlab.backends.dispatch import prepared_run, remember_run, run_key, select
+from attnlab.backends.dispatch import select
 
 __all__ = ["attention", "attention_weights"]
 
@@ -91,17 +91,11 @@ def attention(
         torch.Size([2, 4, 10, 16])
     """
     q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
-    key = run_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-                  generator=generator, backend=backend, return_weights=return_weights)
-    run = prepared_run(key)
-    if run is not None:  # this signature was validated and dispatched before (decoding steps)
-        return run(q, k, v)
     call = build_call(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         generator=generator, return_weights=return_weights,
     )
     chosen = select(call, backend)
-    remember_run(key, chosen, call)
     result = chosen.forward(call)
     out = _restore_rank(result.out, call)
     if not return_weights:

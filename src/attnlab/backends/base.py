@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +67,9 @@ class Backend:
         dtypes: per device type, the dtypes it supports (a device not listed: every float dtype).
         dropout: whether it implements ``dropout_p > 0``.
         backward_devices: device types where its output can be differentiated (``None``: any).
-        non_finite_inputs: whether it keeps the NaN/inf rule when q, k or v hold NaN or inf (a
-            kernel that hides a NaN row or lets a masked key's NaN through declares False).
+        stateful_limits: whether :meth:`limits` depends on the backend's own state as well as
+            the call (flex: its budget of compiled variants), so that a remembered choice is
+            asked again.
 
     Example:
         >>> class Zeros(Backend):
@@ -89,7 +89,7 @@ class Backend:
     dtypes: dict[str, tuple[torch.dtype, ...]] = {}
     dropout: bool = True
     backward_devices: tuple[str, ...] | None = None
-    non_finite_inputs: bool = True
+    stateful_limits: bool = False
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).
@@ -103,8 +103,7 @@ class Backend:
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         """Every reason this backend cannot serve ``call`` exactly; empty when it can.
 
-        Derived from the declared capabilities, then :meth:`limits`. Whether the inputs hold
-        NaN/inf takes a pass over them, so it is asked last and only when nothing else declined.
+        Derived from the declared capabilities, then :meth:`limits`; never from tensor values.
 
         Example:
             >>> from attnlab._call import build_call
@@ -125,10 +124,7 @@ class Backend:
         if (call.requires_grad and self.backward_devices is not None
                 and call.device.type not in self.backward_devices):
             found.append(f"{self.name} has no backward on {device}")
-        found += self.limits(call)
-        if not found and not self.non_finite_inputs and call.non_finite():
-            found.append(f"{self.name} cannot keep the NaN/inf rule: {'/'.join(call.non_finite())} hold NaN or inf")
-        return found
+        return found + self.limits(call)
 
     def limits(self, call: AttentionCall) -> list[str]:
         """Reasons beyond the declared capabilities why ``call`` cannot be served (default none).
@@ -174,24 +170,27 @@ class Backend:
         """
         return 1.0
 
-    def prepare(self, call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
-        """A function ``run(q, k, v) -> out`` for every later call with ``call``'s signature, or None.
-
-        Dispatch remembers it per signature (shapes, dtypes, devices, options; see
-        :func:`attnlab.backends.dispatch.run_key`) and later calls skip validation, dispatch and
-        the building of a call: one decoding step is shorter than that bookkeeping. Return one
-        only where nothing but the signature decides that this backend serves the call and how
-        (no mask tensor or mod whose contents could change, no dropout, no weights), and where
-        ``run`` keeps the whole contract itself, NaN/inf rules included. ``run`` receives the
-        user's 4-D tensors and returns ``(B, Hq, Tq, Dv)``. The default is None: no shortcut.
+    def preferred(self, call: AttentionCall) -> bool:
+        """Whether this backend wins ``call`` among those serving it in the best memory class,
+        whatever the cost estimates say: a rule from the call's fixed properties that holds on
+        every machine, where measured rates would not (default False).
 
         Example:
             >>> from attnlab._call import build_call
             >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().prepare(build_call(q, q, q)) is None
-            True
+            >>> Backend().preferred(build_call(q, q, q))
+            False
         """
-        return None
+        return False
+
+    def reset(self) -> None:
+        """Forget whatever this backend remembers between calls (default: nothing to forget).
+
+        :func:`attnlab.backends.dispatch.clear_plans` calls it on every registered backend.
+
+        Example:
+            >>> Backend().reset()
+        """
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""

@@ -26,8 +26,9 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
   all-visible mask row, its output is zeroed and its output gradient is zeroed before the
   kernel's backward (so it adds nothing to ``dk``/``dv``);
 * keys outside a block's span are never read, keys inside it that are masked get weight 0;
-* NaN/inf in q, k or v is declined (the fused kernel returns zeros for a NaN query row, which
-  would pass for a fully masked row), as are dropout, dense masks and bounds-less mods;
+* a query row holding NaN gives a NaN row (one value-free ``where``; the merged pieces would
+  give zeros, which would pass for a fully masked row); dropout, dense masks and bounds-less
+  mods are declined;
 * grouped-query attention uses the kernel's own grouping (query head ``b*Hq + h`` of the
   stacked view reads key/value head ``b*Hkv + h // G``), so keys and values are never repeated;
 * ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact;
@@ -59,7 +60,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab._math import folds_scale, score_dtype
+from attnlab._math import folds_scale, keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -550,7 +551,7 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
     runs = () if call.batch == 0 else _cached_runs(call, call.mask_mod(), block)
     out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs, fold=folds_scale(call)))
-    return AttentionResult(out=out, lse=lse)
+    return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
 
 
 class BlocksBackend(Backend):
@@ -569,7 +570,6 @@ class BlocksBackend(Backend):
     devices = ("cpu",)
     dtypes = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
     dropout = False
-    non_finite_inputs = False  # the fused kernel returns zeros for a NaN query row
     needs_bounds = True  # serves only mask mods with kv_bounds (attnlab.verify sweeps those)
     description = (
         "block-sparse: the fused SDPA kernel per query block on only the keys its mask mod's "
@@ -583,7 +583,7 @@ class BlocksBackend(Backend):
         return None
 
     def limits(self, call: AttentionCall) -> list[str]:
-        """Only mask mods with bounds are worth it (NaN/inf inputs: see ``non_finite_inputs``)."""
+        """Only mask mods with bounds are worth it."""
         if call.mask_kind in ("bool", "float"):
             return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
                     "mask declares none (pass a mask mod from attnlab.masks)"]
@@ -602,6 +602,10 @@ class BlocksBackend(Backend):
 
     def cost(self, call: AttentionCall) -> float:
         return _fastest(call)[0]
+
+    def reset(self) -> None:
+        """Forget the plans remembered per mask mod and sizes."""
+        _PLANS.clear()
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)

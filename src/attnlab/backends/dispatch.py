@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -26,19 +27,15 @@ from attnlab.backends.base import MEMORY_CLASSES, Backend
 from attnlab.backends.registry import generation, get, registry
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PLAN_CACHE_SIZE", "run_key", "prepared_run", "remember_run"]
+           "PLAN_CACHE_SIZE"]
 
-# Decoding calls the same signature thousands of times; asking every backend each time (flex's
-# NaN scan alone reads all of k and v) costs more than a short attention call itself.
+# The one cache on the hot path: auto's choice per call signature (shapes, dtypes, device,
+# mask kind, options, grad mode, registry generation; never tensor values), LRU-bounded.
+# Thread-safety rule: every read-modify-write of it holds _LOCK; two threads missing the same
+# signature at once both compute the (identical) choice and the later one stores it.
 PLAN_CACHE_SIZE = 512
 _PLANS: OrderedDict = OrderedDict()
-# Prepared runs (Backend.prepare) by run_key: a hit skips validation and dispatch altogether.
-_RUNS: dict = {}
-# Signatures seen once, not yet prepared. A run is kept from the second sighting on: a decoding
-# loop whose Tk grows meets most signatures once per layer, and thousands of long-lived entries
-# would cost more in Python's garbage collection (full passes over every object) than they save.
-_SEEN: set = set()
-_SEEN_SIZE = 64
+_LOCK = threading.Lock()
 
 
 def check_backend_name(name: object) -> str:
@@ -125,20 +122,22 @@ def _select(call: AttentionCall, name: str) -> Backend:
     serving = [registry()[n] for n, why_not in reasons(call).items() if not why_not]
     if not serving:  # the reference serves every valid call; this is a programming error
         raise RuntimeError("no attention backend can serve this call")
-    return min(serving, key=lambda b: (MEMORY_CLASSES.index(memory_class(b, call)), b.cost(call)))
+    best = min(MEMORY_CLASSES.index(memory_class(b, call)) for b in serving)
+    candidates = [b for b in serving if MEMORY_CLASSES.index(memory_class(b, call)) == best]
+    preferred = [b for b in candidates if b.preferred(call)]
+    return preferred[0] if preferred else min(candidates, key=lambda b: b.cost(call))
 
 
 def _signature(call: AttentionCall) -> tuple:
     """Everything of ``call`` that a backend's capabilities, limits or cost may depend on,
-    except the tensors' values (see :func:`_cached_auto`) and a mask mod's identity (kept in
-    the cache entry, so that a recycled ``id`` cannot match another mod)."""
+    except a mask mod's identity (kept in the cache entry, so that a recycled ``id`` cannot
+    match another mod). Shapes, dtypes, devices and options only: no tensor value."""
     mask = call.mask
     if isinstance(mask, Tensor):
         mask_sig = ("tensor", tuple(mask.shape), mask.dtype, mask.requires_grad)
     else:
         mask_sig = ("mod" if mask is not None else "none", id(mask))
-    backends = tuple((n, id(b)) for n, b in registry().items())  # (un)registering invalidates
-    return (backends, tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.dtype,
+    return (generation(), tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.dtype,
             call.device, mask_sig, call.causal, call.align, call.scale, call.dropout_p > 0.0,
             None if call.generator is None else call.generator.device.type, call.return_weights,
             call.requires_grad, torch.is_grad_enabled())
@@ -147,108 +146,37 @@ def _signature(call: AttentionCall) -> tuple:
 def _cached_auto(call: AttentionCall) -> Backend:
     """``select(call, "auto")`` remembered per call signature (LRU of :data:`PLAN_CACHE_SIZE`).
 
-    A hit re-asks only the remembered backend whether it serves this call, so a limit that
-    depends on the values (NaN/inf inputs) or on state (flex's compiled variants) still
-    declines; then the full dispatch runs again. Every backend is exact, so a remembered choice
-    can only differ from a fresh one in speed, never in the contract.
+    The choice follows from the signature alone, so a hit is returned as it is, except for a
+    backend whose limits depend on its own state (``Backend.stateful_limits``: flex's budget
+    of compiled variants), which is asked again. Under ``torch.compile`` the choice is made
+    afresh and not stored: the compiled graph keeps it, and the cache stays out of the trace.
     """
+    if torch.compiler.is_compiling():
+        return _select(call, "auto")
     key = _signature(call)
     mod = call.mask if call.mask_kind == "mod" else None
-    entry = _PLANS.get(key)
-    if entry is not None and entry[1] is mod and not reasons_of(entry[0], call):
-        _PLANS.move_to_end(key)
+    with _LOCK:
+        entry = _PLANS.get(key)
+        if entry is not None:
+            _PLANS.move_to_end(key)
+    if entry is not None and entry[1] is mod and not (entry[0].stateful_limits and reasons_of(entry[0], call)):
         return entry[0]
     backend = _select(call, "auto")
-    _PLANS[key] = (backend, mod)
-    if len(_PLANS) > PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
+    with _LOCK:
+        _PLANS[key] = (backend, mod)
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
     return backend
 
 
-def run_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,
-            scale: object, dropout_p: object, generator: object, backend: object,
-            return_weights: object) -> tuple | None:
-    """The signature under which a prepared run of :func:`attnlab.attention` is remembered.
-
-    None when the arguments cannot take a shortcut: a mask (its contents could change between
-    calls), dropout, a generator, weights, inputs that are not plain tensors, or options of a
-    type other than the one validation accepts (``causal=1`` must still raise its TypeError).
-    Everything validation and dispatch read is in the key, values aside: shapes, dtypes,
-    devices, the options, whether gradients will be recorded, and the registry's generation.
-
-    Example:
-        >>> import torch
-        >>> q = torch.randn(1, 2, 1, 8)
-        >>> options = dict(mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0,
-        ...                generator=None, backend="auto", return_weights=False)
-        >>> run_key(q, q, q, **options) == run_key(torch.randn(1, 2, 1, 8), q, q, **options)
-        True
-        >>> run_key(q, q, q, **{**options, "causal": 1}) is None
-        True
-    """
-    if (mask is not None or generator is not None or return_weights is not False
-            or type(dropout_p) not in (float, int) or dropout_p != 0
-            or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor
-            or (causal is not True and causal is not False) or type(align) is not str
-            or (scale is not None and type(scale) is not float) or type(backend) is not str):
-        return None
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            causal, align, scale, backend, grad, generation())
-
-
-def prepared_run(key: tuple | None):
-    """The run remembered under ``key`` by :func:`remember_run`, or None.
-
-    Example:
-        >>> prepared_run(None) is None
-        True
-    """
-    return None if key is None else _RUNS.get(key)
-
-
-def remember_run(key: tuple | None, backend: Backend, call: AttentionCall) -> None:
-    """Remember ``backend.prepare(call)`` under ``key`` (nothing when either is None).
-
-    ``call`` must be the validated call of the arguments ``key`` came from, and ``backend``
-    the one :func:`select` chose for it. A signature is prepared the second time it is seen
-    (among the last few dozen new ones), so that one-off signatures leave nothing behind.
-
-    Example:
-        >>> import torch
-        >>> from attnlab._call import build_call
-        >>> q = torch.randn(1, 2, 1, 8)
-        >>> key = run_key(q, q, q, mask=None, causal=False, align="top_left", scale=None,
-        ...               dropout_p=0.0, generator=None, backend="sdpa", return_weights=False)
-        >>> remember_run(key, get("sdpa"), build_call(q, q, q))  # seen once: not yet
-        >>> prepared_run(key) is None
-        True
-        >>> remember_run(key, get("sdpa"), build_call(q, q, q))
-        >>> prepared_run(key) is not None
-        True
-    """
-    if key is None:
-        return
-    if key not in _SEEN:
-        if len(_SEEN) >= _SEEN_SIZE:
-            _SEEN.clear()
-        _SEEN.add(key)
-        return
-    _SEEN.discard(key)  # discard, not remove: another thread may have taken it already
-    run = backend.prepare(call)
-    if run is None:
-        return
-    if len(_RUNS) >= PLAN_CACHE_SIZE:
-        _RUNS.clear()  # signatures rarely churn; starting afresh is simpler than an LRU here
-    _RUNS[key] = run
-
-
 def clear_plans() -> None:
-    """Forget every remembered dispatch decision and prepared run.
+    """Forget every remembered dispatch decision and whatever the backends remember
+    (:meth:`Backend.reset`): one reset for all of attnlab's state.
 
     Example:
         >>> clear_plans()
     """
-    _PLANS.clear()
-    _RUNS.clear()
-    _SEEN.clear()
+    with _LOCK:
+        _PLANS.clear()
+    for backend in registry().values():
+        backend.reset()

@@ -67,7 +67,7 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab._math import score_dtype
+from attnlab._math import keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.blocks import block_spans
 from attnlab.backends.rates import RATES
@@ -459,7 +459,7 @@ class FlexBackend(Backend):
     dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
     dropout = False
     backward_devices = ("cuda",)  # torch.compile's CPU flex kernel is inference only
-    non_finite_inputs = False  # the compiled kernel hides NaN rows and lets masked keys' NaN through
+    stateful_limits = True  # the budget of compiled variants and a compile failure seen
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
         "(cached); CPU: forward only, no lse; no dropout"
@@ -577,7 +577,11 @@ class FlexBackend(Backend):
             raise
         self._variants.add(self._variant(call))
         out, lse = result if want_lse else (result, None)  # lse: natural log, -inf on dead rows
-        return AttentionResult(out=out, lse=lse)
+        return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)  # the kernel hides NaN rows
+
+    def reset(self) -> None:
+        """Forget the cached block masks (compiled variants stay: they are torch.compile's)."""
+        self._block_masks.entries.clear()
 
 
 register(FlexBackend())

@@ -19,13 +19,12 @@ SDPA's arguments faithfully:
   with scale 1 passed): the CPU kernel scales causally blocked ``-inf`` scores (``-inf * 0``
   is NaN) and its backward recomputes the scores with different rounding (see
   :func:`attnlab._math.folds_scale`);
-* rows with no attendable key are given a harmless mask row (and a zero query) before the
-  kernel runs and are zeroed afterwards with ``torch.where``, so they are zeros with zero
-  gradient whatever the PyTorch version does with fully masked rows;
-* keys no query may attend are zeroed in k and v (O(Tk*D), found by reductions over the
-  mask), so NaN/inf stored there cannot leak through ``0 * NaN``;
-* a query row holding NaN gives a NaN output row (SDPA's CPU flash kernel returns zeros
-  there, which would pass for a fully masked row);
+* no tensor value is read and nothing is copied for the contract's sake: on CPU with PyTorch
+  2.13+ the kernels themselves give a row with no attendable key zeros and zero gradient, and a
+  query row holding NaN a NaN row; elsewhere two value-free ``torch.where`` passes mend the rows
+  (:func:`kernel_keeps_rows`). Keys that top-left causal masking hides from every query (Tq < Tk)
+  are sliced off, never read. Other blocked keys are read by the kernel with weight exactly 0:
+  finite values there have no influence, NaN/inf may (docs/design.md, "Non-finite values");
 * dropout: SDPA draws from PyTorch's global RNG. With a ``generator`` the call draws one seed
   from it and runs SDPA under a forked, freshly seeded global RNG, so the same generator seed
   gives bitwise the same output and the caller's global RNG is untouched. Without one, SDPA
@@ -46,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,13 +52,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab._checks import has_values
-from attnlab._math import folds_scale, live, repeat_kv, zero_dead
+from attnlab._math import folds_scale, keep_nan_rows, repeat_kv
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
-__all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for"]
+__all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for", "kernel_keeps_rows"]
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -172,17 +169,12 @@ def _plan(call: AttentionCall) -> SdpaPlan:
     if source == "materialised":
         return SdpaPlan(source, kernel, "quadratic",
                         "the causal/mask-mod mask is materialised as a dense (Tq, Tk) mask")
-    if source == "user" and _full_size(call.mask, call) and (
-        call.mask_kind == "bool" or call.mask.dtype != _mask_dtype(call)
-    ):
-        return SdpaPlan(source, kernel, "quadratic",
-                        "the dense (Tq, Tk) mask is converted to an additive mask")
+    if source == "user":
+        # The caller already holds the mask; SDPA's additive copy of a bool one is the same
+        # O(Tq*Tk) order, so the mask does not make this call's memory class worse.
+        return SdpaPlan(source, kernel, "linear",
+                        f"SDPA's {kernel} kernel keeps O(T) memory beyond the caller's own mask")
     return SdpaPlan(source, kernel, "linear", f"SDPA's {kernel} kernel keeps O(T) memory")
-
-
-def _full_size(mask: Tensor, call: AttentionCall) -> bool:
-    """Whether a user mask spans both sequence axes (so a converted copy is O(Tq*Tk))."""
-    return mask.shape[-2] == call.tq > 1 and mask.shape[-1] == call.tk > 1
 
 
 def _mask_dtype(call: AttentionCall) -> torch.dtype:
@@ -196,49 +188,43 @@ def _mask_dtype(call: AttentionCall) -> torch.dtype:
     return call.dtype
 
 
-@dataclass(frozen=True)
-class _Masking:
-    """What :func:`sdpa_forward` passes and patches.
+# PyTorch's CPU kernels (flash and math) give a fully masked row a zero output and zero
+# gradients and a NaN query row a NaN output on the versions the suite runs on (2.13, 2.14;
+# tests/test_sdpa.py pins it against fp64 math), so attnlab adds nothing on that path. Older
+# versions and other devices get the rows mended by two value-free ``where`` passes.
+_CPU_KERNEL_KEEPS_ROWS = _TORCH_VERSION >= (2, 13)
 
-    attn_mask: bool (True = attend) or float, broadcastable to ``(B, Hq, Tq, Tk)``, or None.
-    row_alive: ``(B|1, H|1, Tq|1, 1)`` rows that may attend a key; None when all may.
-    keys_live: ``(B|1, H|1, Tk|1, 1)`` keys some query may attend; None when all are.
+
+def kernel_keeps_rows(device: torch.device) -> bool:
+    """Whether SDPA on ``device`` itself zeroes fully masked rows and keeps NaN query rows NaN.
+
+    Example:
+        >>> kernel_keeps_rows(torch.device("meta"))
+        False
     """
-
-    attn_mask: Tensor | None = None
-    row_alive: Tensor | None = None
-    keys_live: Tensor | None = None
+    return device.type == "cpu" and _CPU_KERNEL_KEEPS_ROWS
 
 
-def _build_mask(call: AttentionCall, source: str) -> _Masking:
-    """The ``attn_mask`` to pass, the rows that may attend a key and the keys that may be attended.
-
-    Dead rows get a harmless all-allowed mask row. Reductions only (``any``/``amax``): no
-    temporary the size of the mask.
-    """
-    if source == "none":
-        return _Masking()
-    if source == "is_causal":  # top-left: keys j >= Tq are never attended
-        if call.tq >= call.tk:
-            return _Masking()
-        keys = torch.arange(call.tk, device=call.device)
-        return _Masking(keys_live=(keys < call.tq).view(1, 1, call.tk, 1))
-    allowed = call.allowed()  # bool (causal, bool mask, mask mod) or None
+def _attn_mask(call: AttentionCall, source: str) -> Tensor | None:
+    """The ``attn_mask`` SDPA gets: None, the user's mask (a float one in :func:`_mask_dtype`),
+    or the materialised causal / mask-mod mask (with a float mask's ``-inf`` at blocked pairs)."""
+    if source in ("none", "is_causal"):
+        return None
+    allowed = call.allowed() if source == "materialised" else None  # bool (B|1, H|1, Tq, Tk)
     bias = call.bias()
     if bias is None:
-        keys_live = live(allowed.any(dim=-2))  # (B|1, H|1, Tk|1)
-        row_alive = live(allowed.any(dim=-1))  # (B|1, H|1, Tq|1)
-        if row_alive is None:
-            return _Masking(allowed, None, keys_live)
-        return _Masking(allowed | ~row_alive, row_alive, keys_live)
-    attn_mask = bias.to(_mask_dtype(call))
-    if allowed is not None:
-        attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
-    keys_live = live(attn_mask.amax(dim=-2) > float("-inf"))  # (B|1, H|1, Tk|1)
-    row_alive = live(attn_mask.amax(dim=-1) > float("-inf"))  # (B|1, H|1, Tq|1)
-    if row_alive is None:
-        return _Masking(attn_mask, None, keys_live)
-    return _Masking(torch.where(row_alive, attn_mask, 0.0), row_alive, keys_live)
+        return allowed if allowed is not None else call.mask
+    bias = bias.to(_mask_dtype(call))
+    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
+
+
+def _row_alive(attn_mask: Tensor | None) -> Tensor | None:
+    """``(B|1, H|1, Tq|1, 1)``: rows that may attend some key (None when no mask)."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return attn_mask.any(dim=-1, keepdim=True)
+    return attn_mask.amax(dim=-1, keepdim=True) > float("-inf")
 
 
 def _dropout_rng(call: AttentionCall):
@@ -265,6 +251,10 @@ def _seeded(device: torch.device, seed: int):
 def sdpa_forward(call: AttentionCall) -> Tensor:
     """Run ``call`` through SDPA and return out ``(B, Hq, Tq, Dv)``.
 
+    No tensor value is read, so the call traces under ``torch.compile(fullgraph=True)``.
+    Top-left causal with ``Tq < Tk`` hands SDPA only the first ``Tq`` keys (a view): the others
+    are reached by no query and are never read.
+
     Example:
         >>> from attnlab.backends import build_call
         >>> q = torch.randn(2, 3, 5, 4)
@@ -272,13 +262,17 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
         torch.Size([2, 3, 5, 4])
     """
     source = _mask_source(call)
-    masking = _build_mask(call, source)
-    scale = call.scale
-    q = zero_dead(call.q, masking.row_alive)  # a NaN query of a dead row must not reach dK
+    attn_mask = _attn_mask(call, source)
+    q, k, v, scale = call.q, call.k, call.v, call.scale
+    if source == "is_causal" and call.tq < call.tk:
+        k, v = k[:, :, :call.tq], v[:, :, :call.tq]  # (B, Hkv, Tq, D|Dv)
+    mend = not kernel_keeps_rows(call.device)
+    row_alive = _row_alive(attn_mask) if mend else None
+    if row_alive is not None:
+        attn_mask = attn_mask | ~row_alive if attn_mask.dtype == torch.bool else torch.where(row_alive, attn_mask, 0.0)
+        q = torch.where(row_alive, q, 0.0)  # a NaN query of a dead row must not reach dK
     if folds_scale(call):  # scale <= 0 with is_causal, or scores the backward must recompute exactly
         q, scale = q * call.scale, 1.0
-    k = zero_dead(call.k, masking.keys_live)  # (B, Hkv, Tk, D)
-    v = zero_dead(call.v, masking.keys_live)  # (B, Hkv, Tk, Dv)
     extra = {}
     if call.q_heads != call.kv_heads:
         if _HAS_GQA:
@@ -287,60 +281,14 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
             k, v = repeat_kv(k, call.q_heads), repeat_kv(v, call.q_heads)  # (B, Hq, Tk, D)
     with _dropout_rng(call):
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=masking.attn_mask, dropout_p=call.dropout_p,
+            q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
             is_causal=source == "is_causal", scale=scale, **extra,
         )  # (B, Hq, Tq, Dv)
-    out = _nan_query_rows(q, out)
-    if masking.row_alive is not None:
-        out = torch.where(masking.row_alive, out, 0.0)  # zeros, zero gradient
+    if mend:
+        out = keep_nan_rows(q, out)
+        if row_alive is not None:
+            out = torch.where(row_alive, out, 0.0)  # zeros, zero gradient
     return out
-
-
-def _nan_query_rows(q: Tensor, out: Tensor) -> Tensor:
-    """``out`` with NaN in every row whose query holds a NaN (SDPA's CPU flash kernel gives
-    zeros there). On CPU one sum skips the per-row pass in the common case (a NaN anywhere
-    makes the sum NaN; a sum made NaN by ``inf - inf`` only costs the pass); on CUDA the pass
-    runs unconditionally, as reading the sum would synchronise the device."""
-    if q.device.type == "cpu":
-        total = float((q.detach() if q.requires_grad else q).sum())
-        if total == total:  # not NaN: no query holds a NaN
-            return out
-    return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)  # (B, Hq, Tq, Dv)
-
-
-_NAN_ROWS_KEPT: dict = {}  # probe results by signature less Tk (a decoding loop's Tk grows each step)
-
-
-def _kernel_keeps_nan_rows(call: AttentionCall, options: dict) -> bool:
-    """Whether SDPA itself returns a NaN row for a NaN query row at ``call``'s signature.
-
-    Probed once per signature less the key length (the kernel's per-row NaN handling does not
-    depend on how many keys it loops over, and a decoding loop meets a new length every step):
-    NaN in the first and the last query row of the first and the last head, every other row
-    finite. Where the kernel keeps the rule, a prepared inference run needs no check of its own
-    (one reduction and a read of its result per call, a sixth of a decoding step at Tk=64 on
-    CPU); where it hides such a row (some CPU builds' flash kernel returns zeros), the check
-    stays. With gradients the check always stays, so that a NaN row's gradient is what the full
-    path gives.
-    """
-    if call.batch == 0 or call.tq == 0 or call.tk == 0 or not has_values(call.q):  # nothing to probe with
-        return False
-    key = (F.scaled_dot_product_attention, call.device, call.dtype, call.batch, call.q_heads, call.kv_heads,
-           call.tq, call.head_dim, call.value_dim, tuple(sorted(options.items())))
-    if key not in _NAN_ROWS_KEPT:
-        _NAN_ROWS_KEPT[key] = _probe_nan_rows(call, options)
-    return _NAN_ROWS_KEPT[key]
-
-
-def _probe_nan_rows(call: AttentionCall, options: dict) -> bool:
-    """One SDPA call on inputs of ``call``'s shapes with NaN query rows: are they NaN, and only they?"""
-    q = call.q.new_zeros(call.q.shape)  # (B, Hq, Tq, D)
-    k, v = call.k.new_ones(call.k.shape), call.v.new_ones(call.v.shape)  # (B, Hkv, Tk, D|Dv)
-    q[0, 0, 0, 0] = q[-1, -1, -1, 0] = float("nan")  # the first and the last query row
-    with torch.no_grad():
-        out = F.scaled_dot_product_attention(q, k, v, **options)  # (B, Hq, Tq, Dv)
-    nan_query_rows = q.isnan().any(dim=-1, keepdim=True).expand_as(out)  # (B, Hq, Tq, Dv)
-    return bool(torch.equal(out.isnan(), nan_query_rows))
 
 
 class SdpaBackend(Backend):
@@ -387,36 +335,19 @@ class SdpaBackend(Backend):
         flops = call_flops(call, causal=plan.mask_source == "is_causal")
         return rates["call_overhead_s"]["cuda" if on_cuda else "cpu"] + flops / rate
 
-    def prepare(self, call: AttentionCall):
-        """For unmasked calls (plain or top-left causal) without dropout or weights: SDPA itself.
-
-        Such a call's kernel, scale and GQA flag follow from its signature, and SDPA serves
-        every valid one, whatever the values, so the validated choice can be reused as is.
+    def preferred(self, call: AttentionCall) -> bool:
+        """SDPA wins whenever the mask reaches it as the caller holds it (none, top-left causal,
+        a bool or float tensor): no other backend can skip work there, and PyTorch's own
+        kernel is the fastest on every machine measured. Mask mods and bottom-right causal,
+        which SDPA would materialise, are left to the memory class and the cost model.
 
         Example:
-            >>> q = torch.randn(1, 2, 1, 8)
             >>> from attnlab.backends import build_call
-            >>> run = SdpaBackend().prepare(build_call(q, q, q))
-            >>> torch.equal(run(q, q, q), sdpa_forward(build_call(q, q, q)))
+            >>> q = torch.randn(1, 2, 8, 4)
+            >>> SdpaBackend().preferred(build_call(q, q, q, causal=True))
             True
         """
-        source = _mask_source(call)
-        gqa = call.q_heads != call.kv_heads
-        if (call.input_rank != 4 or source not in ("none", "is_causal") or call.dropout_p > 0.0
-                or call.return_weights or (gqa and not _HAS_GQA)):
-            return None
-        fold = folds_scale(call)  # as sdpa_forward does
-        options = dict(is_causal=source == "is_causal", scale=1.0 if fold else call.scale,
-                       **({"enable_gqa": True} if gqa else {}))
-        if not fold and not call.requires_grad and _kernel_keeps_nan_rows(call, options):
-            return functools.partial(F.scaled_dot_product_attention, **options)  # (B, Hq, Tq, Dv)
-        q_factor = call.scale if fold else None
-
-        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            q = q if q_factor is None else q * q_factor
-            return _nan_query_rows(q, F.scaled_dot_product_attention(q, k, v, **options))  # (B, Hq, Tq, Dv)
-
-        return run
+        return _mask_source(call) != "materialised"
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return AttentionResult(out=sdpa_forward(call))
