@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,21 @@ def test_the_lab_sits_above_the_library():
     lab = sorted(name for name in all_modules() if in_lab(name))
     assert "attnlab.tutorial" in lab and "attnlab.distributed.check" in lab and "attnlab.viz.html" in lab
     assert not any(in_lab(name) for name in ("attnlab", "attnlab.nn.multihead", "attnlab.distributed.ring"))
+
+
+def test_design_md_layer_table_lists_every_module_in_its_part():
+    """docs/design.md's "## Layers" table names every module once, in the part this file gives it."""
+    text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    section = text[text.index("## Layers\n"):]
+    section = section[: section.index("\n## ", 1)]
+    listed = {}
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.split("|")]
+        if len(cells) > 4 and cells[1] in ("library", "lab"):
+            for path in re.findall(r"`([^`]+)`", cells[3]):
+                listed[".".join(["attnlab", *path.split("/")]).removesuffix(".__init__")] = cells[1]
+    assert sorted(listed) == sorted(all_modules())
+    assert [name for name, part in listed.items() if (part == "lab") != in_lab(name)] == []
 
 
 def test_no_import_goes_up_a_layer():
