@@ -63,7 +63,7 @@ class MultiHeadAttention(nn.Module):
     tutorials' three ``nn.Linear`` layers created in that order, then ``out_proj``: after
     ``torch.manual_seed(s)`` the module reproduces the documents' outputs. A ``state_dict``
     saved from the tutorials' module (keys ``W_query.weight``, ...) loads into this layout;
-    :func:`attnlab.tutorial.projections` shows the parts under the tutorials' names.
+    :class:`attnlab.tutorial.Projections` shows the parts under the tutorials' names.
 
     **Masks** (True = may attend). ``mask`` broadcasts to ``(B, H, Tq, Tk)`` (a 2-D
     ``(Tq, Tk)`` or a 4-D tensor), is a float bias (e.g. ALiBi), or a mask mod.
