@@ -1,40 +1,68 @@
 """The package's imports go one way: down the layers of docs/design.md, with no cycle.
 
+The package has two parts. The **library** (the core: masks, functional, backends, nn, io, models,
+integrations, distributed and the private low-level modules) is what a model needs; the **lab**
+(tutorial, explain, viz, train and trained, verify, bench, the command line) teaches and
+measures, and sits above it. The lab imports the library, never the reverse.
+
 Every ``import`` statement in ``src/attnlab`` is read from the source (module level and inside
 functions alike, so a lazy import cannot hide an upward edge), resolved to the attnlab module it
-names, and checked against the layer table below.
+names, and checked against the layer table below; a fresh interpreter checks what ``import
+attnlab`` really loads.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 
 # Lower number = lower layer. A module may import its own layer or any lower one.
-LAYERS = [
+CORE = [
     ("attnlab._checks", 0), ("attnlab._flops", 0), ("attnlab._memory", 0),
     ("attnlab.masks", 1),
     ("attnlab._call", 2),
     ("attnlab._math", 3),
     ("attnlab.backends", 4),
     ("attnlab.functional", 5),
-    ("attnlab.nn", 6), ("attnlab.tutorial", 6), ("attnlab.io", 6),
-    ("attnlab.integrations", 6), ("attnlab.distributed", 6),
+    ("attnlab.nn", 6), ("attnlab.io", 6), ("attnlab.integrations", 6), ("attnlab.distributed", 6),
     ("attnlab.models", 7),
-    ("attnlab", 8),  # the root package re-exports nn and tutorial, so it sits above them
-    ("attnlab.explain", 9), ("attnlab.viz", 9), ("attnlab.verify", 9), ("attnlab.bench", 9),
-    ("attnlab.train", 9), ("attnlab.trained", 9),
-    ("attnlab.cli", 10), ("attnlab.__main__", 10),
-    ("attnlab.distributed.check", 10),  # the torchrun entry point: runs the CLI command
+    ("attnlab", 8),  # the root package re-exports the library's API
 ]
+LAB = [
+    ("attnlab.tutorial", 9),
+    ("attnlab.explain", 10), ("attnlab.viz", 10), ("attnlab.verify", 10), ("attnlab.bench", 10),
+    ("attnlab.train", 10), ("attnlab.trained", 10),
+    ("attnlab.cli", 11), ("attnlab.__main__", 11),
+    ("attnlab.distributed.check", 11),  # the torchrun entry point: runs the CLI command
+]
+LAYERS = CORE + LAB
+
+# The one import from the library into the lab: the root's PEP 562 ``__getattr__`` imports
+# ``attnlab.tutorial`` when ``attnlab.tutorial`` is first read, so ``import attnlab`` loads no lab.
+LAZY_LAB_IMPORTS = {("attnlab", "attnlab.tutorial", "__getattr__")}
+
+# The lab's own dependencies: no library module imports them, not even inside a function.
+LAB_DEPENDENCIES = ("matplotlib", "rich", "typer")
 
 
-def layer_of(module: str) -> int:
-    """The layer of the longest prefix of ``module`` in LAYERS."""
+class Edge(NamedTuple):
+    target: str  # the attnlab module (or, for external_imports, the top-level package) imported
+    top_level: bool  # a statement of the module body itself
+    line: int
+    function: str | None  # the innermost enclosing function, None outside any
+
+
+def _entry(module: str) -> tuple[str, int]:
+    """The ``(prefix, layer)`` of the longest prefix of ``module`` in LAYERS."""
     best = None
     for prefix, rank in LAYERS:
         if module == prefix or module.startswith(prefix + "."):
@@ -42,7 +70,15 @@ def layer_of(module: str) -> int:
                 best = (prefix, rank)
     if best is None:
         raise AssertionError(f"{module} is not in the layer table of tests/test_layers.py")
-    return best[1]
+    return best
+
+
+def layer_of(module: str) -> int:
+    return _entry(module)[1]
+
+
+def in_lab(module: str) -> bool:
+    return _entry(module) in LAB
 
 
 def module_name(path: Path) -> str:
@@ -63,31 +99,55 @@ def _resolve(name: str, modules: dict[str, Path]) -> str:
     return name
 
 
-def imports_of(path: Path, modules: dict[str, Path]) -> list[tuple[str, bool, int]]:
-    """(imported attnlab module, at module level?, line) for every import in ``path``."""
+def _imports(tree: ast.Module, package: str):
+    """(dotted names imported, node, enclosing function) for every import statement in ``tree``."""
+
+    def walk(node: ast.AST, function: str | None):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                yield [alias.name for alias in child.names], child, function
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    kept = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(kept + ([base] if base else []))
+                yield [f"{base}.{alias.name}" for alias in child.names], child, function
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            yield from walk(child, inner)
+
+    yield from walk(tree, None)
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> list[Edge]:
+    """Every import of an attnlab module in ``path``."""
+    return imports_in(path.read_text(), _package_of(path), modules)
+
+
+def _package_of(path: Path) -> str:
     name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    return imports_in(path.read_text(), package, modules)
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
 
 
-def imports_in(source: str, package: str, modules: dict[str, Path]) -> list[tuple[str, bool, int]]:
+def imports_in(source: str, package: str, modules: dict[str, Path]) -> list[Edge]:
     """As :func:`imports_of`, for source text of a module inside ``package``."""
     tree = ast.parse(source)
     top_level = {id(node) for node in tree.body}
-    found = []
-    for node in ast.walk(tree):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names = [f"{base}.{alias.name}" for alias in node.names]
-        for name in names:
-            if name == "attnlab" or name.startswith("attnlab."):
-                found.append((_resolve(name, modules), id(node) in top_level, node.lineno))
-    return found
+    return [Edge(_resolve(name, modules), id(node) in top_level, node.lineno, function)
+            for names, node, function in _imports(tree, package)
+            for name in names if name == "attnlab" or name.startswith("attnlab.")]
+
+
+def external_imports(source: str, package: str) -> list[Edge]:
+    """Every import of a package other than attnlab, by its top-level name."""
+    tree = ast.parse(source)
+    top_level = {id(node) for node in tree.body}
+    return [Edge(name.split(".")[0], id(node) in top_level, node.lineno, function)
+            for names, node, function in _imports(tree, package)
+            for name in names if name.split(".")[0] != "attnlab"]
+
+
+def _sanctioned(name: str, edge: Edge) -> bool:
+    return (name, edge.target, edge.function) in LAZY_LAB_IMPORTS
 
 
 def test_every_module_has_a_layer():
@@ -95,20 +155,86 @@ def test_every_module_has_a_layer():
         layer_of(name)
 
 
+def test_the_lab_sits_above_the_library():
+    assert max(rank for _, rank in CORE) < min(rank for _, rank in LAB)
+    lab = sorted(name for name in all_modules() if in_lab(name))
+    assert "attnlab.tutorial" in lab and "attnlab.distributed.check" in lab and "attnlab.viz.html" in lab
+    assert not any(in_lab(name) for name in ("attnlab", "attnlab.nn.multihead", "attnlab.distributed.ring"))
+
+
+def test_design_md_layer_table_lists_every_module_in_its_part():
+    """docs/design.md's "## Layers" table names every module once, in the part this file gives it."""
+    text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    section = text[text.index("## Layers\n"):]
+    section = section[: section.index("\n## ", 1)]
+    listed = {}
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.split("|")]
+        if len(cells) > 4 and cells[1] in ("library", "lab"):
+            for path in re.findall(r"`([^`]+)`", cells[3]):
+                listed[".".join(["attnlab", *path.split("/")]).removesuffix(".__init__")] = cells[1]
+    assert sorted(listed) == sorted(all_modules())
+    assert [name for name, part in listed.items() if (part == "lab") != in_lab(name)] == []
+
+
 def test_no_import_goes_up_a_layer():
     modules = all_modules()
     upward = []
     for name, path in modules.items():
-        for target, _, line in imports_of(path, modules):
-            if target != name and layer_of(target) > layer_of(name):
-                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name} "
-                              f"(layer {layer_of(name)}) imports {target} (layer {layer_of(target)})")
+        for edge in imports_of(path, modules):
+            if edge.target != name and layer_of(edge.target) > layer_of(name) and not _sanctioned(name, edge):
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {name} "
+                              f"(layer {layer_of(name)}) imports {edge.target} (layer {layer_of(edge.target)})")
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
+
+
+def test_no_library_module_imports_a_lab_module():
+    """Module level or inside a function; the root's lazy ``attnlab.tutorial`` is the one exception."""
+    modules = all_modules()
+    found = [f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {name} imports {edge.target}"
+             for name, path in modules.items() if not in_lab(name)
+             for edge in imports_of(path, modules) if in_lab(edge.target) and not _sanctioned(name, edge)]
+    assert not found, "library modules that import the lab:\n" + "\n".join(found)
+
+
+def test_the_one_lazy_lab_import_is_in_the_roots_getattr():
+    modules = all_modules()
+    lazy = {(name, edge.target, edge.function) for name, path in modules.items() if not in_lab(name)
+            for edge in imports_of(path, modules) if in_lab(edge.target)}
+    assert lazy == LAZY_LAB_IMPORTS
+
+
+def test_no_library_module_imports_the_labs_dependencies():
+    modules = all_modules()
+    found = [f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {name} imports {edge.target}"
+             for name, path in modules.items() if not in_lab(name)
+             for edge in external_imports(path.read_text(), _package_of(path)) if edge.target in LAB_DEPENDENCIES]
+    assert not found, "library modules that import the lab's dependencies:\n" + "\n".join(found)
+
+
+def test_import_attnlab_loads_the_library_only():
+    """A fresh interpreter: ``import attnlab`` and every library module load no lab module and
+    none of the lab's dependencies; ``attnlab.tutorial`` still works, imported on first use."""
+    library = sorted(name for name in all_modules() if not in_lab(name))
+    lab_prefixes = tuple(prefix for prefix, _ in LAB)
+    script = "\n".join([
+        "import importlib, sys",
+        "import attnlab",
+        f"for name in {library!r}:",
+        "    importlib.import_module(name)",
+        f"lab = sorted(m for m in sys.modules if m.startswith({lab_prefixes!r}) or m.split('.')[0] in {LAB_DEPENDENCIES!r})",
+        "assert not lab, lab",
+        "assert attnlab.tutorial.CausalAttention.__module__ == 'attnlab.tutorial' and 'tutorial' in dir(attnlab)",
+        "print('ok')",
+    ])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 def test_module_level_imports_form_no_cycle():
     modules = all_modules()
-    graph = {name: sorted({t for t, top, _ in imports_of(path, modules) if top and t != name})
+    graph = {name: sorted({edge.target for edge in imports_of(path, modules) if edge.top_level and edge.target != name})
              for name, path in modules.items()}
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
 
@@ -132,14 +258,24 @@ def test_layering_check_catches_an_upward_and_a_relative_import():
     modules = all_modules()
     source = "import torch\ndef f():\n    from attnlab.nn import MultiHeadAttention\nfrom ..nn import cache\n"
     edges = imports_in(source, "attnlab.backends", modules)
-    assert sorted((t, top) for t, top, _ in edges) == [("attnlab.nn", False), ("attnlab.nn.cache", True)]
-    assert all(layer_of(t) > layer_of("attnlab.backends.fake") for t, _, _ in edges)
+    assert sorted((e.target, e.top_level, e.function) for e in edges) == [
+        ("attnlab.nn", False, "f"), ("attnlab.nn.cache", True, None)]
+    assert all(layer_of(e.target) > layer_of("attnlab.backends.fake") for e in edges)
+
+
+def test_layering_check_sees_a_lazy_lab_import_and_a_lazy_lab_dependency():
+    modules = all_modules()
+    source = "class A:\n    def draw(self):\n        import matplotlib.pyplot as plt\n        from attnlab import viz\n"
+    edges = imports_in(source, "attnlab.nn", modules)
+    assert [(e.target, e.function) for e in edges] == [("attnlab.viz", "draw")] and in_lab(edges[0].target)
+    assert not _sanctioned("attnlab.nn.blocks", edges[0])
+    assert [(e.target, e.top_level) for e in external_imports(source, "attnlab.nn")] == [("matplotlib", False)]
 
 
 def test_no_lazy_import_of_attnlab_inside_functions_except_for_cost():
     """Function-level imports of attnlab modules are not needed to dodge cycles any more."""
     modules = all_modules()
-    lazy = [f"{path.relative_to(PACKAGE.parent)}:{line}: {target}"
+    lazy = [f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {edge.target}"
             for name, path in modules.items() if not name.startswith("attnlab.cli")
-            for target, top, line in imports_of(path, modules) if not top]
+            for edge in imports_of(path, modules) if not edge.top_level and not _sanctioned(name, edge)]
     assert not lazy, "function-level attnlab imports:\n" + "\n".join(lazy)

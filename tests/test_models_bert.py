@@ -162,6 +162,16 @@ def test_bert_prefixed_checkpoint_from_transformers(tmp_path):
     assert (out - ref)[mask.bool()].abs().max().item() <= 1e-5
 
 
+def test_progress_counts_batches_on_stderr_and_erases_its_line(capsys):
+    from attnlab.models.bert import _maybe_progress
+
+    assert list(_maybe_progress(["a", "b", "c"], True)) == ["a", "b", "c"]
+    err = capsys.readouterr().err
+    assert err.startswith("\rencoding 0/3\rencoding 1/3\rencoding 2/3") and err.endswith("\r" + " " * 13 + "\r")
+    assert _maybe_progress(["a"] * 40, None) == ["a"] * 40  # not a terminal: no count
+    assert capsys.readouterr().err == ""
+
+
 def test_post_norm_block_is_bert_arrangement():
     torch.manual_seed(0)
     block = TransformerBlock(16, 4, causal=False, norm_first=False, d_ff=24).eval()

@@ -18,14 +18,23 @@ def test_seed_initialisation_and_state_dict_layout_match_the_document():
     doc = SeedMultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
     torch.manual_seed(1240)
     ours = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
-    for part in ("W_query", "W_key", "W_value"):
-        assert torch.equal(getattr(ours, part).weight, getattr(doc, part).weight)
-        assert torch.equal(getattr(ours, part).bias, getattr(doc, part).bias)
+    for part in ("query", "key", "value"):
+        weight, bias = ours.projection(part)
+        assert torch.equal(weight, getattr(doc, f"W_{part}").weight)
+        assert torch.equal(bias, getattr(doc, f"W_{part}").bias)
     x = torch.rand(2, 12, 3)
     torch.testing.assert_close(ours(x), doc(x), rtol=0, atol=1e-6)
     fresh = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
     fresh.load_state_dict(doc.state_dict())  # the document's W_query.weight ... keys
     torch.testing.assert_close(fresh(x), doc(x), rtol=0, atol=1e-6)
+
+
+def test_projection_names_its_part_and_views_the_fused_rows():
+    mha = MultiHeadAttention(4, 6, num_heads=2, num_kv_heads=1, qkv_bias=True)
+    weight, bias = mha.projection("value")
+    assert weight.data_ptr() == mha.in_proj_weight[9:].data_ptr() and bias.shape == (3,)
+    with pytest.raises(ValueError, match="part must be one of 'query', 'key', 'value'; got 'W_key'"):
+        mha.projection("W_key")
 
 
 def _repeat_rows(weight, groups, head_dim):
@@ -42,11 +51,11 @@ def test_grouped_query_equals_mha_with_repeated_kv_heads(num_kv_heads):
     mha = MultiHeadAttention(d, H * hd, num_heads=H, qkv_bias=True).double()
     groups = H // num_kv_heads
     with torch.no_grad():
-        for part in ("W_query", "W_key", "W_value"):
-            src, dst = getattr(gqa, part), getattr(mha, part)
-            repeat = (lambda t: t) if part == "W_query" else (lambda t: _repeat_rows(t, groups, hd))
-            dst.weight.copy_(repeat(src.weight))
-            dst.bias.copy_(repeat(src.bias))
+        for part in ("query", "key", "value"):
+            src, dst = gqa.projection(part), mha.projection(part)
+            repeat = (lambda t: t) if part == "query" else (lambda t: _repeat_rows(t, groups, hd))
+            for src_tensor, dst_tensor in zip(src, dst):  # weight, bias
+                dst_tensor.copy_(repeat(src_tensor))
         mha.out_proj.load_state_dict(gqa.out_proj.state_dict())
     x = torch.randn(3, 9, d, dtype=torch.float64)
     real = torch.ones(3, 9, dtype=torch.bool)

@@ -14,6 +14,7 @@ from attnlab.tutorial import (
     CausalAttention,
     CrossAttention,
     MultiHeadAttentionWrapper,
+    Projections,
     SelfAttention,
     SimpleSelfAttention,
     causal_average,
@@ -94,10 +95,33 @@ def _fused_like_wrapper(wrapper: MultiHeadAttentionWrapper, d_in: int, causal: b
         for name in ("W_query", "W_key", "W_value"):
             # head h's (d_in, d_head) matrix, used as x @ W, is rows h*d_head.. of nn.Linear's W
             stacked = torch.cat([getattr(h, name).T for h in heads], dim=0)  # (H*d_head, d_in)
-            getattr(mha, name).weight.copy_(stacked)
+            getattr(Projections(mha), name).weight.copy_(stacked)
         mha.out_proj.weight.copy_(torch.eye(H * d_head, dtype=DT))
         mha.out_proj.bias.zero_()
     return mha
+
+
+def test_projections_are_live_views_of_the_module_under_the_tutorials_names():
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(4, 6, num_heads=2, num_kv_heads=1, qkv_bias=True)
+    W = Projections(mha)
+    assert [getattr(W, n).weight.shape for n in ("W_query", "W_key", "W_value")] == [(6, 4), (3, 4), (3, 4)]
+    with torch.no_grad():
+        W.W_value.weight.fill_(2.0)  # an in-place edit of the view edits the fused parameter
+    assert mha.in_proj_weight[9:].eq(2.0).all() and mha.in_proj_weight[:9].ne(2.0).all()
+    mha.double()  # the parameters' storage is replaced; the view reads the module afresh
+    x = torch.randn(5, 4, dtype=DT)
+    assert W.W_key.weight.dtype == DT
+    torch.testing.assert_close(W.W_key(x), x @ mha.in_proj_weight[6:9].T + mha.in_proj_bias[6:9])
+
+
+def test_projections_of_a_cross_attention_module_and_of_something_else():
+    mha = MultiHeadAttention(8, 8, num_heads=2, kdim=5, vdim=3)
+    W = Projections(mha)
+    assert W.W_key.weight is mha.k_proj_weight and W.W_value.weight is mha.v_proj_weight
+    assert W.W_query.bias is None
+    with pytest.raises(TypeError, match="module must be an attnlab.nn.MultiHeadAttention, got MultiheadAttention"):
+        Projections(torch.nn.MultiheadAttention(8, 2))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -1,6 +1,6 @@
 """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
 
-The public API:
+The package has two parts. The **library** (the core) is what a model needs:
 
 * :func:`attnlab.attention` -- scaled dot-product attention with one contract on every backend;
   :func:`attnlab.attention_weights` -- its weights alone;
@@ -8,18 +8,40 @@ The public API:
 * :mod:`attnlab.backends` -- the backends, dispatch, and :func:`attnlab.backends.why`;
 * :mod:`attnlab.nn` -- production modules (multi-head / grouped-query attention, KV cache,
   positions, blocks);
-* :mod:`attnlab.tutorial` -- the tutorials' small modules, reproducing their printed numbers.
+* :mod:`attnlab.io`, :mod:`attnlab.models`, :mod:`attnlab.integrations`,
+  :mod:`attnlab.distributed` -- safetensors I/O, whole models, transformers, context parallelism.
+
+The **lab** teaches and measures: :mod:`attnlab.tutorial` (the tutorials' small modules,
+reproducing their printed numbers), :mod:`attnlab.explain`, :mod:`attnlab.viz`,
+:mod:`attnlab.train`, :mod:`attnlab.verify`, :mod:`attnlab.bench` and the ``attnlab`` command.
+``import attnlab`` loads the library only. ``attnlab.tutorial`` is still an attribute: it is
+imported on first use (PEP 562); the other lab modules are imported by name.
 
 Example:
     >>> import torch, attnlab
     >>> x = torch.randn(6, 4)                       # (T, D): six tokens
     >>> attnlab.attention(x, x, x, causal=True).shape
     torch.Size([6, 4])
+    >>> attnlab.tutorial.CausalAttention(4, 2, 6, 0.0)(x).shape    # the lab, loaded here
+    torch.Size([6, 2])
 """
 
-from attnlab import backends, masks, nn, tutorial
+from attnlab import backends, masks, nn
 from attnlab.functional import attention, attention_weights
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_weights", "masks", "backends", "nn", "tutorial", "__version__"]
+__all__ = ["attention", "attention_weights", "masks", "backends", "nn", "__version__"]
+
+
+def __getattr__(name: str):
+    """``attnlab.tutorial`` without importing it in ``import attnlab`` (PEP 562)."""
+    if name == "tutorial":
+        import attnlab.tutorial  # the library's one import of the lab (tests/test_layers.py)
+
+        return attnlab.tutorial
+    raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "tutorial"])

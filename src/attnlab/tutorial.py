@@ -8,7 +8,8 @@ seed and arguments it reproduces the printed tensors. Every forward pass goes th
 functional core, :func:`attnlab.attention`: the modules only project their inputs and pick
 options (causal mask, dropout, scale). Where a tutorial has a bug, the code here does the right
 thing and the docstring says what differs (see also ``docs/seeds.md``). Production modules
-(grouped-query attention, KV cache, RoPE, blocks) live in :mod:`attnlab.nn`.
+(grouped-query attention, KV cache, RoPE, blocks) live in :mod:`attnlab.nn`;
+:class:`Projections` shows one of them under the tutorials' weight names.
 
 Example:
     >>> import torch
@@ -33,8 +34,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import probability
+from attnlab._checks import instance_of, probability
 from attnlab.functional import attention
+from attnlab.nn.multihead import MultiHeadAttention
 
 __all__ = [
     "SimpleSelfAttention",
@@ -43,6 +45,8 @@ __all__ = [
     "CausalAttention",
     "CrossAttention",
     "MultiHeadAttentionWrapper",
+    "Projections",
+    "ProjectionView",
     "project",
     "multi_head_attention",
     "cross_attention",
@@ -403,6 +407,80 @@ class MultiHeadAttentionWrapper(nn.Module):
             return torch.cat(results, dim=-1)  # (..., T, H * d_out_v)
         outs, weights = zip(*results)
         return torch.cat(outs, dim=-1), torch.stack(weights, dim=-3)  # (..., H, T, T)
+
+
+class ProjectionView:
+    """One of the tutorials' query/key/value layers, read from the fused weights of a module.
+
+    ``weight`` ``(d_out, d_in)`` and ``bias`` share storage with the module's parameters
+    (editing them in place under ``torch.no_grad()`` edits the module); calling the view
+    applies the projection, as calling the tutorials' ``nn.Linear`` does. Gradients
+    accumulate on the module's parameters, not on the view.
+
+    Example:
+        >>> view = ProjectionView(torch.ones(2, 3), torch.zeros(2))
+        >>> view, view(torch.ones(4, 3)).shape
+        (ProjectionView(in_features=3, out_features=2, bias=True), torch.Size([4, 2]))
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def __repr__(self) -> str:
+        out_f, in_f = self.weight.shape
+        return f"ProjectionView(in_features={in_f}, out_features={out_f}, bias={self.bias is not None})"
+
+
+class Projections:
+    """The tutorials' ``W_query``, ``W_key``, ``W_value`` of a :class:`attnlab.nn.MultiHeadAttention`.
+
+    The tutorials' multi-head module holds three ``nn.Linear`` layers; the production module
+    keeps them fused as rows of ``in_proj_weight`` so that self-attention is one matmul (its
+    :meth:`~attnlab.nn.MultiHeadAttention.projection` gives one part). This view names the
+    parts as the tutorials do, each a :class:`ProjectionView` (``.weight``, ``.bias``,
+    callable) sharing storage with the module. Every access reads the module afresh, so the
+    view follows ``.to()``, ``.double()`` and ``load_state_dict``. (Loading a checkpoint saved
+    from the tutorials' module needs no view: ``mha.load_state_dict(state)`` accepts its keys.)
+
+    Shapes:
+        W_query: ``(d_out, d_in)``; W_key: ``(num_kv_heads * head_dim, kdim)``;
+        W_value: ``(num_kv_heads * head_dim, vdim)``.
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(4, 6, num_heads=2, qkv_bias=True)
+        >>> W = Projections(mha)
+        >>> W.W_key
+        ProjectionView(in_features=4, out_features=6, bias=True)
+        >>> torch.equal(W.W_key.weight, mha.in_proj_weight[6:12])   # a view of the fused rows
+        True
+        >>> x = torch.randn(1, 3, 4)
+        >>> queries = W.W_query(x)                                  # the tutorials' self.W_query(x)
+        >>> torch.allclose(queries, mha.project_q(x).transpose(1, 2).flatten(-2))   # (B, T, H * hd)
+        True
+    """
+
+    def __init__(self, module: MultiHeadAttention):
+        instance_of("module", module, MultiHeadAttention, "an attnlab.nn.MultiHeadAttention")
+        self.module = module
+
+    @property
+    def W_query(self) -> ProjectionView:
+        """The query projection ``(d_out, d_in)``."""
+        return ProjectionView(*self.module.projection("query"))
+
+    @property
+    def W_key(self) -> ProjectionView:
+        """The key projection ``(num_kv_heads * head_dim, kdim)``."""
+        return ProjectionView(*self.module.projection("key"))
+
+    @property
+    def W_value(self) -> ProjectionView:
+        """The value projection ``(num_kv_heads * head_dim, vdim)``."""
+        return ProjectionView(*self.module.projection("value"))
 
 
 def project(x: Tensor, weight: Tensor) -> Tensor:

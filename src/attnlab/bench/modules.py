@@ -83,9 +83,10 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
     theirs = ours.to_torch(batch_first=True)
     seed = SeedMultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
     with torch.no_grad():
-        for part in ("W_query", "W_key", "W_value"):
-            getattr(seed, part).weight.copy_(getattr(ours, part).weight)
-            getattr(seed, part).bias.copy_(getattr(ours, part).bias)
+        for part in ("query", "key", "value"):
+            weight, bias = ours.projection(part)
+            getattr(seed, f"W_{part}").weight.copy_(weight)
+            getattr(seed, f"W_{part}").bias.copy_(bias)
         seed.out_proj.load_state_dict(ours.out_proj.state_dict())
     nano = nanogpt_twin(ours, num_heads=H)
     blocked = ~torch.ones(T, T, dtype=torch.bool).tril()  # torch: True = may NOT attend

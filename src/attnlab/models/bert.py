@@ -351,7 +351,7 @@ class BertEncoder(nn.Module):
         Args:
             sentences: one string or a sequence of strings.
             batch_size: sentences per forward pass.
-            progress: show a rich progress bar; None = only for many batches on a terminal.
+            progress: count the batches on stderr; None = only for many batches on a terminal.
 
         Example:
             >>> enc = BertEncoder.from_pretrained("minilm")                   # doctest: +SKIP
@@ -509,8 +509,21 @@ def _pad(encodings, rows, pad_id: int) -> dict[str, Tensor]:
 def _maybe_progress(batches: list, progress: bool | None):
     if progress is None:
         progress = len(batches) >= _PROGRESS_MIN_BATCHES and sys.stderr.isatty()
-    if not progress:
-        return batches
-    from rich.progress import track  # a dependency of attnlab; imported only when drawing
+    return _counted(batches, "encoding") if progress else batches
 
-    return track(batches, description="encoding", transient=True)
+
+def _counted(items: list, what: str):
+    """Yield ``items`` while one stderr line counts them (``encoding 3/40``), erased at the end.
+
+    Plain text rather than a rich bar: the library does not import the lab's display packages.
+    """
+    line = ""
+    try:
+        for done, item in enumerate(items):
+            line = f"\r{what} {done}/{len(items)}"
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            yield item
+    finally:
+        sys.stderr.write("\r" + " " * len(line) + "\r")
+        sys.stderr.flush()

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, positive_int, probability,
-                             same_device)
+from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, one_of, positive_int,
+                             probability, same_device)
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.distributed import ContextParallel
@@ -29,33 +29,9 @@ from attnlab.functional import attention
 from attnlab.nn.cache import KVCache, _restore_on_error
 from attnlab.nn.positional import RotaryEmbedding, apply_rotary
 
-__all__ = ["MultiHeadAttention", "ProjectionView"]
+__all__ = ["MultiHeadAttention"]
 
 _PARTS = ("query", "key", "value")
-
-
-class ProjectionView:
-    """Read-only view of one of the query/key/value projections inside the fused weights.
-
-    ``weight`` and ``bias`` share storage with the module's parameters (editing them in place
-    under ``torch.no_grad()`` edits the module); calling the view applies the projection.
-    Gradients accumulate on the module's parameters, not on the view.
-
-    Example:
-        >>> mha = MultiHeadAttention(4, 6, num_heads=2)
-        >>> mha.W_key.weight.shape, mha.W_key(torch.randn(3, 4)).shape
-        (torch.Size([6, 4]), torch.Size([3, 6]))
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None):
-        self.weight, self.bias = weight, bias
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def __repr__(self) -> str:
-        out_f, in_f = self.weight.shape
-        return f"ProjectionView(in_features={in_f}, out_features={out_f}, bias={self.bias is not None})"
 
 
 class _KeyPaddingMod(_masks.MaskMod):
@@ -82,12 +58,12 @@ class MultiHeadAttention(nn.Module):
     (rows: query, key, value; ``d_kv = num_kv_heads * head_dim``) and ``in_proj_bias``, so
     self-attention is one matmul. Otherwise they are ``q_proj_weight`` ``(d_out, d_in)``,
     ``k_proj_weight`` ``(d_kv, kdim)``, ``v_proj_weight`` ``(d_kv, vdim)`` plus
-    ``in_proj_bias`` -- the layout of ``torch.nn.MultiheadAttention``. ``W_query``, ``W_key``
-    and ``W_value`` are :class:`ProjectionView` s of those rows (``.weight``, ``.bias``,
-    callable), and the parameters are initialised exactly as the tutorials' three
-    ``nn.Linear`` layers created in that order, then ``out_proj``: after
+    ``in_proj_bias`` -- the layout of ``torch.nn.MultiheadAttention``; :meth:`projection`
+    gives one part's ``(weight, bias)``. The parameters are initialised exactly as the
+    tutorials' three ``nn.Linear`` layers created in that order, then ``out_proj``: after
     ``torch.manual_seed(s)`` the module reproduces the documents' outputs. A ``state_dict``
-    in the documents' layout (``W_query.weight``, ...) loads into the fused layout.
+    saved from the tutorials' module (keys ``W_query.weight``, ...) loads into this layout;
+    :class:`attnlab.tutorial.Projections` shows the parts under the tutorials' names.
 
     **Masks** (True = may attend). ``mask`` broadcasts to ``(B, H, Tq, Tk)`` (a 2-D
     ``(Tq, Tk)`` or a 4-D tensor), is a float bias (e.g. ALiBi), or a mask mod.
@@ -214,7 +190,7 @@ class MultiHeadAttention(nn.Module):
         # nn.Linear.reset_parameters on each part in turn: same random numbers, same values.
         with torch.no_grad():
             for part in _PARTS:
-                weight, bias = self._part(part)
+                weight, bias = self.projection(part)
                 nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
                 if bias is not None:
                     bound = 1.0 / math.sqrt(weight.shape[1])
@@ -231,9 +207,25 @@ class MultiHeadAttention(nn.Module):
             )
         return rope
 
-    def _part(self, part: str) -> tuple[Tensor, Tensor | None]:
-        """``(weight, bias)`` of the query, key or value projection (views when fused)."""
-        index = _PARTS.index(part)
+    def projection(self, part: str) -> tuple[Tensor, Tensor | None]:
+        """``(weight, bias)`` of the ``"query"``, ``"key"`` or ``"value"`` projection.
+
+        When the weights are fused these are views of rows of ``in_proj_weight`` and
+        ``in_proj_bias``: they share storage, so an in-place edit under ``torch.no_grad()``
+        edits the module. The projection is ``F.linear(x, weight, bias)``.
+
+        Shapes:
+            query: weight ``(d_out, d_in)``, bias ``(d_out,)``; key: ``(d_kv, kdim)``,
+            ``(d_kv,)``; value: ``(d_kv, vdim)``, ``(d_kv,)``. ``bias`` is None without
+            ``qkv_bias``.
+
+        Example:
+            >>> mha = MultiHeadAttention(4, 6, num_heads=2, num_kv_heads=1, qkv_bias=True)
+            >>> weight, bias = mha.projection("key")
+            >>> weight.shape, torch.equal(weight, mha.in_proj_weight[6:9]), bias.shape
+            (torch.Size([3, 4]), True, torch.Size([3]))
+        """
+        index = _PARTS.index(one_of("part", part, _PARTS))
         starts = (0, self.d_out, self.d_out + self.d_kv, self.d_out + 2 * self.d_kv)
         rows = slice(starts[index], starts[index + 1])
         if self.fused:
@@ -242,21 +234,6 @@ class MultiHeadAttention(nn.Module):
             weight = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[index]
         bias = None if self.in_proj_bias is None else self.in_proj_bias[rows]
         return weight, bias
-
-    @property
-    def W_query(self) -> ProjectionView:
-        """The query projection ``(d_out, d_in)`` as in the tutorials."""
-        return ProjectionView(*self._part("query"))
-
-    @property
-    def W_key(self) -> ProjectionView:
-        """The key projection ``(d_kv, kdim)`` as in the tutorials."""
-        return ProjectionView(*self._part("key"))
-
-    @property
-    def W_value(self) -> ProjectionView:
-        """The value projection ``(d_kv, vdim)`` as in the tutorials."""
-        return ProjectionView(*self._part("value"))
 
     # ----------------------------------------------------------------- projections
     def _heads(self, t: Tensor, num_heads: int) -> Tensor:
@@ -289,7 +266,7 @@ class MultiHeadAttention(nn.Module):
             >>> MultiHeadAttention(8, 8, num_heads=4).project_q(torch.randn(1, 3, 8)).shape
             torch.Size([1, 4, 3, 2])
         """
-        return self._heads(self.W_query(x), self.num_heads)
+        return self._heads(F.linear(x, *self.projection("query")), self.num_heads)
 
     def project_kv(self, context: Tensor, value_input: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Key and value projections of ``context`` (values of ``value_input`` if given).
@@ -308,8 +285,8 @@ class MultiHeadAttention(nn.Module):
                 bias = self.in_proj_bias[self.d_out :]
             k, v = F.linear(context, weight, bias).split((self.d_kv, self.d_kv), dim=-1)
         else:
-            k = self.W_key(context)
-            v = self.W_value(context if value_input is None else value_input)
+            k = F.linear(context, *self.projection("key"))
+            v = F.linear(context if value_input is None else value_input, *self.projection("value"))
         return self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
 
     # --------------------------------------------------------------------- forward
@@ -680,7 +657,12 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
 
 
 def _seed_layout_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    """Accept the tutorials' ``W_query.weight`` ... keys (and drop their ``mask`` buffer)."""
+    """Load a state dict saved from the tutorials' module (its ``W_query.weight`` ... keys).
+
+    Part of the module's state-dict format rather than of the tutorial code: the constructor
+    and initialisation follow the tutorials' module, so its checkpoints load here (the
+    ``mask`` buffer it saves is dropped). The key names are data; nothing is imported.
+    """
     state_dict.pop(prefix + "mask", None)
     for kind in ("weight", "bias"):
         keys = [f"{prefix}W_{part}.{kind}" for part in _PARTS]
