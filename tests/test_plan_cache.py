@@ -1,7 +1,9 @@
-"""The dispatch plan cache, the one cache on the hot path: a repeated call signature skips the
-full dispatch, every change that can change the choice (shape, dtype, mask, options, grad mode,
-the registry) gives the choice a fresh dispatch gives, it is bounded, safe to share between
-threads, and one reset clears it and every backend's remembered state."""
+"""The route cache, the one cache on the hot path: per argument signature it keeps the backend
+dispatch chose and, for calls SDPA takes as given, the prepared run that goes straight to the
+kernel. A repeated signature skips validation and dispatch; every change that can change a
+decision (shape, dtype, mask, options, grad mode, the registry) is decided afresh; bad calls
+still raise; the cache is bounded, safe to share between threads, and one reset clears it and
+every backend's remembered state."""
 
 from __future__ import annotations
 
@@ -13,6 +15,28 @@ import torch
 import attnlab
 from attnlab import backends, masks
 from attnlab.backends import build_call, dispatch, select
+
+
+def _key(q, k, v, **options):
+    full = dict(mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0,
+                generator=None, backend="auto", return_weights=False)
+    return dispatch.argument_key(q, k, v, **{**full, **options})
+
+
+@pytest.fixture
+def counted_builds(monkeypatch):
+    """Counts how often attention() validates and builds a call (a prepared run skips it)."""
+    dispatch.clear_plans()
+    built = []
+    real = attnlab.functional.build_call
+
+    def counting_build(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attnlab.functional, "build_call", counting_build)
+    yield built
+    dispatch.clear_plans()
 
 
 class _Counting(backends.Backend):
@@ -37,16 +61,14 @@ def counting():
 
 
 def test_a_repeated_signature_skips_the_full_dispatch(counting):
-    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 32, 8)
-    first = select(build_call(q, k, k))
-    asked = counting.asked
-    for _ in range(3):
-        assert select(build_call(torch.randn(1, 4, 1, 8), k, k)) is first
-    assert counting.asked == asked  # only the remembered backend was asked again
-
-
-def _fresh(call):
-    return dispatch._select(call, "auto")
+    q = torch.randn(1, 4, 1, 8)
+    for mask in (None, masks.sliding_window_mod(1, 32, 8)):  # a prepared run, and a remembered choice
+        k = torch.randn(1, 4, 32, 8)
+        attnlab.attention(q, k, k, mask=mask)
+        asked = counting.asked
+        for _ in range(3):
+            attnlab.attention(torch.randn(1, 4, 1, 8), k, k, mask=mask)
+        assert counting.asked == asked
 
 
 def _variants():
@@ -69,12 +91,15 @@ def _variants():
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_every_change_gets_the_choice_of_a_fresh_dispatch(counting, grad):
+def test_every_change_gets_the_choice_of_a_fresh_dispatch(grad):
+    dispatch.clear_plans()
     with torch.set_grad_enabled(grad):
         for _ in range(2):  # the second round is all cache hits
             for args in _variants():
-                call = build_call(args.pop("q"), args.pop("k"), args.pop("v"), **args)
-                assert select(call) is _fresh(call), call
+                q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+                attnlab.attention(q, k, v, **args)
+                route = dispatch.remembered(_key(q, k, v, **args), args.get("mask"))
+                assert route.backend is select(build_call(q, k, v, **args)), args
 
 
 def test_grad_mode_change_is_seen():
@@ -82,32 +107,38 @@ def test_grad_mode_change_is_seen():
     q = torch.randn(1, 2, 512, 16, requires_grad=True)
     mod = masks.sliding_window_mod(512, 512, 8)
     with torch.no_grad():
-        call = build_call(q, q, q, mask=mod)
-        assert select(call) is _fresh(call)
-    call = build_call(q, q, q, mask=mod)
-    assert call.requires_grad and select(call) is _fresh(call)
+        attnlab.attention(q, q, q, mask=mod)
+        assert dispatch.remembered(_key(q, q, q, mask=mod), mod).backend is select(build_call(q, q, q, mask=mod))
+    assert dispatch.remembered(_key(q, q, q, mask=mod), mod) is None  # grad mode is in the key
+    attnlab.attention(q, q, q, mask=mod)
+    assert dispatch.remembered(_key(q, q, q, mask=mod), mod).backend is select(build_call(q, q, q, mask=mod))
 
 
-def test_registering_a_backend_invalidates_the_plans(counting):
+def test_registering_a_backend_invalidates_the_routes():
+    dispatch.clear_plans()
     q = torch.randn(1, 2, 16, 8)
-    window = dict(mask=masks.sliding_window_mod(16, 16, 4))  # left to the cost model, not a rule
-    assert select(build_call(q, q, q, **window)).name != "zero-cost-test"
+    window = masks.sliding_window_mod(16, 16, 4)  # left to the cost model, not a rule
 
     class ZeroCost(backends.Backend):
         name, memory = "zero-cost-test", "linear"
+        served = 0
 
         def cost(self, call):
             return 0.0
 
         def forward(self, call):
+            type(self).served += 1
             return backends.get("reference").forward(call)
 
+    attnlab.attention(q, q, q, mask=window)
     backends.register(ZeroCost())
     try:
-        assert select(build_call(q, q, q, **window)).name == "zero-cost-test"
+        attnlab.attention(q, q, q, mask=window)
+        assert ZeroCost.served == 1
     finally:
         backends.unregister("zero-cost-test")
-    assert select(build_call(q, q, q, **window)).name != "zero-cost-test"
+    attnlab.attention(q, q, q, mask=window)
+    assert ZeroCost.served == 1
 
 
 def test_a_nan_query_on_a_remembered_blocks_choice_gives_a_nan_row():
@@ -128,10 +159,104 @@ def test_a_nan_query_on_a_remembered_blocks_choice_gives_a_nan_row():
 
 def test_the_cache_is_bounded():
     dispatch.clear_plans()
+    q = torch.randn(1, 1, 1, 4)
     for t in range(1, dispatch.PLAN_CACHE_SIZE + 20):
-        q = torch.randn(1, 1, 1, 4)
-        select(build_call(q, torch.randn(1, 1, t, 4), torch.randn(1, 1, t, 4)))
-    assert len(dispatch._PLANS) == dispatch.PLAN_CACHE_SIZE
+        attnlab.attention(q, torch.randn(1, 1, t, 4), torch.randn(1, 1, t, 4))
+    assert len(dispatch._ROUTES) == dispatch.PLAN_CACHE_SIZE
+
+
+def _decode_inputs(kv_heads=4):
+    return torch.randn(1, 4, 1, 16), torch.randn(1, kv_heads, 40, 16), torch.randn(1, kv_heads, 40, 16)
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_a_repeated_decoding_step_skips_validation_and_matches_the_full_path(counted_builds, kv_heads, mask):
+    padding = masks.padding_mask(torch.tensor([33]), 40)  # (1, 1, 1, 40)
+    options = {None: {}, "bool": dict(mask=padding),
+               "float": dict(mask=torch.zeros(1, 1, 1, 40).masked_fill(~padding, float("-inf")))}[mask]
+    for step in range(4):
+        q, k, v = _decode_inputs(kv_heads)
+        out = attnlab.attention(q, k, v, causal=True, align="bottom_right", **options)
+        want = attnlab.attention(q.double(), k.double(), v.double(), backend="reference",
+                                 **{key: val.double() if val.dtype != torch.bool else val for key, val in options.items()})
+        assert torch.allclose(out.double(), want, atol=1e-5)
+    assert len(counted_builds) == 1 + 4  # the first fp32 call, then only the fp64 references
+
+
+def test_a_prepared_run_keeps_the_nan_rule(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    q[0, 2, 0, 5] = float("nan")
+    out = attnlab.attention(q, k, v)
+    assert len(counted_builds) == 1  # served by the prepared run
+    assert out[0, 2].isnan().all() and not out[0, [0, 1, 3]].isnan().any()
+
+
+def test_every_change_of_signature_validates_again(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    changes = [
+        dict(q=torch.randn(1, 4, 2, 16)), dict(k=torch.randn(1, 4, 41, 16), v=torch.randn(1, 4, 41, 16)),
+        dict(q=q.double(), k=k.double(), v=v.double()), dict(causal=True), dict(scale=0.5),
+        dict(backend="reference"), dict(q=q.clone().requires_grad_()),
+        dict(mask=torch.ones(1, 1, 1, 40, dtype=torch.bool)), dict(mask=torch.ones(1, 4, 1, 40, dtype=torch.bool)),
+        dict(mask=masks.sliding_window_mod(1, 40, 8)), dict(return_weights=True), dict(dropout_p=0.5),
+    ]
+    for change in changes:
+        before = len(counted_builds)
+        args = {"q": q, "k": k, "v": v, **change}
+        attnlab.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+        assert len(counted_builds) == before + 1, change
+    with torch.no_grad():  # no gradient will be recorded: requires_grad is another key, validated once
+        before = len(counted_builds)
+        for _ in range(3):
+            attnlab.attention(q.clone().requires_grad_(), k, v)
+        assert len(counted_builds) == before + 1
+
+
+def test_registering_a_backend_expires_prepared_runs(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    backends.register(backends.registry()["sdpa"])
+    attnlab.attention(q, k, v)
+    assert len(counted_builds) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(causal=1), dict(scale=True), dict(dropout_p=False),
+                                 dict(scale=float("nan")), dict(align="middle"), dict(backend="nope"),
+                                 dict(mask=torch.ones(1, 1, 1, 39, dtype=torch.bool)),
+                                 dict(mask=torch.ones(1, 1, 1, 40, dtype=torch.int64))])
+def test_bad_arguments_still_raise_after_a_prepared_run(counted_builds, bad):
+    q, k, v = _decode_inputs()
+    for _ in range(2):
+        attnlab.attention(q, k, v, causal=bool(bad.get("causal", False)))
+    with pytest.raises((TypeError, ValueError)):
+        attnlab.attention(q, k, v, **bad)
+
+
+def test_a_prepared_run_refuses_what_validation_refuses(counted_builds):
+    q, k, v = _decode_inputs()
+    attnlab.attention(q, k, v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        attnlab.attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="Tk"):
+        attnlab.attention(q, k, v[:, :, :39])
+
+
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(scale=-0.3)], ids=["plain", "causal", "negative-scale"])
+def test_a_prepared_run_gives_gradients_as_the_full_path(counted_builds, options):
+    q, k, v = (torch.randn(1, 4, 6, 16).requires_grad_() for _ in range(3))
+    for _ in range(3):  # the later calls are the prepared run
+        q.grad = k.grad = v.grad = None
+        attnlab.attention(q, k, v, **options).square().sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    attnlab.attention(q, k, v, backend="reference", **options).square().sum().backward()
+    assert len(counted_builds) == 2
+    for have, want in zip(got, (q.grad, k.grad, v.grad)):
+        assert torch.allclose(have, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_shape, k_shape", [((0, 2, 1, 8), (0, 2, 5, 8)), ((1, 2, 0, 8), (1, 2, 5, 8)),
@@ -150,26 +275,28 @@ def test_one_reset_clears_dispatch_and_every_backend():
     q = torch.randn(1, 2, 512, 16)
     mod = masks.sliding_window_mod(512, 512, 16)
     attnlab.attention(q, q, q, mask=mod)
-    assert dispatch._PLANS and blocks._PLANS
+    assert dispatch._ROUTES and blocks._PLANS
     dispatch.clear_plans()
-    assert not dispatch._PLANS and not blocks._PLANS
+    assert not dispatch._ROUTES and not blocks._PLANS
     if "flex" in backends.registry():
         assert not backends.get("flex")._block_masks.entries
 
 
-def test_threads_sharing_the_cache_get_the_choice_of_a_fresh_dispatch():
+def test_threads_sharing_the_cache_get_what_one_thread_gets():
     dispatch.clear_plans()
-    calls = [build_call(torch.randn(1, 2, t, 8), torch.randn(1, 2, t, 8), torch.randn(1, 2, t, 8),
-                        causal=t % 2 == 0) for t in range(1, 40)]
-    errors, chosen = [], {}
+    gen = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(1, 2, t, 8, generator=gen), t % 3 == 0) for t in range(1, 40)]
+    want = [attnlab.attention(x, x, x, causal=causal) for x, causal in inputs]
+    errors = []
 
     def work(index):
         try:
-            for _ in range(50):
-                for i, call in enumerate(calls):
-                    chosen.setdefault((index, i), set()).add(select(call).name)
+            for _ in range(20):
+                for i, (x, causal) in enumerate(inputs):
+                    if not torch.equal(attnlab.attention(x, x, x, causal=causal), want[i]):
+                        errors.append(f"thread {index} call {i}: a different result")
                     if i % 7 == index:
-                        dispatch.clear_plans()  # resets racing lookups
+                        dispatch.clear_plans()  # resets racing lookups and stores
         except Exception as error:  # noqa: BLE001 -- any error is the failure
             errors.append(error)
 
@@ -179,5 +306,3 @@ def test_threads_sharing_the_cache_get_the_choice_of_a_fresh_dispatch():
     for t in threads:
         t.join()
     assert not errors
-    for (_, i), names in chosen.items():
-        assert names == {_fresh(calls[i]).name}

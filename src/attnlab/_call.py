@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import finite_number, instance_of, probability
+from attnlab._checks import broadcast_shape, finite_number, instance_of, probability
 
 __all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS"]
 
@@ -185,13 +185,17 @@ def _check_tensor(name: str, value: object) -> Tensor:
     return value
 
 
+def _shapes(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """The shapes for an error message (built only when one is raised: this runs on every call)."""
+    return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
+
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
     """Refuse q, k, v that no backend can take; return their broadcast batch dims."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"q, k and v must have the same rank; got {shapes}")
+        raise ValueError(f"q, k and v must have the same rank; got {_shapes(q, k, v)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -199,20 +203,20 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
             f"q, k and v must be on one device; got q {q.device}, k {k.device}, v {v.device}"
         )
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"k must have the same last dim D as q; got {shapes}")
+        raise ValueError(f"k must have the same last dim D as q; got {_shapes(q, k, v)}")
     if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"v must have as many positions Tk as k; got {shapes}")
+        raise ValueError(f"v must have as many positions Tk as k; got {_shapes(q, k, v)}")
     lead = q.ndim - (2 if q.ndim <= 3 else 3)  # the batch dims, which broadcast
     if k.shape[lead:-1] != v.shape[lead:-1]:
-        raise ValueError(f"v must match k in every dim but the batch dims and the last; got {shapes}")
+        raise ValueError(f"v must match k in every dim but the batch dims and the last; got {_shapes(q, k, v)}")
     batch = batch_shape(q, k, v)
     if batch is None:
-        raise ValueError(f"the batch dims of q and k/v must be equal or 1 (they broadcast); got {shapes}")
-    _check_sizes(q, k, v, shapes)
+        raise ValueError(f"the batch dims of q and k/v must be equal or 1 (they broadcast); got {_shapes(q, k, v)}")
+    _check_sizes(q, k, v)
     if q.ndim >= 4 and q.shape[-3] % k.shape[-3] != 0:
         raise ValueError(
             f"the number of query heads ({q.shape[-3]}) must be a multiple of the number of "
-            f"key/value heads ({k.shape[-3]}); got {shapes}"
+            f"key/value heads ({k.shape[-3]}); got {_shapes(q, k, v)}"
         )
     return batch
 
@@ -256,13 +260,10 @@ def batch_shape(q: Tensor, k: Tensor, v: Tensor) -> tuple | None:
         (2,)
     """
     lead = q.ndim - (2 if q.ndim <= 3 else 3)
-    try:
-        return tuple(torch.broadcast_shapes(*(tuple(t.shape[:lead]) for t in (q, k, v))))
-    except RuntimeError:
-        return None
+    return broadcast_shape([tuple(q.shape[:lead]), tuple(k.shape[:lead]), tuple(v.shape[:lead])])
 
 
-def _check_sizes(q: Tensor, k: Tensor, v: Tensor, shapes: str) -> None:
+def _check_sizes(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Refuse the empty sizes that have no meaning; empty batches and sequences are legal.
 
     B, Tq or Tk of 0 give an empty (or zero) output. D of 0 would make the default scale
@@ -270,12 +271,12 @@ def _check_sizes(q: Tensor, k: Tensor, v: Tensor, shapes: str) -> None:
     (no backend can produce anything from it), so they are errors.
     """
     if q.shape[-1] == 0 or k.shape[-1] == 0:
-        raise ValueError(f"q and k must have a head dim D >= 1 (last dim); got {shapes}")
+        raise ValueError(f"q and k must have a head dim D >= 1 (last dim); got {_shapes(q, k, v)}")
     if v.shape[-1] == 0:
-        raise ValueError(f"v must have a value dim Dv >= 1 (last dim); got {shapes}")
+        raise ValueError(f"v must have a value dim Dv >= 1 (last dim); got {_shapes(q, k, v)}")
     if q.ndim >= 4 and (q.shape[-3] == 0 or k.shape[-3] == 0):
         raise ValueError(
-            f"q and k/v must have at least one head (dim -3 of a 4-D or 5-D tensor); got {shapes}"
+            f"q and k/v must have at least one head (dim -3 of a 4-D or 5-D tensor); got {_shapes(q, k, v)}"
         )
 
 
@@ -284,7 +285,8 @@ def _to_4d(t: Tensor, batch: tuple = ()) -> Tensor:
     they are 1: broadcast keys are read, never repeated) and flattened into one."""
     if t.ndim == 2:
         return t[None, None]  # (1, 1, T, D)
-    t = t.expand(*batch, *t.shape[len(batch):])
+    if tuple(t.shape[:len(batch)]) != batch:
+        t = t.expand(*batch, *t.shape[len(batch):])
     if t.ndim == 3:
         return t[:, None]  # (B, 1, T, D)
     if t.ndim == 5:  # a view when the two batch dims merge, else a copy
@@ -314,15 +316,12 @@ def _normalize_mask(mask: object, q: Tensor, tk: int, batch: tuple = ()) -> Tens
     if mask.device != q.device:
         raise ValueError(f"mask must be on q's device {q.device}, got {mask.device}")
     target = (*batch, *q.shape[len(batch):-1], tk)  # (..., Tq, Tk)
-    try:
-        broadcast = torch.broadcast_shapes(tuple(mask.shape), target)
-    except RuntimeError:
-        broadcast = None
-    if broadcast != target:
+    if broadcast_shape([tuple(mask.shape), target]) != target:
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to (..., Tq, Tk) = {target}"
         )
-    mask = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))
+    if mask.ndim < len(target):
+        mask = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))
     if mask.ndim == 5:  # (A|1, B|1, ...): flatten the batch dims unless both are 1
         mask = mask[0, :1] if mask.shape[:2] == (1, 1) else mask.expand(*batch, *mask.shape[2:])
         return mask.flatten(0, 1) if mask.ndim == 5 else mask  # (A*B|1, H|1, Tq|1, Tk|1)

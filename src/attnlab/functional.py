@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
-from attnlab.backends.dispatch import select
+from attnlab.backends.dispatch import argument_key, remembered, route
 
 __all__ = ["attention", "attention_weights"]
 
@@ -91,11 +91,17 @@ def attention(
         torch.Size([2, 4, 10, 16])
     """
     q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
+    key = argument_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
+                       generator=generator, backend=backend, return_weights=return_weights)
+    known = remembered(key, mask)
+    if known is not None and known.run is not None:  # validated before: nothing reads values
+        return known.run(q, k, v, mask)  # (B, Hq, Tq, Dv)
     call = build_call(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         generator=generator, return_weights=return_weights,
     )
-    chosen = select(call, backend)
+    direct = call.q is q and call.k is k and call.v is v and call.mask is mask
+    chosen = route(key, call, backend, direct=direct).backend
     result = chosen.forward(call)
     out = _restore_rank(result.out, call)
     if not return_weights:

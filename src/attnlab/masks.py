@@ -64,7 +64,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import has_values, int_value, integer_dtype, non_negative_int, one_of, positive_int
+from attnlab._checks import broadcast_shape, has_values, int_value, integer_dtype, non_negative_int, one_of, positive_int
 
 __all__ = [
     "ALIGNMENTS",
@@ -526,8 +526,10 @@ class DocumentMod(MaskMod):
         self.ids = _document_rows(document_ids)  # (B|1, T)
         self.causal = causal
         self.offset = non_negative_int("offset", offset)
-        # (B|1, T) each; meta ids have no values to bound by
-        self._first, self._end = _occurrence_bounds(self.ids) if has_values(self.ids) else (None, None)
+        # (B|1, T) each, read once here as Python lists: kv_bounds then reads no tensor values
+        # (dispatch asks it, and dispatch must trace); meta ids have no values to bound by
+        bounds = _occurrence_bounds(self.ids) if has_values(self.ids) else None
+        self._first, self._end = (bounds[0].tolist(), bounds[1].tolist()) if bounds else (None, None)
 
     def __call__(self, b, h, q_idx, kv_idx):
         pos = q_idx + self.offset
@@ -545,8 +547,8 @@ class DocumentMod(MaskMod):
             return None
         if stop <= start or self.ids.shape[0] == 0:  # no positions, or ids for an empty batch
             return 0, 0
-        lo = int(self._first[:, start:stop].min())
-        hi = int(self._end[:, start:stop].max())
+        lo = min(min(row[start:stop]) for row in self._first)
+        hi = max(max(row[start:stop]) for row in self._end)
         return lo, max(lo, min(hi, stop) if self.causal else hi)
 
     def check_sizes(self, *, batch, heads, tq, tk):
@@ -788,22 +790,12 @@ def _scalar_call(mod: Callable) -> Callable:
     return call
 
 
-def _broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """``torch.broadcast_shapes`` for index tensors, a tenth of its cost (it runs per tile).
-
-    Example:
-        >>> _broadcast_shape([(2, 1, 1), (1, 3), ()])
-        (2, 1, 3)
-    """
-    rank = max(map(len, shapes))
-    shape = [1] * rank
-    for one in shapes:
-        for axis, size in enumerate(one, start=rank - len(one)):
-            if size != 1:
-                if shape[axis] not in (1, size):
-                    raise ValueError(f"mask mod indices of shapes {shapes} do not broadcast")
-                shape[axis] = size
-    return tuple(shape)
+def _mod_indices_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The broadcast shape of a mask mod's index tensors (ValueError when they do not broadcast)."""
+    shape = broadcast_shape(shapes)
+    if shape is None:
+        raise ValueError(f"mask mod indices of shapes {shapes} do not broadcast")
+    return shape
 
 
 def _vmapped(mod: Callable, indices: tuple) -> Tensor:
@@ -815,7 +807,7 @@ def _vmapped(mod: Callable, indices: tuple) -> Tensor:
     back to size 1) where the mod ignores an axis, and no full index grid is ever built.
     """
     tensors = [i for i in indices if isinstance(i, Tensor)]
-    shape = _broadcast_shape([tuple(t.shape) for t in tensors])
+    shape = _mod_indices_shape([tuple(t.shape) for t in tensors])
     padded = [i.view((1,) * (len(shape) - i.dim()) + tuple(i.shape)) if isinstance(i, Tensor) else i
               for i in indices]
     if 0 in shape:
@@ -839,9 +831,9 @@ def _vmapped(mod: Callable, indices: tuple) -> Tensor:
 def _on_grid(mod: Callable, indices: tuple) -> Tensor:
     """``mod`` called once on the index tensors; its result must broadcast to their shape."""
     allowed = mod(*indices)
-    shape = _broadcast_shape([tuple(i.shape) for i in indices if isinstance(i, Tensor)])
+    shape = _mod_indices_shape([tuple(i.shape) for i in indices if isinstance(i, Tensor)])
     got = tuple(torch.as_tensor(allowed).shape)
-    if len(got) > len(shape) or _broadcast_shape([got, shape]) != shape:
+    if len(got) > len(shape) or broadcast_shape([got, shape]) != shape:
         raise ValueError(f"returned shape {got} for index tensors of shape {shape}")
     return allowed
 

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,9 @@ class Backend:
         dtypes: per device type, the dtypes it supports (a device not listed: every float dtype).
         dropout: whether it implements ``dropout_p > 0``.
         backward_devices: device types where its output can be differentiated (``None``: any).
+        traceable: whether its forward reads no tensor values, so that it runs inside
+            ``torch.compile(fullgraph=True)``, ``torch.func`` transforms and ``torch.export``;
+            one that is not declines calls made while compiling.
         stateful_limits: whether :meth:`limits` depends on the backend's own state as well as
             the call (flex: its budget of compiled variants), so that a remembered choice is
             asked again.
@@ -89,6 +93,7 @@ class Backend:
     dtypes: dict[str, tuple[torch.dtype, ...]] = {}
     dropout: bool = True
     backward_devices: tuple[str, ...] | None = None
+    traceable: bool = False
     stateful_limits: bool = False
 
     def unavailable_reason(self) -> str | None:
@@ -111,6 +116,8 @@ class Backend:
             >>> Backend().not_supported_reasons(build_call(q, q, q))
             []
         """
+        if not self.traceable and torch.compiler.is_compiling():  # its limits may read values too
+            return [f"{self.name} reads tensor values to plan its work, which torch.compile cannot trace"]
         device = _device_word(call.device.type)
         found = []
         if self.devices is not None and call.device.type not in self.devices:
@@ -169,6 +176,24 @@ class Backend:
             1.0
         """
         return 1.0
+
+    def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
+        """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every later call whose arguments have
+        ``call``'s signature (see :func:`attnlab.backends.dispatch.argument_key`), or None.
+
+        Dispatch remembers it with its choice, and such a call goes from
+        :func:`attnlab.attention` straight to ``run``: validation and dispatch read no tensor
+        values, so a signature validated once is valid for every call that has it. Return one
+        only where ``run`` decides nothing from values and keeps the whole contract itself;
+        ``run`` gets the user's 4-D tensors and mask as given. The default is None.
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().prepare(build_call(q, q, q)) is None
+            True
+        """
+        return None
 
     def preferred(self, call: AttentionCall) -> bool:
         """Whether this backend wins ``call`` among those serving it in the best memory class,

@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -27,15 +28,36 @@ from attnlab.backends.base import MEMORY_CLASSES, Backend
 from attnlab.backends.registry import generation, get, registry
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PLAN_CACHE_SIZE"]
+           "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route"]
 
-# The one cache on the hot path: auto's choice per call signature (shapes, dtypes, device,
-# mask kind, options, grad mode, registry generation; never tensor values), LRU-bounded.
-# Thread-safety rule: every read-modify-write of it holds _LOCK; two threads missing the same
-# signature at once both compute the (identical) choice and the later one stores it.
+# The one cache on the hot path: per argument signature (shapes, dtypes, devices, the mask's
+# kind and shape, options, grad mode, registry generation; never a tensor value), the backend
+# auto or a name chose and, where the backend offers one, its prepared run. Bounded.
+# Thread-safety rule: a read is one dict lookup (atomic in CPython); every write holds _LOCK;
+# two threads missing one signature at once both compute the (identical) route and the later
+# one stores it. Full, it drops its oldest entry (insertion order).
 PLAN_CACHE_SIZE = 512
-_PLANS: OrderedDict = OrderedDict()
+_ROUTES: dict = {}
 _LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Route:
+    """What dispatch remembers for one argument signature.
+
+    Attributes:
+        backend: the backend that serves it.
+        run: ``backend.prepare(call)``: the kernel call with every decision bound, or None.
+        mod: the mask mod it was chosen for (kept alive, so its ``id`` in the key is not reused).
+
+    Example:
+        >>> Route(backend=get("reference"), run=None, mod=None).backend.name
+        'reference'
+    """
+
+    backend: Backend
+    run: Callable | None
+    mod: object
 
 
 def check_backend_name(name: object) -> str:
@@ -89,7 +111,11 @@ def memory_class(backend: Backend, call: AttentionCall) -> str:
 
 
 def select(call: AttentionCall, name: str = "auto") -> Backend:
-    """The backend that will run ``call``.
+    """The backend that will run ``call``: a named one if it serves, else auto's choice.
+
+    Auto takes the backends that serve the call in the best memory class (never an O(T^2)
+    path when an O(T) one serves); among them one whose :meth:`Backend.preferred` rule claims
+    the call, else the lowest estimated time (:meth:`Backend.cost`).
 
     Args:
         call: a validated call from :func:`attnlab._call.build_call`.
@@ -103,16 +129,9 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         >>> import torch
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 2, 6, 4)
-        >>> select(build_call(q, q, q), "auto").name in registry()
-        True
+        >>> select(build_call(q, q, q), "auto").name
+        'sdpa'
     """
-    if name == "auto":
-        return _cached_auto(call)
-    return _select(call, name)
-
-
-def _select(call: AttentionCall, name: str) -> Backend:
-    """:func:`select` without the plan cache."""
     if check_backend_name(name) != "auto":
         backend = get(name)
         why_not = reasons_of(backend, call)  # only the named backend's, not every one's
@@ -122,61 +141,112 @@ def _select(call: AttentionCall, name: str) -> Backend:
     serving = [registry()[n] for n, why_not in reasons(call).items() if not why_not]
     if not serving:  # the reference serves every valid call; this is a programming error
         raise RuntimeError("no attention backend can serve this call")
-    best = min(MEMORY_CLASSES.index(memory_class(b, call)) for b in serving)
-    candidates = [b for b in serving if MEMORY_CLASSES.index(memory_class(b, call)) == best]
-    preferred = [b for b in candidates if b.preferred(call)]
-    return preferred[0] if preferred else min(candidates, key=lambda b: b.cost(call))
+    # Plain loops, not min(key=...): torch.compile traces them (it refuses min with a key).
+    classes = [MEMORY_CLASSES.index(memory_class(b, call)) for b in serving]
+    candidates = [b for b, c in zip(serving, classes) if c == min(classes)]
+    for backend in candidates:
+        if backend.preferred(call):
+            return backend
+    chosen, chosen_cost = candidates[0], candidates[0].cost(call)
+    for backend in candidates[1:]:
+        cost = backend.cost(call)
+        if cost < chosen_cost:
+            chosen, chosen_cost = backend, cost
+    return chosen
 
 
-def _signature(call: AttentionCall) -> tuple:
-    """Everything of ``call`` that a backend's capabilities, limits or cost may depend on,
-    except a mask mod's identity (kept in the cache entry, so that a recycled ``id`` cannot
-    match another mod). Shapes, dtypes, devices and options only: no tensor value."""
-    mask = call.mask
-    if isinstance(mask, Tensor):
-        mask_sig = ("tensor", tuple(mask.shape), mask.dtype, mask.requires_grad)
-    else:
-        mask_sig = ("mod" if mask is not None else "none", id(mask))
-    return (generation(), tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.dtype,
-            call.device, mask_sig, call.causal, call.align, call.scale, call.dropout_p > 0.0,
-            None if call.generator is None else call.generator.device.type, call.return_weights,
-            call.requires_grad, torch.is_grad_enabled())
+def argument_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,
+                 scale: object, dropout_p: object, generator: object, backend: object,
+                 return_weights: object) -> tuple | None:
+    """The signature of :func:`attnlab.attention`'s arguments under which a route is remembered.
 
+    Everything validation and dispatch read, and nothing else: shapes, dtypes, devices and
+    ``requires_grad`` of q, k, v and a tensor mask, a mask mod's identity, the options, grad
+    mode and the registry's generation. None (nothing remembered) for arguments of unusual
+    types (tensor subclasses, ``causal=1``: validation must see them each time) and for a
+    dropout generator (its device is part of what is checked).
 
-def _cached_auto(call: AttentionCall) -> Backend:
-    """``select(call, "auto")`` remembered per call signature (LRU of :data:`PLAN_CACHE_SIZE`).
-
-    The choice follows from the signature alone, so a hit is returned as it is, except for a
-    backend whose limits depend on its own state (``Backend.stateful_limits``: flex's budget
-    of compiled variants), which is asked again. Under ``torch.compile`` the choice is made
-    afresh and not stored: the compiled graph keeps it, and the cache stays out of the trace.
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 2, 1, 8)
+        >>> options = dict(mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0,
+        ...                generator=None, backend="auto", return_weights=False)
+        >>> argument_key(q, q, q, **options) == argument_key(torch.randn(1, 2, 1, 8), q, q, **options)
+        True
+        >>> argument_key(q, q, q, **{**options, "causal": 1}) is None
+        True
     """
-    if torch.compiler.is_compiling():
-        return _select(call, "auto")
-    key = _signature(call)
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or generator is not None
+            or (causal is not True and causal is not False) or type(align) is not str
+            or (scale is not None and type(scale) is not float) or type(backend) is not str
+            or type(dropout_p) not in (float, int) or (return_weights is not True and return_weights is not False)):
+        return None
+    if mask is None:
+        mask_key = None
+    elif type(mask) is Tensor:
+        mask_key = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
+    elif callable(mask):
+        mask_key = id(mask)
+    else:
+        return None
+    # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
+            dropout_p, backend, return_weights, torch.is_grad_enabled(), generation())
+
+
+def remembered(key: tuple | None, mask: object) -> Route | None:
+    """The route stored under ``key`` for this ``mask`` (a mod must be the very object), or None.
+
+    Example:
+        >>> remembered(None, None) is None
+        True
+    """
+    if key is None or torch.compiler.is_compiling():  # the compiled graph keeps its own choice
+        return None
+    route = _ROUTES.get(key)
+    if route is None or (route.mod is not None and route.mod is not mask):
+        return None
+    return route
+
+
+def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
+    """The route for ``call``: the one remembered under ``key`` if still valid, else a fresh
+    :func:`select`, remembered (with ``backend.prepare(call)`` when ``direct``: the user's
+    tensors are the call's, 4-D and unbroadcast, so a run can take them as given).
+
+    A backend whose limits depend on its own state (``Backend.stateful_limits``: flex's budget
+    of compiled variants) is asked again on every call.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> route(None, build_call(q, q, q), "auto", direct=True).backend.name
+        'sdpa'
+    """
+    known = remembered(key, call.mask)
+    if known is not None and not (known.backend.stateful_limits and reasons_of(known.backend, call)):
+        return known
+    backend = select(call, name)
     mod = call.mask if call.mask_kind == "mod" else None
-    with _LOCK:
-        entry = _PLANS.get(key)
-        if entry is not None:
-            _PLANS.move_to_end(key)
-    if entry is not None and entry[1] is mod and not (entry[0].stateful_limits and reasons_of(entry[0], call)):
-        return entry[0]
-    backend = _select(call, "auto")
-    with _LOCK:
-        _PLANS[key] = (backend, mod)
-        if len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return backend
+    fresh = Route(backend, backend.prepare(call) if direct and mod is None else None, mod)
+    if key is not None and not torch.compiler.is_compiling():
+        with _LOCK:
+            _ROUTES[key] = fresh
+            while len(_ROUTES) > PLAN_CACHE_SIZE:
+                del _ROUTES[next(iter(_ROUTES))]
+    return fresh
 
 
 def clear_plans() -> None:
-    """Forget every remembered dispatch decision and whatever the backends remember
+    """Forget every remembered route and whatever the backends remember
     (:meth:`Backend.reset`): one reset for all of attnlab's state.
 
     Example:
         >>> clear_plans()
     """
     with _LOCK:
-        _PLANS.clear()
+        _ROUTES.clear()
     for backend in registry().values():
         backend.reset()

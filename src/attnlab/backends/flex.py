@@ -258,12 +258,13 @@ def _row_range_mod(mod, call: AttentionCall) -> RowRangeMod:
 
 
 def _describe(mod) -> tuple:
-    """A direct mod by value, for the block-mask cache's key: classes, and/or, every attribute
-    (tensors by shape, dtype and device; their values are compared on a hit)."""
+    """A direct mod by value, for the block-mask cache's key: classes, and/or, every public
+    attribute (tensors by shape, dtype and device; their values are compared on a hit). Private
+    attributes are derived from the public ones (DocumentMod's bounds from its ids)."""
     if type(mod) is _masks.CombinedMod:
         return (mod.op, tuple(_describe(part) for part in mod.mods))
     items = tuple((name, (tuple(value.shape), value.dtype, value.device) if isinstance(value, Tensor) else value)
-                  for name, value in sorted(vars(mod).items()))
+                  for name, value in sorted(vars(mod).items()) if not name.startswith("_"))
     return (type(mod).__name__, items)
 
 

@@ -41,6 +41,7 @@ class ReferenceBackend(Backend):
     """
 
     name = "reference"
+    traceable = True
     memory = "quadratic"
     description = "explicit softmax(q k^T * scale + mask) v; O(T^2) memory; the fp64 oracle"
 

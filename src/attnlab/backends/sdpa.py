@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,10 @@ __all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for", "kernel_keeps_r
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 _HAS_GQA = _TORCH_VERSION >= (2, 5)  # enable_gqa= appeared in PyTorch 2.5
+try:
+    from torch._subclasses import fake_tensor as _fake_tensor
+except ImportError:  # pragma: no cover - every supported torch has it
+    _fake_tensor = None
 
 
 
@@ -114,6 +119,11 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
     return torch.zeros((), dtype=dtype, device=call.device).expand(shape)
 
 
+def _is_fake(t: Tensor) -> bool:
+    """Whether ``t`` is a FakeTensor (shapes and dtypes only, as torch.export traces with)."""
+    return _fake_tensor is not None and _fake_tensor.is_fake(t)
+
+
 def kernel_for(call: AttentionCall) -> str:
     """The SDPA kernel PyTorch will choose for ``call``: flash, efficient, cudnn or math.
 
@@ -130,7 +140,10 @@ def kernel_for(call: AttentionCall) -> str:
     gqa = call.q_heads != call.kv_heads
     k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
         repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
-    chooser = getattr(torch, "_fused_sdp_choice", None)
+    # PyTorch's selector returns a Python int, which torch.compile cannot trace, and answers
+    # "math" for fake and meta tensors: the documented rule below stands in for those.
+    shapes_only = torch.compiler.is_compiling() or call.device.type == "meta" or _is_fake(call.q)
+    chooser = None if shapes_only else getattr(torch, "_fused_sdp_choice", None)
     if chooser is not None:
         extra = {"enable_gqa": True} if (gqa and _HAS_GQA) else {}
         try:
@@ -190,7 +203,7 @@ def _mask_dtype(call: AttentionCall) -> torch.dtype:
 
 # PyTorch's CPU kernels (flash and math) give a fully masked row a zero output and zero
 # gradients and a NaN query row a NaN output on the versions the suite runs on (2.13, 2.14;
-# tests/test_sdpa.py pins it against fp64 math), so attnlab adds nothing on that path. Older
+# tests/test_numerics.py pins it through attnlab on every backend), so attnlab adds nothing on that path. Older
 # versions and other devices get the rows mended by two value-free ``where`` passes.
 _CPU_KERNEL_KEEPS_ROWS = _TORCH_VERSION >= (2, 13)
 
@@ -206,16 +219,16 @@ def kernel_keeps_rows(device: torch.device) -> bool:
 
 
 def _attn_mask(call: AttentionCall, source: str) -> Tensor | None:
-    """The ``attn_mask`` SDPA gets: None, the user's mask (a float one in :func:`_mask_dtype`),
-    or the materialised causal / mask-mod mask (with a float mask's ``-inf`` at blocked pairs)."""
+    """The ``attn_mask`` SDPA gets: None, the user's mask, or the materialised causal / mask-mod mask (with a float mask's ``-inf`` at blocked pairs)."""
     if source in ("none", "is_causal"):
         return None
     allowed = call.allowed() if source == "materialised" else None  # bool (B|1, H|1, Tq, Tk)
     bias = call.bias()
     if bias is None:
         return allowed if allowed is not None else call.mask
-    bias = bias.to(_mask_dtype(call))
-    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
+    if allowed is None:
+        return bias  # put in _mask_dtype by the runner
+    return bias.to(_mask_dtype(call)).masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Tq, Tk)
 
 
 def _row_alive(attn_mask: Tensor | None) -> Tensor | None:
@@ -262,33 +275,46 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
         torch.Size([2, 3, 5, 4])
     """
     source = _mask_source(call)
-    attn_mask = _attn_mask(call, source)
-    q, k, v, scale = call.q, call.k, call.v, call.scale
-    if source == "is_causal" and call.tq < call.tk:
-        k, v = k[:, :, :call.tq], v[:, :, :call.tq]  # (B, Hkv, Tq, D|Dv)
-    mend = not kernel_keeps_rows(call.device)
-    row_alive = _row_alive(attn_mask) if mend else None
-    if row_alive is not None:
-        attn_mask = attn_mask | ~row_alive if attn_mask.dtype == torch.bool else torch.where(row_alive, attn_mask, 0.0)
-        q = torch.where(row_alive, q, 0.0)  # a NaN query of a dead row must not reach dK
-    if folds_scale(call):  # scale <= 0 with is_causal, or scores the backward must recompute exactly
-        q, scale = q * call.scale, 1.0
-    extra = {}
-    if call.q_heads != call.kv_heads:
-        if _HAS_GQA:
-            extra["enable_gqa"] = True
-        else:
-            k, v = repeat_kv(k, call.q_heads), repeat_kv(v, call.q_heads)  # (B, Hq, Tk, D)
     with _dropout_rng(call):
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
-            is_causal=source == "is_causal", scale=scale, **extra,
-        )  # (B, Hq, Tq, Dv)
-    if mend:
-        out = keep_nan_rows(q, out)
+        return _runner(call, source)(call.q, call.k, call.v, _attn_mask(call, source))
+
+
+def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
+    """``run(q, k, v, attn_mask) -> (B, Hq, Tq, Dv)``: SDPA with everything decided from
+    ``call``'s signature (kernel options, scale folding, key slicing, row mending) bound, so
+    that any call of the same signature may run it with its own tensors."""
+    keys = call.tq if source == "is_causal" and call.tq < call.tk else None
+    factor = call.scale if folds_scale(call) else None  # scale <= 0, or a backward to recompute
+    options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal",
+                   scale=1.0 if factor is not None else call.scale)
+    gqa = call.q_heads != call.kv_heads
+    if gqa and _HAS_GQA:
+        options["enable_gqa"] = True
+    repeat = call.q_heads if gqa and not _HAS_GQA else None
+    float_dtype = _mask_dtype(call) if call.mask_kind == "float" else None
+    mend = not kernel_keeps_rows(call.device)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+        if float_dtype is not None:
+            attn_mask = attn_mask.to(float_dtype)  # (B|1, H|1, Tq|1, Tk)
+        if keys is not None:
+            k, v = k[:, :, :keys], v[:, :, :keys]  # (B, Hkv, Tq, D|Dv): no query reaches the rest
+        row_alive = _row_alive(attn_mask) if mend else None
         if row_alive is not None:
-            out = torch.where(row_alive, out, 0.0)  # zeros, zero gradient
-    return out
+            attn_mask = attn_mask | ~row_alive if attn_mask.dtype == torch.bool else torch.where(row_alive, attn_mask, 0.0)
+            q = torch.where(row_alive, q, 0.0)  # a NaN query of a dead row must not reach dK
+        if factor is not None:
+            q = q * factor
+        if repeat is not None:
+            k, v = repeat_kv(k, repeat), repeat_kv(v, repeat)  # (B, Hq, Tk, D|Dv)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
+        if mend:
+            out = keep_nan_rows(q, out)
+            if row_alive is not None:
+                out = torch.where(row_alive, out, 0.0)  # zeros, zero gradient
+        return out
+
+    return run
 
 
 class SdpaBackend(Backend):
@@ -303,6 +329,7 @@ class SdpaBackend(Backend):
 
     name = "sdpa"
     memory = "linear"
+    traceable = True
     description = (
         "torch.nn.functional.scaled_dot_product_attention (CPU flash; CUDA flash, efficient, "
         "cuDNN); O(T) memory unless a mask must be materialised or the math kernel runs"
@@ -348,6 +375,23 @@ class SdpaBackend(Backend):
             True
         """
         return _mask_source(call) != "materialised"
+
+    def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
+        """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every call with ``call``'s signature whose
+        mask reaches SDPA as the caller holds it (none, top-left causal, a bool or float tensor),
+        without dropout or weights: everything it decides follows from the signature.
+
+        Example:
+            >>> from attnlab.backends import build_call
+            >>> q = torch.randn(1, 2, 1, 8)
+            >>> run = SdpaBackend().prepare(build_call(q, q, q))
+            >>> torch.equal(run(q, q, q, None), sdpa_forward(build_call(q, q, q)))
+            True
+        """
+        source = _mask_source(call)
+        if source == "materialised" or call.dropout_p > 0.0 or call.return_weights:
+            return None
+        return _runner(call, source)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return AttentionResult(out=sdpa_forward(call))
