@@ -20,7 +20,7 @@ from torch.func import grad, vmap
 
 import attnlab
 from attnlab import masks
-from attnlab.backends import build_call, get
+from attnlab.backends import available, build_call, get, reasons
 from attnlab.backends.blocks import blocks_attention
 from attnlab.backends.chunked import chunked_attention
 
@@ -221,6 +221,24 @@ def test_export_with_a_dynamic_sequence_length(kind):
             q, k, v, is_causal=kind == "causal",
             attn_mask=None if mask is None else masks.materialize(mask, tq=length, tk=length))
         torch.testing.assert_close(program.module()(q, k, v), want, rtol=0, atol=1e-5)
+
+
+def test_tiled_backends_decline_while_exported_at_a_symbolic_length():
+    """chunked and blocks loop over tiles of the sequence in Python and read the mask's values to
+    skip them, flex compiles per static shape: traced at a symbolic length they would fix it, which
+    export refuses ("Constraints violated"). They decline; the reference (one graph) serves."""
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, q):
+            seen.update(reasons(build_call(q, q, q, mask=EXPORTED["mod"]["mask"])))
+            return q
+
+    seq = torch.export.Dim("seq", min=2, max=256)
+    torch.export.export(Probe(), (torch.randn(1, 2, 8, 4),), dynamic_shapes=({2: seq},), strict=False)
+    for name in {"chunked", "blocks", "flex"} & set(available()):
+        assert seen[name], name
+    assert seen["reference"] == []
 
 
 class _Masks(torch.nn.Module):
