@@ -56,7 +56,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
@@ -64,6 +63,7 @@ from attnlab._math import folds_scale, keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
+from attnlab.backends.transforms import no_double_backward, outside_transforms, vmap_by_slices
 
 __all__ = ["BlocksBackend", "blocks_attention", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
@@ -341,7 +341,8 @@ def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple
         _PLANS.move_to_end(key)
         return entry[2]
     block = block or choose_block(call)
-    runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block))
+    with outside_transforms():  # the mask's and the sizes' plan: a constant to torch.func
+        runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block))
     if key is not None:
         _PLANS[key] = (mod, tuple(t.clone() for t in _masks.mod_tensors(mod)), runs)
         if len(_PLANS) > PLAN_CACHE_SIZE:
@@ -410,16 +411,18 @@ def _kernel_layout(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _padded(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v in a layout the kernel reads (:func:`_kernel_layout`) with a common head size
-    (the kernel needs ``Dv == D``); zero columns are exact."""
-    q, k, v = call.q, call.k, call.v
-    width = max(call.head_dim, call.value_dim)
-    if call.head_dim < width:
-        q, k = (F.pad(t, (0, width - call.head_dim)) for t in (q, k))
-    if call.value_dim < width:
-        v = F.pad(v, (0, width - call.value_dim))
-    return _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
+def _widened(t: Tensor, width: int) -> Tensor:
+    """``t`` with zero columns appended up to ``width`` (the kernel needs ``Dv == D``); exact."""
+    return F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+
+
+def _kernel_inputs(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernel reads them: one head size, a layout it reads (:func:`_kernel_layout`),
+    and q times the scale when the plan folds it. Forward and backward both derive them from the
+    Function's inputs (``torch.func`` hands the Function unwrapped tensors, never the call's)."""
+    width = max(q.shape[-1], v.shape[-1])
+    q, k, v = (_kernel_layout(_widened(t, width)) for t in (q, k, v))
+    return (q * plan.call.scale if plan.fold else q), k, v
 
 
 @dataclass(frozen=True)
@@ -464,68 +467,107 @@ def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     return run.query_blocks(q), run.key_blocks(k), run.key_blocks(v)
 
 
-def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
-    """One kernel call per run. Returns out ``(B, Hq, Tq, W)``, lse ``(B, Hq, Tq)`` and, per
-    run with dead rows, the kernel's own lse (its backward needs it on those rows)."""
-    call = plan.call
+def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """One kernel call per run. Returns out ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)``."""
     B, Hq, Tq, W = q.shape
     acc_dtype = score_dtype(q.dtype)
     out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
     lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
-    own_lse = []
     for run in plan.runs:
         o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=run.mask,
                       scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
-        own_lse.append(None if run.dead is None else l)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
         _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
-    return out.to(q.dtype), lse, own_lse
+    return out.to(q.dtype), lse
 
 
 class _BlocksFunction(torch.autograd.Function):
-    """Forward: the fused kernel once per run. Backward: the kernel's backward once per run."""
+    """Forward: the fused kernel once per run. Backward: the kernel's backward once per run.
+
+    Written for ``torch.func`` (see :mod:`attnlab.backends.transforms`): ``setup_context``, a
+    ``vmap`` rule that runs the plan once per vmapped slice, and a backward pass that is a
+    Function of its own (:class:`_BlocksGradientsFunction`) with the same rule.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
-        call = plan.call
-        qp, kp, vp = _padded(call)
-        if plan.fold:
-            qp = qp * call.scale
-        out, lse, own_lse = _block_forward(plan, qp, kp, vp)
-        ctx.plan, ctx.own_lse = plan, own_lse
-        ctx.save_for_backward(qp, kp, vp, out, lse)
+    def forward(q, k, v, plan):
+        out, lse = _block_forward(plan, *_kernel_inputs(plan, q, k, v))
+        return out.narrow(-1, 0, v.shape[-1]), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, plan = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
         ctx.mark_non_differentiable(lse)
-        return out[..., :call.value_dim], lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_out, _d_lse):
-        plan, call = ctx.plan, ctx.plan.call
-        q, k, v, out, lse = ctx.saved_tensors
-        W = k.shape[-1]
-        d_out = _kernel_layout(F.pad(d_out, (0, W - d_out.shape[-1])) if d_out.shape[-1] < W else d_out)
-        # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
-        dq = _init(q.new_empty(q.shape), plan.runs, fill=0.0)
-        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
-        for run, own in zip(plan.runs, ctx.own_lse):
-            do_r = run.query_blocks(d_out)  # (n, B*Hq, bq, W)
-            lse_r = run.query_blocks(lse)  # (n, B*Hq, bq)
-            if run.dead is not None:  # a dropped row passes no gradient and keeps a finite lse
-                do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)
-                lse_r = torch.where(run.dead, own, lse_r)
-            q_r, k_r, v_r = _run_views(run, q, k, v)
-            gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
-                                         attn_mask=run.mask, scale=plan.kernel_scale)
-            if run.first:  # the same order as the forward: nothing added to these rows yet
-                run.query_blocks(dq).copy_(gq)
-            else:
-                _add_blocks(dq, gq, run.qs, run.q_step)
-            _add_blocks(dk, gk, run.ks, run.k_step)
-            _add_blocks(dv, gv, run.ks, run.k_step)
-        if plan.fold:
-            dq.mul_(call.scale)  # the kernel differentiated by q * scale
-        return (dq[..., :call.head_dim], dk[..., :call.head_dim], dv[..., :call.value_dim], None)
+        dq, dk, dv = _BlocksGradientsFunction.apply(d_out, *ctx.saved_tensors, ctx.plan)
+        return dq, dk, dv, None
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_slices(_BlocksFunction.apply, info, in_dims, *args)
+
+
+class _BlocksGradientsFunction(torch.autograd.Function):
+    """The backward pass as a Function: the kernel's backward once per run, gradients summed
+    where key spans overlap; mapped by ``vmap`` slice by slice; not differentiable itself."""
+
+    @staticmethod
+    def forward(d_out, q, k, v, out, lse, plan):
+        return _block_backward(plan, d_out, (q, k, v), out, lse)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise no_double_backward("blocks")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_slices(_BlocksGradientsFunction.apply, info, in_dims, *args)
+
+
+def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
+                    lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of the Function's inputs q, k, v from the output gradient ``d_out``.
+
+    The gradients are written into buffers made from ``d_out`` and cut with ``narrow`` (indexing
+    a whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
+    maps this function with over a batch of output gradients, has no rule for ``alias`` and none
+    for writing a batched tensor into one that is not.
+    """
+    q, k, v = _kernel_inputs(plan, *inputs)
+    D, Dv, W = inputs[0].shape[-1], inputs[2].shape[-1], k.shape[-1]
+    d_out, out = (_kernel_layout(_widened(t, W)) for t in (d_out, out))  # (B, Hq, Tq, W)
+    lse = _kernel_layout(lse)
+    # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
+    dq = _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
+    dk, dv = d_out.new_zeros(k.shape), d_out.new_zeros(v.shape)
+    for run in plan.runs:
+        do_r = run.query_blocks(d_out)  # (n, B*Hq, bq, W)
+        lse_r = run.query_blocks(lse)  # (n, B*Hq, bq)
+        if run.dead is not None:  # a dropped row passes no gradient: zero output gradient, and
+            do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)  # an lse of +inf, so that its
+            lse_r = lse_r.masked_fill(run.dead, float("inf"))  # weights are exp(s - inf) = 0
+        q_r, k_r, v_r = _run_views(run, q, k, v)
+        gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
+                                     attn_mask=run.mask, scale=plan.kernel_scale)
+        if run.first:  # the same order as the forward: nothing added to these rows yet
+            run.query_blocks(dq).copy_(gq)
+        else:
+            _add_blocks(dq, gq, run.qs, run.q_step)
+        _add_blocks(dk, gk, run.ks, run.k_step)
+        _add_blocks(dv, gv, run.ks, run.k_step)
+    if plan.fold:
+        dq.mul_(plan.call.scale)  # the kernel differentiated by q * scale
+    return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv)
 
 
 def blocks_attention(call: AttentionCall, *, block: int | None = None) -> AttentionResult:

@@ -38,10 +38,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
@@ -50,6 +50,7 @@ from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
+from attnlab.backends.transforms import no_double_backward, vmap_by_slices
 
 __all__ = [
     "ChunkedBackend",
@@ -138,11 +139,10 @@ def dropout_keep(
 # ----------------------------------------------------------------------------- tiles
 @dataclass(frozen=True)
 class _Plan:
-    """Everything a tile needs besides q, k, v and the float mask."""
+    """Everything a tile needs besides q, k, v and the tensor masks (bool and float)."""
 
     scale: float
     mod: Callable | None  # causal AND the user's mask mod
-    bool_mask: Tensor | None  # (B|1, H|1, Tq|1, Tk|1)
     q_block: int
     kv_block: int
     dropout_p: float
@@ -161,22 +161,30 @@ class _Plan:
             yield ks, min(ks + self.kv_block, hi)
 
 
+class _TensorMasks(NamedTuple):
+    """The call's tensor masks, each ``(B|1, H|1, Tq|1, Tk|1)`` or None. Inputs of the autograd
+    Function, not parts of the plan, so that ``torch.func.vmap`` maps a vmapped mask with q, k, v."""
+
+    allowed: Tensor | None  # bool, True = may attend
+    bias: Tensor | None  # float, added to the scores
+
+
 def _slice_tile(mask: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-    """A ``(B|1, H|1, Tq|1, Tk|1)`` mask cut to one tile; broadcast dims stay size 1."""
-    rows = slice(qs, qe) if mask.shape[2] > 1 else slice(None)
-    cols = slice(ks, ke) if mask.shape[3] > 1 else slice(None)
-    return mask[:, :, rows, cols]
+    """A ``(B|1, H|1, Tq|1, Tk|1)`` mask (or its gradient) cut to one tile, a view; broadcast
+    dims stay size 1. ``narrow``, not indexing: see :func:`_backward_tiles`."""
+    rows = mask if mask.shape[2] == 1 else mask.narrow(2, qs, qe - qs)
+    return rows if rows.shape[3] == 1 else rows.narrow(3, ks, ke - ks)
 
 
-def _tile_allowed(plan: _Plan, bias_tile: Tensor | None, shape: tuple, qs: int, qe: int,
-                  ks: int, ke: int, device: torch.device) -> Tensor | None:
+def _tile_allowed(plan: _Plan, bool_mask: Tensor | None, bias_tile: Tensor | None, shape: tuple,
+                  qs: int, qe: int, ks: int, ke: int, device: torch.device) -> Tensor | None:
     """Combined bool mask of one tile (None = everything allowed)."""
     parts = []
     if plan.mod is not None:
         parts.append(_masks.evaluate(plan.mod, q_range=(qs, qe), kv_range=(ks, ke),
                                      batch=shape[0], heads=shape[1], device=device))
-    if plan.bool_mask is not None:
-        parts.append(_slice_tile(plan.bool_mask, qs, qe, ks, ke))
+    if bool_mask is not None:
+        parts.append(_slice_tile(bool_mask, qs, qe, ks, ke))
     if bias_tile is not None:
         parts.append(bias_tile > float("-inf"))
     allowed = _masks.and_masks(*parts)
@@ -202,12 +210,13 @@ class _Tile:
     keep_scale: Tensor | None
 
 
-def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
                qs: int, qe: int, ks: int, ke: int) -> _Tile | None:
     """Build the tile (qs:qe, ks:ke), or None when its mask allows nothing."""
     B, Hq = q_tile.shape[:2]
+    bool_mask, bias = masks
     bias_tile = None if bias is None else _slice_tile(bias, qs, qe, ks, ke).to(plan.acc_dtype)
-    allowed = _tile_allowed(plan, bias_tile, (B, Hq), qs, qe, ks, ke, q_tile.device)
+    allowed = _tile_allowed(plan, bool_mask, bias_tile, (B, Hq), qs, qe, ks, ke, q_tile.device)
     if allowed is not None and has_values(allowed) and not bool(allowed.any()):
         return None
     k_tile = repeat_kv(k[:, :, ks:ke].to(plan.acc_dtype), Hq)  # (B, Hq, bk, D)
@@ -236,11 +245,11 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor |
     return _Tile(attn_scores, q_tile, k_tile, v_tile, keep_scale)
 
 
-def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
            qs: int, qe: int, stage: str) -> Iterator[tuple[int, int, _Tile]]:
     """The non-empty tiles of one query block, reported to the tile hook."""
     for ks, ke in plan.kv_blocks(qs, qe, k.shape[2]):
-        tile = _make_tile(plan, q_tile, k, v, bias, qs, qe, ks, ke)
+        tile = _make_tile(plan, q_tile, k, v, masks, qs, qe, ks, ke)
         if tile is None:
             continue
         if plan.tile_hook is not None:
@@ -256,7 +265,7 @@ def _safe(t: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- forward
 def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
-                   bias: Tensor | None) -> tuple[Tensor, Tensor]:
+                   masks: _TensorMasks) -> tuple[Tensor, Tensor]:
     """Online-softmax forward. Returns out ``(B, Hq, Tq, Dv)`` and lse ``(B, Hq, Tq)``."""
     B, Hq, Tq, _ = q.shape
     Dv = v.shape[-1]
@@ -268,7 +277,7 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
                              device=q.device)
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros(B, Hq, qe - qs, Dv, dtype=plan.acc_dtype, device=q.device)
-        for _, _, tile in _tiles(plan, q_tile, k, v, bias, qs, qe, "forward"):
+        for _, _, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "forward"):
             new_max = torch.maximum(row_max, tile.scores.amax(dim=-1, keepdim=True))
             safe_max = _safe(new_max)
             probs = torch.exp_(tile.scores.sub_(safe_max))  # (B, Hq, bq, bk), in place
@@ -291,58 +300,100 @@ def _reduce_to(t: Tensor, shape: tuple) -> Tensor:
     return t.sum(dim=dims, keepdim=True) if dims else t
 
 
-def _backward_tiles(plan: _Plan, saved: tuple, d_out: Tensor,
+def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tensor,
                     need_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """FlashAttention-2 backward by recomputation; grads in the accumulation dtype."""
-    q, k, v, bias, out, lse = saved
+    """FlashAttention-2 backward by recomputation; grads in the accumulation dtype.
+
+    The gradients accumulate in place into buffers made from ``d_out``, every in-place update
+    writes into a tensor computed from ``d_out``, and rows are cut with ``narrow`` (indexing a
+    whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
+    maps this function with over a batch of output gradients, has no rule for ``alias`` and none
+    for writing a batched tensor into one that is not.
+    """
+    q, k, v, out, lse = saved
+    bias = masks.bias
     B, Hkv = k.shape[:2]
-    dq = torch.zeros(q.shape, dtype=plan.acc_dtype, device=q.device)  # (B, Hq, Tq, D)
-    dk = torch.zeros(k.shape, dtype=plan.acc_dtype, device=q.device)  # (B, Hkv, Tk, D)
-    dv = torch.zeros(v.shape, dtype=plan.acc_dtype, device=q.device)  # (B, Hkv, Tk, Dv)
-    d_bias = torch.zeros(bias.shape, dtype=plan.acc_dtype, device=q.device) if need_bias_grad else None
+    dq = d_out.new_zeros(q.shape, dtype=plan.acc_dtype)  # (B, Hq, Tq, D)
+    dk = d_out.new_zeros(k.shape, dtype=plan.acc_dtype)  # (B, Hkv, Tk, D)
+    dv = d_out.new_zeros(v.shape, dtype=plan.acc_dtype)  # (B, Hkv, Tk, Dv)
+    d_bias = d_out.new_zeros(bias.shape, dtype=plan.acc_dtype) if need_bias_grad else None
     for qs, qe in plan.q_blocks(q.shape[2]):
         q_tile = q[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, D)
-        do_tile = d_out[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, Dv)
+        do_tile = d_out.narrow(2, qs, qe - qs).to(plan.acc_dtype)  # (B, Hq, bq, Dv)
         delta = (do_tile * out[:, :, qs:qe].to(plan.acc_dtype)).sum(-1, keepdim=True)  # (B,Hq,bq,1)
         row_lse = _safe(lse[:, :, qs:qe, None])  # (B, Hq, bq, 1)
-        for ks, ke, tile in _tiles(plan, q_tile, k, v, bias, qs, qe, "backward"):
+        for ks, ke, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "backward"):
             probs = torch.exp_(tile.scores.sub_(row_lse))  # (B, Hq, bq, bk)
             kept = probs if tile.keep_scale is None else probs * tile.keep_scale
-            dv[:, :, ks:ke] += sum_kv_groups(torch.matmul(kept.transpose(-2, -1), do_tile), Hkv)
+            d_values = torch.matmul(kept.transpose(-2, -1), do_tile)  # (B, Hq, bk, Dv)
+            dv.narrow(2, ks, ke - ks).add_(sum_kv_groups(d_values, Hkv))
             d_probs = torch.matmul(do_tile, tile.v.transpose(-2, -1))  # (B, Hq, bq, bk)
             if tile.keep_scale is not None:
                 d_probs = d_probs.mul_(tile.keep_scale)
-            d_scores = probs.mul_(d_probs.sub_(delta))  # dS = P * (dP - D_i), reuses P
-            dq[:, :, qs:qe] += torch.matmul(d_scores, tile.k)
-            dk[:, :, ks:ke] += sum_kv_groups(torch.matmul(d_scores.transpose(-2, -1), tile.q), Hkv)
+            d_scores = d_probs.sub_(delta).mul_(probs)  # dS = P * (dP - D_i), reuses dP
+            dq.narrow(2, qs, qe - qs).add_(torch.matmul(d_scores, tile.k))
+            d_keys = torch.matmul(d_scores.transpose(-2, -1), tile.q)  # (B, Hq, bk, D)
+            dk.narrow(2, ks, ke - ks).add_(sum_kv_groups(d_keys, Hkv))
             if d_bias is not None:
-                rows = slice(qs, qe) if bias.shape[2] > 1 else slice(None)
-                cols = slice(ks, ke) if bias.shape[3] > 1 else slice(None)
-                d_bias[:, :, rows, cols] += _reduce_to(d_scores, bias.shape)
+                _slice_tile(d_bias, qs, qe, ks, ke).add_(_reduce_to(d_scores, bias.shape))
     return dq.mul_(plan.scale), dk.mul_(plan.scale), dv, d_bias
 
 
 class _ChunkedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, bias, out, lse; backward recomputes tile by tile."""
+    """Autograd wrapper: saves q, k, v, the masks, out, lse; backward recomputes tile by tile.
+
+    Written for ``torch.func`` (see :mod:`attnlab.backends.transforms`): ``setup_context``, a
+    ``vmap`` rule that runs the tiles once per vmapped slice, and a backward pass that is a
+    Function of its own (:class:`_ChunkedGradientsFunction`) with the same rule.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, plan):
-        out, lse = _forward_tiles(plan, q, k, v, bias)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+    def forward(q, k, v, allowed, bias, plan):
+        return _forward_tiles(plan, q, k, v, _TensorMasks(allowed, bias))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, allowed, bias, plan = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, allowed, bias, out, lse)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
-        return out, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_out, _d_lse):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        need_bias_grad = bias is not None and ctx.needs_input_grad[3]
+        q, k, v, allowed, bias, out, lse = ctx.saved_tensors
+        need_bias_grad = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, d_bias = _ChunkedGradientsFunction.apply(
+            d_out, q, k, v, allowed, bias, out, lse, ctx.plan, need_bias_grad)
+        return dq, dk, dv, None, d_bias, None
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_slices(_ChunkedAttentionFunction.apply, info, in_dims, *args)
+
+
+class _ChunkedGradientsFunction(torch.autograd.Function):
+    """The backward pass as a Function: dq, dk, dv (and the float mask's gradient) in the
+    inputs' dtypes; mapped by ``vmap`` slice by slice; not differentiable itself."""
+
+    @staticmethod
+    def forward(d_out, q, k, v, allowed, bias, out, lse, plan, need_bias_grad):
         dq, dk, dv, d_bias = _backward_tiles(
-            ctx.plan, (q, k, v, bias, out, lse), d_out, need_bias_grad
-        )
+            plan, (q, k, v, out, lse), _TensorMasks(allowed, bias), d_out, need_bias_grad)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise no_double_backward("chunked")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_slices(_ChunkedGradientsFunction.apply, info, in_dims, *args)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -384,7 +435,7 @@ def chunked_attention(
         True
     """
     plan = _plan_of(call, q_block, kv_block, tile_hook)
-    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, call.bias(), plan)
+    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call), plan)
     return AttentionResult(out=out, lse=lse)
 
 
@@ -424,7 +475,8 @@ def chunked_gradients(
     if call.dropout_p > 0.0 or call.mask_kind == "float":
         raise ValueError("chunked_gradients serves calls without dropout or a float mask")
     plan = _plan_of(call, q_block, kv_block, tile_hook)
-    dq, dk, dv, _ = _backward_tiles(plan, (call.q, call.k, call.v, None, out, lse), d_out, False)
+    saved = (call.q, call.k, call.v, out, lse)
+    dq, dk, dv, _ = _backward_tiles(plan, saved, _tensor_masks(call), d_out, False)
     return dq, dk, dv
 
 
@@ -433,7 +485,6 @@ def _plan_of(call: AttentionCall, q_block: int | None, kv_block: int | None,
     return _Plan(
         scale=call.scale,
         mod=call.mask_mod(),
-        bool_mask=call.mask if call.mask_kind == "bool" else None,
         q_block=positive_int("q_block", DEFAULT_Q_BLOCK if q_block is None else q_block),
         kv_block=positive_int("kv_block", DEFAULT_KV_BLOCK if kv_block is None else kv_block),
         dropout_p=call.dropout_p,
@@ -441,6 +492,10 @@ def _plan_of(call: AttentionCall, q_block: int | None, kv_block: int | None,
         acc_dtype=score_dtype(call.dtype),
         tile_hook=tile_hook,
     )
+
+
+def _tensor_masks(call: AttentionCall) -> _TensorMasks:
+    return _TensorMasks(call.mask if call.mask_kind == "bool" else None, call.bias())
 
 
 class ChunkedBackend(Backend):

@@ -403,6 +403,11 @@ def _shape_limits(call: AttentionCall) -> list[str]:
     return []
 
 
+def _symbolic(call: AttentionCall) -> bool:
+    """Whether a size of q, k or v is symbolic: being traced with a length unknown until run time."""
+    return any(isinstance(size, torch.SymInt) for t in (call.q, call.k, call.v) for size in t.shape)
+
+
 def _mask_limits(call: AttentionCall) -> list[str]:
     """A mask that needs a gradient: the kernel takes the bias as a constant."""
     mask = call.mask
@@ -479,6 +484,10 @@ class FlexBackend(Backend):
 
     def limits(self, call: AttentionCall) -> list[str]:
         """Compiler, variant budget and earlier compile failures (capabilities cover the rest)."""
+        if _symbolic(call):  # before anything below compares or hashes a size
+            return ["flex compiles its kernel per static shape (and on CPU needs Tk known to be a multiple "
+                    f"of {_KV_BLOCK}); these sizes are symbolic (torch.export with a Dim, or torch.compile "
+                    "with dynamic shapes)"]
         found = []
         device = call.device.type
         if device == "cpu" and not _HAS_CPP_COMPILER:
