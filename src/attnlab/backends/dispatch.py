@@ -147,6 +147,11 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     for backend in candidates:
         if backend.preferred(call):
             return backend
+    if torch.compiler.is_compiling():
+        # Sizes may be symbolic (torch.export's dynamic dims): comparing costs would guard on
+        # them. The reference is the slowest of any class, so the first other candidate wins.
+        fused = [b for b in candidates if b.name != "reference"]
+        return fused[0] if fused else candidates[0]
     chosen, chosen_cost = candidates[0], candidates[0].cost(call)
     for backend in candidates[1:]:
         cost = backend.cost(call)
