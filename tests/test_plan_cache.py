@@ -306,3 +306,30 @@ def test_threads_sharing_the_cache_get_what_one_thread_gets():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_a_repeated_sdpa_call_reaches_the_kernel_within_six_python_frames(monkeypatch, mask):
+    """From attnlab.attention to F.scaled_dot_product_attention: the prepared run, nothing else."""
+    import sys
+
+    import torch.nn.functional as F
+
+    dispatch.clear_plans()
+    real, depths = F.scaled_dot_product_attention, []
+
+    def counting(*args, **kwargs):
+        frame, depth = sys._getframe(1), 1
+        while frame is not None and not (frame.f_code.co_name == "attention"
+                                         and frame.f_code.co_filename.endswith("functional.py")):
+            frame, depth = frame.f_back, depth + 1
+        depths.append(depth)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    q, k, v = _decode_inputs()
+    options = dict(mask=masks.padding_mask(torch.tensor([30]), 40)) if mask else {}
+    for _ in range(2):
+        attnlab.attention(q, k, v, **options)
+    assert depths[-1] <= 6, depths  # frames from attention (1) to the kernel's caller
+    assert depths[-1] < depths[0]  # the first call went through validation and dispatch

@@ -66,9 +66,10 @@ def attention(
     Returns:
         ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
         A query that may attend to no key gets a zero output row and zero gradient.
-        Non-finite values: NaN/inf stored at keys no query may attend (padding, unused cache
-        slots) has no influence on the output or any gradient. NaN in an attended input makes
-        the affected output rows NaN, and inf in ``q`` gives what the math gives (NaN from
+        Values stored at keys no query may attend (padding, unused cache slots) have no
+        influence when finite; NaN/inf there may reach the output on the fused backends, as
+        with ``F.scaled_dot_product_attention`` (docs/design.md, "Non-finite values"). NaN in
+        ``q`` makes its output row NaN, and inf in ``q`` gives what the math gives (NaN from
         ``inf - inf``), on every backend.
 
     Raises:

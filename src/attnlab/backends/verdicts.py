@@ -80,12 +80,19 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
         memory, cost = memory_class(backend, call), backend.cost(call)
         note = f" ({backend.memory_note(call)})" if backend.memory_note(call) else ""
         if backend is chosen:
-            how = "named explicitly" if name != "auto" else "fastest of the best memory class"
+            if name != "auto":
+                how = "named explicitly"
+            elif backend.preferred(call):
+                how = "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+            else:
+                how = "fastest of the best memory class"
             reason = f"chosen ({how}): {_MEMORY_WORDS[memory]} memory{note}, est. {_format_seconds(cost)}"
         elif name != "auto":
             reason = f"not asked for (backend={name!r})"
         elif MEMORY_CLASSES.index(memory) > MEMORY_CLASSES.index(chosen_memory):
             reason = f"O(T^2) memory where an O(T) path serves{note}"
+        elif chosen.preferred(call):
+            reason = f"passed over for {chosen.name!r}, which takes this mask as given (est. {_format_seconds(cost)})"
         else:
             reason = f"slower: cost {_format_seconds(cost)} vs {_format_seconds(chosen_cost)}"
         result.append(Verdict(backend_name, backend is chosen, True, memory, cost, reason))
