@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -293,6 +294,10 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     repeat = call.q_heads if gqa and not _HAS_GQA else None
     float_dtype = _mask_dtype(call) if call.mask_kind == "float" else None
     mend = not kernel_keeps_rows(call.device)
+    if float_dtype is None and keys is None and factor is None and repeat is None and not mend:
+        # Nothing to do around the kernel (the common call): SDPA itself, with its options
+        # bound, so that a prepared run adds no Python frame of its own.
+        return functools.partial(F.scaled_dot_product_attention, **options)  # (q, k, v, attn_mask)
 
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
         if float_dtype is not None:
