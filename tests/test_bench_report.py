@@ -63,6 +63,22 @@ def test_sparse_quick_writes_json_with_a_header_and_consistent_rows(tiny, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["sparse.json"]  # no temporary file left
 
 
+def test_sparse_quick_markdown_holds_every_json_row_under_the_command(tiny, tmp_path):
+    out, md = tmp_path / "sparse.json", tmp_path / "sparse.md"
+    result = runner.invoke(app, ["bench", "--suite", "sparse", "--quick", "--json", str(out), "--markdown", str(md)])
+    assert result.exit_code == 0, result.output
+    rows, text = json.loads(out.read_text())["rows"], md.read_text()
+    first, *rest = text.splitlines()
+    assert "`attnlab bench --suite sparse --quick`" in first and "quick sizes" in first
+    table = [line for line in rest if line.startswith("| ") and not line.startswith("| case")]
+    assert len(table) == len(rows)
+    for line, row in zip(table, rows):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[:2] == [row["case"], row["implementation"]]
+        assert float(cells[2]) == pytest.approx(row["seconds"] * 1e3, rel=0.01, abs=0.006)
+        assert float(cells[5]) == pytest.approx(row["ratio"], abs=0.006)
+
+
 def test_decode_quick_json_to_stdout_and_plot(tiny, tmp_path):
     png = tmp_path / "decode.png"
     result = runner.invoke(app, ["bench", "--suite", "decode", "--quick", "--json", "-", "--plot", str(png)])
@@ -129,6 +145,9 @@ def must_not_run(monkeypatch):
     (["--plot", "{tmp}/out.svg"], ["--plot", ".png"]),
     (["--plot", "{tmp}/missing/out.png"], ["--plot", "does not exist"]),
     (["--suite", "memory", "--plot", "{tmp}/out.png"], ["--plot", "memory"]),
+    (["--markdown", "{tmp}/out.txt"], ["--markdown", ".md"]),
+    (["--markdown", "{tmp}/missing/out.md"], ["--markdown", "does not exist"]),
+    (["--markdown", "{tmp}/file.txt/out.md"], ["--markdown", "not a folder"]),
 ])
 def test_bad_output_paths_are_refused_before_running(args, words, tmp_path, must_not_run):
     (tmp_path / "file.txt").write_text("")

@@ -31,8 +31,8 @@ from attnlab.bench.timing import BenchRow, machine_line
 if TYPE_CHECKING:  # matplotlib is imported lazily: `attnlab` must import fast
     from matplotlib.figure import Figure
 
-__all__ = ["FLOPS_NOTE", "SPARSE_FLOPS_NOTE", "RATIO_NOTE", "row_record", "bench_json", "case_family",
-           "plot_rows", "figure_png"]
+__all__ = ["FLOPS_NOTE", "SPARSE_FLOPS_NOTE", "RATIO_NOTE", "row_record", "bench_json", "bench_markdown",
+           "case_family", "plot_rows", "figure_png"]
 
 FLOPS_NOTE = ("forward 2*B*H*Tq*Tk*(D+Dv), halved for causal; backward 2.5x forward (docs/design.md); "
               "modules add their projections; peak_fraction = GFLOP/s over the same-dtype matmul rate "
@@ -79,6 +79,44 @@ def bench_json(rows: list[BenchRow], *, suite: str, quick: bool) -> str:
         "flops": FLOPS_NOTE, "sparse_flops": SPARSE_FLOPS_NOTE, "ratio": RATIO_NOTE,
     }
     return json.dumps({"header": header, "rows": [row_record(row) for row in rows]}, indent=2) + "\n"
+
+
+def bench_markdown(data: dict, *, command: str) -> str:
+    """One ``attnlab bench`` run (its :func:`bench_json` data) as Markdown: a line naming the
+    machine, torch, date and the command that reproduces it, then one table per suite with the
+    columns the terminal table shows.
+
+    Args:
+        data: ``{"header": ..., "rows": [...]}`` as :func:`bench_json` writes it.
+        command: the command line that produced the run, shown above the tables.
+
+    Example:
+        >>> data = json.loads(bench_json([BenchRow("sparse", "c T=8", "auto", 2e-3, 1e8, 1e11, 1.0, t=8)],
+        ...                              suite="sparse", quick=True))
+        >>> print(bench_markdown(data, command="attnlab bench --suite sparse").splitlines()[-1])
+        | c T=8 | auto | 2.00 | 50.0 | 50.0% | 1.00 |  |
+    """
+    header = data["header"]
+    lines = [f"Machine: {header['machine']}; {header['date'][:10]}; "
+             f"{'quick sizes, one round; ' if header.get('quick') else ''}`{command}`"]
+    suites: dict[str, list[dict]] = {}
+    for row in data["rows"]:
+        suites.setdefault(row["suite"], []).append(row)
+    for suite, rows in suites.items():
+        lines += ["", f"**{suite}**", "",
+                  "| case | implementation | median ms | GFLOP/s | % of matmul | ratio | note |",
+                  "|---|---|--:|--:|--:|--:|---|"]
+        for row in rows:
+            figures = [_figure(row["seconds"], 1e3, "{:.2f}" if (row["seconds"] or 1) >= 1e-3 else "{:.3f}"),
+                       _figure(row["gflops"], 1, "{:.1f}"), _figure(row["peak_fraction"], 100, "{:.1f}%"),
+                       _figure(row["ratio"], 1, "{:.2f}")]
+            cells = [row["case"], row["implementation"], *figures, (row["note"] or "").replace("|", "/")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(value: float | None, factor: float, form: str) -> str:
+    return "-" if value is None else form.format(value * factor)
 
 
 def case_family(case: str) -> str:

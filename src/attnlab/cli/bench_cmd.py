@@ -1,11 +1,13 @@
 """``attnlab bench``: GFLOP/s, fraction of the measured matmul peak, and ratios on this machine.
 
-``--json FILE`` (``-``: stdout, the tables then go to stderr) and ``--plot FILE.png`` are checked
-before any benchmark runs (one ``error:`` line, exit 2) and written atomically after the run.
+``--json FILE`` (``-``: stdout, the tables then go to stderr), ``--markdown FILE.md`` and
+``--plot FILE.png`` are checked before any benchmark runs (one ``error:`` line, exit 2) and
+written atomically after the run.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,9 @@ def bench(
     json_out: str = typer.Option(None, "--json", metavar="FILE",
                                  help="Also write every row and a header as JSON to FILE ('-': stdout, "
                                       "tables to stderr)."),
+    markdown: str = typer.Option(None, "--markdown", metavar="FILE.md",
+                                 help="Also write the tables as Markdown to FILE.md, headed by the machine "
+                                      "and this command (what BENCHMARKS.md holds)."),
     plot: Path = typer.Option(None, "--plot", metavar="FILE.png",
                               help="Also draw median time and GFLOP/s vs T, one line per implementation."),
     with_flex: bool = typer.Option(False, "--with-flex",
@@ -45,12 +50,23 @@ def bench(
     with option_errors():
         one_of("--suite", suite, _bench.SUITES + ("all",))
     _check_outputs(suite, json_out, plot)
+    if markdown is not None:
+        if not markdown.endswith(".md"):
+            fail(f"--markdown writes Markdown: give a file name ending in .md, got {markdown!r}")
+        _check_writable("--markdown", Path(markdown))
     if with_flex and suite not in ("sparse", "all"):
         fail(f"--with-flex adds rows to the sparse suite; --suite {suite} has none")
     console = Console(stderr=True) if json_out == "-" else None
     rows = _bench.run_suite(suite, quick=quick, console=console, with_flex=with_flex)
     if json_out is not None:
         _write("--json", json_out, _bench.bench_json(rows, suite=suite, quick=quick))
+    if markdown is not None:
+        from attnlab.bench.report import bench_markdown
+
+        data = json.loads(_bench.bench_json(rows, suite=suite, quick=quick))
+        command = " ".join(["attnlab bench", f"--suite {suite}", *(["--quick"] if quick else []),
+                            *(["--with-flex"] if with_flex else [])])
+        _write("--markdown", markdown, bench_markdown(data, command=command))
     if plot is not None:
         _write_plot(plot, rows)
 
