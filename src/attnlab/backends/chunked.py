@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 # Large tiles amortise the Python work each tile costs; past 256 a tile's scores no longer fit
-# in cache and the gain stops (BENCHMARKS.md, "Chunked tile size").
+# in cache and the gain stops (git show 541b99b:BENCHMARKS.md, "Chunked tile size").
 DEFAULT_Q_BLOCK = 256
 DEFAULT_KV_BLOCK = 256
 
@@ -539,7 +539,7 @@ def _visited_keys(call: AttentionCall, q_block: int, kv_block: int) -> tuple[int
 
 
 def _estimated_seconds(call: AttentionCall) -> float:
-    """Expected wall time in seconds on the CPU of BENCHMARKS.md (the unit of every cost).
+    """Expected wall time in seconds on the CPU the rates were measured on (the unit of every cost).
 
     Tiles that ``kv_bounds`` rules out (causal, sliding window) are not counted; a dense mask
     is assumed to leave every tile alive.

@@ -2,9 +2,11 @@
 
 ``backend="auto"`` ranks the backends that serve a call by estimated seconds: FLOPs (the
 convention of :mod:`attnlab._flops`) divided by a rate measured on a real machine, plus fixed
-per-call and per-tile overheads. Every CPU figure below was measured on the 2-core AMD EPYC
-(AVX2) of BENCHMARKS.md, fp32, B=1 H=8 D=64, T=256..4096, torch 2.13, in interleaved rounds on
-an idle machine (BENCHMARKS.md, sections "Backends" and "Dispatch overhead"). The CUDA figures
+per-call and per-tile overheads. Every CPU figure below was measured on a 2-core AMD EPYC (AVX2),
+fp32, B=1 H=8 D=64, T=256..4096, torch 2.13, in interleaved rounds on an idle machine (the
+sections "Backends" and "Dispatch overhead" of ``git show 541b99b:BENCHMARKS.md``). Since
+issue 21 the rates only rank backends among those no fixed rule decides: sdpa takes every call
+whose mask reaches it as the caller holds it (``Backend.preferred``). The CUDA figures
 are order-of-magnitude guesses for an H100-class GPU; they have not been measured (no GPU was
 lent to the session that wrote them) and only rank CUDA backends against each other.
 

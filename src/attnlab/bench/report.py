@@ -110,7 +110,7 @@ def bench_markdown(data: dict, *, command: str) -> str:
             figures = [_figure(row["seconds"], 1e3, "{:.2f}" if (row["seconds"] or 1) >= 1e-3 else "{:.3f}"),
                        _figure(row["gflops"], 1, "{:.1f}"), _figure(row["peak_fraction"], 100, "{:.1f}%"),
                        _figure(row["ratio"], 1, "{:.2f}")]
-            cells = [row["case"], row["implementation"], *figures, (row["note"] or "").replace("|", "/")]
+            cells = [row["case"], row["implementation"], *figures, (row["note"] or "").replace("|", "\\|")]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
