@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -89,7 +90,9 @@ def outside_transforms():
     plan of kernel calls). Made under ``torch.func.grad`` it would consist of the transform's
     wrapper tensors, which hold no data (``.numpy()`` fails), cannot enter a kernel that runs
     below the transform, and must not outlive it in a cache. (torch offers no public name for
-    this; ``torch.testing`` and dynamo use the same guard.)
+    this; ``torch.testing`` and dynamo use the same guard.) Outside any transform it is a no-op,
+    so that a plan may still use ``torch.vmap`` itself (a FlexAttention-style mask mod is evaluated
+    through it); inside one, such a mod cannot be planned.
 
     Example:
         >>> seen = []
@@ -101,4 +104,6 @@ def outside_transforms():
         >>> seen[0].tolist()
         [0, 1, 2]
     """
+    if torch._C._functorch.maybe_current_level() is None:  # no transform is active
+        return contextlib.nullcontext()
     return torch._C._DisableFuncTorch()
