@@ -427,6 +427,22 @@ def _prescaled_q(call: AttentionCall) -> Tensor:
     return call.q if abs(factor - 1.0) < 1e-12 else call.q * factor
 
 
+def _standard_strides(t: Tensor) -> Tensor:
+    """``t`` itself if its strides are those of a fresh contiguous tensor of its shape, else a
+    contiguous copy (size-1 dims included: ``is_contiguous`` ignores their strides, Dynamo does not).
+
+    Example:
+        >>> t = torch.zeros(2, 5, 1, 4).transpose(1, 2)  # (2, 1, 5, 4), strides (20, 4, 4, 1)
+        >>> t.is_contiguous(), _standard_strides(t).stride()
+        (True, (20, 20, 4, 1))
+    """
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return t if tuple(reversed(expected)) == t.stride() else t.clone(memory_format=torch.contiguous_format)
+
+
 # torch.compile's CPU code generation needs a C++ compiler; looked up once, at import, so that
 # neither dispatch nor a torch.compile'd caller ever traces the lookup.
 _HAS_CPP_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
@@ -572,17 +588,23 @@ class FlexBackend(Backend):
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)
         want_lse = call.device.type == "cuda"
-        q, k, v = _prescaled_q(call), call.k, call.v
+        # Standard strides: the kernel is compiled with static shapes, so Dynamo guards on every
+        # stride and would compile again for each layout (a transposed, sliced or expanded k);
+        # past recompile_limit it silently runs flex_attention unfused, in the inputs' dtype.
+        q, k, v = (_standard_strides(t) for t in (_prescaled_q(call), call.k, call.v))
         if not call.requires_grad:  # e.g. under no_grad: the compiled CPU kernel refuses inputs
             q, k, v = q.detach(), k.detach(), v.detach()  # that require grad, even with no graph
         try:
-            with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS):
+            # Past the limit Dynamo would run the kernel unfused: an error is better than that.
+            fail = {"fail_on_recompile_limit_hit": True} if hasattr(
+                torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
+            with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS, **fail):
                 result = self._kernel()(
                     q, k, v, score_mod=score_mod, block_mask=block_mask,
                     scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
                 )
         except Exception as error:  # compile failures surface here; decline from now on
-            if "Inductor" in type(error).__name__ or "Backend" in type(error).__name__:
+            if any(word in type(error).__name__ for word in ("Inductor", "Backend", "RecompileLimit")):
                 self._compile_error[call.device.type] = str(error).splitlines()[0][:200]
             raise
         self._variants.add(self._variant(call))
