@@ -199,6 +199,26 @@ class MaskMod:
             ValueError: mask: PaddingMod has 2 lengths but the batch has 3 rows
         """
 
+    def value_key(self) -> tuple | None:
+        """What identifies this mask by value, for the caches backends keep per mask: the class,
+        its options and ints, and each tensor it holds by shape, dtype and device (a cache
+        compares the tensors' values on a hit: :func:`mod_tensors`, :func:`same_tensors`).
+
+        None for a class that does not declare ``_keyed = True`` itself: a mod of your own (or a
+        subclass of attnlab's) may hold state no key can see, so nothing is reused for it.
+
+        Example:
+            >>> SlidingWindowMod(4).value_key() == SlidingWindowMod(4).value_key()
+            True
+            >>> PaddingMod(torch.tensor([3])).value_key()
+            ('PaddingMod', ('lengths', ((1,), torch.int64, device(type='cpu'))))
+        """
+        if not type(self).__dict__.get("_keyed", False):
+            return None
+        return (type(self).__name__, *(
+            (name, (tuple(value.shape), value.dtype, value.device) if isinstance(value, Tensor) else value)
+            for name, value in sorted(vars(self).items()) if not name.startswith("_")))
+
     def __and__(self, other: Callable) -> "CombinedMod":
         return CombinedMod((self, other), "and")
 
@@ -214,6 +234,8 @@ class CausalMod(MaskMod):
         >>> bool(mod(0, 0, torch.tensor(2), torch.tensor(3)))
         False
     """
+
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
 
     def __init__(self, offset: int = 0):
         self.offset = int_value("offset", offset)
@@ -239,6 +261,8 @@ class SlidingWindowMod(MaskMod):
         >>> [bool(mod(0, 0, torch.tensor(3), torch.tensor(j))) for j in range(4)]
         [False, False, True, True]
     """
+
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
 
     def __init__(self, window: int, offset: int = 0):
         self.window = positive_int("window", window)
@@ -303,6 +327,8 @@ class PaddingMod(MaskMod):
         False
     """
 
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
+
     def __init__(self, lengths: Tensor):
         self.lengths = _lengths_tensor("lengths", lengths)
 
@@ -358,6 +384,8 @@ class VarlenCausalMod(MaskMod):
                 [[1, 0, 0],
                  [1, 1, 0]]], dtype=torch.int32)
     """
+
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
 
     def __init__(self, q_lengths: Tensor, k_lengths: Tensor, *, window: int | None = None):
         self.q_lengths = _lengths_tensor("q_lengths", q_lengths)
@@ -416,6 +444,8 @@ class PrefixLMMod(MaskMod):
                 [1, 1, 1, 1]], dtype=torch.int32)
     """
 
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
+
     def __init__(self, prefix_len: int, offset: int = 0):
         self.prefix_len = non_negative_int("prefix_len", prefix_len)
         self.offset = int_value("offset", offset)
@@ -444,6 +474,8 @@ class ChunkedLocalMod(MaskMod):
                 [0, 0, 1, 0],
                 [0, 0, 1, 1]], dtype=torch.int32)
     """
+
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
 
     def __init__(self, chunk: int, *, causal: bool = True, offset: int = 0):
         self.chunk = positive_int("chunk", chunk)
@@ -519,6 +551,8 @@ class DocumentMod(MaskMod):
         >>> mod.kv_bounds(3, 5)
         (2, 5)
     """
+
+    _keyed = True  # its public attributes say all it masks by (see MaskMod.value_key)
 
     def __init__(self, document_ids: Tensor, *, causal: bool = True, offset: int = 0):
         if not isinstance(causal, bool):
@@ -598,6 +632,11 @@ class CombinedMod(MaskMod):
         if len(known) < len(bounds):
             return None
         return min(bound[0] for bound in known), max(bound[1] for bound in known)
+
+    def value_key(self) -> tuple | None:
+        """The op and its parts' keys; None when any part has none (a plain function, say)."""
+        parts = tuple(mod.value_key() if isinstance(mod, MaskMod) else None for mod in self.mods)
+        return None if None in parts else ("CombinedMod", self.op, *parts)
 
     def check_sizes(self, *, batch, heads, tq, tk):
         for mod in self.mods:

@@ -299,39 +299,16 @@ PLAN_CACHE_SIZE = 8
 _PLANS: OrderedDict = OrderedDict()
 
 
-def _tensor_key(t: Tensor) -> tuple:
-    """Where a tensor's values live and their version (bumped by every in-place change)."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-            t.device, t._version)
-
-
-def _mod_key(mod: Callable) -> tuple | None:
-    """Equal for two of attnlab's own mods that mask alike; None for any other callable (a
-    user's mod may hold state that no key can see, so its plans are never reused)."""
-    kind = type(mod)
-    if kind in (_masks.CausalMod, _masks.SlidingWindowMod, _masks.PrefixLMMod, _masks.ChunkedLocalMod):
-        return (kind.__name__, *sorted(vars(mod).items()))
-    if kind is _masks.PaddingMod:
-        return (kind.__name__, _tensor_key(mod.lengths))
-    if kind is _masks.VarlenCausalMod:
-        return (kind.__name__, _tensor_key(mod.q_lengths), _tensor_key(mod.k_lengths), mod.window)
-    if kind is _masks.DocumentMod:
-        return (kind.__name__, _tensor_key(mod.ids), mod.causal, mod.offset)
-    if kind is _masks.CombinedMod:
-        parts = tuple(_mod_key(part) for part in mod.mods)
-        return None if None in parts else (kind.__name__, mod.op, *parts)
-    return None
-
-
 def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple:
     """:func:`_plan_runs` for ``call`` in blocks of ``block`` (None: :func:`choose_block`),
     remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
 
-    The entry keeps the mod alive, so the storages its key names cannot be reused meanwhile,
-    and copies of the tensors it holds: a hit is confirmed by their values, since a write
-    through numpy or ``.data`` changes a mask without bumping ``_version``.
+    The key is the mod's :meth:`~attnlab.masks.MaskMod.value_key` (its class, options and
+    tensors' shapes) and the sizes; the entry keeps copies of the tensors the mod holds, and a
+    hit is confirmed by their values (an in-place edit, even through numpy or ``.data``, is
+    seen). A mod without a value key (one of your own) is planned afresh on every call.
     """
-    mod_key = _mod_key(mod)
+    mod_key = mod.value_key() if isinstance(mod, _masks.MaskMod) else None  # None: never reused
     key = None if mod_key is None else (
         mod_key, call.tq, call.tk, call.batch, call.q_heads, call.kv_heads, call.head_dim,
         call.value_dim, block, block is None and call.requires_grad, call.dtype, call.device,

@@ -257,17 +257,6 @@ def _row_range_mod(mod, call: AttentionCall) -> RowRangeMod:
         memory_format=torch.contiguous_format) for t, n in zip((lo, hi, *segments), sizes)))
 
 
-def _describe(mod) -> tuple:
-    """A direct mod by value, for the block-mask cache's key: classes, and/or, every public
-    attribute (tensors by shape, dtype and device; their values are compared on a hit). Private
-    attributes are derived from the public ones (DocumentMod's bounds from its ids)."""
-    if type(mod) is _masks.CombinedMod:
-        return (mod.op, tuple(_describe(part) for part in mod.mods))
-    items = tuple((name, (tuple(value.shape), value.dtype, value.device) if isinstance(value, Tensor) else value)
-                  for name, value in sorted(vars(mod).items()) if not name.startswith("_"))
-    return (type(mod).__name__, items)
-
-
 def _block_mask_of_mod(mod, call: AttentionCall):
     """FlexAttention's ``BlockMask`` for a direct mod, evaluated one 128-query block at a time.
 
@@ -358,7 +347,7 @@ class _BlockMaskCache:
         sizes = (call.batch, call.tq, call.tk, str(call.device))
         mod = _direct_mod(call)
         if mod is not None:
-            return ("mod", _describe(mod)) + sizes
+            return ("mod", mod.value_key()) + sizes
         shape = tuple(call.mask.shape) if isinstance(call.mask, Tensor) else None
         offset = call.causal_offset if call.causal else None
         return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.q_heads,
