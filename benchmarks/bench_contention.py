@@ -1,31 +1,55 @@
-"""blocks (auto) vs SDPA with the dense mask, sliding window 256, T=8192: idle vs one busy core.
+"""auto (blocks) vs compiled FlexAttention and SDPA with the dense mask, T=8192: idle vs one busy core.
 
-Times both interleaved while idle, then with a busy-loop process beside them, then idle again,
-and prints each one's slowdown (issue 11's contention target; figures in BENCHMARKS.md).
+Sliding window 256 and 8 packed documents, B=1 H=8 D=64 fp32, forward. Each case times its
+candidates interleaved while idle, then with a busy-loop process beside them, and prints the
+times and auto's speed relative to compiled FlexAttention (issue 21's target: >= 1.0x, idle and
+busy). Figures in BENCHMARKS.md, "Masked attention that skips work".
 
     python benchmarks/bench_contention.py
 """
-import subprocess, sys, time, torch, attnlab
+import subprocess
+import sys
+import time
+
+import torch
+
+import attnlab
 from attnlab import masks
-from attnlab.bench.timing import compare
-torch.manual_seed(0)
+from attnlab.bench.competitors import CompiledFlex, flex_mask_mods
+from attnlab.bench.timing import compare, machine_line
+
 T = 8192
+torch.manual_seed(0)
 q, k, v = (torch.randn(1, 8, T, 64) for _ in range(3))
-mod = masks.sliding_window_mod(T, T, window=256)
-dense = masks.materialize(mod, tq=T, tk=T)
-cands = {"auto (blocks)": lambda: attnlab.attention(q, k, v, mask=mod),
-         "sdpa dense mask": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)}
-with torch.no_grad():
-    print("threads", torch.get_num_threads(), "backend", attnlab.backends.select(attnlab.backends.build_call(q,k,v,mask=mod)).name)
-    idle = compare(cands, rounds=5)
-    busy_proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+CASES = {"window 256": masks.sliding_window_mod(T, T, 256),
+         "packed 8 docs": masks.document_mod(torch.arange(T) // (T // 8))}
+
+
+def busy_core():
+    """A process spinning on one core until killed."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     time.sleep(1)
-    try:
-        busy = compare(cands, rounds=5)
-    finally:
-        busy_proc.kill()
-    idle2 = compare(cands, rounds=5)
-for name in cands:
-    i = (idle[name] + idle2[name]) / 2
-    print(f"{name}: idle {i*1e3:.1f} ms (runs {idle[name]*1e3:.1f}/{idle2[name]*1e3:.1f}), busy core {busy[name]*1e3:.1f} ms, slowdown {busy[name]/i:.2f}x")
-print("auto vs sdpa: idle %.1fx, busy %.1fx" % ((idle['sdpa dense mask']+idle2['sdpa dense mask'])/(idle['auto (blocks)']+idle2['auto (blocks)']), busy['sdpa dense mask']/busy['auto (blocks)']))
+    return proc
+
+
+print(machine_line())
+with torch.no_grad():
+    for name, mod in CASES.items():
+        flex = CompiledFlex(flex_mask_mods(T)[name], T, T)
+        dense = masks.materialize(mod, tq=T, tk=T)
+        cands = {"auto": lambda: attnlab.attention(q, k, v, mask=mod),
+                 "compiled flex": lambda: flex(q, k, v),
+                 "sdpa dense mask": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)}
+        for run in cands.values():
+            run()  # compile and plan outside the timing
+        idle = compare(cands, rounds=5)
+        proc = busy_core()
+        try:
+            busy = compare(cands, rounds=5)
+        finally:
+            proc.kill()
+        chosen = attnlab.backends.select(attnlab.backends.build_call(q, k, v, mask=mod)).name
+        print(f"{name} (auto -> {chosen}):")
+        for label, times in (("idle", idle), ("busy core", busy)):
+            cells = ", ".join(f"{c} {times[c] * 1e3:.1f} ms" for c in cands)
+            print(f"  {label}: {cells}; auto's speed vs compiled flex {times['compiled flex'] / times['auto']:.2f}x")
