@@ -63,7 +63,7 @@ from attnlab._math import folds_scale, keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
-from attnlab.backends.transforms import no_double_backward, outside_transforms, vmap_by_slices
+from attnlab.backends.transforms import gradients_function, outside_transforms, vmap_by_slices
 
 __all__ = ["BlocksBackend", "blocks_attention", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
@@ -490,27 +490,6 @@ class _BlocksFunction(torch.autograd.Function):
         return vmap_by_slices(_BlocksFunction.apply, info, in_dims, *args)
 
 
-class _BlocksGradientsFunction(torch.autograd.Function):
-    """The backward pass as a Function: the kernel's backward once per run, gradients summed
-    where key spans overlap; mapped by ``vmap`` slice by slice; not differentiable itself."""
-
-    @staticmethod
-    def forward(d_out, q, k, v, out, lse, plan):
-        return _block_backward(plan, d_out, (q, k, v), out, lse)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise no_double_backward("blocks")
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_by_slices(_BlocksGradientsFunction.apply, info, in_dims, *args)
-
-
 def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
                     lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of the Function's inputs q, k, v from the output gradient ``d_out``.
@@ -545,6 +524,12 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
     if plan.fold:
         dq.mul_(plan.call.scale)  # the kernel differentiated by q * scale
     return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv)
+
+
+# The backward pass as a Function: the kernel's backward once per run, gradients summed where
+# key spans overlap.
+_BlocksGradientsFunction = gradients_function(
+    "blocks", lambda d_out, q, k, v, out, lse, plan: _block_backward(plan, d_out, (q, k, v), out, lse))
 
 
 def blocks_attention(call: AttentionCall, *, block: int | None = None) -> AttentionResult:

@@ -50,7 +50,7 @@ from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
-from attnlab.backends.transforms import no_double_backward, vmap_by_slices
+from attnlab.backends.transforms import gradients_function, vmap_by_slices
 
 __all__ = [
     "ChunkedBackend",
@@ -372,28 +372,15 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         return vmap_by_slices(_ChunkedAttentionFunction.apply, info, in_dims, *args)
 
 
-class _ChunkedGradientsFunction(torch.autograd.Function):
-    """The backward pass as a Function: dq, dk, dv (and the float mask's gradient) in the
-    inputs' dtypes; mapped by ``vmap`` slice by slice; not differentiable itself."""
+def _chunked_gradients(d_out, q, k, v, allowed, bias, out, lse, plan, need_bias_grad):
+    """dq, dk, dv (and the float mask's gradient) in the inputs' dtypes."""
+    dq, dk, dv, d_bias = _backward_tiles(
+        plan, (q, k, v, out, lse), _TensorMasks(allowed, bias), d_out, need_bias_grad)
+    d_bias = None if d_bias is None else d_bias.to(bias.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias
 
-    @staticmethod
-    def forward(d_out, q, k, v, allowed, bias, out, lse, plan, need_bias_grad):
-        dq, dk, dv, d_bias = _backward_tiles(
-            plan, (q, k, v, out, lse), _TensorMasks(allowed, bias), d_out, need_bias_grad)
-        d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise no_double_backward("chunked")
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_by_slices(_ChunkedGradientsFunction.apply, info, in_dims, *args)
+_ChunkedGradientsFunction = gradients_function("chunked", _chunked_gradients)
 
 
 # ----------------------------------------------------------------------------- entry points

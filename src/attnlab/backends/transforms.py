@@ -5,7 +5,7 @@ the form ``torch.func`` asks for: ``forward`` without ``ctx``, a ``setup_context
 ``vmap`` rule. The rule is :func:`vmap_by_slices`: the kernel runs once per slice of the
 vmapped dim, on plain tensors, and the results are stacked, so a kernel written with in-place
 updates, strided views and fused ops never sees a batched tensor. The backward pass is a
-second Function with the same rule, so ``vmap`` over ``grad`` (``jacrev``, per-sample
+second Function with the same rule (:func:`gradients_function`), so ``vmap`` over ``grad`` (``jacrev``, per-sample
 gradients) maps it the same way. Each slice is exactly the call without the transform.
 What a backend derives from a call's mask and sizes alone (blocks' plan) is computed
 :func:`outside_transforms`, a constant to every transform.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["vmap_by_slices", "no_double_backward", "outside_transforms"]
+__all__ = ["vmap_by_slices", "gradients_function", "outside_transforms"]
 
 
 def vmap_by_slices(apply: Callable, info: Any, in_dims: tuple, *args: Any) -> tuple:
@@ -72,15 +72,43 @@ def vmap_by_slices(apply: Callable, info: Any, in_dims: tuple, *args: Any) -> tu
     return outputs, tuple(None if out is None else 0 for out in outputs)
 
 
-def no_double_backward(name: str) -> RuntimeError:
-    """The error a backward-pass Function raises when asked for gradients of gradients.
+def gradients_function(name: str, compute: Callable) -> type:
+    """A backend's backward pass as a ``torch.autograd.Function`` written for ``torch.func``:
+    ``forward`` is ``compute``, ``vmap`` maps it slice by slice (:func:`vmap_by_slices`), and
+    asking it for gradients of gradients raises a clear error (its backward is a kernel of its
+    own, not differentiable).
+
+    Args:
+        name: the backend, for the error.
+        compute: ``compute(*args) -> tensors``, the gradients from the saved inputs and ``d_out``.
 
     Example:
-        >>> "double backward" in str(no_double_backward("chunked"))
-        True
+        >>> Twice = gradients_function("demo", lambda d_out, x: d_out * 2)
+        >>> torch.func.vmap(Twice.apply, in_dims=(0, None))(torch.ones(3, 2), torch.ones(2)).tolist()
+        [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
     """
-    return RuntimeError(f"{name}: gradients of gradients (double backward) are not implemented; "
-                        "its backward pass is a kernel of its own (backend='reference' differentiates twice)")
+
+    class Gradients(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            return compute(*args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(f"{name}: gradients of gradients (double backward) are not implemented; "
+                               "its backward pass is a kernel of its own (backend='reference' "
+                               "differentiates twice)")
+
+        @staticmethod
+        def vmap(info, in_dims, *args):
+            return vmap_by_slices(Gradients.apply, info, in_dims, *args)
+
+    Gradients.__name__ = Gradients.__qualname__ = f"{name.capitalize()}Gradients"
+    return Gradients
 
 
 def outside_transforms():
