@@ -49,32 +49,32 @@ def bench(
     suite = suite if suite is not None else ("all" if quick else "backends")
     with option_errors():
         one_of("--suite", suite, _bench.SUITES + ("all",))
-    _check_outputs(suite, json_out, plot)
-    if markdown is not None:
-        if not markdown.endswith(".md"):
-            fail(f"--markdown writes Markdown: give a file name ending in .md, got {markdown!r}")
-        _check_writable("--markdown", Path(markdown))
+    _check_outputs(suite, json_out, markdown, plot)
     if with_flex and suite not in ("sparse", "all"):
         fail(f"--with-flex adds rows to the sparse suite; --suite {suite} has none")
     console = Console(stderr=True) if json_out == "-" else None
     rows = _bench.run_suite(suite, quick=quick, console=console, with_flex=with_flex)
+    document = _bench.bench_json(rows, suite=suite, quick=quick) if json_out or markdown else None
     if json_out is not None:
-        _write("--json", json_out, _bench.bench_json(rows, suite=suite, quick=quick))
+        _write("--json", json_out, document)
     if markdown is not None:
         from attnlab.bench.report import bench_markdown
 
-        data = json.loads(_bench.bench_json(rows, suite=suite, quick=quick))
         command = " ".join(["attnlab bench", f"--suite {suite}", *(["--quick"] if quick else []),
                             *(["--with-flex"] if with_flex else [])])
-        _write("--markdown", markdown, bench_markdown(data, command=command))
+        _write("--markdown", markdown, bench_markdown(json.loads(document), command=command))
     if plot is not None:
         _write_plot(plot, rows)
 
 
-def _check_outputs(suite: str, json_out: str | None, plot: Path | None) -> None:
+def _check_outputs(suite: str, json_out: str | None, markdown: str | None, plot: Path | None) -> None:
     """Refuse unusable output paths now, before minutes of benchmarks."""
     if json_out is not None and json_out != "-":
         _check_writable("--json", Path(json_out))
+    if markdown is not None:
+        if not markdown.endswith(".md"):
+            fail(f"--markdown writes Markdown: give a file name ending in .md, got {markdown!r}")
+        _check_writable("--markdown", Path(markdown))
     if plot is None:
         return
     if plot.suffix.lower() != ".png":
