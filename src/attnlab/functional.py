@@ -102,7 +102,7 @@ def attention(
         generator=generator, return_weights=return_weights,
     )
     direct = call.q is q and call.k is k and call.v is v and call.mask is mask
-    chosen = route(key, call, backend, direct=direct).backend
+    chosen = route(key, known, call, backend, direct=direct).backend  # known: no second lookup
     result = chosen.forward(call)
     out = _restore_rank(result.out, call)
     if not return_weights:

@@ -215,10 +215,11 @@ def remembered(key: tuple | None, mask: object) -> Route | None:
     return route
 
 
-def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
-    """The route for ``call``: the one remembered under ``key`` if still valid, else a fresh
-    :func:`select`, remembered (with ``backend.prepare(call)`` when ``direct``: the user's
-    tensors are the call's, 4-D and unbroadcast, so a run can take them as given).
+def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
+    """The route for ``call``: ``known`` (what :func:`remembered` found under ``key``) if still
+    valid, else a fresh :func:`select`, remembered (with ``backend.prepare(call)`` when
+    ``direct``: the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
+    as given).
 
     A backend whose limits depend on its own state (``Backend.stateful_limits``: flex's budget
     of compiled variants) is asked again on every call.
@@ -227,10 +228,9 @@ def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) ->
         >>> import torch
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 2, 6, 4)
-        >>> route(None, build_call(q, q, q), "auto", direct=True).backend.name
+        >>> route(None, None, build_call(q, q, q), "auto", direct=True).backend.name
         'sdpa'
     """
-    known = remembered(key, call.mask)
     if known is not None and not (known.backend.stateful_limits and reasons_of(known.backend, call)):
         return known
     backend = select(call, name)

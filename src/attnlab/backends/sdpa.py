@@ -204,8 +204,9 @@ def _mask_dtype(call: AttentionCall) -> torch.dtype:
 
 # PyTorch's CPU kernels (flash and math) give a fully masked row a zero output and zero
 # gradients and a NaN query row a NaN output on the versions the suite runs on (2.13, 2.14;
-# tests/test_numerics.py pins it through attnlab on every backend), so attnlab adds nothing on that path. Older
-# versions and other devices get the rows mended by two value-free ``where`` passes.
+# tests/test_numerics.py pins it through attnlab on every backend), so attnlab adds nothing
+# on that path. Older versions and other devices get the rows mended by two value-free
+# ``where`` passes.
 _CPU_KERNEL_KEEPS_ROWS = _TORCH_VERSION >= (2, 13)
 
 
@@ -220,7 +221,8 @@ def kernel_keeps_rows(device: torch.device) -> bool:
 
 
 def _attn_mask(call: AttentionCall, source: str) -> Tensor | None:
-    """The ``attn_mask`` SDPA gets: None, the user's mask, or the materialised causal / mask-mod mask (with a float mask's ``-inf`` at blocked pairs)."""
+    """The ``attn_mask`` SDPA gets: None, the user's mask, or the materialised causal /
+    mask-mod mask (with a float mask's ``-inf`` at blocked pairs)."""
     if source in ("none", "is_causal"):
         return None
     allowed = call.allowed() if source == "materialised" else None  # bool (B|1, H|1, Tq, Tk)
