@@ -423,8 +423,8 @@ class WindowedKVCache(Cache):
         old = min(self.length, self.window - 1)
         slots, kept = self._written_slots(num_new), min(num_new, self.window)
         if num_new == 1:
-            self.keys[:, :, slots].copy_(k_new)  # slot = length % window
-            self.values[:, :, slots].copy_(v_new)
+            self.keys[:, :, slots] = k_new  # slot = length % window
+            self.values[:, :, slots] = v_new
             self.length += 1
             stop = min(self.length, self.window)
             return self.keys[:, :, :stop], self.values[:, :, :stop]
