@@ -348,16 +348,15 @@ def _check_options(causal: object, align: object, scale: object, dropout_p: obje
 
 def _check_score_mod(score_mod: object, q4: Tensor, tk: int) -> _scores.ScoreMod | None:
     """The score mod as a :class:`~attnlab.scores.ScoreMod`, checked against the call's sizes and,
-    for a user's function, evaluated once on a small tile so a wrong shape is refused here."""
+    for a user's function, evaluated on a small tile and its positions so that a wrong shape is
+    refused here (:func:`attnlab.scores.check_function`)."""
     if score_mod is None:
         return None
     mod = _scores.as_score_mod(score_mod)
     B, H, Tq, _ = q4.shape
     mod.check(batch=B, heads=H, tq=Tq, tk=tk, device=q4.device)
     if _scores.has_function(mod) and min(B, H, Tq, tk) > 0:
-        probe = torch.zeros(1, 1, min(Tq, 2), min(tk, 2), dtype=_score_probe_dtype(q4.dtype), device=q4.device)
-        with torch.no_grad():
-            _scores.apply_tile(mod, probe, q_start=0, kv_start=0)
+        _scores.check_function(mod, tq=Tq, tk=tk, device=q4.device, dtype=_score_probe_dtype(q4.dtype))
     return mod
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "as_score_mod",
     "has_function",
     "captures_grad",
+    "check_function",
     "grid",
     "apply_tile",
     "check_sinks",
@@ -614,6 +615,43 @@ def has_function(mod: ScoreMod) -> bool:
     """
     parts = mod.mods if isinstance(mod, Composed) else (mod,)
     return any(isinstance(part, FunctionMod) for part in parts)
+
+
+def check_function(mod: ScoreMod, *, tq: int, tk: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a mod with a user's function that does not give one score per position.
+
+    Evaluated once on a tile of up to 2 x 2 distinct scores, then at each of its positions on
+    0-d indices (FlexAttention's meaning of a mod); both must agree. Catches a function that
+    returns another shape, a non-float, or mixes positions (``score.sum()``, ``score[..., :1]``).
+
+    Raises:
+        ValueError / TypeError: naming ``score_mod``.
+
+    Example:
+        >>> check_function(as_score_mod(lambda s, b, h, i, j: s.mean()), tq=4, tk=4,
+        ...                device=torch.device("cpu"), dtype=torch.float32)
+        Traceback (most recent call last):
+        ...
+        ValueError: score_mod: function(<lambda>) does not give one score per position: ...
+    """
+    bq, bk = min(tq, 2), min(tk, 2)
+    probe = (torch.arange(bq * bk, dtype=dtype, device=device).view(1, 1, bq, bk) - 1.25) * 0.75
+    with torch.no_grad():
+        tiled = apply_tile(mod, probe, q_start=0, kv_start=0)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        for i in range(bq):
+            for j in range(bk):
+                try:
+                    one = mod(probe[0, 0, i, j], zero, zero, zero + i, zero + j)
+                    ok = isinstance(one, Tensor) and one.numel() == 1 and bool(
+                        torch.isclose(one.reshape(()).to(tiled.dtype), tiled[0, 0, i, j], rtol=1e-5,
+                                      atol=1e-6, equal_nan=True))
+                    why = "" if ok else f"at position ({i}, {j}) it gives {one!r} alone, {tiled[0, 0, i, j]!r} in a tile"
+                except Exception as err:  # noqa: BLE001
+                    why = f"on one position (0-d indices) it raises {type(err).__name__}: {err}"
+                if why:
+                    raise ValueError(f"score_mod: {mod!r} does not give one score per position: {why}; "
+                                     "a score mod maps each score on its own, as in FlexAttention")
 
 
 def captures_grad(mod: ScoreMod) -> bool:

@@ -329,7 +329,7 @@ def _reduce_to(t: Tensor, shape: tuple) -> Tensor:
 
 def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tensor,
                     need_bias_grad: bool, need_sinks_grad: bool = False,
-                    need_params: tuple = ()) -> tuple:
+                    need_params: frozenset = frozenset()) -> tuple:
     """FlashAttention-2 backward by recomputation; grads in the accumulation dtype.
 
     Returns dq, dk, dv, the float mask's gradient, the sinks' gradient and a list with the
@@ -347,9 +347,8 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     q, k, v, out, lse = saved
     bias = masks.bias
     B, Hkv = k.shape[:2]
-    d_params = [None if not need else torch.zeros_like(p, dtype=plan.acc_dtype)
-                for p, need in zip(masks.score_mod.params() if masks.score_mod is not None else (),
-                                   need_params)]
+    d_params = [torch.zeros_like(p, dtype=plan.acc_dtype) if i in need_params else None
+                for i, p in enumerate(masks.score_mod.params() if masks.score_mod is not None else ())]
     d_sinks = (d_out.new_zeros(masks.sinks.shape, dtype=plan.acc_dtype)
                if masks.sinks is not None and need_sinks_grad else None)
     dq = d_out.new_zeros(q.shape, dtype=plan.acc_dtype)  # (B, Hq, Tq, D)
@@ -433,7 +432,8 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         q, k, v, allowed, bias, sinks, out, lse, *params = ctx.saved_tensors
         need_bias_grad = bias is not None and ctx.needs_input_grad[4]
         need_sinks_grad = sinks is not None and ctx.needs_input_grad[5]
-        need_params = tuple(ctx.needs_input_grad[7:])
+        # A frozenset, not a tuple: torch.func would map a tuple's entries as vmapped arguments.
+        need_params = frozenset(i for i, need in enumerate(ctx.needs_input_grad[7:]) if need)
         dq, dk, dv, d_bias, d_sinks, *d_params = _ChunkedGradientsFunction.apply(
             d_out, q, k, v, allowed, bias, sinks, out, lse, ctx.plan, need_bias_grad,
             need_sinks_grad, need_params, *params)

@@ -171,6 +171,9 @@ def kernel_for(call: AttentionCall) -> str:
     gqa = call.q_heads != call.kv_heads
     k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
         repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
+    if call.sinks is not None:  # the kernel sees one more key (never read here: empty is enough)
+        k = k.new_empty(*k.shape[:2], k.shape[2] + 1, k.shape[3])  # (B, H, Tk + 1, D)
+        v = v.new_empty(*v.shape[:2], v.shape[2] + 1, v.shape[3])  # (B, H, Tk + 1, Dv)
     # PyTorch's selector returns a Python int, which torch.compile cannot trace, and answers
     # "math" for fake and meta tensors: the documented rule below stands in for those.
     shapes_only = torch.compiler.is_compiling() or call.device.type == "meta" or _is_fake(call.q)
