@@ -107,7 +107,9 @@ class SdpaPlan:
 
 def _mask_source(call: AttentionCall) -> str:
     if call.score_mod is not None:
-        return "materialised"
+        # A bias tensor the caller holds reaches SDPA as it is (added to their mask, if any).
+        held = isinstance(call.score_mod, _scores.Bias) and not call.causal and call.mask_kind != "mod"
+        return "user" if held else "materialised"
     if call.sinks is not None and call.causal:
         return "materialised"  # is_causal takes no attn_mask, and the sinks need one
     if call.mask_kind == "none":
@@ -124,7 +126,9 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
     sinks = call.sinks is not None
     if source in ("none", "is_causal") and not sinks:
         return None
-    if source == "user":
+    if call.score_mod is not None:
+        shape, dtype = (call.batch, call.q_heads, call.tq, call.tk), _mask_dtype(call)
+    elif source == "user":
         shape = tuple(call.mask.shape)
         dtype = torch.bool if call.mask_kind == "bool" else _mask_dtype(call)
     elif source == "none":
@@ -213,7 +217,7 @@ def _plan(call: AttentionCall) -> SdpaPlan:
     if kernel == "math":
         return SdpaPlan(source, kernel, "quadratic",
                         "SDPA's math kernel materialises the (Tq, Tk) scores")
-    if call.score_mod is not None:
+    if call.score_mod is not None and source == "materialised":
         return SdpaPlan(source, kernel, "quadratic",
                         "the score mod's bias is materialised as a dense (Tq, Tk) float mask")
     if source == "materialised":
