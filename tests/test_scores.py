@@ -386,3 +386,89 @@ def test_sweep_checks_score_mods_and_catches_wrong_sinks():
         attnlab.backends.unregister("forgets-sinks-test")
     failed = {r.config.split("score:")[-1] for r in results if not r.passed}
     assert failed == {"sinks", "softcap_sinks", "alibi_sinks"}
+
+
+# ----------------------------------------------------------------------------- modules and GPT
+def test_module_alibi_equals_the_float_mask_of_nn_positional():
+    """positions="alibi" against attnlab.nn.positional.alibi_bias, an independent ALiBi."""
+    from attnlab.nn import MultiHeadAttention
+    from attnlab.nn.positional import alibi_bias
+
+    torch.manual_seed(0)
+    with_alibi = MultiHeadAttention(16, 16, num_heads=4, positions="alibi").double()
+    plain = MultiHeadAttention(16, 16, num_heads=4).double()
+    plain.load_state_dict(with_alibi.state_dict())
+    x = torch.randn(2, 7, 16, dtype=F64)
+    expected = plain(x, mask=alibi_bias(4, 7, dtype=F64))
+    assert torch.allclose(with_alibi(x), expected, atol=1e-12)
+    assert "alibi_slopes" not in with_alibi.state_dict()  # a buffer, rebuilt, never saved
+
+
+def test_module_options_keep_the_kv_cache_exact():
+    from attnlab.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, positions="alibi", softcap=3.0,
+                             sinks=True).double()
+    with torch.no_grad():
+        mha.sinks.normal_()
+    x = torch.randn(2, 7, 16, dtype=F64)
+    cache = mha.new_cache(batch_size=2, max_len=7)
+    with torch.no_grad():
+        steps = [mha(x[:, :4], cache=cache), mha(x[:, 4:5], cache=cache), mha(x[:, 5:], cache=cache)]
+    assert torch.allclose(torch.cat(steps, dim=1), mha(x), atol=1e-12)
+
+
+def test_module_sinks_are_a_learned_parameter_and_match_eager():
+    from attnlab.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 8, num_heads=2, sinks=True, softcap=2.0).double()
+    with torch.no_grad():
+        mha.sinks.copy_(torch.tensor([1.0, -1.0]))
+    x = torch.randn(1, 5, 8, dtype=F64)
+    q, k, v = mha.project_qkv(x)
+    context = _eager(q, k, v, mod_fn=lambda s: 2.0 * torch.tanh(s / 2.0), sinks=mha.sinks,
+                     allowed=attnlab.masks.causal_mask(5))
+    expected = mha.out_proj(context.transpose(1, 2).reshape(1, 5, 8))
+    out = mha(x)
+    assert torch.allclose(out, expected, atol=1e-12)
+    out.sum().backward()
+    assert "sinks" in dict(mha.named_parameters()) and mha.sinks.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(positions="rope"), ValueError, "positions must be one of"),
+    (dict(positions="alibi", rope=True), ValueError, "pick one"),
+    (dict(softcap=0.0), ValueError, "softcap must be a positive"),
+    (dict(sinks=1), TypeError, "sinks must be a bool"),
+])
+def test_module_options_are_checked(bad, error, words):
+    from attnlab.nn import MultiHeadAttention
+
+    with pytest.raises(error, match=words):
+        MultiHeadAttention(8, 8, num_heads=2, **bad)
+
+
+def test_gpt_with_alibi_sinks_and_softcap_trains_and_rebuilds_from_its_config():
+    from attnlab.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=20, max_len=16, d_model=16, num_layers=2, num_heads=4, positions="alibi",
+                softcap=5.0, sinks=True)
+    assert model.pos_emb is None
+    ids = torch.randint(0, 20, (4, 12))
+    optimizer = torch.optim.Adam(model.parameters(), 1e-2)
+    losses = []
+    for _ in range(15):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 20), ids[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert model.blocks[0].attn.sinks.grad.abs().max() > 0
+    again = GPT(**model.config)
+    again.load_state_dict(model.state_dict())
+    assert torch.equal(again(ids), model(ids))

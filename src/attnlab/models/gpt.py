@@ -44,7 +44,7 @@ from attnlab.nn.positional import LearnedPositionalEmbedding
 __all__ = ["GPT"]
 
 MODEL_TYPE = "attnlab-gpt"  # config.json's model_type for attnlab's own layout
-POSITIONS = ("learned", "rope")
+POSITIONS = ("learned", "rope", "alibi")
 # transformers' activation_function names -> attnlab FeedForward activations.
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                    "relu": "relu", "silu": "silu"}
@@ -79,7 +79,10 @@ class GPT(nn.Module):
             divide every layer's head count.
         d_ff: MLP hidden width (default ``4 * d_model``).
         attention_only: blocks without MLP (for circuit studies such as induction heads).
-        positions: ``"learned"`` (GPT-2's absolute embeddings) or ``"rope"`` (rotary, in attention).
+        positions: ``"learned"`` (GPT-2's absolute embeddings), ``"rope"`` (rotary, in attention)
+            or ``"alibi"`` (a linear distance penalty on the scores, BLOOM's; no embedding).
+        softcap: cap attention scores with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
+        sinks: a learnable sink logit per head in every layer (gpt-oss).
         dropout_p: embedding, attention and residual dropout (training only).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
@@ -109,6 +112,7 @@ class GPT(nn.Module):
         attention_only: bool = False, positions: str = "learned", dropout_p: float = 0.0, bias: bool = True,
         norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
         backend: str = "auto", context_parallel: ContextParallel | None = None,
+        softcap: float | None = None, sinks: bool = False,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -126,6 +130,8 @@ class GPT(nn.Module):
             positions=positions, dropout_p=float(dropout_p), bias=bias, norm_eps=float(norm_eps),
             activation=activation, tie_embeddings=tie_embeddings,
         )
+        if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
+            self.config.update(softcap=softcap, sinks=sinks)
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -134,7 +140,8 @@ class GPT(nn.Module):
             TransformerBlock(d_model, layer_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
                              num_kv_heads=num_kv_heads, rope=positions == "rope" or None, bias=bias,
                              norm_eps=norm_eps, activation=activation, backend=backend,
-                             mlp=not attention_only)
+                             mlp=not attention_only, positions="alibi" if positions == "alibi" else None,
+                             softcap=softcap, sinks=sinks)
             for layer_heads in heads
         )
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)

@@ -110,6 +110,8 @@ class TransformerBlock(nn.Module):
             path from input to output goes through attention heads.
         context_parallel: shard the self-attention's sequence across a process group (see
             :class:`~attnlab.nn.MultiHeadAttention`); ``x`` is then this rank's shard.
+        positions, softcap, sinks: self-attention's ALiBi (``"alibi"``), score softcap and
+            learnable sinks (see :class:`~attnlab.nn.MultiHeadAttention`).
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -128,7 +130,8 @@ class TransformerBlock(nn.Module):
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
-        mlp: bool = True, context_parallel: ContextParallel | None = None,
+        mlp: bool = True, context_parallel: ContextParallel | None = None, positions: str | None = None,
+        softcap: float | None = None, sinks: bool = False,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -137,7 +140,8 @@ class TransformerBlock(nn.Module):
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         self.attn = MultiHeadAttention(
             d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-            rope=rope, context_parallel=context_parallel, **common,
+            rope=rope, context_parallel=context_parallel, positions=positions, softcap=softcap,
+            sinks=sinks, **common,
         )
         self.norm_cross = self.cross_attn = None
         if cross_attention:

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, one_of, positive_int,
-                             probability, same_device)
+                             positive_number, probability, same_device)
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab.distributed import ContextParallel
 from attnlab.functional import attention
 from attnlab.nn.cache import KVCache, _restore_on_error
@@ -107,6 +108,13 @@ class MultiHeadAttention(nn.Module):
             self-attention, no cache, mask or attention dropout), rotary positions are the
             tokens' global positions, and the output is this rank's shard. May also be set
             on the attribute of the same name.
+        positions: ``"alibi"`` adds ALiBi to self-attention's scores (the paper's slopes per
+            head, causal or, for a non-causal module, symmetric; a KV cache's earlier tokens
+            keep their distances), or None. Not with ``rope``.
+        softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
+        sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
+            ``(num_heads,)`` initialised to 0: a key of value 0 that only takes probability mass.
+            Score mods and sinks apply before masks (see :mod:`attnlab.scores`).
 
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
@@ -121,6 +129,9 @@ class MultiHeadAttention(nn.Module):
         ...     step = gqa(torch.randn(1, 1, 64), cache=cache)
         >>> cache.length, step.shape
         (6, torch.Size([1, 1, 64]))
+        >>> gemma_like = MultiHeadAttention(16, 16, num_heads=4, softcap=50.0, sinks=True, positions="alibi")
+        >>> gemma_like(torch.randn(2, 5, 16)).shape, gemma_like.sinks.shape
+        (torch.Size([2, 5, 16]), torch.Size([4]))
     """
 
     def __init__(
@@ -140,6 +151,9 @@ class MultiHeadAttention(nn.Module):
         rope: RotaryEmbedding | bool | None = None,
         backend: str = "auto",
         context_parallel: ContextParallel | None = None,
+        positions: str | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -161,7 +175,32 @@ class MultiHeadAttention(nn.Module):
         if context_parallel is not None:
             instance_of("context_parallel", context_parallel, ContextParallel, "a ContextParallel or None")
         self.context_parallel = context_parallel
+        self._make_score_options(positions, softcap, sinks)
         self.register_load_state_dict_pre_hook(_seed_layout_hook)
+
+    def _make_score_options(self, positions: str | None, softcap: float | None, sinks: bool) -> None:
+        """ALiBi slopes (a buffer, not saved), the softcap and the sink logits (a parameter)."""
+        if positions is not None:
+            one_of("positions", positions, ("alibi",))
+            if self.rope is not None:
+                raise ValueError("positions='alibi' and rope are two position schemes; pick one")
+        slopes = _scores.alibi_slopes(self.num_heads) if positions == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.softcap = None if softcap is None else positive_number("softcap", softcap)
+        instance_of("sinks", sinks, bool, "a bool")
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
+
+    def _score_mod(self, offset: int, cross: bool) -> _scores.ScoreMod | None:
+        """The softcap, then ALiBi at query positions ``offset + i`` (self-attention only)."""
+        mods = []
+        if self.softcap is not None:
+            mods.append(_scores.softcap(self.softcap))
+        if self.alibi_slopes is not None:
+            if cross:
+                raise ValueError("positions='alibi' applies to self-attention; cross-attention "
+                                 "(context=) has no distance between query and key positions")
+            mods.append(_scores.alibi(self.alibi_slopes, symmetric=not self.causal, offset=offset))
+        return _scores.compose(*mods) if mods else None
 
     @staticmethod
     def _check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim):
@@ -357,12 +396,14 @@ class MultiHeadAttention(nn.Module):
         if documents is not None:
             mask = _with_documents(mask, documents, tq=Tq)
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
+        score_mod = self._score_mod(0 if cache is None else cache.length, context is not None)
         q, k, v, offset = self._qkv(x, context, value_input, cache, documents)
         result = attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
             q, k, v, mask=mask, causal=self.causal and context is None,
             align="bottom_right" if offset else "top_left",
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend, return_weights=return_weights,
+            score_mod=score_mod, sinks=self.sinks,
         )
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
         context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
@@ -374,6 +415,9 @@ class MultiHeadAttention(nn.Module):
                                             ("cache", cache), ("document_ids", documents)) if value is not None]
         refused += ["return_weights"] if return_weights else []
         refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
+        refused += [name for name, on in (("positions='alibi'", self.alibi_slopes is not None),
+                                          ("softcap", self.softcap is not None),
+                                          ("sinks", self.sinks is not None)) if on]
         if refused:
             raise ValueError(f"context_parallel runs causal or unmasked self-attention over shards; "
                              f"it cannot take {', '.join(refused)}")
