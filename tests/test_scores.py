@@ -472,3 +472,13 @@ def test_gpt_with_alibi_sinks_and_softcap_trains_and_rebuilds_from_its_config():
     again = GPT(**model.config)
     again.load_state_dict(model.state_dict())
     assert torch.equal(again(ids), model(ids))
+
+
+def test_sinks_and_an_additive_mod_trace_whole_under_torch_compile():
+    """sdpa serves them without reading a value: fullgraph=True fails on any graph break."""
+    torch._dynamo.reset()
+    q, sinks = torch.randn(1, 4, 16, 8), torch.randn(4)
+    mod = scores.alibi(4, symmetric=True)
+    compiled = torch.compile(lambda q, s: attnlab.attention(q, q, q, sinks=s, score_mod=mod), fullgraph=True)
+    want = attnlab.attention(q, q, q, sinks=sinks, score_mod=mod, backend="reference")
+    assert torch.allclose(compiled(q, sinks), want, atol=1e-6)
