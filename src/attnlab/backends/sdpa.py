@@ -276,8 +276,11 @@ def _attn_mask(call: AttentionCall, source: str) -> Tensor | None:
 
 def _with_score_bias(call: AttentionCall, mask: Tensor | None) -> Tensor:
     """``mask`` (bool, float or None) as a float mask with the additive score mod's bias added."""
-    from_mod = call.score_mod.bias(*_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk),
-                                                  call.device))
+    mod = call.score_mod
+    if isinstance(mod, _scores.Bias):  # the caller's tensor as it is, its size-1 dims kept
+        from_mod = mod.tensor.reshape((1,) * (4 - mod.tensor.ndim) + tuple(mod.tensor.shape))
+    else:
+        from_mod = mod.bias(*_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk), call.device))
     from_mod = from_mod.to(_mask_dtype(call))  # (B|1, H|1, Tq|1, Tk|1)
     if mask is None:
         return from_mod
