@@ -171,13 +171,73 @@ def test_attention_forward_float_mask_gqa_and_dropout():
     assert not torch.allclose(eval_out, train_out)
 
 
-def test_unsupported_features_and_reserved_names_are_refused():
-    layer = torch.nn.Module()
-    q = torch.randn(1, 1, 2, 4)
-    with pytest.raises(ValueError, match="does not support softcap"):
-        attention_forward(layer, q, q, q, None, softcap=30.0)
+def test_reserved_names_are_refused():
     with pytest.raises(ValueError, match="name must be a non-empty string other than eager, sdpa"):
         register("sdpa")
+
+
+def _tiny(kind):
+    """A tiny random model with a score mod or sinks, from its config class (nothing downloaded)."""
+    common = dict(vocab_size=100, num_hidden_layers=2, num_attention_heads=4, head_dim=8)
+    if kind == "gpt-oss":  # learnable sinks (s_aux), a sliding layer and a full one
+        return transformers.GptOssForCausalLM, transformers.GptOssConfig(
+            hidden_size=32, intermediate_size=32, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+            **common)
+    if kind in ("gemma2", "gemma3"):  # softcap with a sliding window
+        config_class, model_class = ((transformers.Gemma2Config, transformers.Gemma2ForCausalLM) if kind == "gemma2"
+                                     else (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM))
+        return model_class, config_class(hidden_size=32, intermediate_size=32, num_key_value_heads=2,
+                                         sliding_window=4, attn_logit_softcapping=5.0, **common)
+    return transformers.T5ForConditionalGeneration, transformers.T5Config(  # relative position bias
+        vocab_size=100, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_heads=4, dropout_rate=0.0,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16)
+
+
+def _pair(kind):
+    import copy
+    model_class, config = _tiny(kind)
+    torch.manual_seed(0)
+    models = []
+    for implementation in ("eager", NAME):
+        c = copy.deepcopy(config)
+        c._attn_implementation = implementation
+        models.append(model_class(c))
+    models[1].load_state_dict(models[0].state_dict())
+    assert models[1].config._attn_implementation == NAME
+    return models
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma2", "gemma3", "t5"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_score_mod_models_equal_eager(kind, side):
+    """softcap, s_aux and position_bias: outputs, greedy tokens and training gradients as "eager"."""
+    eager, ours = _pair(kind)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 9, dtype=torch.long)
+    real[0, :3] = 0 if side == "left" else 1
+    real[0, 6:] = 0 if side == "right" else 1
+    inputs = dict(input_ids=ids, attention_mask=real)
+    keep = real.bool()
+    if kind == "t5":  # encoder padded; the decoder attends the encoder across (cross-attention)
+        inputs["decoder_input_ids"] = ids[:, :5]
+        keep = torch.ones(2, 5, dtype=torch.bool)
+    with torch.no_grad():
+        want, got = (m.eval()(**inputs).logits for m in (eager, ours))
+    assert (want - got)[keep].abs().max().item() <= 1e-5
+    generate = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if kind == "t5":
+        generate = dict(max_new_tokens=4, do_sample=False, decoder_start_token_id=0)
+    prompt = {k: v for k, v in inputs.items() if not k.startswith("decoder")}
+    assert torch.equal(eager.generate(**prompt, **generate), ours.generate(**prompt, **generate))
+    for model in (eager, ours):
+        model.train().zero_grad()
+        model(**inputs).logits[keep].square().mean().backward()
+    for (name, a), b in zip(eager.named_parameters(), ours.parameters()):
+        if a.grad is not None:
+            assert (a.grad - b.grad).abs().max().item() <= 1e-5, name
+    if kind == "gpt-oss":
+        assert eager.model.layers[0].self_attn.sinks.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("call, message", [

@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 # Lower number = lower layer. A module may import its own layer or any lower one.
 CORE = [
     ("attnlab._checks", 0), ("attnlab._flops", 0), ("attnlab._memory", 0),
-    ("attnlab.masks", 1),
+    ("attnlab.masks", 1), ("attnlab.scores", 1),
     ("attnlab._call", 2),
     ("attnlab._math", 3),
     ("attnlab.backends", 4),

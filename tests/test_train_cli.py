@@ -141,7 +141,7 @@ def test_bad_options_give_one_error_line_and_write_nothing(tmp_path, args, words
     (["--lr", "x"], "--lr"),
     (["--seed", "-1"], "--seed"), (["--seed", str(2**40)], "--seed"), (["--seed", "x"], "--seed"),
     (["--device", "nonsense"], "--device"),
-    (["--positions", "alibi"], "--positions"), (["--positions", ""], "--positions"),
+    (["--positions", "sinusoidal"], "--positions"), (["--positions", ""], "--positions"),
     (["--task", "text", "--text", "missing.txt"], "--text"), (["--text", "notes.txt"], "--text"),
     (["--threads", "0"], "--threads"), (["--threads", str(10**8)], "--threads"), (["--threads", "x"], "--threads"),
     (["--resume", "no-such-folder"], "--resume"),

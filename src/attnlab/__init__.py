@@ -5,6 +5,8 @@ The package has two parts. The **library** (the core) is what a model needs:
 * :func:`attnlab.attention` -- scaled dot-product attention with one contract on every backend;
   :func:`attnlab.attention_weights` -- its weights alone;
 * :mod:`attnlab.masks` -- masks and mask mods (True = may attend);
+* :mod:`attnlab.scores` -- score mods (softcap, ALiBi, T5 relative bias, learnable biases)
+  and their composition, for ``attention(score_mod=...)``; sinks are ``attention(sinks=...)``;
 * :mod:`attnlab.backends` -- the backends, dispatch, and :func:`attnlab.backends.why`;
 * :mod:`attnlab.nn` -- production modules (multi-head / grouped-query attention, KV cache,
   positions, blocks);
@@ -26,12 +28,12 @@ Example:
     torch.Size([6, 2])
 """
 
-from attnlab import backends, masks, nn
+from attnlab import backends, masks, nn, scores
 from attnlab.functional import attention, attention_weights
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_weights", "masks", "backends", "nn", "__version__"]
+__all__ = ["attention", "attention_weights", "masks", "scores", "backends", "nn", "__version__"]
 
 
 def __getattr__(name: str):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab._checks import broadcast_shape, finite_number, instance_of, probability
 
 __all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS"]
@@ -46,6 +47,9 @@ class AttentionCall:
         return_weights: whether the caller also wants the attention weights.
         batch_shape: the broadcast batch dims of the user's inputs (``()`` for rank 2,
             ``(B,)`` for ranks 3 and 4, ``(A, B)`` for rank 5), flattened into ``B``.
+        score_mod: a :class:`attnlab.scores.ScoreMod` applied to the scaled scores before the
+            float mask and the masking, or None.
+        sinks: ``(Hq,)`` sink logits (an extra key of value 0 per query head), or None.
     """
 
     q: Tensor
@@ -60,6 +64,8 @@ class AttentionCall:
     input_rank: int
     return_weights: bool = False
     batch_shape: tuple = ()
+    score_mod: _scores.ScoreMod | None = None
+    sinks: Tensor | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     # Sizes, named as in the docs.
@@ -101,11 +107,14 @@ class AttentionCall:
 
     @property
     def requires_grad(self) -> bool:
-        """Whether a backward pass may follow: grad mode is on and q, k, v or a float mask
-        requires grad (under ``no_grad`` nothing is recorded, whatever the inputs say)."""
+        """Whether a backward pass may follow: grad mode is on and q, k, v, a float mask, the
+        sinks or a tensor of the score mod requires grad (under ``no_grad`` nothing is recorded,
+        whatever the inputs say)."""
         return torch.is_grad_enabled() and (
             self.q.requires_grad or self.k.requires_grad or self.v.requires_grad
-            or (isinstance(self.mask, Tensor) and self.mask.requires_grad))
+            or (isinstance(self.mask, Tensor) and self.mask.requires_grad)
+            or (self.sinks is not None and self.sinks.requires_grad)
+            or (self.score_mod is not None and any(p.requires_grad for p in self.score_mod.params())))
 
     @property
     def mask_kind(self) -> str:
@@ -337,6 +346,24 @@ def _check_options(causal: object, align: object, scale: object, dropout_p: obje
     probability("dropout_p", dropout_p)
 
 
+def _check_score_mod(score_mod: object, q4: Tensor, tk: int) -> _scores.ScoreMod | None:
+    """The score mod as a :class:`~attnlab.scores.ScoreMod`, checked against the call's sizes and,
+    for a user's function, evaluated on a small tile and its positions so that a wrong shape is
+    refused here (:func:`attnlab.scores.check_function`)."""
+    if score_mod is None:
+        return None
+    mod = _scores.as_score_mod(score_mod)
+    B, H, Tq, _ = q4.shape
+    mod.check(batch=B, heads=H, tq=Tq, tk=tk, device=q4.device)
+    if _scores.has_function(mod) and min(B, H, Tq, tk) > 0:
+        _scores.check_function(mod, tq=Tq, tk=tk, device=q4.device, dtype=_score_probe_dtype(q4.dtype))
+    return mod
+
+
+def _score_probe_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _check_generator(generator: object, device: torch.device) -> None:
     # Checked even when dropout_p == 0: a wrong generator is a bug whether or not it is used yet.
     if generator is None:
@@ -361,16 +388,21 @@ def build_call(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     return_weights: bool = False,
+    score_mod: object = None,
+    sinks: object = None,
 ) -> AttentionCall:
     """Validate the arguments of :func:`attnlab.attention` and return a 4-D :class:`AttentionCall`.
 
     Raises:
-        TypeError: a non-tensor, a non-float dtype, mixed dtypes, an integer mask, or a
-            ``generator`` that is not a ``torch.Generator``.
+        TypeError: a non-tensor, a non-float dtype, mixed dtypes, an integer mask, a
+            ``generator`` that is not a ``torch.Generator``, a ``score_mod`` that is not one or
+            returns a non-float tensor, ``sinks`` that are not a float tensor.
         ValueError: wrong rank, mismatched sizes, a head dim D, value dim Dv or head count of
             0, a mask that does not broadcast, options out of range. Every message names the
             argument and the shapes seen. Empty batches and sequences (B, Tq or Tk of 0) are
-            legal.
+            legal. ``score_mod`` whose tensors do not match the call (slopes per head, a bias
+            that does not broadcast, a function returning another shape) and ``sinks`` not of
+            shape ``(Hq,)`` on q's device are refused naming the argument.
     """
     batch = _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
@@ -379,8 +411,11 @@ def build_call(
     if causal and _masks.causal_offset(q.shape[-2], k.shape[-2], align) >= k.shape[-2] - 1:
         causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q4 = _to_4d(q, batch)
+    mod = _check_score_mod(score_mod, q4, k.shape[-2])
+    sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device)
     return AttentionCall(
-        q=_to_4d(q, batch),
+        q=q4,
         k=_to_4d(k, batch),
         v=_to_4d(v, batch),
         mask=norm_mask,
@@ -392,4 +427,6 @@ def build_call(
         input_rank=q.ndim,
         return_weights=return_weights,
         batch_shape=batch,
+        score_mod=mod,
+        sinks=sinks,
     )

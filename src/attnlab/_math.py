@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
+from attnlab.scores import apply_tile
 
 __all__ = [
     "repeat_kv",
@@ -156,6 +157,7 @@ def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
 
     Computed in :func:`score_dtype` (fp32 for half inputs), so a float mask is added at full
     precision and large scores do not overflow. A NaN score at an allowed position stays NaN.
+    The call's score mod changes the scaled scores first; the float mask is added after it.
 
     Args:
         call: the call (for scale, masks and causal alignment).
@@ -173,6 +175,8 @@ def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
     """
     work = score_dtype(q.dtype)
     attn_scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * call.scale  # (B, H, Tq, Tk)
+    if call.score_mod is not None:
+        attn_scores = apply_tile(call.score_mod, attn_scores, q_start=0, kv_start=0).to(work)
     bias = call.bias()
     if bias is not None:
         attn_scores = attn_scores + bias.to(work)
@@ -182,18 +186,28 @@ def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
     return attn_scores
 
 
-def softmax_rows(attn_scores: Tensor) -> Tensor:
+def softmax_rows(attn_scores: Tensor, sinks: Tensor | None = None) -> Tensor:
     """Softmax over keys that gives all-zero rows (and zero gradient) where every key is blocked.
 
     A plain softmax of a row of ``-inf`` is NaN. Such rows are replaced by zeros before the
     softmax (so the backward pass sees finite numbers) and multiplied by 0 afterwards. A row
     holding a NaN score is not such a row: its NaN propagates (it is not hidden as zeros).
 
+    With ``sinks`` ``(H,)`` (scores ``(B, H, Tq, Tk)``), head ``h`` has one more key of logit
+    ``sinks[h]`` that takes part in the normalisation and is dropped from the result: rows sum
+    to ``1 - `` the sink's share, and a row with every key blocked gives the sink all the mass
+    (zeros here).
+
     Example:
         >>> softmax_rows(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
         tensor([[0.5000, 0.5000],
                 [0.0000, 0.0000]])
+        >>> softmax_rows(torch.zeros(1, 1, 1, 3), sinks=torch.zeros(1)).flatten().tolist()
+        [0.25, 0.25, 0.25]
     """
+    if sinks is not None:
+        column = sinks.to(attn_scores.dtype).view(1, -1, 1, 1).expand(*attn_scores.shape[:-1], 1)
+        return softmax_rows(torch.cat([attn_scores, column], dim=-1))[..., :-1]  # (B, H, Tq, Tk)
     row_alive = (attn_scores != float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Tq, 1)
     safe_scores = torch.where(row_alive, attn_scores, torch.zeros_like(attn_scores))
     return torch.softmax(safe_scores, dim=-1) * row_alive

@@ -10,6 +10,7 @@ from torch import Tensor
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
 from attnlab.backends.dispatch import argument_key, remembered, route
+from attnlab.scores import ScoreMod
 
 __all__ = ["attention", "attention_weights"]
 
@@ -27,8 +28,10 @@ def attention(
     generator: torch.Generator | None = None,
     backend: str = "auto",
     return_weights: bool = False,
+    score_mod: ScoreMod | Callable | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
+    """Scaled dot-product attention, ``softmax(score_mod(q k^T * scale) + mask) v``.
 
     Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; a tensor of lower rank than the
     others gets size-1 leading dims, as SDPA aligns them from the right):
@@ -62,6 +65,14 @@ def attention(
             A named backend that cannot serve the call raises ``ValueError`` with its reasons.
         return_weights: also return the attention weights ``(..., Hq, Tq, Tk)`` per head (never
             averaged), before dropout. Asking for them does not change how ``out`` is computed.
+        score_mod: how each scaled score is changed before the float mask and the masking: one
+            of :mod:`attnlab.scores` (``softcap``, ``alibi``, ``relative_bias``, ``bias`` and
+            their composition) or a function ``(score, b, h, q_idx, kv_idx) -> score``
+            (FlexAttention's signature; ``h`` is the query head). Its tensors get gradients.
+        sinks: ``(Hq,)`` float tensor of per-head sink logits (gpt-oss's ``s_aux``): one more
+            key per head with logit ``sinks[h]`` and value 0, which only takes probability
+            mass. A query with every key masked then gives a zero row (the sink takes it all).
+            The weights returned leave the sink's share out (rows sum to less than 1).
 
     Returns:
         ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
@@ -76,7 +87,7 @@ def attention(
         TypeError: non-tensor input, a non-float or mixed dtype, an integer mask.
         ValueError: wrong rank, mismatched sizes, batch dims that do not broadcast, heads not
             divisible, a mask that does not broadcast, ``dropout_p`` outside ``[0, 1)``, an
-            unknown or unable backend.
+            unknown or unable backend, a score mod or sinks that do not match the call.
 
     Example:
         >>> import torch, attnlab
@@ -90,10 +101,16 @@ def attention(
         >>> shared = torch.randn(1, 2, 10, 16)                # one prompt's keys for the batch
         >>> attnlab.attention(q, shared, shared).shape
         torch.Size([2, 4, 10, 16])
+        >>> sinks = torch.zeros(4, requires_grad=True)          # one sink logit per query head
+        >>> out = attnlab.attention(q, k, v, causal=True, sinks=sinks,
+        ...                         score_mod=attnlab.scores.softcap(20.0))
+        >>> out.sum().backward(); sinks.grad.shape
+        torch.Size([4])
     """
     q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
     key = argument_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-                       generator=generator, backend=backend, return_weights=return_weights)
+                       generator=generator, backend=backend, return_weights=return_weights,
+                       score_mod=score_mod, sinks=sinks)
     known = remembered(key, mask)
     if known is not None and known.run is not None:  # validated before: nothing reads values
         return known.run(q, k, v, mask)  # (B, Hq, Tq, Dv)
@@ -101,13 +118,14 @@ def attention(
         mask, causal = known.mask, False
     call = build_call(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-        generator=generator, return_weights=return_weights,
+        generator=generator, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
     direct = call.q is q and call.k is k and call.v is v and call.mask is mask
     chosen_route = route(key, known, call, backend, direct=direct)  # known: no second lookup
     if chosen_route.mask is not None and known is None:  # the first call plans from it too
         call = build_call(q, k, v, mask=chosen_route.mask, causal=False, align=align, scale=scale,
-                          dropout_p=dropout_p, generator=generator, return_weights=return_weights)
+                          dropout_p=dropout_p, generator=generator, return_weights=return_weights,
+                          score_mod=score_mod, sinks=sinks)
     chosen = chosen_route.backend
     result = chosen.forward(call)
     out = _restore_rank(result.out, call)
@@ -125,12 +143,15 @@ def attention_weights(
     causal: bool = False,
     align: str = "top_left",
     scale: float | None = None,
+    score_mod: ScoreMod | Callable | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """The attention weights ``softmax(q k^T * scale + mask)`` that :func:`attention` applies.
+    """The attention weights ``softmax(score_mod(q k^T * scale) + mask)`` that :func:`attention` applies.
 
     The same weights as ``attention(..., return_weights=True)`` returns, without computing the
     output: rows sum to 1, blocked keys get 0, and a query with no attendable key gets a zero
-    row. Arguments mean what they mean for :func:`attention`; no gradient is recorded.
+    row. With ``sinks``, rows sum to 1 minus the sink's share (``1 - weights.sum(-1)`` is it).
+    Arguments mean what they mean for :func:`attention`; no gradient is recorded.
 
     Shapes:
         q ``(..., Tq, D)``, k ``(..., Tk, D)`` -> weights ``(..., Hq, Tq, Tk)`` for rank-4 input,
@@ -141,11 +162,16 @@ def attention_weights(
         >>> weights = attention_weights(q, q, causal=True)
         >>> weights.shape, bool(torch.allclose(weights.sum(-1), torch.ones(1, 2, 3)))
         (torch.Size([1, 2, 3, 3]), True)
+        >>> from attnlab.scores import softcap
+        >>> capped = attention_weights(q * 100, q, causal=True, score_mod=softcap(1.0))
+        >>> bool(capped[0, 0, 2].max() < 0.6)               # capped scores: no one-hot rows
+        True
     """
     # v only fixes the shapes for validation; it is never read.
     v = k.new_zeros(()).expand(k.shape) if isinstance(k, Tensor) else k
     q, k, v = sdpa_aligned(q, k, v)
-    call = build_call(q, k, v, mask=mask, causal=causal, align=align, scale=scale)
+    call = build_call(q, k, v, mask=mask, causal=causal, align=align, scale=scale,
+                      score_mod=score_mod, sinks=sinks)
     return _restore_rank(_weights_of(call), call)
 
 
@@ -159,7 +185,7 @@ def _weights_of(call: AttentionCall) -> Tensor:
     zeros; a NaN score gives a NaN row."""
     with torch.no_grad():
         attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
-        return softmax_rows(attn_scores).to(call.dtype)
+        return softmax_rows(attn_scores, call.sinks).to(call.dtype)
 
 
 def _restore_rank(t: Tensor, call: AttentionCall) -> Tensor:

@@ -14,7 +14,11 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   every layout), crossed with one, two and all key/value heads and batch 1 and 2-3. Mask kind
   and causal mode are cycled, not drawn: the first 12 configurations hold every mask kind and
   every causal mode, the first 36 every pairing of the two. Dropout off (dropout is tested
-  separately: its random mask differs by backend).
+  separately: its random mask differs by backend). Every fourth configuration adds a score
+  mod or sinks, cycled through :data:`SCORE_KINDS` (softcap, ALiBi both ways, T5's relative
+  bias, an additive bias, a composition, a user's function, sinks alone and with mods), so
+  that they meet every mask kind, fully masked rows included; their learnable tensors (slopes,
+  table, bias, sink logits) are checked in the backward pass like q, k and v.
 * a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
   over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others.
 * flex compiles one kernel per shape, so it is swept over the fixed shapes of
@@ -57,12 +61,13 @@ from torch import Tensor
 
 from attnlab import backends as _backends
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab._call import build_call
 from attnlab._checks import positive_int
 from attnlab.functional import attention
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
-           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable"]
+           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
 # Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
@@ -76,6 +81,9 @@ _MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_p
 BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked",
                  "mod_varlen")
 _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
+# Score mods and sinks, cycled on every fourth configuration (sdpa serves 6 of the 10).
+SCORE_KINDS = ("softcap", "alibi", "sinks", "relative", "bias", "composed", "alibi_symmetric",
+               "function", "softcap_sinks", "alibi_sinks")
 # B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
 # lengths with odd and even tails, Tq != Tk both ways, grouped-query, and whole 128-key blocks.
 FLEX_SHAPES = (
@@ -132,6 +140,7 @@ class Config:
     scale: float | None
     q_layout: str = "contiguous"
     kv_layout: str = "contiguous"
+    score: str = "none"
 
     def label(self) -> str:
         """A short readable id, e.g. ``B1 H2/1 T3x5 D4/4 causal:bottom_right none``."""
@@ -140,12 +149,13 @@ class Config:
         scale = "" if self.scale is None else f" scale={self.scale:.3g}"
         layouts = "" if self.q_layout == self.kv_layout == "contiguous" else \
             f" q:{self.q_layout} kv:{self.kv_layout}"
+        score = "" if self.score == "none" else f" score:{self.score}"
         return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} T{self.tq}x{self.tk} "
-                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}{layouts}")
+                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}{layouts}{score}")
 
 
 def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None,
-                 mask_kinds: tuple = _MASKS) -> Config:
+                 mask_kinds: tuple = _MASKS, scores: bool = True) -> Config:
     """Configuration number ``index``: mask kind and causal mode cycle, the rest is drawn."""
     def pick(options, weights=None):
         w = torch.tensor(weights if weights else [1.0] * len(options))
@@ -174,8 +184,9 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     q_layout, kv_layout, heads = _draw_layouts(seed, index)
     if shape is None and heads is not None:
         batch, q_heads, kv_heads = heads
+    score = SCORE_KINDS[(index // 4) % len(SCORE_KINDS)] if scores and index % 4 == 3 else "none"
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
-                  align, dead_rows, scale, q_layout, kv_layout)
+                  align, dead_rows, scale, q_layout, kv_layout, score)
 
 
 def _draw_layouts(seed: int, index: int) -> tuple[str, str, tuple | None]:
@@ -208,7 +219,7 @@ def _scale_of(u: float) -> float:
 
 def configs(
     n: int, *, seed: int = 0, shape: tuple | None = None, shapes: tuple | None = None,
-    small: bool = False, masks: tuple | None = None,
+    small: bool = False, masks: tuple | None = None, scores: bool = True,
 ) -> list[Config]:
     """``n`` seeded random configurations.
 
@@ -220,6 +231,7 @@ def configs(
         shapes: several such shapes, used in turn (overrides ``shape``).
         small: redraw drawn (not fixed) shapes whose sequences exceed 128 (quick sweeps).
         masks: the mask kinds to cycle through (default every kind).
+        scores: add score mods and sinks to every fourth configuration (:data:`SCORE_KINDS`).
 
     Raises:
         ValueError: ``n`` is not a positive int.
@@ -234,7 +246,7 @@ def configs(
     while len(result) < n:
         index = len(result)
         fixed = shapes[index % len(shapes)] if shapes else shape
-        config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS)
+        config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS, scores)
         if small and fixed is None and max(config.tq, config.tk) > 128:
             continue
         result.append(config)
@@ -342,10 +354,10 @@ def broadcastable(t: Tensor, layout: str) -> Tensor:
 def _inputs(config: Config):
     """fp64 q, k, v, output-gradient weights and the mask of a configuration (cached); q and
     the output gradient are broadcastable to the q layout, k and v to the kv layout."""
-    q, k, v, grad_weights, mask = _drawn_inputs(config)
+    q, k, v, grad_weights, mask, score_tensors = _drawn_inputs(config)
     q, grad_weights = (broadcastable(t, config.q_layout) for t in (q, grad_weights))
     k, v = (broadcastable(t, config.kv_layout) for t in (k, v))
-    return q, k, v, grad_weights, mask
+    return q, k, v, grad_weights, mask, score_tensors
 
 
 def _drawn_inputs(config: Config):
@@ -358,13 +370,52 @@ def _drawn_inputs(config: Config):
                     dtype=torch.float64)
     grad_weights = torch.randn(config.batch, config.q_heads, config.tq, config.value_dim,
                                generator=gen, dtype=torch.float64)
-    return q, k, v, grad_weights, _mask_for(config, gen)
+    return q, k, v, grad_weights, _mask_for(config, gen), _score_tensors(config, gen)
+
+
+def _score_tensors(config: Config, gen: torch.Generator) -> dict:
+    """The fp64 tensors of the configuration's score mod and sinks, drawn after everything else."""
+    kind, H = config.score, config.q_heads
+    found = {}
+    if "sinks" in kind:
+        found["sinks"] = torch.randn(H, generator=gen, dtype=torch.float64) * 2
+    if "alibi" in kind or kind == "composed":
+        found["slopes"] = torch.rand(H, generator=gen, dtype=torch.float64)
+    if kind == "relative":
+        found["table"] = torch.randn(8, H, generator=gen, dtype=torch.float64)
+    if kind in ("bias", "composed"):
+        found["bias"] = torch.randn(config.batch, H, config.tq, config.tk, generator=gen, dtype=torch.float64)
+    return found
+
+
+def _score_options(config: Config, tensors: dict) -> dict:
+    """``score_mod`` and ``sinks`` of the configuration, built on ``tensors`` (any dtype)."""
+    kind = config.score
+    offset = config.tk - config.tq if config.align == "bottom_right" else 0
+    mods = []
+    if kind.startswith("softcap") or kind == "composed":
+        mods.append(_scores.softcap(1.5))
+    if kind.startswith("alibi") or kind == "composed":
+        mods.append(_scores.alibi(tensors["slopes"], symmetric=kind != "alibi", offset=offset))
+    if kind == "relative":
+        mods.append(_scores.relative_bias(tensors["table"], num_buckets=8, max_distance=12,
+                                          bidirectional=not config.causal, offset=offset))
+    if kind in ("bias", "composed"):
+        mods.append(_scores.bias(tensors["bias"]))
+    if kind == "function":
+        mods.append(_scores.function(_wavy))
+    return dict(score_mod=_scores.compose(*mods) if mods else None, sinks=tensors.get("sinks"))
+
+
+def _wavy(score, b, h, q_idx, kv_idx):
+    """A user's score mod (one function for every configuration: dispatch keys on its identity)."""
+    return score * 0.75 + 0.5 * torch.sin((q_idx - kv_idx + h).to(score.dtype))
 
 
 def _laid_out(config: Config, dtype: torch.dtype, with_grad: bool, laid_out: bool) -> tuple:
     """q, k, v (leaves) and the output gradient in ``dtype``, in the configuration's layouts
     when ``laid_out`` (else contiguous)."""
-    q64, k64, v64, grad_weights, _ = _inputs(config)
+    q64, k64, v64, grad_weights, *_ = _inputs(config)
     q_layout, kv_layout = (config.q_layout, config.kv_layout) if laid_out else ("contiguous",) * 2
     q, k, v, d_out = (relayout(t.to(dtype), layout) for t, layout in
                       ((q64, q_layout), (k64, kv_layout), (v64, kv_layout), (grad_weights, q_layout)))
@@ -375,16 +426,30 @@ def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, *,
          laid_out: bool = True) -> list[Tensor]:
     """Output (and q/k/v gradients) of one backend, in fp64 for comparison."""
     q, k, v, d_out = _laid_out(config, dtype, with_grad, laid_out)
-    mask = _inputs(config)[4]
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
-        mask = mask.to(dtype)
-    options = dict(mask=mask, causal=config.causal, align=config.align, scale=config.scale)
+    options, learned = _options(config, dtype, with_grad)
     with torch.set_grad_enabled(with_grad):
         out = attention(q, k, v, backend=backend, **options)
     if not with_grad:
         return [out.detach().double()]
-    grads = torch.autograd.grad(out, (q, k, v), d_out)  # d_out in q's layout: its layout must not matter
+    # d_out in q's layout: its layout must not matter. The score mod's tensors and the sinks
+    # come after dq, dk, dv.
+    # A backend that leaves a tensor out of its graph gives it zero gradient (and fails).
+    inputs = (q, k, v, *learned)
+    grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
     return [t.detach().double() for t in (out, *grads)]
+
+
+def _options(config: Config, dtype: torch.dtype, learn: bool) -> tuple[dict, list[Tensor]]:
+    """The keyword options of the configuration's call in ``dtype``, and the tensors of its score
+    mod and sinks (leaves requiring grad when ``learn``, in a fixed order)."""
+    mask, score_tensors = _inputs(config)[4:]
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    tensors = {name: t.to(dtype, copy=True).requires_grad_(learn) for name, t in score_tensors.items()}
+    options = dict(mask=mask, causal=config.causal, align=config.align, scale=config.scale,
+                   **_score_options(config, tensors))
+    return options, [tensors[name] for name in sorted(tensors)]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -460,11 +525,9 @@ class CheckResult:
 
 def _serves(config: Config, dtype: torch.dtype, backend: str, with_grad: bool) -> list[str]:
     q, k, v, _ = _laid_out(config, dtype, with_grad, True)
-    mask = _inputs(config)[4]
+    options, _ = _options(config, dtype, with_grad)
     with torch.set_grad_enabled(with_grad):
-        call = build_call(q, k, v, mask=mask, causal=config.causal, align=config.align,
-                          scale=config.scale)
-        return _backends.reasons(call)[backend]
+        return _backends.reasons(build_call(q, k, v, **options))[backend]
 
 
 def check(backend: str, config: Config, dtype: torch.dtype) -> CheckResult:
@@ -496,12 +559,16 @@ def _compare(config: Config, dtype: torch.dtype, oracle: tuple, got: list[Tensor
     exact, same_dtype = oracle
     # Gradient noise scales with the problem's largest quantities, not with each gradient
     # (dq, dk are exactly 0 with one key, yet a fused kernel's rounding is not).
-    magnitude = max((float(t.abs().max()) for t in exact if t.numel()), default=0.0)
+    magnitude = max((float(t.abs().max()) for t in exact[:4] if t.numel()), default=0.0)
     reduction = max(config.head_dim, config.value_dim, config.tk)
     errors, allowed = [], []
     for i, have in zip(which, got):
-        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), dtype, magnitude,
-                                     reduction=reduction, gradient=i > 0))
+        size, terms = magnitude, reduction
+        if i >= 4:  # a score mod's tensor or the sinks: a sum over every query (and key) it meets
+            size = max(magnitude, float(exact[i].abs().max()) if exact[i].numel() else 0.0)
+            terms = reduction * config.tq * config.batch
+        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), dtype, size,
+                                     reduction=terms, gradient=i > 0))
         errors.append(_max_err(have, exact[i]))
     return tuple(errors), tuple(allowed)
 
@@ -534,11 +601,9 @@ def check_grad_mode(backend: str, config: Config, dtype: torch.dtype, *, grad_en
     def result(*fields) -> CheckResult:
         return CheckResult(backend, _dtype_name(dtype), label, *fields, grad_mode=mode)
 
-    q64, k64, v64, grad_weights, mask = _inputs(config)
+    q64, k64, v64, grad_weights, *_ = _inputs(config)
     tensors = [t.to(dtype, copy=True).requires_grad_(name in inputs) for name, t in zip("qkv", (q64, k64, v64))]
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
-        mask = mask.to(dtype)
-    options = dict(mask=mask, causal=config.causal, align=config.align, scale=config.scale)
+    options, _ = _options(config, dtype, False)
     with torch.set_grad_enabled(grad_enabled):
         why_not = _backends.reasons(build_call(*tensors, **options))[backend]
         if why_not:
@@ -607,10 +672,11 @@ def sweep(
     results = []
     for dtype in dtypes:
         for name in backend_names:
+            # flex and blocks do not take score mods yet: their sweeps draw none.
             if name == "flex":
-                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small)
+                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small, scores=False)
             elif getattr(_backends.get(name), "needs_bounds", False):
-                draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS)
+                draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS, scores=False)
             else:
                 draw = configs(n, seed=seed, small=small)
             crossed = 0
@@ -635,12 +701,9 @@ def _not_compiled(backend: str, config: Config, dtype: torch.dtype) -> CheckResu
     if compiled is None:
         return None
     q, k, v, _ = _laid_out(config, dtype, False, True)
-    mask = _inputs(config)[4]
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
-        mask = mask.to(dtype)
+    options, _ = _options(config, dtype, False)
     with torch.no_grad():
-        call = build_call(q, k, v, mask=mask, causal=config.causal, align=config.align,
-                          scale=config.scale)
+        call = build_call(q, k, v, **options)
     if compiled(call) or _backends.reasons(call)[backend]:
         return None  # compiled already, or declined anyway: check() reports it as usual
     return CheckResult(backend, _dtype_name(dtype), config.label(), False, False, (), (), True,

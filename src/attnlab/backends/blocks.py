@@ -573,7 +573,9 @@ class BlocksBackend(Backend):
         return None
 
     def limits(self, call: AttentionCall) -> list[str]:
-        """Only mask mods with bounds are worth it."""
+        """Only mask mods with bounds are worth it; no score mods or sinks yet."""
+        if call.score_mod is not None or call.sinks is not None:
+            return ["blocks does not apply score mods or sinks yet (chunked serves them in O(T) memory)"]
         if call.mask_kind in ("bool", "float"):
             return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
                     "mask declares none (pass a mask mod from attnlab.masks)"]

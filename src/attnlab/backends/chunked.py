@@ -51,6 +51,7 @@ from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.transforms import gradients_function, vmap_by_slices
+from attnlab.scores import ScoreMod, apply_tile, captures_grad
 
 __all__ = [
     "ChunkedBackend",
@@ -149,6 +150,7 @@ class _Plan:
     seed: int | None
     acc_dtype: torch.dtype
     tile_hook: TileHook | None
+    score_mod: ScoreMod | None = None  # holds the call's tensors; tiles use the Function's inputs
 
     def q_blocks(self, tq: int) -> Iterator[tuple[int, int]]:
         for qs in range(0, tq, self.q_block):
@@ -162,11 +164,14 @@ class _Plan:
 
 
 class _TensorMasks(NamedTuple):
-    """The call's tensor masks, each ``(B|1, H|1, Tq|1, Tk|1)`` or None. Inputs of the autograd
-    Function, not parts of the plan, so that ``torch.func.vmap`` maps a vmapped mask with q, k, v."""
+    """The call's tensor masks, each ``(B|1, H|1, Tq|1, Tk|1)`` or None, and what changes the
+    scores. Inputs of the autograd Function, not parts of the plan, so that ``torch.func.vmap``
+    maps a vmapped mask with q, k, v."""
 
     allowed: Tensor | None  # bool, True = may attend
     bias: Tensor | None  # float, added to the scores
+    score_mod: ScoreMod | None = None  # holding the Function's own parameter inputs
+    sinks: Tensor | None = None  # (Hq,) sink logits
 
 
 def _slice_tile(mask: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
@@ -201,6 +206,8 @@ class _Tile:
         columns no query of the tile may attend (NaN padding cannot leak through ``0 * NaN``,
         nor NaN queries of masked rows into ``dK``).
     keep_scale: ``(B, Hq, bq, bk)`` dropout factor ``keep / (1 - p)`` or None.
+    raw: ``(B, Hq, bq, bk)`` scaled scores before the score mod (None without one), for the
+        backward pass through it.
     """
 
     scores: Tensor
@@ -208,13 +215,14 @@ class _Tile:
     k: Tensor
     v: Tensor
     keep_scale: Tensor | None
+    raw: Tensor | None = None
 
 
 def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
                qs: int, qe: int, ks: int, ke: int) -> _Tile | None:
     """Build the tile (qs:qe, ks:ke), or None when its mask allows nothing."""
     B, Hq = q_tile.shape[:2]
-    bool_mask, bias = masks
+    bool_mask, bias, score_mod, _ = masks
     bias_tile = None if bias is None else _slice_tile(bias, qs, qe, ks, ke).to(plan.acc_dtype)
     allowed = _tile_allowed(plan, bool_mask, bias_tile, (B, Hq), qs, qe, ks, ke, q_tile.device)
     if allowed is not None and has_values(allowed) and not bool(allowed.any()):
@@ -230,6 +238,10 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _Tensor
         if not (has_values(row_live) and bool(row_live.all())):
             q_tile = torch.where(row_live, q_tile, 0.0)
     attn_scores = torch.matmul(q_tile, k_tile.transpose(-2, -1)).mul_(plan.scale)  # (B,Hq,bq,bk)
+    raw = None
+    if score_mod is not None:
+        raw = attn_scores
+        attn_scores = apply_tile(score_mod, raw, q_start=qs, kv_start=ks).to(plan.acc_dtype, copy=True)
     if bias_tile is not None:
         attn_scores = attn_scores.add_(bias_tile)
     if allowed is not None:
@@ -242,7 +254,7 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _Tensor
             kv_idx=torch.arange(ks, ke, device=q_tile.device),
         )
         keep_scale = keep.to(plan.acc_dtype).div_(1.0 - plan.dropout_p)
-    return _Tile(attn_scores, q_tile, k_tile, v_tile, keep_scale)
+    return _Tile(attn_scores, q_tile, k_tile, v_tile, keep_scale, raw)
 
 
 def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
@@ -288,9 +300,24 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
             acc = acc.mul_(rescale).add_(torch.matmul(probs, tile.v))
             row_max = new_max
         alive = row_sum != 0  # (B, Hq, bq, 1); NaN (from NaN or inf - inf) propagates
-        out[:, :, qs:qe] = torch.where(alive, acc / torch.where(alive, row_sum, 1.0), 0.0)
-        lse[:, :, qs:qe] = torch.where(alive, row_max + torch.log(row_sum), float("-inf"))[..., 0]
+        block_out = torch.where(alive, acc / torch.where(alive, row_sum, 1.0), 0.0)
+        block_lse = torch.where(alive, row_max + torch.log(row_sum), float("-inf"))
+        if masks.sinks is not None:
+            block_out, block_lse = _with_sinks(block_out, block_lse, masks.sinks)
+        out[:, :, qs:qe] = block_out
+        lse[:, :, qs:qe] = block_lse[..., 0]
     return out, lse
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Out ``(B, Hq, bq, Dv)`` and lse ``(B, Hq, bq, 1)`` of the keys, with each head's sink (a key
+    of logit ``sinks[h]`` and value 0) added to the normalisation: the lse grows to
+    ``logaddexp(lse, sink)`` and the output shrinks by ``exp(lse - new lse)``; a row with no key
+    gets 0 (the sink takes all the mass)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1, 1)  # (1, Hq, 1, 1)
+    total = torch.logaddexp(lse, sink)  # (B, Hq, bq, 1)
+    share = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))  # the keys' share
+    return out * share.to(out.dtype), total
 
 
 # ----------------------------------------------------------------------------- backward
@@ -301,8 +328,15 @@ def _reduce_to(t: Tensor, shape: tuple) -> Tensor:
 
 
 def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tensor,
-                    need_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+                    need_bias_grad: bool, need_sinks_grad: bool = False,
+                    need_params: frozenset = frozenset()) -> tuple:
     """FlashAttention-2 backward by recomputation; grads in the accumulation dtype.
+
+    Returns dq, dk, dv, the float mask's gradient, the sinks' gradient and a list with the
+    gradient of each score-mod tensor (None where not needed). With sinks, ``lse`` includes
+    them, so ``P = exp(S - lse)`` is already each key's share; the sink's own gradient is
+    ``-sum over (b, i) of p_sink * D_i`` (its value is 0). A score mod is differentiated tile by
+    tile (:func:`_through_mod`).
 
     The gradients accumulate in place into buffers made from ``d_out``, every in-place update
     writes into a tensor computed from ``d_out``, and rows are cut with ``narrow`` (indexing a
@@ -313,6 +347,10 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     q, k, v, out, lse = saved
     bias = masks.bias
     B, Hkv = k.shape[:2]
+    d_params = [torch.zeros_like(p, dtype=plan.acc_dtype) if i in need_params else None
+                for i, p in enumerate(masks.score_mod.params() if masks.score_mod is not None else ())]
+    d_sinks = (d_out.new_zeros(masks.sinks.shape, dtype=plan.acc_dtype)
+               if masks.sinks is not None and need_sinks_grad else None)
     dq = d_out.new_zeros(q.shape, dtype=plan.acc_dtype)  # (B, Hq, Tq, D)
     dk = d_out.new_zeros(k.shape, dtype=plan.acc_dtype)  # (B, Hkv, Tk, D)
     dv = d_out.new_zeros(v.shape, dtype=plan.acc_dtype)  # (B, Hkv, Tk, Dv)
@@ -322,6 +360,9 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
         do_tile = d_out.narrow(2, qs, qe - qs).to(plan.acc_dtype)  # (B, Hq, bq, Dv)
         delta = (do_tile * out[:, :, qs:qe].to(plan.acc_dtype)).sum(-1, keepdim=True)  # (B,Hq,bq,1)
         row_lse = _safe(lse[:, :, qs:qe, None])  # (B, Hq, bq, 1)
+        if d_sinks is not None:
+            p_sink = torch.exp(masks.sinks.to(plan.acc_dtype).view(1, -1, 1, 1) - row_lse)  # (B, Hq, bq, 1)
+            d_sinks.sub_((p_sink * delta).sum(dim=(0, 2, 3)))
         for ks, ke, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "backward"):
             probs = torch.exp_(tile.scores.sub_(row_lse))  # (B, Hq, bq, bk)
             kept = probs if tile.keep_scale is None else probs * tile.keep_scale
@@ -331,12 +372,39 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
             if tile.keep_scale is not None:
                 d_probs = d_probs.mul_(tile.keep_scale)
             d_scores = d_probs.sub_(delta).mul_(probs)  # dS = P * (dP - D_i), reuses dP
+            if d_bias is not None:
+                _slice_tile(d_bias, qs, qe, ks, ke).add_(_reduce_to(d_scores, bias.shape))
+            if tile.raw is not None:
+                d_scores = _through_mod(masks.score_mod, tile.raw, d_scores, qs, ks, d_params)
             dq.narrow(2, qs, qe - qs).add_(torch.matmul(d_scores, tile.k))
             d_keys = torch.matmul(d_scores.transpose(-2, -1), tile.q)  # (B, Hq, bk, D)
             dk.narrow(2, ks, ke - ks).add_(sum_kv_groups(d_keys, Hkv))
-            if d_bias is not None:
-                _slice_tile(d_bias, qs, qe, ks, ke).add_(_reduce_to(d_scores, bias.shape))
-    return dq.mul_(plan.scale), dk.mul_(plan.scale), dv, d_bias
+    return dq.mul_(plan.scale), dk.mul_(plan.scale), dv, d_bias, d_sinks, d_params
+
+
+def _through_mod(mod: ScoreMod, raw: Tensor, d_scores: Tensor, qs: int, ks: int, d_params: list) -> Tensor:
+    """The gradient of one tile's raw scores ``(B, Hq, bq, bk)`` from that of the modded scores,
+    adding the gradient of each of the mod's tensors that needs one into ``d_params``.
+
+    The mod is evaluated again on the tile with autograd and differentiated there, so any mod
+    (a user's function included) gets its exact gradient; an additive mod passes ``d_scores``
+    through unchanged and is only differentiated for its tensors."""
+    wanted = [d is not None for d in d_params]
+    if mod.additive and not any(wanted):
+        return d_scores
+    with torch.enable_grad():
+        raw = raw.detach().requires_grad_(not mod.additive)
+        params = [p.detach().requires_grad_(want) for p, want in zip(mod.params(), wanted)]
+        modded = apply_tile(mod.with_params(params), raw, q_start=qs, kv_start=ks)
+        inputs = ([] if mod.additive else [raw]) + [p for p, want in zip(params, wanted) if want]
+        grads = list(torch.autograd.grad(modded, inputs, d_scores.to(modded.dtype), allow_unused=True))
+    d_raw = d_scores if mod.additive else grads.pop(0)
+    for i, want in enumerate(wanted):
+        if want:
+            grad = grads.pop(0)
+            if grad is not None:
+                d_params[i].add_(grad)
+    return d_scores if d_raw is None else d_raw.to(d_scores.dtype)
 
 
 class _ChunkedAttentionFunction(torch.autograd.Function):
@@ -348,36 +416,51 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, allowed, bias, plan):
-        return _forward_tiles(plan, q, k, v, _TensorMasks(allowed, bias))
+    def forward(q, k, v, allowed, bias, sinks, plan, *params):
+        return _forward_tiles(plan, q, k, v, _masks_of(allowed, bias, sinks, plan, params))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, allowed, bias, plan = inputs
+        q, k, v, allowed, bias, sinks, plan, *params = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, allowed, bias, out, lse)
+        ctx.save_for_backward(q, k, v, allowed, bias, sinks, out, lse, *params)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        q, k, v, allowed, bias, out, lse = ctx.saved_tensors
+        q, k, v, allowed, bias, sinks, out, lse, *params = ctx.saved_tensors
         need_bias_grad = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, d_bias = _ChunkedGradientsFunction.apply(
-            d_out, q, k, v, allowed, bias, out, lse, ctx.plan, need_bias_grad)
-        return dq, dk, dv, None, d_bias, None
+        need_sinks_grad = sinks is not None and ctx.needs_input_grad[5]
+        # A frozenset, not a tuple: torch.func would map a tuple's entries as vmapped arguments.
+        need_params = frozenset(i for i, need in enumerate(ctx.needs_input_grad[7:]) if need)
+        dq, dk, dv, d_bias, d_sinks, *d_params = _ChunkedGradientsFunction.apply(
+            d_out, q, k, v, allowed, bias, sinks, out, lse, ctx.plan, need_bias_grad,
+            need_sinks_grad, need_params, *params)
+        return (dq, dk, dv, None, d_bias, d_sinks, None, *d_params)
 
     @staticmethod
     def vmap(info, in_dims, *args):
         return vmap_by_slices(_ChunkedAttentionFunction.apply, info, in_dims, *args)
 
 
-def _chunked_gradients(d_out, q, k, v, allowed, bias, out, lse, plan, need_bias_grad):
-    """dq, dk, dv (and the float mask's gradient) in the inputs' dtypes."""
-    dq, dk, dv, d_bias = _backward_tiles(
-        plan, (q, k, v, out, lse), _TensorMasks(allowed, bias), d_out, need_bias_grad)
+def _chunked_gradients(d_out, q, k, v, allowed, bias, sinks, out, lse, plan, need_bias_grad,
+                       need_sinks_grad, need_params, *params):
+    """dq, dk, dv, the float mask's, the sinks' and each score-mod tensor's gradient, in the
+    inputs' dtypes (None where not needed)."""
+    masks = _masks_of(allowed, bias, sinks, plan, params)
+    dq, dk, dv, d_bias, d_sinks, d_params = _backward_tiles(
+        plan, (q, k, v, out, lse), masks, d_out, need_bias_grad, need_sinks_grad, need_params)
     d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias
+    d_sinks = None if d_sinks is None else d_sinks.to(sinks.dtype)
+    d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias, d_sinks, *d_params)
+
+
+def _masks_of(allowed, bias, sinks, plan: _Plan, params: tuple) -> _TensorMasks:
+    """The Function's inputs as one :class:`_TensorMasks`, the score mod holding ``params``."""
+    mod = None if plan.score_mod is None else plan.score_mod.with_params(params)
+    return _TensorMasks(allowed, bias, mod, sinks)
 
 
 _ChunkedGradientsFunction = gradients_function("chunked", _chunked_gradients)
@@ -422,7 +505,9 @@ def chunked_attention(
         True
     """
     plan = _plan_of(call, q_block, kv_block, tile_hook)
-    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call), plan)
+    params = call.score_mod.params() if call.score_mod is not None else ()
+    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call)[:2],
+                                               call.sinks, plan, *params)
     return AttentionResult(out=out, lse=lse)
 
 
@@ -459,11 +544,11 @@ def chunked_gradients(
         >>> all(torch.allclose(a, b) for a, b in zip((dq, dk, dv), expected))
         True
     """
-    if call.dropout_p > 0.0 or call.mask_kind == "float":
-        raise ValueError("chunked_gradients serves calls without dropout or a float mask")
+    if call.dropout_p > 0.0 or call.mask_kind == "float" or call.score_mod is not None or call.sinks is not None:
+        raise ValueError("chunked_gradients serves calls without dropout, a float mask, a score mod or sinks")
     plan = _plan_of(call, q_block, kv_block, tile_hook)
     saved = (call.q, call.k, call.v, out, lse)
-    dq, dk, dv, _ = _backward_tiles(plan, saved, _tensor_masks(call), d_out, False)
+    dq, dk, dv, *_ = _backward_tiles(plan, saved, _tensor_masks(call), d_out, False)
     return dq, dk, dv
 
 
@@ -478,11 +563,13 @@ def _plan_of(call: AttentionCall, q_block: int | None, kv_block: int | None,
         seed=draw_dropout_seed(call.generator) if call.dropout_p > 0.0 else None,
         acc_dtype=score_dtype(call.dtype),
         tile_hook=tile_hook,
+        score_mod=call.score_mod,
     )
 
 
 def _tensor_masks(call: AttentionCall) -> _TensorMasks:
-    return _TensorMasks(call.mask if call.mask_kind == "bool" else None, call.bias())
+    return _TensorMasks(call.mask if call.mask_kind == "bool" else None, call.bias(), call.score_mod,
+                        call.sinks)
 
 
 class ChunkedBackend(Backend):
@@ -501,11 +588,19 @@ class ChunkedBackend(Backend):
     memory = "linear"
     description = (
         "tiled online softmax (FlashAttention-2 forward and backward in PyTorch); any mask, "
-        "dropout, GQA; skips masked tiles; O(T) memory"
+        "any score mod and sinks (with gradients), dropout, GQA; skips masked tiles; O(T) memory"
     )
 
     def cost(self, call: AttentionCall) -> float:
         return _estimated_seconds(call)
+
+    def limits(self, call: AttentionCall) -> list[str]:
+        """A score mod that closes over a tensor requiring grad it does not declare."""
+        if call.score_mod is not None and torch.is_grad_enabled() and captures_grad(call.score_mod):
+            return ["chunked differentiates a score mod tile by tile and must know its tensors: this "
+                    "function closes over a tensor that requires grad (declare it with "
+                    "attnlab.scores.function(make, params=[...]))"]
+        return []
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return chunked_attention(call)

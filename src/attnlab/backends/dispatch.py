@@ -27,6 +27,7 @@ from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab.backends.base import MEMORY_CLASSES, Backend
 from attnlab.backends.registry import generation, get, registry
+from attnlab.scores import ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
            "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route"]
@@ -169,15 +170,16 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
 
 def argument_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,
                  scale: object, dropout_p: object, generator: object, backend: object,
-                 return_weights: object) -> tuple | None:
+                 return_weights: object, score_mod: object = None, sinks: object = None) -> tuple | None:
     """The signature of :func:`attnlab.attention`'s arguments under which a route is remembered.
 
     Everything validation and dispatch read, and nothing else: shapes, dtypes, devices and
-    ``requires_grad`` of q, k, v and a tensor mask, a mask mod's identity, the options, grad
-    mode and the registry's generation. A mask mod that holds no tensor (causal, windows,
-    prefixes, chunks) is keyed by value (:func:`attnlab.masks.value_only_key`), so a new
-    ``sliding_window_mod(T, T, 256)`` per step finds its route; any other by its ``id``.
-    None (nothing remembered) for arguments of unusual
+    ``requires_grad`` of q, k, v, a tensor mask and the sinks, a mask mod (by value when it
+    holds no tensor -- causal, windows, prefixes, chunks: :func:`attnlab.masks.value_only_key`,
+    so a new ``sliding_window_mod(T, T, 256)`` per step finds its route -- else by its ``id``),
+    a score mod's :meth:`~attnlab.scores.ScoreMod.signature` (its kind, settings and tensors'
+    shapes; a user's function by identity), the options, grad mode and the registry's
+    generation. None (nothing remembered) for arguments of unusual
     types (tensor subclasses, ``causal=1``: validation must see them each time) and for a
     dropout generator (its device is part of what is checked).
 
@@ -207,9 +209,28 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
     else:
         return None
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
-            dropout_p, backend, return_weights, torch.is_grad_enabled(), generation())
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+           q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
+           dropout_p, backend, return_weights, torch.is_grad_enabled(), generation())
+    if score_mod is None and sinks is None:
+        return key
+    return _with_scores(key, score_mod, sinks)
+
+
+def _with_scores(key: tuple, score_mod: object, sinks: object) -> tuple | None:
+    """``key`` extended by the score mod's signature and the sinks' shape (None: not keyable)."""
+    if sinks is not None and type(sinks) is not Tensor:
+        return None
+    sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad)
+    if score_mod is None:
+        mod_key = None
+    elif isinstance(score_mod, ScoreMod):
+        mod_key = score_mod.signature()
+    elif callable(score_mod):
+        mod_key = as_score_mod(score_mod).signature()  # the function by identity, kept alive
+    else:
+        return None
+    return (*key, mod_key, sinks_key)
 
 
 def remembered(key: tuple | None, mask: object) -> Route | None:
@@ -250,7 +271,8 @@ def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str
     if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
         return Route(backend, None, mod)
     by_value = mod is not None and _masks.value_only_key(mod) is not None
-    fresh = Route(backend, backend.prepare(call) if direct and mod is None else None,
+    plain = mod is None and call.score_mod is None and call.sinks is None  # a run takes (q, k, v, mask)
+    fresh = Route(backend, backend.prepare(call) if direct and plain else None,
                   None if by_value else mod, _prepared_mask(backend, call, by_value))
     if key is not None:
         with _LOCK:

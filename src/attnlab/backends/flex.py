@@ -299,6 +299,8 @@ class FlexBackend(Backend):
 
     def limits(self, call: AttentionCall) -> list[str]:
         """Compiler, variant budget and earlier compile failures (capabilities cover the rest)."""
+        if call.score_mod is not None or call.sinks is not None:
+            return ["flex does not take attnlab's score mods or sinks yet (chunked serves them in O(T) memory)"]
         if _symbolic(call):  # before anything below compares or hashes a size
             return ["flex compiles its kernel per static shape (and on CPU needs Tk known to be a multiple "
                     f"of {_KV_BLOCK}); these sizes are symbolic (torch.export with a Dim, or torch.compile "

@@ -1,6 +1,7 @@
 """The reference backend: attention as the textbook writes it.
 
-scores -> scale -> mask -> softmax -> dropout -> weighted sum of values. It materialises the
+scores -> scale -> score mod -> mask -> softmax (with the sinks' column) -> dropout -> weighted
+sum of values. It materialises the
 ``(B, H, Tq, Tk)`` score matrix, so it is O(T^2) in memory, and it is the oracle every other
 backend is checked against (run it in fp64 for that). For fp16/bf16 inputs the scores, the
 float mask and the softmax are computed in fp32 and the weights rounded back to the input
@@ -43,7 +44,8 @@ class ReferenceBackend(Backend):
     name = "reference"
     traceable = True
     memory = "quadratic"
-    description = "explicit softmax(q k^T * scale + mask) v; O(T^2) memory; the fp64 oracle"
+    description = ("explicit softmax(score_mod(q k^T * scale) + mask) v, sinks in the softmax; any score "
+                   "mod (autograd through it); O(T^2) memory; the fp64 oracle")
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: every score is computed (no causal saving) at an unfused rate."""
@@ -58,7 +60,7 @@ class ReferenceBackend(Backend):
         k = zero_dead(repeat_kv(call.k, call.q_heads), keys_live)  # (B, Hq, Tk, D)
         v = zero_dead(repeat_kv(call.v, call.q_heads), keys_live)  # (B, Hq, Tk, Dv)
         attn_scores = masked_scores(call, q, k)  # (B, H, Tq, Tk)
-        attn_weights = softmax_rows(attn_scores).to(call.dtype)
+        attn_weights = softmax_rows(attn_scores, call.sinks).to(call.dtype)
         dropped = apply_dropout(attn_weights, call.dropout_p, call.generator)
         context = dropped @ v  # (B, H, Tq, Dv)
         return AttentionResult(out=context, weights=attn_weights if call.return_weights else None)

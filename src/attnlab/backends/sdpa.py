@@ -15,6 +15,13 @@ SDPA's arguments faithfully:
   and mask mods are materialised into one dense mask -- O(Tq*Tk) memory, and
   :meth:`SdpaBackend.memory_for` says so for that call;
 * grouped-query attention uses ``enable_gqa=True`` (heads are repeated on PyTorch < 2.5);
+* an additive score mod (alibi, relative_bias, bias and their sums) is materialised into the
+  float mask, exactly what adding it to the scores means (O(Tq*Tk) memory); softcap and a
+  user's function are not additive and are declined;
+* sinks become one more key per head with key and value 0 and the float mask's column holding
+  ``sinks[h]``: its score is ``0 * scale + sinks[h]``, exactly the sink's logit, and the
+  kernel's own normalisation includes it (no mask beyond that column: O(Tk) memory). The sinks'
+  gradient is the float mask's, which PyTorch computes on its math kernel;
 * a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
   with scale 1 passed): the CPU kernel scales causally blocked ``-inf`` scores (``-inf * 0``
   is NaN) and its backward recomputes the scores with different rounding (see
@@ -54,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._call import AttentionCall
+from attnlab import scores as _scores
 from attnlab._math import folds_scale, keep_nan_rows, repeat_kv
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
@@ -98,6 +106,12 @@ class SdpaPlan:
 
 
 def _mask_source(call: AttentionCall) -> str:
+    if call.score_mod is not None:
+        # A bias tensor the caller holds reaches SDPA as it is (added to their mask, if any).
+        held = isinstance(call.score_mod, _scores.Bias) and not call.causal and call.mask_kind != "mod"
+        return "user" if held else "materialised"
+    if call.sinks is not None and call.causal:
+        return "materialised"  # is_causal takes no attn_mask, and the sinks need one
     if call.mask_kind == "none":
         if not call.causal:
             return "none"
@@ -109,15 +123,35 @@ def _mask_source(call: AttentionCall) -> str:
 
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
     """A zero-stride tensor with the shape/dtype of the mask SDPA will see (for kernel choice)."""
-    if source in ("none", "is_causal"):
+    sinks = call.sinks is not None
+    if source in ("none", "is_causal") and not sinks:
         return None
-    if source == "user":
+    if call.score_mod is not None:
+        shape, dtype = (call.batch, call.q_heads, call.tq, call.tk), _mask_dtype(call)
+    elif source == "user":
         shape = tuple(call.mask.shape)
         dtype = torch.bool if call.mask_kind == "bool" else _mask_dtype(call)
+    elif source == "none":
+        shape = (1, call.q_heads, 1, call.tk)
+        dtype = _mask_dtype(call)
     else:
         shape = (call.batch, call.q_heads, call.tq, call.tk)
-        dtype = _mask_dtype(call) if call.mask_kind == "float" else torch.bool
-    return torch.zeros((), dtype=dtype, device=call.device).expand(shape)
+        dtype = _mask_dtype(call) if _float_mask(call) else torch.bool
+    if sinks:
+        shape, dtype = (*shape[:1], call.q_heads, *shape[2:3], shape[3] + 1), _mask_dtype(call)
+    grad = torch.is_grad_enabled() and _mask_needs_grad(call)  # SDPA runs math to differentiate a mask
+    return torch.zeros((), dtype=dtype, device=call.device, requires_grad=grad).expand(shape)
+
+
+def _float_mask(call: AttentionCall) -> bool:
+    """Whether SDPA gets a float mask: a float mask, a score mod's bias or sinks."""
+    return call.mask_kind == "float" or call.score_mod is not None or call.sinks is not None
+
+
+def _mask_needs_grad(call: AttentionCall) -> bool:
+    return ((call.bias() is not None and call.bias().requires_grad)
+            or (call.sinks is not None and call.sinks.requires_grad)
+            or (call.score_mod is not None and any(p.requires_grad for p in call.score_mod.params())))
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -141,6 +175,9 @@ def kernel_for(call: AttentionCall) -> str:
     gqa = call.q_heads != call.kv_heads
     k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
         repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
+    if call.sinks is not None:  # the kernel sees one more key (never read here: empty is enough)
+        k = k.new_empty(*k.shape[:2], k.shape[2] + 1, k.shape[3])  # (B, H, Tk + 1, D)
+        v = v.new_empty(*v.shape[:2], v.shape[2] + 1, v.shape[3])  # (B, H, Tk + 1, Dv)
     # PyTorch's selector returns a Python int, which torch.compile cannot trace, and answers
     # "math" for fake and meta tensors: the documented rule below stands in for those.
     shapes_only = torch.compiler.is_compiling() or call.device.type == "meta" or _is_fake(call.q)
@@ -180,6 +217,9 @@ def _plan(call: AttentionCall) -> SdpaPlan:
     if kernel == "math":
         return SdpaPlan(source, kernel, "quadratic",
                         "SDPA's math kernel materialises the (Tq, Tk) scores")
+    if call.score_mod is not None and source == "materialised":
+        return SdpaPlan(source, kernel, "quadratic",
+                        "the score mod's bias is materialised as a dense (Tq, Tk) float mask")
     if source == "materialised":
         return SdpaPlan(source, kernel, "quadratic",
                         "the causal/mask-mod mask is materialised as a dense (Tq, Tk) mask")
@@ -198,6 +238,8 @@ def _mask_dtype(call: AttentionCall) -> torch.dtype:
     memory-efficient kernel requires a bias in the query dtype."""
     half = call.dtype in (torch.float16, torch.bfloat16)
     if half and call.device.type == "cpu" and call.mask_kind == "float" and call.mask.dtype != call.dtype:
+        return torch.float32
+    if half and call.device.type == "cpu" and (call.score_mod is not None or call.sinks is not None):
         return torch.float32
     return call.dtype
 
@@ -222,7 +264,47 @@ def kernel_keeps_rows(device: torch.device) -> bool:
 
 def _attn_mask(call: AttentionCall, source: str) -> Tensor | None:
     """The ``attn_mask`` SDPA gets: None, the user's mask, or the materialised causal /
-    mask-mod mask (with a float mask's ``-inf`` at blocked pairs)."""
+    mask-mod mask (with a float mask's ``-inf`` at blocked pairs), plus a score mod's bias, and
+    the sinks' column last."""
+    mask = _keys_mask(call, source)
+    if call.score_mod is not None:
+        mask = _with_score_bias(call, mask)
+    if call.sinks is not None:
+        mask = _with_sink_column(call, mask)
+    return mask
+
+
+def _with_score_bias(call: AttentionCall, mask: Tensor | None) -> Tensor:
+    """``mask`` (bool, float or None) as a float mask with the additive score mod's bias added."""
+    mod = call.score_mod
+    if isinstance(mod, _scores.Bias):  # the caller's tensor as it is, its size-1 dims kept
+        from_mod = mod.tensor.reshape((1,) * (4 - mod.tensor.ndim) + tuple(mod.tensor.shape))
+    else:
+        from_mod = mod.bias(*_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk), call.device))
+    from_mod = from_mod.to(_mask_dtype(call))  # (B|1, H|1, Tq|1, Tk|1)
+    if mask is None:
+        return from_mod
+    if mask.dtype == torch.bool:
+        return from_mod.masked_fill(~mask, float("-inf"))  # (B|1, H|1, Tq, Tk)
+    return mask.to(from_mod.dtype) + from_mod
+
+
+def _with_sink_column(call: AttentionCall, mask: Tensor | None) -> Tensor:
+    """``mask`` as a float mask ``(B|1, Hq, Tq|1, Tk + 1)`` whose last column is ``sinks[h]``,
+    the logit of the all-zero key the runner appends."""
+    dtype = _mask_dtype(call)
+    if mask is None:
+        mask = torch.zeros(1, 1, 1, call.tk, dtype=dtype, device=call.device)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=dtype, device=call.device).masked_fill(~mask, float("-inf"))
+    mask = mask.to(dtype)
+    shape = (mask.shape[0], call.q_heads, mask.shape[2])
+    column = call.sinks.to(dtype).view(1, -1, 1, 1).expand(*shape, 1)  # (B|1, Hq, Tq|1, 1)
+    return torch.cat([mask.expand(*shape, call.tk), column], dim=-1)  # (B|1, Hq, Tq|1, Tk + 1)
+
+
+def _keys_mask(call: AttentionCall, source: str) -> Tensor | None:
+    """The mask over the keys alone (see :func:`_attn_mask`)."""
     if source in ("none", "is_causal"):
         return None
     allowed = call.allowed() if source == "materialised" else None  # bool (B|1, H|1, Tq, Tk)
@@ -294,7 +376,8 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     if gqa and _HAS_GQA:
         options["enable_gqa"] = True
     repeat = call.q_heads if gqa and not _HAS_GQA else None
-    float_dtype = _mask_dtype(call) if call.mask_kind == "float" else None
+    float_dtype = _mask_dtype(call) if _float_mask(call) else None
+    sink_key = call.sinks is not None  # one more key of zeros, its logit in the mask's last column
     mend = not kernel_keeps_rows(call.device)
     if float_dtype is None and keys is None and factor is None and repeat is None and not mend:
         # Nothing to do around the kernel (the common call): SDPA itself, with its options
@@ -306,6 +389,9 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             attn_mask = attn_mask.to(float_dtype)  # (B|1, H|1, Tq|1, Tk)
         if keys is not None:
             k, v = k[:, :, :keys], v[:, :, :keys]  # (B, Hkv, Tq, D|Dv): no query reaches the rest
+        if sink_key:
+            k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)  # (B, Hkv, Tk + 1, D)
+            v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)  # (B, Hkv, Tk + 1, Dv)
         row_alive = _row_alive(attn_mask) if mend else None
         if row_alive is not None:
             attn_mask = attn_mask | ~row_alive if attn_mask.dtype == torch.bool else torch.where(row_alive, attn_mask, 0.0)
@@ -368,6 +454,19 @@ class SdpaBackend(Backend):
             rate = rates["cpu_math"]
         flops = call_flops(call, causal=plan.mask_source == "is_causal")
         return rates["call_overhead_s"]["cuda" if on_cuda else "cpu"] + flops / rate
+
+    def limits(self, call: AttentionCall) -> list[str]:
+        """Score mods SDPA's float mask cannot carry exactly."""
+        found = []
+        mod = call.score_mod
+        if mod is not None and not mod.additive:
+            found.append(f"sdpa adds a score mod only as a float mask; {mod!r} is not additive "
+                         "(softcap and functions change each score by its value)")
+        half = call.dtype in (torch.float16, torch.bfloat16)
+        if half and call.device.type != "cpu" and (mod is not None or call.sinks is not None):
+            found.append(f"sdpa on {call.device.type} takes a float mask in the query dtype: the score "
+                         f"mod's bias and the sinks would be rounded to {str(call.dtype).replace('torch.', '')}")
+        return found
 
     def preferred(self, call: AttentionCall) -> bool:
         """SDPA wins whenever the mask reaches it as the caller holds it (none, top-left causal,

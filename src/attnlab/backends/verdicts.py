@@ -107,7 +107,7 @@ def why(q, k, v, *, backend: str = "auto", echo: bool = False, **options) -> str
         backend: ``"auto"`` or a backend name, as in :func:`attnlab.attention`.
         echo: also print the explanation.
         **options: any keyword option of :func:`attnlab.attention` (mask, causal, align,
-            scale, dropout_p, generator, return_weights).
+            scale, dropout_p, generator, return_weights, score_mod, sinks).
 
     Returns:
         A few lines: the call's shape, the backend that runs, and one line per other backend
@@ -141,6 +141,10 @@ def _describe(call: AttentionCall) -> str:
     ]
     if call.causal:
         parts.append(f"causal ({call.align})")
+    if call.score_mod is not None:
+        parts.append(f"score_mod={call.score_mod!r}")
+    if call.sinks is not None:
+        parts.append(f"sinks ({call.q_heads},)")
     if call.dropout_p:
         parts.append(f"dropout_p={call.dropout_p}")
     if call.requires_grad:

@@ -23,6 +23,11 @@ call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
    ``sliding_window`` keys); a prepared mask already holds the window, as in transformers' eager
    and sdpa paths.
 
+A layer's ``softcap`` (Gemma 2, Gemma 3), ``s_aux`` (gpt-oss's per-head sinks) and
+``position_bias`` (T5's relative bias, already a dense ``(1, H, Tq, Tk)`` tensor, with its
+gradient into the bias table) become :func:`attnlab.attention`'s ``score_mod`` and ``sinks``:
+softcap first, then the bias, then the mask, as the models' eager code applies them.
+
 A float mask (e.g. made by "eager" mask builders or passed by the user as a prepared 4-D mask)
 is added to the scores, as transformers does. When weights are asked for (an
 ``output_attentions`` keyword, or transformers' ``capture_outputs`` recording ``attentions``:
@@ -44,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab.functional import attention
 
 __all__ = ["register", "attention_forward", "DEFAULT_NAME", "TESTED_VERSIONS"]
@@ -53,8 +59,6 @@ TESTED_VERSIONS = ("5.23.0", "5.24.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
-# Features of some transformers models that attnlab.attention has no equivalent for.
-_UNSUPPORTED = ("softcap", "s_aux", "position_bias")
 
 
 def attention_forward(
@@ -75,8 +79,9 @@ def attention_forward(
         scaling: score multiplier (default ``1 / sqrt(D)``).
         dropout: attention dropout, applied only when ``module.training``.
         **kwargs: ``is_causal``, ``sliding_window`` (the keys a query sees, ending at its own
-            position; applied when there is no prepared mask), ``output_attentions`` are
-            honoured; ``softcap``, ``s_aux`` and ``position_bias`` raise ``ValueError``.
+            position; applied when there is no prepared mask), ``output_attentions``,
+            ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits) and ``position_bias`` (an
+            additive tensor broadcasting to ``(B, H, Tq, Tk)``) are honoured.
 
     Example:
         >>> layer = nn.Module()
@@ -87,10 +92,6 @@ def attention_forward(
         (torch.Size([1, 5, 4, 8]), True)
     """
     _check_kinds(module, query, key, value, attention_mask)
-    for name in _UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"the attnlab attention implementation does not support {name}; "
-                             "use attn_implementation='eager' for this model")
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     tq, tk = query.shape[2], key.shape[2]
@@ -110,9 +111,24 @@ def attention_forward(
     result = attention(
         query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
         dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
+        score_mod=_score_mod(kwargs, tk), sinks=kwargs.get("s_aux"),
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+def _score_mod(kwargs: dict, tk: int) -> _scores.ScoreMod | None:
+    """A layer's ``softcap`` and ``position_bias`` as one score mod, in the models' order."""
+    mods = []
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        mods.append(_scores.softcap(softcap))
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        if position_bias.shape[-1] > tk:  # as the mask: a static cache's can be longer
+            position_bias = position_bias[..., :tk]
+        mods.append(_scores.bias(position_bias))
+    return _scores.compose(*mods) if mods else None
 
 
 def _check_kinds(module: object, query: object, key: object, value: object, mask: object) -> None:

@@ -47,7 +47,7 @@ from attnlab.nn.positional import LearnedPositionalEmbedding
 __all__ = ["GPT"]
 
 MODEL_TYPE = "attnlab-gpt"  # config.json's model_type for attnlab's own layout
-POSITIONS = ("learned", "rope")
+POSITIONS = ("learned", "rope", "alibi")
 # layer_pattern letters: full causal (multi-head or grouped-query) attention, a causal sliding
 # window, multi-head latent attention.
 LAYER_KINDS = {"G": "global", "L": "local (sliding window)", "M": "latent (MLA)"}
@@ -85,7 +85,10 @@ class GPT(nn.Module):
             divide every layer's head count.
         d_ff: MLP hidden width (default ``4 * d_model``).
         attention_only: blocks without MLP (for circuit studies such as induction heads).
-        positions: ``"learned"`` (GPT-2's absolute embeddings) or ``"rope"`` (rotary, in attention).
+        positions: ``"learned"`` (GPT-2's absolute embeddings), ``"rope"`` (rotary, in attention)
+            or ``"alibi"`` (a linear distance penalty on the scores, BLOOM's; no embedding).
+        softcap: cap attention scores with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
+        sinks: a learnable sink logit per head in every layer (gpt-oss).
         dropout_p: embedding, attention and residual dropout (training only).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
@@ -129,7 +132,7 @@ class GPT(nn.Module):
         norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
         backend: str = "auto", context_parallel: ContextParallel | None = None,
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
-        latent_rope_dim: int | None = None,
+        latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -149,6 +152,9 @@ class GPT(nn.Module):
             latent_dim=latent_dim, latent_rope_dim=latent_rope_dim,
         )
         kinds = _layer_kinds(layer_pattern, num_layers, window, latent_dim, latent_rope_dim)
+        _check_score_options(kinds, positions, softcap, sinks)
+        if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
+            self.config.update(softcap=softcap, sinks=sinks)
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -160,7 +166,8 @@ class GPT(nn.Module):
                              mlp=not attention_only, window=window if kind == "L" else None,
                              attn=LatentAttention(d_model, layer_heads, latent_dim=latent_dim,
                                                   rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
-                                                  backend=backend) if kind == "M" else None)
+                                                  backend=backend) if kind == "M" else None,
+                             positions="alibi" if positions == "alibi" else None, softcap=softcap, sinks=sinks)
             for layer_heads, kind in zip(heads, kinds)
         )
         self.layer_kinds = kinds
@@ -501,6 +508,19 @@ def _check_prompts(prompts: object) -> list[Tensor]:
         if prompt.ndim != 1:
             raise ValueError(f"input_ids[{b}] must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
     return list(prompts)
+
+
+def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool) -> None:
+    """ALiBi, softcap and sinks are options of the multi-head layers: latent (MLA) layers take
+    none, and ALiBi's distances need the contiguous cache local layers do not use."""
+    used = [name for name, on in (("positions='alibi'", positions == "alibi"), ("softcap", softcap is not None),
+                                  ("sinks", sinks)) if on]
+    if used and "M" in kinds:
+        raise ValueError(f"{', '.join(used)}: not available on latent (MLA) layers; use a layer_pattern "
+                         f"without 'M'")
+    if positions == "alibi" and "L" in kinds:
+        raise ValueError("positions='alibi' with local layers: their windowed cache does not keep keys in "
+                         "position order; use rope or learned positions with a layer_pattern")
 
 
 def _layer_kinds(pattern: object, num_layers: int, window: object, latent_dim: object,

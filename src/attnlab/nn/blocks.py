@@ -114,6 +114,8 @@ class TransformerBlock(nn.Module):
         attn: a self-attention module to use instead of the ``MultiHeadAttention`` the block
             would build (e.g. a :class:`~attnlab.nn.LatentAttention`); it takes the keyword
             arguments ``mask``, ``padding_mask``, ``cache``, ``return_weights``, ``document_ids``.
+        positions, softcap, sinks: self-attention's ALiBi (``"alibi"``), score softcap and
+            learnable sinks (see :class:`~attnlab.nn.MultiHeadAttention`).
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -133,7 +135,8 @@ class TransformerBlock(nn.Module):
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
         mlp: bool = True, context_parallel: ContextParallel | None = None, window: int | None = None,
-        attn: nn.Module | None = None,
+        attn: nn.Module | None = None, positions: str | None = None, softcap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -146,7 +149,8 @@ class TransformerBlock(nn.Module):
         else:
             self.attn = MultiHeadAttention(
                 d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-                rope=rope, context_parallel=context_parallel, window=window, **common,
+                rope=rope, context_parallel=context_parallel, window=window, positions=positions,
+                softcap=softcap, sinks=sinks, **common,
             )
         self.norm_cross = self.cross_attn = None
         if cross_attention:

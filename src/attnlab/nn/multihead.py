@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, one_of, positive_int,
-                             probability, same_device)
+                             positive_number, probability, same_device)
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab.distributed import ContextParallel
 from attnlab.functional import attention
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error, new_positions
@@ -112,6 +113,13 @@ class MultiHeadAttention(nn.Module):
             serves by skipping the blocks outside the band); a
             :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots is then the whole cache it
             needs (:meth:`new_cache` with ``windowed=True``). Needs ``causal=True``.
+        positions: ``"alibi"`` adds ALiBi to self-attention's scores (the paper's slopes per
+            head, causal or, for a non-causal module, symmetric; a KV cache's earlier tokens
+            keep their distances), or None. Not with ``rope``; with a cache, a :class:`KVCache`.
+        softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
+        sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
+            ``(num_heads,)`` initialised to 0: a key of value 0 that only takes probability mass.
+            Score mods and sinks apply before masks (see :mod:`attnlab.scores`).
 
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
@@ -126,6 +134,9 @@ class MultiHeadAttention(nn.Module):
         ...     step = gqa(torch.randn(1, 1, 64), cache=cache)
         >>> cache.length, step.shape
         (6, torch.Size([1, 1, 64]))
+        >>> gemma_like = MultiHeadAttention(16, 16, num_heads=4, softcap=50.0, sinks=True, positions="alibi")
+        >>> gemma_like(torch.randn(2, 5, 16)).shape, gemma_like.sinks.shape
+        (torch.Size([2, 5, 16]), torch.Size([4]))
     """
 
     def __init__(
@@ -146,6 +157,9 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
         context_parallel: ContextParallel | None = None,
         window: int | None = None,
+        positions: str | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -168,7 +182,32 @@ class MultiHeadAttention(nn.Module):
         if context_parallel is not None:
             instance_of("context_parallel", context_parallel, ContextParallel, "a ContextParallel or None")
         self.context_parallel = context_parallel
+        self._make_score_options(positions, softcap, sinks)
         self.register_load_state_dict_pre_hook(_seed_layout_hook)
+
+    def _make_score_options(self, positions: str | None, softcap: float | None, sinks: bool) -> None:
+        """ALiBi slopes (a buffer, not saved), the softcap and the sink logits (a parameter)."""
+        if positions is not None:
+            one_of("positions", positions, ("alibi",))
+            if self.rope is not None:
+                raise ValueError("positions='alibi' and rope are two position schemes; pick one")
+        slopes = _scores.alibi_slopes(self.num_heads) if positions == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.softcap = None if softcap is None else positive_number("softcap", softcap)
+        instance_of("sinks", sinks, bool, "a bool")
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
+
+    def _score_mod(self, offset: int, cross: bool) -> _scores.ScoreMod | None:
+        """The softcap, then ALiBi at query positions ``offset + i`` (self-attention only)."""
+        mods = []
+        if self.softcap is not None:
+            mods.append(_scores.softcap(self.softcap))
+        if self.alibi_slopes is not None:
+            if cross:
+                raise ValueError("positions='alibi' applies to self-attention; cross-attention "
+                                 "(context=) has no distance between query and key positions")
+            mods.append(_scores.alibi(self.alibi_slopes, symmetric=not self.causal, offset=offset))
+        return _scores.compose(*mods) if mods else None
 
     @staticmethod
     def _check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim):
@@ -344,7 +383,7 @@ class MultiHeadAttention(nn.Module):
         documents = _check_documents(document_ids, x, context, cache)
         if cache is not None:
             _check_cache(cache, x, context, self.num_kv_heads, self.window)
-            _check_cache_options(cache, mask, padding_mask, return_weights)
+            _check_cache_options(cache, mask, padding_mask, return_weights, self.alibi_slopes is not None)
         # Everything that can be checked is checked before the cache is written; the guard puts
         # the cache back if attention itself fails afterwards.
         with _restore_on_error([cache], x.shape[1]):
@@ -369,11 +408,12 @@ class MultiHeadAttention(nn.Module):
         if documents is not None:
             mask = _with_documents(mask, documents, tq=Tq)
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
+        score_mod = self._score_mod(0 if cache is None else cache.length, context is not None)
         q, k, v, _ = self._qkv(x, context, value_input, cache, documents)
 
         def attend(q: Tensor, k: Tensor, v: Tensor):
             return self.attend_heads(q, k, v, mask=mask, self_attention=context is None,
-                                     return_weights=return_weights)
+                                     return_weights=return_weights, score_mod=score_mod)
 
         result = attend(q, k, v) if cache is None else cache.attend(q, k, v, attend)
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
@@ -381,8 +421,9 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(context_vec), (result[1] if return_weights else None)
 
     def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, self_attention: bool = True,
-                     return_weights: bool = False, scale: float | None = None):
-        """The module's attention over given heads: its causal rule or window, dropout, backend.
+                     return_weights: bool = False, scale: float | None = None, score_mod=None):
+        """The module's attention over given heads: its causal rule or window, sinks, dropout,
+        backend, and ``score_mod`` (the module's softcap/ALiBi, :meth:`_score_mod`).
 
         Queries are aligned bottom-right on the keys (the last query is the newest token), so
         ``k`` may start with cached positions; with a ``window`` the sliding window on that
@@ -402,7 +443,8 @@ class MultiHeadAttention(nn.Module):
         """
         return attend_causal(q, k, v, mask=mask, causal=self.causal and self_attention, window=self.window
                              if self_attention else None, scale=scale, backend=self.backend,
-                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights)
+                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights,
+                             score_mod=score_mod, sinks=self.sinks)
 
     def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
         """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
@@ -410,6 +452,9 @@ class MultiHeadAttention(nn.Module):
                                             ("cache", cache), ("document_ids", documents)) if value is not None]
         refused += ["return_weights"] if return_weights else []
         refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
+        refused += [name for name, on in (("positions='alibi'", self.alibi_slopes is not None),
+                                          ("softcap", self.softcap is not None),
+                                          ("sinks", self.sinks is not None)) if on]
         if refused:
             raise ValueError(f"context_parallel runs causal or unmasked self-attention over shards; "
                              f"it cannot take {', '.join(refused)}")
@@ -610,7 +655,7 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
                   scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
-                  return_weights: bool = False):
+                  return_weights: bool = False, score_mod=None, sinks: Tensor | None = None):
     """:func:`attnlab.attention` with the queries aligned bottom-right on the keys (the last
     query is the newest token, so ``k`` may start with cached positions), and with ``window``
     the causal sliding window on that diagonal in place of the causal mask. ``mask`` (a tensor
@@ -634,7 +679,7 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         mask, causal = _masks.and_masks(mask, band), False  # the band is causal itself
     return attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-        backend=backend, return_weights=return_weights,
+        backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
 
 
@@ -709,8 +754,12 @@ def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads:
     cache.check_room(x.shape[1])
 
 
-def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool) -> None:
-    """``mask``/``padding_mask`` index the contiguous cache's keys; a paged call has ragged weights."""
+def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool, alibi: bool = False) -> None:
+    """``mask``/``padding_mask`` and ALiBi's distances index the contiguous cache's keys in
+    order; a paged call has ragged weights."""
+    if alibi and not isinstance(cache, KVCache):
+        raise ValueError(f"positions='alibi' needs a KVCache (keys in position order); got a "
+                         f"{type(cache).__name__}")
     if not isinstance(cache, KVCache) and (mask is not None or padding_mask is not None):
         raise ValueError(f"mask and padding_mask go with a KVCache, whose keys they index; got a "
                          f"{type(cache).__name__}")

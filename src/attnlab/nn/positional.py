@@ -19,13 +19,12 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from attnlab._checks import (has_values, instance_of, integer_dtype, non_negative_int, one_of, positive_int,
                              positive_number)
+from attnlab.scores import alibi_slopes  # one home for the slopes: attnlab.scores
 
 __all__ = [
     "sinusoidal_table",
@@ -249,31 +248,6 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
-
-
-def alibi_slopes(num_heads: int) -> Tensor:
-    """Per-head ALiBi slopes: the geometric sequence ``2**(-8 i / n)``, ``i = 1..n``.
-
-    For a head count that is not a power of two, the slopes of the closest lower power of two
-    are followed by every other slope of the next power of two (as in the paper's code).
-
-    Shapes:
-        returns ``(num_heads,)`` float32.
-
-    Example:
-        >>> alibi_slopes(4)
-        tensor([0.2500, 0.0625, 0.0156, 0.0039])
-    """
-    positive_int("num_heads", num_heads)
-
-    def power_of_two(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-
-    closest = 2 ** int(math.floor(math.log2(num_heads)))
-    slopes = power_of_two(closest)
-    if closest < num_heads:
-        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def alibi_bias(

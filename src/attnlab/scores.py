@@ -1,0 +1,744 @@
+"""Score mods: how each score is changed before the softmax (``attnlab.attention(score_mod=...)``).
+
+A score mod has FlexAttention's signature ``(score, b, h, q_idx, kv_idx) -> score``: ``score`` is
+the scaled score ``q·k * scale`` of query ``q_idx`` and key ``kv_idx`` in batch ``b`` and query
+head ``h``, and the mod returns the score the softmax sees. The float mask is added after it,
+then blocked positions are set to ``-inf``. Masks say *which* keys a query may see; a score mod
+says *how much*. The structured mods here are written with broadcasting tensor ops, so they are
+evaluated on whole tiles at once (``b`` ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``, ``q_idx``
+``(1, 1, bq, 1)``, ``kv_idx`` ``(1, 1, 1, bk)``, ``score`` ``(B, H, bq, bk)``) as well as on 0-d
+indices:
+
+* :func:`softcap` ``cap * tanh(score / cap)`` (Gemma 2);
+* :func:`alibi` ``score - slope_h * (i - j)`` (causal) or ``- slope_h * |i - j|`` (symmetric);
+* :func:`relative_bias` T5's learned bias ``table[bucket(j - i), h]``;
+* :func:`bias` a (learnable) additive tensor broadcasting to ``(B, H, Tq, Tk)``;
+* :func:`compose` (or ``a + b``) applies mods left to right; :func:`function` wraps a user's own
+  function and declares the tensors it learns.
+
+An *additive* mod (alibi, relative_bias, bias and their compositions) changes a score by a term
+that does not depend on it (:meth:`ScoreMod.bias`), which is what a kernel taking a float mask
+can apply. Every tensor a mod holds is in :meth:`ScoreMod.params`, so a tiled backend can
+differentiate the mod tile by tile (:meth:`ScoreMod.with_params`).
+
+Example:
+    >>> import torch, attnlab
+    >>> q = torch.randn(1, 4, 6, 8)
+    >>> mod = softcap(30.0) + alibi(4)
+    >>> attnlab.attention(q, q, q, causal=True, score_mod=mod).shape
+    torch.Size([1, 4, 6, 8])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from attnlab._checks import broadcast_shape, int_value, positive_int, positive_number
+
+__all__ = [
+    "ScoreMod",
+    "Softcap",
+    "Alibi",
+    "RelativeBias",
+    "Bias",
+    "Composed",
+    "FunctionMod",
+    "softcap",
+    "alibi",
+    "alibi_slopes",
+    "relative_bias",
+    "relative_position_bucket",
+    "bias",
+    "compose",
+    "function",
+    "as_score_mod",
+    "has_function",
+    "captures_grad",
+    "check_function",
+    "grid",
+    "apply_tile",
+    "check_sinks",
+]
+
+
+def grid(batch: int, heads: int, q_range: tuple[int, int], kv_range: tuple[int, int],
+         device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors ``b, h, q_idx, kv_idx`` of one tile, shaped to broadcast to ``(B, H, bq, bk)``.
+
+    Example:
+        >>> [tuple(t.shape) for t in grid(2, 3, (0, 4), (2, 7))]
+        [(2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 4, 1), (1, 1, 1, 5)]
+    """
+    (qs, qe), (ks, ke) = q_range, kv_range
+    return (torch.arange(batch, device=device).view(batch, 1, 1, 1),
+            torch.arange(heads, device=device).view(1, heads, 1, 1),
+            torch.arange(qs, qe, device=device).view(1, 1, qe - qs, 1),
+            torch.arange(ks, ke, device=device).view(1, 1, 1, ke - ks))
+
+
+def _tensor_sig(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+class ScoreMod:
+    """A change of every score before the softmax, ``(score, b, h, q_idx, kv_idx) -> score``.
+
+    Subclasses implement :meth:`__call__` (or, when ``additive``, :meth:`bias`), and list the
+    tensors they hold in :meth:`params` / :meth:`with_params`.
+
+    Attributes:
+        additive: whether the mod adds a term that does not depend on the score.
+
+    Example:
+        >>> class Double(ScoreMod):
+        ...     def __call__(self, score, b, h, q_idx, kv_idx):
+        ...         return score * 2
+        >>> apply_tile(Double() + softcap(1.0), torch.tensor([[[[0.0, 5.0]]]]), q_start=0, kv_start=0)
+        tensor([[[[0., 1.]]]])
+    """
+
+    additive: bool = False
+
+    def __call__(self, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
+        if self.additive:
+            return score + self.bias(b, h, q_idx, kv_idx)
+        raise NotImplementedError(type(self).__name__)
+
+    def bias(self, b, h, q_idx, kv_idx) -> Tensor:
+        """The additive term at the broadcast indices (additive mods only)."""
+        raise TypeError(f"{type(self).__name__} is not additive: it has no bias of its own")
+
+    def params(self) -> tuple[Tensor, ...]:
+        """Every tensor the mod holds, in a fixed order (what a backward pass may differentiate)."""
+        return ()
+
+    def with_params(self, params: Sequence[Tensor]) -> ScoreMod:
+        """The same mod holding ``params`` (in :meth:`params`' order) instead of its own tensors."""
+        return self
+
+    def constants(self) -> tuple:
+        """The mod's Python settings (not tensors), for :meth:`signature`."""
+        return ()
+
+    def signature(self) -> tuple:
+        """What dispatch keys on: the kind, its Python settings, and each tensor's shape, dtype,
+        device and ``requires_grad`` -- never a tensor value.
+
+        Example:
+            >>> softcap(20).signature() == softcap(20).signature() != softcap(30).signature()
+            True
+        """
+        return (type(self).__name__, self.constants(), tuple(_tensor_sig(p) for p in self.params()))
+
+    def check(self, *, batch: int, heads: int, tq: int, tk: int, device: torch.device) -> None:
+        """Refuse a mod that cannot serve a call of these sizes (``ValueError`` naming ``score_mod``)."""
+        for p in self.params():
+            if p.device != device:
+                raise ValueError(f"score_mod: {type(self).__name__} holds a tensor on {p.device}, "
+                                 f"not on q's device {device}")
+
+    def __add__(self, other: object) -> ScoreMod:
+        return compose(self, other)
+
+    def __radd__(self, other: object) -> ScoreMod:
+        return compose(other, self)
+
+
+class Softcap(ScoreMod):
+    """``cap * tanh(score / cap)``: scores squashed into ``(-cap, cap)`` (Gemma 2, Grok).
+
+    Example:
+        >>> Softcap(10.0).signature()
+        ('Softcap', (10.0,), ())
+    """
+
+    def __init__(self, cap: float):
+        self.cap = positive_number("softcap", cap)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / self.cap) * self.cap
+
+    def constants(self) -> tuple:
+        return (self.cap,)
+
+    def __repr__(self) -> str:
+        return f"softcap({self.cap:g})"
+
+
+def softcap(cap: float) -> Softcap:
+    """Gemma 2's logit soft-capping, ``cap * tanh(score / cap)``.
+
+    Args:
+        cap: a positive finite number.
+
+    Raises:
+        ValueError: ``cap <= 0`` (the message names ``softcap``).
+
+    Example:
+        >>> mod = softcap(2.0)
+        >>> mod(torch.tensor([0.0, 1.0, 100.0]), 0, 0, 0, 0)
+        tensor([0.0000, 0.9242, 2.0000])
+    """
+    return Softcap(cap)
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """Per-head ALiBi slopes: the geometric sequence ``2**(-8 i / n)``, ``i = 1..n``.
+
+    For a head count that is not a power of two, the slopes of the closest lower power of two
+    are followed by every other slope of the next power of two (as in the paper's code).
+
+    Shapes:
+        returns ``(num_heads,)`` float32.
+
+    Example:
+        >>> alibi_slopes(4)
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+    positive_int("num_heads", num_heads)
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(closest)
+    if closest < num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class Alibi(ScoreMod):
+    """ALiBi: ``-slope_h * (i + offset - j)`` (causal) or ``-slope_h * |i + offset - j|``.
+
+    Example:
+        >>> mod = alibi(torch.tensor([1.0]), symmetric=True)
+        >>> mod.bias(*grid(1, 1, (0, 1), (0, 3)))
+        tensor([[[[-0., -1., -2.]]]])
+    """
+
+    additive = True
+
+    def __init__(self, slopes: Tensor, *, symmetric: bool, offset: int):
+        self.slopes, self.symmetric, self.offset = slopes, symmetric, offset
+
+    def bias(self, b, h, q_idx, kv_idx):
+        distance = q_idx + self.offset - kv_idx
+        distance = distance.abs() if self.symmetric else distance
+        return -self.slopes[h] * distance.to(self.slopes.dtype)
+
+    def params(self):
+        return (self.slopes,)
+
+    def with_params(self, params):
+        return Alibi(params[0], symmetric=self.symmetric, offset=self.offset)
+
+    def constants(self):
+        return (self.symmetric, self.offset)
+
+    def check(self, *, batch, heads, tq, tk, device):
+        super().check(batch=batch, heads=heads, tq=tq, tk=tk, device=device)
+        if tuple(self.slopes.shape) != (heads,):
+            raise ValueError(f"score_mod: alibi slopes of shape {tuple(self.slopes.shape)} do not "
+                             f"match the {heads} query heads (one slope per head, shape ({heads},))")
+
+    def __repr__(self) -> str:
+        return f"alibi(<{self.slopes.shape[0]} slopes>, symmetric={self.symmetric}, offset={self.offset})"
+
+
+def _float_tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must have a floating-point dtype, got {value.dtype}")
+    return value
+
+
+def alibi(slopes: Tensor | Sequence[float] | int, *, symmetric: bool = False, offset: int = 0) -> Alibi:
+    """ALiBi (Press et al.): a per-head linear penalty on the query-key distance.
+
+    Query ``i`` sits at position ``i + offset`` (pass ``offset = Tk - Tq`` for new tokens after a
+    KV cache). Causal (the default, BLOOM/MPT): ``score - slope_h * (i + offset - j)``, to be used
+    with causal masking; symmetric (encoders): ``score - slope_h * |i + offset - j|``. A slopes
+    tensor that requires grad gets a gradient.
+
+    Args:
+        slopes: ``(Hq,)`` float tensor, a sequence of floats, or a head count for the standard
+            geometric slopes (:func:`alibi_slopes`).
+        symmetric: distance ``|i - j|`` instead of ``i - j``.
+        offset: position of query 0.
+
+    Raises:
+        TypeError: slopes of another kind or dtype. The head count is checked against the call.
+
+    Example:
+        >>> mod = alibi(torch.tensor([0.5]))
+        >>> mod(torch.zeros(1, 1, 2, 2), *grid(1, 1, (0, 2), (0, 2)))[0, 0]
+        tensor([[ 0.0000,  0.5000],
+                [-0.5000,  0.0000]])
+    """
+    if isinstance(slopes, int) and not isinstance(slopes, bool):
+        slopes = alibi_slopes(slopes)
+    elif isinstance(slopes, (list, tuple)):
+        slopes = torch.tensor([float(s) for s in slopes], dtype=torch.float32)
+    slopes = _float_tensor("slopes", slopes)
+    if slopes.ndim != 1:
+        raise ValueError(f"slopes must have shape (heads,), got {tuple(slopes.shape)}")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    return Alibi(slopes, symmetric=symmetric, offset=int_value("offset", offset))
+
+
+def relative_position_bucket(relative_position: Tensor, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> Tensor:
+    """T5's bucket of each relative position ``key - query``, exactly as T5 computes it.
+
+    Half the buckets (of each direction when ``bidirectional``) are exact distances, the rest
+    grow logarithmically up to ``max_distance``; farther positions share the last bucket. The
+    logarithm is taken in fp32, as T5 does, so bucket boundaries match T5's.
+
+    Example:
+        >>> relative_position_bucket(torch.tensor([-3, -1, 0, 1, 3, 200]), bidirectional=True,
+        ...                          num_buckets=8, max_distance=16)
+        tensor([2, 1, 0, 5, 6, 7])
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).to(relative_position.dtype) * num_buckets
+        relative_position = relative_position.abs()
+    else:
+        relative_position = -torch.clamp_max(relative_position, 0)
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    # clamp_min(1): log(0) would be cast to an int (undefined); those positions are small anyway.
+    large = max_exact + (
+        torch.log(relative_position.clamp_min(1).float() / max_exact)
+        / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(relative_position.dtype)
+    large = torch.clamp_max(large, num_buckets - 1)
+    return buckets + torch.where(is_small, relative_position, large)
+
+
+class RelativeBias(ScoreMod):
+    """T5's relative position bias: ``table[bucket(j - (i + offset)), h]``.
+
+    Example:
+        >>> mod = relative_bias(torch.zeros(8, 2), num_buckets=8, max_distance=16, bidirectional=False)
+        >>> mod.bias(*grid(1, 2, (0, 3), (0, 3))).shape
+        torch.Size([1, 2, 3, 3])
+    """
+
+    additive = True
+
+    def __init__(self, table: Tensor, *, num_buckets: int, max_distance: int, bidirectional: bool,
+                 offset: int):
+        self.table, self.num_buckets, self.max_distance = table, num_buckets, max_distance
+        self.bidirectional, self.offset = bidirectional, offset
+
+    def bias(self, b, h, q_idx, kv_idx):
+        bucket = relative_position_bucket(
+            kv_idx - (q_idx + self.offset), bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets, max_distance=self.max_distance)
+        return self.table[bucket, h]
+
+    def params(self):
+        return (self.table,)
+
+    def with_params(self, params):
+        return RelativeBias(params[0], num_buckets=self.num_buckets, max_distance=self.max_distance,
+                            bidirectional=self.bidirectional, offset=self.offset)
+
+    def constants(self):
+        return (self.num_buckets, self.max_distance, self.bidirectional, self.offset)
+
+    def check(self, *, batch, heads, tq, tk, device):
+        super().check(batch=batch, heads=heads, tq=tq, tk=tk, device=device)
+        if self.table.shape[1] != heads:
+            raise ValueError(f"score_mod: relative_bias table of shape {tuple(self.table.shape)} has "
+                             f"{self.table.shape[1]} heads, the call has {heads} query heads")
+
+    def __repr__(self) -> str:
+        return (f"relative_bias(<table {tuple(self.table.shape)}>, num_buckets={self.num_buckets}, "
+                f"max_distance={self.max_distance}, bidirectional={self.bidirectional})")
+
+
+def relative_bias(table: Tensor, *, num_buckets: int, max_distance: int, bidirectional: bool,
+                  offset: int = 0) -> RelativeBias:
+    """T5's learned relative position bias (``relative_attention_bias.weight`` is ``table``).
+
+    Args:
+        table: ``(num_buckets, Hq)`` float tensor; it gets a gradient when it requires one.
+        num_buckets, max_distance, bidirectional: T5's ``relative_attention_num_buckets``,
+            ``relative_attention_max_distance`` and ``is_decoder`` negated.
+        offset: position of query 0 (T5's cache position when decoding).
+
+    Raises:
+        TypeError / ValueError: a table of another kind, dtype or shape, sizes out of range.
+
+    Example:
+        >>> table = torch.arange(8.0)[:, None]              # bucket b has bias b, one head
+        >>> mod = relative_bias(table, num_buckets=8, max_distance=16, bidirectional=True)
+        >>> mod.bias(*grid(1, 1, (0, 2), (0, 3)))[0, 0]
+        tensor([[0., 5., 6.],
+                [1., 0., 5.]])
+    """
+    table = _float_tensor("table", table)
+    positive_int("num_buckets", num_buckets)
+    positive_int("max_distance", max_distance)
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"bidirectional must be a bool, got {type(bidirectional).__name__}")
+    if table.ndim != 2 or table.shape[0] != num_buckets:
+        raise ValueError(f"table must have shape (num_buckets={num_buckets}, heads), got {tuple(table.shape)}")
+    max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if max_exact < 1 or max_distance <= max_exact:
+        raise ValueError(f"max_distance must exceed the {max_exact} exact buckets (num_buckets="
+                         f"{num_buckets}, bidirectional={bidirectional}), got {max_distance}")
+    return RelativeBias(table, num_buckets=num_buckets, max_distance=max_distance,
+                        bidirectional=bidirectional, offset=int_value("offset", offset))
+
+
+class Bias(ScoreMod):
+    """An additive tensor ``tensor[b, h, q_idx, kv_idx]`` (size-1 dims broadcast).
+
+    Example:
+        >>> Bias(torch.arange(3.0)).bias(*grid(1, 1, (0, 2), (1, 3)))
+        tensor([[[[1., 2.],
+                  [1., 2.]]]])
+    """
+
+    additive = True
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+    def bias(self, b, h, q_idx, kv_idx):
+        t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))  # (B|1, H|1, Tq|1, Tk|1)
+        index = [i if n > 1 else torch.zeros_like(i) if isinstance(i, Tensor) else 0
+                 for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
+        return t[tuple(index)]
+
+    def params(self):
+        return (self.tensor,)
+
+    def with_params(self, params):
+        return Bias(params[0])
+
+    def check(self, *, batch, heads, tq, tk, device):
+        super().check(batch=batch, heads=heads, tq=tq, tk=tk, device=device)
+        target = (batch, heads, tq, tk)
+        if self.tensor.ndim > 4 or broadcast_shape([tuple(self.tensor.shape), target]) != target:
+            raise ValueError(f"score_mod: bias of shape {tuple(self.tensor.shape)} does not broadcast "
+                             f"to (B, Hq, Tq, Tk) = {target}")
+
+    def __repr__(self) -> str:
+        return f"bias(<tensor {tuple(self.tensor.shape)}>)"
+
+
+def bias(tensor: Tensor) -> Bias:
+    """A (learnable) additive bias broadcasting to ``(B, Hq, Tq, Tk)``, added to the scores.
+
+    Unlike a float ``mask`` it composes with other mods in order (``softcap(c) + bias(t)`` caps
+    first, then adds). ``B`` is the flattened batch for rank-5 inputs.
+
+    Example:
+        >>> t = torch.tensor([[0.0, -1.0]])                  # (Tq=1, Tk=2)
+        >>> bias(t)(torch.zeros(1, 1, 1, 2), *grid(1, 1, (0, 1), (0, 2)))
+        tensor([[[[ 0., -1.]]]])
+    """
+    return Bias(_float_tensor("bias", tensor))
+
+
+class Composed(ScoreMod):
+    """Mods applied left to right; additive when every part is.
+
+    Example:
+        >>> (alibi(2) + bias(torch.zeros(1))).additive, (alibi(2) + softcap(5.0)).additive
+        (True, False)
+    """
+
+    def __init__(self, mods: tuple[ScoreMod, ...]):
+        self.mods = mods
+        self.additive = all(m.additive for m in mods)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        for mod in self.mods:
+            score = mod(score, b, h, q_idx, kv_idx)
+        return score
+
+    def bias(self, b, h, q_idx, kv_idx):
+        if not self.additive:
+            return super().bias(b, h, q_idx, kv_idx)
+        total = self.mods[0].bias(b, h, q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            total = total + mod.bias(b, h, q_idx, kv_idx)
+        return total
+
+    def params(self):
+        return tuple(p for m in self.mods for p in m.params())
+
+    def with_params(self, params):
+        parts, at = [], 0
+        for mod in self.mods:
+            n = len(mod.params())
+            parts.append(mod.with_params(params[at:at + n]))
+            at += n
+        return Composed(tuple(parts))
+
+    def signature(self):
+        return ("Composed", tuple(m.signature() for m in self.mods))
+
+    def check(self, **sizes):
+        for mod in self.mods:
+            mod.check(**sizes)
+
+    def __repr__(self) -> str:
+        return " + ".join(map(repr, self.mods))
+
+
+def compose(*mods: ScoreMod | Callable) -> ScoreMod:
+    """One mod applying ``mods`` left to right (``a + b`` is ``compose(a, b)``).
+
+    Example:
+        >>> mod = compose(softcap(1.0), bias(torch.tensor(2.0)))
+        >>> mod(torch.tensor([[[[100.0]]]]), *grid(1, 1, (0, 1), (0, 1))).item()
+        3.0
+    """
+    if not mods:
+        raise ValueError("compose needs at least one score mod")
+    flat = []
+    for mod in map(as_score_mod, mods):
+        flat.extend(mod.mods if isinstance(mod, Composed) else (mod,))
+    return flat[0] if len(flat) == 1 else Composed(tuple(flat))
+
+
+class _Identity:
+    """A key part that compares and hashes by the object's identity and keeps it alive."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
+class FunctionMod(ScoreMod):
+    """A user's function ``(score, b, h, q_idx, kv_idx) -> score`` and the tensors it learns.
+
+    Example:
+        >>> FunctionMod(lambda s, b, h, i, j: s - abs(i - j))(torch.zeros(()), 0, 0, 3, 1)
+        tensor(-2.)
+    """
+
+    def __init__(self, fn: Callable, params: tuple[Tensor, ...] = (), make: Callable | None = None):
+        self.fn, self._params, self.make = fn, params, make
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def params(self):
+        return self._params
+
+    def with_params(self, params):
+        if self.make is None:
+            return self
+        return FunctionMod(self.make(*params), tuple(params), self.make)
+
+    def signature(self):
+        return ("FunctionMod", _Identity(self.make or self.fn), tuple(_tensor_sig(p) for p in self._params))
+
+    def __repr__(self) -> str:
+        return f"function({getattr(self.fn, '__qualname__', repr(self.fn))})"
+
+
+def function(fn: Callable, *, params: Sequence[Tensor] = ()) -> FunctionMod:
+    """A user's score mod, with the tensors it learns declared.
+
+    A plain function passed as ``score_mod`` is wrapped this way with no parameters. A tiled
+    backend differentiates a mod tile by tile, so it must know the tensors to differentiate:
+    pass ``fn`` as a *maker* ``fn(*params) -> mod`` together with ``params``, or a mod that
+    closes over no tensor requiring grad (else only the reference backend serves the call).
+
+    Args:
+        fn: ``(score, b, h, q_idx, kv_idx) -> score``, or with ``params`` a function of the
+            params that returns such a mod.
+        params: the tensors the mod learns.
+
+    Example:
+        >>> w = torch.tensor(0.5, requires_grad=True)
+        >>> mod = function(lambda w: lambda s, b, h, i, j: s * w, params=[w])
+        >>> mod(torch.tensor(4.0), 0, 0, 0, 0)
+        tensor(2., grad_fn=<MulBackward0>)
+    """
+    if not callable(fn):
+        raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
+    params = tuple(params)
+    for p in params:
+        _float_tensor("params", p)
+    if not params:
+        return FunctionMod(fn)
+    return FunctionMod(fn(*params), params, fn)
+
+
+def as_score_mod(value: object) -> ScoreMod:
+    """``value`` as a :class:`ScoreMod` (a plain callable becomes :func:`function`'s wrapper).
+
+    Raises:
+        TypeError: neither a ScoreMod nor a callable (the message names ``score_mod``).
+
+    Example:
+        >>> as_score_mod(lambda s, b, h, i, j: s).signature()[0]
+        'FunctionMod'
+    """
+    if isinstance(value, ScoreMod):
+        return value
+    if callable(value):
+        return FunctionMod(value)
+    raise TypeError(f"score_mod must be a score mod (see attnlab.scores) or a callable "
+                    f"(score, b, h, q_idx, kv_idx) -> score, got {type(value).__name__}")
+
+
+def has_function(mod: ScoreMod) -> bool:
+    """Whether ``mod`` is or contains a user's function (whose shapes only a call can tell).
+
+    Example:
+        >>> has_function(softcap(5.0)), has_function(softcap(5.0) + (lambda s, b, h, i, j: s))
+        (False, True)
+    """
+    parts = mod.mods if isinstance(mod, Composed) else (mod,)
+    return any(isinstance(part, FunctionMod) for part in parts)
+
+
+def check_function(mod: ScoreMod, *, tq: int, tk: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a mod with a user's function that does not give one score per position.
+
+    Evaluated once on a tile of up to 2 x 2 distinct scores, then at each of its positions on
+    0-d indices (FlexAttention's meaning of a mod); both must agree. Catches a function that
+    returns another shape, a non-float, or mixes positions (``score.sum()``, ``score[..., :1]``).
+
+    Raises:
+        ValueError / TypeError: naming ``score_mod``.
+
+    Example:
+        >>> check_function(as_score_mod(lambda s, b, h, i, j: s.mean()), tq=4, tk=4,
+        ...                device=torch.device("cpu"), dtype=torch.float32)
+        Traceback (most recent call last):
+        ...
+        ValueError: score_mod: function(<lambda>) does not give one score per position: ...
+    """
+    bq, bk = min(tq, 2), min(tk, 2)
+    probe = (torch.arange(bq * bk, dtype=dtype, device=device).view(1, 1, bq, bk) - 1.25) * 0.75
+    with torch.no_grad():
+        tiled = apply_tile(mod, probe, q_start=0, kv_start=0)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        for i in range(bq):
+            for j in range(bk):
+                try:
+                    one = mod(probe[0, 0, i, j], zero, zero, zero + i, zero + j)
+                    ok = isinstance(one, Tensor) and one.numel() == 1 and bool(
+                        torch.isclose(one.reshape(()).to(tiled.dtype), tiled[0, 0, i, j], rtol=1e-5,
+                                      atol=1e-6, equal_nan=True))
+                    why = "" if ok else f"at position ({i}, {j}) it gives {one!r} alone, {tiled[0, 0, i, j]!r} in a tile"
+                except Exception as err:  # noqa: BLE001
+                    why = f"on one position (0-d indices) it raises {type(err).__name__}: {err}"
+                if why:
+                    raise ValueError(f"score_mod: {mod!r} does not give one score per position: {why}; "
+                                     "a score mod maps each score on its own, as in FlexAttention")
+
+
+def captures_grad(mod: ScoreMod) -> bool:
+    """Whether ``mod`` gives scores that require grad through a tensor it does not list in
+    :meth:`ScoreMod.params` (a user's function closing over a parameter): evaluated once on a
+    1x1 tile with its own tensors detached.
+
+    Example:
+        >>> w = torch.ones((), requires_grad=True)
+        >>> captures_grad(as_score_mod(lambda s, b, h, i, j: s * w))
+        True
+        >>> captures_grad(function(lambda w: lambda s, b, h, i, j: s * w, params=[w]))
+        False
+    """
+    if not has_function(mod) or not torch.is_grad_enabled():
+        return False
+    params = mod.params()
+    device = params[0].device if params else None
+    probe = mod.with_params([p.detach() for p in params])
+    return apply_tile(probe, torch.zeros(1, 1, 1, 1, device=device), q_start=0, kv_start=0).requires_grad
+
+
+def apply_tile(mod: ScoreMod, score: Tensor, *, q_start: int, kv_start: int) -> Tensor:
+    """``mod`` on a tile of scores ``(B, H, bq, bk)`` whose first query is ``q_start`` and first
+    key ``kv_start``; the result has the tile's shape.
+
+    Structured mods and functions written with broadcasting ops are called once on the tile's
+    index grid. A function that cannot be called that way (it needs 0-d indices, as under
+    FlexAttention) is mapped position by position with ``torch.vmap``.
+
+    Raises:
+        ValueError: the mod returned a shape that does not broadcast to the tile's (names
+            ``score_mod``).
+        TypeError: it returned a non-tensor or a non-float tensor.
+
+    Example:
+        >>> apply_tile(alibi(torch.tensor([1.0])), torch.zeros(1, 1, 1, 3), q_start=2, kv_start=0)
+        tensor([[[[-2., -1.,  0.]]]])
+    """
+    B, H, bq, bk = score.shape
+    b, h, q_idx, kv_idx = grid(B, H, (q_start, q_start + bq), (kv_start, kv_start + bk), score.device)
+    if isinstance(mod, FunctionMod):
+        try:
+            result = mod(score, b, h, q_idx, kv_idx)
+        except Exception:  # noqa: BLE001 -- written for 0-d indices: map it as FlexAttention does
+            result = _vmapped(mod, score, b, h, q_idx, kv_idx)
+    else:
+        result = mod(score, b, h, q_idx, kv_idx)
+    return _checked(mod, result, score)
+
+
+def _vmapped(mod: ScoreMod, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
+    """``mod`` per position through four nested ``torch.vmap`` over ``(B, H, bq, bk)``."""
+    fn = mod
+    for dims in ((0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None),
+                 (0, 0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims)
+    return fn(score, b.flatten(), h.flatten(), q_idx.flatten(), kv_idx.flatten())
+
+
+def _checked(mod: ScoreMod, result: object, score: Tensor) -> Tensor:
+    if not isinstance(result, Tensor) or not result.dtype.is_floating_point:
+        kind = type(result).__name__ if not isinstance(result, Tensor) else f"a {result.dtype} tensor"
+        raise TypeError(f"score_mod: {mod!r} must return a float tensor of scores, got {kind}")
+    if result.shape != score.shape:
+        if broadcast_shape([tuple(result.shape), tuple(score.shape)]) != tuple(score.shape):
+            raise ValueError(f"score_mod: {mod!r} returned shape {tuple(result.shape)} for scores of "
+                             f"shape {tuple(score.shape)}; a score mod returns one score per position")
+        result = result.expand(score.shape)
+    return result
+
+
+def check_sinks(sinks: object, *, heads: int, device: torch.device) -> Tensor | None:
+    """``sinks`` if it is a float ``(Hq,)`` tensor on ``device`` (or None); the error names ``sinks``.
+
+    Example:
+        >>> check_sinks(torch.zeros(3), heads=4, device=torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: sinks must have shape (Hq,) = (4,), one logit per query head; got (3,)
+    """
+    if sinks is None:
+        return None
+    sinks = _float_tensor("sinks", sinks)
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads},), one logit per query head; "
+                         f"got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
+    return sinks

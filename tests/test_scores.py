@@ -1,0 +1,484 @@
+"""Score mods and sinks (attnlab.scores, attention(score_mod=, sinks=)) against fp64 written here.
+
+Each mod is compared, forward and backward (q, k, v and every learnable part), with an eager
+fp64 computation written in this file from the models' own formulas (Gemma 2's softcap, BLOOM's
+ALiBi, T5's bucketing as transformers computes it, gpt-oss's sink column), on every backend that
+serves the call; torch.autograd.gradcheck checks the tiled backward independently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import scores
+from attnlab.backends import why
+from attnlab.backends.chunked import chunked_attention
+from attnlab._call import build_call
+from attnlab.verify import allowed_error
+
+F64 = torch.float64
+
+
+def _qkv(B=2, Hq=4, Hkv=2, Tq=13, Tk=17, D=8, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return make(B, Hq, Tq, D), make(B, Hkv, Tk, D), make(B, Hkv, Tk, D)
+
+
+def _eager(q, k, v, *, mod_fn=None, sinks=None, allowed=None, scale=None):
+    """Textbook attention in fp64: scores, mod_fn(scores), mask, softmax with a sink column."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale  # (B, H, Tq, Tk)
+    if mod_fn is not None:
+        s = mod_fn(s)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # gpt-oss's eager: one more column, softmax, the column dropped
+        column = sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, column], dim=-1)
+    dead = (s == float("-inf")).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v
+
+
+def _positions(Tq, Tk, offset=0):
+    i = torch.arange(Tq)[:, None] + offset
+    j = torch.arange(Tk)[None, :]
+    return i, j
+
+
+def _t5_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """T5's _relative_position_bucket, from transformers when installed."""
+    transformers = pytest.importorskip("transformers")
+    T5Attention = transformers.models.t5.modeling_t5.T5Attention
+    return T5Attention._relative_position_bucket(relative_position, bidirectional=bidirectional,
+                                                 num_buckets=num_buckets, max_distance=max_distance)
+
+
+def _leaves(*tensors):
+    return [t for t in tensors if t is not None and t.requires_grad]
+
+
+def _assert_close(got, want, what):
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    assert err <= 1e-10 * max(1.0, want.abs().max().item() if want.numel() else 0.0), f"{what}: {err}"
+
+
+def _serving(call_kwargs, q, k, v):
+    """Backends that serve the call (reference, chunked, and sdpa when additive)."""
+    names = []
+    for name in ("reference", "chunked", "sdpa", "blocks", "flex"):
+        try:
+            attnlab.attention(q.detach(), k.detach(), v.detach(), backend=name, **call_kwargs)
+            names.append(name)
+        except ValueError:
+            pass
+    return names
+
+
+def _check_all(q, k, v, kwargs, want, extra):
+    """Forward and every gradient of ``attention(**kwargs)`` on each serving backend vs ``want``."""
+    leaves = _leaves(q, k, v, *extra)
+    grad_out = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, grad_out)
+    served = _serving(kwargs, q, k, v)
+    for name in served:
+        out = attnlab.attention(q, k, v, backend=name, **kwargs)
+        _assert_close(out, want, f"{name} forward")
+        for g, w in zip(torch.autograd.grad(out, leaves, grad_out), want_grads):
+            _assert_close(g, w, f"{name} gradient")
+    return served
+
+
+MASKINGS = [dict(), dict(causal=True), dict(causal=True, align="bottom_right")]
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_softcap_matches_gemma_formula(masking):
+    q, k, v = _qkv()
+    q = (q.detach() * 6).requires_grad_()  # scores past the cap
+    kwargs = dict(score_mod=scores.softcap(2.5), **masking)
+    allowed = None
+    if masking:
+        allowed = attnlab.masks.causal_mask(13, 17, align=masking.get("align", "top_left"))
+    want = _eager(q, k, v, mod_fn=lambda s: 2.5 * torch.tanh(s / 2.5), allowed=allowed)
+    assert _check_all(q, k, v, kwargs, want, ()) == ["reference", "chunked"]
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_alibi_with_learnable_slopes(symmetric):
+    q, k, v = _qkv()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=F64, requires_grad=True)
+    i, j = _positions(13, 17, offset=4)
+    distance = (i - j).abs() if symmetric else (i - j)
+
+    def mod_fn(s):
+        return s - slopes.view(1, -1, 1, 1) * distance.to(F64)
+
+    allowed = None if symmetric else attnlab.masks.causal_mask(13, 17, align="bottom_right")
+    kwargs = dict(score_mod=scores.alibi(slopes, symmetric=symmetric, offset=4))
+    if not symmetric:
+        kwargs.update(causal=True, align="bottom_right")
+    want = _eager(q, k, v, mod_fn=mod_fn, allowed=allowed)
+    assert _check_all(q, k, v, kwargs, want, (slopes,)) == ["reference", "chunked", "sdpa"]
+
+
+def test_alibi_standard_slopes_from_a_head_count():
+    assert torch.equal(scores.alibi(4).slopes, torch.tensor([0.25, 0.0625, 0.015625, 0.00390625]))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_bias_is_t5s_bucketing(bidirectional):
+    rel = torch.arange(-300, 300)
+    got = scores.relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=32, max_distance=128)
+    assert torch.equal(got, _t5_bucket(rel, bidirectional, 32, 128))
+
+
+def test_relative_bias_with_learnable_table():
+    q, k, v = _qkv(Tq=40, Tk=40)
+    table = torch.randn(16, 4, dtype=F64, requires_grad=True)
+    i, j = _positions(40, 40)
+    buckets = _t5_bucket(j - i, True, 16, 20)  # (Tq, Tk)
+
+    def mod_fn(s):
+        return s + table[buckets].permute(2, 0, 1)[None]  # (1, H, Tq, Tk)
+
+    kwargs = dict(score_mod=scores.relative_bias(table, num_buckets=16, max_distance=20, bidirectional=True),
+                  scale=1.0)
+    want = _eager(q, k, v, mod_fn=mod_fn, scale=1.0)
+    assert _check_all(q, k, v, kwargs, want, (table,)) == ["reference", "chunked", "sdpa"]
+
+
+def test_bias_tensor_broadcasts_and_learns():
+    q, k, v = _qkv()
+    bias = torch.randn(1, 4, 1, 17, dtype=F64, requires_grad=True)  # (1, H, 1, Tk)
+    want = _eager(q, k, v, mod_fn=lambda s: s + bias)
+    assert _check_all(q, k, v, dict(score_mod=scores.bias(bias)), want, (bias,)) == \
+        ["reference", "chunked", "sdpa"]
+
+
+def test_composition_applies_left_to_right_with_masks_and_sinks():
+    q, k, v = _qkv()
+    bias = torch.randn(2, 1, 13, 17, dtype=F64, requires_grad=True)
+    slopes = torch.rand(4, dtype=F64, requires_grad=True)
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    padding = torch.ones(2, 1, 1, 17, dtype=torch.bool)
+    padding[1, ..., 9:] = False
+    i, j = _positions(13, 17)
+
+    def mod_fn(s):
+        s = 3.0 * torch.tanh(s / 3.0)
+        return s - slopes.view(1, -1, 1, 1) * (i - j).abs().to(F64) + bias
+
+    mod = scores.softcap(3.0) + scores.alibi(slopes, symmetric=True) + scores.bias(bias)
+    want = _eager(q, k, v, mod_fn=mod_fn, sinks=sinks, allowed=padding)
+    kwargs = dict(score_mod=mod, sinks=sinks, mask=padding)
+    assert _check_all(q, k, v, kwargs, want, (bias, slopes, sinks)) == ["reference", "chunked"]
+
+
+def test_order_matters_for_softcap():
+    q, k, v = _qkv()
+    one = torch.ones((), dtype=F64) * 5
+    a = attnlab.attention(q, k, v, score_mod=scores.softcap(1.0) + scores.bias(one))
+    b = attnlab.attention(q, k, v, score_mod=scores.bias(one) + scores.softcap(1.0))
+    assert torch.allclose(a, attnlab.attention(q, k, v, score_mod=scores.softcap(1.0)))  # a shift
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_sinks_match_gpt_oss_eager(masking):
+    q, k, v = _qkv()
+    sinks = torch.tensor([0.0, 1.5, -2.0, 4.0], dtype=F64, requires_grad=True)
+    allowed = None
+    if masking:
+        allowed = attnlab.masks.causal_mask(13, 17, align=masking.get("align", "top_left"))
+    want = _eager(q, k, v, sinks=sinks, allowed=allowed)
+    assert _check_all(q, k, v, dict(sinks=sinks, **masking), want, (sinks,)) == \
+        ["reference", "chunked", "sdpa"]
+
+
+def test_sink_gradient_is_the_formula():
+    """d sink_h = -sum_(b, i) p_sink * (dO . O): written out, not differentiated."""
+    q, k, v = _qkv()
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    for backend in ("chunked", "sdpa", "reference"):
+        out = attnlab.attention(q, k, v, sinks=sinks, backend=backend)
+        grad_out = torch.randn_like(out)
+        (got,) = torch.autograd.grad(out, sinks, grad_out)
+        s = q.detach() @ k.detach().repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)
+        lse = torch.logaddexp(s.logsumexp(-1), sinks.detach().view(1, -1, 1))  # (B, H, Tq)
+        p_sink = torch.exp(sinks.detach().view(1, -1, 1) - lse)
+        want = -(p_sink * (grad_out * out.detach()).sum(-1)).sum(dim=(0, 2))
+        _assert_close(got, want, backend)
+
+
+def test_fully_masked_rows_with_sinks_give_zero_and_zero_gradient():
+    q, k, v = _qkv(Tq=5, Tk=5)
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    mask[0, :, 2] = False  # query 2 of batch 0 sees nothing
+    mask[1] = False  # all of batch 1
+    for backend in ("reference", "chunked", "sdpa"):
+        out = attnlab.attention(q, k, v, mask=mask, sinks=sinks, backend=backend)
+        assert out[0, :, 2].eq(0).all() and out[1].eq(0).all(), backend
+        dq, d_sinks = torch.autograd.grad(out.sum(), (q, sinks))
+        assert dq[0, :, 2].eq(0).all() and dq[1].eq(0).all(), backend
+        assert torch.isfinite(d_sinks).all()
+
+
+def test_user_function_and_flex_style_indexing():
+    q, k, v = _qkv()
+    table = torch.randn(4, 13, 17, dtype=F64)
+
+    def flex_style(score, b, h, q_idx, kv_idx):  # FlexAttention's own signature and indexing
+        return score + table[h, q_idx, kv_idx] * torch.cos((q_idx - kv_idx).to(score.dtype))
+
+    i, j = _positions(13, 17)
+    want = _eager(q, k, v, mod_fn=lambda s: s + table[None] * torch.cos((i - j).to(F64)))
+    assert _check_all(q, k, v, dict(score_mod=flex_style), want, ()) == ["reference", "chunked"]
+
+
+def test_user_function_with_declared_parameter():
+    q, k, v = _qkv()
+    w = torch.tensor(0.7, dtype=F64, requires_grad=True)
+    mod = scores.function(lambda w: lambda s, b, h, i, j: s * w - (i - j).abs() * w, params=[w])
+    i, j = _positions(13, 17)
+    want = _eager(q, k, v, mod_fn=lambda s: s * w - (i - j).abs().to(F64) * w)
+    assert _check_all(q, k, v, dict(score_mod=mod), want, (w,)) == ["reference", "chunked"]
+
+
+def test_undeclared_captured_parameter_is_left_to_the_reference():
+    q, k, v = _qkv()
+    w = torch.tensor(0.7, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match="closes over a tensor that requires grad"):
+        attnlab.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * w, backend="chunked")
+    out = attnlab.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * w)  # auto: the reference
+    (dw,) = torch.autograd.grad(out.sum(), w)
+    assert dw.abs() > 0
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_gradcheck_every_learnable_part(backend):
+    q, k, v = _qkv(B=1, Hq=2, Hkv=1, Tq=4, Tk=5, D=3)
+    slopes = torch.rand(2, dtype=F64, requires_grad=True)
+    table = torch.randn(8, 2, dtype=F64, requires_grad=True)
+    bias = torch.randn(1, 2, 4, 5, dtype=F64, requires_grad=True)
+    sinks = torch.randn(2, dtype=F64, requires_grad=True)
+
+    def f(q, k, v, slopes, table, bias, sinks):
+        mod = (scores.softcap(2.0) + scores.alibi(slopes)
+               + scores.relative_bias(table, num_buckets=8, max_distance=8, bidirectional=False)
+               + scores.bias(bias))
+        return attnlab.attention(q, k, v, causal=True, score_mod=mod, sinks=sinks, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, slopes, table, bias, sinks))
+
+
+def test_fp32_within_the_conformance_rule():
+    q, k, v = _qkv(Tq=70, Tk=70, dtype=torch.float32, seed=3)
+    sinks = torch.randn(4, requires_grad=True)
+    mod = scores.softcap(5.0) + scores.alibi(4)
+    ref = attnlab.attention(*(t.detach().double() for t in (q, k, v)), causal=True, score_mod=mod,
+                            sinks=sinks.detach().double(), backend="reference")
+    plain = attnlab.attention(q, k, v, causal=True, score_mod=mod, sinks=sinks, backend="reference")
+    limit = allowed_error((plain.double() - ref).abs().max().item(), torch.float32, ref.abs().max().item(),
+                          reduction=70)
+    out = chunked_attention(build_call(q, k, v, causal=True, score_mod=mod, sinks=sinks), q_block=16, kv_block=32).out
+    assert (out.double() - ref).abs().max().item() <= limit
+
+
+def test_weights_show_the_mods_and_the_sinks_share():
+    q, k, _ = _qkv()
+    sinks = torch.full((4,), 2.0, dtype=F64)
+    plain = attnlab.attention_weights(q, k, causal=True)
+    with_sinks = attnlab.attention_weights(q, k, causal=True, sinks=sinks)
+    assert torch.allclose(plain.sum(-1), torch.ones(2, 4, 13, dtype=F64))
+    share = 1 - with_sinks.sum(-1)  # the sink's share per query
+    assert (share > 0).all() and (share < 1).all()
+    _, weights = attnlab.attention(q, k, k, causal=True, sinks=sinks, return_weights=True, backend="chunked")
+    assert torch.allclose(weights, with_sinks)
+    capped = attnlab.attention_weights(q * 50, k, score_mod=scores.softcap(1.0))
+    assert capped.max() < attnlab.attention_weights(q * 50, k).max()
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(sinks=torch.zeros(3)), ValueError, "sinks must have shape"),
+    (dict(sinks=torch.zeros(4, dtype=torch.long)), TypeError, "sinks must have a floating"),
+    (dict(sinks=[0.0] * 4), TypeError, "sinks must be a torch.Tensor"),
+    (dict(score_mod=scores.alibi(torch.ones(3))), ValueError, "score_mod: alibi slopes"),
+    (dict(score_mod=scores.bias(torch.zeros(5, 5))), ValueError, "score_mod: bias of shape"),
+    (dict(score_mod=scores.relative_bias(torch.zeros(8, 2), num_buckets=8, max_distance=8,
+                                         bidirectional=False)), ValueError, "score_mod: relative_bias"),
+    (dict(score_mod=lambda s, b, h, i, j: s.sum()), ValueError, "score_mod: .* one score per position"),
+    (dict(score_mod=lambda s, b, h, i, j: s.expand(2, *s.shape)), ValueError, "score_mod: .* returned shape"),
+    (dict(score_mod=lambda s, b, h, i, j: s[..., :1]), ValueError, "score_mod: .* one score per position"),
+    (dict(score_mod=lambda s, b, h, i, j: s > 0), TypeError, "score_mod: .* float tensor"),
+    (dict(score_mod="softcap"), TypeError, "score_mod must be"),
+])
+def test_bad_arguments_name_themselves(bad, error, words):
+    q = torch.randn(1, 4, 6, 8)
+    with pytest.raises(error, match=words):
+        attnlab.attention(q, q, q, **bad)
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, float("inf")])
+def test_softcap_must_be_positive(cap):
+    with pytest.raises(ValueError, match="softcap"):
+        scores.softcap(cap)
+
+
+def test_dispatch_keys_on_the_signature_not_the_values():
+    q = torch.randn(1, 4, 6, 8)
+    a = attnlab.attention(q, q, q, causal=True, score_mod=scores.alibi(torch.ones(4)))
+    b = attnlab.attention(q, q, q, causal=True, score_mod=scores.alibi(torch.ones(4) * 3))
+    assert not torch.allclose(a, b)  # same signature, new values: computed again, not reused
+    s1 = attnlab.attention(q, q, q, sinks=torch.zeros(4))
+    s2 = attnlab.attention(q, q, q, sinks=torch.full((4,), 5.0))
+    assert s2.abs().sum() < s1.abs().sum()
+    keys = {attnlab.backends.dispatch.argument_key(
+        q, q, q, mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0, generator=None,
+        backend="auto", return_weights=False, score_mod=mod, sinks=None)
+        for mod in (scores.softcap(2.0), scores.softcap(2.0), scores.softcap(3.0), None)}
+    assert len(keys) == 3
+
+
+def test_why_says_who_serves_what():
+    q = torch.randn(1, 4, 64, 8)
+    text = why(q, q, q, causal=True, score_mod=scores.softcap(30.0), sinks=torch.zeros(4))
+    assert "runs on 'chunked'" in text
+    assert "sdpa: cannot serve: sdpa adds a score mod only as a float mask" in text
+    assert "blocks: cannot serve" in text and "flex: cannot serve" in text
+    assert "score_mod=softcap(30)" in text.splitlines()[0]
+    with torch.no_grad():
+        text = why(q, q, q, sinks=torch.zeros(4))
+    assert "runs on 'sdpa'" in text  # sinks alone: one more key, O(T) memory
+
+
+class _ForgetsTheSinks(attnlab.backends.Backend):
+    """Wrong the way shipped sink code was: the sinks left out of the normalisation."""
+
+    name = "forgets-sinks-test"
+    memory = "quadratic"
+
+    def forward(self, call):
+        import dataclasses
+        plain = dataclasses.replace(call, sinks=None, _memo={})
+        return attnlab.backends.AttentionResult(out=attnlab.backends.get("reference").forward(plain).out)
+
+
+def test_sweep_checks_score_mods_and_catches_wrong_sinks():
+    from attnlab import verify
+
+    cfgs = verify.configs(40, seed=1)
+    assert {c.score for c in cfgs} == {"none", *verify.SCORE_KINDS}
+    attnlab.backends.register(_ForgetsTheSinks())
+    try:
+        results = verify.sweep(["forgets-sinks-test"], [torch.float32], n=40, seed=1, small=True)
+    finally:
+        attnlab.backends.unregister("forgets-sinks-test")
+    failed = {r.config.split("score:")[-1] for r in results if not r.passed}
+    assert failed == {"sinks", "softcap_sinks", "alibi_sinks"}
+
+
+# ----------------------------------------------------------------------------- modules and GPT
+def test_module_alibi_equals_the_float_mask_of_nn_positional():
+    """positions="alibi" against attnlab.nn.positional.alibi_bias, an independent ALiBi."""
+    from attnlab.nn import MultiHeadAttention
+    from attnlab.nn.positional import alibi_bias
+
+    torch.manual_seed(0)
+    with_alibi = MultiHeadAttention(16, 16, num_heads=4, positions="alibi").double()
+    plain = MultiHeadAttention(16, 16, num_heads=4).double()
+    plain.load_state_dict(with_alibi.state_dict())
+    x = torch.randn(2, 7, 16, dtype=F64)
+    expected = plain(x, mask=alibi_bias(4, 7, dtype=F64))
+    assert torch.allclose(with_alibi(x), expected, atol=1e-12)
+    assert "alibi_slopes" not in with_alibi.state_dict()  # a buffer, rebuilt, never saved
+
+
+def test_module_options_keep_the_kv_cache_exact():
+    from attnlab.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, positions="alibi", softcap=3.0,
+                             sinks=True).double()
+    with torch.no_grad():
+        mha.sinks.normal_()
+    x = torch.randn(2, 7, 16, dtype=F64)
+    cache = mha.new_cache(batch_size=2, max_len=7)
+    with torch.no_grad():
+        steps = [mha(x[:, :4], cache=cache), mha(x[:, 4:5], cache=cache), mha(x[:, 5:], cache=cache)]
+    assert torch.allclose(torch.cat(steps, dim=1), mha(x), atol=1e-12)
+
+
+def test_module_sinks_are_a_learned_parameter_and_match_eager():
+    from attnlab.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 8, num_heads=2, sinks=True, softcap=2.0).double()
+    with torch.no_grad():
+        mha.sinks.copy_(torch.tensor([1.0, -1.0]))
+    x = torch.randn(1, 5, 8, dtype=F64)
+    q, k, v = mha.project_qkv(x)
+    context = _eager(q, k, v, mod_fn=lambda s: 2.0 * torch.tanh(s / 2.0), sinks=mha.sinks,
+                     allowed=attnlab.masks.causal_mask(5))
+    expected = mha.out_proj(context.transpose(1, 2).reshape(1, 5, 8))
+    out = mha(x)
+    assert torch.allclose(out, expected, atol=1e-12)
+    out.sum().backward()
+    assert "sinks" in dict(mha.named_parameters()) and mha.sinks.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(positions="rope"), ValueError, "positions must be one of"),
+    (dict(positions="alibi", rope=True), ValueError, "pick one"),
+    (dict(softcap=0.0), ValueError, "softcap must be a positive"),
+    (dict(sinks=1), TypeError, "sinks must be a bool"),
+])
+def test_module_options_are_checked(bad, error, words):
+    from attnlab.nn import MultiHeadAttention
+
+    with pytest.raises(error, match=words):
+        MultiHeadAttention(8, 8, num_heads=2, **bad)
+
+
+def test_gpt_with_alibi_sinks_and_softcap_trains_and_rebuilds_from_its_config():
+    from attnlab.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=20, max_len=16, d_model=16, num_layers=2, num_heads=4, positions="alibi",
+                softcap=5.0, sinks=True)
+    assert model.pos_emb is None
+    ids = torch.randint(0, 20, (4, 12))
+    optimizer = torch.optim.Adam(model.parameters(), 1e-2)
+    losses = []
+    for _ in range(15):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 20), ids[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert model.blocks[0].attn.sinks.grad.abs().max() > 0
+    again = GPT(**model.config)
+    again.load_state_dict(model.state_dict())
+    assert torch.equal(again(ids), model(ids))
+
+
+def test_sinks_and_an_additive_mod_trace_whole_under_torch_compile():
+    """sdpa serves them without reading a value: fullgraph=True fails on any graph break."""
+    torch._dynamo.reset()
+    q, sinks = torch.randn(1, 4, 16, 8), torch.randn(4)
+    mod = scores.alibi(4, symmetric=True)
+    compiled = torch.compile(lambda q, s: attnlab.attention(q, q, q, sinks=s, score_mod=mod), fullgraph=True)
+    want = attnlab.attention(q, q, q, sinks=sinks, score_mod=mod, backend="reference")
+    assert torch.allclose(compiled(q, sinks), want, atol=1e-6)
