@@ -205,3 +205,22 @@ def test_mixed_model_saves_and_loads(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
     assert loaded.layer_kinds == ("L", "G", "M") and loaded.blocks[2].attn.rope_dim == 4
+
+
+def test_alibi_is_refused_where_keys_are_not_in_position_order():
+    """ALiBi's distances index keys in position order: a paged or windowed cache, and GPT's
+    local (windowed-cache) and latent layers, are refused by name, and the cache is unchanged."""
+    from attnlab.models import GPT
+    from attnlab.nn import MultiHeadAttention
+
+    mha = MultiHeadAttention(8, 8, num_heads=2, positions="alibi")
+    paged = mha.new_cache(1, 16, page_size=4)
+    with pytest.raises(ValueError, match="positions='alibi' needs a KVCache"):
+        mha(torch.randn(1, 3, 8), cache=paged)
+    assert paged.row_lengths == (0,)
+    kv = mha.new_cache(1, 16)
+    full = mha(torch.randn(1, 5, 8))
+    assert full.shape == (1, 5, 8) and kv.length == 0
+    for options in (dict(layer_pattern="GL", window=4), dict(layer_pattern="GM", latent_dim=8, latent_rope_dim=4)):
+        with pytest.raises(ValueError, match="positions='alibi'"):
+            GPT(vocab_size=11, max_len=16, d_model=16, num_layers=2, num_heads=2, positions="alibi", **options)

@@ -408,7 +408,8 @@ class MultiHeadAttention(nn.Module):
         if documents is not None:
             mask = _with_documents(mask, documents, tq=Tq)
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
-        score_mod = self._score_mod(0 if cache is None else cache.length, context is not None)
+        alibi_offset = 0 if cache is None or self.alibi_slopes is None else cache.length  # a KVCache
+        score_mod = self._score_mod(alibi_offset, context is not None)
         q, k, v, _ = self._qkv(x, context, value_input, cache, documents)
 
         def attend(q: Tensor, k: Tensor, v: Tensor):
