@@ -55,7 +55,7 @@ class View:
         >>> import tempfile, torch
         >>> view = show(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), ["a", "b"], title="toy")
         >>> page = view.save(Path(tempfile.mkdtemp()) / "toy.html").read_text()
-        >>> page.startswith("<!DOCTYPE html>"), page.count('class="attnlab inline"')
+        >>> page.startswith("<!DOCTYPE html>"), page.count('data-prefix="attnlab-')
         (True, 1)
     """
 
