@@ -183,6 +183,10 @@ class Trace:
         """The walk, rendered where a notebook shows it: the report's cards, offline, ids of its own."""
         return _html.walk_view(self)
 
+    def __repr__(self) -> str:
+        return (f"<Trace: {self.mode} attention of {self.sentence!r}, {self.heads} head(s), "
+                f"{len(self.steps)} steps, seed {self.seed}>")
+
 
 def tokenize(text: str) -> list[str]:
     """Split ``text`` into words: punctuation is stripped, case is kept, apostrophes stay inside.
