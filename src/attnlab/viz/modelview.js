@@ -87,6 +87,10 @@
         chip.style.background = "rgba(79, 70, 229, " + (0.04 + 0.66 * Math.min(1, w / max)).toFixed(3) + ")";
         chip.classList.toggle("focus", Math.floor(i / data.block) === r);
       });
+      paint(big, values, offset(state.layer, state.head), n, n);  // the row read stays bright, the rest dims
+      var ctx = big.getContext("2d");
+      ctx.fillStyle = "rgba(255, 255, 255, 0.45)";
+      ctx.fillRect(0, 0, n, r); ctx.fillRect(0, r + 1, n, n - r - 1);
       root.dataset.row = String(r);
     }
 
