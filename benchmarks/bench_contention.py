@@ -22,7 +22,7 @@ T = 8192
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 8, T, 64) for _ in range(3))
 CASES = {"window 256": masks.sliding_window_mod(T, T, 256),
-         "packed 8 docs": masks.document_mod(torch.arange(T) // (T // 8))}
+         "packed 8 docs": masks.prepare(masks.document_mod(torch.arange(T) // (T // 8)), tq=T, tk=T)}
 
 
 def busy_core():

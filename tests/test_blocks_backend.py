@@ -12,7 +12,7 @@ import torch
 
 import attnlab
 from attnlab import masks, verify
-from attnlab.backends import build_call, get, reasons, select
+from attnlab.backends import build_call, dispatch, get, reasons, select
 from attnlab.backends.blocks import block_spans, blocks_attention, visited_fraction
 
 
@@ -274,7 +274,7 @@ def test_batched_calls_equal_one_call_per_piece_and_the_fp64_reference(name, mon
     batched, _ = _run(cfg, "blocks", seed=7)
     batched_calls = dict(counts)
     monkeypatch.setattr("attnlab.backends.blocks._progressions", lambda pieces: [[p] for p in pieces])
-    monkeypatch.setattr("attnlab.backends.blocks._PLANS", type(blocks._PLANS)())  # plan afresh
+    dispatch.clear_plans()  # plan afresh: the routes hold the plans of tensor-free mods
     counts.update(forward=0, backward=0)
     per_piece, _ = _run(cfg, "blocks", seed=7)
     want, _ = _run(cfg, "reference", seed=7)
@@ -301,9 +301,6 @@ def test_a_sliding_window_makes_the_same_few_kernel_calls_at_any_length(monkeypa
 
 def test_a_mask_written_through_numpy_gets_a_new_plan():
     """Regression: plans were keyed on the tensors' ``_version``, which a numpy write keeps."""
-    from attnlab.backends import blocks
-
-    blocks._PLANS.clear()
     q, k, v, _ = _inputs(2, 2, 2, 40, 40, 4, 4, seed=9)
     lengths = torch.tensor([40, 30])
     mod = masks.and_masks(masks.sliding_window_mod(40, 40, 8), masks.padding_mod(lengths))
@@ -314,25 +311,33 @@ def test_a_mask_written_through_numpy_gets_a_new_plan():
     assert torch.allclose(have, want, atol=1e-10)
 
 
-def test_plans_are_reused_until_a_mask_tensor_changes_in_place():
+def test_a_prepared_mask_is_planned_once_and_is_a_snapshot(monkeypatch):
+    """A prepared mask keeps its plan (planned on the first call only); an unprepared mod with
+    tensors is planned on every call, so editing its ids in place is seen; editing them after
+    preparing changes nothing the prepared mask computes."""
     from attnlab.backends import blocks
 
-    blocks._PLANS.clear()
+    plans = []
+    real = blocks._plan_runs
+    monkeypatch.setattr(blocks, "_plan_runs", lambda *a: plans.append(1) or real(*a))
     q, k, v, _ = _inputs(1, 2, 2, 40, 40, 4, 4, seed=8)
     ids = torch.arange(40) // 10
     mod = masks.document_mod(ids)
-    first = blocks_attention(build_call(q, k, v, mask=mod), block=8).out
-    assert len(blocks._PLANS) == 1
-    again = blocks_attention(build_call(q, k, v, mask=masks.document_mod(ids)), block=8).out
-    assert len(blocks._PLANS) == 1 and torch.equal(first, again)  # an equal mod: the same plan
-    mod.ids[0, 15:] = 9  # documents 1-3 become one document: a new plan, a new answer
+    prepared = masks.prepare(mod, tq=40, tk=40)
+    first = blocks_attention(build_call(q, k, v, mask=prepared), block=8).out
+    again = blocks_attention(build_call(q, k, v, mask=prepared), block=8).out
+    assert len(plans) == 1 and torch.equal(first, again)
+    want = get("reference").forward(build_call(q, k, v, mask=masks.document_mod(ids.clone()))).out
+    assert torch.allclose(first, want, atol=1e-10)
+    mod.ids[0, 15:] = 9  # documents 1-3 become one document
     mod._first, mod._end = (t.tolist() for t in masks._occurrence_bounds(mod.ids))
+    assert torch.equal(blocks_attention(build_call(q, k, v, mask=prepared), block=8).out, first)  # a snapshot
     have = blocks_attention(build_call(q, k, v, mask=mod), block=8).out
-    want = get("reference").forward(build_call(q, k, v, mask=mod)).out
-    assert torch.allclose(have, want, atol=1e-10)  # the values differ from the entry's: replanned
-    assert len(blocks._PLANS) == 1  # the entry of that value key now holds the new plan
+    edited = get("reference").forward(build_call(q, k, v, mask=mod)).out
+    assert torch.allclose(have, edited, atol=1e-10) and not torch.allclose(have, first)
+    assert len(plans) == 2  # the prepared mask's plan kept; the mod planned afresh
     blocks_attention(build_call(q, k, v, mask=masks.and_masks(mod, lambda b, h, i, j: i >= j)), block=8)
-    assert len(blocks._PLANS) == 1  # a user's function is never cached
+    assert len(plans) == 3  # a user's function is planned on every call
 
 
 def test_block_size_follows_the_cost_model_and_auto_keeps_plain_causal_on_sdpa():

@@ -270,7 +270,7 @@ def test_decoder_whose_later_layer_fails_puts_every_cache_back():
         (lambda: MultiHeadAttention(8, 8, dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\)"),
         (lambda: MultiHeadAttention(8, 8, causal="yes"), TypeError, "causal must be a bool"),
         (lambda: KVCache(1, 1, -1, 4), ValueError, "max_len must be a positive int, got -1"),
-        (lambda: KVCache(1, 1, 4, 4, value_dim=-1), ValueError, "value_dim must be a positive int"),
+        (lambda: KVCache(1, 1, 4, 4, value_dim=-1), ValueError, "value_dim must be a non-negative int"),
         (lambda: KVCache(1, 1, 4, 4, dtype=torch.long), TypeError, "dtype must be a floating-point"),
         (lambda: FeedForward(8, d_ff=-1), ValueError, "d_ff must be a positive int"),
         (lambda: TransformerDecoder(0, 8, 2), ValueError, "num_layers must be a positive int"),

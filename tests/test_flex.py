@@ -37,22 +37,22 @@ def test_cpu_declines_backward_and_dropout():
         assert backends.reasons(build_call(q, k, v))["flex"] == []
 
 
-def test_block_mask_is_cached_per_mask_identity():
-    cache = backends.get("flex")._block_masks
+def test_block_masks_live_on_prepared_masks_and_dense_masks_are_built_per_call():
     q, k, v = _qkv()
     mask = torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.3
+    prepared = masks.prepare(masks.sliding_window_mod(T, T, 64), tq=T, tk=T)
     with torch.no_grad():
-        first = attnlab.attention(q, k, v, mask=mask, backend="flex")
-        cached = cache.get(build_call(q, k, v, mask=mask))
-        again = attnlab.attention(q, k, v, mask=mask, backend="flex")
-        assert cached is not None and cache.get(build_call(q, k, v, mask=mask)) is cached
-        assert cache.get(build_call(q, k, v, mask=mask.clone())) is None  # another tensor
-        mask[0, 0] = not mask[0, 0]  # an in-place edit bumps the version: not the cached one
-        assert cache.get(build_call(q, k, v, mask=mask)) is None
+        attnlab.attention(q, k, v, mask=mask, backend="flex")
+        mask[0, 0] = not mask[0, 0]  # nothing was kept: the edit is seen
         changed = attnlab.attention(q, k, v, mask=mask, backend="flex")
         want = attnlab.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
-    assert torch.equal(first, again)
+        first = attnlab.attention(q, k, v, mask=prepared, backend="flex")
+        held = [value for key, value in prepared.memo.items() if key[0] == "flex"]
+        again = attnlab.attention(q, k, v, mask=prepared, backend="flex")
     torch.testing.assert_close(changed.double(), want, atol=1e-5, rtol=1e-5)
+    assert len(held) == 1 and [value for key, value in prepared.memo.items() if key[0] == "flex"] == held
+    assert torch.equal(first, again)
+    _assert_conforms(first, q, k, v, mask=masks.sliding_window_mod(T, T, 64))
 
 
 def test_mask_mod_and_causal_forward_on_cpu():
@@ -301,7 +301,7 @@ def test_mask_mods_reach_the_kernel_without_a_dense_mask(case, monkeypatch):
 
 def test_every_direct_mod_of_a_shape_shares_one_compilation():
     """Dynamo guards on a mod's class and each int it reads; flex hands every direct mod over as
-    one RowRangeMod of tensors, so another class, window, prefix, document layout or a new
+    one PreparedMask of tensors, so another class, window, prefix, document layout or a new
     instance compiles nothing and is still exact."""
     q, k, v = _qkv()
     with torch.no_grad():
@@ -317,24 +317,6 @@ def test_every_direct_mod_of_a_shape_shares_one_compilation():
     assert _graphs() == graphs
 
 
-def test_row_ranges_equal_every_mod_of_the_conformance_sweep():
-    """RowRangeMod (what the kernel reads) allows exactly what each mod allows; no compile."""
-    checked = 0
-    for config in verify.configs(300, seed=5):
-        mask = verify._inputs(config)[4]
-        q = torch.randn(config.batch, config.q_heads, config.tq, 4)
-        k = torch.randn(config.batch, config.kv_heads, config.tk, 4)
-        call = build_call(q, k, k, mask=mask, causal=config.causal, align=config.align)
-        mod = flex_module._direct_mod(call)
-        if mod is None or min(config.tq, config.tk) == 0:
-            continue
-        sizes = dict(tq=config.tq, tk=config.tk, batch=config.batch)
-        rows = flex_module._row_range_mod(mod, call)
-        assert torch.equal(masks.materialize(rows, **sizes), masks.materialize(mod, **sizes)), config.label()
-        checked += 1
-    assert checked >= 150
-
-
 @pytest.mark.parametrize("tq, make", [
     (1024, lambda tq: masks.sliding_window_mod(tq, 1024, 200)),
     (1024, lambda tq: masks.document_mod(torch.tensor([0] * 300 + [1] * 500 + [2] * 224), causal=False)),
@@ -347,7 +329,7 @@ def test_block_mask_from_a_mod_is_torchs_block_mask(tq, make):
     mod, batch = make(tq), 2
     call = build_call(torch.randn(batch, 1, tq, 8), torch.randn(batch, 1, 1024, 8), torch.randn(batch, 1, 1024, 8),
                       mask=mod)
-    ours = flex_module._block_mask_of_mod(mod, call)
+    ours = flex_module._block_mask_of(masks.prepare(mod, tq=tq, tk=1024, batch=batch).rows(batch), call)
     torchs = flex_module._flex_module.create_block_mask(mod, batch, 1, tq, 1024, device="cpu")
     for name in ("kv_num_blocks", "full_kv_num_blocks"):
         assert torch.equal(getattr(ours, name), getattr(torchs, name)), name
@@ -360,25 +342,25 @@ def test_block_mask_from_a_mod_holds_no_dense_mask():
     q = torch.randn(1, 1, t, 8)
     call = build_call(q, q, q, mask=masks.sliding_window_mod(t, t, 256), causal=True)
     with PeakMemory() as meter:
-        block_mask = flex_module._block_mask_of_mod(call.mask_mod(), call)
+        block_mask = flex_module._block_mask_of(masks.prepare(call.mask_mod(), tq=t, tk=t), call)
     assert meter.peak_bytes < 2**20, f"{meter.peak_bytes / 2**20:.1f} MiB"
     assert int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum()) == 3 * (t // 128) - 3
 
 
-def test_equal_mods_share_a_block_mask_that_no_later_edit_reaches():
-    """Two PaddingMods with equal lengths share the cache entry; editing the first afterwards
-    must not change what the second computes (the kernel's copy owns its tensors)."""
+def test_a_prepared_mask_is_a_snapshot_and_an_unprepared_mod_is_read_each_call():
+    """Editing a PaddingMod's lengths after preparing it does not reach the prepared mask (it
+    owns copies); the mod itself, passed unprepared, is read afresh on each call."""
     q, k, v = _qkv()
-    first, second = masks.padding_mod(torch.tensor([200])), masks.padding_mod(torch.tensor([200]))
-    cache = backends.get("flex")._block_masks
+    mod = masks.padding_mod(torch.tensor([200]))
+    prepared = masks.prepare(mod, tq=T, tk=T)
     with torch.no_grad():
-        attnlab.attention(q, k, v, mask=first, backend="flex")
-        assert cache.get(build_call(q, k, v, mask=second)) is cache.get(build_call(q, k, v, mask=first))
-        first.lengths[0] = 3
-        out = attnlab.attention(q, k, v, mask=second, backend="flex")
-        edited = attnlab.attention(q, k, v, mask=first, backend="flex")
-    _assert_conforms(out, q, k, v, mask=second)
-    _assert_conforms(edited, q, k, v, mask=first)
+        out = attnlab.attention(q, k, v, mask=prepared, backend="flex")
+        mod.lengths[0] = 3
+        again = attnlab.attention(q, k, v, mask=prepared, backend="flex")
+        edited = attnlab.attention(q, k, v, mask=mod, backend="flex")
+    assert torch.equal(out, again)
+    _assert_conforms(out, q, k, v, mask=masks.padding_mod(torch.tensor([200])))
+    _assert_conforms(edited, q, k, v, mask=masks.padding_mod(torch.tensor([3])))
 
 
 def test_user_mods_and_ors_take_the_dense_path():

@@ -216,3 +216,72 @@ def test_or_combination_bounds_are_the_union_and_bounds_less_parts_give_none():
     both = masks.prefix_lm_mod(16, 16, 2) | masks.chunked_local_mod(16, 16, 4)
     assert both.kv_bounds(8, 12) == (0, 12)
     assert (masks.causal_mod(16, 16) | (lambda b, h, i, j: i == j)).kv_bounds(0, 4) is None
+
+
+# ------------------------------------------------------------------ prepared masks
+
+
+def _sweep_mods(count: int, seed: int):
+    """(mod with the call's causal folded in, config) for the conformance sweep's mods with row ranges."""
+    from attnlab import verify
+    from attnlab._call import build_call
+
+    for config in verify.configs(count, seed=seed):
+        mask = verify._inputs(config)[4]
+        if min(config.tq, config.tk) == 0:
+            continue
+        q = torch.randn(config.batch, config.q_heads, config.tq, 4)
+        k = torch.randn(config.batch, config.kv_heads, config.tk, 4)
+        call = build_call(q, k, k, mask=mask, causal=config.causal, align=config.align)
+        mod = call.mask_mod()
+        if mod is not None and masks.has_row_ranges(mod):
+            yield mod, config
+
+
+def test_each_mods_three_descriptions_agree_over_the_conformance_sweep():
+    """``__call__`` (the definition), ``row_ranges`` (through prepare) and ``kv_bounds`` describe
+    one mask: the prepared mask allows exactly what the mod allows, and neither mod's bounds miss
+    a key any query of a block may attend."""
+    checked = 0
+    for mod, config in _sweep_mods(300, seed=5):
+        sizes = dict(tq=config.tq, tk=config.tk, batch=config.batch)
+        prepared = masks.prepare(mod, **sizes)
+        dense = masks.materialize(mod, **sizes)  # (B, 1, Tq, Tk)
+        assert torch.equal(masks.materialize(prepared, **sizes), dense), config.label()
+        for start in range(0, config.tq, 16):
+            stop = min(config.tq, start + 16)
+            used = dense[:, :, start:stop].any(dim=(0, 1, 2)).nonzero().flatten()
+            if used.numel() == 0:
+                continue
+            for bounded in (mod, prepared):
+                lo, hi = masks.kv_range(bounded, start, stop, config.tk)
+                assert lo <= int(used[0]) and int(used[-1]) < hi, (config.label(), bounded)
+        checked += 1
+    assert checked >= 150
+
+
+def test_prepared_bounds_are_tight_for_documents_and_windows():
+    ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+    prepared = masks.prepare(masks.document_mod(ids), tq=16, tk=16)
+    assert prepared.kv_bounds(5, 12) == (5, 12) and prepared.kv_bounds(12, 14) == (12, 14)
+    window = masks.prepare(masks.sliding_window_mod(16, 16, 3), tq=16, tk=16)
+    assert window.kv_bounds(8, 10) == (6, 10)
+    empty = masks.prepare(masks.varlen_causal_mod(torch.tensor([2]), torch.tensor([3])), tq=4, tk=4)
+    assert empty.kv_bounds(2, 4) == (0, 0)  # padded queries see nothing
+
+
+def test_prepare_refuses_what_it_cannot_prepare_and_checks_sizes():
+    with pytest.raises(ValueError, match="mask: prepare takes"):
+        masks.prepare(lambda b, h, i, j: i >= j, tq=4, tk=4)
+    with pytest.raises(ValueError, match="mask: prepare takes"):
+        masks.prepare(masks.causal_mod(4, 4) | masks.sliding_window_mod(4, 4, 2), tq=4, tk=4)
+    with pytest.raises(ValueError, match="PaddingMod has 1 lengths but the batch has 2"):
+        masks.prepare(masks.padding_mod(torch.tensor([3])), tq=4, tk=4, batch=2)
+    with pytest.raises(ValueError, match="tq"):
+        masks.prepare(masks.causal_mod(4, 4), tq=-1, tk=4)
+    prepared = masks.prepare(masks.causal_mod(4, 4), tq=4, tk=4)
+    assert masks.prepare(prepared, tq=4, tk=4) is prepared
+    q = torch.randn(1, 1, 5, 4)
+    with pytest.raises(ValueError, match="prepared for Tq=4, Tk=4 but the call has Tq=5, Tk=5"):
+        import attnlab
+        attnlab.attention(q, q, q, mask=prepared)

@@ -270,16 +270,36 @@ def test_empty_batches_and_sequences_repeat_as_the_first_call_gives_them(q_shape
         assert out.shape == want.shape and torch.allclose(out.double(), want)
 
 
-def test_one_reset_clears_dispatch_and_every_backend():
-    from attnlab.backends import blocks
+def test_one_reset_clears_every_route_and_the_plans_they_hold():
+    """The blocks' plan of a tensor-free mod lives on the prepared mask its route holds: no
+    other store, and clear_plans forgets it."""
     q = torch.randn(1, 2, 512, 16)
-    mod = masks.sliding_window_mod(512, 512, 16)
-    attnlab.attention(q, q, q, mask=mod)
-    assert dispatch._ROUTES and blocks._PLANS
+    attnlab.attention(q, q, q, mask=masks.sliding_window_mod(512, 512, 16), backend="blocks")
+    prepared = [r.mask for r in dispatch._ROUTES.values() if r.mask is not None]
+    assert len(prepared) == 1 and any(key[0] == "blocks" for key in prepared[0].memo)
     dispatch.clear_plans()
-    assert not dispatch._ROUTES and not blocks._PLANS
-    if "flex" in backends.registry():
-        assert not backends.get("flex")._block_masks.entries
+    assert not dispatch._ROUTES
+
+
+def test_a_new_tensor_free_mod_per_step_is_planned_once(monkeypatch):
+    """A model building ``sliding_window_mod(T, T, 256)`` (or passing causal=True) on every step
+    finds its route by value, and the plan on the route's prepared mask."""
+    from attnlab.backends import blocks
+
+    plans = []
+    real = blocks._plan_runs
+    monkeypatch.setattr(blocks, "_plan_runs", lambda *a: plans.append(1) or real(*a))
+    dispatch.clear_plans()
+    q = torch.randn(1, 2, 256, 8)
+    want = attnlab.attention(q.double(), q.double(), q.double(), mask=masks.sliding_window_mod(256, 256, 32),
+                             backend="reference")
+    for _ in range(4):
+        out = attnlab.attention(q, q, q, mask=masks.sliding_window_mod(256, 256, 32), backend="blocks")
+        assert torch.allclose(out.double(), want, atol=1e-5)
+    assert len(plans) == 1
+    for _ in range(3):
+        attnlab.attention(q, q, q, causal=True, backend="blocks")
+    assert len(plans) == 2
 
 
 def test_threads_sharing_the_cache_get_what_one_thread_gets():

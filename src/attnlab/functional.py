@@ -97,12 +97,18 @@ def attention(
     known = remembered(key, mask)
     if known is not None and known.run is not None:  # validated before: nothing reads values
         return known.run(q, k, v, mask)  # (B, Hq, Tq, Dv)
+    if known is not None and known.mask is not None:  # the same mask, prepared: plans made once
+        mask, causal = known.mask, False
     call = build_call(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         generator=generator, return_weights=return_weights,
     )
     direct = call.q is q and call.k is k and call.v is v and call.mask is mask
-    chosen = route(key, known, call, backend, direct=direct).backend  # known: no second lookup
+    chosen_route = route(key, known, call, backend, direct=direct)  # known: no second lookup
+    if chosen_route.mask is not None and known is None:  # the first call plans from it too
+        call = build_call(q, k, v, mask=chosen_route.mask, causal=False, align=align, scale=scale,
+                          dropout_p=dropout_p, generator=generator, return_weights=return_weights)
+    chosen = chosen_route.backend
     result = chosen.forward(call)
     out = _restore_rank(result.out, call)
     if not return_weights:

@@ -87,7 +87,10 @@ __all__ = [
     "evaluate",
     "apply_mod",
     "mod_tensors",
-    "same_tensors",
+    "value_only_key",
+    "has_row_ranges",
+    "PreparedMask",
+    "prepare",
     "kv_range",
     "causal_mask",
     "sliding_window_mask",
@@ -185,6 +188,30 @@ class MaskMod:
         """
         return None
 
+    def row_ranges(self, q: Tensor, tk: int) -> tuple | None:
+        """The mod as one key interval per query row, and optionally a segment per position.
+
+        Query ``q`` of batch row ``b`` may attend key ``j`` exactly when ``lo[b, q] <= j <=
+        hi[b, q]`` and, with segments, ``q_segment[b, q] == k_segment[b, j]``. Every mod attnlab
+        defines has this form, and so does an AND of them: it is what :func:`prepare` turns into
+        the value the block-sparse and flex paths read (an empty row has ``hi < lo``).
+
+        Args:
+            q: ``(1, n)`` int64 query positions (on the CPU when :func:`prepare` asks).
+            tk: the number of keys.
+
+        Returns:
+            ``(lo, hi, segments)``: ints or int64 tensors broadcasting to ``(B|1, n)``, and None
+            or ``(q_segment (B|1, n), k_segment (B|1, tk))``; or None (the default) when the mod
+            is not of this form (an OR, a mod of your own).
+
+        Example:
+            >>> lo, hi, segments = SlidingWindowMod(2).row_ranges(torch.arange(4).view(1, -1), 4)
+            >>> lo.tolist(), hi.tolist(), segments
+            ([[-1, 0, 1, 2]], [[0, 1, 2, 3]], None)
+        """
+        return None
+
     def check_sizes(self, *, batch: int, heads: int, tq: int, tk: int) -> None:
         """Raise ``ValueError`` naming ``mask`` if the mod cannot serve a call of these sizes.
 
@@ -246,6 +273,9 @@ class CausalMod(MaskMod):
     def kv_bounds(self, q_start, q_end):
         return 0, max(0, q_end - 1 + self.offset + 1)
 
+    def row_ranges(self, q, tk):
+        return 0, q + self.offset, None
+
     def __repr__(self) -> str:
         return f"CausalMod(offset={self.offset})"
 
@@ -275,6 +305,10 @@ class SlidingWindowMod(MaskMod):
         lo = max(0, q_start + self.offset - self.window + 1)
         hi = max(lo, q_end - 1 + self.offset + 1)
         return lo, hi
+
+    def row_ranges(self, q, tk):
+        last = q + self.offset
+        return last - self.window + 1, last, None
 
     def __repr__(self) -> str:
         return f"SlidingWindowMod(window={self.window}, offset={self.offset})"
@@ -334,6 +368,9 @@ class PaddingMod(MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx < _on_device(self.lengths, kv_idx)[b]
+
+    def row_ranges(self, q, tk):
+        return 0, self.lengths.to(q.device, torch.int64).view(-1, 1) - 1, None  # (B, 1)
 
     def check_sizes(self, *, batch, heads, tq, tk):
         if self.lengths.shape[0] != batch:
@@ -416,6 +453,12 @@ class VarlenCausalMod(MaskMod):
         lo = 0 if self.window is None else max(0, int((q_start + offset).min()) - self.window + 1)
         return lo, max(lo, hi)
 
+    def row_ranges(self, q, tk):
+        q_len, k_len = (t.to(q.device, torch.int64).view(-1, 1) for t in (self.q_lengths, self.k_lengths))
+        last = q + k_len - q_len  # (B, n): the row's own bottom-right diagonal
+        lo = 0 if self.window is None else last - self.window + 1
+        return lo, torch.where(q < q_len, last, -1), None  # padded queries: an empty range
+
     def check_sizes(self, *, batch, heads, tq, tk):
         for name, lengths, size, what in (("q_lengths", self.q_lengths, tq, "Tq"),
                                           ("k_lengths", self.k_lengths, tk, "Tk")):
@@ -456,6 +499,9 @@ class PrefixLMMod(MaskMod):
     def kv_bounds(self, q_start, q_end):
         return 0, max(self.prefix_len, q_end + self.offset)
 
+    def row_ranges(self, q, tk):  # keys < prefix_len, or <= the diagonal: one prefix of the keys
+        return 0, torch.clamp(q + self.offset, min=self.prefix_len - 1), None
+
     def __repr__(self) -> str:
         return f"PrefixLMMod(prefix_len={self.prefix_len}, offset={self.offset})"
 
@@ -495,6 +541,11 @@ class ChunkedLocalMod(MaskMod):
         lo = (first // self.chunk) * self.chunk
         hi = last + 1 if self.causal else (last // self.chunk + 1) * self.chunk
         return lo, max(lo, hi)
+
+    def row_ranges(self, q, tk):
+        pos = q + self.offset
+        start = torch.div(pos, self.chunk, rounding_mode="floor") * self.chunk
+        return start, pos if self.causal else start + self.chunk - 1, None
 
     def __repr__(self) -> str:
         return f"ChunkedLocalMod(chunk={self.chunk}, causal={self.causal}, offset={self.offset})"
@@ -585,6 +636,11 @@ class DocumentMod(MaskMod):
         hi = max(max(row[start:stop]) for row in self._end)
         return lo, max(lo, min(hi, stop) if self.causal else hi)
 
+    def row_ranges(self, q, tk):
+        ids = self.ids.to(q.device)  # (B|1, L)
+        pos = q[0] + self.offset
+        return 0, (q + self.offset) if self.causal else tk - 1, (ids[:, pos], ids[:, :tk])
+
     def check_sizes(self, *, batch, heads, tq, tk):
         rows, length = self.ids.shape
         if rows not in (1, batch):
@@ -632,6 +688,20 @@ class CombinedMod(MaskMod):
         if len(known) < len(bounds):
             return None
         return min(bound[0] for bound in known), max(bound[1] for bound in known)
+
+    def row_ranges(self, q, tk):
+        """An AND intersects its parts' intervals and pairs their segments; an OR has no form."""
+        if self.op != "and":
+            return None
+        lo, hi, segments = 0, tk - 1, None
+        for part in self.mods:
+            ranges = part.row_ranges(q, tk) if isinstance(part, MaskMod) else None
+            if ranges is None:
+                return None
+            lo = torch.maximum(torch.as_tensor(lo), torch.as_tensor(ranges[0]))
+            hi = torch.minimum(torch.as_tensor(hi), torch.as_tensor(ranges[1]))
+            segments = _pair_segments(segments, ranges[2])
+        return lo, hi, segments
 
     def value_key(self) -> tuple | None:
         """The op and its parts' keys; None when any part has none (a plain function, say)."""
@@ -760,7 +830,7 @@ def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
         >>> out = attnlab.attention(q, k, k, mask=mod)
         >>> solo = attnlab.attention(q[:1, :, :1], k[:1, :, :4], k[:1, :, :4],
         ...                          causal=True, align="bottom_right")
-        >>> bool(torch.allclose(out[:1, :, :1], solo)), bool(out[0, :, 1:].eq(0).all())
+        >>> bool(torch.allclose(out[:1, :, :1], solo, atol=1e-6)), bool(out[0, :, 1:].eq(0).all())
         (True, True)
     """
     return VarlenCausalMod(q_lengths, k_lengths, window=window)
@@ -782,16 +852,206 @@ def mod_tensors(mod: Callable) -> tuple[Tensor, ...]:
     return tuple(value for _, value in sorted(vars(mod).items()) if isinstance(value, Tensor))
 
 
-def same_tensors(seen: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
-    """Equal devices, shapes and values, pairwise (NaN never equals, so a NaN mask is never reused).
+def value_only_key(mod: object) -> tuple | None:
+    """:meth:`MaskMod.value_key` of a mod that holds no tensor (causal, windows, prefixes,
+    chunks and ANDs/ORs of them): all it masks by is in the key, so two such mods with equal
+    keys are the same mask. None for any other mask (tensors inside, or no key).
 
     Example:
-        >>> ids = torch.tensor([0, 0, 1])
-        >>> same_tensors((ids.clone(),), (ids,)), same_tensors((ids.clone(),), (ids + 1,))
-        (True, False)
+        >>> value_only_key(sliding_window_mod(8, 8, 2)) == value_only_key(SlidingWindowMod(2))
+        True
+        >>> value_only_key(padding_mod(torch.tensor([3]))) is None
+        True
     """
-    return len(seen) == len(now) and all(
-        a.device == b.device and a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen, now))
+    key = mod.value_key() if isinstance(mod, MaskMod) else None
+    return key if key is not None and not mod_tensors(mod) else None
+
+
+def has_row_ranges(mod: object) -> bool:
+    """Whether ``mod`` is one of attnlab's mods, a :class:`PreparedMask` or an AND of them:
+    the mods :meth:`MaskMod.row_ranges` describes (exact classes: a subclass may override
+    ``__call__``). Reads no tensor value.
+
+    Example:
+        >>> has_row_ranges(causal_mod(4, 4) & sliding_window_mod(4, 4, 2))
+        True
+        >>> has_row_ranges(causal_mod(4, 4) | sliding_window_mod(4, 4, 2))
+        False
+    """
+    if type(mod) is CombinedMod:
+        return mod.op == "and" and all(has_row_ranges(part) for part in mod.mods)
+    return type(mod) is PreparedMask or bool(type(mod).__dict__.get("_keyed", False))
+
+
+def _pair_segments(first, second):
+    """One segment id per position for two (q, k) segmentings: equal ids = equal in both."""
+    if first is None or second is None:
+        return second if first is None else first
+    rows = max(first[0].shape[0], second[0].shape[0])
+    q_pairs, k_pairs = (torch.stack(torch.broadcast_tensors(a, b), dim=-1).expand(rows, -1, 2)
+                        for a, b in zip(first, second))  # (B, T, 2)
+    _, ids = torch.unique(torch.cat([q_pairs, k_pairs], dim=1).reshape(-1, 2), dim=0, return_inverse=True)
+    ids = ids.view(rows, -1)  # (B, Tq + Tk)
+    return ids[:, : q_pairs.shape[1]], ids[:, q_pairs.shape[1]:]
+
+
+def _segment_extents(q_segment: Tensor, k_segment: Tensor) -> tuple[Tensor, Tensor]:
+    """Per query, the first and last key of its segment (``tk`` and -1 when none), ``(R, Tq)``."""
+    tq, tk = q_segment.shape[1], k_segment.shape[1]
+    first = torch.empty_like(q_segment)
+    last = torch.empty_like(q_segment)
+    keys = torch.arange(tk)
+    for r in range(q_segment.shape[0]):
+        _, inverse = torch.unique(torch.cat([q_segment[r], k_segment[r]]), return_inverse=True)
+        slots = int(inverse.max()) + 1 if inverse.numel() else 0
+        q_slot, k_slot = inverse[:tq], inverse[tq:]
+        first[r] = torch.full((slots,), tk).scatter_reduce(0, k_slot, keys, "amin")[q_slot]
+        last[r] = torch.full((slots,), -1).scatter_reduce(0, k_slot, keys, "amax")[q_slot]
+    return first, last
+
+
+class PreparedMask(MaskMod):
+    """A mask mod turned, once, into the value the block-sparse and flex paths read: per query
+    row one key interval ``[lo, hi]`` and a segment per position (see :meth:`MaskMod.row_ranges`).
+
+    Made by :func:`prepare` for one ``(Tq, Tk)``, as FlexAttention's ``create_block_mask`` makes
+    a ``BlockMask``: pass it as ``mask`` to every call of that shape, and what a backend derives
+    from it (the blocks' plan, flex's block mask) is computed on the first call and kept on the
+    value itself (:attr:`memo`), not in a process-wide cache. It is a snapshot: editing the
+    tensors of the mod it came from afterwards does not change it. It reads no tensor value
+    when asked for bounds (they are Python lists made here), so dispatch may ask.
+
+    Shapes:
+        lo, hi, q_segment: ``(R, Tq)`` int64; k_segment: ``(R, Tk)`` int64; ``R`` is 1 (one
+        row serves every batch row) or the batch.
+
+    Example:
+        >>> prepared = prepare(sliding_window_mod(6, 6, 2), tq=6, tk=6)
+        >>> prepared.kv_bounds(4, 6), bool(torch.equal(
+        ...     materialize(prepared, tq=6, tk=6), materialize(SlidingWindowMod(2), tq=6, tk=6)))
+        ((3, 6), True)
+    """
+
+    def __init__(self, lo: Tensor, hi: Tensor, q_segment: Tensor, k_segment: Tensor, *, source: str = ""):
+        self.lo, self.hi, self.q_segment, self.k_segment = lo, hi, q_segment, k_segment
+        self.tq, self.tk, self.source = lo.shape[1], k_segment.shape[1], source
+        cpu_lo, cpu_hi = lo.cpu(), hi.cpu()
+        live = cpu_hi >= cpu_lo  # (R, Tq)
+        self._kv_lo = torch.where(live, cpu_lo, self.tk).amin(dim=0).tolist() if lo.shape[0] else []
+        self._kv_hi = torch.where(live, cpu_hi + 1, 0).amax(dim=0).tolist() if lo.shape[0] else []
+        self.memo: dict = {}  # what backends derive from this value, per call shape (bounded)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        rows = _on_device(self.lo, kv_idx).shape[0]
+        b = b if rows > 1 else 0
+        lo, hi = _on_device(self.lo, kv_idx)[b, q_idx], _on_device(self.hi, kv_idx)[b, q_idx]
+        same = _on_device(self.q_segment, kv_idx)[b, q_idx] == _on_device(self.k_segment, kv_idx)[b, kv_idx]
+        return (kv_idx >= lo) & (kv_idx <= hi) & same
+
+    def kv_bounds(self, q_start, q_end):
+        lo, hi = min(self._kv_lo[q_start:q_end], default=0), max(self._kv_hi[q_start:q_end], default=0)
+        return (lo, hi) if hi > lo else (0, 0)
+
+    def row_ranges(self, q, tk):
+        rows = q[0].to(self.lo.device)
+        return (self.lo[:, rows].to(q.device), self.hi[:, rows].to(q.device),
+                (self.q_segment[:, rows].to(q.device), self.k_segment[:, :tk].to(q.device)))
+
+    def check_sizes(self, *, batch, heads, tq, tk):
+        if (tq, tk) != (self.tq, self.tk):
+            raise ValueError(f"mask: this PreparedMask was prepared for Tq={self.tq}, Tk={self.tk} "
+                             f"but the call has Tq={tq}, Tk={tk}; prepare one per shape")
+        if self.lo.shape[0] not in (1, batch):
+            raise ValueError(f"mask: this PreparedMask has {self.lo.shape[0]} batch rows but the "
+                             f"batch has {batch}")
+
+    def remember(self, key: tuple, make: Callable[[], object]) -> object:
+        """``memo[key]``, made by ``make()`` on the first ask; at most 8 entries (the oldest go).
+
+        Thread-safety: two threads asking at once may both make it; the later one is kept.
+
+        Example:
+            >>> prepared = prepare(causal_mod(2, 2), tq=2, tk=2)
+            >>> prepared.remember(("x",), lambda: 1), prepared.remember(("x",), lambda: 2)
+            (1, 1)
+        """
+        if key not in self.memo:
+            value = make()
+            while len(self.memo) >= 8:
+                self.memo.pop(next(iter(self.memo)), None)
+            self.memo[key] = value
+        return self.memo[key]
+
+    def rows(self, batch: int) -> "PreparedMask":
+        """This mask with exactly ``batch`` rows of contiguous tensors (what flex's compiled
+        kernel indexes by ``b``), remembered.
+
+        Example:
+            >>> prepare(causal_mod(2, 2), tq=2, tk=2).rows(3).lo.shape
+            torch.Size([3, 2])
+        """
+        if self.lo.shape[0] == batch:
+            return self
+        return self.remember(("rows", batch), lambda: PreparedMask(*(
+            t.expand(batch, -1).contiguous() for t in (self.lo, self.hi, self.q_segment, self.k_segment)),
+            source=self.source))
+
+    def __repr__(self) -> str:
+        return f"PreparedMask({self.source}, Tq={self.tq}, Tk={self.tk}, rows={self.lo.shape[0]})"
+
+
+def prepare(mask: Callable, *, tq: int, tk: int, batch: int = 1,
+            device: torch.device | str | None = None) -> PreparedMask:
+    """Turn one of attnlab's mask mods (or an AND of them) into a :class:`PreparedMask` for
+    calls of ``tq`` queries over ``tk`` keys: the per-row key intervals, and segments, that the
+    block-sparse and flex backends read.
+
+    Pass the result as ``mask`` to :func:`attnlab.attention` for every call of that shape: the
+    backends then derive their plans from it once. A mod that holds no tensor (causal, windows,
+    prefixes, chunks) needs no preparing -- dispatch prepares it once per shape by itself; a
+    mod with tensors (padding, varlen lengths, document ids) prepared once per batch saves the
+    planning each call otherwise repeats. A :class:`PreparedMask` of this shape is returned as is.
+
+    Args:
+        mask: an attnlab mask mod, an AND of them, or a :class:`PreparedMask`.
+        tq, tk: numbers of queries and keys of the calls it will serve.
+        batch: batch rows of those calls (the mod's tensors must match it, as at call time).
+        device: where the tensors go (the calls' device); default CPU.
+
+    Raises:
+        ValueError: a mod with no interval form (an OR, a mod of your own: pass it as it is),
+            or sizes the mod cannot serve; each names the argument.
+
+    Example:
+        >>> import attnlab
+        >>> ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+        >>> prepared = prepare(document_mod(ids), tq=8, tk=8)
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> bool(torch.allclose(attnlab.attention(q, q, q, mask=prepared),
+        ...                     attnlab.attention(q, q, q, mask=document_mod(ids)), atol=1e-6))
+        True
+    """
+    for name, size in (("tq", tq), ("tk", tk), ("batch", batch)):
+        non_negative_int(name, size)
+    if isinstance(mask, MaskMod):
+        mask.check_sizes(batch=batch, heads=1, tq=tq, tk=tk)
+    if type(mask) is PreparedMask:
+        return mask
+    if not has_row_ranges(mask):
+        raise ValueError(f"mask: prepare takes attnlab's mask mods and ANDs of them (one key interval "
+                         f"per query row), got {mask!r}; pass that mask to attention as it is")
+    lo, hi, segments = mask.row_ranges(torch.arange(tq).view(1, -1), tk)  # on the CPU
+    rows = max(torch.as_tensor(t).dim() and torch.as_tensor(t).shape[0]
+               for t in (lo, hi, *(segments or ()))) or 1
+    lo, hi = (torch.as_tensor(t, dtype=torch.int64).expand(rows, tq).clamp(-1, tk) for t in (lo, hi))
+    if segments is None:
+        q_segment, k_segment = torch.zeros(rows, tq, dtype=torch.int64), torch.zeros(rows, tk, dtype=torch.int64)
+    else:
+        q_segment, k_segment = (s.to(torch.int64).expand(rows, n) for s, n in zip(segments, (tq, tk)))
+        first, last = _segment_extents(q_segment, k_segment)  # tighten the intervals to the segments
+        lo, hi = torch.maximum(lo, first), torch.minimum(hi, last)
+    lo, hi = lo.clamp(min=0), hi.clamp(max=tk - 1)
+    return PreparedMask(*(t.contiguous().to(device) for t in (lo, hi, q_segment, k_segment)), source=repr(mask))
 
 
 class _IndexWithTensors(torch.overrides.TorchFunctionMode):

@@ -326,6 +326,10 @@ def default_heads(task: str, layers: int) -> int | tuple[int, ...]:
 class TrainConfig:
     """What to train and how; None means the task's default (see :meth:`resolved`).
 
+    ``kv_heads``, ``layer_pattern``, ``window`` and ``latent_dim`` choose the attention variant
+    (grouped-query heads, local/global/latent layers; see :class:`~attnlab.models.GPT`); None
+    trains plain multi-head attention.
+
     ``heads`` is the head count of every layer (an int) or one per layer (a tuple of ``layers``
     ints); each must divide ``d_model``. When ``heads`` is left to a task default given per layer
     and ``layers`` is not the default's depth, every layer gets the default's first count: the
@@ -354,6 +358,10 @@ class TrainConfig:
     eval_every: int = 100
     eval_sequences: int | None = None
     warmup: int = 50
+    kv_heads: int | None = None
+    layer_pattern: str | None = None
+    window: int | None = None
+    latent_dim: int | None = None
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
@@ -454,7 +462,8 @@ class Trainer:
             torch.manual_seed(c.seed)
             self.model = GPT(self.task.vocab_size, max_len=self.task.seq_len, d_model=c.d_model,
                              num_layers=c.layers, num_heads=c.heads, attention_only=c.attention_only,
-                             positions=c.positions).to(c.device)
+                             positions=c.positions, num_kv_heads=c.kv_heads, layer_pattern=c.layer_pattern,
+                             window=c.window, latent_dim=c.latent_dim).to(c.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.step = 0
         self.seconds = 0.0

@@ -74,6 +74,10 @@ class Backend:
         stateful_limits: whether :meth:`limits` depends on the backend's own state as well as
             the call (flex: its budget of compiled variants), so that a remembered choice is
             asked again.
+        plans_masks: whether its forward derives a plan from the mask (blocks' runs, flex's
+            block mask) that it keeps on a :class:`~attnlab.masks.PreparedMask`: dispatch then
+            prepares a mask mod that holds no tensor (and ``causal``) once per route, and later
+            calls of that signature pass the prepared mask instead.
 
     Example:
         >>> class Zeros(Backend):
@@ -95,6 +99,7 @@ class Backend:
     backward_devices: tuple[str, ...] | None = None
     traceable: bool = False
     stateful_limits: bool = False
+    plans_masks: bool = False
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).

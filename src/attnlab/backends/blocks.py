@@ -49,7 +49,6 @@ Example:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -293,38 +292,24 @@ def _plan_runs(call: AttentionCall, mod: Callable, spans: list) -> tuple:
     return tuple(runs)
 
 
-# Plans of recent calls, so that a model calling attention with the same mask over and over
-# evaluates the mask once: planning reads every visited mask entry (a few ms at T=8192).
-PLAN_CACHE_SIZE = 8
-_PLANS: OrderedDict = OrderedDict()
+def _planned_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple:
+    """:func:`_plan_runs` for ``call`` in blocks of ``block`` (None: :func:`choose_block`).
 
-
-def _cached_runs(call: AttentionCall, mod: Callable, block: int | None) -> tuple:
-    """:func:`_plan_runs` for ``call`` in blocks of ``block`` (None: :func:`choose_block`),
-    remembered per mask and sizes (LRU of PLAN_CACHE_SIZE).
-
-    The key is the mod's :meth:`~attnlab.masks.MaskMod.value_key` (its class, options and
-    tensors' shapes) and the sizes; the entry keeps copies of the tensors the mod holds, and a
-    hit is confirmed by their values (an in-place edit, even through numpy or ``.data``, is
-    seen). A mod without a value key (one of your own) is planned afresh on every call.
+    Planning reads every visited mask entry (a few ms at T=8192), so a plan is kept on a
+    :class:`~attnlab.masks.PreparedMask` (its ``memo``), per call shape: dispatch prepares a mod
+    that holds no tensor once per route, and a caller prepares padding, lengths or document ids
+    once per batch (:func:`attnlab.masks.prepare`). Any other mod is planned on every call, so
+    an in-place edit of its tensors is always seen.
     """
-    mod_key = mod.value_key() if isinstance(mod, _masks.MaskMod) else None  # None: never reused
-    key = None if mod_key is None else (
-        mod_key, call.tq, call.tk, call.batch, call.q_heads, call.kv_heads, call.head_dim,
-        call.value_dim, block, block is None and call.requires_grad, call.dtype, call.device,
-        _MIN_FULL_RUN)
-    entry = None if key is None else _PLANS.get(key)
-    if entry is not None and _masks.same_tensors(entry[1], _masks.mod_tensors(mod)):
-        _PLANS.move_to_end(key)
-        return entry[2]
-    block = block or choose_block(call)
-    with outside_transforms():  # the mask's and the sizes' plan: a constant to torch.func
-        runs = _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block))
-    if key is not None:
-        _PLANS[key] = (mod, tuple(t.clone() for t in _masks.mod_tensors(mod)), runs)
-        if len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return runs
+    def plan() -> tuple:
+        with outside_transforms():  # the mask's and the sizes' plan: a constant to torch.func
+            return _plan_runs(call, mod, block_spans(mod, call.tq, call.tk, block or choose_block(call)))
+
+    if type(mod) is not _masks.PreparedMask:
+        return plan()
+    key = ("blocks", call.tq, call.tk, call.batch, call.q_heads, call.kv_heads, call.head_dim,
+           call.value_dim, block, block is None and call.requires_grad, call.dtype, call.device)
+    return mod.remember(key, plan)
 
 
 def _merged_stride(t: Tensor) -> int | None:
@@ -553,7 +538,7 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block must be a positive int or None, got {block!r}")
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
-    runs = () if call.batch == 0 else _cached_runs(call, call.mask_mod(), block)
+    runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), block)
     out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs, fold=folds_scale(call)))
     return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
 
@@ -575,6 +560,7 @@ class BlocksBackend(Backend):
     dtypes = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
     dropout = False
     needs_bounds = True  # serves only mask mods with kv_bounds (attnlab.verify sweeps those)
+    plans_masks = True  # plans from a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "block-sparse: the fused SDPA kernel per query block on only the keys its mask mod's "
         "kv_bounds reach (causal, windows, documents, prefix-LM); forward and backward, GQA; "
@@ -606,10 +592,6 @@ class BlocksBackend(Backend):
 
     def cost(self, call: AttentionCall) -> float:
         return _fastest(call)[0]
-
-    def reset(self) -> None:
-        """Forget the plans remembered per mask mod and sizes."""
-        _PLANS.clear()
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab.backends.base import MEMORY_CLASSES, Backend
@@ -32,7 +33,8 @@ __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "selec
 
 # The one cache on the hot path: per argument signature (shapes, dtypes, devices, the mask's
 # kind and shape, options, grad mode, registry generation; never a tensor value), the backend
-# auto or a name chose and, where the backend offers one, its prepared run. Bounded.
+# auto or a name chose and, where the backend offers one, its prepared run or the prepared mask
+# it plans from (with the plans kept on it). Bounded.
 # Thread-safety rule: a read is one dict lookup (atomic in CPython); every write holds _LOCK;
 # two threads missing one signature at once both compute the (identical) route and the later
 # one stores it. Full, it drops its oldest entry (insertion order).
@@ -48,7 +50,11 @@ class Route:
     Attributes:
         backend: the backend that serves it.
         run: ``backend.prepare(call)``: the kernel call with every decision bound, or None.
-        mod: the mask mod it was chosen for (kept alive, so its ``id`` in the key is not reused).
+        mod: the mask mod it was chosen for when the key holds the mod's ``id`` (kept alive, so
+            the id is not reused); None when the key holds the mask by value.
+        mask: for a backend that plans from masks (``Backend.plans_masks``), the call's mask
+            and ``causal`` as one :class:`~attnlab.masks.PreparedMask` that later calls pass
+            instead (with ``causal=False``), so its plans are made once; else None.
 
     Example:
         >>> Route(backend=get("reference"), run=None, mod=None).backend.name
@@ -58,6 +64,7 @@ class Route:
     backend: Backend
     run: Callable | None
     mod: object
+    mask: _masks.PreparedMask | None = None
 
 
 def check_backend_name(name: object) -> str:
@@ -167,7 +174,10 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
 
     Everything validation and dispatch read, and nothing else: shapes, dtypes, devices and
     ``requires_grad`` of q, k, v and a tensor mask, a mask mod's identity, the options, grad
-    mode and the registry's generation. None (nothing remembered) for arguments of unusual
+    mode and the registry's generation. A mask mod that holds no tensor (causal, windows,
+    prefixes, chunks) is keyed by value (:func:`attnlab.masks.value_only_key`), so a new
+    ``sliding_window_mod(T, T, 256)`` per step finds its route; any other by its ``id``.
+    None (nothing remembered) for arguments of unusual
     types (tensor subclasses, ``causal=1``: validation must see them each time) and for a
     dropout generator (its device is part of what is checked).
 
@@ -181,6 +191,8 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
         >>> argument_key(q, q, q, **{**options, "causal": 1}) is None
         True
     """
+    if torch.compiler.is_compiling():  # the compiled graph keeps its own choice (remembered)
+        return None
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or generator is not None
             or (causal is not True and causal is not False) or type(align) is not str
             or (scale is not None and type(scale) is not float) or type(backend) is not str
@@ -191,7 +203,7 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
     elif type(mask) is Tensor:
         mask_key = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
     elif callable(mask):
-        mask_key = id(mask)
+        mask_key = _masks.value_only_key(mask) or id(mask)
     else:
         return None
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
@@ -235,13 +247,28 @@ def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str
         return known
     backend = select(call, name)
     mod = call.mask if call.mask_kind == "mod" else None
-    fresh = Route(backend, backend.prepare(call) if direct and mod is None else None, mod)
-    if key is not None and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
+        return Route(backend, None, mod)
+    by_value = mod is not None and _masks.value_only_key(mod) is not None
+    fresh = Route(backend, backend.prepare(call) if direct and mod is None else None,
+                  None if by_value else mod, _prepared_mask(backend, call, by_value))
+    if key is not None:
         with _LOCK:
             _ROUTES[key] = fresh
             while len(_ROUTES) > PLAN_CACHE_SIZE:
                 del _ROUTES[next(iter(_ROUTES))]
     return fresh
+
+
+def _prepared_mask(backend: Backend, call: AttentionCall, by_value: bool) -> _masks.PreparedMask | None:
+    """The call's mask and ``causal`` prepared once for a backend that plans from masks, when
+    they hold no tensor (a mod keyed by value, or ``causal`` alone); else None."""
+    if not backend.plans_masks or call.batch == 0:
+        return None
+    if not (by_value or (call.mask_kind == "none" and call.causal)):
+        return None
+    mod = call.mask_mod()  # an OR has no interval form: planned per call
+    return _masks.prepare(mod, tq=call.tq, tk=call.tk, device=call.device) if _masks.has_row_ranges(mod) else None
 
 
 def clear_plans() -> None:

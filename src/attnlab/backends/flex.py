@@ -3,19 +3,20 @@
 FlexAttention takes the mask as a *mask mod* and skips whole blocks that no query of a block
 may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of two paths:
 
-* **Direct, O(T) memory**: causal (either alignment) and attnlab's own mask mods
+* **Direct, O(T) memory**: causal (either alignment), attnlab's own mask mods
   (:class:`~attnlab.masks.CausalMod`, ``SlidingWindowMod``, ``PrefixLMMod``, ``ChunkedLocalMod``,
-  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod``, and ANDs of them; exact types) reach the
-  kernel as a mask mod, and the block mask is built from it one 128-query block at a time over
-  the key blocks the mod's ``kv_bounds`` reach -- never a dense ``(Tq, Tk)`` mask. torch's
-  ``create_block_mask`` is not used: eager, it materialises ``(B, H, Tq, Tk)`` (715 MiB at
-  T=8192 H=1, 4.7 GiB at H=8, on CPU); compiled, it costs a compilation per mod and shape.
-  The kernel's mod is one class, :class:`RowRangeMod`: each of these mods allows, per query row,
-  one key interval, and positions whose segment (document) matches, and so does an AND of them.
-  torch.compile guards on the mod's class and on every int it reads (``mask_mod.window == 64``
-  recompiles for 32), so handing over attnlab's mods themselves would compile once per mod
-  structure and per window, prefix, chunk or offset value; :class:`RowRangeMod` holds tensors
-  only, so every direct mod of one call shape shares one compilation.
+  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod``, ANDs of them; exact types) and
+  :class:`~attnlab.masks.PreparedMask` reach the kernel as a prepared mask
+  (:func:`attnlab.masks.prepare`: per query row one key interval and a segment per position,
+  the rule each mod states once in :meth:`~attnlab.masks.MaskMod.row_ranges`), and the block
+  mask is built from it one 128-query block at a time over the key blocks its bounds reach --
+  never a dense ``(Tq, Tk)`` mask. torch's ``create_block_mask`` is not used: eager, it
+  materialises ``(B, H, Tq, Tk)`` (715 MiB at T=8192 H=1, 4.7 GiB at H=8, on CPU); compiled, it
+  costs a compilation per mod and shape. torch.compile guards on the mod's class and on every
+  int it reads (``mask_mod.window == 64`` recompiles for 32), so handing over attnlab's mods
+  themselves would compile once per mod structure and per window, prefix, chunk or offset
+  value; a :class:`~attnlab.masks.PreparedMask` holds tensors only, so every direct mod of one
+  call shape shares one compilation.
 * **Dense, O(Tq*Tk) memory**: bool and float tensor masks, ORs of mods (not one interval), and
   mask mods of the user's own (any other callable: each new function, and each int a closure
   holds, would recompile, and arbitrary Python need not trace) are folded into one dense
@@ -23,11 +24,10 @@ may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of tw
   compiled kernel is reused.
 
 :meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
-Block masks are cached and served again only while what they were built from is unchanged
-(:class:`_BlockMaskCache`): a direct mod by value (its classes and ints, so a new
-``sliding_window_mod(T, T, 256)`` per step finds the entry) and by the tensors it holds, so
-editing ``PaddingMod.lengths`` in place builds a new block mask; a dense mask by identity and
-contents.
+The block mask of a direct mod is kept on its prepared mask (``PreparedMask.memo``): dispatch
+prepares a mod that holds no tensor once per shape and keeps it with its route, and a caller
+prepares a mod with tensors once per batch (:func:`attnlab.masks.prepare`); an unprepared mod
+with tensors, and a dense mask, are built afresh on each call (nothing process-wide is kept).
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +77,7 @@ try:  # FlexAttention appeared in PyTorch 2.5
 except ImportError:  # pragma: no cover - depends on the installed torch
     _flex_module = None
 
-__all__ = ["FlexBackend", "BiasScoreMod", "RowRangeMod"]
-
-_BLOCK_CACHE_SIZE = 32
+__all__ = ["FlexBackend", "BiasScoreMod"]
 
 
 class BiasScoreMod:
@@ -118,159 +115,37 @@ class _FiniteBias(_masks.MaskMod):
         return self.bias[b, h, q_idx, kv_idx] > float("-inf")
 
 
-class RowRangeMod(_masks.MaskMod):
-    """The mask mod the kernel reads for every mod it takes directly: per query row a key
-    interval ``[lo, hi]``, and a segment per query and per key that must be equal.
-
-    Every attnlab mod is of this form (see :func:`_row_ranges`), and so is an AND of them, so one
-    class with tensor state serves them all: torch.compile guards on a mod's class and on each
-    int it reads (``mask_mod.window == 64``), and compiles nothing new for new tensor values.
-
-    Shapes:
-        lo, hi, q_segment: ``(B, Tq)`` int64; k_segment: ``(B, Tk)`` int64.
-
-    Example:
-        >>> lo, hi = torch.tensor([[0, 0]]), torch.tensor([[0, 1]])  # causal, 2 queries
-        >>> seg = torch.zeros(1, 2, dtype=torch.int64)
-        >>> _masks.materialize(RowRangeMod(lo, hi, seg, seg), tq=2, tk=2)[0, 0].int()
-        tensor([[1, 0],
-                [1, 1]], dtype=torch.int32)
-    """
-
-    def __init__(self, lo: Tensor, hi: Tensor, q_segment: Tensor, k_segment: Tensor):
-        self.lo, self.hi, self.q_segment, self.k_segment = lo, hi, q_segment, k_segment
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        inside = (kv_idx >= self.lo[b, q_idx]) & (kv_idx <= self.hi[b, q_idx])
-        return inside & (self.q_segment[b, q_idx] == self.k_segment[b, kv_idx])
-
-
-# Each attnlab mod as (lo, hi, segments or None) over query positions q = arange(Tq), shape
-# (1, Tq); lo and hi broadcast to (B, Tq). Exact types only: a subclass may override __call__.
-def _rows_causal(mod, q, tk):
-    return 0, q + mod.offset, None
-
-
-def _rows_window(mod, q, tk):
-    last = q + mod.offset
-    return last - mod.window + 1, last, None
-
-
-def _rows_prefix(mod, q, tk):  # keys < prefix_len, or <= the diagonal: one prefix of the keys
-    return 0, torch.clamp(q + mod.offset, min=mod.prefix_len - 1), None
-
-
-def _rows_chunked(mod, q, tk):
-    pos = q + mod.offset
-    start = torch.div(pos, mod.chunk, rounding_mode="floor") * mod.chunk
-    return start, pos if mod.causal else start + mod.chunk - 1, None
-
-
-def _rows_padding(mod, q, tk):
-    return 0, mod.lengths.to(q.device, torch.int64).view(-1, 1) - 1, None
-
-
-def _rows_varlen(mod, q, tk):
-    q_len, k_len = (t.to(q.device, torch.int64).view(-1, 1) for t in (mod.q_lengths, mod.k_lengths))
-    last = q + k_len - q_len  # < k_len for every real query
-    lo = 0 if mod.window is None else last - mod.window + 1
-    return lo, torch.where(q < q_len, last, -1), None  # padded queries: an empty range
-
-
-def _rows_document(mod, q, tk):
-    ids = mod.ids.to(q.device)  # (B|1, L)
-    pos = q[0] + mod.offset
-    return 0, (q + mod.offset) if mod.causal else tk - 1, (ids[:, pos], ids[:, :tk])
-
-
-_ROW_RANGES = {
-    _masks.CausalMod: _rows_causal,
-    _masks.SlidingWindowMod: _rows_window,
-    _masks.PrefixLMMod: _rows_prefix,
-    _masks.ChunkedLocalMod: _rows_chunked,
-    _masks.PaddingMod: _rows_padding,
-    _masks.VarlenCausalMod: _rows_varlen,
-    _masks.DocumentMod: _rows_document,
-}
-
-
-def _is_direct(mod) -> bool:
-    """Whether ``mod`` is one of attnlab's mods or an AND of them (an OR is not one interval)."""
-    if type(mod) is _masks.CombinedMod:
-        return mod.op == "and" and all(_is_direct(part) for part in mod.mods)
-    return type(mod) in _ROW_RANGES
-
-
 def _direct_mod(call: AttentionCall):
     """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, a
     tensor mask, or a mod of the user's own (those go through the dense bias, see the module doc)."""
     if call.mask_kind not in ("none", "mod"):
         return None
     mod = call.mask_mod()
-    return mod if mod is not None and _is_direct(mod) else None
+    return mod if mod is not None and _masks.has_row_ranges(mod) else None
 
 
 def _mask_path(call: AttentionCall) -> str | None:
-    """How the call's mask reaches the kernel: ``"rows"`` (a direct mod, :class:`RowRangeMod`,
+    """How the call's mask reaches the kernel: ``"rows"`` (a direct mod, as a prepared mask,
     O(T)), ``"dense"`` (:class:`BiasScoreMod`, O(Tq*Tk)) or None (nothing is masked)."""
     if _direct_mod(call) is not None:
         return "rows"
     return "dense" if call.mask_kind != "none" or call.causal else None
 
 
-def _row_ranges(mod, q: Tensor, tk: int) -> tuple:
-    """(lo, hi, segments or None) of a direct mod: an AND intersects the intervals and pairs the
-    segments (two positions share a pair of segments when they share each)."""
-    if type(mod) is not _masks.CombinedMod:
-        return _ROW_RANGES[type(mod)](mod, q, tk)
-    lo, hi, segments = 0, tk - 1, None
-    for part in mod.mods:
-        part_lo, part_hi, part_segments = _row_ranges(part, q, tk)
-        lo = torch.maximum(torch.as_tensor(lo), torch.as_tensor(part_lo))
-        hi = torch.minimum(torch.as_tensor(hi), torch.as_tensor(part_hi))
-        segments = _pair_segments(segments, part_segments)
-    return lo, hi, segments
+def _block_mask_of(prepared: _masks.PreparedMask, call: AttentionCall):
+    """FlexAttention's ``BlockMask`` for a prepared mask with the call's batch rows, evaluated
+    one 128-query block at a time.
 
-
-def _pair_segments(first, second):
-    """One segment id per position for two (q, k) segmentings: equal ids = equal in both."""
-    if first is None or second is None:
-        return second if first is None else first
-    rows = max(first[0].shape[0], second[0].shape[0])
-    q_pairs, k_pairs = (torch.stack(torch.broadcast_tensors(a, b), dim=-1).expand(rows, -1, 2)
-                        for a, b in zip(first, second))  # (B, T, 2)
-    _, ids = torch.unique(torch.cat([q_pairs, k_pairs], dim=1).reshape(-1, 2), dim=0, return_inverse=True)
-    ids = ids.view(rows, -1)  # (B, Tq + Tk)
-    return ids[:, : q_pairs.shape[1]], ids[:, q_pairs.shape[1]:]
-
-
-def _row_range_mod(mod, call: AttentionCall) -> RowRangeMod:
-    """The kernel's :class:`RowRangeMod` for a direct mod: fresh contiguous tensors of fixed
-    shapes, so that one compilation serves every mod of a call shape and the cache's entry owns
-    them (an in-place edit of the user's ``lengths`` or ids never reaches it)."""
-    q = torch.arange(call.tq, device=call.device).view(1, -1)  # (1, Tq)
-    lo, hi, segments = _row_ranges(mod, q, call.tk)
-    if segments is None:
-        segments = (torch.zeros(1, call.tq, dtype=torch.int64), torch.zeros(1, call.tk, dtype=torch.int64))
-    sizes = (call.tq, call.tq, call.tq, call.tk)
-    return RowRangeMod(*(torch.as_tensor(t, device=call.device).to(torch.int64).expand(call.batch, n).clone(
-        memory_format=torch.contiguous_format) for t, n in zip((lo, hi, *segments), sizes)))
-
-
-def _block_mask_of_mod(mod, call: AttentionCall):
-    """FlexAttention's ``BlockMask`` for a direct mod, evaluated one 128-query block at a time.
-
-    The kernel's :class:`RowRangeMod` is evaluated, over only the key blocks ``mod``'s
-    ``kv_bounds`` reach, so memory is O(B * 128 * Tk) at most and never a dense ``(Tq, Tk)``
+    The prepared mask (the kernel's mask mod) is evaluated over only the key blocks its bounds reach, so memory is O(B * 128 * Tk) at most and never a dense ``(Tq, Tk)``
     mask (torch's eager ``create_block_mask`` materialises ``(B, H, Tq, Tk)``: 4.7 GiB at
     T=8192, H=8). Positions past ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``,
     so a block holding them is partial, never full.
     """
-    size, device, kernel_mod = _KV_BLOCK, call.device, _row_range_mod(mod, call)
+    size, device, kernel_mod = _KV_BLOCK, call.device, prepared
     n_q, n_k = -(-call.tq // size), -(-call.tk // size)
     partial = torch.zeros(call.batch, 1, n_q, n_k, dtype=torch.bool, device=device)  # (B, 1, nq, nk)
     full = torch.zeros_like(partial)
-    for block, (qs, qe, lo, hi) in enumerate(block_spans(mod, call.tq, call.tk, size)):
+    for block, (qs, qe, lo, hi) in enumerate(block_spans(prepared, call.tq, call.tk, size)):
         first, last = lo // size, -(-hi // size)  # key blocks [first, last)
         if last <= first:
             continue
@@ -315,71 +190,6 @@ def _dense_bias(call: AttentionCall) -> Tensor | None:
     if allowed is not None:
         dense.masked_fill_(~allowed, float("-inf"))
     return dense  # (B, Hq, Tq, Tk), contiguous: torch.compile guards on strides
-
-
-class _BlockMaskCache:
-    """(score mod, block mask) pairs, served again only while what they were built from is unchanged.
-
-    An entry is found by a key, then confirmed by content against copies taken when it was made.
-    A mod flex takes directly (:func:`_direct_mod`) is keyed by value -- its structure and int
-    parameters, so a new ``sliding_window_mod(T, T, 256)`` per step finds the entry -- and
-    confirmed by the tensors it holds (``PaddingMod.lengths``, ``DocumentMod`` ids): O(T) to
-    check. Any other mask is keyed by identity and confirmed by the tensor mask, or a user mod by
-    its freshly materialised dense mask. Identity and ``_version`` are not enough: a mask mod reads
-    state the cache cannot see (``lengths`` edited in place, a variable a lambda captured), and a
-    tensor written through ``.data`` or numpy keeps its ``_version``.
-    """
-
-    def __init__(self, size: int):
-        self.size = size
-        self.entries: OrderedDict = OrderedDict()
-
-    @staticmethod
-    def owner(call: AttentionCall):
-        """The user's object behind the call's mask (the call holds a reshaped view of it)."""
-        mask = call.mask
-        return mask._base if isinstance(mask, Tensor) and mask._base is not None else mask
-
-    @staticmethod
-    def key(call: AttentionCall) -> tuple | None:
-        if call.mask_kind == "none" and not call.causal:
-            return None
-        sizes = (call.batch, call.tq, call.tk, str(call.device))
-        mod = _direct_mod(call)
-        if mod is not None:
-            return ("mod", mod.value_key()) + sizes
-        shape = tuple(call.mask.shape) if isinstance(call.mask, Tensor) else None
-        offset = call.causal_offset if call.causal else None
-        return (id(_BlockMaskCache.owner(call)), call.mask_kind, shape, offset, call.q_heads,
-                call.dtype) + sizes
-
-    @staticmethod
-    def contents(call: AttentionCall) -> tuple[Tensor, ...]:
-        """What the block mask was built from: a direct mod's tensors, the tensor mask, or a
-        user mod's dense mask."""
-        mod = _direct_mod(call)
-        if mod is not None:
-            return _masks.mod_tensors(mod)
-        if call.mask_kind == "mod":
-            return (call.allowed(),)  # memoised on the call: a miss builds the bias from it
-        return (call.mask,) if isinstance(call.mask, Tensor) else ()
-
-    def get(self, call: AttentionCall):
-        key = self.key(call)
-        entry = None if key is None else self.entries.get(key)
-        if entry is None:
-            return None
-        seen, mods = entry
-        if not _masks.same_tensors(seen, self.contents(call)):
-            return None
-        self.entries.move_to_end(key)
-        return mods
-
-    def put(self, call: AttentionCall, mods) -> None:
-        seen = tuple(t.detach().clone() for t in self.contents(call))
-        self.entries[self.key(call)] = (seen, mods)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
 
 
 def _shape_limits(call: AttentionCall) -> list[str]:
@@ -452,8 +262,8 @@ _KV_BLOCK = 128
 
 
 class FlexBackend(Backend):
-    """FlexAttention, compiled per variant; block masks from attnlab's mods (O(T)) or a dense
-    bias, cached; CPU forward only.
+    """FlexAttention, compiled per variant; block masks from prepared masks (O(T), kept on the
+    prepared mask) or a dense bias; CPU forward only.
 
     Example:
         >>> import attnlab
@@ -471,16 +281,16 @@ class FlexBackend(Backend):
     dropout = False
     backward_devices = ("cuda",)  # torch.compile's CPU flex kernel is inference only
     stateful_limits = True  # the budget of compiled variants and a compile failure seen
+    plans_masks = True  # reads a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
-        "(cached); CPU: forward only, no lse; no dropout"
+        "(from prepared masks); CPU: forward only, no lse; no dropout"
     )
 
     def __init__(self):
         self._compiled = None
         self._compile_error: dict[str, str] = {}
         self._variants: set[tuple] = set()
-        self._block_masks = _BlockMaskCache(_BLOCK_CACHE_SIZE)
 
     def unavailable_reason(self) -> str | None:
         if _flex_module is None:
@@ -555,24 +365,21 @@ class FlexBackend(Backend):
         return self._compiled
 
     def _mods(self, call: AttentionCall):
-        """(score_mod, block_mask) for the call; both None when nothing is masked."""
-        cached = self._block_masks.get(call)
-        if cached is not None:
-            return cached
+        """(score_mod, block_mask) for the call; both None when nothing is masked. A direct
+        mod's block mask is kept on its prepared mask; a dense one is built per call."""
         mod = _direct_mod(call)
         if mod is not None:
-            mods = (None, _block_mask_of_mod(mod, call))
-        else:
-            bias = _dense_bias(call)
-            if bias is None:
-                return None, None
-            score_mod = BiasScoreMod(bias)
-            mods = (score_mod, _flex_module.create_block_mask(
-                score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
-                BLOCK_SIZE=_KV_BLOCK,
-            ))
-        self._block_masks.put(call, mods)
-        return mods
+            prepared = _masks.prepare(mod, tq=call.tq, tk=call.tk, batch=call.batch, device=call.device)
+            rows = prepared.rows(call.batch)  # the kernel indexes the mask's tensors by b
+            return None, prepared.remember(("flex", call.batch, call.device), lambda: _block_mask_of(rows, call))
+        bias = _dense_bias(call)
+        if bias is None:
+            return None, None
+        score_mod = BiasScoreMod(bias)
+        return score_mod, _flex_module.create_block_mask(
+            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
+            BLOCK_SIZE=_KV_BLOCK,
+        )
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)
@@ -599,10 +406,6 @@ class FlexBackend(Backend):
         self._variants.add(self._variant(call))
         out, lse = result if want_lse else (result, None)  # lse: natural log, -inf on dead rows
         return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)  # the kernel hides NaN rows
-
-    def reset(self) -> None:
-        """Forget the cached block masks (compiled variants stay: they are torch.compile's)."""
-        self._block_masks.entries.clear()
 
 
 register(FlexBackend())

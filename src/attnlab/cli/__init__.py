@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import typer
 
-from attnlab.cli import backends_cmd, bench_cmd, cp_cmd, explain_cmd, generate_cmd, train_cmd, verify_cmd
+from attnlab.cli import (backends_cmd, bench_cmd, cp_cmd, explain_cmd, generate_cmd, kv_memory_cmd, train_cmd,
+                         verify_cmd)
 from attnlab.cli._errors import OneLineErrorsGroup
 
 HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
@@ -20,7 +21,8 @@ backend against the fp64 reference on this machine, `attnlab backends` says whic
 a call would use and why, and `attnlab bench` times them. `attnlab train` trains a small GPT
 on your CPU and names the heads that learned the task; `attnlab generate` continues a prompt with it.
 `attnlab context-parallel` runs ring and Ulysses attention across processes and checks them
-against one process. `attnlab COMMAND --help` for more.
+against one process. `attnlab kv-memory` works out the KV-cache size of MHA, GQA, MLA and
+sliding-window layers at a context length. `attnlab COMMAND --help` for more.
 """
 
 app = typer.Typer(
@@ -39,7 +41,7 @@ def _root() -> None:
     """Keep `attnlab` a group of commands (typer collapses a one-command app)."""
 
 
-for _command in (explain_cmd, train_cmd, generate_cmd, verify_cmd, backends_cmd, bench_cmd, cp_cmd):
+for _command in (explain_cmd, train_cmd, generate_cmd, verify_cmd, backends_cmd, bench_cmd, kv_memory_cmd, cp_cmd):
     _command.register(app)
 
 

@@ -17,12 +17,12 @@ from attnlab._checks import one_of
 from attnlab.cli._errors import fail, option_errors
 
 # Suites whose rows have a time and a sequence length: what --plot draws.
-_UNPLOTTABLE = ("memory", "decode-model")
+_UNPLOTTABLE = ("memory", "decode-model", "variants")
 
 
 def bench(
     suite: str = typer.Option(None, "--suite", show_default=False,
-                              help="backends, memory, modules, sparse, decode, decode-model, overhead or all "
+                              help="backends, memory, modules, sparse, decode, decode-model, overhead, variants or all "
                                    "[default: backends; all with --quick]."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, one round (every suite: under 3 minutes "
                                                       "on 2 cores)."),

@@ -37,14 +37,20 @@ from attnlab._checks import (divisible, finite_number, instance_of, one_of, per_
                              probability, same_device)
 from attnlab.distributed import ContextParallel
 from attnlab.models import _hub, _inputs
+from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.cache import KVCache, _restore_on_error
+from attnlab.nn.cache import Cache, _restore_on_error, new_positions
+from attnlab.nn.latent import LatentAttention
+from attnlab.nn.multihead import _check_documents
 from attnlab.nn.positional import LearnedPositionalEmbedding
 
 __all__ = ["GPT"]
 
 MODEL_TYPE = "attnlab-gpt"  # config.json's model_type for attnlab's own layout
 POSITIONS = ("learned", "rope")
+# layer_pattern letters: full causal (multi-head or grouped-query) attention, a causal sliding
+# window, multi-head latent attention.
+LAYER_KINDS = {"G": "global", "L": "local (sliding window)", "M": "latent (MLA)"}
 # transformers' activation_function names -> attnlab FeedForward activations.
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                    "relu": "relu", "silu": "silu"}
@@ -87,6 +93,15 @@ class GPT(nn.Module):
         tie_embeddings: the output projection shares the token embedding's weight.
         backend: attention backend (``"auto"``).
         context_parallel: shard sequences across a process group (see the property).
+        layer_pattern: each layer's attention, one letter per layer, repeated over the depth
+            (``"LLLLLG"``: five local layers to one global, Gemma 3's pattern): ``G`` global
+            (``num_heads``/``num_kv_heads`` causal attention), ``L`` local (the same with a causal
+            sliding ``window``; its cache is a :class:`~attnlab.nn.WindowedKVCache`), ``M``
+            multi-head latent attention (:class:`~attnlab.nn.LatentAttention` of ``latent_dim``).
+            Default: every layer ``G``.
+        window: the local layers' sliding window (keys per query, the query's own included).
+        latent_dim: the ``M`` layers' latent width.
+        latent_rope_dim: the ``M`` layers' decoupled rotary width (default: half a head, even).
 
     Attributes:
         config: the constructor's arguments, as saved in ``config.json``.
@@ -101,6 +116,10 @@ class GPT(nn.Module):
         >>> ragged = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=2, num_heads=(2, 1))
         >>> [w.shape[1] for w in ragged(torch.tensor([[1, 2, 3]]), return_weights=True)[1]]
         [2, 1]
+        >>> mixed = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=3, num_heads=2,
+        ...             layer_pattern="LGM", window=2, latent_dim=4)
+        >>> [type(c).__name__ for c in mixed.new_cache(1)]
+        ['WindowedKVCache', 'KVCache', 'KVCache']
     """
 
     def __init__(
@@ -109,6 +128,8 @@ class GPT(nn.Module):
         attention_only: bool = False, positions: str = "learned", dropout_p: float = 0.0, bias: bool = True,
         norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
         backend: str = "auto", context_parallel: ContextParallel | None = None,
+        layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
+        latent_rope_dim: int | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -124,8 +145,10 @@ class GPT(nn.Module):
             num_heads=num_heads if isinstance(num_heads, int) else list(heads), num_kv_heads=num_kv_heads,
             d_ff=d_ff, attention_only=attention_only,
             positions=positions, dropout_p=float(dropout_p), bias=bias, norm_eps=float(norm_eps),
-            activation=activation, tie_embeddings=tie_embeddings,
+            activation=activation, tie_embeddings=tie_embeddings, layer_pattern=layer_pattern, window=window,
+            latent_dim=latent_dim, latent_rope_dim=latent_rope_dim,
         )
+        kinds = _layer_kinds(layer_pattern, num_layers, window, latent_dim, latent_rope_dim)
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -134,9 +157,13 @@ class GPT(nn.Module):
             TransformerBlock(d_model, layer_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
                              num_kv_heads=num_kv_heads, rope=positions == "rope" or None, bias=bias,
                              norm_eps=norm_eps, activation=activation, backend=backend,
-                             mlp=not attention_only)
-            for layer_heads in heads
+                             mlp=not attention_only, window=window if kind == "L" else None,
+                             attn=LatentAttention(d_model, layer_heads, latent_dim=latent_dim,
+                                                  rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
+                                                  backend=backend) if kind == "M" else None)
+            for layer_heads, kind in zip(heads, kinds)
         )
+        self.layer_kinds = kinds
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self._init_embeddings()
@@ -188,57 +215,78 @@ class GPT(nn.Module):
         return self.config["max_len"]
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: Tensor, *, caches: list[KVCache] | None = None,
-                return_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
+    def forward(self, input_ids: Tensor, *, caches: list[Cache] | None = None,
+                return_weights: bool = False,
+                document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         """Logits ``(B, T, vocab_size)`` for every position (and the per-layer attention weights).
 
         Args:
             input_ids: ``(B, T)`` token ids.
-            caches: one :class:`~attnlab.nn.KVCache` per layer from :meth:`new_cache`; the
-                tokens continue the cached ones (their positions start at the cached length).
+            caches: one cache per layer from :meth:`new_cache`; the tokens continue the cached
+                ones (their positions start at each row's cached length).
             return_weights: also return a tuple of ``(B, H_l, T, Tk)`` weights, one per layer.
+            document_ids: ``(T,)`` or ``(B, T)`` ids of the documents packed into each row
+                (no cache): attention stays inside each document and positions restart at 0 at
+                each document start, so a packed row gives what each document gives alone.
 
         Example:
             >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2)(
             ...     torch.tensor([[0, 4]])).shape
             torch.Size([1, 2, 5])
         """
-        offset = self._check_ids(input_ids, caches)
+        positions = self._check_ids(input_ids, caches)
         x = self.tok_emb(input_ids)  # (B, T, d_model)
+        if document_ids is not None:
+            documents = _check_documents(document_ids, x, None, caches)
+            positions = _masks.document_positions(documents)  # (B|1, T)
         if self.pos_emb is not None and self.context_parallel is not None:
             x = self.pos_emb(x, positions=self.context_parallel.positions(x.shape[1], device=x.device))
+        elif self.pos_emb is not None and isinstance(positions, int):
+            x = self.pos_emb(x, offset=positions)
         elif self.pos_emb is not None:
-            x = self.pos_emb(x, offset=offset)
+            x = x + self.pos_emb.embedding.weight[positions]  # (B|1, T, d_model): each row its own
         x = self.dropout(x)
         weights = []
         # A block failing after earlier blocks wrote their caches puts every cache back.
         with _restore_on_error(caches or [], input_ids.shape[1]):
             for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
-                x = block(x, cache=cache, return_weights=return_weights)
+                x = block(x, cache=cache, return_weights=return_weights, document_ids=document_ids)
                 if return_weights:
                     x, layer_weights = x
                     weights.append(layer_weights)
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         return (logits, tuple(weights)) if return_weights else logits
 
-    def _check_ids(self, input_ids: object, caches: list[KVCache] | None) -> int:
-        """The position of the first new token; ValueError for bad ids, caches or lengths."""
+    def _check_ids(self, input_ids: object, caches: list[Cache] | None) -> int | Tensor:
+        """The positions of the new tokens (an int offset, or ``(B, T)`` for a ragged paged batch);
+        ValueError for bad ids, caches or lengths."""
         _inputs.integer_ids("input_ids", input_ids)
         same_device("input_ids", input_ids, self.tok_emb.weight.device, "the model's weights")
         _inputs.ids_in_range("input_ids", input_ids, self.config["vocab_size"], "vocab_size")
-        offset = 0
+        longest = 0
         if caches is not None:
-            instance_of("caches", caches, (list, tuple), "a list of one KVCache per layer")
+            instance_of("caches", caches, (list, tuple), "a list of one cache per layer")
             if len(caches) != len(self.blocks):
-                raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), got {len(caches)}")
-            offset = caches[0].length
-        if offset + input_ids.shape[1] > self.max_len:
-            raise ValueError(f"{offset + input_ids.shape[1]} tokens (cached + new) exceed the model's "
+                raise ValueError(f"caches must hold one cache per layer ({len(self.blocks)}), got {len(caches)}")
+            for layer, cache in enumerate(caches):
+                instance_of(f"caches[{layer}]", cache, Cache, "a cache (from GPT.new_cache)")
+            if len({cache.row_lengths for cache in caches}) > 1:
+                raise ValueError("caches hold different lengths: they must come from one new_cache call "
+                                 "and be used together")
+            longest = max(caches[0].row_lengths, default=0)
+        if longest + input_ids.shape[1] > self.max_len:
+            raise ValueError(f"{longest + input_ids.shape[1]} tokens (cached + new) exceed the model's "
                              f"max_len={self.max_len}")
-        return offset
+        return new_positions(caches[0] if caches else None, input_ids.shape[1], device=input_ids.device)
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
-        """One empty :class:`~attnlab.nn.KVCache` per layer, on the model's device and dtype.
+    def new_cache(self, batch_size: int, max_len: int | None = None, *,
+                  page_size: int | None = None) -> list[Cache]:
+        """One empty cache per layer, on the model's device and dtype.
+
+        A :class:`~attnlab.nn.KVCache` of ``max_len`` slots per global or latent layer and a
+        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer; with
+        ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
+        ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows.
 
         Example:
             >>> len(GPT(vocab_size=5, max_len=4, d_model=8, num_layers=3, num_heads=2).new_cache(1))
@@ -246,19 +294,27 @@ class GPT(nn.Module):
         """
         max_len = self.max_len if max_len is None else positive_int("max_len", max_len)
         weight = self.tok_emb.weight
-        return [block.attn.new_cache(batch_size, max_len, dtype=weight.dtype, device=weight.device)
+        return [block.attn.new_cache(batch_size, max_len, dtype=weight.dtype, device=weight.device,
+                                     page_size=page_size)
                 for block in self.blocks]
 
     # --------------------------------------------------------------- generation
-    def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> Tensor:
+    def generate(self, input_ids: Tensor | Sequence[Tensor], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, use_cache: bool = True, generator: torch.Generator | None = None,
+                 page_size: int | None = None) -> Tensor | list[Tensor]:
         """The prompt followed by ``max_new_tokens`` generated tokens, ``(B, T + max_new_tokens)``.
 
         Greedy at ``temperature=0``; otherwise samples from ``softmax(logits / temperature)``,
         restricted to the ``top_k`` most likely tokens if given. With ``use_cache`` (default)
         each step feeds only the newest token and reads earlier keys/values from a KV cache;
         without it every step recomputes the whole sequence (same tokens, much slower).
+
+        **Prompts of different lengths.** Given a list of 1-D prompts, the model generates for
+        all of them at once with paged caches (:class:`~attnlab.nn.PagedKVCache`, ``page_size``
+        slots a page, 16 by default): each prompt is prefilled alone, then every step decodes
+        one token per row at that row's own position. No row is padded, in compute or memory,
+        and each gets the tokens it gets alone; the result is a list of 1-D sequences.
+        ``page_size`` with a ``(B, T)`` tensor uses paged caches for that batch too.
 
         Raises:
             ValueError: the prompt plus ``max_new_tokens`` would exceed ``max_len`` (checked
@@ -271,14 +327,26 @@ class GPT(nn.Module):
             >>> prompt = torch.tensor([[1, 2, 3]])
             >>> torch.equal(model.generate(prompt, 5), model.generate(prompt, 5, use_cache=False))
             True
+            >>> both = model.generate([torch.tensor([1, 2, 3]), torch.tensor([4])], 5)
+            >>> [len(s) for s in both], torch.equal(both[1], model.generate(torch.tensor([[4]]), 5)[0])
+            ([8, 6], True)
         """
-        new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                               use_cache=use_cache, generator=generator))
-        return torch.cat([input_ids, *new], dim=1)
+        if isinstance(input_ids, Tensor):
+            new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                   use_cache=use_cache, generator=generator, page_size=page_size))
+            return torch.cat([input_ids, *new], dim=1)
+        prompts = _check_prompts(input_ids)
+        if not use_cache:
+            raise ValueError("prompts of different lengths are generated with paged caches; use_cache=False "
+                             "needs a (B, T) tensor")
+        new = list(self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                               generator=generator, page_size=16 if page_size is None else page_size))
+        tokens = torch.cat(new, dim=1) if new else None  # (B, max_new_tokens)
+        return [torch.cat([prompt, tokens[b]]) for b, prompt in enumerate(prompts)]
 
-    def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+    def stream(self, input_ids: Tensor | Sequence[Tensor], max_new_tokens: int, *, temperature: float = 0.0,
                top_k: int | None = None, use_cache: bool = True,
-               generator: torch.Generator | None = None) -> Iterator[Tensor]:
+               generator: torch.Generator | None = None, page_size: int | None = None) -> Iterator[Tensor]:
         """Yield the generated tokens one step at a time, each ``(B, 1)``; see :meth:`generate`.
 
         The model runs in eval mode without gradients while the iterator is consumed; its
@@ -295,32 +363,60 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if top_k is not None:
             positive_int("top_k", top_k)
-        self._check_ids(input_ids, None)
-        total = input_ids.shape[1] + max_new_tokens
-        if input_ids.shape[1] == 0:
+        if page_size is not None:
+            positive_int("page_size", page_size)
+        prompts = [input_ids] if isinstance(input_ids, Tensor) else _check_prompts(input_ids)
+        for prompt in prompts:
+            self._check_ids(prompt if isinstance(input_ids, Tensor) else prompt[None], None)
+        longest = max(prompt.shape[-1] for prompt in prompts)
+        if min(prompt.shape[-1] for prompt in prompts) == 0:
             raise ValueError("input_ids needs at least one prompt token")
-        if total > self.max_len:
+        if longest + max_new_tokens > self.max_len:
             raise ValueError(
-                f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} needs "
-                f"{total} positions, more than the model's max_len={self.max_len}; ask for at most "
-                f"{self.max_len - input_ids.shape[1]} new tokens")
-        return self._decode(input_ids, max_new_tokens, temperature, top_k, use_cache, generator)
+                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
+                f"{longest + max_new_tokens} positions, more than the model's max_len={self.max_len}; ask for at most "
+                f"{self.max_len - longest} new tokens")
+        if not use_cache and page_size is not None:
+            raise ValueError("page_size sets the paged caches; it needs use_cache=True")
+        return self._decode(input_ids, max_new_tokens, temperature, top_k, use_cache, generator, page_size)
 
-    def _decode(self, input_ids, max_new_tokens, temperature, top_k, use_cache, generator) -> Iterator[Tensor]:
+    def _decode(self, input_ids, max_new_tokens, temperature, top_k, use_cache, generator,
+                page_size=None) -> Iterator[Tensor]:
         was_training = self.training
         self.eval()
         try:
             with torch.no_grad():
-                caches = self.new_cache(input_ids.shape[0], input_ids.shape[1] + max_new_tokens) \
-                    if use_cache else None
-                sequence, step_input = input_ids, input_ids
-                for _ in range(max_new_tokens):
-                    logits = self(step_input if use_cache else sequence, caches=caches)[:, -1]  # (B, vocab)
-                    token = _next_token(logits, temperature, top_k, generator)  # (B, 1)
-                    sequence, step_input = torch.cat([sequence, token], dim=1), token
-                    yield token
+                if isinstance(input_ids, Tensor):
+                    yield from self._decode_batch(input_ids, max_new_tokens, temperature, top_k, use_cache,
+                                                  generator, page_size)
+                else:
+                    yield from self._decode_ragged(input_ids, max_new_tokens, temperature, top_k, generator,
+                                                   page_size)
         finally:
             self.train(was_training)
+
+    def _decode_batch(self, input_ids, max_new_tokens, temperature, top_k, use_cache, generator, page_size):
+        caches = self.new_cache(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, page_size=page_size) \
+            if use_cache else None
+        sequence, step_input = input_ids, input_ids
+        for _ in range(max_new_tokens):
+            logits = self(step_input if use_cache else sequence, caches=caches)[:, -1]  # (B, vocab)
+            token = _next_token(logits, temperature, top_k, generator)  # (B, 1)
+            sequence, step_input = torch.cat([sequence, token], dim=1), token
+            yield token
+
+    def _decode_ragged(self, prompts, max_new_tokens, temperature, top_k, generator, page_size):
+        """Prefill each prompt alone into its rows' pages, then decode every row at once."""
+        pages = sum(-(-(len(prompt) + max_new_tokens) // page_size) for prompt in prompts)
+        per_row = -(-pages // len(prompts)) * page_size  # the pool: the pages the rows will fill
+        caches = self.new_cache(len(prompts), per_row, page_size=page_size)
+        last = [self(prompt[None], caches=[cache.select([b]) for cache in caches])[:, -1]
+                for b, prompt in enumerate(prompts)]  # each (1, vocab)
+        token = _next_token(torch.cat(last), temperature, top_k, generator)  # (B, 1)
+        yield token
+        for _ in range(max_new_tokens - 1):
+            token = _next_token(self(token, caches=caches)[:, -1], temperature, top_k, generator)
+            yield token
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, directory: str | os.PathLike, *, extra: dict | None = None) -> Path:
@@ -394,6 +490,42 @@ def _attnlab_sizes(config: dict) -> dict[str, _hub.Dim | _hub.Count | None]:
     if config["num_kv_heads"] is not None:
         sizes["num_kv_heads"] = None
     return sizes
+
+
+def _check_prompts(prompts: object) -> list[Tensor]:
+    """A non-empty list of 1-D token-id tensors (each prompt's ids)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise TypeError(f"input_ids must be a (B, T) tensor or a non-empty list of 1-D tensors, got {prompts!r}")
+    for b, prompt in enumerate(prompts):
+        instance_of(f"input_ids[{b}]", prompt, Tensor, "a 1-D tensor of token ids")
+        if prompt.ndim != 1:
+            raise ValueError(f"input_ids[{b}] must be a 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
+    return list(prompts)
+
+
+def _layer_kinds(pattern: object, num_layers: int, window: object, latent_dim: object,
+                 latent_rope_dim: object) -> tuple[str, ...]:
+    """Each layer's letter of :data:`LAYER_KINDS`; ``window``/``latent_dim`` checked against them."""
+    if pattern is None:
+        pattern = "G"
+    instance_of("layer_pattern", pattern, str, f"a string of the letters {''.join(LAYER_KINDS)}")
+    unknown = sorted(set(pattern) - set(LAYER_KINDS))
+    if not pattern or unknown:
+        raise ValueError(f"layer_pattern must be a non-empty string of the letters "
+                         f"{', '.join(f'{k} ({v})' for k, v in LAYER_KINDS.items())}; got {pattern!r}"
+                         + (f" with unknown {''.join(unknown)!r}" if unknown else ""))
+    kinds = tuple(pattern[layer % len(pattern)] for layer in range(num_layers))
+    for letter, name, value in (("L", "window", window), ("M", "latent_dim", latent_dim)):
+        if letter in kinds and value is None:
+            raise ValueError(f"layer_pattern {pattern!r} has {letter} layers: give {name}")
+        if letter not in kinds and value is not None:
+            raise ValueError(f"{name}={value!r} is for {letter} layers, and layer_pattern {pattern!r} has none "
+                             f"over {num_layers} layers")
+        if value is not None:
+            positive_int(name, value)
+    if latent_rope_dim is not None and "M" not in kinds:
+        raise ValueError(f"latent_rope_dim={latent_rope_dim!r} is for M layers, and layer_pattern {pattern!r} has none")
+    return kinds
 
 
 def _check_heads(num_heads: object, num_layers: int, d_model: int, num_kv_heads: object) -> tuple[int, ...]:

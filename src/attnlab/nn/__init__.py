@@ -1,6 +1,7 @@
 """Production attention modules built on :func:`attnlab.attention`.
 
-Multi-head (grouped-query, cross) attention, the KV cache, positional encodings and transformer
+Multi-head (grouped-query, cross, sliding-window) attention, multi-head latent attention (MLA),
+the KV caches (contiguous, windowed ring buffer, paged), positional encodings and transformer
 blocks. The tutorials' small teaching modules live in :mod:`attnlab.tutorial`.
 
 Example:
@@ -11,7 +12,8 @@ Example:
 """
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
-from attnlab.nn.cache import KVCache
+from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import (
     LearnedPositionalEmbedding,
@@ -23,7 +25,11 @@ from attnlab.nn.positional import (
 
 __all__ = [
     "MultiHeadAttention",
+    "LatentAttention",
+    "Cache",
     "KVCache",
+    "WindowedKVCache",
+    "PagedKVCache",
     "RotaryEmbedding",
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.distributed import ContextParallel
-from attnlab.nn.cache import KVCache, _restore_on_error
+from attnlab.nn.cache import Cache, KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
 
@@ -110,6 +110,10 @@ class TransformerBlock(nn.Module):
             path from input to output goes through attention heads.
         context_parallel: shard the self-attention's sequence across a process group (see
             :class:`~attnlab.nn.MultiHeadAttention`); ``x`` is then this rank's shard.
+        window: a causal sliding window for the self-attention (local layers).
+        attn: a self-attention module to use instead of the ``MultiHeadAttention`` the block
+            would build (e.g. a :class:`~attnlab.nn.LatentAttention`); it takes the keyword
+            arguments ``mask``, ``padding_mask``, ``cache``, ``return_weights``, ``document_ids``.
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -128,17 +132,22 @@ class TransformerBlock(nn.Module):
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
-        mlp: bool = True, context_parallel: ContextParallel | None = None,
+        mlp: bool = True, context_parallel: ContextParallel | None = None, window: int | None = None,
+        attn: nn.Module | None = None,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
         self.norm_first = bool(norm_first)
         common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
-        self.attn = MultiHeadAttention(
-            d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-            rope=rope, context_parallel=context_parallel, **common,
-        )
+        if attn is not None:
+            instance_of("attn", attn, nn.Module, "an attention nn.Module (e.g. LatentAttention) or None")
+            self.attn = attn
+        else:
+            self.attn = MultiHeadAttention(
+                d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
+                rope=rope, context_parallel=context_parallel, window=window, **common,
+            )
         self.norm_cross = self.cross_attn = None
         if cross_attention:
             self.norm_cross = nn.LayerNorm(d_model, eps=norm_eps)
@@ -156,7 +165,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Tensor, *, padding_mask: Tensor | None = None, mask: Tensor | Callable | None = None,
         context: Tensor | None = None, context_padding_mask: Tensor | None = None,
-        cache: KVCache | None = None, return_weights: bool = False,
+        cache: Cache | None = None, return_weights: bool = False,
         document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run the layer; with ``return_weights`` also the self-attention weights ``(B, H, T, Tk)``.

@@ -1,19 +1,157 @@
-"""A preallocated key/value cache for incremental (token-by-token) decoding."""
+"""Key/value caches for incremental (token-by-token) decoding, behind one interface.
+
+* :class:`KVCache` -- one preallocated contiguous buffer per batch row (``max_len`` slots each);
+* :class:`WindowedKVCache` -- a ring buffer of the last ``window`` positions, exact for a
+  causal sliding-window layer at any generated length, its memory flat in that length;
+* :class:`PagedKVCache` -- a pool of fixed-size pages shared by the rows, each row owning a block
+  table (its list of pages); rows of different lengths hold only the pages they fill, and a
+  finished row's pages go back to the pool for the next sequence (vLLM's paged attention).
+
+Every cache is a :class:`Cache`: the modules call :meth:`Cache.attend` with the queries and the
+new keys/values, and the cache stores them and runs the module's attention over what the queries
+may see. A call that raises leaves any cache exactly as it was (checks come before writes, and
+the modules' guard restores the slots a failing call wrote).
+
+Example:
+    >>> cache = WindowedKVCache(batch_size=1, num_kv_heads=1, window=4, head_dim=2)
+    >>> for _ in range(10):
+    ...     k, v = cache.update(torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2))
+    >>> cache.length, k.shape[2]                  # 10 positions seen, the last 4 held
+    (10, 4)
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from attnlab._checks import instance_of, positive_int
+from attnlab._checks import instance_of, non_negative_int, positive_int
 
-__all__ = ["KVCache"]
+__all__ = ["Cache", "KVCache", "WindowedKVCache", "PagedKVCache", "new_positions"]
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
-class KVCache:
+def _dtype_device(dtype, device) -> tuple[torch.dtype, torch.device | None]:
+    """The checked dtype (floating point) and device of a cache's buffers."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    instance_of("dtype", dtype, torch.dtype, "a torch.dtype")
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype (keys are floats), got {dtype}")
+    try:
+        device = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must name a torch device, got {device!r}") from err
+    return dtype, device
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Positive sizes; ``value_dim`` may be 0 (a cache of keys only, as MLA's latent)."""
+    for name, size in sizes.items():
+        (non_negative_int if name == "value_dim" else positive_int)(name, size)
+
+
+class Cache:
+    """The interface every KV cache offers the attention modules (see the module docstring).
+
+    A subclass holds ``keys``-like buffers of ``dtype`` on ``device`` and implements
+    :attr:`row_lengths`, :meth:`check_room`, :meth:`attend`, :meth:`reset`, :attr:`nbytes`
+    and :meth:`_snapshot`.
+
+    Example:
+        >>> isinstance(KVCache(1, 1, 4, 2), Cache)
+        True
+    """
+
+    batch_size: int
+    num_kv_heads: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        """Positions cached so far in each batch row (the next token's position)."""
+        raise NotImplementedError
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far, the same in every row (``ValueError`` for a ragged cache)."""
+        lengths = set(self.row_lengths)
+        if len(lengths) > 1:
+            raise ValueError(f"the rows of this cache hold different lengths {self.row_lengths}; "
+                             "read row_lengths")
+        return lengths.pop() if lengths else 0
+
+    def check_room(self, num_new: int) -> None:
+        """``ValueError`` if ``num_new`` more positions per row do not fit; writes nothing."""
+        raise NotImplementedError
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
+        """Store ``k_new``/``v_new`` and return ``attend(q, keys, values)`` over what ``q`` may see.
+
+        ``attend`` is the module's attention (its masks, causal or sliding-window, aligned
+        bottom-right on the keys it is given).
+
+        Shapes:
+            q: ``(B, H, T_new, D)``; k_new: ``(B, Hkv, T_new, D)``; v_new: ``(B, Hkv, T_new, Dv)``
+            -> ``(B, H, T_new, Dv)``.
+        """
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key/value storage the cache holds now."""
+        raise NotImplementedError
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        """A function that puts back what the next ``num_new`` positions per row would change."""
+        raise NotImplementedError
+
+    def _check_new(self, k_new: Tensor, v_new: Tensor) -> None:
+        for name, new in (("k_new", k_new), ("v_new", v_new)):
+            instance_of(name, new, Tensor, "a torch.Tensor")
+            if new.dtype != self.dtype:
+                raise TypeError(
+                    f"{name} has dtype {new.dtype} but the cache holds {self.dtype}; create "
+                    "the cache with the dtype of the keys (module.new_cache does)"
+                )
+            if new.device != self.device:
+                raise ValueError(f"{name} is on {new.device} but the cache is on {self.device}")
+        expected_k = (self.batch_size, self.num_kv_heads, self.head_dim)
+        expected_v = (self.batch_size, self.num_kv_heads, self.value_dim)
+        seen_k = (k_new.shape[0], k_new.shape[1], k_new.shape[3]) if k_new.ndim == 4 else None
+        seen_v = (v_new.shape[0], v_new.shape[1], v_new.shape[3]) if v_new.ndim == 4 else None
+        if seen_k != expected_k or seen_v != expected_v or k_new.shape[2] != v_new.shape[2]:
+            raise ValueError(
+                f"k_new/v_new must be (B, Hkv, T_new, D)/(B, Hkv, T_new, Dv) with B, Hkv, D, Dv = "
+                f"{expected_k + expected_v[2:]}; got k_new {tuple(k_new.shape)}, "
+                f"v_new {tuple(v_new.shape)}"
+            )
+
+
+def new_positions(cache: Cache | None, num_new: int, *, device=None) -> int | Tensor:
+    """Positions of ``num_new`` tokens appended to ``cache``: an int offset when every row is at
+    the same length, else a ``(B, num_new)`` int64 tensor (a ragged paged batch).
+
+    Example:
+        >>> new_positions(None, 3), new_positions(KVCache(1, 1, 4, 2), 2)
+        (0, 0)
+    """
+    if cache is None:
+        return 0
+    lengths = cache.row_lengths
+    if len(set(lengths)) <= 1:
+        return lengths[0] if lengths else 0
+    start = torch.tensor(lengths, dtype=torch.int64, device=device)
+    return start[:, None] + torch.arange(num_new, device=device)  # (B, T_new)
+
+
+class KVCache(Cache):
     """Keys and values of the tokens seen so far, in preallocated buffers updated in place.
 
     The buffers have room for ``max_len`` positions; :meth:`update` writes new keys/values
@@ -57,23 +195,60 @@ class KVCache:
         device: torch.device | str | None = None,
     ):
         value_dim = head_dim if value_dim is None else value_dim
-        sizes = dict(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
+        _check_sizes(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
                      head_dim=head_dim, value_dim=value_dim)
-        for name, size in sizes.items():
-            positive_int(name, size)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        instance_of("dtype", dtype, torch.dtype, "a torch.dtype")
-        if not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point dtype (keys are floats), got {dtype}")
-        try:
-            device = torch.device(device) if device is not None else None
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device must name a torch device, got {device!r}") from err
+        dtype, device = _dtype_device(dtype, device)
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
                                 device=device)  # (B, Hkv, max_len, D)
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,
                                   device=device)  # (B, Hkv, max_len, Dv)
         self.length = 0
+
+    length: int = 0  # an attribute here (the base class derives it from row_lengths)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[3]
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return (self.length,) * self.batch_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both buffers (all ``max_len`` slots are allocated up front).
+
+        Example:
+            >>> KVCache(1, 2, 8, 4).nbytes   # 2 buffers x 2 heads x 8 slots x 4 floats x 4 bytes
+            512
+        """
+        return self.keys.nbytes + self.values.nbytes
+
+    def check_room(self, num_new: int) -> None:
+        if self.length + num_new > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {self.length} positions cached + {num_new} new > "
+                f"max_len={self.max_len}; create the cache with a larger max_len or reset() it"
+            )
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
+        keys, values = self.update(k_new, v_new)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
+        return attend(q, keys, values)
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        return _Slots(self, num_new).restore
 
     @property
     def max_len(self) -> int:
@@ -133,39 +308,12 @@ class KVCache:
             ValueError: KV cache overflow: 2 positions cached + 1 new > max_len=2; ...
         """
         self._check_new(k_new, v_new)
+        self.check_room(k_new.shape[2])
         start, stop = self.length, self.length + k_new.shape[2]
-        if stop > self.max_len:
-            raise ValueError(
-                f"KV cache overflow: {start} positions cached + {k_new.shape[2]} new > "
-                f"max_len={self.max_len}; create the cache with a larger max_len or reset() it"
-            )
         self.keys[:, :, start:stop].copy_(k_new)
         self.values[:, :, start:stop].copy_(v_new)
         self.length = stop
         return self.filled()
-
-    def _check_new(self, k_new: Tensor, v_new: Tensor) -> None:
-        for name, new in (("k_new", k_new), ("v_new", v_new)):
-            instance_of(name, new, Tensor, "a torch.Tensor")
-            if new.dtype != self.keys.dtype:
-                raise TypeError(
-                    f"{name} has dtype {new.dtype} but the cache holds {self.keys.dtype}; create "
-                    "the cache with the dtype of the keys (module.new_cache does)"
-                )
-            if new.device != self.keys.device:
-                raise ValueError(
-                    f"{name} is on {new.device} but the cache is on {self.keys.device}"
-                )
-        expected_k = (self.batch_size, self.num_kv_heads, self.keys.shape[3])
-        expected_v = (self.batch_size, self.num_kv_heads, self.values.shape[3])
-        seen_k = (k_new.shape[0], k_new.shape[1], k_new.shape[3]) if k_new.ndim == 4 else None
-        seen_v = (v_new.shape[0], v_new.shape[1], v_new.shape[3]) if v_new.ndim == 4 else None
-        if seen_k != expected_k or seen_v != expected_v or k_new.shape[2] != v_new.shape[2]:
-            raise ValueError(
-                f"k_new/v_new must be (B, Hkv, T_new, D)/(B, Hkv, T_new, Dv) with B, Hkv, D, Dv = "
-                f"{expected_k + expected_v[2:]}; got k_new {tuple(k_new.shape)}, "
-                f"v_new {tuple(v_new.shape)}"
-            )
 
     def __repr__(self) -> str:
         return (
@@ -173,6 +321,370 @@ class KVCache:
             f"length={self.length}, max_len={self.max_len}, head_dim={self.keys.shape[3]}, "
             f"dtype={self.keys.dtype})"
         )
+
+
+class WindowedKVCache(Cache):
+    """A ring buffer of the last ``window`` keys/values: a sliding-window layer's whole cache.
+
+    A causal sliding-window layer lets the query at position ``p`` see keys ``p - window + 1 ..
+    p`` only, so nothing older is ever read again: position ``p`` is stored in slot ``p %
+    window``, overwriting position ``p - window``. Memory stays ``window`` slots however many
+    tokens are generated, and the layer's output is exactly that of a full recomputation with the
+    same window (the module checks that its window is at most the cache's).
+
+    :meth:`update` returns the keys the new queries may reach: positions ``length - window + 1
+    .. length + T_new - 1`` (those that exist), in chronological order; for one new token the
+    returned views are the ring itself, in slot order (every key in it is visible to that
+    token, and attention does not depend on the order of the keys it sees), so decoding copies
+    nothing.
+
+    Shapes:
+        keys: ``(B, Hkv, window, D)``; values: ``(B, Hkv, window, Dv)``. :meth:`update` takes
+        ``(B, Hkv, T_new, D)`` / ``(B, Hkv, T_new, Dv)`` and returns ``(B, Hkv, Tk, D)`` /
+        ``(B, Hkv, Tk, Dv)`` with ``Tk = min(length, window - 1) + T_new``.
+
+    Args:
+        batch_size: ``B``.
+        num_kv_heads: ``Hkv``.
+        window: positions kept (the sliding window of the layer it serves, or more).
+        head_dim: ``D``.
+        value_dim: ``Dv`` (defaults to ``head_dim``; 0 for a cache of keys only).
+        dtype, device: of the buffers.
+
+    Example:
+        >>> cache = WindowedKVCache(batch_size=1, num_kv_heads=1, window=3, head_dim=1)
+        >>> k, _ = cache.update(torch.arange(5.0).view(1, 1, 5, 1), torch.zeros(1, 1, 5, 1))
+        >>> k.flatten().tolist(), cache.keys.flatten().tolist()   # positions 3, 4 live in slots 0, 1
+        ([0.0, 1.0, 2.0, 3.0, 4.0], [3.0, 4.0, 2.0])
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
+        _check_sizes(batch_size=batch_size, num_kv_heads=num_kv_heads, window=window,
+                     head_dim=head_dim, value_dim=value_dim)
+        dtype, device = _dtype_device(dtype, device)
+        self.keys = torch.zeros(batch_size, num_kv_heads, window, head_dim, dtype=dtype,
+                                device=device)  # (B, Hkv, W, D)
+        self.values = torch.zeros(batch_size, num_kv_heads, window, value_dim, dtype=dtype,
+                                  device=device)  # (B, Hkv, W, Dv)
+        self.window, self.batch_size, self.num_kv_heads = window, batch_size, num_kv_heads
+        self.head_dim, self.value_dim, self.dtype, self.device = head_dim, value_dim, dtype, self.keys.device
+        self.length = 0
+
+    length: int = 0  # positions seen so far (only the last ``window`` are held)
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return (self.length,) * self.batch_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring (``window`` slots), whatever the generated length.
+
+        Example:
+            >>> WindowedKVCache(1, 1, 4, 2).nbytes
+            64
+        """
+        return self.keys.nbytes + self.values.nbytes
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept).
+
+        Example:
+            >>> cache = WindowedKVCache(1, 1, 2, 1)
+            >>> _ = cache.update(torch.ones(1, 1, 3, 1), torch.ones(1, 1, 3, 1))
+            >>> cache.reset(); cache.length
+            0
+        """
+        self.length = 0
+
+    def check_room(self, num_new: int) -> None:
+        """A ring never overflows: the oldest positions make room."""
+
+    def _written_slots(self, num_new: int) -> Tensor:
+        """Slots the last ``min(num_new, window)`` new positions go to, in order."""
+        kept = min(num_new, self.window)
+        first = self.length + num_new - kept
+        return torch.arange(first, first + kept, device=self.device) % self.window  # (kept,)
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions and return every key/value they may see (see the class).
+
+        Example:
+            >>> cache = WindowedKVCache(1, 1, 2, 1)
+            >>> _ = cache.update(torch.ones(1, 1, 3, 1), torch.ones(1, 1, 3, 1))
+            >>> cache.update(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1))[0].shape
+            torch.Size([1, 1, 2, 1])
+        """
+        self._check_new(k_new, v_new)
+        num_new = k_new.shape[2]
+        old = min(self.length, self.window - 1)
+        slots, kept = self._written_slots(num_new), min(num_new, self.window)
+        if num_new == 1:
+            self.keys[:, :, slots] = k_new  # slot = length % window
+            self.values[:, :, slots] = v_new
+            self.length += 1
+            stop = min(self.length, self.window)
+            return self.keys[:, :, :stop], self.values[:, :, :stop]
+        earlier = torch.arange(self.length - old, self.length, device=self.device) % self.window
+        keys = torch.cat([self.keys[:, :, earlier], k_new], dim=2)  # (B, Hkv, old + T_new, D)
+        values = torch.cat([self.values[:, :, earlier], v_new], dim=2)  # (B, Hkv, old + T_new, Dv)
+        self.keys[:, :, slots] = k_new[:, :, num_new - kept:]
+        self.values[:, :, slots] = v_new[:, :, num_new - kept:]
+        self.length += num_new
+        return keys, values
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
+        keys, values = self.update(k_new, v_new)
+        return attend(q, keys, values)
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        length, slots = self.length, self._written_slots(max(0, num_new))
+        keys, values = self.keys[:, :, slots].clone(), self.values[:, :, slots].clone()
+
+        def restore() -> None:
+            with torch.no_grad():
+                self.keys[:, :, slots] = keys
+                self.values[:, :, slots] = values
+            self.length = length
+        return restore
+
+    def __repr__(self) -> str:
+        return (f"WindowedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                f"length={self.length}, window={self.window}, head_dim={self.head_dim}, dtype={self.dtype})")
+
+
+class _Pool:
+    """The pages a :class:`PagedKVCache` and the views :meth:`PagedKVCache.select` makes share."""
+
+    def __init__(self, num_pages, page_size, num_kv_heads, head_dim, value_dim, dtype, device):
+        slots = num_pages * page_size
+        self.keys = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)  # (S, Hkv, D)
+        self.values = torch.zeros(slots, num_kv_heads, value_dim, dtype=dtype, device=device)  # (S, Hkv, Dv)
+        self.page_size, self.num_pages = page_size, num_pages
+        self.free = list(range(num_pages))  # lowest page first: allocation is deterministic
+
+
+class _Sequence:
+    """One row of a paged cache: its block table (pages in order), their slots, its length."""
+
+    def __init__(self, device):
+        self.pages: list[int] = []
+        self.slots = torch.zeros(0, dtype=torch.int64, device=device)  # (len(pages) * P,)
+        self.length = 0
+
+    def state(self):
+        return list(self.pages), self.slots, self.length
+
+    def set_state(self, state) -> None:
+        self.pages, self.slots, self.length = list(state[0]), state[1], state[2]
+
+
+class PagedKVCache(Cache):
+    """Keys/values in fixed-size pages from a shared pool; each row has its own block table.
+
+    The pool holds ``capacity`` token slots cut into pages of ``page_size``. A row takes a page
+    from the pool when its last page is full, so it holds ``ceil(length / page_size)`` pages,
+    whatever the other rows hold: a batch of prompts of different lengths stores no padding, and
+    attention reads each row's own keys only (one call per row over exactly its length).
+    :meth:`release` gives a finished row's pages back for the next sequence; :meth:`select`
+    gives a view of some rows (sharing the pool), e.g. to prefill each prompt alone.
+
+    Shapes:
+        pool: ``keys`` ``(capacity, Hkv, D)``, ``values`` ``(capacity, Hkv, Dv)`` (slot ``s`` of
+        page ``p`` is ``p * page_size + s``). :meth:`update` takes ``(B, Hkv, T_new, D)`` /
+        ``(B, Hkv, T_new, Dv)`` (the same number of new tokens in every row) and returns one
+        ``((1, Hkv, L_b, D), (1, Hkv, L_b, Dv))`` pair per row ``b`` of length ``L_b``.
+
+    Args:
+        batch_size: rows (sequences).
+        num_kv_heads: ``Hkv``.
+        capacity: token slots in the pool, shared by all rows; a multiple of ``page_size``.
+        head_dim: ``D``.
+        page_size: slots per page.
+        value_dim: ``Dv`` (defaults to ``head_dim``; 0 for a cache of keys only).
+        dtype, device: of the pool.
+
+    Raises:
+        ValueError: ``capacity`` is not a multiple of ``page_size``; an update needs more pages
+            than the pool has free (nothing is written).
+
+    Example:
+        >>> cache = PagedKVCache(batch_size=2, num_kv_heads=1, capacity=16, head_dim=2, page_size=4)
+        >>> _ = cache.select([0]).update(torch.ones(1, 1, 6, 2), torch.ones(1, 1, 6, 2))
+        >>> _ = cache.select([1]).update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+        >>> cache.row_lengths, cache.block_tables, cache.free_pages
+        ((6, 1), [[0, 1], [2]], 1)
+        >>> cache.release(0); cache.free_pages
+        3
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int, *,
+                 page_size: int = 16, value_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
+        _check_sizes(batch_size=batch_size, num_kv_heads=num_kv_heads, capacity=capacity,
+                     head_dim=head_dim, page_size=page_size, value_dim=value_dim)
+        if capacity % page_size:
+            raise ValueError(f"capacity ({capacity}) must be a multiple of page_size ({page_size}): "
+                             "the pool is cut into whole pages")
+        dtype, device = _dtype_device(dtype, device)
+        pool = _Pool(capacity // page_size, page_size, num_kv_heads, head_dim, value_dim, dtype, device)
+        self._attach(pool, [_Sequence(pool.keys.device) for _ in range(batch_size)])
+
+    def _attach(self, pool: _Pool, rows: list[_Sequence]) -> None:
+        self.pool, self.rows = pool, rows
+        self.batch_size, self.num_kv_heads = len(rows), pool.keys.shape[1]
+        self.head_dim, self.value_dim = pool.keys.shape[2], pool.values.shape[2]
+        self.dtype, self.device, self.page_size = pool.keys.dtype, pool.keys.device, pool.page_size
+
+    def select(self, rows: Iterable[int]) -> "PagedKVCache":
+        """A cache of the given rows only, sharing this one's pool and block tables.
+
+        Example:
+            >>> cache = PagedKVCache(3, 1, 8, 2, page_size=4)
+            >>> cache.select([2]).batch_size
+            1
+        """
+        rows = [self._row_index(row) for row in rows]
+        view = object.__new__(PagedKVCache)
+        view._attach(self.pool, [self.rows[row] for row in rows])
+        return view
+
+    def _row_index(self, row: object) -> int:
+        non_negative_int("row", row)
+        if row >= self.batch_size:
+            raise ValueError(f"row must be below batch_size={self.batch_size}, got {row}")
+        return row
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return tuple(seq.length for seq in self.rows)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Each row's pages, in the order its positions fill them."""
+        return [list(seq.pages) for seq in self.rows]
+
+    @property
+    def free_pages(self) -> int:
+        """Pages of the pool no row holds."""
+        return len(self.pool.free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages the rows hold (the pool's free pages are not counted).
+
+        Example:
+            >>> cache = PagedKVCache(1, 1, 8, 2, page_size=4)
+            >>> _ = cache.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+            >>> cache.nbytes   # one page: 4 slots x (2 + 2) floats x 4 bytes
+            64
+        """
+        per_slot = (self.pool.keys[0].nbytes + self.pool.values[0].nbytes)
+        return sum(len(seq.pages) for seq in self.rows) * self.page_size * per_slot
+
+    def _pages_needed(self, num_new: int) -> list[int]:
+        size = self.page_size
+        return [max(0, -(-(seq.length + num_new) // size) - len(seq.pages)) for seq in self.rows]
+
+    def check_room(self, num_new: int) -> None:
+        needed = sum(self._pages_needed(num_new))
+        if needed > len(self.pool.free):
+            raise ValueError(
+                f"KV cache overflow: {num_new} new positions per row need {needed} more pages of "
+                f"{self.page_size} but the pool has {len(self.pool.free)} free (capacity "
+                f"{self.pool.num_pages * self.page_size}); release() finished rows or make a larger cache")
+
+    def _allocate(self, num_new: int) -> None:
+        offsets = torch.arange(self.page_size, device=self.device)
+        for seq, count in zip(self.rows, self._pages_needed(num_new)):
+            pages, self.pool.free = self.pool.free[:count], self.pool.free[count:]
+            seq.pages += pages
+            fresh = (torch.tensor(pages, dtype=torch.int64, device=self.device)[:, None] * self.page_size
+                     + offsets).flatten()  # (count * P,)
+            seq.slots = torch.cat([seq.slots, fresh])
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Append ``T_new`` positions to every row; return each row's keys/values so far.
+
+        Example:
+            >>> cache = PagedKVCache(2, 1, 8, 2, page_size=2)
+            >>> [k.shape[2] for k, _ in cache.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2))]
+            [3, 3]
+        """
+        self._check_new(k_new, v_new)
+        num_new = k_new.shape[2]
+        self.check_room(num_new)
+        self._allocate(num_new)
+        for b, seq in enumerate(self.rows):
+            slots = seq.slots[seq.length : seq.length + num_new]
+            self.pool.keys[slots] = k_new[b].transpose(0, 1)  # (T_new, Hkv, D)
+            self.pool.values[slots] = v_new[b].transpose(0, 1)
+            seq.length += num_new
+        return self._gather()
+
+    def _gather(self) -> list[tuple[Tensor, Tensor]]:
+        """Each row's keys/values ``(1, Hkv, L_b, D)``: one gather from the pool for all rows."""
+        index = torch.cat([seq.slots[: seq.length] for seq in self.rows])
+        keys = self.pool.keys.index_select(0, index).permute(1, 0, 2)  # (Hkv, sum L, D)
+        values = self.pool.values.index_select(0, index).permute(1, 0, 2)  # (Hkv, sum L, Dv)
+        lengths = self.row_lengths
+        return [(k[None], v[None]) for k, v in zip(keys.split(lengths, dim=1), values.split(lengths, dim=1))]
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
+        rows = self.update(k_new, v_new)
+        return torch.cat([attend(q[b : b + 1], k, v) for b, (k, v) in enumerate(rows)])  # (B, H, T_new, Dv)
+
+    def release(self, row: int) -> None:
+        """Give row ``row``'s pages back to the pool and empty it (its sequence is done).
+
+        Example:
+            >>> cache = PagedKVCache(1, 1, 4, 2, page_size=2)
+            >>> _ = cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+            >>> cache.release(0); cache.row_lengths, cache.free_pages
+            ((0,), 2)
+        """
+        seq = self.rows[self._row_index(row)]
+        self.pool.free = sorted(self.pool.free + seq.pages)
+        seq.set_state(([], seq.slots[:0], 0))
+
+    def reset(self) -> None:
+        """Release every row.
+
+        Example:
+            >>> cache = PagedKVCache(2, 1, 4, 2, page_size=2)
+            >>> _ = cache.update(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2))
+            >>> cache.reset(); cache.free_pages
+            2
+        """
+        for row in range(self.batch_size):
+            self.release(row)
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        free, states = list(self.pool.free), [seq.state() for seq in self.rows]
+        needed = self._pages_needed(max(0, num_new))
+        pages = [p for seq in self.rows for p in seq.pages[-1:]] + free[: sum(needed)]
+        slots = (torch.tensor(pages, dtype=torch.int64, device=self.device)[:, None] * self.page_size
+                 + torch.arange(self.page_size, device=self.device)).flatten()  # pages that may be written
+        keys, values = self.pool.keys[slots].clone(), self.pool.values[slots].clone()
+
+        def restore() -> None:
+            with torch.no_grad():
+                self.pool.keys[slots] = keys
+                self.pool.values[slots] = values
+            self.pool.free = free
+            for seq, state in zip(self.rows, states):
+                seq.set_state(state)
+        return restore
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                f"row_lengths={self.row_lengths}, page_size={self.page_size}, "
+                f"free_pages={self.free_pages}/{self.pool.num_pages}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype})")
 
 
 class _Slots:
@@ -194,16 +706,16 @@ class _Slots:
 
 @contextlib.contextmanager
 def _restore_on_error(caches: Iterable[object], num_new: int) -> Iterator[None]:
-    """Put every :class:`KVCache` in ``caches`` back bitwise if the body raises.
+    """Put every :class:`Cache` in ``caches`` back bitwise if the body raises.
 
     A module appends to its cache before attending, and attention (or a later layer) may still
-    fail; only the ``num_new`` slots after the current length can be written, so only they are
-    copied. Entries that are not caches (None) are skipped.
+    fail; each cache copies only what ``num_new`` more positions per row could change. Entries
+    that are not caches (None) are skipped.
     """
-    saved = [_Slots(cache, num_new) for cache in caches if isinstance(cache, KVCache)]
+    restores = [cache._snapshot(num_new) for cache in caches if isinstance(cache, Cache)]
     try:
         yield
     except BaseException:
-        for slots in saved:
-            slots.restore()
+        for restore in restores:
+            restore()
         raise

@@ -26,7 +26,7 @@ from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab.distributed import ContextParallel
 from attnlab.functional import attention
-from attnlab.nn.cache import KVCache, _restore_on_error
+from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error, new_positions
 from attnlab.nn.positional import RotaryEmbedding, apply_rotary
 
 __all__ = ["MultiHeadAttention"]
@@ -107,6 +107,11 @@ class MultiHeadAttention(nn.Module):
             self-attention, no cache, mask or attention dropout), rotary positions are the
             tokens' global positions, and the output is this rank's shard. May also be set
             on the attribute of the same name.
+        window: a causal sliding window for self-attention: query ``i`` sees keys ``i - window + 1
+            .. i`` only (:func:`attnlab.masks.sliding_window_mod`, which the block-sparse backend
+            serves by skipping the blocks outside the band); a
+            :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots is then the whole cache it
+            needs (:meth:`new_cache` with ``windowed=True``). Needs ``causal=True``.
 
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
@@ -140,6 +145,7 @@ class MultiHeadAttention(nn.Module):
         rope: RotaryEmbedding | bool | None = None,
         backend: str = "auto",
         context_parallel: ContextParallel | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -148,6 +154,7 @@ class MultiHeadAttention(nn.Module):
         self._check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim)
         instance_of("causal", causal, bool, "a bool")
         check_backend_name(backend)
+        self.window = _check_window(window, causal)
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
@@ -310,8 +317,12 @@ class MultiHeadAttention(nn.Module):
             mask: bool (True = may attend) / float (added to scores) tensor broadcastable to
                 ``(B, H, Tq, Tk)``, or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
             padding_mask: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache).
-            cache: a :class:`KVCache` from :meth:`new_cache`; the new keys/values are appended
-                and the queries attend to everything cached (self-attention only).
+            cache: a :class:`~attnlab.nn.Cache` (:class:`KVCache`, :class:`WindowedKVCache`,
+                :class:`PagedKVCache`) from :meth:`new_cache`; the new keys/values are appended
+                and the queries attend to everything cached they may see (self-attention only).
+                ``mask`` and ``padding_mask`` go with a :class:`KVCache` only; a paged cache's
+                rows may hold different lengths (each row's tokens take its own positions) and
+                returns no weights.
             return_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
                 (before dropout); ``out`` is computed exactly as without them.
             value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``
@@ -332,7 +343,8 @@ class MultiHeadAttention(nn.Module):
         )
         documents = _check_documents(document_ids, x, context, cache)
         if cache is not None:
-            _check_cache(cache, x, context, self.num_kv_heads)
+            _check_cache(cache, x, context, self.num_kv_heads, self.window)
+            _check_cache_options(cache, mask, padding_mask, return_weights)
         # Everything that can be checked is checked before the cache is written; the guard puts
         # the cache back if attention itself fails afterwards.
         with _restore_on_error([cache], x.shape[1]):
@@ -350,23 +362,47 @@ class MultiHeadAttention(nn.Module):
         if self.context_parallel is not None:
             return self._attend_sharded(x, context, mask, padding_mask, cache, return_weights, documents)
         B, Tq, _ = x.shape
-        cached = 0 if cache is None else cache.length
+        cached = 0 if cache is None else max(cache.row_lengths, default=0)
         Tk = cached + Tq if context is None else context.shape[1]
         if self.context_length is not None and context is None and Tk > self.context_length:
             raise ValueError(f"{Tk} tokens (cached + new) exceed context_length={self.context_length}")
         if documents is not None:
             mask = _with_documents(mask, documents, tq=Tq)
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
-        q, k, v, offset = self._qkv(x, context, value_input, cache, documents)
-        result = attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
-            q, k, v, mask=mask, causal=self.causal and context is None,
-            align="bottom_right" if offset else "top_left",
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend, return_weights=return_weights,
-        )
+        q, k, v, _ = self._qkv(x, context, value_input, cache, documents)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor):
+            return self.attend_heads(q, k, v, mask=mask, self_attention=context is None,
+                                     return_weights=return_weights)
+
+        result = attend(q, k, v) if cache is None else cache.attend(q, k, v, attend)
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
         context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
         return self.out_proj(context_vec), (result[1] if return_weights else None)
+
+    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, self_attention: bool = True,
+                     return_weights: bool = False, scale: float | None = None):
+        """The module's attention over given heads: its causal rule or window, dropout, backend.
+
+        Queries are aligned bottom-right on the keys (the last query is the newest token), so
+        ``k`` may start with cached positions; with a ``window`` the sliding window on that
+        diagonal replaces the causal mask.
+
+        Shapes:
+            q: ``(B, H, Tq, D)``; k: ``(B, Hkv, Tk, D)``; v: ``(B, Hkv, Tk, Dv)`` ->
+            ``(B, H, Tq, Dv)`` (and weights ``(B, H, Tq, Tk)``).
+
+        Example:
+            >>> import attnlab
+            >>> mha = MultiHeadAttention(8, 8, num_heads=2, window=2)
+            >>> q = k = v = torch.randn(1, 2, 4, 4)
+            >>> torch.allclose(mha.attend_heads(q, k, v), attnlab.attention(
+            ...     q, k, v, mask=attnlab.masks.sliding_window_mod(4, 4, 2)), atol=1e-6)
+            True
+        """
+        return attend_causal(q, k, v, mask=mask, causal=self.causal and self_attention, window=self.window
+                             if self_attention else None, scale=scale, backend=self.backend,
+                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights)
 
     def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
         """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
@@ -409,15 +445,13 @@ class MultiHeadAttention(nn.Module):
                 )
             q, (k, v) = self.project_q(x), self.project_kv(context, value_input)
             return q, k, v, 0
-        offset = 0 if cache is None else cache.length
+        offset = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
         if self.rope is not None and documents is not None:
             positions = _masks.document_positions(documents)  # (B|1, T), 0 at each document start
             q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
         elif self.rope is not None:
-            q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, offset + T, hd); checks before it writes
-        return q, k, v, offset
+            q, k = rotate(self.rope, q, offset), rotate(self.rope, k, offset)
+        return q, k, v, offset  # k, v: the new tokens' only; the cache adds what it holds
 
     def _check_inputs(self, x, context, value_input) -> None:
         """Tensors of the module's floating dtype (or any float under autocast), on its device."""
@@ -462,26 +496,34 @@ class MultiHeadAttention(nn.Module):
     # ------------------------------------------------------------------- helpers
     def new_cache(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """An empty :class:`KVCache` for this module (``num_kv_heads`` heads of ``head_dim``).
+        device: torch.device | str | None = None, windowed: bool | None = None,
+        page_size: int | None = None,
+    ) -> Cache:
+        """An empty cache for this module (``num_kv_heads`` heads of ``head_dim``).
+
+        A :class:`KVCache` of ``max_len`` slots by default; with ``page_size`` a
+        :class:`PagedKVCache` whose pool holds ``max_len`` slots per row (rounded up to whole
+        pages); for a module with a ``window`` (unless ``windowed=False`` or paged) a
+        :class:`WindowedKVCache` of ``window`` slots, whatever ``max_len``.
 
         Example:
             >>> MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=1).new_cache(2, 32)
             KVCache(batch_size=2, num_kv_heads=1, length=0, max_len=32, head_dim=2, dtype=torch.float32)
+            >>> MultiHeadAttention(8, 8, num_heads=4, window=4).new_cache(1, 32).window
+            4
         """
-        weight = self.in_proj_weight if self.fused else self.q_proj_weight
-        return KVCache(
-            batch_size, self.num_kv_heads, max_len, self.head_dim,
-            dtype=weight.dtype if dtype is None else dtype,
-            device=weight.device if device is None else device,
-        )
+        weight = self.out_proj.weight
+        return make_cache(batch_size, self.num_kv_heads, max_len, self.head_dim,
+                          window=self.window, windowed=windowed, page_size=page_size,
+                          dtype=weight.dtype if dtype is None else dtype,
+                          device=weight.device if device is None else device)
 
     def extra_repr(self) -> str:
         return (
             f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
             f"causal={self.causal}, dropout_p={self.dropout_p}, backend={self.backend!r}"
+            + (f", window={self.window}" if self.window is not None else "")
         )
 
     @classmethod
@@ -566,9 +608,91 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
             target.copy_(torch.zeros_like(target) if source is None else source)
 
 
-def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads: int) -> None:
+def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
+                  scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
+                  return_weights: bool = False):
+    """:func:`attnlab.attention` with the queries aligned bottom-right on the keys (the last
+    query is the newest token, so ``k`` may start with cached positions), and with ``window``
+    the causal sliding window on that diagonal in place of the causal mask. ``mask`` (a tensor
+    or a mask mod) is ANDed in. The one attention call of the modules in :mod:`attnlab.nn`.
+
+    Shapes:
+        q: ``(B, H, Tq, D)``; k: ``(B, Hkv, Tk, D)``; v: ``(B, Hkv, Tk, Dv)`` -> ``(B, H, Tq, Dv)``.
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4)
+        >>> out = attend_causal(q, k, k, window=2)        # the newest query sees the last 2 keys
+        >>> torch.allclose(out, attend_causal(q, k[:, :, 3:], k[:, :, 3:]), atol=1e-6)
+        True
+    """
+    tq, tk = q.shape[-2], k.shape[-2]
+    align = "bottom_right" if causal and tk != tq else "top_left"
+    if window is not None:
+        band = _masks.sliding_window_mod(tq, tk, window, align=align)
+        if isinstance(mask, Tensor):
+            band = _masks.materialize(band, tq=tq, tk=tk, batch=1, device=q.device)  # (1, 1, Tq, Tk)
+        mask, causal = _masks.and_masks(mask, band), False  # the band is causal itself
+    return attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
+        q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
+        backend=backend, return_weights=return_weights,
+    )
+
+
+def _check_window(window: object, causal: bool) -> int | None:
+    """``window`` checked: None, or a positive int on a causal module."""
+    if window is None:
+        return None
+    positive_int("window", window)
+    if not causal:
+        raise ValueError(f"window={window} is a causal sliding window; it needs causal=True")
+    return window
+
+
+def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *, window: int | None = None,
+               windowed: bool | None = None, page_size: int | None = None, value_dim: int | None = None,
+               dtype=None, device=None) -> Cache:
+    """The cache a layer of this shape takes: contiguous, windowed ring buffer, or paged.
+
+    ``windowed`` defaults to ``window is not None`` (a sliding-window layer needs only its
+    window); ``page_size`` asks for a :class:`PagedKVCache` of ``max_len`` slots per row,
+    rounded up to whole pages.
+
+    Example:
+        >>> make_cache(2, 1, 10, 4, page_size=4).free_pages      # 2 rows x 3 pages
+        6
+    """
+    positive_int("max_len", max_len)
+    if windowed is not None:
+        instance_of("windowed", windowed, bool, "a bool or None")
+    if page_size is not None:
+        positive_int("page_size", page_size)
+        pages = -(-max_len // page_size) * positive_int("batch_size", batch_size)
+        return PagedKVCache(batch_size, num_kv_heads, pages * page_size, head_dim, page_size=page_size,
+                            value_dim=value_dim, dtype=dtype, device=device)
+    if windowed and window is None:
+        raise ValueError("windowed=True needs a module with a window")
+    if window is not None and windowed is not False:
+        return WindowedKVCache(batch_size, num_kv_heads, window, head_dim, value_dim=value_dim,
+                               dtype=dtype, device=device)
+    return KVCache(batch_size, num_kv_heads, max_len, head_dim, value_dim=value_dim, dtype=dtype,
+                   device=device)
+
+
+def rotate(rope: RotaryEmbedding, x: Tensor, positions: int | Tensor) -> Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` from an int offset, or at per-row ``(B, T)`` positions.
+
+    Example:
+        >>> rope, x = RotaryEmbedding(4), torch.randn(2, 1, 3, 4)
+        >>> torch.allclose(rotate(rope, x, 2), rotate(rope, x, torch.arange(2, 5).expand(2, 3)))
+        True
+    """
+    return rope(x, offset=positions) if isinstance(positions, int) else _rotate_at(rope, x, positions)
+
+
+def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads: int,
+                 window: int | None = None) -> None:
     """The cache fits a self-attention call on ``x`` ``(B, T, d_in)``; the rest is update's."""
-    instance_of("cache", cache, KVCache, "a KVCache (from module.new_cache)")
+    instance_of("cache", cache, Cache, "a KVCache, WindowedKVCache or PagedKVCache (from module.new_cache)")
     if context is not None:
         raise ValueError("cache is for self-attention; it cannot be used with context")
     batch = x.shape[0]
@@ -577,11 +701,22 @@ def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads:
             f"cache holds batch {cache.batch_size} x {cache.num_kv_heads} kv heads; the input "
             f"needs batch {batch} x {num_kv_heads} kv heads"
         )
-    if cache.length + x.shape[1] > cache.max_len:
+    if isinstance(cache, WindowedKVCache) and (window is None or window > cache.window):
         raise ValueError(
-            f"KV cache overflow: {cache.length} positions cached + {x.shape[1]} new > "
-            f"max_len={cache.max_len}; create the cache with a larger max_len or reset() it"
+            f"a WindowedKVCache of window {cache.window} holds too few keys for a layer with "
+            f"window={window} (None: every earlier key); use a KVCache or a PagedKVCache"
         )
+    cache.check_room(x.shape[1])
+
+
+def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool) -> None:
+    """``mask``/``padding_mask`` index the contiguous cache's keys; a paged call has ragged weights."""
+    if not isinstance(cache, KVCache) and (mask is not None or padding_mask is not None):
+        raise ValueError(f"mask and padding_mask go with a KVCache, whose keys they index; got a "
+                         f"{type(cache).__name__}")
+    if isinstance(cache, PagedKVCache) and return_weights:
+        raise ValueError("return_weights with a PagedKVCache: its rows have different lengths; "
+                         "use a KVCache to read weights")
 
 
 def _check_documents(document_ids: object, x: Tensor, context, cache) -> Tensor | None:

@@ -1,0 +1,244 @@
+"""The ``variants`` suite and the KV-cache memory arithmetic behind ``attnlab kv-memory``.
+
+:func:`kv_cache_bytes` is the formula: what a layer's cache holds per token, times the tokens it
+holds, summed over the layers. :func:`variants_suite` builds the same small GPT with each
+attention variant (MHA, GQA, MQA, MLA, sliding window, local/global) and measures, side by side:
+KV-cache bytes per token (what the caches hold after decoding, and the formula), peak tensor
+memory and tokens/s while decoding after a long prompt, and the held-out loss after the same
+short training run on :func:`tiny_corpus`, a text the suite writes itself.
+
+Example:
+    >>> kv_cache_bytes(context=131072, layers=35, kv_heads=8, head_dim=256, dtype_bytes=2) / 1e9
+    37.58096384
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from attnlab._checks import non_negative_int, positive_int
+from attnlab._memory import PeakMemory
+from attnlab.bench.timing import BenchRow, machine_line
+from attnlab.models import GPT
+from attnlab.train import TextTask, TrainConfig, Trainer
+
+__all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token", "VariantSizes", "VARIANTS", "VariantRow",
+           "tiny_corpus", "variants_suite", "print_variants"]
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+
+
+def layer_bytes_per_token(kind: str, *, kv_heads: int = 1, head_dim: int = 1, latent_dim: int = 0,
+                          rope_dim: int = 0, dtype_bytes: int = 2) -> int:
+    """Bytes one layer caches per token: ``2 * kv_heads * head_dim`` numbers (a key and a value per
+    KV head) for ``"G"``/``"L"`` layers, ``latent_dim + rope_dim`` for an ``"M"`` (latent) layer.
+
+    Example:
+        >>> layer_bytes_per_token("G", kv_heads=8, head_dim=128), layer_bytes_per_token("M", latent_dim=512, rope_dim=64)
+        (4096, 1152)
+    """
+    numbers = latent_dim + rope_dim if kind == "M" else 2 * kv_heads * head_dim
+    return numbers * dtype_bytes
+
+
+def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2,
+                   batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
+                   rope_dim: int = 0, kv_layers: int | None = None) -> int:
+    """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
+
+    ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
+    a ``G`` layer holds ``context`` tokens, an ``L`` layer ``min(window, context)``, an ``M`` layer
+    ``context`` latents. ``kv_layers`` counts the layers that produce (and cache) keys and values
+    when later layers reuse an earlier layer's (cross-layer KV sharing); the first ``kv_layers``
+    layers of the pattern are those.
+
+    Example:
+        >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
+        0.805306368
+        >>> kv_cache_bytes(context=4096, layers=6, kv_heads=1, head_dim=64, pattern="LLLLLG", window=1024)
+        2359296
+    """
+    for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
+        positive_int(name, value)
+    kinds = [pattern[layer % len(pattern)] for layer in range(layers)][: layers if kv_layers is None else kv_layers]
+    total = 0
+    for kind in kinds:
+        held = min(window, context) if kind == "L" else context
+        total += held * layer_bytes_per_token(kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim,
+                                              rope_dim=rope_dim, dtype_bytes=dtype_bytes)
+    return batch * total
+
+
+@dataclass
+class VariantSizes:
+    """The suite's model and runs (the same for every variant).
+
+    Example:
+        >>> VariantSizes.for_run(quick=True).prompt_len
+        64
+    """
+
+    d_model: int = 128
+    layers: int = 4
+    heads: int = 8
+    gqa_heads: int = 4
+    window: int = 64
+    latent_dim: int = 24
+    rope_dim: int = 8
+    prompt_len: int = 1024
+    new_tokens: int = 512
+    train_steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    corpus_sentences: int = 4000
+
+    @classmethod
+    def for_run(cls, *, quick: bool) -> "VariantSizes":
+        if not quick:
+            return cls()
+        return cls(d_model=32, layers=2, heads=4, gqa_heads=2, window=16, latent_dim=8, rope_dim=4, prompt_len=64,
+                   new_tokens=16, train_steps=5, batch_size=4, seq_len=32, corpus_sentences=300)
+
+
+# name -> the GPT options that make the variant (given the sizes)
+VARIANTS = {
+    "MHA": lambda s: dict(),
+    "GQA": lambda s: dict(num_kv_heads=s.gqa_heads),
+    "MQA": lambda s: dict(num_kv_heads=1),
+    "MLA": lambda s: dict(layer_pattern="M", latent_dim=s.latent_dim, latent_rope_dim=s.rope_dim),
+    "window": lambda s: dict(layer_pattern="L", window=s.window),
+    "local/global": lambda s: dict(layer_pattern="L" * max(1, min(3, s.layers - 1)) + "G", window=s.window),
+}
+
+
+def _train_options(options: dict) -> dict:
+    names = {"num_kv_heads": "kv_heads", "layer_pattern": "layer_pattern", "window": "window",
+             "latent_dim": "latent_dim"}
+    return {names[k]: v for k, v in options.items() if k in names}
+
+
+@dataclass
+class VariantRow:
+    """One variant's figures.
+
+    Example:
+        >>> VariantRow("MHA", 512, 512, 1e6, 100.0, 2.5).bench_row().name
+        'MHA'
+    """
+
+    name: str
+    kv_bytes_measured: float
+    kv_bytes_formula: float
+    peak_bytes: int
+    tokens_per_s: float
+    held_out_loss: float
+
+    def bench_row(self) -> BenchRow:
+        return BenchRow("variants", "decode", self.name, 1.0 / self.tokens_per_s, note=(
+            f"KV {self.kv_bytes_measured:.0f} B/token (formula {self.kv_bytes_formula:.0f}), peak "
+            f"{self.peak_bytes / 2**20:.1f} MiB, {self.tokens_per_s:.0f} tokens/s, held-out loss "
+            f"{self.held_out_loss:.3f}"))
+
+
+def tiny_corpus(sentences: int = 4000, *, seed: int = 0) -> str:
+    """A small English-like text written from a seeded grammar: who gave what to whom, and later
+    the same two names again, so that predicting the second mention needs attention to the first.
+
+    Example:
+        >>> tiny_corpus(2)[:30]
+        'sam gave the new book to gus. '
+    """
+    positive_int("sentences", sentences)
+    rng = random.Random(seed)
+    names = ["ada", "ben", "cleo", "dan", "eve", "finn", "gus", "hana", "ivy", "jon", "kai", "lea", "max", "sam"]
+    things = ["book", "lamp", "coin", "map", "cup", "key", "hat", "box", "pen", "drum"]
+    adjectives = ["red", "old", "small", "new", "odd", "blue"]
+    lines = []
+    for _ in range(sentences):
+        a, b = rng.sample(names, 2)
+        thing = rng.choice(things) if rng.random() < 0.5 else f"{rng.choice(adjectives)} {rng.choice(things)}"
+        lines.append(f"{a} gave the {thing} to {b}. later {b} gave the {thing} back to {a}.")
+    return " ".join(lines) + "\n"
+
+
+def _measured_kv(model: GPT, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Bytes per token the caches hold after the prompt and ``new_tokens`` steps (batch 1)."""
+    caches = model.new_cache(1, prompt.shape[1] + new_tokens)
+    with torch.no_grad():
+        model(prompt, caches=caches)
+        token = prompt[:, -1:]
+        for _ in range(new_tokens):
+            token = model(token, caches=caches)[:, -1].argmax(-1, keepdim=True)
+    return sum(cache.nbytes for cache in caches) / (prompt.shape[1] + new_tokens)
+
+
+def _decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Tokens/s of the decoding steps (the prompt's prefill, which gives the first token, excluded)."""
+    stream = model.stream(prompt, new_tokens)
+    next(stream)
+    start = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return count / (time.perf_counter() - start)
+
+
+def _one_variant(name: str, sizes: VariantSizes, corpus: TextTask, seed: int) -> VariantRow:
+    options = VARIANTS[name](sizes)
+    total = sizes.prompt_len + sizes.new_tokens
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(corpus.vocab_size, max_len=total, d_model=sizes.d_model, num_layers=sizes.layers,
+                    num_heads=sizes.heads, positions="rope", **options).eval()
+        prompt = torch.randint(0, corpus.vocab_size, (1, sizes.prompt_len))
+    head_dim = sizes.d_model // sizes.heads
+    formula = kv_cache_bytes(context=total, layers=sizes.layers, kv_heads=options.get("num_kv_heads", sizes.heads),
+                             head_dim=head_dim, dtype_bytes=4, pattern=options.get("layer_pattern", "G"),
+                             window=options.get("window"), latent_dim=sizes.latent_dim, rope_dim=sizes.rope_dim)
+    measured = _measured_kv(model, prompt, sizes.new_tokens)
+    model.generate(prompt[:, :8], 2)  # warm-up
+    rate = _decode_rate(model, prompt, sizes.new_tokens)
+    with PeakMemory() as meter:
+        model.generate(prompt, sizes.new_tokens)
+    config = TrainConfig(task="text", layers=sizes.layers, heads=sizes.heads, d_model=sizes.d_model,
+                         steps=sizes.train_steps, batch_size=sizes.batch_size, positions="rope", seed=seed,
+                         eval_every=sizes.train_steps, eval_sequences=32, **_train_options(options))
+    trainer = Trainer(config, task=corpus)
+    trainer.train()
+    loss, _ = trainer.evaluate()
+    return VariantRow(name, measured, formula / total, meter.peak_bytes, rate, loss)
+
+
+def variants_suite(*, quick: bool = False, sizes: VariantSizes | None = None, seed: int = 0) -> list[VariantRow]:
+    """Every variant of :data:`VARIANTS` at the same size, measured as the module docstring says.
+
+    Example:
+        >>> rows = variants_suite(quick=True)  # doctest: +SKIP
+    """
+    sizes = VariantSizes.for_run(quick=quick) if sizes is None else sizes
+    non_negative_int("seed", seed)
+    corpus = TextTask(tiny_corpus(sizes.corpus_sentences, seed=seed), seq_len=sizes.seq_len)
+    return [_one_variant(name, sizes, corpus, seed) for name in VARIANTS]
+
+
+def print_variants(rows: list[VariantRow], sizes: VariantSizes, *, console=None) -> None:
+    """Print the suite's table.
+
+    Example:
+        >>> print_variants([VariantRow("MHA", 512, 512, 2**20, 100.0, 2.5)], VariantSizes())  # doctest: +SKIP
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if console is None else console
+    table = Table(title=(f"attention variants: GPT {sizes.layers} layers, d_model {sizes.d_model}, {sizes.heads} "
+                         f"heads, fp32; decoding {sizes.new_tokens} tokens after {sizes.prompt_len}; loss after "
+                         f"{sizes.train_steps} steps on tiny_corpus; {machine_line()}"))
+    for column in ("variant", "KV B/token measured", "KV B/token formula", "peak MiB", "tokens/s", "held-out loss"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for row in rows:
+        table.add_row(row.name, f"{row.kv_bytes_measured:.0f}", f"{row.kv_bytes_formula:.0f}",
+                      f"{row.peak_bytes / 2**20:.1f}", f"{row.tokens_per_s:.0f}", f"{row.held_out_loss:.3f}")
+    console.print(table)

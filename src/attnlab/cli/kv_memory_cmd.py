@@ -1,0 +1,93 @@
+"""``attnlab kv-memory``: how many bytes of KV cache a model needs at a context length.
+
+Prints one line per variant the options describe: multi-head attention (every head cached),
+grouped-query attention (``--kv-heads``), each again with cross-layer KV sharing
+(``--kv-layers``: only that many layers produce and cache keys/values), multi-head latent
+attention (``--latent-dim`` [+ ``--latent-rope-dim``] numbers a token a layer), and sliding-window
+layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G`` layers). GB are
+10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
+(docs/variants.md).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from attnlab._checks import divisible, one_of, positive_int
+from attnlab.cli._errors import at_most, fail, option_errors
+
+# Sizes above these are typos, not models: refusing them keeps the arithmetic readable.
+_MAX_SIZE = 2**31
+
+
+def kv_memory(
+    layers: int = typer.Option(..., "--layers", help="Transformer layers."),
+    heads: int = typer.Option(..., "--heads", help="Query heads per layer (MHA caches this many)."),
+    head_dim: int = typer.Option(..., "--head-dim", help="Features per head."),
+    context: int = typer.Option(..., "--context", help="Tokens per sequence held in the cache."),
+    kv_heads: int = typer.Option(None, "--kv-heads", help="Key/value heads of grouped-query attention "
+                                                          "(must divide --heads)."),
+    batch: int = typer.Option(1, "--batch", help="Sequences."),
+    dtype: str = typer.Option("bf16", "--dtype", help="fp32, fp16, bf16, fp8 or int8."),
+    kv_layers: int = typer.Option(None, "--kv-layers", help="Layers that produce and cache K/V when later "
+                                                            "layers reuse them (cross-layer KV sharing)."),
+    latent_dim: int = typer.Option(None, "--latent-dim", help="MLA: latent numbers cached per token and layer."),
+    latent_rope_dim: int = typer.Option(0, "--latent-rope-dim", help="MLA: decoupled RoPE key numbers cached "
+                                                                     "beside the latent."),
+    window: int = typer.Option(None, "--window", help="Sliding window of the local layers (tokens)."),
+    layer_pattern: str = typer.Option("L", "--layer-pattern", help="With --window: local (L) and global (G) "
+                                                                   "layers, repeated over --layers."),
+) -> None:
+    """Print the KV-cache size of MHA, GQA, KV sharing, MLA and sliding-window layers at --context."""
+    from attnlab.bench.variants import DTYPE_BYTES, kv_cache_bytes
+
+    with option_errors():
+        for option, value in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim),
+                              ("--context", context), ("--batch", batch)):
+            at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
+        one_of("--dtype", dtype, DTYPE_BYTES)
+        if kv_heads is not None:
+            divisible("--heads", heads, "--kv-heads", positive_int("--kv-heads", kv_heads))
+        if kv_layers is not None:
+            at_most("--kv-layers", positive_int("--kv-layers", kv_layers), layers, "at most every layer")
+        if latent_dim is not None:
+            positive_int("--latent-dim", latent_dim)
+        if latent_rope_dim < 0:
+            fail(f"--latent-rope-dim must be >= 0, got {latent_rope_dim}")
+        if window is not None:
+            positive_int("--window", window)
+    if not layer_pattern or set(layer_pattern) - set("LG"):
+        fail(f"--layer-pattern must be letters L (local) and G (global), got {layer_pattern!r}")
+    if layer_pattern != "L" and window is None:
+        fail("--layer-pattern describes sliding-window layers: give --window")
+    sizes = dict(context=context, layers=layers, head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype], batch=batch)
+    rows = [("MHA", kv_cache_bytes(kv_heads=heads, **sizes))]
+    if kv_heads is not None:
+        rows.append((f"GQA ({kv_heads} KV heads)", kv_cache_bytes(kv_heads=kv_heads, **sizes)))
+    if kv_layers is not None:
+        rows += [(f"{name} + KV sharing ({kv_layers} of {layers} layers)", kv_cache_bytes(
+            kv_heads=count, kv_layers=kv_layers, **sizes)) for name, count in
+            (("MHA", heads), *([(f"GQA ({kv_heads} KV heads)", kv_heads)] if kv_heads is not None else []))]
+    if latent_dim is not None:
+        rows.append((f"MLA (latent {latent_dim} + rope {latent_rope_dim})", kv_cache_bytes(
+            pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim, **sizes)))
+    if window is not None:
+        rows.append((f"window {window}, pattern {layer_pattern}" + (f", {kv_heads} KV heads" if kv_heads else ""),
+                     kv_cache_bytes(kv_heads=kv_heads or heads, pattern=layer_pattern, window=window, **sizes)))
+    _print(rows, sizes, heads, dtype)
+
+
+def _print(rows: list[tuple[str, int]], sizes: dict, heads: int, dtype: str) -> None:
+    mha = rows[0][1]
+    typer.echo(f"KV cache at context {sizes['context']:,}, batch {sizes['batch']}, {sizes['layers']} layers, "
+               f"{heads} heads of {sizes['head_dim']}, {dtype} ({sizes['dtype_bytes']} bytes):")
+    width = max(len(name) for name, _ in rows)
+    for name, total in rows:
+        per_token = total / (sizes["batch"] * sizes["context"])
+        typer.echo(f"  {name:<{width}}  {total / 1e9:10,.2f} GB  {per_token:12,.0f} B/token  "
+                   f"{mha / total:6.2f}x smaller than MHA")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``kv-memory`` command to ``app``."""
+    app.command("kv-memory")(kv_memory)

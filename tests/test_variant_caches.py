@@ -1,0 +1,207 @@
+"""Windowed and paged KV caches equal the full recomputation token for token; GPT layer patterns."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnlab.nn.multihead as multihead
+from attnlab.models import GPT
+from attnlab.nn import KVCache, MultiHeadAttention, PagedKVCache, WindowedKVCache
+
+F64 = torch.float64
+
+
+def _mha(window=None, num_kv_heads=2, seed=0):
+    torch.manual_seed(seed)
+    return MultiHeadAttention(24, 24, num_heads=4, num_kv_heads=num_kv_heads, rope=True, qkv_bias=True,
+                              window=window).double().eval()
+
+
+def _naive_window(module, x, window):
+    """Sliding-window attention written out: a (T, T) band mask, softmax per head."""
+    q, k, v = module.project_qkv(x)
+    q, k = module.rope(q), module.rope(k)
+    rep = module.num_heads // module.num_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    T = x.shape[1]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    band = (j <= i) & (j > i - window)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(module.head_dim)
+    out = scores.masked_fill(~band, -math.inf).softmax(-1) @ v  # (B, H, T, hd)
+    return module.out_proj(out.transpose(1, 2).reshape(x.shape[0], T, -1))
+
+
+@pytest.mark.parametrize("chunks", [(5, 1), (3, 7)], ids=["prefill_then_steps", "chunks_longer_than_window"])
+def test_windowed_cache_equals_full_window_attention_at_any_length(chunks):
+    window, total = 4, 29
+    module = _mha(window)
+    x = torch.randn(2, total, 24, dtype=F64)
+    with torch.no_grad():
+        full = module(x)
+        cache = module.new_cache(2, total)
+        assert isinstance(cache, WindowedKVCache) and cache.window == window
+        size = cache.nbytes
+        first, step = chunks
+        parts, t = [module(x[:, :first], cache=cache)], first
+        while t < total:
+            parts.append(module(x[:, t : t + step], cache=cache))
+            t += step
+    assert cache.length == total and cache.nbytes == size  # memory flat in the generated length
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(full, _naive_window(module, x, window), rtol=0, atol=1e-12)
+
+
+def test_windowed_cache_refuses_layers_it_cannot_serve_and_bad_windows():
+    with pytest.raises(ValueError, match="window"):
+        _mha()(torch.randn(1, 2, 24, dtype=F64), cache=WindowedKVCache(1, 2, 4, 6, dtype=F64))
+    with pytest.raises(ValueError, match="window"):
+        _mha(8)(torch.randn(1, 2, 24, dtype=F64), cache=WindowedKVCache(1, 2, 4, 6, dtype=F64))
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
+        WindowedKVCache(1, 1, 0, 2)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        MultiHeadAttention(8, 8, num_heads=2, window=0)
+    with pytest.raises(ValueError, match="causal=True"):
+        MultiHeadAttention(8, 8, num_heads=2, window=3, causal=False)
+
+
+def test_windowed_cache_failed_call_changes_nothing():
+    module = _mha(3)
+    cache = module.new_cache(1, 10)
+    with torch.no_grad():
+        module(torch.randn(1, 5, 24, dtype=F64), cache=cache)
+        before = cache.keys.clone(), cache.values.clone()
+        with pytest.raises(ValueError, match="mask and padding_mask go with a KVCache"):
+            module(torch.randn(1, 1, 24, dtype=F64), cache=cache, padding_mask=torch.ones(1, 6, dtype=torch.bool))
+        with pytest.raises(RuntimeError, match="boom"):
+            with multihead._restore_on_error([cache], 2):
+                module(torch.randn(1, 2, 24, dtype=F64), cache=cache)
+                raise RuntimeError("boom")
+    assert cache.length == 5
+    assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])
+
+
+def test_paged_rows_of_different_lengths_equal_each_row_alone(monkeypatch):
+    module, lengths, steps = _mha(), [7, 2, 12], 6
+    xs = [torch.randn(1, n + steps, 24, dtype=F64) for n in lengths]
+    cache = PagedKVCache(3, 2, 48, 6, page_size=4, dtype=F64)
+    seen = []
+    real = multihead.attention
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: seen.append(k.shape[-2]) or real(q, k, v, **kw))
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            module(xs[b][:, :n], cache=cache.select([b]))
+        seen.clear()
+        paged = [module(torch.cat([x[:, n + s : n + s + 1] for x, n in zip(xs, lengths)]), cache=cache)
+                 for s in range(steps)]  # each (3, 1, 24)
+        calls = list(seen)
+        alone = [module(x) for x in xs]
+    assert calls == [n + s + 1 for s in range(steps) for n in lengths]  # each row reads its own keys only
+    for b, n in enumerate(lengths):
+        got = torch.cat([step[b] for step in paged])  # (steps, 24)
+        torch.testing.assert_close(got, alone[b][0, n:], rtol=0, atol=1e-12)
+    assert cache.row_lengths == tuple(n + steps for n in lengths)
+    assert [len(t) for t in cache.block_tables] == [math.ceil((n + steps) / 4) for n in lengths]
+
+
+def test_paged_pages_are_freed_and_reused_and_overflow_changes_nothing():
+    cache = PagedKVCache(2, 1, 16, 2, page_size=4, dtype=F64)
+    ones = lambda b, t: torch.ones(b, 1, t, 2, dtype=F64)  # noqa: E731
+    cache.select([0]).update(ones(1, 9), ones(1, 9))  # 3 pages
+    cache.select([1]).update(ones(1, 3), ones(1, 3))  # 1 page
+    assert cache.block_tables == [[0, 1, 2], [3]] and cache.free_pages == 0
+    pool, tables = cache.pool.keys.clone(), cache.block_tables
+    with pytest.raises(ValueError, match="overflow.*0 free"):
+        cache.update(ones(2, 2), ones(2, 2))  # row 1 fits its page, row 0 needs a 4th page
+    assert cache.block_tables == tables and cache.row_lengths == (9, 3) and torch.equal(cache.pool.keys, pool)
+    cache.release(0)
+    assert cache.free_pages == 3 and cache.row_lengths == (0, 3)
+    k = torch.arange(10.0, dtype=F64).view(1, 1, 5, 2)
+    (got, _), = cache.select([1]).update(k, k)
+    assert cache.block_tables[1] == [3, 0]  # the freed pages serve the other row
+    torch.testing.assert_close(got[0, 0, 3:], k[0, 0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"capacity \(10\) must be a multiple of page_size \(4\)"):
+        PagedKVCache(1, 1, 10, 2, page_size=4)
+    with pytest.raises(ValueError, match="row must be below"):
+        cache.select([2])
+
+
+def _gpt(**options):
+    torch.manual_seed(0)
+    config = dict(vocab_size=23, max_len=64, d_model=24, num_layers=3, num_heads=4, num_kv_heads=2)
+    return GPT(**{**config, **options}).double().eval()
+
+
+@pytest.mark.parametrize("options", [dict(), dict(positions="rope", layer_pattern="LGM", window=5, latent_dim=8)],
+                         ids=["mha", "local_global_latent"])
+def test_generate_ragged_prompts_paged_equals_each_alone(options):
+    model = _gpt(**options)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 23, (n,), generator=gen) for n in (9, 1, 17, 4)]
+    together = model.generate(prompts, 12, page_size=4)
+    for prompt, sequence in zip(prompts, together):
+        assert torch.equal(sequence, model.generate(prompt[None], 12)[0])
+
+
+def test_ragged_paged_caches_hold_no_padding():
+    model = _gpt(num_layers=2, layer_pattern="GM", latent_dim=8)
+    lengths, page = (3, 11, 6), 4
+    caches = model.new_cache(3, 16, page_size=page)
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            model(torch.randint(0, 23, (1, n)), caches=[c.select([b]) for c in caches])
+        model(torch.randint(0, 23, (3, 1)), caches=caches)
+    pages = sum(math.ceil((n + 1) / page) for n in lengths)
+    mha, mla = caches
+    assert mha.nbytes == pages * page * 2 * 2 * 6 * 8  # keys + values, 2 kv heads of 6, fp64
+    assert mla.nbytes == pages * page * (8 + 2) * 8  # latent 8 + rope key 2, no values
+
+
+def test_layer_pattern_tiles_and_local_layers_use_the_window():
+    model = _gpt(num_layers=6, layer_pattern="LLG", window=3)
+    assert model.layer_kinds == ("L", "L", "G", "L", "L", "G")
+    assert [b.attn.window for b in model.blocks] == [3, 3, None, 3, 3, None]
+    ids = torch.randint(0, 23, (2, 20))
+    with torch.no_grad():
+        logits = model(ids)
+        caches = model.new_cache(2, 20)
+        steps = [model(ids[:, :4], caches=caches)] + [model(ids[:, t : t + 1], caches=caches) for t in range(4, 20)]
+    assert [type(c) for c in caches[:3]] == [WindowedKVCache, WindowedKVCache, KVCache]
+    torch.testing.assert_close(torch.cat(steps, 1), logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(layer_pattern="LXG", window=2), "unknown 'X'"),
+    (dict(layer_pattern="", window=2), "non-empty"),
+    (dict(layer_pattern="LG"), "give window"),
+    (dict(layer_pattern="LG", window=0), "window must be a positive int, got 0"),
+    (dict(window=4), "window=4 is for L layers"),
+    (dict(layer_pattern="M"), "give latent_dim"),
+    (dict(layer_pattern=5), "layer_pattern must be a string"),
+])
+def test_bad_layer_patterns_are_one_clear_error(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _gpt(**options)
+
+
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_packed_documents_equal_each_document_alone(positions):
+    model = _gpt(positions=positions, layer_pattern="LGM", window=3, latent_dim=8)
+    docs = [torch.randint(0, 23, (n,)) for n in (5, 8, 3)]
+    ids = torch.cat(docs)[None]
+    document_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])
+    with torch.no_grad():
+        packed = model(ids, document_ids=document_ids)[0]
+        alone = torch.cat([model(d[None])[0] for d in docs])
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
+
+
+def test_mixed_model_saves_and_loads(tmp_path):
+    model = _gpt(layer_pattern="LGM", window=4, latent_dim=8, latent_rope_dim=4)
+    loaded = GPT.from_pretrained(model.save_pretrained(tmp_path)).double()
+    ids = torch.randint(0, 23, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+    assert loaded.layer_kinds == ("L", "G", "M") and loaded.blocks[2].attn.rope_dim == 4

@@ -1,0 +1,91 @@
+"""`attnlab kv-memory` reproduces rasbt/LLMs-from-scratch ch04's figures; the variants suite, tiny."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.bench.variants import VARIANTS, VariantSizes, kv_cache_bytes, tiny_corpus, variants_suite
+from attnlab.cli import app
+runner = CliRunner()
+
+
+def assert_one_error_line(result, word: str) -> None:
+    """Exit 2 after exactly one ``error:`` line naming ``word`` (the rule of tests/test_cli_errors.py)."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert word in lines[0] and "Traceback" not in result.output, result.output
+
+
+def _figures(output: str) -> dict[str, str]:
+    """Variant name -> its GB figure, from the command's lines."""
+    rows = [line.split("  ") for line in output.splitlines()[1:]]
+    return {cells[1].strip(): [c for c in cells if "GB" in c][0].strip() for cells in rows}
+
+
+def test_kv_memory_reproduces_the_kv_sharing_figures():
+    # ch04/10_kv-sharing: Gemma 4 E2B-like, 131k context, 37.58 GB MHA vs 2.01 GB GQA + sharing
+    result = runner.invoke(app, ["kv-memory", "--layers", "35", "--heads", "8", "--kv-heads", "1", "--head-dim",
+                                 "256", "--context", "131072", "--kv-layers", "15", "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    assert list(_figures(result.output).values()) == ["37.58 GB", "4.70 GB", "16.11 GB", "2.01 GB"]
+
+
+def test_kv_memory_reproduces_the_mla_figures():
+    # ch04/05_mla: 8k context, 48 layers, 24 heads (head_dim ceil(2048/24) = 86), latent 1024
+    result = runner.invoke(app, ["kv-memory", "--layers", "48", "--heads", "24", "--kv-heads", "6", "--head-dim",
+                                 "86", "--context", "8192", "--latent-dim", "1024"])
+    assert result.exit_code == 0, result.output
+    assert list(_figures(result.output).values()) == ["3.25 GB", "0.81 GB", "0.81 GB"]
+
+
+def test_kv_cache_bytes_of_local_global_layers():
+    # 5 local layers hold the window, 1 global layer the context: Gemma 3's pattern at 32k
+    local, glob = 5 * 1024 * 2 * 4 * 128 * 2, 32768 * 2 * 4 * 128 * 2
+    assert kv_cache_bytes(context=32768, layers=6, kv_heads=4, head_dim=128, pattern="LLLLLG", window=1024) \
+        == local + glob
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--layers", "0"], "--layers"),
+    (["--kv-heads", "3"], "--kv-heads"),
+    (["--dtype", "fp64"], "--dtype"),
+    (["--window", "0"], "--window"),
+    (["--window", "8", "--layer-pattern", "LXG"], "--layer-pattern"),
+    (["--layer-pattern", "LG"], "--window"),
+    (["--kv-layers", "40"], "--kv-layers"),
+    (["--latent-dim", "0"], "--latent-dim"),
+    (["--latent-rope-dim", "-1"], "--latent-rope-dim"),
+    (["--context", "x"], "--context"),
+])
+def test_kv_memory_refuses_bad_options(args, option):
+    base = {"--layers": "32", "--heads": "32", "--head-dim": "128", "--context": "1024"}
+    given = dict(zip(args[::2], args[1::2]))
+    line = [item for key, value in {**base, **given}.items() for item in (key, value)]
+    assert_one_error_line(runner.invoke(app, ["kv-memory", *line]), option)
+
+
+def test_bench_variants_cannot_plot(tmp_path):
+    assert_one_error_line(runner.invoke(app, ["bench", "--suite", "variants", "--plot", str(tmp_path / "p.png")]),
+                          "--plot")
+
+
+def test_variants_suite_tiny_measures_what_the_formula_says():
+    sizes = VariantSizes(d_model=16, layers=2, heads=4, gqa_heads=2, window=4, latent_dim=4, rope_dim=2,
+                         prompt_len=12, new_tokens=4, train_steps=1, batch_size=2, seq_len=16, corpus_sentences=40)
+    rows = {row.name: row for row in variants_suite(sizes=sizes)}
+    assert list(rows) == list(VARIANTS)
+    for row in rows.values():
+        assert row.kv_bytes_measured == row.kv_bytes_formula
+        assert row.tokens_per_s > 0 and row.peak_bytes > 0 and row.held_out_loss > 0
+    # fp32, per token over 16 positions: MHA 2 layers x 2 x 4 heads x 4; MLA 2 x (4 + 2); window 4 of 16
+    assert rows["MHA"].kv_bytes_formula == 2 * 2 * 4 * 4 * 4
+    assert rows["MLA"].kv_bytes_formula == 2 * 6 * 4
+    assert rows["window"].kv_bytes_formula == rows["MHA"].kv_bytes_formula * 4 / 16
+
+
+def test_tiny_corpus_is_deterministic_and_repeats_its_names():
+    text = tiny_corpus(3, seed=1)
+    assert text == tiny_corpus(3, seed=1) and text != tiny_corpus(3, seed=2)
+    first = text.split(". ")[0].split()
+    assert f"{first[-1]} gave the" in text.split(". ")[1]
