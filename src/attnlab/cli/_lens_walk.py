@@ -80,8 +80,8 @@ def walk(console, lens: ModelLens, text: str, *, query: str | None, truncate: bo
         if row.shape[-1] > 1:
             row[:, focus] = -1  # itself does not count
         head, key = best_head(row)
-        console.print(f"  layer {layer}: head {head} -> '{tokens[key]}' ({float(weights[layer, head, focus, key]):.3f})",
-                      markup=False)
+        weight = float(weights[layer, head, focus, key])
+        console.print(f"  layer {layer}: head {head} -> '{tokens[key]}' ({weight:.3f})", markup=False)
     written = _write(lens, result, prompt, out, fmt)
     if prompt is not None:
         console.print(f"Generated ({generate}): " + " | ".join(tokens[prompt:]), markup=False, soft_wrap=True)

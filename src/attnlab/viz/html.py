@@ -286,7 +286,8 @@ def _trained_card(section: TrainedSection, prefix: str) -> str:
                      f'<text class="hv-word k{cls}" data-index="{i}" x="{geometry["right"] + 8}" y="{y}" '
                      f'dominant-baseline="middle">{_e(word)}</text>')
     return (
-        f'<section class="card" id="{prefix}trained"><h2>What the trained {_e(section.model)} does with this sentence</h2>'
+        f'<section class="card" id="{prefix}trained">'
+        f"<h2>What the trained {_e(section.model)} does with this sentence</h2>"
         '<p class="muted">The head view: each line joins a word (left) to a word it attends to (right); its '
         "opacity is the attention weight, its colour the head. Hover a word on the left to see its lines. "
         "Word pieces are merged into words: a word receives the sum of the weights on its pieces, and attends "
@@ -327,8 +328,8 @@ def _sentence_card(trace: Weights, focus: int, prefix: str) -> str:
     options = "".join(f'<option value="{h}">head {h}</option>' for h in range(trace.heads))
     disabled = "" if trace.heads > 1 else " disabled"
     parts = ['<section class="card"><div class="controls">',
-             f'<div><label for="{prefix}head-select">Head</label><select id="{prefix}head-select"{disabled}>{options}</select>'
-             "</div>",
+             f'<div><label for="{prefix}head-select">Head</label>'
+             f'<select id="{prefix}head-select"{disabled}>{options}</select></div>',
              f'<div class="muted">Hover a word to see where it attends; click to pin it. '
              f'Pinned now: <b id="{prefix}pinned">{_e(trace.tokens[focus])}</b>.</div></div>']
     if trace.mode == "cross":
@@ -360,7 +361,8 @@ def _heatmap_card(trace: Weights, blocks: Blocks, prefix: str) -> str:
         f"{panels}"
         f'<div class="legend"><span>0</span><span class="ramp" style="background: linear-gradient(90deg, {ramp})">'
         f"</span><span>{vmax:.2f}</span>"
-        + ('<span class="hatch"></span><span>masked (not allowed to attend)</span>' if trace.allowed is not None else "")
+        + ('<span class="hatch"></span><span>masked (not allowed to attend)</span>'
+           if trace.allowed is not None else "")
         + f"</div>{note}</section>"
     )
 

@@ -77,11 +77,11 @@
       state.row = r;
       var keys = [];
       for (var j = 0; j < n; j++) keys.push(j);
-      keys.sort(function (a, b) { return weight(state.layer, state.head, r, b) - weight(state.layer, state.head, r, a) || a - b; });
+      function w(j) { return weight(state.layer, state.head, r, j); }
+      keys.sort(function (a, b) { return w(b) - w(a) || a - b; });
       summary.textContent = "Layer " + state.layer + ", head " + state.head + ": " + label(r) + " looks most at " +
-        keys.slice(0, 3).map(function (j) { return label(j) + " (" + weight(state.layer, state.head, r, j).toFixed(4) + ")"; })
-          .join(", ") + ".";
-      var max = weight(state.layer, state.head, r, keys[0]) || 1;
+        keys.slice(0, 3).map(function (j) { return label(j) + " (" + w(j).toFixed(4) + ")"; }).join(", ") + ".";
+      var max = w(keys[0]) || 1;
       chips.forEach(function (chip, i) {
         var w = weight(state.layer, state.head, r, Math.floor(i / data.block));
         chip.style.background = "rgba(79, 70, 229, " + (0.04 + 0.66 * Math.min(1, w / max)).toFixed(3) + ")";
@@ -98,9 +98,12 @@
       head = Math.min(head, data.heads[layer] - 1);
       state.layer = layer; state.head = head;
       layerSelect.value = String(layer); headSelect.value = String(head);
-      [].forEach.call(headSelect.options, function (option) { option.hidden = Number(option.value) >= data.heads[layer]; });
+      [].forEach.call(headSelect.options, function (option) {
+        option.hidden = Number(option.value) >= data.heads[layer];
+      });
       root.querySelectorAll("canvas.mv-thumb").forEach(function (thumb) {
-        thumb.classList.toggle("selected", Number(thumb.dataset.layer) === layer && Number(thumb.dataset.head) === head);
+        var chosen = Number(thumb.dataset.layer) === layer && Number(thumb.dataset.head) === head;
+        thumb.classList.toggle("selected", chosen);
       });
       paint(big, values, offset(layer, head), n, n);
       root.dataset.layer = String(layer); root.dataset.head = String(head);
