@@ -1,4 +1,5 @@
-# attnlab: the two commands a newcomer needs are `make demo` and `make test`.
+# attnlab: the two commands a newcomer needs are `make demo` and `make test`; `make notebooks` opens
+# the tutorials as notebooks in JupyterLab.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PIP    := $(PY) -m pip
 # override with `make TORCH_SPEC=torch demo` to take whatever your index serves.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install install-test bench clean
+.PHONY: demo test install install-test notebooks bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]"
 	@touch $@
 
+$(VENV)/.installed-notebooks: $(VENV)/.installed
+	$(PIP) install -q -e ".[notebooks]"
+	@touch $@
+
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
@@ -28,6 +33,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2
+
+notebooks: $(VENV)/.installed-notebooks
+	$(VENV)/bin/jupyter lab notebooks
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/attnlab bench

@@ -16,8 +16,9 @@ The package has two parts. The **library** (the core) is what a model needs:
 The **lab** teaches and measures: :mod:`attnlab.tutorial` (the tutorials' small modules,
 reproducing their printed numbers), :mod:`attnlab.explain`, :mod:`attnlab.viz`,
 :mod:`attnlab.train`, :mod:`attnlab.verify`, :mod:`attnlab.bench` and the ``attnlab`` command.
-``import attnlab`` loads the library only. ``attnlab.tutorial`` is still an attribute: it is
-imported on first use (PEP 562); the other lab modules are imported by name.
+``import attnlab`` loads the library only. ``attnlab.tutorial`` and ``attnlab.show`` (inline views
+of any weights, :func:`attnlab.viz.views.show`) are still attributes: they are imported on first use
+(PEP 562); the other lab modules are imported by name.
 
 Example:
     >>> import torch, attnlab
@@ -37,13 +38,17 @@ __all__ = ["attention", "attention_weights", "masks", "scores", "backends", "nn"
 
 
 def __getattr__(name: str):
-    """``attnlab.tutorial`` without importing it in ``import attnlab`` (PEP 562)."""
+    """``attnlab.tutorial`` and ``attnlab.show`` without importing the lab in ``import attnlab`` (PEP 562)."""
     if name == "tutorial":
-        import attnlab.tutorial  # the library's one import of the lab (tests/test_layers.py)
+        import attnlab.tutorial  # the library's imports of the lab: these two (tests/test_layers.py)
 
         return attnlab.tutorial
+    if name == "show":
+        import attnlab.viz.views
+
+        return attnlab.viz.views.show
     raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "tutorial"])
+    return sorted([*globals(), "tutorial", "show"])

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from attnlab import tutorial
 from attnlab._math import apply_dropout, softmax_rows
 from attnlab.masks import causal_mask
+from attnlab.viz import html as _html
+from attnlab.viz.page import format_value
 
 __all__ = [
     "DEFAULT_SENTENCE", "MODES", "Step", "Trace", "Link", "tokenize", "split_for_cross", "format_value", "trace",
@@ -174,26 +176,16 @@ class Trace:
         weights = self.weights()  # (H, Tq, Tk)
         row = weights.mean(0)[query_index] if head is None else weights[head, query_index]
         allowed = self.allowed()
-        keys = range(len(self.context_tokens))
-        visible = [j for j in keys if allowed is None or bool(allowed[query_index, j])]
-        ranked = sorted(visible, key=lambda j: (-float(row[j]), j))
+        ranked = _html.ranked_keys(row, None if allowed is None else allowed[query_index])
         return [Link(j, self.context_tokens[j], float(row[j])) for j in ranked]
 
+    def _repr_html_(self) -> str:
+        """The walk, rendered where a notebook shows it: the report's cards, offline, ids of its own."""
+        return _html.walk_view(self)
 
-def format_value(value: float | int | bool) -> str:
-    """How every number is printed, in the terminal and in the report alike.
-
-    Example:
-        >>> [format_value(v) for v in (3, 0.31023, float("-inf"), True, False)]
-        ['3', '0.3102', '-inf', '1', '0']
-    """
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "-inf" if value < 0 else "inf"
-    return f"{value:.4f}"
+    def __repr__(self) -> str:
+        return (f"<Trace: {self.mode} attention of {self.sentence!r}, {self.heads} head(s), "
+                f"{len(self.steps)} steps, seed {self.seed}>")
 
 
 def tokenize(text: str) -> list[str]:

@@ -54,6 +54,8 @@ __all__ = [
     "ScoreVariance",
     "score_variance",
     "softmax_peakiness",
+    "Reproduction",
+    "compare_printed",
 ]
 
 INITS = ("uniform", "linear")
@@ -669,3 +671,69 @@ def softmax_peakiness(logits: Tensor, *, factor: float = 8.0) -> tuple[Tensor, T
         tensor([0.0326, 0.0030, 0.1615, 0.0030, 0.8000])
     """
     return torch.softmax(logits, dim=-1), torch.softmax(logits * factor, dim=-1)
+
+
+class Reproduction(NamedTuple):
+    """attnlab's values next to the ones a tutorial printed (:func:`compare_printed`).
+
+    Attributes:
+        ours: attnlab's tensor; printed: the tutorial's, as typed in from its output.
+        max_error: the largest absolute difference; matches: ``max_error <= atol``.
+
+    Example:
+        >>> r = compare_printed(torch.tensor([0.31021]), [0.3102])
+        >>> r.matches
+        True
+        >>> print(r)
+        attnlab       printed
+         0.3102        0.3102
+        max |difference| 1.0e-05 <= 1e-04: matches
+    """
+
+    ours: Tensor
+    printed: Tensor
+    max_error: float
+    atol: float
+
+    @property
+    def matches(self) -> bool:
+        return self.max_error <= self.atol
+
+    def __str__(self) -> str:
+        ours, printed = self.ours.reshape(-1, self.ours.shape[-1] if self.ours.ndim else 1), self.printed
+        printed = printed.reshape(ours.shape)
+        width = 8 * ours.shape[1] + 6
+        lines = [f"{'attnlab':<{width}}printed"]
+        for mine, theirs in zip(ours.tolist(), printed.tolist()):
+            left = " ".join(f"{v:7.4f}" for v in mine)
+            lines.append(f"{left:<{width}}" + " ".join(f"{v:7.4f}" for v in theirs))
+        verdict = "matches" if self.matches else "DOES NOT MATCH"
+        lines.append(f"max |difference| {self.max_error:.1e} <= {self.atol:.0e}: {verdict}" if self.matches else
+                     f"max |difference| {self.max_error:.1e} > {self.atol:.0e}: {verdict}")
+        return "\n".join(line.rstrip() for line in lines)
+
+    __repr__ = __str__
+
+
+def compare_printed(ours: Tensor, printed, *, atol: float = 1e-4) -> Reproduction:
+    """Put attnlab's values next to the values a tutorial printed (4 decimals: ``atol`` 1e-4).
+
+    Shapes:
+        ours: any shape; printed: nested lists of the same shape (as the tutorial printed them).
+
+    Raises:
+        ValueError: the shapes differ.
+
+    Example:
+        >>> compare_printed(torch.tensor([[1.0, 0.0]]), [[1.0, 0.0]]).matches
+        True
+    """
+    instance_of("ours", ours, Tensor, "a torch.Tensor")
+    expected = torch.as_tensor(printed, dtype=torch.float64)
+    ours = ours.detach().double().cpu()
+    if tuple(ours.shape) != tuple(expected.shape):
+        raise ValueError(f"printed must have the shape of ours {tuple(ours.shape)}, got {tuple(expected.shape)}")
+    finite = torch.isfinite(expected)
+    same_inf = bool((ours[~finite] == expected[~finite]).all())
+    error = float((ours[finite] - expected[finite]).abs().max()) if bool(finite.any()) else 0.0
+    return Reproduction(ours, expected, error if same_inf else float("inf"), atol)

@@ -2,8 +2,8 @@
 
 ``attnlab explain --model minilm|DIR`` prints the word pieces and their ids, a layers x heads
 table of the word the query word attends to most, and the head that links it most strongly to
-each other word; it writes the layers x heads grid, the head view of one layer and an offline
-report. The default (tutorial) walk ends with one paragraph of the same for the trained MiniLM.
+each other word; it writes the layers x heads grid, the head view of one layer, an offline
+report and the model view (every layer x head, click to enlarge: ``model.html``). The default (tutorial) walk ends with one paragraph of the same for the trained MiniLM.
 A directory whose ``config.json`` says ``model_type`` ``attnlab-gpt`` (a checkpoint of ``attnlab
 train``) or ``gpt2`` is opened as a :class:`~attnlab.models.GPT` instead: one token per word
 (characters of a text model, else token ids given as ``"3 17 5 3"``), causal weights.
@@ -210,6 +210,7 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
     from attnlab.viz.headview import head_grid, head_view
     from attnlab.viz.heatmap import save_figure
     from attnlab.viz.html import TrainedSection, write_report
+    from attnlab.viz.views import model_view
 
     written = []
     images = [f for f in ("png", "svg") if fmt in (f, "all")]
@@ -225,4 +226,6 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
         section = TrainedSection(display_name(model), view, focus=query, layer=layer, heads=heads,
                                  hide_special=hide_special)
         written.append(write_report(None, out / "report.html", trained=section))
+        written.append(model_view(view.weights, view.words, layer=layer, head=heads[0],
+                                  title=f"{display_name(model)}: every layer and head").save(out / "model.html"))
     return written

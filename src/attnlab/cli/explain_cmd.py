@@ -4,7 +4,10 @@ Prints every intermediate (tokens, embeddings, W_q/W_k/W_v, queries, keys, value
 mask, weights, context vectors) as labelled tables, says where the focused word attends most
 and least, and writes heatmaps (PNG, SVG) and a self-contained HTML report. With the trained
 MiniLM installed it ends with what that model's heads do with the same sentence.
-``--model minilm`` (or a model directory) walks the trained model itself instead.
+``--model minilm`` (or a model directory) walks the trained model itself instead; a transformers
+checkpoint directory of any other model type (GPT-2, Llama, Qwen2, ...) is opened with its attention
+on attnlab and shown layer by layer and head by head (``--generate N``: where each head looked for
+each generated token).
 
 Bad input (an empty sentence, an unknown ``--query`` word, a bad ``--mode``, a malformed
 option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback.
@@ -18,6 +21,7 @@ from pathlib import Path
 import typer
 
 from attnlab._checks import positive_int, probability
+from attnlab.cli import _lens_walk as lens_walk
 from attnlab.cli import _trained_walk as trained_walk
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors
 from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
@@ -29,6 +33,7 @@ TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
 # 50 000-row embedding table alone grows by 200 KB per unit of --d-model.
 MAX_SIZE = 1024
 MAX_HEADS = 16
+MAX_GENERATE = 256
 _DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the home of the defaults
 
 
@@ -56,7 +61,8 @@ def explain(
                                   help="Dropout probability on the attention weights, in [0, 1)."),
     model: str = typer.Option(TUTORIAL, "--model",
                               help="'tutorial' (the step-by-step walk with seeded random weights), 'minilm' "
-                                   "(the trained all-MiniLM-L6-v2) or a BERT model directory."),
+                                   "(the trained all-MiniLM-L6-v2), a BERT model directory, or any transformers "
+                                   "checkpoint directory (GPT-2, Llama, Qwen2, ...: every layer and head)."),
     query: str = typer.Option(None, "--query", help="Word to focus on (default: 'it' if present, else the last word)."),
     layer: int = typer.Option(None, "--layer", help="Trained model: the layer of the head view "
                                                     "(default: the layer of the query word's strongest link)."),
@@ -65,6 +71,9 @@ def explain(
                                       help="Trained model: leave [CLS]/[SEP] out of the tables and lines."),
     truncate: bool = typer.Option(False, "--truncate",
                                   help="Trained model: cut a sentence longer than the model's positions."),
+    generate: int = typer.Option(None, "--generate",
+                                 help="A decoder checkpoint (transformers): generate N tokens and write "
+                                      "generation.html, where each head looked for each of them."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
     fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
@@ -78,6 +87,16 @@ def explain(
         sentence = sentence_option
     if fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if generate is not None:
+        with option_errors():
+            positive_int("--generate", generate)
+        at_most("--generate", generate, MAX_GENERATE, "the generation view shows every step")
+    if model != TUTORIAL and lens_walk.wants_lens(model):
+        _explain_lens(sentence, model=model, query=query, truncate=truncate, generate=generate, out=out, fmt=fmt,
+                      no_color=no_color)
+        return
+    if generate is not None:
+        fail("--generate needs a decoder checkpoint directory of transformers (--model DIR)")
     if model != TUTORIAL:
         _explain_trained(sentence, model=model, query=query, layer=layer, head=head, hide_special=hide_special,
                          truncate=truncate, out=out, fmt=fmt, no_color=no_color)
@@ -106,8 +125,9 @@ def _print_written(console, written: list[Path], out: Path) -> None:
     console.print("[bold]Files written:[/bold]")
     for path in written:
         console.print(f"  {path}", soft_wrap=True, markup=False)
-    if any(p.suffix == ".html" for p in written):
-        console.print(f"Open {out / 'report.html'} in a browser: it works offline.", soft_wrap=True, markup=False)
+    pages = [p for p in written if p.suffix == ".html"]
+    if pages:
+        console.print(f"Open {pages[0]} in a browser: it works offline.", soft_wrap=True, markup=False)
 
 
 def _make_out(out: Path) -> None:
@@ -160,6 +180,18 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
                                            hide_special=hide_special, out=out, fmt=fmt)
     except OSError as err:
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+    _print_written(console, written, out)
+
+
+def _explain_lens(text: str, *, model: str, query, truncate: bool, generate: int | None, out: Path, fmt: str,
+                  no_color: bool) -> None:
+    """``--model DIR`` of any transformers model type: every layer and head through attnlab, and generation."""
+    from rich.console import Console
+
+    lens = lens_walk.load(model)
+    _make_out(out)
+    console = Console(no_color=no_color, highlight=False, soft_wrap=False)
+    written = lens_walk.walk(console, lens, text, query=query, truncate=truncate, generate=generate, out=out, fmt=fmt)
     _print_written(console, written, out)
 
 

@@ -1,9 +1,13 @@
-"""A self-contained HTML report of one :class:`attnlab.explain.Trace`.
+"""A self-contained HTML report of one :class:`attnlab.explain.Trace`, and its inline views.
 
 One file that works from ``file://`` with no network: the CSS (``report.css``), the script
 (``report.js``) and the data are inlined, the heatmaps are inline SVG, and only system fonts are
 named. Without JavaScript the page still shows every number; with it, a head selector switches
 heads and hovering (or clicking) a word shows where it attends.
+
+The same cards render inside a notebook: :func:`walk_view` (a trace's walk, what
+``Trace._repr_html_`` shows) and :func:`heads_view` (any ``(H, Tq, Tk)`` weights with their
+tokens) return one ``<div>`` whose ids carry a prefix of their own (:mod:`attnlab.viz.page`).
 
 Every heatmap cell is an SVG ``<rect class="cell">`` carrying ``data-head``, ``data-row``,
 ``data-col``, ``data-value`` (4 decimals) and ``data-masked``, so tests can read what is drawn.
@@ -11,45 +15,24 @@ Every heatmap cell is an SVG ``<rect class="cell">`` carrying ``data-head``, ``d
 
 from __future__ import annotations
 
-import html
-import json
-from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
 
-from dataclasses import dataclass
+import torch
+from torch import Tensor
 
-from attnlab.explain import Trace, format_value
 from attnlab.trained import WordAttention, format_heads, unpad_heads
 from attnlab.viz.headview import HEAD_COLORS, MIN_ALPHA
 from attnlab.viz.heatmap import Blocks, aggregate_blocks
+from attnlab.viz.page import asset as _asset
+from attnlab.viz.page import document, format_value, fragment, new_prefix, to_json, viridis
+from attnlab.viz.page import escape as _e
 
-__all__ = ["TrainedSection", "build_report", "write_report", "viridis"]
+__all__ = ["TrainedSection", "Weights", "ranked_keys", "build_report", "write_report", "walk_view", "heads_view",
+           "trained_view", "viridis"]
 
 MAX_TABLE = 24  # rows/columns shown per step table; longer tables are cut with a note
 MAX_LINKS = 12  # bars in the "where it attends" list
-_VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
-
-
-def viridis(t: float) -> str:
-    """The viridis colour for ``t`` in [0, 1] (linear between 9 anchors), as ``#rrggbb``.
-
-    Example:
-        >>> viridis(0.0), viridis(1.0)
-        ('#440154', '#fde725')
-    """
-    t = min(max(t, 0.0), 1.0) * (len(_VIRIDIS) - 1)
-    i = min(int(t), len(_VIRIDIS) - 2)
-    a, b = _VIRIDIS[i], _VIRIDIS[i + 1]
-    mix = [round(int(a[k:k + 2], 16) * (1 - (t - i)) + int(b[k:k + 2], 16) * (t - i)) for k in (1, 3, 5)]
-    return "#" + "".join(f"{c:02x}" for c in mix)
-
-
-def _e(text) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _asset(name: str) -> str:
-    return resources.files("attnlab.viz").joinpath(name).read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -77,7 +60,67 @@ class TrainedSection:
     hide_special: bool = False
 
 
-def write_report(trace: Trace, path: str | Path, *, focus: int | None = None,
+@dataclass(frozen=True)
+class Weights:
+    """What the walk's cards draw: one attention's per-head weights and the tokens on each side.
+
+    Attributes:
+        weights: ``(H, Tq, Tk)``, rows are queries.
+        tokens: ``Tq`` query labels; context_tokens: ``Tk`` key labels.
+        allowed: ``(Tq, Tk)`` bool (False = masked) or None.
+        mode: ``"cross"`` when queries and keys come from different sequences (both are shown).
+        untrained: the weights come from random projections (the card says the pattern is arbitrary).
+
+    Example:
+        >>> w = Weights.of(torch.tensor([[0.9, 0.1], [0.5, 0.5]]), ["a", "b"])
+        >>> w.heads, w.context_tokens
+        (1, ('a', 'b'))
+    """
+
+    weights: Tensor
+    tokens: tuple
+    context_tokens: tuple
+    allowed: Tensor | None = None
+    mode: str = "self"
+    untrained: bool = False
+
+    @property
+    def heads(self) -> int:
+        return self.weights.shape[0]
+
+    @classmethod
+    def of(cls, weights: Tensor, tokens, *, context_tokens=None, allowed: Tensor | None = None) -> "Weights":
+        """Check ``weights`` ``(Tq, Tk)`` or ``(H, Tq, Tk)`` against the labels (``ValueError`` naming them)."""
+        if not isinstance(weights, Tensor):
+            raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
+        weights = weights.detach().float().cpu()
+        weights = weights[None] if weights.ndim == 2 else weights  # (H, Tq, Tk)
+        if weights.ndim != 3:
+            raise ValueError(f"weights must be (Tq, Tk) or (H, Tq, Tk), got shape {tuple(weights.shape)}")
+        cross = context_tokens is not None
+        context_tokens = tokens if context_tokens is None else context_tokens
+        if len(tokens) != weights.shape[1] or len(context_tokens) != weights.shape[2]:
+            raise ValueError(f"tokens must label the weights' rows and columns {tuple(weights.shape[1:])}, got "
+                             f"{len(tokens)} and {len(context_tokens)} labels")
+        if allowed is not None and tuple(allowed.shape) != tuple(weights.shape[1:]):
+            raise ValueError(f"allowed must be (Tq, Tk) = {tuple(weights.shape[1:])}, got {tuple(allowed.shape)}")
+        return cls(weights, tuple(map(str, tokens)), tuple(map(str, context_tokens)),
+                   None if allowed is None else allowed.bool().cpu(), "cross" if cross else "self")
+
+
+def ranked_keys(row: Tensor, allowed_row: Tensor | None = None) -> list[int]:
+    """The keys a query may attend to, strongest weight first (ties: lower position first).
+
+    Example:
+        >>> ranked_keys(torch.tensor([0.2, 0.5, 0.3]), torch.tensor([True, False, True]))
+        [2, 0]
+    """
+    values = row.tolist()
+    visible = [j for j in range(len(values)) if allowed_row is None or bool(allowed_row[j])]
+    return sorted(visible, key=lambda j: (-values[j], j))
+
+
+def write_report(trace, path: str | Path, *, focus: int | None = None,
                  trained: TrainedSection | None = None) -> Path:
     """Write :func:`build_report`'s page to ``path`` (UTF-8) and return the path.
 
@@ -93,11 +136,11 @@ def write_report(trace: Trace, path: str | Path, *, focus: int | None = None,
     return path
 
 
-def build_report(trace: Trace | None, *, focus: int | None = None, trained: TrainedSection | None = None) -> str:
+def build_report(trace, *, focus: int | None = None, trained: TrainedSection | None = None) -> str:
     """The report page as one HTML string (inline CSS, JS, data and SVG).
 
     Args:
-        trace: the step-by-step walk to show (None: a page for the trained model alone).
+        trace: the :class:`attnlab.explain.Trace` to walk through (None: a page for the trained model alone).
         focus: index of the query token focused first (default: ``trace.query_index()``).
         trained: a trained model's head view, shown after the walk (or alone).
 
@@ -111,39 +154,91 @@ def build_report(trace: Trace | None, *, focus: int | None = None, trained: Trai
         if trained is None:
             raise ValueError("build_report needs a trace, a trained section, or both")
         return _page(f"attnlab explain --model {trained.model}", _model_header(trained),
-                     _trained_card(trained), "", trained)
+                     _trained_card(trained, ""), "", trained)
     focus = trace.query_index() if focus is None else focus
-    weights = trace.weights()  # (H, Tq, Tk)
-    blocks = aggregate_blocks(weights, rows=trace.tokens, cols=trace.context_tokens, allowed=trace.allowed())
+    ending = (_trained_card(trained, "") if trained else "") + _steps(trace, focus)  # head view, then the steps
+    cards, walk = _walk(_of_trace(trace), focus, "", steps=ending)
+    return _page(f"attnlab explain: {trace.sentence}", _header(trace), cards, walk, trained)
+
+
+def walk_view(trace, *, focus: int | None = None, steps: bool = True) -> str:
+    """A trace's walk as one inline view (a notebook output): the report's cards, ids prefixed.
+
+    Example:
+        >>> from attnlab.explain import trace
+        >>> a, b = walk_view(trace("The sun rises")), walk_view(trace("The sun rises"))
+        >>> a.startswith('<div class="attnlab inline"'), a.count('id="attnlab-') == b.count('id="attnlab-') > 5
+        (True, True)
+        >>> set(a.split('id="')[1:]) & set(b.split('id="')[1:])    # no id shared by two views
+        set()
+    """
+    focus = trace.query_index() if focus is None else focus
+    prefix = new_prefix()
+    cards, walk = _walk(_of_trace(trace), focus, prefix, steps=_steps(trace, focus) if steps else "")
+    return fragment(cards, prefix=prefix, roles=("walk",), scripts=walk)
+
+
+def heads_view(weights: Weights, *, focus: int | None = None) -> str:
+    """Any weights with their tokens as one inline view: head selector, heatmap, where a token attends.
+
+    Example:
+        >>> view = heads_view(Weights.of(torch.softmax(torch.randn(2, 3, 3), -1), ["a", "b", "c"]))
+        >>> view.count('class="token q"'), view.count('<option value=')
+        (3, 2)
+    """
+    focus = len(weights.tokens) - 1 if focus is None else focus
+    prefix = new_prefix()
+    cards, walk = _walk(weights, focus, prefix, steps="")
+    return fragment(cards, prefix=prefix, roles=("walk",), scripts=walk)
+
+
+def _of_trace(trace) -> Weights:
+    return Weights(trace.weights(), tuple(trace.tokens), tuple(trace.context_tokens), trace.allowed(),
+                   "cross" if trace.mode == "cross" else "self", untrained=True)
+
+
+def _walk(view: Weights, focus: int, prefix: str, *, steps: str) -> tuple[str, str]:
+    """The walk's cards and its data + script, ids starting with ``prefix``."""
+    blocks = aggregate_blocks(view.weights, rows=view.tokens, cols=view.context_tokens, allowed=view.allowed)
     data = {
-        "mode": trace.mode, "heads": trace.heads, "tokens": trace.tokens, "context_tokens": trace.context_tokens,
-        "weights": [[[round(float(w), 4) for w in row] for row in head] for head in weights.tolist()],
-        "allowed": None if trace.allowed() is None else trace.allowed().tolist(),
+        "mode": view.mode, "heads": view.heads, "tokens": view.tokens, "context_tokens": view.context_tokens,
+        "weights": [[[round(float(w), 4) for w in row] for row in head] for head in view.weights.tolist()],
+        "allowed": None if view.allowed is None else view.allowed.tolist(),
         "focus": focus, "block": list(blocks.size), "max_links": MAX_LINKS,
     }
-    main = "\n".join([_sentence_card(trace, focus), '<div class="grid2">', _heatmap_card(trace, blocks),
-                      _links_card(trace, focus), "</div>", _trained_card(trained) if trained else "",
-                      _steps(trace, focus)])
-    walk = (f'<script id="attnlab-data" type="application/json">{_json(data)}</script>\n'
+    cards = "\n".join([_sentence_card(view, focus, prefix), '<div class="grid2">', _heatmap_card(view, blocks, prefix),
+                       _links_card(view, focus, prefix), "</div>", steps])
+    walk = (f'<script id="{prefix}attnlab-data" type="application/json">{to_json(data)}</script>\n'
             f"<script>{_asset('report.js')}</script>\n")
-    return _page(f"attnlab explain: {trace.sentence}", _header(trace), main, walk, trained)
-
-
-def _json(data) -> str:
-    return json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    return cards, walk
 
 
 def _page(title: str, header: str, main: str, scripts: str, trained: TrainedSection | None) -> str:
     """One self-contained page: inline CSS, the sections, their data and scripts."""
+    roles = ("walk",) if scripts else ()
     if trained is not None:
-        scripts += (f'<script id="attnlab-trained" type="application/json">{_json(_trained_data(trained))}</script>\n'
-                    f"<script>{_asset('headview.js')}</script>\n")
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        f"<title>{_e(title)}</title><style>{_asset('report.css')}</style></head>\n<body>\n"
-        f"{header}\n<main><div class=\"wrap\">\n{main}\n</div></main>\n{_footer()}\n{scripts}</body></html>\n"
-    )
+        scripts += _trained_scripts(trained, "")
+        roles += ("heads",)
+    body = f"{header}\n<main><div class=\"wrap\">\n{main}\n</div></main>\n{_footer()}"
+    return document(title, body, roles=roles, scripts=scripts)
+
+
+def _trained_scripts(section: TrainedSection, prefix: str) -> str:
+    return (f'<script id="{prefix}attnlab-trained" type="application/json">{to_json(_trained_data(section))}'
+            f"</script>\n<script>{_asset('headview.js')}</script>\n")
+
+
+def trained_view(section: TrainedSection) -> str:
+    """A trained model's head view (layer selector, head toggles, hover a word) as one inline view.
+
+    Example:
+        >>> view = WordAttention.from_pieces(torch.full((1, 2, 2, 2), 0.5), ["hi", "there"], [0, 1])
+        >>> trained_view(TrainedSection("toy", view, focus=0)).count('class="hv-word q')
+        2
+    """
+    prefix = new_prefix()
+    return fragment(_trained_card(section, prefix), prefix=prefix, roles=("heads",),
+                    scripts=_trained_scripts(section, prefix))
 
 
 # Head-view geometry (SVG user units): word columns at LEFT/RIGHT, one ROW per word from TOP.
@@ -173,7 +268,7 @@ def _model_header(section: TrainedSection) -> str:
     )
 
 
-def _trained_card(section: TrainedSection) -> str:
+def _trained_card(section: TrainedSection, prefix: str) -> str:
     """The head view: layer selector, head toggles, the two word columns; lines are drawn by headview.js."""
     view, geometry = section.view, _HV
     height = geometry["top"] * 2 + geometry["row"] * (len(view.words) - 1)
@@ -191,21 +286,22 @@ def _trained_card(section: TrainedSection) -> str:
                      f'<text class="hv-word k{cls}" data-index="{i}" x="{geometry["right"] + 8}" y="{y}" '
                      f'dominant-baseline="middle">{_e(word)}</text>')
     return (
-        f'<section class="card" id="trained"><h2>What the trained {_e(section.model)} does with this sentence</h2>'
+        f'<section class="card" id="{prefix}trained">'
+        f"<h2>What the trained {_e(section.model)} does with this sentence</h2>"
         '<p class="muted">The head view: each line joins a word (left) to a word it attends to (right); its '
         "opacity is the attention weight, its colour the head. Hover a word on the left to see its lines. "
         "Word pieces are merged into words: a word receives the sum of the weights on its pieces, and attends "
         "as the mean of its pieces.</p>"
-        f'<div class="hv-controls"><span><label for="hv-layer">Layer</label><select id="hv-layer">{options}</select>'
-        f'</span><div class="hv-heads">{toggles}</div></div>'
-        f'<p class="summary" id="hv-best"></p>'
-        f'<svg class="headview" id="hv-svg" width="{geometry["width"]}" height="{height}" '
+        f'<div class="hv-controls"><span><label for="{prefix}hv-layer">Layer</label>'
+        f'<select id="{prefix}hv-layer">{options}</select></span><div class="hv-heads">{toggles}</div></div>'
+        f'<p class="summary" id="{prefix}hv-best"></p>'
+        f'<svg class="headview" id="{prefix}hv-svg" width="{geometry["width"]}" height="{height}" '
         f'viewBox="0 0 {geometry["width"]} {height}" role="img" aria-label="head view">'
-        f'<g id="hv-lines"></g>{"".join(words)}</svg></section>'
+        f'<g id="{prefix}hv-lines"></g>{"".join(words)}</svg></section>'
     )
 
 
-def _header(trace: Trace) -> str:
+def _header(trace) -> str:
     kind = {"self": "self-attention", "causal": "causal self-attention", "multihead": "multi-head attention",
             "cross": "cross-attention"}[trace.mode]
     badges = [kind, f"{trace.heads} head{'s' if trace.heads > 1 else ''}", f"d_model = {trace.d_model}",
@@ -228,13 +324,14 @@ def _chips(tokens, cls: str) -> str:
                    for i, t in enumerate(tokens))
 
 
-def _sentence_card(trace: Trace, focus: int) -> str:
+def _sentence_card(trace: Weights, focus: int, prefix: str) -> str:
     options = "".join(f'<option value="{h}">head {h}</option>' for h in range(trace.heads))
     disabled = "" if trace.heads > 1 else " disabled"
     parts = ['<section class="card"><div class="controls">',
-             f'<div><label for="head-select">Head</label><select id="head-select"{disabled}>{options}</select></div>',
+             f'<div><label for="{prefix}head-select">Head</label>'
+             f'<select id="{prefix}head-select"{disabled}>{options}</select></div>',
              f'<div class="muted">Hover a word to see where it attends; click to pin it. '
-             f'Pinned now: <b id="pinned">{_e(trace.tokens[focus])}</b>.</div></div>']
+             f'Pinned now: <b id="{prefix}pinned">{_e(trace.tokens[focus])}</b>.</div></div>']
     if trace.mode == "cross":
         parts += ['<div class="side-label">queries (from the first sentence)</div>',
                   f'<div class="sentence">{_chips(trace.tokens, "q")}</div>',
@@ -246,11 +343,11 @@ def _sentence_card(trace: Trace, focus: int) -> str:
     return "".join(parts)
 
 
-def _heatmap_card(trace: Trace, blocks: Blocks) -> str:
+def _heatmap_card(trace: Weights, blocks: Blocks, prefix: str) -> str:
     vmax = max(float(blocks.weights.max()), 1e-12)
     panels = "".join(
         f'<div class="per-head heatmap-box" data-head="{h}"{"" if h == 0 else " hidden"}>'
-        f"{_heatmap_svg(blocks, h, vmax)}</div>" for h in range(trace.heads))
+        f"{_heatmap_svg(blocks, h, vmax, prefix)}</div>" for h in range(trace.heads))
     note = ""
     if blocks.size != (1, 1):
         note = (f'<p class="note">{len(trace.tokens)} x {len(trace.context_tokens)} tokens are drawn in blocks '
@@ -264,12 +361,13 @@ def _heatmap_card(trace: Trace, blocks: Blocks) -> str:
         f"{panels}"
         f'<div class="legend"><span>0</span><span class="ramp" style="background: linear-gradient(90deg, {ramp})">'
         f"</span><span>{vmax:.2f}</span>"
-        + ('<span class="hatch"></span><span>masked (not allowed to attend)</span>' if trace.causal else "")
+        + ('<span class="hatch"></span><span>masked (not allowed to attend)</span>'
+           if trace.allowed is not None else "")
         + f"</div>{note}</section>"
     )
 
 
-def _heatmap_svg(blocks: Blocks, h: int, vmax: float) -> str:
+def _heatmap_svg(blocks: Blocks, h: int, vmax: float, prefix: str) -> str:
     """One head's weights as SVG cells with token labels on both axes."""
     n_rows, n_cols = len(blocks.rows), len(blocks.cols)
     cell = max(8, min(40, 560 // max(n_rows, n_cols)))
@@ -279,7 +377,7 @@ def _heatmap_svg(blocks: Blocks, h: int, vmax: float) -> str:
     show_values = cell >= 34
     out = [f'<svg class="heatmap" data-head="{h}" width="{width}" '
            f'height="{height}" viewBox="0 0 {width} {height}" role="img">',
-           f'<defs><pattern id="hatch-{h}" width="6" height="6" patternUnits="userSpaceOnUse" '
+           f'<defs><pattern id="{prefix}hatch-{h}" width="6" height="6" patternUnits="userSpaceOnUse" '
            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eceff3"/>'
            '<line x1="0" y1="0" x2="0" y2="6" stroke="#b9bfca" stroke-width="2"/></pattern></defs>']
     label_size = 12 if cell >= 16 else 8
@@ -294,7 +392,7 @@ def _heatmap_svg(blocks: Blocks, h: int, vmax: float) -> str:
                    f'text-anchor="end" font-size="{label_size}">{_e(label)}</text>')
         for j, value in enumerate(values[i]):
             masked = blocks.allowed is not None and not bool(blocks.allowed[i, j])
-            fill = f"url(#hatch-{h})" if masked else viridis(value / vmax)
+            fill = f"url(#{prefix}hatch-{h})" if masked else viridis(value / vmax)
             text = "masked" if masked else format_value(value)
             out.append(f'<rect class="cell{" masked" if masked else ""}" data-head="{h}" data-row="{i}" '
                        f'data-col="{j}" data-value="{format_value(value)}" data-masked="{str(masked).lower()}" '
@@ -308,25 +406,29 @@ def _heatmap_svg(blocks: Blocks, h: int, vmax: float) -> str:
     return "".join(out)
 
 
-def _links_card(trace: Trace, focus: int) -> str:
-    links = trace.links(focus, head=0)
-    top, low = links[0], links[-1]
-    word = trace.tokens[focus]
+def _links_card(trace: Weights, focus: int, prefix: str) -> str:
+    row = trace.weights[0, focus]  # head 0: the one shown first
+    keys = ranked_keys(row, None if trace.allowed is None else trace.allowed[focus])
+    top, low = keys[0], keys[-1]
+    word, cols = trace.tokens[focus], trace.context_tokens
     rows = "".join(
-        f'<li><span class="word">{_e(link.key)}</span><span class="bar"><span style="width:'
-        f'{100 * link.weight / (top.weight or 1):.1f}%"></span></span>'
-        f'<span class="val">{format_value(link.weight)}</span></li>' for link in links[:MAX_LINKS])
+        f'<li><span class="word">{_e(cols[j])}</span><span class="bar"><span style="width:'
+        f'{100 * float(row[j]) / (float(row[top]) or 1):.1f}%"></span></span>'
+        f'<span class="val">{format_value(float(row[j]))}</span></li>' for j in keys[:MAX_LINKS])
     return (
-        f'<section class="card"><h2>Where \u2018<span id="links-word">{_e(word)}</span>\u2019 attends'
-        f'<span id="links-head">{" (head 0)" if trace.heads > 1 else ""}</span></h2>'
-        f'<p class="summary" id="links-summary">\u2018<b>{_e(word)}</b>\u2019 attends most to '
-        f"\u2018<b>{_e(top.key)}</b>\u2019 ({format_value(top.weight)}) and least to "
-        f"\u2018<b>{_e(low.key)}</b>\u2019 ({format_value(low.weight)}).</p>"
-        f'<ul class="links" id="links-list">{rows}</ul>'
-        '<p class="note">These weights come from random, untrained W_q and W_k, so the pattern is arbitrary.'
-        + (" A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019."
-           if {"it", "meal"} <= set(trace.tokens) else "") + "</p></section>"
+        f'<section class="card"><h2>Where \u2018<span id="{prefix}links-word">{_e(word)}</span>\u2019 attends'
+        f'<span id="{prefix}links-head">{" (head 0)" if trace.heads > 1 else ""}</span></h2>'
+        f'<p class="summary" id="{prefix}links-summary">\u2018<b>{_e(word)}</b>\u2019 attends most to '
+        f"\u2018<b>{_e(cols[top])}</b>\u2019 ({format_value(float(row[top]))}) and least to "
+        f"\u2018<b>{_e(cols[low])}</b>\u2019 ({format_value(float(row[low]))}).</p>"
+        f'<ul class="links" id="{prefix}links-list">{rows}</ul>'
+        + (_UNTRAINED_NOTE + (" A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019."
+                              if {"it", "meal"} <= set(trace.tokens) else "") + "</p>" if trace.untrained else "")
+        + "</section>"
     )
+
+
+_UNTRAINED_NOTE = '<p class="note">These weights come from random, untrained W_q and W_k, so the pattern is arbitrary.'
 
 
 def _footer() -> str:
@@ -334,7 +436,7 @@ def _footer() -> str:
             "it loads nothing from the network.</footer>")
 
 
-def _steps(trace: Trace, focus: int) -> str:
+def _steps(trace, focus: int) -> str:
     """One card per step; a per-head step has one card per head, only the selected head's shown."""
     names = list(dict.fromkeys(s.name for s in trace.steps))
     cards = ['<h2 class="steps-title">The computation, one step at a time</h2><div class="steps">']

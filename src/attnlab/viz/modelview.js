@@ -1,0 +1,170 @@
+// attnlab model view (every layer x head, click to enlarge) and generation view (where each head
+// looked for each generated token). Inlined; no network. Each root [data-attnlab-model] is set up once;
+// its ids start with its data-prefix. Weights arrive as base64 little-endian uint16 (w * 65535), layer
+// by layer, head by head, n x n cells each (blocks of `block` tokens past 256 tokens).
+(function () {
+  "use strict";
+  var ANCHORS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"];
+  var LUT = lut();
+
+  document.querySelectorAll("[data-attnlab-model]").forEach(function (root) {
+    if (root.dataset.modelReady) return;
+    root.dataset.modelReady = "1";
+    var started = performance.now();
+    init(root);
+    root.dataset.renderMs = (performance.now() - started).toFixed(1);
+  });
+
+  function lut() {  // 256 viridis colours, as [r, g, b] triples
+    var out = new Uint8Array(256 * 3);
+    for (var i = 0; i < 256; i++) {
+      var t = i / 255 * (ANCHORS.length - 1), k = Math.min(Math.floor(t), ANCHORS.length - 2), f = t - k;
+      for (var c = 0; c < 3; c++) {
+        var a = parseInt(ANCHORS[k].substr(1 + 2 * c, 2), 16), b = parseInt(ANCHORS[k + 1].substr(1 + 2 * c, 2), 16);
+        out[3 * i + c] = Math.round(a * (1 - f) + b * f);
+      }
+    }
+    return out;
+  }
+
+  function decode(text) {
+    var bytes = atob(text), n = bytes.length >> 1, out = new Float32Array(n);
+    for (var i = 0; i < n; i++) out[i] = (bytes.charCodeAt(2 * i) | (bytes.charCodeAt(2 * i + 1) << 8)) / 65535;
+    return out;
+  }
+
+  function paint(canvas, values, offset, rows, cols) {  // square-root scale, as the matplotlib grid
+    var ctx = canvas.getContext("2d"), image = ctx.createImageData(cols, rows), px = image.data;
+    for (var i = 0; i < rows * cols; i++) {
+      var c = 3 * Math.min(255, Math.round(Math.sqrt(values[offset + i]) * 255));
+      px[4 * i] = LUT[c]; px[4 * i + 1] = LUT[c + 1]; px[4 * i + 2] = LUT[c + 2]; px[4 * i + 3] = 255;
+    }
+    ctx.putImageData(image, 0, 0);
+  }
+
+  function init(root) {
+    var prefix = root.dataset.prefix || "";
+    function byId(name) { return document.getElementById(prefix + name); }
+    var data = JSON.parse(byId("attnlab-model").textContent);
+    var values = decode(data.data), n = data.n, cells = n * n;
+    var starts = [], at = 0;  // offset of each layer's first head
+    data.heads.forEach(function (count) { starts.push(at); at += count * cells; });
+    function offset(layer, head) { return starts[layer] + head * cells; }
+    function weight(layer, head, row, col) { return values[offset(layer, head) + row * n + col]; }
+    var state = { layer: data.layer, head: data.head, row: null };
+    var big = byId("mv-big"), layerSelect = byId("mv-layer"), headSelect = byId("mv-head");
+    var summary = byId("mv-summary"), tokenBox = byId("mv-tokens");
+
+    root.querySelectorAll("canvas.mv-thumb").forEach(function (thumb) {
+      var layer = Number(thumb.dataset.layer), head = Number(thumb.dataset.head);
+      paint(thumb, values, offset(layer, head), n, n);
+      thumb.addEventListener("click", function () { select(layer, head); });
+    });
+    var chips = tokenChips(tokenBox, data.tokens, null);
+    chips.forEach(function (chip, i) {
+      chip.addEventListener("mouseenter", function () { focusRow(Math.floor(i / data.block)); });
+    });
+    big.addEventListener("mousemove", function (event) {
+      var box = big.getBoundingClientRect();
+      focusRow(Math.min(n - 1, Math.max(0, Math.floor((event.clientY - box.top) / box.height * n))));
+    });
+    layerSelect.addEventListener("change", function () { select(Number(layerSelect.value), state.head); });
+    headSelect.addEventListener("change", function () { select(state.layer, Number(headSelect.value)); });
+
+    function label(r) { return data.block === 1 ? "\u2018" + data.tokens[r] + "\u2019" : "tokens " + data.rows[r]; }
+
+    function focusRow(r) {
+      state.row = r;
+      var keys = [];
+      for (var j = 0; j < n; j++) keys.push(j);
+      function w(j) { return weight(state.layer, state.head, r, j); }
+      keys.sort(function (a, b) { return w(b) - w(a) || a - b; });
+      summary.textContent = "Layer " + state.layer + ", head " + state.head + ": " + label(r) + " looks most at " +
+        keys.slice(0, 3).map(function (j) { return label(j) + " (" + w(j).toFixed(4) + ")"; }).join(", ") + ".";
+      var max = w(keys[0]) || 1;
+      chips.forEach(function (chip, i) {
+        var w = weight(state.layer, state.head, r, Math.floor(i / data.block));
+        chip.style.background = "rgba(79, 70, 229, " + (0.04 + 0.66 * Math.min(1, w / max)).toFixed(3) + ")";
+        chip.classList.toggle("focus", Math.floor(i / data.block) === r);
+      });
+      paint(big, values, offset(state.layer, state.head), n, n);  // the row read stays bright, the rest dims
+      var ctx = big.getContext("2d");
+      ctx.fillStyle = "rgba(255, 255, 255, 0.45)";
+      ctx.fillRect(0, 0, n, r); ctx.fillRect(0, r + 1, n, n - r - 1);
+      root.dataset.row = String(r);
+    }
+
+    function select(layer, head) {
+      head = Math.min(head, data.heads[layer] - 1);
+      state.layer = layer; state.head = head;
+      layerSelect.value = String(layer); headSelect.value = String(head);
+      [].forEach.call(headSelect.options, function (option) {
+        option.hidden = Number(option.value) >= data.heads[layer];
+      });
+      root.querySelectorAll("canvas.mv-thumb").forEach(function (thumb) {
+        var chosen = Number(thumb.dataset.layer) === layer && Number(thumb.dataset.head) === head;
+        thumb.classList.toggle("selected", chosen);
+      });
+      paint(big, values, offset(layer, head), n, n);
+      root.dataset.layer = String(layer); root.dataset.head = String(head);
+      if (state.row !== null) focusRow(state.row);
+    }
+    select(state.layer, state.head);
+    if (data.prompt !== undefined) generation(root, byId, data, weight);
+  }
+
+  function tokenChips(box, tokens, prompt) {
+    var fragment = document.createDocumentFragment(), chips = [];
+    tokens.forEach(function (token, i) {
+      var chip = document.createElement("span");
+      chip.className = "token" + (prompt === null ? "" : (i < prompt ? " prompt" : " generated"));
+      chip.textContent = token;
+      chip.dataset.index = String(i);
+      fragment.appendChild(chip); chips.push(chip);
+    });
+    box.appendChild(fragment);
+    return chips;
+  }
+
+  function generation(root, byId, data, weight) {
+    var n = data.n, block = data.block;
+    var chips = tokenChips(byId("gv-tokens"), data.tokens, data.prompt);
+    var strips = byId("gv-layers"), canvases = [];
+    data.heads.forEach(function (count, layer) {
+      var name = document.createElement("span");
+      name.className = "mv-label"; name.textContent = "layer " + layer;
+      var canvas = document.createElement("canvas");
+      canvas.className = "gv-strip"; canvas.width = n; canvas.height = count; canvas.dataset.layer = String(layer);
+      strips.appendChild(name); strips.appendChild(canvas); canvases.push(canvas);
+    });
+    function choose(position) {  // the generated token at `position`, produced by the query at position - 1
+      var row = Math.floor((position - 1) / block), visible = Math.floor((position - 1) / block) + 1;
+      canvases.forEach(function (canvas, layer) {
+        var count = data.heads[layer], strip = new Float32Array(count * n);
+        for (var h = 0; h < count; h++) {
+          for (var j = 0; j < visible; j++) strip[h * n + j] = weight(layer, h, row, j);
+        }
+        paint(canvas, strip, 0, count, n);
+      });
+      chips.forEach(function (chip, i) { chip.classList.toggle("focus", i === position); });
+      var best = null;
+      data.heads.forEach(function (count, layer) {
+        for (var h = 0; h < count; h++) {
+          for (var j = 0; j < visible; j++) {
+            var w = weight(layer, h, row, j);
+            if (!best || w > best.w) best = { layer: layer, head: h, j: j, w: w };
+          }
+        }
+      });
+      var where = block === 1 ? "\u2018" + data.tokens[best.j] + "\u2019" : "tokens " + data.rows[best.j];
+      byId("gv-summary").textContent = "Producing \u2018" + data.tokens[position] + "\u2019 (after \u2018" +
+        data.tokens[position - 1] + "\u2019): the strongest look is layer " + best.layer + ", head " + best.head +
+        " at " + where + " (" + best.w.toFixed(4) + ").";
+      root.dataset.generated = String(position);
+    }
+    chips.forEach(function (chip, i) {
+      if (i >= data.prompt) chip.addEventListener("click", function () { choose(i); });
+    });
+    choose(data.prompt);
+  }
+})();

@@ -1,0 +1,141 @@
+"""What every attnlab page and inline view is made of: inlined assets, escaping, colours, ids.
+
+A page (the report written by ``attnlab explain``) and an inline view (a notebook output, from
+``_repr_html_``) are built from the same parts: the CSS (``report.css``, every rule under
+``.attnlab``), the scripts (``report.js``, ``headview.js``, ``modelview.js``) and the data as
+JSON. Nothing is fetched from the network.
+
+Several views can share one notebook page, so each view gets its own **prefix** for the ids it
+holds (:func:`new_prefix`); the scripts find a view's elements through its root element's
+``data-prefix`` and initialise each root once, so repeating a script is harmless. The report
+uses the empty prefix: its ids are the plain names (``head-select``, ``hv-layer``).
+
+Example:
+    >>> view = fragment("<p>hi</p>", prefix="attnlab-x-", roles=("walk",))
+    >>> view.startswith('<div class="attnlab inline" data-prefix="attnlab-x-" data-attnlab-walk')
+    True
+    >>> "http" in view
+    False
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import json
+import math
+import secrets
+from importlib import resources
+
+__all__ = ["asset", "escape", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
+
+_VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
+_SESSION = secrets.token_hex(3)  # views of two kernels pasted into one page still differ
+_COUNTER = itertools.count()
+
+
+def asset(name: str) -> str:
+    """The text of one of ``attnlab.viz``'s files (``report.css``, ``report.js``, ...).
+
+    Example:
+        >>> asset("report.css").count(".attnlab") > 10
+        True
+    """
+    return resources.files("attnlab.viz").joinpath(name).read_text(encoding="utf-8")
+
+
+def escape(text) -> str:
+    """``text`` as HTML text or an attribute value (quotes escaped).
+
+    Example:
+        >>> escape('<b a="1">')
+        '&lt;b a=&quot;1&quot;&gt;'
+    """
+    return html.escape(str(text), quote=True)
+
+
+def to_json(data) -> str:
+    """``data`` as compact JSON that can sit inside a ``<script>`` element (``</`` escaped).
+
+    Example:
+        >>> to_json({"a": "</script>"})
+        '{"a":"<\\\\/script>"}'
+    """
+    return json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+
+
+def viridis(t: float) -> str:
+    """The viridis colour for ``t`` in [0, 1] (linear between 9 anchors), as ``#rrggbb``.
+
+    Example:
+        >>> viridis(0.0), viridis(1.0)
+        ('#440154', '#fde725')
+    """
+    t = min(max(t, 0.0), 1.0) * (len(_VIRIDIS) - 1)
+    i = min(int(t), len(_VIRIDIS) - 2)
+    a, b = _VIRIDIS[i], _VIRIDIS[i + 1]
+    mix = [round(int(a[k:k + 2], 16) * (1 - (t - i)) + int(b[k:k + 2], 16) * (t - i)) for k in (1, 3, 5)]
+    return "#" + "".join(f"{c:02x}" for c in mix)
+
+
+def format_value(value: float | int | bool) -> str:
+    """How every number is printed, in the terminal, the report and the views alike.
+
+    Example:
+        >>> [format_value(v) for v in (3, 0.31023, float("-inf"), True, False)]
+        ['3', '0.3102', '-inf', '1', '0']
+    """
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "-inf" if value < 0 else "inf"
+    return f"{value:.4f}"
+
+
+def new_prefix() -> str:
+    """A prefix for one view's ids, different at every call (the same object shown twice too).
+
+    Example:
+        >>> a, b = new_prefix(), new_prefix()
+        >>> a != b and a.startswith("attnlab-") and a.endswith("-")
+        True
+    """
+    return f"attnlab-{_SESSION}{next(_COUNTER)}-"
+
+
+def fragment(body: str, *, prefix: str, roles=(), scripts: str = "") -> str:
+    """One inline view: a root ``<div class="attnlab inline">`` holding the CSS, ``body`` and ``scripts``.
+
+    Args:
+        body: the view's HTML, its ids starting with ``prefix``.
+        prefix: from :func:`new_prefix`; the scripts read it from the root's ``data-prefix``.
+        roles: which scripts own this root (``"walk"``, ``"heads"``, ``"model"``): each
+            becomes a ``data-attnlab-<role>`` attribute the script looks for.
+        scripts: the data and scripts, placed after the body so they run once it exists.
+
+    Example:
+        >>> fragment("<p>hi</p>", prefix="attnlab-a-", roles=("model",)).count("data-attnlab-model")
+        1
+    """
+    marks = "".join(f" data-attnlab-{role}" for role in roles)
+    return (f'<div class="attnlab inline" data-prefix="{escape(prefix)}"{marks}>'
+            f"<style>{asset('report.css')}</style>{body}{scripts}</div>")
+
+
+def document(title: str, body: str, *, roles=(), scripts: str = "") -> str:
+    """A whole self-contained page: ``<body class="attnlab">`` is the root of its one view (empty prefix).
+
+    Example:
+        >>> page = document("t", "<p>hi</p>")
+        >>> page.startswith("<!DOCTYPE html>"), '<body class="attnlab" data-prefix=""' in page
+        (True, True)
+    """
+    marks = "".join(f" data-attnlab-{role}" for role in roles)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        f"<title>{escape(title)}</title><style>{asset('report.css')}</style></head>\n"
+        f'<body class="attnlab" data-prefix=""{marks}>\n{body}\n{scripts}</body></html>\n'
+    )

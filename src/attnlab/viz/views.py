@@ -1,0 +1,240 @@
+"""Views that render where a learner works: ``attnlab.show`` and the model and generation views.
+
+Each function here returns a :class:`View`: a notebook shows it inline (``_repr_html_``: one
+``<div>`` with the report's CSS and scripts, no network, ids of its own so several views share a
+page), and :meth:`View.save` writes it as a page of its own.
+
+* :func:`show` -- any weights with their tokens: ``(Tq, Tk)`` or ``(H, Tq, Tk)`` of up to
+  :data:`WALK_TOKENS` tokens get the walk's cards (head selector, heatmap, where a token attends);
+  longer inputs and ``(L, H, T, T)`` get the model view. A trace or a trained model's
+  :class:`~attnlab.trained.WordAttention` gets its own view.
+* :func:`model_view` -- every layer x head as a thumbnail; click one to enlarge it, hover a row of
+  the enlarged one (or a token) to read where that query looks. Inputs longer than
+  :data:`GRID` tokens are drawn in blocks of consecutive tokens (a cell is the block's total weight
+  averaged over its queries, as :func:`attnlab.viz.heatmap.aggregate_blocks`), so 2048 tokens draw
+  as 256 x 256 cells on a canvas.
+* :func:`generation_view` -- for each generated token, where every head of every layer looked
+  when the model produced it.
+
+Weights travel as 16-bit fixed point (``round(w * 65535)``, base64): a cell is read back within
+1e-5, and a 2048-token head costs 128 KiB.
+
+Example:
+    >>> import torch
+    >>> view = show(torch.softmax(torch.randn(2, 3, 4, 4), dim=-1), list("abcd"))
+    >>> type(view).__name__, "data-attnlab-model" in view._repr_html_()
+    ('View', True)
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnlab.trained import WordAttention, count_heads
+from attnlab.viz import html
+from attnlab.viz.heatmap import aggregate_blocks
+from attnlab.viz.page import asset, document, escape, fragment, new_prefix, to_json
+
+__all__ = ["View", "show", "model_view", "generation_view", "encode_weights", "GRID", "WALK_TOKENS"]
+
+GRID = 256  # the most cells per axis a head is drawn with; longer inputs are drawn in blocks
+WALK_TOKENS = 64  # up to this many tokens, (H, T, T) weights get the walk's cards (SVG cells, labels)
+
+
+class View:
+    """One rendered view: shown inline by a notebook, or saved as a self-contained page.
+
+    Attributes:
+        title: what the page is called when saved.
+
+    Example:
+        >>> import tempfile, torch
+        >>> view = show(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), ["a", "b"], title="toy")
+        >>> page = view.save(Path(tempfile.mkdtemp()) / "toy.html").read_text()
+        >>> page.startswith("<!DOCTYPE html>"), page.count('data-prefix="attnlab-')
+        (True, 1)
+    """
+
+    def __init__(self, render, *, title: str):
+        self._render = render
+        self.title = title
+
+    def _repr_html_(self) -> str:
+        return self._render()  # rendered at each display: every copy gets ids of its own
+
+    def save(self, path: str | Path) -> Path:
+        """Write the view as one offline HTML page (UTF-8) and return its path."""
+        path = Path(path)
+        path.write_text(document(self.title, self._render()), encoding="utf-8")
+        return path
+
+    def __repr__(self) -> str:
+        return f"<attnlab view: {self.title}>"
+
+
+def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int = 0, title: str | None = None) -> View:
+    """Show any attention weights with their tokens, inline in a notebook.
+
+    Shapes:
+        weights: ``(Tq, Tk)`` or ``(H, Tq, Tk)`` (one layer) or ``(L, H, T, T)`` (a model; a layer
+        with fewer heads holds NaN for the heads it lacks, as :func:`attnlab.trained.pad_heads`);
+        or an :class:`attnlab.explain.Trace`, or a :class:`attnlab.trained.WordAttention`.
+
+    Args:
+        tokens: ``Tq`` labels (default: positions); context_tokens: ``Tk`` labels when the keys are
+            another sequence (cross-attention).
+        layer, head: the head enlarged first in the model view.
+        title: shown above the view and as the saved page's title.
+
+    Example:
+        >>> import torch
+        >>> w = torch.softmax(torch.randn(2, 4, 4), dim=-1)                  # (H, T, T)
+        >>> "data-attnlab-walk" in show(w, ["the", "cat", "sat", "down"])._repr_html_()
+        True
+    """
+    if isinstance(weights, WordAttention):
+        section = html.TrainedSection(title or "model", weights, focus=len(weights.words) - 1)
+        return View(lambda: html.trained_view(section), title=title or "head view")
+    if hasattr(weights, "steps") and hasattr(weights, "_repr_html_"):  # an explain trace
+        return View(weights._repr_html_, title=title or f"attnlab explain: {weights.sentence}")
+    if not isinstance(weights, Tensor):
+        raise TypeError(f"weights must be a torch.Tensor, a Trace or a WordAttention, got {type(weights).__name__}")
+    if weights.ndim == 4:
+        return model_view(weights, tokens, layer=layer, head=head, title=title)
+    n_tokens = weights.shape[-2] if weights.ndim >= 2 else 0
+    tokens = [str(i) for i in range(n_tokens)] if tokens is None else tokens
+    view = html.Weights.of(weights, tokens, context_tokens=context_tokens)
+    if max(len(view.tokens), len(view.context_tokens)) <= WALK_TOKENS:
+        return View(lambda: _titled(title, html.heads_view(view)), title=title or "attention weights")
+    if view.mode == "cross":
+        raise ValueError(f"cross-attention weights are shown up to {WALK_TOKENS} tokens a side, "
+                         f"got {tuple(view.weights.shape[1:])}")
+    return model_view(view.weights[None], view.tokens, layer=0, head=head, title=title)
+
+
+def _titled(title: str | None, view: str) -> str:
+    """The view with ``title`` as a heading above its cards."""
+    return view.replace("</style>", f"</style><h3>{escape(title)}</h3>", 1) if title else view
+
+
+def encode_weights(weights: Tensor) -> str:
+    """Weights in [0, 1] as base64 of little-endian uint16 ``round(w * 65535)`` (what the scripts decode).
+
+    Example:
+        >>> encode_weights(torch.tensor([0.0, 1.0]))
+        'AAD//w=='
+    """
+    fixed = (weights.detach().float().clamp(0, 1) * 65535).round().to(torch.int32).cpu()
+    return base64.b64encode(fixed.to(torch.int16).numpy().astype("<u2").tobytes()).decode("ascii")
+
+
+def _model_data(weights: Tensor, tokens) -> dict:
+    """The model view's data: every real head's weights in blocks of at most GRID per axis."""
+    if not isinstance(weights, Tensor) or weights.ndim != 4 or weights.shape[-1] != weights.shape[-2]:
+        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"weights must be a (L, H, T, T) tensor, got {shape}")
+    n_tokens = weights.shape[-1]
+    tokens = [str(i) for i in range(n_tokens)] if tokens is None else [str(t) for t in tokens]
+    if len(tokens) != n_tokens:
+        raise ValueError(f"tokens must have one label per position ({n_tokens}), got {len(tokens)}")
+    weights = weights.detach().float().cpu()
+    counts = count_heads(weights)
+    per_layer = [aggregate_blocks(weights[layer, :count], rows=tokens, cols=tokens, max_tokens=GRID, target=GRID)
+                 for layer, count in enumerate(counts)]
+    blocks = per_layer[0]
+    cells = torch.cat([b.weights.reshape(-1) for b in per_layer])  # layer by layer, head by head
+    return {"tokens": tokens, "heads": list(counts), "n": len(blocks.rows), "block": blocks.size[0],
+            "rows": list(blocks.rows), "data": encode_weights(cells)}
+
+
+def model_view(weights: Tensor, tokens=None, *, layer: int = 0, head: int = 0, title: str | None = None) -> View:
+    """Every layer x head of a model as a thumbnail; click one to enlarge it (bertviz's model view).
+
+    Shapes:
+        weights: ``(L, H, T, T)``, rows are queries; NaN heads (:func:`attnlab.trained.pad_heads`) are left out.
+
+    Example:
+        >>> import torch
+        >>> page = model_view(torch.softmax(torch.randn(2, 2, 300, 300), dim=-1))._repr_html_()
+        >>> page.count('class="mv-thumb'), '"n":150' in page          # 300 tokens in blocks of 2
+        (4, True)
+    """
+    data = _model_data(weights, tokens)
+    if not 0 <= layer < len(data["heads"]) or not 0 <= head < data["heads"][layer]:
+        raise ValueError(f"layer and head must name a head of the model {data['heads']}, got ({layer}, {head})")
+    data.update(layer=layer, head=head)
+    title = title or f"{len(data['heads'])} layers x {max(data['heads'])} heads, {len(data['tokens'])} tokens"
+    return View(lambda: _model_fragment(data, title, roles=("model",)), title=title)
+
+
+def generation_view(weights: Tensor, tokens, *, prompt_length: int, title: str | None = None) -> View:
+    """Where every head looked when each generated token was produced.
+
+    The token at position ``p`` is produced by the query at ``p - 1`` (a decoder predicts the next
+    token), so the view shows, for the generated token chosen, row ``p - 1`` of every layer and
+    head: one strip per layer, a row per head, a column per earlier token (in blocks past
+    :data:`GRID`). The model view of the whole sequence sits under it.
+
+    Shapes:
+        weights: ``(L, H, T, T)`` of the prompt and the generated tokens (causal), ``T = len(tokens)``.
+
+    Example:
+        >>> import torch
+        >>> w = torch.tril(torch.ones(1, 2, 5, 5)); w = w / w.sum(-1, keepdim=True)
+        >>> page = generation_view(w, ["a", "b", "c", "d", "e"], prompt_length=3)._repr_html_()
+        >>> '"prompt":3' in page and "data-attnlab-generation" in page
+        True
+    """
+    data = _model_data(weights, tokens)
+    if not 1 <= prompt_length < len(data["tokens"]):
+        raise ValueError(f"prompt_length must be in [1, {len(data['tokens'])}), got {prompt_length}")
+    data.update(layer=0, head=0, prompt=prompt_length)
+    title = title or f"{len(data['tokens']) - prompt_length} generated tokens"
+    return View(lambda: _model_fragment(data, title, roles=("model", "generation")), title=title)
+
+
+def _model_fragment(data: dict, title: str, *, roles) -> str:
+    prefix = new_prefix()
+    layers = len(data["heads"])
+    widest = max(data["heads"])
+    options = "".join(f'<option value="{layer}">layer {layer}</option>' for layer in range(layers))
+    heads = "".join(f'<option value="{h}">head {h}</option>' for h in range(widest))
+    grid = [f'<div class="mv-grid" style="grid-template-columns: auto repeat({widest}, 68px)"><span></span>']
+    grid += [f'<span class="mv-col">head {h}</span>' for h in range(widest)]
+    for layer, count in enumerate(data["heads"]):
+        grid.append(f'<span class="mv-label">layer {layer}</span>')
+        grid += [f'<canvas class="mv-thumb" data-layer="{layer}" data-head="{h}" width="{data["n"]}" '
+                 f'height="{data["n"]}" title="layer {layer}, head {h}"></canvas>' for h in range(count)]
+        grid += ["<span></span>"] * (widest - count)
+    grid.append("</div>")
+    note = ""
+    if data["block"] > 1:
+        note = (f'<p class="note">{len(data["tokens"])} tokens are drawn in blocks of {data["block"]}: a cell is a '
+                "block's total weight, averaged over its queries. Hover a row of the enlarged head to read it.</p>")
+    generation = ""
+    if "generation" in roles:
+        generation = (
+            '<section class="card"><h2>Where each head looked while generating</h2>'
+            '<p class="muted">Click a generated token (outlined). Each strip is one layer: a row per head, a column '
+            "per earlier token; bright = looked there. The prompt is plain, generated tokens are outlined.</p>"
+            f'<p class="summary" id="{prefix}gv-summary"></p>'
+            f'<div class="mv-tokens" id="{prefix}gv-tokens"></div>'
+            f'<div class="gv-layers" id="{prefix}gv-layers"></div></section>')
+    body = (
+        f'{generation}<section class="card"><h2>{escape(title)}</h2>'
+        '<p class="muted">Every layer and head; click a thumbnail to enlarge it. Row = query, column = key; '
+        "square-root colour scale (faint weights stay visible).</p>"
+        f'{"".join(grid)}<div class="mv-main"><canvas class="mv-big" id="{prefix}mv-big" width="{data["n"]}" '
+        f'height="{data["n"]}"></canvas><div class="mv-side"><div class="controls">'
+        f'<div><label for="{prefix}mv-layer">Layer</label><select id="{prefix}mv-layer">{options}</select></div>'
+        f'<div><label for="{prefix}mv-head">Head</label><select id="{prefix}mv-head">{heads}</select></div></div>'
+        f'<p class="summary" id="{prefix}mv-summary">Hover the enlarged head or a token.</p>'
+        f'<div class="mv-tokens" id="{prefix}mv-tokens"></div></div></div>{note}</section>'
+    )
+    scripts = (f'<script id="{prefix}attnlab-model" type="application/json">{to_json(data)}</script>'
+               f"<script>{asset('modelview.js')}</script>")
+    return fragment(body, prefix=prefix, roles=roles, scripts=scripts)

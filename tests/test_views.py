@@ -1,0 +1,119 @@
+"""Inline views (attnlab.show, a trace's _repr_html_, the model and generation views) as HTML text.
+
+What a browser does with them is tests/test_views_browser.py; here: which view each input gets,
+that several views never share an id, that nothing names the network, that the weights a view
+carries decode to the weights given, and that bad input is refused naming the argument.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab
+from attnlab.explain import trace
+from attnlab.trained import WordAttention, pad_heads
+from attnlab.viz.views import GRID, WALK_TOKENS, encode_weights, generation_view, model_view, show
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def _softmax(*shape):
+    return torch.softmax(torch.randn(*shape, generator=GEN), dim=-1)
+
+
+def _ids(page: str) -> list[str]:
+    return re.findall(r'\bid="([^"]+)"', page)
+
+
+def _model_data(page: str) -> dict:
+    return json.loads(re.search(r'<script id="[^"]*attnlab-model" type="application/json">(.*?)</script>',
+                                page).group(1).replace("<\\/", "</"))
+
+
+def _decode(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.float64) / 65535
+
+
+def test_show_is_the_lab_behind_a_lazy_attribute():
+    assert attnlab.show is show
+
+
+@pytest.mark.parametrize("shape, role", [((4, 4), "walk"), ((3, 4, 4), "walk"), ((2, 3, 4, 4), "model"),
+                                         ((1, WALK_TOKENS + 1, WALK_TOKENS + 1), "model")])
+def test_show_picks_the_view_for_the_shape(shape, role):
+    tokens = [f"w{i}" for i in range(shape[-1])]
+    page = show(_softmax(*shape), tokens)._repr_html_()
+    assert f"data-attnlab-{role}" in page and page.startswith('<div class="attnlab inline"')
+
+
+def test_trace_word_attention_and_views_render_inline():
+    t = trace(mode="multihead", heads=2)
+    assert "data-attnlab-walk" in t._repr_html_() and "data-attnlab-walk" in show(t)._repr_html_()
+    view = WordAttention.from_pieces(_softmax(2, 2, 4, 4), ["[CLS]", "a", "b", "[SEP]"], [None, 0, 1, None])
+    assert "data-attnlab-heads" in show(view)._repr_html_()
+
+
+def test_several_views_on_one_page_share_no_id():
+    t = trace(mode="multihead", heads=3, causal=True)
+    view = show(_softmax(2, 2, 5, 5), list("abcde"))
+    pages = [t._repr_html_(), t._repr_html_(), view._repr_html_(), view._repr_html_(),
+             show(_softmax(2, 5, 5), list("abcde"))._repr_html_()]
+    ids = [i for page in pages for i in _ids(page)]
+    assert len(ids) > 40 and len(ids) == len(set(ids))
+    for page in pages:  # every id and every url(#...) reference of a view carries its own prefix
+        prefix = re.search(r'data-prefix="([^"]+)"', page).group(1)
+        assert all(i.startswith(prefix) for i in _ids(page))
+        assert all(ref.startswith(prefix) for ref in re.findall(r"url\(#([^)]+)\)", page))
+
+
+@pytest.mark.parametrize("make", [lambda: trace()._repr_html_(), lambda: show(_softmax(2, 2, 9, 9))._repr_html_(),
+                                  lambda: generation_view(_softmax(1, 2, 6, 6), list("abcdef"),
+                                                          prompt_length=4)._repr_html_()])
+def test_views_are_self_contained(make):
+    page = make()
+    assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}/", page)  # no URL to load anything from
+    assert "<link" not in page and " src=" not in page and "@import" not in page
+    assert page.count("<style>") == 1 and "<script>" in page
+
+
+def test_model_view_carries_the_weights():
+    weights = pad_heads([_softmax(3, 7, 7), _softmax(2, 7, 7)])  # (L, H, T, T), layer 1 has 2 heads
+    data = _model_data(model_view(weights, list("abcdefg"), layer=1, head=1)._repr_html_())
+    assert data["heads"] == [3, 2] and data["n"] == 7 and data["block"] == 1 and (data["layer"], data["head"]) == (1, 1)
+    real = torch.cat([weights[0].reshape(-1), weights[1, :2].reshape(-1)]).double().numpy()
+    np.testing.assert_allclose(_decode(data["data"]), real, atol=1 / 65535)
+
+
+def test_long_inputs_travel_in_blocks_that_keep_rows_summing_to_one():
+    n_tokens = 2048
+    weights = _softmax(1, 1, n_tokens, n_tokens)
+    data = _model_data(show(weights[0], [str(i) for i in range(n_tokens)])._repr_html_())
+    assert data["n"] == GRID and data["block"] == n_tokens // GRID and len(data["tokens"]) == n_tokens
+    cells = _decode(data["data"]).reshape(GRID, GRID)
+    expected = weights[0, 0].double().reshape(GRID, 8, GRID, 8).sum(dim=(1, 3)) / 8
+    np.testing.assert_allclose(cells, expected.numpy(), atol=1 / 65535)
+    np.testing.assert_allclose(cells.sum(axis=1), 1.0, atol=GRID / 65535)
+
+
+def test_encode_weights_rounds_to_sixteen_bits():
+    values = torch.tensor([0.0, 0.5, 1 / 3, 1.0])
+    np.testing.assert_allclose(_decode(encode_weights(values)), values.double().numpy(), atol=0.5 / 65535)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: show([[0.5, 0.5]]), "weights must be a torch.Tensor"),
+    (lambda: show(torch.rand(2, 3), ["a"]), "tokens must label"),
+    (lambda: show(torch.rand(2, 2, 2, 2, 2)), "weights must be"),
+    (lambda: model_view(_softmax(1, 2, 3, 3), list("ab")), "tokens must have one label"),
+    (lambda: model_view(_softmax(1, 2, 3, 3), layer=0, head=2), "layer and head"),
+    (lambda: generation_view(_softmax(1, 1, 3, 3), list("abc"), prompt_length=3), "prompt_length"),
+])
+def test_bad_input_is_refused_naming_the_argument(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
