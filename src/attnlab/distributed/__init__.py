@@ -40,12 +40,13 @@ from attnlab._checks import divisible, instance_of, int_value, one_of
 from attnlab.distributed._agreement import check_agreement
 from attnlab.distributed._args import timeout_seconds
 from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
-from attnlab.distributed.layout import LAYOUTS, check_length, positions, shard, unshard
-from attnlab.distributed.ring import ring_attention
+from attnlab import masks as _masks
+from attnlab.distributed.layout import LAYOUTS, ChunkLayout, check_layout, check_length, positions, shard, unshard
+from attnlab.distributed.ring import RingPlan, ring_attention, ring_plan
 from attnlab.distributed.ulysses import ulysses_attention
 
 __all__ = ["context_parallel_attention", "ContextParallel", "CommStats", "METHODS", "LAYOUTS",
-           "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
+           "ChunkLayout", "RingPlan", "ring_plan", "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
 
 METHODS = ("ring", "ulysses")
 
@@ -77,14 +78,19 @@ def context_parallel_attention(
             mode), checked with one small all-gather before any work: a mismatch raises
             ``ValueError`` on every rank, naming what differs.
         causal: causal mask over global positions.
-        mask: ``method="ulysses"`` only: any attnlab mask over the global sequence, a mask mod
-            (global query/key indices and head numbers) or a tensor broadcasting to
-            ``(B, Hq, T, T)``.
+        mask: a mask over the global sequence (global query/key indices). ``method="ulysses"``
+            takes any attnlab mask: a mask mod (global head numbers too) or a tensor
+            broadcasting to ``(B, Hq, T, T)``. ``method="ring"`` takes attnlab's mask mods and
+            ANDs of them (documents, sliding windows, prefix-LM, varlen, chunked local): each
+            ring step computes only the key blocks the mod reaches, and a key/value shard no
+            rank further along the ring can reach is not sent (``stats.plan`` says which).
         scale: score multiplier; defaults to ``1 / sqrt(D)``.
         method: ``"ring"`` or ``"ulysses"``.
         layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``; balanced
-            causal work) or ``"contiguous"`` (chunk ``r`` of ``P``); the global length must be a
-            multiple of ``2P`` or ``P`` (``ValueError`` otherwise; attnlab does not pad).
+            causal work), ``"contiguous"`` (chunk ``r`` of ``P``) or a
+            :class:`~attnlab.distributed.layout.ChunkLayout` (e.g. one balancing a document
+            mask: :func:`attnlab.distributed.balance.balanced_layout`); the global length must
+            be a multiple of the chunk count (``ValueError`` otherwise; attnlab does not pad).
         group: process group (default: the world).
         timeout: seconds to wait for a peer before raising ``RuntimeError`` (default 300): a rank
             that raised, exited or stalled fails the others instead of hanging them.
@@ -115,7 +121,8 @@ def context_parallel_attention(
                      "causal": causal, "scale": call.scale, "mask": mask, "method": method, "layout": layout,
                      "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
     if method == "ring":
-        return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, stats=stats)
+        return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, mask=mask,
+                              stats=stats)
     return ulysses_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale,
                              mask=mask, stats=stats)
 
@@ -123,7 +130,7 @@ def context_parallel_attention(
 def _check_kinds(*, method, layout, causal, mask, scale, stats) -> None:
     """``TypeError`` for an option of the wrong kind, ``ValueError`` for a bad choice."""
     one_of("method", method, METHODS)
-    one_of("layout", layout, LAYOUTS)
+    check_layout(layout)
     instance_of("causal", causal, bool, "a bool")
     if mask is not None and not (isinstance(mask, torch.Tensor) or callable(mask)):
         raise TypeError(f"mask must be a tensor, a mask mod or None, got {type(mask).__name__}")
@@ -139,11 +146,19 @@ def _check_shards(q: Tensor, k: Tensor, v: Tensor, mask, method: str, who: Peers
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k must hold the same positions as q (self-attention over one sharded "
                          f"sequence): q has T_local={q.shape[2]}, k has {k.shape[2]}")
-    if mask is not None and method != "ulysses":
-        raise ValueError("mask needs method='ulysses' (the ring takes causal=True or no mask)")
+    if mask is not None and method == "ring" and not _masks.has_row_ranges(mask):
+        raise ValueError(f"mask: the ring takes attnlab's mask mods (documents, windows, prefix-LM, varlen, "
+                         f"ANDs of them: one key interval per query) over the global sequence; got "
+                         f"{_masks_kind(mask)}: use method='ulysses' for any other mask")
     if method == "ulysses":
         divisible("q heads", q.shape[1], "world size", who.world)
         divisible("k/v heads", k.shape[1], "world size", who.world)
+
+
+def _masks_kind(mask) -> str:
+    if isinstance(mask, Tensor):
+        return f"a dense {mask.dtype} mask"
+    return f"{mask!r}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,7 @@ class ContextParallel:
 
     def __post_init__(self):
         one_of("method", self.method, METHODS)
-        one_of("layout", self.layout, LAYOUTS)
+        check_layout(self.layout)
         timeout_seconds(self.timeout)
 
     def world_and_rank(self) -> tuple[int, int]:
