@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import attnlab
 from attnlab import masks
-from attnlab.distributed import CommStats, context_parallel_attention, shard, unshard
+from attnlab.distributed import CommStats, context_parallel_attention, sequence_layout, shard, unshard
 from attnlab.distributed.balance import balanced_layout
 from attnlab.verify import allowed_error
 
@@ -48,6 +48,15 @@ MASKED_CASES = {
     "ring-balanced-documents-fp64": ("ring", "balanced", False, torch.float64, 1, 2, 2, 8, 8, 8, "documents"),
 }
 CASES.update(MASKED_CASES)
+
+# Ulysses inside groups of 2 ranks, the ring across them (2x2 at world 4; a ring of one at world 2).
+HYBRID_CASES = {
+    "hybrid-zigzag-causal-gqa-fp64": ("hybrid", "zigzag", True, torch.float64, 2, 4, 2, 8, 8, 6, None),
+    "hybrid-zigzag-documents-fp64": ("hybrid", "zigzag", False, torch.float64, 1, 4, 2, 8, 8, 8, "documents"),
+    "hybrid-contiguous-window-narrow-fp32": ("hybrid", "contiguous", False, torch.float32, 1, 2, 2, 8, 8, 8,
+                                             "window-narrow"),
+}
+CASES.update(HYBRID_CASES)
 
 
 def document_ids(T: int) -> torch.Tensor:
@@ -107,13 +116,15 @@ def conformance(rank: int, world: int, names: list[str]) -> dict:
         tensors, mask = _global_problem(case, world)
         if layout == "balanced":  # chunks dealt by the documents' work (every rank computes the same)
             layout = balanced_layout(mask, length=tensors[0].shape[2], world=world, chunks_per_rank=2)
-        q, k, v, d_out = (shard(t.to(dtype), dim=2, layout=layout) for t in tensors)
+        ulysses = 2 if method == "hybrid" else None
+        where = sequence_layout(layout, method=method, ulysses=ulysses, world=world)
+        q, k, v, d_out = (shard(t.to(dtype), dim=2, layout=where) for t in tensors)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         stats = CommStats()
         out = context_parallel_attention(q, k, v, causal=causal, mask=mask, method=method,
-                                         layout=layout, stats=stats)
+                                         layout=layout, ulysses=ulysses, stats=stats)
         out.backward(d_out)
-        got = [unshard(t, dim=2, layout=layout) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        got = [unshard(t, dim=2, layout=where) for t in (out.detach(), q.grad, k.grad, v.grad)]
         entry = {"scores": dict(stats.scores), "bytes": stats.bytes_sent, "skipped": stats.sends_skipped}
         if rank == 0:
             exact = _single_process(tensors, mask, causal, torch.float64)
@@ -327,3 +338,22 @@ def disagreements(rank: int, world: int) -> dict:
 
 
 DISAGREEMENT_OPTIONS = {name: option for name, (_, option) in _disagreeing_calls(0).items()}
+
+
+def trainer_losses(rank: int, world: int, methods: list[str], steps: int) -> dict:
+    """``attnlab.train.Trainer`` in fp64 for a few steps, sharded over the world by each method
+    (world 1: one process); the losses and accuracies it reports, per method."""
+    from attnlab.distributed import ContextParallel
+    from attnlab.train import Trainer, TrainConfig
+
+    report = {}
+    for method in methods:
+        setting = None
+        if world > 1:
+            setting = ContextParallel(method=method, ulysses=2 if method == "hybrid" else None)
+        config = TrainConfig(task="induction", steps=steps, batch_size=2, d_model=16, heads=2, layers=2,
+                             eval_sequences=4, warmup=2)
+        trainer = Trainer(config, context_parallel=setting)
+        trainer.model.double()
+        report[method] = [trainer.train_step() for _ in range(steps)]
+    return report

@@ -192,6 +192,23 @@ def test_context_parallel_setting_checks_its_options():
         ContextParallel(method="allgather")
     with pytest.raises(ValueError, match="layout"):
         ContextParallel(layout="spiral")
+    with pytest.raises(ValueError, match="ulysses"):
+        ContextParallel(method="hybrid")
+    with pytest.raises(ValueError, match="ulysses"):
+        ContextParallel(method="ring", ulysses=2)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("ring,ulysses", [(1, 2), (2, 2), (2, 3), (3, 2)])
+def test_hybrid_layout_gives_each_ulysses_group_its_ring_shard_in_order(layout, ring, ulysses):
+    """The all-to-all inside a group concatenates its ranks' tokens: that must be the ring
+    shard ``layout`` gives the group's ring position, in increasing order."""
+    world, T = ring * ulysses, 4 * ring * ulysses
+    hybrid = _layout.hybrid_layout(layout, ring=ring, ulysses=ulysses)
+    for j in range(ring):
+        group = torch.cat([_layout.positions(T, layout=hybrid, rank=j * ulysses + u, world=world)
+                           for u in range(ulysses)])
+        assert torch.equal(group, _layout.positions(T, layout=layout, rank=j, world=ring))
 
 
 def test_calls_without_a_process_group_say_how_to_start_one():
@@ -314,6 +331,19 @@ def test_gpt_trained_on_two_ranks_gives_the_single_process_losses(method, positi
     assert single[-1] < single[0]  # it trains
     for losses in ranks:
         assert losses == pytest.approx(single, rel=1e-10, abs=1e-12)
+
+
+def test_trainer_on_two_ranks_gives_the_single_process_losses_in_fp64():
+    """attnlab.train's Trainer with context_parallel: the same losses and accuracies as one process."""
+    methods = ["ring", "ulysses", "hybrid"]  # hybrid at world 2: Ulysses pairs, a ring of one
+    single = jobs.trainer_losses(0, 1, methods, 3)
+    ranks = _values(run_local(jobs.trainer_losses, world=2, args=(methods, 3), timeout=120))
+    for method in methods:
+        losses = [loss for loss, _ in single[method]]
+        assert losses[-1] != losses[0]
+        for rank in ranks:
+            assert [loss for loss, _ in rank[method]] == pytest.approx(losses, rel=1e-10, abs=1e-12), method
+            assert [acc for _, acc in rank[method]] == pytest.approx([acc for _, acc in single[method]], rel=1e-6)
 
 
 def test_modules_refuse_what_sharded_attention_cannot_do():

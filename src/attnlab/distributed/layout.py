@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from attnlab._checks import instance_of, int_value, non_negative_int, one_of, positive_int
 from attnlab.distributed._comm import peers
 
-__all__ = ["LAYOUTS", "ChunkLayout", "check_layout", "chunk_ids", "chunks_per_rank", "check_length",
+__all__ = ["LAYOUTS", "ChunkLayout", "check_layout", "hybrid_layout", "chunk_ids", "chunks_per_rank", "check_length",
            "positions", "shard", "unshard"]
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -109,6 +109,27 @@ def chunk_ids(layout: str | ChunkLayout, *, rank: int, world: int) -> list[int]:
             raise ValueError(f"layout: this ChunkLayout is for {layout.world} ranks, the group has {world}")
         return list(layout.chunks[rank])
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
+
+
+def hybrid_layout(layout: str | ChunkLayout, *, ring: int, ulysses: int) -> ChunkLayout:
+    """Where each of ``ring * ulysses`` ranks' tokens lie when Ulysses runs inside groups of
+    ``ulysses`` consecutive ranks and the ring runs across those groups in ``layout``.
+
+    Ring position ``j`` (ranks ``j*U .. j*U+U-1``) holds the ring shard ``layout`` gives rank
+    ``j`` of ``ring``; its ``U`` ranks split that shard contiguously, so the all-to-all inside
+    the group puts the ring shard back together in order. Each ring chunk is cut into ``U``
+    sub-chunks, so every rank holds as many sub-chunks as a ring rank holds chunks.
+
+    Example:
+        >>> hybrid_layout("zigzag", ring=2, ulysses=2).chunks   # 8 sub-chunks; ring 0: 0,1 + 6,7
+        ((0, 1), (6, 7), (2, 3), (4, 5))
+    """
+    positive_int("ring", ring)
+    positive_int("ulysses", ulysses)
+    per = chunks_per_rank(layout)
+    shards = [[c * ulysses + i for c in chunk_ids(layout, rank=j, world=ring) for i in range(ulysses)]
+              for j in range(ring)]  # each ring rank's sub-chunks, in order
+    return ChunkLayout(tuple(tuple(shards[j][u * per:(u + 1) * per]) for j in range(ring) for u in range(ulysses)))
 
 
 def check_length(length: int, *, layout: str | ChunkLayout, world: int, name: str = "sequence length") -> int:
