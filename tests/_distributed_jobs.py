@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import attnlab
 from attnlab import masks
-from attnlab.distributed import CommStats, context_parallel_attention, shard, unshard
+from attnlab.distributed import CommStats, context_parallel_attention, sequence_layout, shard, unshard
+from attnlab.distributed.balance import balanced_layout
 from attnlab.verify import allowed_error
 
 CASES = {
@@ -31,6 +32,61 @@ CASES = {
     "ulysses-zigzag-dense-mask-fp32": ("ulysses", "zigzag", False, torch.float32, 2, 4, 4, 4, 8, 8, "dense"),
 }
 
+# The ring with mask mods (each step computes only the key blocks the mod reaches, and skips
+# the sends no rank further along needs); run on 2, 3 and 4 ranks.
+MASKED_CASES = {
+    "ring-zigzag-documents-gqa-fp64": ("ring", "zigzag", False, torch.float64, 2, 4, 2, 8, 8, 6, "documents"),
+    "ring-zigzag-documents-fp32": ("ring", "zigzag", False, torch.float32, 1, 2, 2, 8, 8, 8, "documents"),
+    "ring-contiguous-window-narrow-fp64": ("ring", "contiguous", False, torch.float64, 1, 2, 2, 8, 8, 8,
+                                           "window-narrow"),
+    "ring-zigzag-window-narrow-fp64": ("ring", "zigzag", False, torch.float64, 1, 2, 1, 8, 8, 8, "window-narrow"),
+    "ring-zigzag-window-wide-fp64": ("ring", "zigzag", False, torch.float64, 1, 2, 1, 8, 8, 8, "window-wide"),
+    "ring-zigzag-prefix-fp64": ("ring", "zigzag", False, torch.float64, 1, 2, 2, 8, 4, 4, "prefix"),
+    "ring-contiguous-varlen-fp64": ("ring", "contiguous", False, torch.float64, 2, 2, 2, 8, 8, 8, "varlen"),
+    "ring-zigzag-documents-window-causal-fp64": ("ring", "zigzag", True, torch.float64, 1, 2, 2, 8, 8, 8,
+                                                 "documents-window"),
+    "ring-balanced-documents-fp64": ("ring", "balanced", False, torch.float64, 1, 2, 2, 8, 8, 8, "documents"),
+}
+CASES.update(MASKED_CASES)
+
+# Ulysses inside groups of 2 ranks, the ring across them (2x2 at world 4; a ring of one at world 2).
+HYBRID_CASES = {
+    "hybrid-zigzag-causal-gqa-fp64": ("hybrid", "zigzag", True, torch.float64, 2, 4, 2, 8, 8, 6, None),
+    "hybrid-zigzag-documents-fp64": ("hybrid", "zigzag", False, torch.float64, 1, 4, 2, 8, 8, 8, "documents"),
+    "hybrid-contiguous-window-narrow-fp32": ("hybrid", "contiguous", False, torch.float32, 1, 2, 2, 8, 8, 8,
+                                             "window-narrow"),
+}
+CASES.update(HYBRID_CASES)
+
+
+def document_ids(T: int) -> torch.Tensor:
+    """Documents of lengths 1, 2, T - 6, 1, 2: two of length 1, and one that spans every rank."""
+    lengths = [1, 2, T - 6, 1, 2]
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def _mask_of(name: str, B: int, Hq: int, T: int, g: torch.Generator):
+    """The global mask a case names (every rank builds the same one)."""
+    if name == "window":
+        return masks.sliding_window_mod(T, T, window=3)
+    if name == "window-narrow":  # narrower than a shard (T_local = 8)
+        return masks.sliding_window_mod(T, T, window=3)
+    if name == "window-wide":  # wider than the whole sequence
+        return masks.sliding_window_mod(T, T, window=2 * T + 1)
+    if name == "documents":
+        return masks.document_mod(document_ids(T))
+    if name == "documents-window":
+        return masks.and_masks(masks.document_mod(document_ids(T)), masks.sliding_window_mod(T, T, window=5))
+    if name == "prefix":
+        return masks.prefix_lm_mod(T, T, prefix_len=T // 2 + 1)
+    if name == "varlen":  # a padded batch: row 0 full, row 1 ends before the last rank
+        return masks.varlen_causal_mod(torch.tensor([T, T // 2 + 1]), torch.tensor([T, T // 2 + 1]))
+    if name == "dense":
+        mask = torch.rand(B, Hq, T, T, generator=g) > 0.3
+        mask[..., 0] = True  # every row keeps a key (fully masked rows are tested elsewhere)
+        return mask
+    return None
+
 
 def _global_problem(case, world: int, seed: int = 0):
     method, layout, causal, dtype, B, Hq, Hkv, t, D, Dv, mask = case
@@ -40,12 +96,7 @@ def _global_problem(case, world: int, seed: int = 0):
     k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, Hkv, T, Dv, generator=g, dtype=torch.float64)
     d_out = torch.randn(B, Hq, T, Dv, generator=g, dtype=torch.float64)
-    if mask == "window":
-        mask = masks.sliding_window_mod(T, T, window=3)
-    elif mask == "dense":
-        mask = torch.rand(B, Hq, T, T, generator=g) > 0.3
-        mask[..., 0] = True  # every row keeps a key (fully masked rows are tested elsewhere)
-    return (q, k, v, d_out), mask
+    return (q, k, v, d_out), _mask_of(mask, B, Hq, T, g)
 
 
 def _single_process(tensors, mask, causal, dtype):
@@ -63,14 +114,18 @@ def conformance(rank: int, world: int, names: list[str]) -> dict:
         case = CASES[name]
         method, layout, causal, dtype = case[:4]
         tensors, mask = _global_problem(case, world)
-        q, k, v, d_out = (shard(t.to(dtype), dim=2, layout=layout) for t in tensors)
+        if layout == "balanced":  # chunks dealt by the documents' work (every rank computes the same)
+            layout = balanced_layout(mask, length=tensors[0].shape[2], world=world, chunks_per_rank=2)
+        ulysses = 2 if method == "hybrid" else None
+        where = sequence_layout(layout, method=method, ulysses=ulysses, world=world)
+        q, k, v, d_out = (shard(t.to(dtype), dim=2, layout=where) for t in tensors)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         stats = CommStats()
         out = context_parallel_attention(q, k, v, causal=causal, mask=mask, method=method,
-                                         layout=layout, stats=stats)
+                                         layout=layout, ulysses=ulysses, stats=stats)
         out.backward(d_out)
-        got = [unshard(t, dim=2, layout=layout) for t in (out.detach(), q.grad, k.grad, v.grad)]
-        entry = {"scores": dict(stats.scores), "bytes": stats.bytes_sent}
+        got = [unshard(t, dim=2, layout=where) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        entry = {"scores": dict(stats.scores), "bytes": stats.bytes_sent, "skipped": stats.sends_skipped}
         if rank == 0:
             exact = _single_process(tensors, mask, causal, torch.float64)
             plain = _single_process(tensors, mask, causal, dtype)
@@ -113,7 +168,7 @@ def bad_calls(rank: int, world: int) -> list[str]:
         _error_of(lambda: context_parallel_attention(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8),
                                                      torch.randn(1, 2, 3, 8))),  # T = 3 * world
         _error_of(lambda: context_parallel_attention(odd, odd, odd, method="ulysses")),
-        _error_of(lambda: context_parallel_attention(x, x, x, mask=masks.causal_mod(12, 12))),
+        _error_of(lambda: context_parallel_attention(x, x, x, mask=lambda b, h, q, k: k <= q)),
         _error_of(lambda: context_parallel_attention(x, x, x, method="tree")),
         _error_of(lambda: context_parallel_attention(x, x, x, timeout=0)),
         _error_of(lambda: context_parallel_attention(x, x[:, :, :4], x[:, :, :4])),
@@ -160,7 +215,7 @@ def peer_fails_mid_ring(rank: int, world: int, timeout: float) -> tuple[str, flo
     if rank == 1:
         def crash(*args, **kwargs):
             os._exit(4)
-        ring.exchange = crash
+        ring.transfer = crash
     x = torch.randn(1, 2, 8, 8)
     start = time.monotonic()
     message = _error_of(lambda: context_parallel_attention(x, x, x, causal=True, timeout=timeout))
@@ -283,3 +338,22 @@ def disagreements(rank: int, world: int) -> dict:
 
 
 DISAGREEMENT_OPTIONS = {name: option for name, (_, option) in _disagreeing_calls(0).items()}
+
+
+def trainer_losses(rank: int, world: int, methods: list[str], steps: int) -> dict:
+    """``attnlab.train.Trainer`` in fp64 for a few steps, sharded over the world by each method
+    (world 1: one process); the losses and accuracies it reports, per method."""
+    from attnlab.distributed import ContextParallel
+    from attnlab.train import Trainer, TrainConfig
+
+    report = {}
+    for method in methods:
+        setting = None
+        if world > 1:
+            setting = ContextParallel(method=method, ulysses=2 if method == "hybrid" else None)
+        config = TrainConfig(task="induction", steps=steps, batch_size=2, d_model=16, heads=2, layers=2,
+                             eval_sequences=4, warmup=2)
+        trainer = Trainer(config, context_parallel=setting)
+        trainer.model.double()
+        report[method] = [trainer.train_step() for _ in range(steps)]
+    return report

@@ -12,7 +12,8 @@ import torch
 from attnlab import masks
 from attnlab.distributed import ContextParallel, context_parallel_attention, layout as _layout
 from attnlab.distributed.launch import run_local
-from attnlab.distributed.ring import ring_pieces
+from attnlab.distributed.balance import balanced_layout, visited_pairs
+from attnlab.distributed.ring import _plan_ring, ring_pieces, ring_plan
 from attnlab.distributed.ulysses import HeadShiftedMod
 
 import _distributed_jobs as jobs
@@ -90,6 +91,92 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(world):
     assert work["contiguous"] == sorted(work["contiguous"]) and work["contiguous"][0] < work["contiguous"][-1]
 
 
+def _ring_masks(T):
+    ids = jobs.document_ids(T)
+    return {
+        "documents": (masks.document_mod(ids), 1),
+        "window-narrow": (masks.sliding_window_mod(T, T, 3), 1),
+        "window-wide": (masks.sliding_window_mod(T, T, 2 * T + 1), 1),
+        "prefix": (masks.prefix_lm_mod(T, T, T // 2 + 1), 1),
+        "varlen": (masks.varlen_causal_mod(torch.tensor([T, T // 2 + 1]), torch.tensor([T, T // 2 + 1])), 2),
+        "documents-not-causal": (masks.document_mod(ids, causal=False), 1),
+    }
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "balanced"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_masked_ring_pieces_cover_exactly_the_mask_once(layout, world):
+    """Every rank's per-shard masks, put back at global positions, add up to the global mask:
+    each allowed pair once, nothing else; the plan's pair counts are the masks' own."""
+    T = 8 * world
+    for name, (mod, batch) in _ring_masks(T).items():
+        lay = balanced_layout(mod, length=T, world=world, chunks_per_rank=2, batch=batch) if layout == "balanced" else layout
+        full = torch.zeros(batch, T, T, dtype=torch.int64)
+        pos = [_layout.positions(T, layout=lay, rank=r, world=world) for r in range(world)]
+        for rank in range(world):
+            plan, pieces = _plan_ring(rank=rank, world=world, layout=lay, length=T, causal=False, mask=mod,
+                                      batch=batch)
+            for source, work in pieces.items():
+                for rows, cols, _, local, pairs in work:
+                    seen = masks.materialize(local, tq=T // world, tk=T // world, batch=batch)[:, 0].long()
+                    assert int(seen.sum()) == pairs == plan.pairs[rank][source], name
+                    full[:, pos[rank].view(-1, 1), pos[source].view(1, -1)] += seen
+            assert all(plan.pairs[rank][s] == 0 for s in range(world) if s not in pieces or not pieces[s])
+        want = masks.materialize(mod, tq=T, tk=T, batch=batch)[:, 0].long()
+        assert torch.equal(full, want), (name, layout, world)
+
+
+def test_a_window_narrower_than_a_shard_sends_one_hop_and_skips_the_rest():
+    T = 32
+    narrow = ring_plan(world=4, layout="contiguous", length=T, mask=masks.sliding_window_mod(T, T, 3))
+    assert narrow.hops == (1, 1, 1, 0) and narrow.steps == 2 and narrow.sends == 3 and narrow.skipped == 9
+    assert "rank 3 computes shard 2" in narrow.describe() and "9 of 12 key/value sends skipped" in narrow.describe()
+    wide = ring_plan(world=4, layout="contiguous", length=T, mask=masks.sliding_window_mod(T, T, 2 * T))
+    assert wide.hops == (3, 2, 1, 0)  # causal on contiguous shards: the last shard is never needed
+    full = ring_plan(world=4, layout="zigzag", length=T, causal=True)
+    assert full.hops == (3, 3, 3, 3) and full.skipped == 0
+    docs = ring_plan(world=4, layout="contiguous", length=T,
+                     mask=masks.document_mod(torch.repeat_interleave(torch.arange(4), 8)))
+    assert docs.steps == 1 and docs.sends == 0  # one document per rank: nothing travels
+
+
+def _random_documents(seed: int, T: int, count: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(T - 1, generator=g)[:count - 1] + 1).values.tolist()
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, T])]
+    return torch.repeat_interleave(torch.arange(count), torch.tensor(lengths))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_layout_evens_the_work_of_eight_random_documents_on_four_ranks(seed):
+    """The acceptance bound: the most loaded rank visits <= 1.15x the mean (query, key) pairs."""
+    T, world = 2048, 4
+    mod = masks.document_mod(_random_documents(seed, T))
+    before = visited_pairs(mod, length=T, layout="zigzag", world=world)
+    layout = balanced_layout(mod, length=T, world=world)
+    after = visited_pairs(mod, length=T, layout=layout, world=world)
+    assert sum(after) == sum(before) == int(materialize_count(mod, T))  # the same work, dealt anew
+    assert max(after) <= 1.15 * sum(after) / world, (before, after)
+    assert max(after) <= max(before)
+
+
+def materialize_count(mod, T):
+    return masks.materialize(mod, tq=T, tk=T).sum()
+
+
+def test_zigzag_is_unbalanced_for_documents_and_chunk_layouts_check_themselves():
+    ratios = []
+    for seed in range(6):
+        mod = masks.document_mod(_random_documents(seed, 2048))
+        before = visited_pairs(mod, length=2048, layout="zigzag", world=4)
+        ratios.append(max(before) / (sum(before) / 4))
+    assert max(ratios) > 1.5  # what balancing is for
+    with pytest.raises(ValueError, match="ChunkLayout"):
+        _layout.ChunkLayout(((0, 1), (1, 2)))
+    with pytest.raises(ValueError, match="for 2 ranks"):
+        _layout.positions(16, layout=_layout.ChunkLayout(((0, 3), (1, 2))), rank=0, world=4)
+
+
 def test_head_shifted_mod_keeps_bounds_and_shifts_heads():
     window = masks.sliding_window_mod(16, 16, window=4)
     shifted = HeadShiftedMod(window, offset=3)
@@ -105,6 +192,23 @@ def test_context_parallel_setting_checks_its_options():
         ContextParallel(method="allgather")
     with pytest.raises(ValueError, match="layout"):
         ContextParallel(layout="spiral")
+    with pytest.raises(ValueError, match="ulysses"):
+        ContextParallel(method="hybrid")
+    with pytest.raises(ValueError, match="ulysses"):
+        ContextParallel(method="ring", ulysses=2)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("ring,ulysses", [(1, 2), (2, 2), (2, 3), (3, 2)])
+def test_hybrid_layout_gives_each_ulysses_group_its_ring_shard_in_order(layout, ring, ulysses):
+    """The all-to-all inside a group concatenates its ranks' tokens: that must be the ring
+    shard ``layout`` gives the group's ring position, in increasing order."""
+    world, T = ring * ulysses, 4 * ring * ulysses
+    hybrid = _layout.hybrid_layout(layout, ring=ring, ulysses=ulysses)
+    for j in range(ring):
+        group = torch.cat([_layout.positions(T, layout=hybrid, rank=j * ulysses + u, world=world)
+                           for u in range(ulysses)])
+        assert torch.equal(group, _layout.positions(T, layout=layout, rank=j, world=ring))
 
 
 def test_calls_without_a_process_group_say_how_to_start_one():
@@ -117,6 +221,26 @@ def test_calls_without_a_process_group_say_how_to_start_one():
 @pytest.fixture(scope="module")
 def two_ranks():
     return _values(run_local(jobs.conformance, world=2, args=(list(jobs.CASES),), timeout=120))
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return _values(run_local(jobs.conformance, world=3, args=(list(jobs.MASKED_CASES),), timeout=120))
+
+
+@pytest.mark.parametrize("name", list(jobs.MASKED_CASES))
+def test_three_ranks_match_one_process_with_masks(three_ranks, name):
+    for i, (error, limit) in enumerate(three_ranks[0][name]["checks"]):
+        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv')[i]} error {error:.2e} > {limit:.2e}"
+
+
+def test_a_narrow_window_sends_only_what_the_next_rank_reaches(four_ranks):
+    """Contiguous shards of 8, window 3, P=4: shard s goes one hop (forward, backward) and its
+    gradient accumulator comes home; rank 3's shard never leaves it. fp64, B=1, Hkv=2, D=Dv=8."""
+    shard = 2 * 8 * (8 + 8) * 8  # k and v (or dk and dv) of one rank
+    sent = [r["ring-contiguous-window-narrow-fp64"]["bytes"] for r in four_ranks]
+    assert sent == [3 * shard, 4 * shard, 4 * shard, shard], sent  # a full ring: 10 * shard each
+    assert [r["ring-contiguous-window-narrow-fp64"]["skipped"] for r in four_ranks] == [4, 4, 4, 6]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +284,7 @@ def test_bad_calls_fail_alike_on_every_rank_and_leave_the_group_usable():
     for messages in ranks:
         assert "multiple of 2 * world = 4" in messages[0]
         assert "q heads" in messages[1] and "world size" in messages[1]
-        assert "mask needs method='ulysses'" in messages[2]
+        assert "the ring takes attnlab's mask mods" in messages[2] and "method='ulysses'" in messages[2]
         assert "method" in messages[3]
         assert "timeout must be a positive number" in messages[4]
         assert "same positions as q" in messages[5]
@@ -207,6 +331,19 @@ def test_gpt_trained_on_two_ranks_gives_the_single_process_losses(method, positi
     assert single[-1] < single[0]  # it trains
     for losses in ranks:
         assert losses == pytest.approx(single, rel=1e-10, abs=1e-12)
+
+
+def test_trainer_on_two_ranks_gives_the_single_process_losses_in_fp64():
+    """attnlab.train's Trainer with context_parallel: the same losses and accuracies as one process."""
+    methods = ["ring", "ulysses", "hybrid"]  # hybrid at world 2: Ulysses pairs, a ring of one
+    single = jobs.trainer_losses(0, 1, methods, 3)
+    ranks = _values(run_local(jobs.trainer_losses, world=2, args=(methods, 3), timeout=120))
+    for method in methods:
+        losses = [loss for loss, _ in single[method]]
+        assert losses[-1] != losses[0]
+        for rank in ranks:
+            assert [loss for loss, _ in rank[method]] == pytest.approx(losses, rel=1e-10, abs=1e-12), method
+            assert [acc for _, acc in rank[method]] == pytest.approx([acc for _, acc in single[method]], rel=1e-6)
 
 
 def test_modules_refuse_what_sharded_attention_cannot_do():

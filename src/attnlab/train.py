@@ -42,10 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import io as _io
+from attnlab.distributed import ContextParallel
+from attnlab.distributed.layout import check_length
 from attnlab._checks import divisible, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
@@ -447,6 +450,12 @@ class Trainer:
     Args:
         config: the run's :class:`TrainConfig`.
         task: a ready :class:`Task` (default: :func:`make_task` of ``config.task``).
+        context_parallel: shard each training sequence across a process group (every rank runs
+            this trainer with the same config): each rank feeds its shard of the batch, the loss
+            is the global mean (local sums all-reduced) and the parameter gradients are summed
+            across ranks, so every rank takes the single-process step. Evaluation runs whole on
+            every rank; only rank 0 writes checkpoints. How a run is sharded is not part of its
+            checkpoint: a run may resume on another number of ranks.
 
     Example:
         >>> run = Trainer(TrainConfig(steps=2, batch_size=2, d_model=8, heads=2, eval_sequences=4))
@@ -454,7 +463,8 @@ class Trainer:
         2
     """
 
-    def __init__(self, config: TrainConfig, *, task: Task | None = None):
+    def __init__(self, config: TrainConfig, *, task: Task | None = None,
+                 context_parallel: ContextParallel | None = None):
         self.config = config.resolved()
         c = self.config
         self.task = task if task is not None else make_task(c.task, text=c.text)
@@ -470,6 +480,17 @@ class Trainer:
         self.history: dict[str, list] = {"step": [], "train_loss": [], "eval_step": [], "eval_loss": [],
                                          "eval_accuracy": []}
         self._eval_set: tuple[Tensor, Tensor] | None = None
+        self.context_parallel = context_parallel
+        if context_parallel is not None:
+            world = context_parallel.world_and_rank()[0]
+            check_length(self.task.seq_len, layout=context_parallel.sequence_layout(world), world=world,
+                         name=f"context_parallel over {world} ranks: the task's sequence length")
+            self.model.context_parallel = context_parallel
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes checkpoints (rank 0 of a sharded run, or the only process)."""
+        return self.context_parallel is None or self.context_parallel.world_and_rank()[1] == 0
 
     # ------------------------------------------------------------- data
     def train_batch(self, step: int) -> tuple[Tensor, Tensor]:
@@ -524,6 +545,8 @@ class Trainer:
         inputs, targets = self.train_batch(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
+        if self.context_parallel is not None:
+            return self._sharded_step(inputs, targets)
         logits = self.model(inputs)  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         self.optimizer.zero_grad(set_to_none=True)
@@ -533,6 +556,28 @@ class Trainer:
         self.step += 1
         return loss.item(), _accuracy(logits.detach(), targets)
 
+    def _sharded_step(self, inputs: Tensor, targets: Tensor) -> tuple[float, float]:
+        """:meth:`train_step` on this rank's shard of every sequence: the global mean loss from
+        all-reduced sums, and each parameter's gradient summed over the ranks before the step."""
+        cp = self.context_parallel
+        inputs, targets = (cp.shard(t, dim=1) for t in (inputs, targets))  # (B, T_local)
+        logits = self.model(inputs)  # (B, T_local, V); positions are global inside the model
+        scored = targets != IGNORE
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        right = (logits.detach().argmax(-1)[scored] == targets[scored]).sum()
+        totals = torch.stack([loss_sum.detach(), scored.sum().to(loss_sum.dtype), right.to(loss_sum.dtype)])
+        dist.all_reduce(totals, group=cp.group)  # (loss sum, scored, right) over every rank
+        count = max(1.0, totals[1].item())
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss_sum / count).backward()
+        for parameter in self.model.parameters():  # each rank's share of the gradient, summed
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, group=cp.group)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        return totals[0].item() / count, (totals[2].item() / count if totals[1].item() else 0.0)
+
     def evaluate(self) -> tuple[float, float]:
         """Held-out ``(loss, accuracy)`` on the scored positions.
 
@@ -541,7 +586,11 @@ class Trainer:
             >>> 0.0 <= accuracy <= 1.0
             True
         """
-        return evaluate(self.model, *self.eval_set())
+        setting, self.model.context_parallel = self.model.context_parallel, None  # whole, on every rank
+        try:
+            return evaluate(self.model, *self.eval_set())
+        finally:
+            self.model.context_parallel = setting
 
     def train(self, *, on_step: Callable[[int, float, float, float], None] | None = None,
               should_stop: Callable[[], bool] | None = None, out: str | os.PathLike | None = None) -> TrainResult:
@@ -577,7 +626,7 @@ class Trainer:
         if not self.history["eval_step"] or self.history["eval_step"][-1] != self.step:
             self._record_eval()
         metrics = self.metrics(finished=not interrupted)
-        if out is not None:
+        if out is not None and self.writes:
             self.save(out, metrics=metrics)
         return TrainResult(step=self.step, interrupted=interrupted, metrics=metrics)
 
@@ -626,7 +675,8 @@ class Trainer:
         return directory
 
     @classmethod
-    def resume(cls, directory: str | os.PathLike, *, steps: int | None = None, device: str | None = None) -> "Trainer":
+    def resume(cls, directory: str | os.PathLike, *, steps: int | None = None, device: str | None = None,
+               context_parallel: ContextParallel | None = None) -> "Trainer":
         """A trainer continuing the checkpoint in ``directory`` at its step (``steps``: a new total).
 
         Example:
@@ -643,7 +693,7 @@ class Trainer:
                              "can only go on")
         config = dataclasses.replace(config, steps=steps or config.steps, device=device or config.device)
         task = make_task(config.task, text=config.text, chars=chars)
-        trainer = cls(config, task=task)
+        trainer = cls(config, task=task, context_parallel=context_parallel)
         _io.load(trainer.model, directory / _hub.WEIGHTS)
         trainer.step, trainer.seconds = _load_optimizer(trainer.optimizer, directory / OPTIMIZER_FILE)
         metrics = _hub.read_json(directory / METRICS_FILE, required=False)

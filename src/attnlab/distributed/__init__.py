@@ -36,18 +36,21 @@ import torch
 from torch import Tensor
 
 from attnlab._call import build_call
-from attnlab._checks import divisible, instance_of, int_value, one_of
+from attnlab._checks import divisible, instance_of, int_value, one_of, positive_int
 from attnlab.distributed._agreement import check_agreement
 from attnlab.distributed._args import timeout_seconds
 from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
-from attnlab.distributed.layout import LAYOUTS, check_length, positions, shard, unshard
-from attnlab.distributed.ring import ring_attention
+from attnlab import masks as _masks
+from attnlab.distributed.hybrid import hybrid_attention
+from attnlab.distributed.layout import (LAYOUTS, ChunkLayout, check_layout, check_length, hybrid_layout, positions,
+                                        shard, unshard)
+from attnlab.distributed.ring import RingPlan, ring_attention, ring_plan
 from attnlab.distributed.ulysses import ulysses_attention
 
 __all__ = ["context_parallel_attention", "ContextParallel", "CommStats", "METHODS", "LAYOUTS",
-           "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
+           "ChunkLayout", "RingPlan", "ring_plan", "hybrid_layout", "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
 
-METHODS = ("ring", "ulysses")
+METHODS = ("ring", "ulysses", "hybrid")
 
 
 def context_parallel_attention(
@@ -59,7 +62,8 @@ def context_parallel_attention(
     mask: Tensor | Callable | None = None,
     scale: float | None = None,
     method: str = "ring",
-    layout: str = "zigzag",
+    layout: str | ChunkLayout = "zigzag",
+    ulysses: int | None = None,
     group=None,
     timeout: float | None = None,
     stats: CommStats | None = None,
@@ -77,14 +81,24 @@ def context_parallel_attention(
             mode), checked with one small all-gather before any work: a mismatch raises
             ``ValueError`` on every rank, naming what differs.
         causal: causal mask over global positions.
-        mask: ``method="ulysses"`` only: any attnlab mask over the global sequence, a mask mod
-            (global query/key indices and head numbers) or a tensor broadcasting to
-            ``(B, Hq, T, T)``.
+        mask: a mask over the global sequence (global query/key indices). ``method="ulysses"``
+            takes any attnlab mask: a mask mod (global head numbers too) or a tensor
+            broadcasting to ``(B, Hq, T, T)``. ``method="ring"`` takes attnlab's mask mods and
+            ANDs of them (documents, sliding windows, prefix-LM, varlen, chunked local): each
+            ring step computes only the key blocks the mod reaches, and a key/value shard no
+            rank further along the ring can reach is not sent (``stats.plan`` says which).
         scale: score multiplier; defaults to ``1 / sqrt(D)``.
-        method: ``"ring"`` or ``"ulysses"``.
+        method: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (Ulysses inside groups of ``ulysses``
+            consecutive ranks, the ring across the groups: :mod:`~attnlab.distributed.hybrid`;
+            the shards are then in :func:`~attnlab.distributed.layout.hybrid_layout`'s
+            positions, ``layout`` being the ring's layout over the ``P / ulysses`` groups).
         layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``; balanced
-            causal work) or ``"contiguous"`` (chunk ``r`` of ``P``); the global length must be a
-            multiple of ``2P`` or ``P`` (``ValueError`` otherwise; attnlab does not pad).
+            causal work), ``"contiguous"`` (chunk ``r`` of ``P``) or a
+            :class:`~attnlab.distributed.layout.ChunkLayout` (e.g. one balancing a document
+            mask: :func:`attnlab.distributed.balance.balanced_layout`); the global length must
+            be a multiple of the chunk count (``ValueError`` otherwise; attnlab does not pad).
+        ulysses: ``method="hybrid"`` only: ranks per Ulysses group (divides ``P``, and the query
+            and key/value heads).
         group: process group (default: the world).
         timeout: seconds to wait for a peer before raising ``RuntimeError`` (default 300): a rank
             that raised, exited or stalled fails the others instead of hanging them.
@@ -107,15 +121,20 @@ def context_parallel_attention(
     _check_kinds(method=method, layout=layout, causal=causal, mask=mask, scale=scale, stats=stats)
     who = peers(group, timeout)
     call = build_call(q, k, v, causal=causal, scale=scale)  # checks dtypes, ranks, heads, sizes
-    _check_shards(q, k, v, mask, method, who)
+    _check_shards(q, k, v, mask, method, ulysses, who)
     global_len = q.shape[2] * who.world
-    check_length(global_len, layout=layout, world=who.world, name="global sequence length (T_local * world)")
+    check_length(global_len, layout=sequence_layout(layout, method=method, ulysses=ulysses, world=who.world),
+                 world=who.world, name="global sequence length (T_local * world)")
     # Everything that changes the result, so that ranks never silently compute different things.
     check_agreement({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": q.dtype,
                      "causal": causal, "scale": call.scale, "mask": mask, "method": method, "layout": layout,
-                     "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
+                     "ulysses": ulysses, "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
     if method == "ring":
-        return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, stats=stats)
+        return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, mask=mask,
+                              stats=stats)
+    if method == "hybrid":
+        return hybrid_attention(q, k, v, who=who, ulysses=ulysses, layout=layout, causal=causal,
+                                scale=call.scale, mask=mask, stats=stats)
     return ulysses_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale,
                              mask=mask, stats=stats)
 
@@ -123,7 +142,7 @@ def context_parallel_attention(
 def _check_kinds(*, method, layout, causal, mask, scale, stats) -> None:
     """``TypeError`` for an option of the wrong kind, ``ValueError`` for a bad choice."""
     one_of("method", method, METHODS)
-    one_of("layout", layout, LAYOUTS)
+    check_layout(layout)
     instance_of("causal", causal, bool, "a bool")
     if mask is not None and not (isinstance(mask, torch.Tensor) or callable(mask)):
         raise TypeError(f"mask must be a tensor, a mask mod or None, got {type(mask).__name__}")
@@ -133,17 +152,48 @@ def _check_kinds(*, method, layout, causal, mask, scale, stats) -> None:
         instance_of("stats", stats, CommStats, "a CommStats or None")
 
 
-def _check_shards(q: Tensor, k: Tensor, v: Tensor, mask, method: str, who: Peers) -> None:
+def sequence_layout(layout, *, method: str, ulysses: int | None, world: int):
+    """Where each rank's tokens lie: ``layout`` itself, or for ``method="hybrid"`` the
+    :func:`~attnlab.distributed.layout.hybrid_layout` of ``layout`` over the ring groups.
+
+    Example:
+        >>> sequence_layout("zigzag", method="hybrid", ulysses=2, world=4).chunks
+        ((0, 1), (6, 7), (2, 3), (4, 5))
+    """
+    if method != "hybrid":
+        return layout
+    return hybrid_layout(layout, ring=world // ulysses, ulysses=ulysses)
+
+
+def _check_shards(q: Tensor, k: Tensor, v: Tensor, mask, method: str, ulysses, who: Peers) -> None:
     if q.ndim != 4:
         raise ValueError(f"q, k, v must be (B, H, T_local, D) shards; got q of shape {tuple(q.shape)}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k must hold the same positions as q (self-attention over one sharded "
                          f"sequence): q has T_local={q.shape[2]}, k has {k.shape[2]}")
-    if mask is not None and method != "ulysses":
-        raise ValueError("mask needs method='ulysses' (the ring takes causal=True or no mask)")
+    if method == "hybrid":
+        if ulysses is None:
+            raise ValueError("method='hybrid' needs ulysses=U, the ranks of each Ulysses group")
+        positive_int("ulysses", ulysses)
+        divisible("world size", who.world, "ulysses", ulysses)
+        divisible("q heads", q.shape[1], "ulysses", ulysses)
+        divisible("k/v heads", k.shape[1], "ulysses", ulysses)
+    elif ulysses is not None:
+        raise ValueError(f"ulysses={ulysses!r} is the Ulysses group size of method='hybrid'; "
+                         f"method={method!r} takes none")
+    if mask is not None and method != "ulysses" and not _masks.has_row_ranges(mask):
+        raise ValueError(f"mask: the ring takes attnlab's mask mods (documents, windows, prefix-LM, varlen, "
+                         f"ANDs of them: one key interval per query) over the global sequence; got "
+                         f"{_masks_kind(mask)}: use method='ulysses' for any other mask")
     if method == "ulysses":
         divisible("q heads", q.shape[1], "world size", who.world)
         divisible("k/v heads", k.shape[1], "world size", who.world)
+
+
+def _masks_kind(mask) -> str:
+    if isinstance(mask, Tensor):
+        return f"a dense {mask.dtype} mask"
+    return f"{mask!r}"
 
 
 @dataclass(frozen=True)
@@ -152,24 +202,55 @@ class ContextParallel:
 
     Attributes:
         group: process group (None: the world).
-        method: ``"ring"`` or ``"ulysses"``.
-        layout: ``"zigzag"`` or ``"contiguous"``.
+        method: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (Ulysses inside groups of ``ulysses``
+            consecutive ranks, the ring across the groups: :mod:`~attnlab.distributed.hybrid`;
+            the shards are then in :func:`~attnlab.distributed.layout.hybrid_layout`'s
+            positions, ``layout`` being the ring's layout over the ``P / ulysses`` groups).
+        layout: ``"zigzag"``, ``"contiguous"`` or a :class:`ChunkLayout`.
         timeout: seconds to wait for a peer (None: 300).
+        ulysses: ``method="hybrid"`` only: ranks per Ulysses group.
 
     Example:
         >>> ContextParallel(method="ulysses", layout="contiguous").method
         'ulysses'
+        >>> ContextParallel(method="hybrid", ulysses=2).sequence_layout(4).chunks
+        ((0, 1), (6, 7), (2, 3), (4, 5))
     """
 
     group: object = None
     method: str = "ring"
-    layout: str = "zigzag"
+    layout: str | ChunkLayout = "zigzag"
     timeout: float | None = None
+    ulysses: int | None = None
 
     def __post_init__(self):
         one_of("method", self.method, METHODS)
-        one_of("layout", self.layout, LAYOUTS)
+        check_layout(self.layout)
         timeout_seconds(self.timeout)
+        if self.ulysses is not None:
+            positive_int("ulysses", self.ulysses)
+        if (self.method == "hybrid") != (self.ulysses is not None):
+            raise ValueError(f"ulysses: method='hybrid' needs ulysses=U and the other methods take none; "
+                             f"got method={self.method!r}, ulysses={self.ulysses!r}")
+
+    def sequence_layout(self, world: int):
+        """Where each rank's tokens lie over ``world`` ranks (what to ``shard`` with).
+
+        Example:
+            >>> ContextParallel().sequence_layout(2)
+            'zigzag'
+        """
+        return sequence_layout(self.layout, method=self.method, ulysses=self.ulysses, world=world)
+
+    def shard(self, x: Tensor, *, dim: int) -> Tensor:
+        """This rank's shard of the global ``x`` along ``dim``, in this setting's layout.
+
+        Example (under torchrun with 2 processes)::
+
+            ContextParallel().shard(torch.arange(8).view(1, 8), dim=1)   # rank 0: [[0, 1, 6, 7]]
+        """
+        world, _ = self.world_and_rank()
+        return shard(x, dim=dim, layout=self.sequence_layout(world), group=self.group)
 
     def world_and_rank(self) -> tuple[int, int]:
         """``(P, r)``: the group's size and this rank (needs torch.distributed initialised).
@@ -190,7 +271,8 @@ class ContextParallel:
         """
         int_value("local_len", local_len)
         world, rank = self.world_and_rank()
-        return positions(local_len * world, layout=self.layout, rank=rank, world=world, device=device)
+        return positions(local_len * world, layout=self.sequence_layout(world), rank=rank, world=world,
+                         device=device)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask=None,
                   scale: float | None = None) -> Tensor:
@@ -201,5 +283,5 @@ class ContextParallel:
             out_l = ContextParallel(method="ring").attention(q_l, k_l, v_l, causal=True)
         """
         return context_parallel_attention(q, k, v, causal=causal, mask=mask, scale=scale,
-                                          method=self.method, layout=self.layout, group=self.group,
-                                          timeout=self.timeout)
+                                          method=self.method, layout=self.layout, ulysses=self.ulysses,
+                                          group=self.group, timeout=self.timeout)

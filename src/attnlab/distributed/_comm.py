@@ -30,6 +30,10 @@ class CommStats:
         scores: query-key scores computed per pass, ``{"forward": n, "backward": m}`` (ring
             only; the work a rank does, with pairs a causal mask skips left out).
         wait_seconds: time spent waiting for data that had not arrived yet.
+        sends_skipped: ring only: key/value shard sends this rank left out (forward and
+            backward) because no rank further along the ring can reach that shard's keys.
+        plan: ring only: the :class:`~attnlab.distributed.ring.RingPlan` of the last call (what
+            every rank computes, sends and skips, step by step).
 
     Example:
         >>> CommStats().bytes_sent
@@ -40,6 +44,8 @@ class CommStats:
     messages: int = 0
     scores: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
     wait_seconds: float = 0.0
+    sends_skipped: int = 0
+    plan: object = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class Peers:
     @property
     def prev_rank(self) -> int:
         return self._global((self.rank - 1) % self.world)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self._global(group_rank % self.world)
 
     def _global(self, group_rank: int) -> int:
         """Point-to-point ops address peers by their rank in the world."""
@@ -131,11 +140,24 @@ def exchange(tensors: list[Tensor], who: Peers, *, tag: int, what: str,
     """
     if who.world == 1:
         return Pending([], tensors, [], who, what, stats)
-    sends = [t.contiguous() for t in tensors]
-    received = [torch.empty_like(t) for t in sends]
-    ops = [dist.P2POp(dist.isend, t, who.next_rank, who.group, tag + i) for i, t in enumerate(sends)]
-    ops += [dist.P2POp(dist.irecv, t, who.prev_rank, who.group, tag + i) for i, t in enumerate(received)]
-    works = _start(lambda: dist.batch_isend_irecv(ops), who, what)
+    return transfer(tensors, to=who.rank + 1, receive=[(t.shape, t.dtype) for t in tensors],
+                    source=who.rank - 1, who=who, tag=tag, what=what, stats=stats, device=tensors[0].device)
+
+
+def transfer(send: list[Tensor] | None, *, to: int, receive: list[tuple] | None, source: int,
+             who: Peers, tag: int, what: str, stats: CommStats | None, device=None) -> Pending:
+    """Send ``send`` to group rank ``to`` and receive tensors of the ``(shape, dtype)`` pairs in
+    ``receive`` (on ``device``) from group rank ``source``; either may be None: a one-sided
+    step of a ring that skips a shard. Ranks are taken modulo the group's size.
+
+    Returns at once; :meth:`Pending.wait` hands over the received tensors (``[]`` when none).
+    """
+    sends = [t.contiguous() for t in send or ()]
+    received = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive or ()]
+    ops = [dist.P2POp(dist.isend, t, who.global_rank(to), who.group, tag + i) for i, t in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, t, who.global_rank(source), who.group, tag + i)
+            for i, t in enumerate(received)]
+    works = _start(lambda: dist.batch_isend_irecv(ops), who, what) if ops else []
     if stats is not None:
         stats.bytes_sent += sum(t.numel() * t.element_size() for t in sends)
         stats.messages += len(sends)

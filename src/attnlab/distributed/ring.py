@@ -19,27 +19,35 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 import torch.nn.functional as F
 
+from attnlab import masks as _masks
 from attnlab._call import build_call
 from attnlab._checks import instance_of, positive_int
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
+from attnlab.backends.blocks import blocks_attention
+# blocks exports no gradient-from-(out, lse) function yet (chunked_gradients' twin): its own
+# backward, given this ring's global out and lse, is exactly one shard's share of the gradient
+from attnlab.backends.blocks import _Plan as _BlocksPlan, _block_backward, _planned_runs
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
-from attnlab.distributed._comm import CommStats, Peers, exchange
-from attnlab.distributed.layout import chunk_ids
+from attnlab.distributed._comm import CommStats, Peers, Pending, transfer
+from attnlab.distributed.layout import check_length, chunk_ids, chunks_per_rank, positions
 
-__all__ = ["ring_pieces"]
+__all__ = ["ring_pieces", "RingPlan", "ring_plan"]
 
 # PyTorch's fused CPU flash kernel and its backward (both take the row log-sum-exp).
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
-# Point-to-point tags: the key/value shard and its gradient accumulator never cross-match.
-_TAG_KV, _TAG_DKV = 0, 2
+# Point-to-point tags: the key/value shard, its gradient accumulator on the way, and the finished
+# accumulator on its way home never cross-match.
+_TAG_KV, _TAG_DKV, _TAG_HOME = 0, 2, 4
 
 
 def ring_pieces(*, rank: int, source: int, world: int, layout: str, causal: bool,
@@ -98,22 +106,191 @@ def _merge_into(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_ls
     lse[:, :, rows] = new_lse
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """What every rank computes against every key/value shard, and so what the ring sends.
+
+    Built the same on every rank from the mask and the layout (no communication): rank ``r``
+    needs shard ``s`` when ``pairs[r][s] > 0``. Shard ``s`` travels ``hops[s]`` ranks along the
+    ring, as far as the last rank that needs it, and no further; the ring runs ``steps`` steps.
+    Without a mask every shard goes round (``hops = P - 1``); a sliding window narrower than a
+    shard needs one hop (contiguous layout), so the other sends are skipped.
+
+    Attributes:
+        pairs: ``pairs[r][s]``, the (query, key) pairs rank ``r``'s queries may attend among
+            shard ``s``'s keys (per sequence; summed over batch rows when the mask differs by row).
+        hops: ``hops[s]``, how many ranks past its owner shard ``s`` travels (0: never sent).
+
+    Example:
+        >>> from attnlab import masks
+        >>> plan = ring_plan(world=4, layout="contiguous", length=32, mask=masks.sliding_window_mod(32, 32, 3))
+        >>> plan.hops, plan.steps, plan.sends, plan.skipped
+        ((1, 1, 1, 0), 2, 3, 9)
+    """
+
+    pairs: tuple[tuple[int, ...], ...]
+    hops: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.hops)
+
+    @property
+    def steps(self) -> int:
+        return 1 + max(self.hops)
+
+    @property
+    def sends(self) -> int:
+        """Key/value shard sends per pass, over all ranks (a full ring makes ``P * (P - 1)``)."""
+        return sum(self.hops)
+
+    @property
+    def skipped(self) -> int:
+        return self.world * (self.world - 1) - self.sends
+
+    def holds(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` holds shard ``rank - step`` at ``step``."""
+        return step <= self.hops[(rank - step) % self.world]
+
+    def forwards(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` sends the shard it holds at ``step`` on to ``rank + 1``."""
+        return step < self.hops[(rank - step) % self.world]
+
+    def describe(self) -> str:
+        """One line per step: which shard each rank computes on, sends, or has skipped.
+
+        Example:
+            >>> print(ring_plan(world=2, layout="contiguous", length=8, causal=True).describe())
+            step 0: rank 0 computes shard 0 (10 pairs), sends it to rank 1; rank 1 computes shard 1 (10 pairs)
+            step 1: rank 1 computes shard 0 (16 pairs)
+            1 of 2 key/value sends skipped per pass
+        """
+        lines = []
+        for step in range(self.steps):
+            parts = []
+            for rank in range(self.world):
+                source = (rank - step) % self.world
+                if not self.holds(rank, step):
+                    continue
+                pairs = self.pairs[rank][source]
+                part = f"rank {rank} " + (f"computes shard {source} ({pairs} pairs)" if pairs
+                                          else f"holds shard {source} (0 pairs)")
+                if self.forwards(rank, step):
+                    part += f", sends it to rank {(rank + 1) % self.world}"
+                parts.append(part)
+            lines.append(f"step {step}: " + "; ".join(parts))
+        lines.append(f"{self.skipped} of {self.world * (self.world - 1)} key/value sends skipped per pass")
+        return "\n".join(lines)
+
+
+def _hops(pairs: list[list[int]]) -> tuple[int, ...]:
+    """How far each shard must travel: to the farthest rank along the ring that needs it."""
+    world = len(pairs)
+    return tuple(max([(r - s) % world for r in range(world) if pairs[r][s] > 0], default=0)
+                 for s in range(world))
+
+
+# A unit of work against one source shard: query rows, key rows, a causal square, a mask over
+# them (a PreparedMask in local indices, or None) and the pairs it visits.
+_Piece = tuple[slice, slice, bool, object, int]
+
+
+def _plain_pieces(rank: int, source: int, world: int, layout, causal: bool, chunk: int) -> list[_Piece]:
+    """The causal or unmasked pieces, each with its pair count."""
+    out = []
+    for rows, cols, diag in ring_pieces(rank=rank, source=source, world=world, layout=layout,
+                                        causal=causal, chunk=chunk):
+        n, m = rows.stop - rows.start, cols.stop - cols.start
+        out.append((rows, cols, diag, None, n * (n + 1) // 2 if diag else n * m))
+    return out
+
+
+def _local_masks(prepared: _masks.PreparedMask, q_pos: Tensor, k_pos: Tensor,
+                 device) -> tuple[int, _masks.PreparedMask]:
+    """The global mask restricted to queries ``q_pos`` and keys ``k_pos`` (both increasing), in
+    local indices: a global key interval meets increasing positions in one local interval."""
+    lo = torch.searchsorted(k_pos, prepared.lo[:, q_pos].contiguous())  # (R, Tq_local): first key >= lo
+    hi = torch.searchsorted(k_pos, prepared.hi[:, q_pos].contiguous(), right=True) - 1  # last key <= hi
+    pairs = int((hi - lo + 1).clamp(min=0).sum())
+    local = _masks.PreparedMask(*(t.contiguous().to(device) for t in (
+        lo, hi, prepared.q_segment[:, q_pos], prepared.k_segment[:, k_pos])), source="ring shard")
+    return pairs, local
+
+
+def _plan_ring(*, rank: int | None, world: int, layout, length: int, causal: bool, mask,
+               batch: int, device=None) -> tuple[RingPlan, dict[int, list[_Piece]]]:
+    """The plan (every rank's pairs) and, for ``rank``, its pieces against each source shard."""
+    local_len = length // world
+    if mask is None:
+        chunk = local_len // chunks_per_rank(layout)
+        table = [[_plain_pieces(r, s, world, layout, causal, chunk) for s in range(world)]
+                 for r in range(world)]
+        pairs = [[sum(p[4] for p in row[s]) for s in range(world)] for row in table]
+        mine = {} if rank is None else {s: table[rank][s] for s in range(world)}
+        return RingPlan(tuple(map(tuple, pairs)), _hops(pairs)), mine
+    full = _masks.and_masks(mask, _masks.causal_mod(length, length)) if causal else mask
+    with torch.no_grad():
+        prepared = _masks.prepare(full, tq=length, tk=length, batch=batch)
+        pos = [positions(length, layout=layout, rank=r, world=world) for r in range(world)]
+        pairs, mine = [], {}
+        for r in range(world):
+            row = []
+            for s in range(world):
+                count, local = _local_masks(prepared, pos[r], pos[s], device)
+                row.append(count)
+                if r == rank and count:
+                    everything = slice(0, local_len)
+                    mine[s] = [(everything, everything, False, local, count)]
+                elif r == rank:
+                    mine[s] = []
+            pairs.append(row)
+    return RingPlan(tuple(map(tuple, pairs)), _hops(pairs)), mine
+
+
+def ring_plan(*, world: int, layout="zigzag", length: int, causal: bool = False, mask=None,
+              batch: int = 1) -> RingPlan:
+    """The :class:`RingPlan` of a ring call, without a process group: what each rank computes,
+    sends and skips for ``length`` tokens over ``world`` ranks (``mask``: one of attnlab's mask
+    mods over the global sequence, or an AND of them).
+
+    Example:
+        >>> ring_plan(world=2, length=8, causal=True).pairs      # zigzag: equal work
+        ((10, 8), (8, 10))
+    """
+    positive_int("world", world)
+    check_length(length, layout=layout, world=world)
+    return _plan_ring(rank=None, world=world, layout=layout, length=length, causal=causal, mask=mask,
+                      batch=batch)[0]
+
+
 class _Setup:
-    """What both passes need: peers, layout, mask and scale, and where to count."""
+    """What both passes need: peers, plan, this rank's pieces, scale, and where to count."""
 
-    def __init__(self, who: Peers, *, layout: str, causal: bool, scale: float,
-                 stats: CommStats | None):
-        self.who, self.layout, self.causal, self.scale, self.stats = who, layout, causal, scale, stats
+    def __init__(self, who: Peers, *, plan: RingPlan, pieces: dict[int, list[_Piece]], scale: float,
+                 stats: CommStats | None, shapes: list[Tensor]):
+        self.who, self.plan, self.pieces, self.scale, self.stats = who, plan, pieces, scale, stats
+        self.shapes = shapes  # this rank's k and v: every shard has their shapes and dtype
 
-    def pieces(self, source: int, local_len: int) -> list[tuple[slice, slice, bool]]:
-        chunk = local_len // (2 if self.layout == "zigzag" else 1)
-        return ring_pieces(rank=self.who.rank, source=source, world=self.who.world,
-                           layout=self.layout, causal=self.causal, chunk=chunk)
-
-    def count(self, stage: str, rows: int, cols: int, causal: bool) -> None:
-        """Add the query-key scores a piece computes (a causal square: its lower triangle)."""
+    def count(self, stage: str, pairs: int) -> None:
         if self.stats is not None:
-            self.stats.scores[stage] += rows * (rows + 1) // 2 if causal else rows * cols
+            self.stats.scores[stage] += pairs
+
+    def count_skipped(self) -> None:
+        """Add the shard sends a full ring would make from this rank and this plan leaves out."""
+        if self.stats is not None:
+            made = sum(self.plan.forwards(self.who.rank, step) for step in range(self.who.world - 1))
+            self.stats.sends_skipped += self.who.world - 1 - made
+
+    def pass_on(self, held: list[Tensor], step: int, stage: str) -> Pending:
+        """Send the shard held at ``step`` on if a rank further along needs it; receive the
+        next one if this rank will hold it."""
+        who, plan = self.who, self.plan
+        send = held if plan.forwards(who.rank, step) else None
+        coming = plan.forwards(who.rank - 1, step)
+        like = [(t.shape, t.dtype) for t in self.shapes] if coming else None
+        return transfer(send, to=who.rank + 1, receive=like, source=who.rank - 1, who=who, tag=_TAG_KV,
+                        what=f"{stage} step {step}: key/value exchange", stats=self.stats,
+                        device=self.shapes[0].device)
 
 
 def _all_finite(t: Tensor) -> bool:
@@ -144,10 +321,22 @@ def _same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
     return dense(pad(q)), dense(pad(k)), dense(pad(v))
 
 
-def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def _masked_call(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, mask, fused: bool):
+    """The block-sparse call of a masked piece: on the fused path the scale is folded into q
+    (both passes then compute the same products; see attnlab._math.folds_scale)."""
+    if fused:
+        return build_call(q * setup.scale, k, v, mask=mask, scale=1.0)
+    return build_call(q, k, v, mask=mask, scale=setup.scale)
+
+
+def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask) -> tuple[Tensor, Tensor]:
     """out ``(B, Hq, rows, Dv)`` and lse ``(B, Hq, rows)`` of one piece."""
-    setup.count("forward", q.shape[2], k.shape[2], causal)
-    if _fused(q, k, v):
+    fused = _fused(q, k, v)
+    if mask is not None:  # the block-sparse path: only the key blocks the mask reaches
+        call = _masked_call(setup, q, k, v, mask, fused)
+        part = blocks_attention(call) if fused else chunked_attention(call)
+        return part.out, part.lse
+    if fused:
         qp, kp, vp = _same_width(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
         out, lse = _FLASH(qp, kp, vp, is_causal=causal, scale=setup.scale)
         return out[..., :v.shape[-1]], lse
@@ -155,11 +344,19 @@ def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool)
     return part.out, part.lse
 
 
-def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, out: Tensor,
+def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask, out: Tensor,
                     lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """This piece's share of dq, dk, dv, from the global ``out`` and ``lse`` of its rows."""
-    setup.count("backward", q.shape[2], k.shape[2], causal)
-    if _fused(q, k, v):
+    fused = _fused(q, k, v)
+    if mask is not None:
+        call = _masked_call(setup, q, k, v, mask, fused)
+        if not fused:
+            return chunked_gradients(call, out=out, lse=lse, d_out=d_out)
+        # blocks' own backward, given this ring's global out and lse (the twin of chunked_gradients)
+        runs = _planned_runs(call, call.mask_mod(), None)
+        dq, dk, dv = _block_backward(_BlocksPlan(call, runs), d_out, (call.q, call.k, call.v), out, lse)
+        return dq.mul_(setup.scale), dk, dv
+    if fused:
         Hkv, D, Dv = k.shape[1], q.shape[-1], v.shape[-1]
         qp, kp, vp = _same_width(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
         out_p, d_out_p = (t if t.shape[-1] == qp.shape[-1] else F.pad(t, (0, qp.shape[-1] - Dv))
@@ -178,60 +375,88 @@ def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
     qa = q.to(acc)
     out = q.new_zeros(B, Hq, T, v.shape[-1], dtype=acc)
     lse = torch.full((B, Hq, T), float("-inf"), dtype=acc, device=q.device)
-    held = [k, v]
-    for step in range(who.world):
+    held = [k, v]  # empty at a step where this rank holds no shard
+    for step in range(setup.plan.steps):
         source = (who.rank - step) % who.world
-        coming = (exchange(held, who, tag=_TAG_KV, what=f"forward step {step}: key/value exchange",
-                           stats=setup.stats) if step < who.world - 1 else None)
-        for rows, cols, causal in setup.pieces(source, T):
+        coming = setup.pass_on(held, step, "forward")
+        for rows, cols, causal, mask, pairs in (setup.pieces[source] if held else ()):
+            setup.count("forward", pairs)
             part_out, part_lse = _piece_forward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
-                                                held[1][:, :, cols].to(acc), causal)
+                                                held[1][:, :, cols].to(acc), causal, mask)
             _merge_into(out, lse, rows, part_out, part_lse)
-        if coming is not None:
-            held = coming.wait()
+        held = coming.wait()
+    setup.count_skipped()
     return out, lse
 
 
+def _shard_gradients(setup: _Setup, source: int, held: list[Tensor], qa: Tensor, dq: Tensor, out: Tensor,
+                     lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor]:
+    """This rank's ``dk``/``dv`` for the keys of shard ``source`` (``dq`` accumulates in place)."""
+    k, v = held
+    acc, T = out.dtype, k.shape[2]
+    dk = dv = None
+    for rows, cols, causal, mask, pairs in setup.pieces[source]:
+        setup.count("backward", pairs)
+        gq, gk, gv = _piece_backward(setup, qa[:, :, rows], k[:, :, cols].to(acc), v[:, :, cols].to(acc),
+                                     causal, mask, out[:, :, rows], lse[:, :, rows], d_out[:, :, rows])
+        dq[:, :, rows] += gq
+        if dk is None and cols == slice(0, T):  # one piece over every key: its grads are the sums
+            dk, dv = gk, gv
+        else:
+            if dk is None:
+                dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            dk[:, :, cols] += gk
+            dv[:, :, cols] += gv
+        del gq, gk, gv  # free them before the next piece allocates its own
+    if dk is None:  # no query here reaches a key of this shard
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    return dk, dv
+
+
 def _backward(setup: _Setup, d_out: Tensor, saved: tuple) -> tuple[Tensor, Tensor, Tensor]:
-    """Ring backward: ``dq`` stays here; each shard's ``dk``/``dv`` travels with it, a step behind."""
+    """Ring backward: ``dq`` stays here; each shard's ``dk``/``dv`` travels with it, a step behind,
+    and the last rank that needs the shard sends the finished accumulator home to its owner."""
     q, k, v, out, lse = saved
-    who, acc = setup.who, out.dtype
-    T = q.shape[2]
+    who, plan, acc = setup.who, setup.plan, out.dtype
     qa, d_out = q.to(acc), d_out.to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    held, grads_coming = [k, v], None
-    for step in range(who.world):
+    grads = [(k.shape, acc), (v.shape, acc)]
+    home = None  # this rank's own accumulator, finished by the last rank that needs the shard
+    if plan.hops[who.rank]:
+        home = transfer(None, to=who.rank, receive=grads, source=who.rank + plan.hops[who.rank], who=who,
+                        tag=_TAG_HOME, what="backward: gradient of this rank's keys and values",
+                        stats=setup.stats, device=k.device)
+    held, grads_coming, sent, own = [k, v], None, None, None
+    for step in range(plan.steps):
         source = (who.rank - step) % who.world
-        coming = (exchange(held, who, tag=_TAG_KV, what=f"backward step {step}: key/value exchange",
-                           stats=setup.stats) if step < who.world - 1 else None)
-        dk = dv = None
-        for rows, cols, causal in setup.pieces(source, T):
-            gq, gk, gv = _piece_backward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
-                                         held[1][:, :, cols].to(acc), causal, out[:, :, rows],
-                                         lse[:, :, rows], d_out[:, :, rows])
-            dq[:, :, rows] += gq
-            if dk is None and cols == slice(0, T):  # one piece over every key: its grads are the sums
-                dk, dv = gk, gv
-            else:
-                if dk is None:
-                    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-                    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-                dk[:, :, cols] += gk
-                dv[:, :, cols] += gv
-            del gq, gk, gv  # free them before the next piece allocates its own
-        if dk is None:  # every key of this shard is in the future of every query here
-            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        held = held if coming is not None else None  # the last shard is done with
-        if grads_coming is not None:  # the accumulator of the shard held now, from rank r - 1
-            dk_in, dv_in = grads_coming.wait()
-            dk, dv = dk.add_(dk_in), dv.add_(dv_in)
-        grads_coming = exchange([dk, dv], who, tag=_TAG_DKV, stats=setup.stats,
+        coming = setup.pass_on(held, step, "backward")
+        if held:
+            dk, dv = _shard_gradients(setup, source, held, qa, dq, out, lse, d_out)
+            if grads_coming is not None:  # the accumulator of the shard held now, from rank r - 1
+                dk_in, dv_in = grads_coming.wait()
+                dk, dv = dk.add_(dk_in), dv.add_(dv_in)
+                del dk_in, dv_in
+            if sent is not None:
+                sent.wait()  # the previous accumulator has left: its buffers may go
+            onward = plan.forwards(who.rank, step)
+            if onward or step:
+                sent = transfer([dk, dv], to=who.rank + 1 if onward else source, receive=None, source=0,
+                                who=who, tag=_TAG_DKV if onward else _TAG_HOME, stats=setup.stats,
                                 what=f"backward step {step}: gradient exchange")
-        del dk, dv  # the exchange holds what it sends (a contiguous copy, if the kernel's was not)
-        if coming is not None:
-            held = coming.wait()
-    dk, dv = grads_coming.wait()  # this rank's own shard's accumulator, complete
+            else:
+                own = (dk, dv)
+            del dk, dv
+        grads_coming = (transfer(None, to=0, receive=grads, source=who.rank - 1, who=who, tag=_TAG_DKV,
+                                 what=f"backward step {step}: gradient exchange", stats=setup.stats,
+                                 device=k.device)
+                        if plan.forwards(who.rank - 1, step) else None)
+        held = coming.wait()
+    if sent is not None:
+        sent.wait()
+    setup.count_skipped()
+    dk, dv = home.wait() if home is not None else own
     return dq, dk, dv
 
 
@@ -251,8 +476,12 @@ class _RingFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout: str, causal: bool,
-                   scale: float, stats: CommStats | None = None) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causal: bool,
+                   scale: float, mask=None, stats: CommStats | None = None) -> Tensor:
     """Ring attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`."""
-    setup = _Setup(who, layout=layout, causal=causal, scale=scale, stats=stats)
+    plan, pieces = _plan_ring(rank=who.rank, world=who.world, layout=layout, length=q.shape[2] * who.world,
+                              causal=causal, mask=mask, batch=q.shape[0], device=q.device)
+    if stats is not None:
+        stats.plan = plan
+    setup = _Setup(who, plan=plan, pieces=pieces, scale=scale, stats=stats, shapes=[k, v])
     return _RingFunction.apply(q, k, v, setup)
