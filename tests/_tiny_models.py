@@ -1,4 +1,5 @@
-"""Tiny random transformers checkpoints saved to a directory (no hub): GPT-2, Llama, BERT, Gemma 2.
+"""Tiny random transformers checkpoints saved to a directory (no hub): GPT-2, Llama, BERT, Gemma 2,
+BLOOM (which computes its attention in its own layers, not through transformers' interface).
 
 Each gets a word-level tokenizer over WORDS (tokenizer.json, through transformers' fast tokenizer),
 so texts made of those words tokenize one token per word.
@@ -44,13 +45,15 @@ def _config(kind: str):
                   intermediate_size=2 * h, max_position_embeddings=positions, head_dim=h // heads)
     if kind == "llama":
         return transformers.LlamaConfig(**common)
-    if kind == "gemma2":  # a logit soft-cap: a score mod attnlab.attention does not have
+    if kind == "gemma2":  # a logit soft-cap (attnlab.scores.softcap) and sliding-window layers
         return transformers.Gemma2Config(**common, attn_logit_softcapping=50.0, query_pre_attn_scalar=h // heads)
+    if kind == "bloom":  # ALiBi inside BloomAttention: attn_implementation never reaches attnlab
+        return transformers.BloomConfig(vocab_size=vocab, hidden_size=h, n_layer=n, n_head=heads)
     raise ValueError(kind)
 
 
 MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertModel", "llama": "LlamaForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "bloom": "BloomForCausalLM"}
 
 
 def save_tiny(kind: str, directory: Path) -> Path:

@@ -86,10 +86,10 @@ def test_ring_pieces_read_a_permuted_last_dim_correctly():
     q, k, v, d_out = (torch.randn(2, 3, 40, 8, generator=gen) for _ in range(4))
     permuted = [t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0) for t in (q, k, v)]  # D outermost
     assert permuted[0].stride(-1) != 1
-    setup = ring._Setup(None, layout="contiguous", causal=True, scale=0.3, stats=None)
+    setup = ring._Setup(None, plan=None, pieces={}, scale=0.3, stats=None, shapes=permuted[1:])
     want = _oracle(q, k, v, d_out, causal=True, scale=0.3)
-    out, lse = ring._piece_forward(setup, *permuted, True)
-    grads = ring._piece_backward(setup, *permuted, True, out, lse, d_out)
+    out, lse = ring._piece_forward(setup, *permuted, True, None)
+    grads = ring._piece_backward(setup, *permuted, True, None, out, lse, d_out)
     _assert_close([out, *grads], want)
 
 

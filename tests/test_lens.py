@@ -26,7 +26,7 @@ TEXT = "the chef made a meal and it was good"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: save_tiny(kind, root / kind) for kind in ("gpt2", "llama", "bert", "gemma2")}
+    return {kind: save_tiny(kind, root / kind) for kind in ("gpt2", "llama", "bert", "gemma2", "bloom")}
 
 
 def _eager_weights(directory, ids):
@@ -38,7 +38,7 @@ def _eager_weights(directory, ids):
     return model, torch.stack([w[0] for w in out.attentions]).double()  # (L, H, T, T)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "gemma2"])
 def test_weights_from_the_fast_path_equal_transformers_eager_attention(tiny, kind):
     lens = open_model(tiny[kind])
     result = lens.attention(TEXT)
@@ -100,7 +100,7 @@ def test_explain_minilm_writes_every_layer_and_head(tmp_path):
 @pytest.mark.parametrize("make_args, words", [
     (lambda t, p: ["--model", str(p / "plain")], ["config.json"]),  # a directory, but not a model
     (lambda t, p: ["--model", str(p / "empty")], ["transformers cannot open it"]),  # a config, no weights
-    (lambda t, p: ["--model", str(t["gemma2"])], ["cannot run through attnlab", "softcap"]),
+    (lambda t, p: ["--model", str(t["bloom"])], ["cannot run through attnlab", "its own layers"]),
     (lambda t, p: ["--model", str(t["llama"]), "the " * 70], ["70 tokens", "64 positions", "--truncate"]),
     (lambda t, p: ["--model", str(t["llama"]), "--generate", "0"], ["--generate must be a positive"]),
     (lambda t, p: ["--model", str(t["llama"]), "the chef", "--generate", "63"], ["exceed", "64 positions"]),

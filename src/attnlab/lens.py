@@ -13,8 +13,11 @@
 
 A directory without a tokenizer takes token ids written as text (``"3 17 5 3"``). Everything that
 cannot work is refused with ``ValueError`` naming the reason in one sentence: a directory that is
-not a model, a model whose attention needs what :func:`attnlab.attention` lacks (a logit soft-cap,
-sinks, a position bias), an input longer than the model's positions without ``truncate=True``.
+not a model, a model that computes attention in its own layers instead of through transformers'
+attention interface (BLOOM, MPT and Falcon, whose ALiBi lives there: ``attn_implementation`` never
+reaches attnlab, so its weights would not be the fast path's), a model whose attention asks for
+what :func:`attnlab.attention` lacks, an input longer than the model's positions without
+``truncate=True``.
 
 Example:
     >>> lens = open_model("path/to/checkpoint")                       # doctest: +SKIP
@@ -209,6 +212,10 @@ def open_model(directory: str | Path, *, name: str | None = None) -> ModelLens:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{str(directory)!r}: transformers cannot open it with attn_implementation='attnlab': "
                          f"{first}") from None
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(f"{name or directory.name}'s attention cannot run through attnlab: "
+                         f"{type(model).__name__} computes attention in its own layers, not through "
+                         f"transformers' attention interface, so attn_implementation='attnlab' never reaches it")
     tokenizer = None
     if any((directory / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -28,7 +28,7 @@ from attnlab.distributed.layout import chunks_per_rank
 from attnlab.distributed.ring import ring_attention
 from attnlab.distributed.ulysses import _Reshard, heads_to_seq, seq_to_heads
 
-__all__ = ["hybrid_attention"]
+__all__: list[str] = []  # hybrid_attention is reached through attnlab.distributed.context_parallel_attention
 
 # (parent group, world, ulysses) -> this rank's (Ulysses group, ring group). Process groups are
 # made once: every rank of a group must create it, and making one is a collective.
