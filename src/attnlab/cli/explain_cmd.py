@@ -184,6 +184,8 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special, top=top)
+    if trained_walk.has_sinks(encoder):
+        trained_walk.narrate_sinks(console, view, focus)
     heads = trained_walk.head_view_heads(view, focus, layer, head)
     try:
         written = trained_walk.write_files(view, focus, model=model, layer=layer, heads=heads,
