@@ -345,3 +345,109 @@ def test_explain_opens_a_trained_gpt_checkpoint_with_head_grid_and_head_view(tmp
     assert (out / "heads.png").is_file() and list(out.glob("headview-layer*.png"))
     bad = runner.invoke(app, ["explain", "--model", str(run), "not ids", "--out", str(out)])
     assert_one_error_line(bad, "token ids in 0..63")
+
+
+# --- sinks and softcap: training with them, and where the mass goes --------------------------------
+
+@pytest.fixture(scope="module")
+def sinks_checkpoint(tmp_path_factory):
+    """A 2-step induction run with sinks and a softcap (d_model 16, 2 heads per layer)."""
+    out = tmp_path_factory.mktemp("sinks")
+    with pytest.MonkeyPatch.context() as patch:
+        for task, defaults in _train.TASK_DEFAULTS.items():
+            patch.setitem(_train.TASK_DEFAULTS, task, {**defaults, "eval_sequences": 16})
+        result = runner.invoke(app, ["train", "--steps", "2", *TINY, "--sinks", "--softcap", "20", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def _sink_share_fp64(model: GPT, ids: torch.Tensor) -> torch.Tensor:
+    """``(H, T)`` sink shares of a one-layer attention-only GPT on ``ids`` ``(T,)``, from its own
+    weights and sink logits, in fp64 (softcap 20, causal, the sink as one more softmax column)."""
+    (block,) = model.blocks  # one layer: its input is the embeddings
+    attn, norm, T = block.attn, block.norm_attn, len(ids)
+    x = model.tok_emb.weight[ids].double() + model.pos_emb.embedding.weight[:T].double()  # (T, d)
+    h = torch.nn.functional.layer_norm(x, x.shape[-1:], norm.weight.double(), norm.bias.double(), norm.eps)
+    qkv = h @ attn.in_proj_weight.double().T + attn.in_proj_bias.double()  # (T, 3d)
+    q, k, _ = qkv.split(qkv.shape[-1] // 3, dim=-1)
+    q, k = (t.view(T, attn.num_heads, -1).transpose(0, 1) for t in (q, k))  # (H, T, Dh)
+    s = 20.0 * torch.tanh(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 / 20.0)  # (H, T, T)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    sink = attn.sinks.detach().double().view(-1, 1, 1).expand(-1, T, 1)  # (H, T, 1)
+    return torch.softmax(torch.cat([s, sink], -1), -1)[..., -1].detach()  # (H, T)
+
+
+def test_train_with_sinks_and_softcap_reports_each_heads_sink_share(sinks_checkpoint):
+    out, output = sinks_checkpoint
+    assert "positions, softcap 20, sinks;" in output and "sink share" in output
+    model = GPT.from_pretrained(out)
+    assert model.config["sinks"] is True and model.config["softcap"] == 20.0
+    assert all(tuple(block.attn.sinks.shape) == (2,) for block in model.blocks)
+    trained = torch.stack([block.attn.sinks.detach() for block in model.blocks])
+    assert not torch.equal(trained, torch.zeros_like(trained))  # the sink logits learned something
+    metrics = json.loads((out / "metrics.json").read_text())
+    shares = torch.tensor(metrics["heads"]["sink_share"])  # (L, H)
+    assert shares.shape == (2, 2) and bool(((shares > 0.001) & (shares < 1)).all())
+    assert "The sink takes on average" in metrics["summary"]
+    for layer, row in enumerate(metrics["heads"]["sink_share"]):
+        for head, share in enumerate(row):
+            assert re.search(rf"\n\s+{layer}\s+{head}\s.*\s{share:.3f}\s", output), (layer, head, share)
+
+
+def test_head_scores_sink_share_equals_the_fp64_softmax_with_the_sink_column():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=7, max_len=8, d_model=8, num_layers=1, num_heads=2, attention_only=True, sinks=True,
+                softcap=20.0)
+    with torch.no_grad():
+        model.blocks[0].attn.sinks.copy_(torch.tensor([1.5, -0.5]))
+    ids = torch.tensor([3, 1, 4, 1, 5, 6, 2, 0])
+    expected = _sink_share_fp64(model, ids).mean(-1)  # (H,): mean over queries
+    got = _train.head_scores(model, ids[None])["sink_share"]  # (L, H)
+    torch.testing.assert_close(got[0].double(), expected, atol=1e-6, rtol=1e-6)
+    assert float(expected.min()) > 0.05  # the sinks take a real share here
+
+
+def test_explain_of_a_gpt_with_sinks_prints_the_sink_share_per_head(sinks_checkpoint, tmp_path):
+    run, _ = sinks_checkpoint
+    result = runner.invoke(app, ["explain", "--model", str(run), "3 17 5 9 3 17", "--query", "5",
+                                 "--out", str(tmp_path), "--format", "html", "--no-color"])
+    assert result.exit_code == 0, result.output
+    assert "Sink share of '5'" in result.output
+    model = GPT.from_pretrained(run).eval()
+    with torch.no_grad():
+        _, weights = model(torch.tensor([[3, 17, 5, 9, 3, 17]]), return_weights=True)
+    rows = {int(m[1]): m.groups()[1:] for m in re.finditer(r"\n\s+(\d)\s+([0-9.]+) \(([0-9.]+)\)\s+([0-9.]+) \(([0-9.]+)\)",
+                                                  result.output)}
+    for layer, w in enumerate(weights):  # (1, H, T, T): the real keys' weights
+        share = 1 - w[0].double().sum(-1)  # (H, T)
+        for head in range(2):
+            printed_query, printed_mean = float(rows[head][2 * layer]), float(rows[head][2 * layer + 1])
+            assert printed_query == pytest.approx(float(share[head, 2]), abs=5e-4)
+            assert printed_mean == pytest.approx(float(share[head].mean()), abs=5e-4)
+    plain = runner.invoke(app, ["train", "--steps", "1", *TINY, "--out", str(tmp_path / "plain")])
+    assert plain.exit_code == 0 and "sink share" not in plain.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--softcap", "0"], ("--softcap must be a positive finite number", "0")),
+    (["--softcap", "-3"], ("--softcap must be a positive finite number",)),
+    (["--softcap", "nan"], ("--softcap must be a finite number",)),
+    (["--softcap", "inf"], ("--softcap must be a finite number",)),
+    (["--softcap", "big"], ("--softcap",)),
+    (["--sinks", "--positions", "sideways"], ("--positions",)),
+])
+def test_bad_softcap_and_sinks_options_are_one_error_line_and_write_nothing(tmp_path, args, words):
+    out = tmp_path / "run"
+    assert_one_error_line(runner.invoke(app, ["train", "--steps", "1", *TINY, *args, "--out", str(out)]), *words)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, given, saved", [
+    (["--sinks"], "--sinks", "no --sinks"),
+    (["--softcap", "30"], "--softcap 30.0", "no --softcap"),
+])
+def test_resume_refuses_sinks_or_softcap_the_checkpoint_was_not_trained_with(checkpoint, args, given, saved):
+    before = _files(checkpoint)
+    result = runner.invoke(app, ["train", "--resume", str(checkpoint), "--steps", "8", *args])
+    assert_one_error_line(result, f"{given} conflicts with the checkpoint", f"trained with {saved}")
+    assert _files(checkpoint) == before

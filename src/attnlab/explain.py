@@ -16,6 +16,12 @@ The text pipeline is the tutorials' one:
 * **Weights**: ``torch.manual_seed(seed)`` again, then the module is constructed (as the
   document does), so its W_q, W_k, W_v are the document's.
 
+A score mod (``score_mod=``, e.g. ``attnlab.scores.softcap(5.0)``) adds the modified scores, the
+weights without the mod and the change it made; sinks (``sinks=``, one logit per head) add the
+weights with the sink as one more column, so each query's sink share is read off as its own
+column. The last step then equals ``attnlab.attention(..., score_mod=..., sinks=...)`` on the
+reference path (the tests check it).
+
 The global random state is saved and restored around the trace.
 """
 
@@ -28,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from attnlab import scores as score_mods
 from attnlab import tutorial
+from attnlab._checks import finite_number
 from attnlab._math import apply_dropout, softmax_rows
 from attnlab.masks import causal_mask
 from attnlab.viz import html as _html
@@ -105,9 +113,12 @@ class Trace:
         steps: every intermediate, in order.
         output: the final output ``(Tq, heads * d_v)``; equals the module's output.
         module: the tutorial module whose weights were used.
+        score_mod: the score mod applied after scaling (a :class:`attnlab.scores.ScoreMod`), or None.
+        sinks: the sink logit of each head ``(heads,)``, or None.
 
     Shapes:
-        weights(): ``(heads, Tq, Tk)``; allowed(): ``(Tq, Tk)`` bool or None.
+        weights(): ``(heads, Tq, Tk)`` (the real keys' weights; with sinks rows sum to 1 minus the
+        sink's share); allowed(): ``(Tq, Tk)`` bool or None; sink_shares(): ``(heads, Tq)`` or None.
 
     Example:
         >>> t = trace("The sun rises in the east", seed=123)
@@ -131,6 +142,8 @@ class Trace:
     steps: list[Step] = field(default_factory=list)
     output: Tensor | None = None
     module: nn.Module | None = None
+    score_mod: score_mods.ScoreMod | None = None
+    sinks: Tensor | None = None
 
     def step(self, name: str, head: int | None = None) -> Step:
         """The step called ``name`` (for per-head steps, of ``head``; default head 0)."""
@@ -143,6 +156,18 @@ class Trace:
     def weights(self) -> Tensor:
         """Attention weights of every head (before dropout), ``(heads, Tq, Tk)``."""
         return torch.stack([self.step("weights", h).tensor for h in range(self.heads)])
+
+    def sink_shares(self) -> Tensor | None:
+        """Each query's share of the mass the sink took, per head ``(heads, Tq)``; None without sinks.
+
+        Example:
+            >>> t = trace("The sun rises", sinks=0.0)
+            >>> t.sink_shares().shape, bool(((t.weights().sum(-1) + t.sink_shares()) - 1).abs().max() < 1e-6)
+            (torch.Size([1, 3]), True)
+        """
+        if self.sinks is None:
+            return None
+        return torch.stack([self.step("sink_weights", h).tensor[:, -1] for h in range(self.heads)])
 
     def allowed(self) -> Tensor | None:
         """Which (query, key) pairs may attend, ``(Tq, Tk)`` bool, or None when nothing is masked."""
@@ -226,6 +251,8 @@ def trace(
     dropout_p: float = 0.0,
     init: str = "uniform",
     vocab_size: int = DOC_VOCAB_SIZE,
+    score_mod: object = None,
+    sinks: float | Tensor | None = None,
 ) -> Trace:
     """Run one attention computation and record every intermediate.
 
@@ -244,17 +271,26 @@ def trace(
         init: the tutorial modules' weight init, ``"uniform"`` (torch.rand, the first document)
             or ``"linear"`` (nn.Linear, the second document).
         vocab_size: rows of the embedding table (the first document's 50 000).
+        score_mod: a score mod applied to the scaled scores before masking
+            (:mod:`attnlab.scores`, or a function ``(score, b, h, q_idx, kv_idx) -> score``).
+        sinks: a sink logit for every head (a number) or one per head (a ``(heads,)`` tensor): one
+            more key of that logit and value 0 that takes part of each query's mass.
 
     Returns:
         a :class:`Trace`; ``trace.output`` is ``(Tq, heads * d_v)``.
 
     Raises:
-        ValueError: empty sentence, unknown mode, bad sizes or a bad option combination.
+        ValueError: empty sentence, unknown mode, bad sizes or a bad option combination; a
+            score mod or sinks that do not fit the heads (named ``score_mod`` / ``sinks``).
+        TypeError: a score mod or sinks of the wrong kind.
 
     Example:
         >>> t = trace("The sun rises in the east", mode="causal", seed=123)
         >>> [round(w, 4) for w in t.weights()[0, 1, :2].tolist()]
         [0.0532, 0.9468]
+        >>> capped = trace("The sun rises in the east", score_mod=score_mods.softcap(0.5))
+        >>> float(capped.step("modded_scores").tensor.abs().max()) < 0.5
+        True
     """
     config = _resolve(sentence, mode, context, heads, causal, dropout_p, d_model, d_kq, d_v)
     query_text, kv_text, heads, causal = config
@@ -265,6 +301,7 @@ def trace(
         raise ValueError(f"vocab_size={vocab_size} is smaller than the vocabulary ({len(vocabulary)} words)")
     result = Trace(mode, causal, query_text, kv_text, tokens, kv_tokens, vocabulary,
                    d_model, d_kq, d_v, heads, seed, dropout_p)
+    result.score_mod, result.sinks = _score_options(score_mod, sinks, heads, len(tokens), len(kv_tokens))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         embed = nn.Embedding(vocab_size, d_model)
@@ -308,6 +345,23 @@ def _resolve(sentence, mode, context, heads, causal, dropout_p, d_model, d_kq, d
         raise ValueError(f"mode {mode!r} has one head; use --mode multihead for --heads {heads}")
     heads = heads or (4 if mode == "multihead" else 1)
     return sentence, sentence, heads, causal or mode == "causal"
+
+
+def _score_options(score_mod, sinks, heads: int, tq: int, tk: int):
+    """Check ``score_mod`` and ``sinks`` against the heads; return (ScoreMod or None, ``(heads,)`` or None)."""
+    cpu = torch.device("cpu")
+    if score_mod is not None:
+        score_mod = score_mods.as_score_mod(score_mod)
+        score_mod.check(batch=1, heads=heads, tq=tq, tk=tk, device=cpu)
+        if score_mods.has_function(score_mod):
+            score_mods.check_function(score_mod, tq=tq, tk=tk, device=cpu, dtype=torch.float32)
+    if sinks is not None and not isinstance(sinks, Tensor):
+        sinks = torch.full((heads,), finite_number("sinks", sinks))
+    if sinks is not None:
+        sinks = score_mods.check_sinks(sinks, heads=heads, device=cpu).detach().float()
+        if not bool(torch.isfinite(sinks).all()):
+            raise ValueError(f"sinks must be finite logits, got {sinks.tolist()}")
+    return score_mod, sinks
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:
@@ -416,6 +470,13 @@ def _attend_steps(result: Trace, h: int, queries: Tensor, keys: Tensor, values: 
     scores = scores * scale
     add("scaled_scores", f"Scaled scores  S / sqrt(d_k) = S / {math.sqrt(keys.shape[-1]):.4g}", scores,
         f"Divided by sqrt(d_k) = sqrt({keys.shape[-1]}) so the softmax does not saturate as d_k grows.")
+    plain = scores
+    if result.score_mod is not None:
+        scores = _modded(result.score_mod, scores, h, result.heads)
+        add("modded_scores", f"Score mod  S' = {result.score_mod!r} applied to S", scores,
+            f"Each scaled score changed by the score mod {result.score_mod!r} before the softmax "
+            "(masks say which keys a query sees; a score mod says how much).")
+    allowed = None
     if result.causal:
         allowed = causal_mask(len(tq), len(tk))  # (Tq, Tk) bool, True = may attend
         add("mask", "Causal mask  (True = may attend)", allowed,
@@ -423,9 +484,27 @@ def _attend_steps(result: Trace, h: int, queries: Tensor, keys: Tensor, values: 
         scores = scores.masked_fill(~allowed, float("-inf"))
         add("masked_scores", "Masked scores  -inf above the diagonal", scores,
             "Future positions set to -inf, so the softmax gives them exactly 0.")
-    weights = softmax_rows(scores)  # (Tq, Tk); rows sum to 1
-    add("weights", "Attention weights  A = softmax(S) row by row", weights,
-        "Each row turned into proportions that sum to 1: how much token i attends to each token j.")
+    sink = None if result.sinks is None else result.sinks[h]
+    if result.score_mod is not None:
+        before = plain if allowed is None else plain.masked_fill(~allowed, float("-inf"))
+        plain_weights = _softmax(before, sink)[0]
+        add("plain_weights", "Weights without the score mod  softmax(S)", plain_weights,
+            "The weights the plain scaled scores would give, to compare with the score mod's below.")
+    weights, share = _softmax(scores, sink)  # (Tq, Tk), (Tq,)
+    if sink is None:
+        add("weights", "Attention weights  A = softmax(S) row by row", weights,
+            "Each row turned into proportions that sum to 1: how much token i attends to each token j.")
+    else:
+        add("weights", "Attention weights  A = softmax([S, sink]) without the sink's column", weights,
+            f"Each row turned into proportions over the keys and the sink (logit {float(sink):.4g}); "
+            "the sink's part is dropped, so a row sums to 1 minus the sink's share.")
+    if result.score_mod is not None:
+        add("weight_change", "Change made by the score mod  A - softmax(S)", weights - plain_weights,
+            "Positive where the score mod moved weight to a key, negative where it took weight away.")
+    if sink is not None:
+        add("sink_weights", "Weights with the sink  [A, sink share]", torch.cat([weights, share[:, None]], -1),
+            "The sink is one more key of value 0: its column is how much of each query's attention "
+            "goes nowhere. Each row of this table sums to 1.", cols=(*tk, "sink"))
     if result.dropout_p > 0:
         keep = apply_dropout(torch.ones_like(weights), result.dropout_p, generator)  # 0 or 1/(1-p)
         add("dropout_mask", f"Dropout mask  (p = {result.dropout_p})", keep,
@@ -437,3 +516,20 @@ def _attend_steps(result: Trace, h: int, queries: Tensor, keys: Tensor, values: 
         "Row i is a weighted average of all value vectors, weighted by row i of A: the new, "
         "context-aware version of token i.", cols=_dims("z", values.shape[1]))
     return context
+
+
+def _modded(mod: score_mods.ScoreMod, scores: Tensor, h: int, heads: int) -> Tensor:
+    """``mod`` on head ``h``'s scaled scores ``(Tq, Tk)``, with that head's index."""
+    tile = scores.new_zeros(1, heads, *scores.shape)  # (1, H, Tq, Tk): the other heads are unused
+    tile[0, h] = scores
+    with torch.no_grad():
+        return score_mods.apply_tile(mod, tile, q_start=0, kv_start=0)[0, h]
+
+
+def _softmax(scores: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Row softmax of ``scores`` ``(Tq, Tk)`` and, with a sink logit, each row's sink share ``(Tq,)``."""
+    if sink is None:
+        return softmax_rows(scores), None
+    column = sink.to(scores.dtype).expand(scores.shape[0], 1)  # (Tq, 1)
+    both = softmax_rows(torch.cat([scores, column], dim=-1))  # (Tq, Tk + 1)
+    return both[:, :-1], both[:, -1]

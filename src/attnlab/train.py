@@ -49,11 +49,11 @@ from torch import Tensor
 from attnlab import io as _io
 from attnlab.distributed import ContextParallel
 from attnlab.distributed.layout import check_length
-from attnlab._checks import divisible, one_of, per_layer, positive_int, positive_number
+from attnlab._checks import divisible, instance_of, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
 from attnlab.models.gpt import POSITIONS
-from attnlab.trained import ROLE_THRESHOLD, best_head, count_heads, head_roles, pad_heads, unpad_heads
+from attnlab.trained import ROLE_THRESHOLD, best_head, count_heads, head_roles, pad_heads, sink_shares, unpad_heads
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
 
@@ -333,6 +333,10 @@ class TrainConfig:
     (grouped-query heads, local/global/latent layers; see :class:`~attnlab.models.GPT`); None
     trains plain multi-head attention.
 
+    ``softcap`` caps every attention score with ``softcap * tanh(score / softcap)`` (Gemma 2) and
+    ``sinks`` gives every head a learnable sink logit (gpt-oss); :func:`analyze` then reports each
+    head's sink share, where the mass it does not give to tokens goes.
+
     ``heads`` is the head count of every layer (an int) or one per layer (a tuple of ``layers``
     ints); each must divide ``d_model``. When ``heads`` is left to a task default given per layer
     and ``layers`` is not the default's depth, every layer gets the default's first count: the
@@ -365,6 +369,8 @@ class TrainConfig:
     layer_pattern: str | None = None
     window: int | None = None
     latent_dim: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
@@ -384,6 +390,9 @@ class TrainConfig:
             config.heads = counts  # a list read back from config.json becomes the tuple it was
         positive_number("lr", config.lr)
         one_of("positions", config.positions, POSITIONS)
+        if config.softcap is not None:
+            config.softcap = positive_number("softcap", config.softcap)
+        instance_of("sinks", config.sinks, bool, "a bool")
         return config
 
     def _filled(self) -> "TrainConfig":
@@ -473,7 +482,8 @@ class Trainer:
             self.model = GPT(self.task.vocab_size, max_len=self.task.seq_len, d_model=c.d_model,
                              num_layers=c.layers, num_heads=c.heads, attention_only=c.attention_only,
                              positions=c.positions, num_kv_heads=c.kv_heads, layer_pattern=c.layer_pattern,
-                             window=c.window, latent_dim=c.latent_dim).to(c.device)
+                             window=c.window, latent_dim=c.latent_dim, softcap=c.softcap,
+                             sinks=c.sinks).to(c.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.step = 0
         self.seconds = 0.0
@@ -790,7 +800,9 @@ def head_scores(model: GPT, inputs: Tensor) -> dict[str, Tensor]:
     * induction: over queries ``t`` whose token occurred before at some ``j < t - 1`` (the
       latest such ``j``), the mean weight on ``j + 1`` -- the token that followed it then.
 
-    Also returns ``weights`` ``(L, H, T, T)``, the attention of the first sequence. When layers
+    Also returns ``sink_share`` ``(L, H)``, the mean share of a query's mass that went to no key
+    (the sink's, for a model with sinks; 0 within rounding otherwise: :func:`attnlab.trained.sink_shares`),
+    and ``weights`` ``(L, H, T, T)``, the attention of the first sequence. When layers
     have different numbers of heads, ``H`` is the largest and the heads a layer lacks are NaN
     (:func:`attnlab.trained.pad_heads`).
 
@@ -811,6 +823,7 @@ def head_scores(model: GPT, inputs: Tensor) -> dict[str, Tensor]:
     per_layer = [_layer_scores(w.float(), target, has) for w in weights]  # L x ((H_l,), (H_l,))
     return {"previous_token": pad_heads([previous for previous, _ in per_layer]),
             "induction": pad_heads([induction for _, induction in per_layer]),
+            "sink_share": pad_heads([sink_shares(w.float()).mean(dim=(0, 2)) for w in weights]),  # (B, H, T) -> (H,)
             "weights": pad_heads([w[0].float() for w in weights])}
 
 
@@ -900,7 +913,8 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
     ``sequences`` held-out rows give the scores; ablation uses the whole held-out set. The
     heads after the first layer whose induction score is at least 0.5 are also ablated together
     (``induction_heads_ablated``): several heads can share one job, and then zeroing any single
-    one of them costs little; the summary then says so, with both figures.
+    one of them costs little; the summary then says so, with both figures. A model trained with
+    sinks also gets ``heads["sink_share"]``, each head's mean sink share, and a sentence on it.
 
     Example:
         >>> run = Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=4))
@@ -915,6 +929,9 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
     result = {"heads": {"previous_token": _rounded(scores["previous_token"]),
                         "induction": _rounded(scores["induction"]), "ablation_accuracy": _rounded(ablated)},
               "summary": text, "weights": scores["weights"], "example": inputs[0]}
+    if trainer.config.sinks:
+        result["heads"]["sink_share"] = _rounded(scores["sink_share"])
+        result["summary"] += " " + _sink_sentence(scores["sink_share"])
     later = torch.nonzero(scores["induction"][1:] >= ROLE_THRESHOLD).tolist()  # (layer - 1, head) rows
     group = [(layer + 1, head) for layer, head in later]
     if group:
@@ -927,6 +944,18 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
                                   f"ablating one alone leaves {min(alone):.1f}-{max(alone):.1f} %, ablating them "
                                   f"together drops accuracy to {100 * together:.1f} %.")
     return result
+
+
+def _sink_sentence(share: Tensor) -> str:
+    """Where the sinks took the most and the least of the mass, from the ``(L, H)`` mean shares.
+
+    Example:
+        >>> print(_sink_sentence(torch.tensor([[0.1, 0.6], [0.3, float("nan")]])))
+        The sink takes on average 0.60 of a query's attention in layer 0 head 1 (the most) and 0.10 in layer 0 head 0 (the least).
+    """
+    (lm, hm), (ll, hl) = best_head(share), best_head(-share)
+    return (f"The sink takes on average {float(share[lm, hm]):.2f} of a query's attention in layer {lm} head {hm} "
+            f"(the most) and {float(share[ll, hl]):.2f} in layer {ll} head {hl} (the least).")
 
 
 def _rounded(t: Tensor) -> list:

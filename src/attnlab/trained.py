@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_pieces", "piece_groups", "WordAttention", "Link", "trace_model", "pad_heads", "count_heads",
-           "unpad_heads", "best_head", "format_heads", "ROLE_THRESHOLD", "head_roles"]
+           "unpad_heads", "best_head", "format_heads", "ROLE_THRESHOLD", "head_roles", "sink_shares"]
 
 # The score from which a head is named for a role (summaries, tables and pictures agree on it).
 ROLE_THRESHOLD = 0.5
@@ -65,6 +65,23 @@ def pad_heads(per_layer: Sequence[Tensor]) -> Tensor:
     for layer, t in enumerate(per_layer):
         padded[layer, :t.shape[0]] = t
     return padded
+
+
+def sink_shares(weights: Tensor) -> Tensor:
+    """Each query's share of the mass no key received, ``1 - `` its row sum: with sinks, the sink's share.
+
+    A model with sinks (gpt-oss's per-head logit, ``GPT(sinks=True)``) returns the real keys'
+    weights, whose rows sum to 1 minus the sink's share; without sinks the share is 0 within
+    rounding. Heads a layer lacks (NaN, :func:`pad_heads`) stay NaN.
+
+    Shapes:
+        weights ``(..., Tq, Tk)`` -> ``(..., Tq)``.
+
+    Example:
+        >>> sink_shares(torch.tensor([[0.5, 0.25], [0.5, 0.5]]))
+        tensor([0.2500, 0.0000])
+    """
+    return 1.0 - weights.sum(dim=-1)
 
 
 def count_heads(padded: Tensor) -> tuple[int, ...]:
@@ -287,6 +304,16 @@ class WordAttention:
             shown = ", ".join(w for w, s in zip(self.words, self.special) if not s)
             raise ValueError(f"query word {word!r} is not in the sentence; its words are: {shown}")
         return lowered.index(word.lower())
+
+    def sink_shares(self) -> Tensor:
+        """Each query word's sink share per layer and head ``(L, H, W)`` (:func:`sink_shares`).
+
+        Example:
+            >>> w = torch.tensor([[[[0.6, 0.0], [0.3, 0.3]]]])          # (1, 1, 2, 2): a sink took the rest
+            >>> WordAttention.from_pieces(w, ["a", "b"], [0, 1]).sink_shares()
+            tensor([[[0.4000, 0.4000]]])
+        """
+        return sink_shares(self.weights)
 
     def _candidates(self, query: int, hide_special: bool) -> list[int]:
         return [j for j in range(len(self.words)) if not (hide_special and self.special[j])]

@@ -6,7 +6,9 @@ each other word; it writes the layers x heads grid, the head view of one layer, 
 report and the model view (every layer x head, click to enlarge: ``model.html``). The default (tutorial) walk ends with one paragraph of the same for the trained MiniLM.
 A directory whose ``config.json`` says ``model_type`` ``attnlab-gpt`` (a checkpoint of ``attnlab
 train``) or ``gpt2`` is opened as a :class:`~attnlab.models.GPT` instead: one token per word
-(characters of a text model, else token ids given as ``"3 17 5 3"``), causal weights.
+(characters of a text model, else token ids given as ``"3 17 5 3"``), causal weights. A GPT
+trained with sinks (``attnlab train --sinks``) also gets a layers x heads table of the sink's
+share: the part of each query's attention that went to no token.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class GPTWalker:
             raise ValueError(f"this model has no text vocabulary: give token ids in 0..{vocab - 1} separated by "
                              f"spaces (e.g. '3 17 5 9 3 17'), got {sentence!r}")
         return ids
+
+    @property
+    def sinks(self) -> bool:
+        """Whether the model's heads have sinks (their weights then sum to 1 minus the sink's share)."""
+        return bool(self.model.config.get("sinks"))
 
     def __call__(self, input_ids, attention_mask=None, *, return_weights: bool = True):
         return self.model(input_ids, return_weights=return_weights)
@@ -176,6 +183,36 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
                       markup=False, highlight=False)
     console.print(f"Strongest: layer {top.layer} head {top.head} links '{word}' to '{top.word}' "
                   f"({top.weight:.3f}).", markup=False, soft_wrap=True)
+
+
+def has_sinks(encoder) -> bool:
+    """Whether ``encoder`` (from :func:`load`) is a GPT with sinks."""
+    return isinstance(encoder, GPTWalker) and encoder.sinks
+
+
+def narrate_sinks(console, view: WordAttention, query: int) -> None:
+    """Where the mass goes: per layer (columns) and head (rows), the query word's sink share and,
+    in brackets, the mean over the sentence's words."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    shares = view.sink_shares()  # (L, H, W); NaN for heads a layer lacks
+    word = view.words[query]
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", pad_edge=False,
+                  title=f"Sink share of '{escape(word)}' (mean over the words), head x layer")
+    table.add_column("head", justify="right", min_width=4)
+    for layer in range(view.layers):
+        table.add_column(f"layer {layer}", justify="right", no_wrap=True)
+    counts = view.heads_per_layer
+    for h in range(view.heads):
+        table.add_row(str(h), *["" if h >= counts[layer] else
+                                f"{float(shares[layer, h, query]):.3f} ({float(shares[layer, h].mean()):.3f})"
+                                for layer in range(view.layers)])
+    console.print(table)
+    console.print("[dim]A sink is one more key per head with a learned logit and value 0: what a query gives it "
+                  "goes to no token, so a head can attend to nothing. The head view draws the tokens' part.[/dim]",
+                  soft_wrap=True)
 
 
 def _cell(link: Link, width: int = 7) -> str:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import typer
 
-from attnlab._checks import positive_int, probability
+from attnlab import scores
+from attnlab._checks import finite_number, positive_int, positive_number, probability
 from attnlab.cli import _lens_walk as lens_walk
 from attnlab.cli import _trained_walk as trained_walk
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors
@@ -59,6 +60,14 @@ def explain(
     causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
     dropout: float = typer.Option(_default("dropout_p"), "--dropout",
                                   help="Dropout probability on the attention weights, in [0, 1)."),
+    softcap: float = typer.Option(None, "--softcap",
+                                  help="Cap the scaled scores with C*tanh(S/C) (Gemma 2) and show the weights "
+                                       "before and after; C > 0."),
+    alibi: bool = typer.Option(False, "--alibi", help="Add ALiBi's per-head distance penalty (BLOOM) and show "
+                                                      "the weights before and after."),
+    sinks: bool = typer.Option(False, "--sinks", help="Add a sink per head (gpt-oss): one more key of value 0; "
+                                                      "its share of each query's attention is shown as a column."),
+    sink_logit: float = typer.Option(None, "--sink-logit", help="With --sinks: the sink's logit (default 0)."),
     model: str = typer.Option(TUTORIAL, "--model",
                               help="'tutorial' (the step-by-step walk with seeded random weights), 'minilm' "
                                    "(the trained all-MiniLM-L6-v2), a BERT model directory, or any transformers "
@@ -103,9 +112,10 @@ def explain(
         return
     _check_numbers(heads, d_model, d_kq, d_v, dropout)
     check_seed(seed)
+    score_mod, sink_value = _score_options(softcap, alibi, sinks, sink_logit, mode, heads)
     with option_errors():  # trace refuses only bad options: an empty sentence, a bad mode, ...
         result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
-                       d_v=d_v, seed=seed, causal=causal, dropout_p=dropout)
+                       d_v=d_v, seed=seed, causal=causal, dropout_p=dropout, score_mod=score_mod, sinks=sink_value)
         focus = result.query_index(query)
     from rich.console import Console
 
@@ -174,6 +184,8 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special, top=top)
+    if trained_walk.has_sinks(encoder):
+        trained_walk.narrate_sinks(console, view, focus)
     heads = trained_walk.head_view_heads(view, focus, layer, head)
     try:
         written = trained_walk.write_files(view, focus, model=model, layer=layer, heads=heads,
@@ -193,6 +205,23 @@ def _explain_lens(text: str, *, model: str, query, truncate: bool, generate: int
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     written = lens_walk.walk(console, lens, text, query=query, truncate=truncate, generate=generate, out=out, fmt=fmt)
     _print_written(console, written, out)
+
+
+def _score_options(softcap: float | None, alibi: bool, sinks: bool, sink_logit: float | None, mode: str,
+                   heads: int | None):
+    """``--softcap``, ``--alibi``, ``--sinks``, ``--sink-logit`` as trace's ``score_mod`` and ``sinks``."""
+    parts = []
+    with option_errors():
+        if softcap is not None:
+            parts.append(scores.softcap(positive_number("--softcap", softcap)))
+        if sink_logit is not None:
+            finite_number("--sink-logit", sink_logit)
+    if sink_logit is not None and not sinks:
+        fail("--sink-logit needs --sinks")
+    if alibi:
+        parts.append(scores.alibi(heads or (4 if mode == "multihead" else 1)))
+    score_mod = scores.compose(*parts) if parts else None
+    return score_mod, (sink_logit or 0.0) if sinks else None
 
 
 def _check_numbers(heads: int | None, d_model: int, d_kq: int, d_v: int, dropout: float) -> None:
@@ -227,10 +256,13 @@ def _narrate(console, result, focus: int) -> None:
     for number, name in enumerate(names, start=1):
         _print_step(console, number, result.step(name, 0), focus, result.heads)
     if result.heads > 1:
+        with_sink = " (and with the sink)" if result.sinks is not None else ""
         console.print(f"\n[dim]Heads 1..{result.heads - 1} repeat steps 4-{names.index('context') + 1} with their "
-                      "own weights; their attention weights:[/dim]")
+                      f"own weights; their attention weights{with_sink}:[/dim]")
+        shown = [name for name in ("weights", "sink_weights") if name in names]
         for h in range(1, result.heads):
-            _print_step(console, names.index("weights") + 1, result.step("weights", h), focus, result.heads)
+            for name in shown:
+                _print_step(console, names.index(name) + 1, result.step(name, h), focus, result.heads)
     _print_links(console, result, focus)
 
 
@@ -300,6 +332,12 @@ def _print_links(console, result, focus: int) -> None:
             console.print(f"head {h}: " + link_sentence(word, result.links(focus, head=h)), markup=False,
                           soft_wrap=True)
         console.print("mean of heads: " + link_sentence(word, result.links(focus)), markup=False, soft_wrap=True)
+    shares = result.sink_shares()  # (H, Tq) or None
+    if shares is not None:
+        per_head = ", ".join(format_value(float(shares[h, focus])) + (f" (head {h})" if result.heads > 1 else "")
+                             for h in range(result.heads))
+        console.print(f"The sink takes {per_head} of the attention of '{word}'; the rest goes to the words.",
+                      markup=False, soft_wrap=True)
     console.print("[dim]These weights are seeded random numbers (untrained), so the pattern is arbitrary.[/dim]")
 
 

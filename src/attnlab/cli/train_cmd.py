@@ -53,6 +53,10 @@ def train(
     positions: str = typer.Option(None, "--positions",
                                   help=f"{' or '.join(_train.POSITIONS)} (default: the task's)."),
     text: Path = typer.Option(None, "--text", help="--task text: the UTF-8 text file to model."),
+    softcap: float = typer.Option(None, "--softcap", help="Cap every attention score with C*tanh(score/C) "
+                                                          "(Gemma 2); C > 0."),
+    sinks: bool = typer.Option(False, "--sinks", help="Give every head a learnable sink logit (gpt-oss); the "
+                                                      "report then says each head's sink share."),
     threads: int = typer.Option(1, "--threads",
                                 help="CPU threads; tiny models run fastest on one (threads mostly wait on each other)."),
     out: Path = typer.Option(None, "--out", help=f"Checkpoint and report folder (default {DEFAULT_OUT}; "
@@ -68,7 +72,8 @@ def train(
 
     given = {name: value for name, value in dict(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
-        lr=lr, seed=seed, positions=positions, text=text).items() if value is not None}
+        lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None).items()
+        if value is not None}
     _check_options(given, steps, threads)
     _check_device(device)
     if resume is not None:
@@ -82,7 +87,8 @@ def train(
     c = trainer.config
     console.print(f"attnlab train --task {c.task}: {c.layers} layer{'s' if c.layers != 1 else ''} x {format_heads(trainer.model.heads_per_layer)} "
                   f"heads, d_model {c.d_model}, "
-                  f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions; "
+                  f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions"
+                  f"{f', softcap {c.softcap:g}' if c.softcap is not None else ''}{', sinks' if c.sinks else ''}; "
                   f"{c.steps} steps of {c.batch_size} x {trainer.task.seq_len} tokens, from step {trainer.step}",
                   markup=False, soft_wrap=True)
     result = _run(trainer, out, console)
@@ -96,7 +102,7 @@ def train(
 # The command line's name of each TrainConfig field an option sets.
 FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": "--d-model",
          "attention_only": "--attention-only/--mlp", "steps": "--steps", "batch_size": "--batch-size", "lr": "--lr",
-         "seed": "--seed", "positions": "--positions", "text": "--text"}
+         "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -107,6 +113,8 @@ def _shown(name: str, value) -> str:
         return f"no {FLAGS[name]}"
     if name == "attention_only":
         return "--attention-only" if value else "--mlp"
+    if name == "sinks":
+        return "--sinks" if value else "no --sinks"
     if name == "heads":
         return f"--heads {format_heads(value if isinstance(value, tuple) else (value,))}"
     return f"{FLAGS[name]} {value}"
@@ -127,6 +135,8 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
             positive_number("--lr", given["lr"])
         if "positions" in given:
             one_of("--positions", given["positions"], _train.POSITIONS)
+        if "softcap" in given:
+            positive_number("--softcap", given["softcap"])
     at_most("--threads", threads, os.cpu_count() or 1, "this machine's CPUs")
     if "heads" in given:
         given["heads"] = _parse_heads(given["heads"])
@@ -305,12 +315,14 @@ def _print_heads(console, heads: dict) -> None:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, title="Per head (held-out data)", title_justify="left")
-    for column in ("layer", "head", "previous-token", "induction", "accuracy ablated"):
+    sinks = heads.get("sink_share")  # only a model trained with --sinks has one
+    for column in ("layer", "head", "previous-token", "induction", "accuracy ablated") + (("sink share",) if sinks else ()):
         table.add_column(column, justify="right")
     for layer, row in enumerate(heads["previous_token"]):
         for head, previous in enumerate(row):
             table.add_row(str(layer), str(head), f"{previous:.3f}", f"{heads['induction'][layer][head]:.3f}",
-                          f"{100 * heads['ablation_accuracy'][layer][head]:.1f} %")
+                          f"{100 * heads['ablation_accuracy'][layer][head]:.1f} %",
+                          *([f"{sinks[layer][head]:.3f}"] if sinks else []))
     console.print(table)
 
 

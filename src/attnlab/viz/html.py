@@ -70,6 +70,8 @@ class Weights:
         allowed: ``(Tq, Tk)`` bool (False = masked) or None.
         mode: ``"cross"`` when queries and keys come from different sequences (both are shown).
         untrained: the weights come from random projections (the card says the pattern is arbitrary).
+        sink_shares: ``(H, Tq)``, each query's share of the mass a sink took, or None without sinks
+            (rows of ``weights`` then sum to 1 minus it).
 
     Example:
         >>> w = Weights.of(torch.tensor([[0.9, 0.1], [0.5, 0.5]]), ["a", "b"])
@@ -83,14 +85,17 @@ class Weights:
     allowed: Tensor | None = None
     mode: str = "self"
     untrained: bool = False
+    sink_shares: Tensor | None = None
 
     @property
     def heads(self) -> int:
         return self.weights.shape[0]
 
     @classmethod
-    def of(cls, weights: Tensor, tokens, *, context_tokens=None, allowed: Tensor | None = None) -> "Weights":
-        """Check ``weights`` ``(Tq, Tk)`` or ``(H, Tq, Tk)`` against the labels (``ValueError`` naming them)."""
+    def of(cls, weights: Tensor, tokens, *, context_tokens=None, allowed: Tensor | None = None,
+           sink_shares: Tensor | None = None) -> "Weights":
+        """Check ``weights`` ``(Tq, Tk)`` or ``(H, Tq, Tk)`` against the labels (``ValueError`` naming them);
+        ``sink_shares`` ``(Tq,)`` or ``(H, Tq)``, when a sink took part of each row."""
         if not isinstance(weights, Tensor):
             raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
         weights = weights.detach().float().cpu()
@@ -104,8 +109,22 @@ class Weights:
                              f"{len(tokens)} and {len(context_tokens)} labels")
         if allowed is not None and tuple(allowed.shape) != tuple(weights.shape[1:]):
             raise ValueError(f"allowed must be (Tq, Tk) = {tuple(weights.shape[1:])}, got {tuple(allowed.shape)}")
+        if sink_shares is not None:
+            sink_shares = _sink_shares(sink_shares, *weights.shape[:2])
         return cls(weights, tuple(map(str, tokens)), tuple(map(str, context_tokens)),
-                   None if allowed is None else allowed.bool().cpu(), "cross" if cross else "self")
+                   None if allowed is None else allowed.bool().cpu(), "cross" if cross else "self",
+                   sink_shares=sink_shares)
+
+
+def _sink_shares(shares: object, heads: int, tq: int) -> Tensor:
+    """``shares`` ``(Tq,)`` or ``(H, Tq)`` as ``(H, Tq)`` float on the CPU (errors name ``sink_shares``)."""
+    if not isinstance(shares, Tensor):
+        raise TypeError(f"sink_shares must be a torch.Tensor, got {type(shares).__name__}")
+    shares = shares.detach().float().cpu()
+    shares = shares[None] if shares.ndim == 1 else shares  # (H or 1, Tq)
+    if shares.ndim != 2 or shares.shape[1] != tq or shares.shape[0] not in (1, heads):
+        raise ValueError(f"sink_shares must be (Tq,) or (H, Tq) = ({heads}, {tq}), got {tuple(shares.shape)}")
+    return shares.expand(heads, tq)
 
 
 def ranked_keys(row: Tensor, allowed_row: Tensor | None = None) -> list[int]:
@@ -194,7 +213,7 @@ def heads_view(weights: Weights, *, focus: int | None = None) -> str:
 
 def _of_trace(trace) -> Weights:
     return Weights(trace.weights(), tuple(trace.tokens), tuple(trace.context_tokens), trace.allowed(),
-                   "cross" if trace.mode == "cross" else "self", untrained=True)
+                   "cross" if trace.mode == "cross" else "self", untrained=True, sink_shares=trace.sink_shares())
 
 
 def _walk(view: Weights, focus: int, prefix: str, *, steps: str) -> tuple[str, str]:
@@ -207,7 +226,7 @@ def _walk(view: Weights, focus: int, prefix: str, *, steps: str) -> tuple[str, s
         "focus": focus, "block": list(blocks.size), "max_links": MAX_LINKS,
     }
     cards = "\n".join([_sentence_card(view, focus, prefix), '<div class="grid2">', _heatmap_card(view, blocks, prefix),
-                       _links_card(view, focus, prefix), "</div>", steps])
+                       _links_card(view, focus, prefix), "</div>", _sink_card(view, focus), steps])
     walk = (f'<script id="{prefix}attnlab-data" type="application/json">{to_json(data)}</script>\n'
             f"<script>{_asset('report.js')}</script>\n")
     return cards, walk
@@ -310,6 +329,10 @@ def _header(trace) -> str:
         badges.append("causal mask")
     if trace.dropout_p:
         badges.append(f"dropout {trace.dropout_p}")
+    if trace.score_mod is not None:
+        badges.append(f"score mod {trace.score_mod!r}")
+    if trace.sinks is not None:
+        badges.append("sinks, logit " + ", ".join(f"{float(s):.4g}" for s in trace.sinks))
     badges.append("random, untrained weights")
     return (
         '<header class="top"><div class="wrap"><h1>Attention, step by step</h1>'
@@ -357,7 +380,8 @@ def _heatmap_card(trace: Weights, blocks: Blocks, prefix: str) -> str:
     return (
         '<section class="card"><h2>Attention weights</h2>'
         '<p class="muted">Row = the word that looks (query); column = the word it looks at (key). '
-        "Each row sums to 1.</p>"
+        + ("Each row sums to 1." if trace.sink_shares is None else
+           "Each row sums to 1 minus the sink's share (see &ldquo;Where the mass goes&rdquo;).") + "</p>"
         f"{panels}"
         f'<div class="legend"><span>0</span><span class="ramp" style="background: linear-gradient(90deg, {ramp})">'
         f"</span><span>{vmax:.2f}</span>"
@@ -425,6 +449,28 @@ def _links_card(trace: Weights, focus: int, prefix: str) -> str:
         + (_UNTRAINED_NOTE + (" A trained model learns weights that make \u2018it\u2019 look at \u2018meal\u2019."
                               if {"it", "meal"} <= set(trace.tokens) else "") + "</p>" if trace.untrained else "")
         + "</section>"
+    )
+
+
+def _sink_card(view: Weights, focus: int) -> str:
+    """Each query's sink share, one column per head ("" without sinks): the mass no key received."""
+    if view.sink_shares is None:
+        return ""
+    shares = view.sink_shares.tolist()  # (H, Tq)
+    head = "".join(f"<th>head {h}</th>" for h in range(view.heads))
+    body = []
+    for i, token in enumerate(view.tokens[:MAX_TABLE]):
+        cells = "".join(_td(float(shares[h][i]), 1.0, "sink") for h in range(view.heads))
+        hl = ' class="hl"' if i == focus else ""
+        body.append(f'<tr data-row="{i}"{hl}><th>{_e(token)}</th>{cells}</tr>')
+    note = (f'<div class="truncated">showing {MAX_TABLE} of {len(view.tokens)} queries</div>'
+            if len(view.tokens) > MAX_TABLE else "")
+    return (
+        '<section class="card sinks"><h2>Where the mass goes: the sink</h2>'
+        '<p class="muted">A sink is one more key with a learned logit and value 0: the share a query gives it '
+        "is attention that goes nowhere. Each cell is a query&rsquo;s sink share; 1 minus it went to the words.</p>"
+        f'<div class="table-box"><table class="values sink-shares"><thead><tr><th>query</th>{head}</tr></thead>'
+        f'<tbody>{"".join(body)}</tbody></table></div>{note}</section>'
     )
 
 
