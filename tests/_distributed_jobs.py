@@ -357,3 +357,28 @@ def trainer_losses(rank: int, world: int, methods: list[str], steps: int) -> dic
         trainer.model.double()
         report[method] = [trainer.train_step() for _ in range(steps)]
     return report
+
+
+def ring_head_chunks(rank: int, world: int, chunks: list[int]) -> dict:
+    """Per ``head_chunks``: this rank's peak tensor bytes over a causal ring forward + backward
+    (fp32, B1 H8 T256 D16), and the fp64 error of out/dq/dk/dv against one process (GQA 4/2)."""
+    from attnlab._memory import PeakMemory
+
+    report = {}
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (shard(torch.randn(1, 8, 256, 16, generator=g), dim=2) for _ in range(4))
+    for c in chunks:
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        with PeakMemory() as meter:
+            context_parallel_attention(*x, causal=True, head_chunks=c).backward(d_out)
+        q64, k64, v64, d64 = (torch.randn(1, h, 8 * world, 4, generator=g, dtype=torch.float64)
+                              for h in (4, 2, 2, 4))
+        whole = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+        attnlab.attention(*whole, causal=True, backend="reference").backward(d64)
+        parts = [shard(t, dim=2).requires_grad_() for t in (q64, k64, v64)]
+        out = context_parallel_attention(*parts, causal=True, head_chunks=c)
+        out.backward(shard(d64, dim=2))
+        want = [attnlab.attention(q64, k64, v64, causal=True, backend="reference")] + [t.grad for t in whole]
+        got = [unshard(t, dim=2) for t in [out.detach()] + [t.grad for t in parts]]
+        report[c] = (meter.peak_bytes, max((a - b).abs().max().item() for a, b in zip(got, want)))
+    return report

@@ -346,6 +346,27 @@ def test_trainer_on_two_ranks_gives_the_single_process_losses_in_fp64():
             assert [acc for _, acc in rank[method]] == pytest.approx([acc for _, acc in single[method]], rel=1e-6)
 
 
+def test_ring_in_head_chunks_is_exact_and_halves_the_per_rank_peak():
+    """head_chunks: the ring runs once per chunk of key/value heads. fp64 results equal one process;
+    at P=2 one chunk per head (8) brings a rank's peak tensor bytes (forward + backward, causal)
+    to at most 0.6x of one process's (PyTorch's SDPA on the whole sequence); one chunk holds
+    the shard in flight, the one arriving and the gradient accumulators at full size."""
+    import attnlab
+    from attnlab._memory import PeakMemory
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(1, 8, 256, 16, generator=g) for _ in range(4))
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    with PeakMemory() as meter:
+        attnlab.attention(*x, causal=True, backend="sdpa").backward(d_out)
+    ranks = _values(run_local(jobs.ring_head_chunks, world=2, args=([1, 2, 8],), timeout=120))
+    for report in ranks:
+        assert max(error for _, error in report.values()) < 1e-12, report
+        peaks = [report[c][0] for c in (1, 2, 8)]
+        assert peaks[0] > peaks[1] > peaks[2], peaks
+        assert peaks[2] <= 0.6 * meter.peak_bytes, (peaks, meter.peak_bytes)
+
+
 def test_modules_refuse_what_sharded_attention_cannot_do():
     from attnlab.nn import MultiHeadAttention
 

@@ -451,3 +451,77 @@ def test_resume_refuses_sinks_or_softcap_the_checkpoint_was_not_trained_with(che
     result = runner.invoke(app, ["train", "--resume", str(checkpoint), "--steps", "8", *args])
     assert_one_error_line(result, f"{given} conflicts with the checkpoint", f"trained with {saved}")
     assert _files(checkpoint) == before
+
+
+# ----------------------------------------------------------------------------- across ranks
+@pytest.mark.parametrize("args, words", [
+    (["--context-parallel", "0"], ["--context-parallel", "positive"]),
+    (["--context-parallel", "65"], ["--context-parallel", "at most 64"]),
+    (["--context-parallel", "x"], ["--context-parallel"]),
+    (["--cp-method", "ring"], ["--cp-method needs --context-parallel"]),
+    (["--cp-ulysses", "2"], ["--cp-ulysses needs --context-parallel"]),
+    (["--context-parallel", "2", "--cp-method", "tree"], ["--cp-method", "tree"]),
+    (["--context-parallel", "2", "--cp-method", "hybrid"], ["--cp-method hybrid needs --cp-ulysses"]),
+    (["--context-parallel", "2", "--cp-ulysses", "2"], ["--cp-ulysses is only for --cp-method hybrid"]),
+    (["--context-parallel", "4", "--cp-method", "hybrid", "--cp-ulysses", "3"], ["--cp-ulysses 3", "divide"]),
+    (["--context-parallel", "2", "--cp-method", "hybrid", "--cp-ulysses", "0"], ["--cp-ulysses", "positive"]),
+    (["--context-parallel", "3"], ["--context-parallel 3", "sequence length 64", "multiple of 2 * world = 6"]),
+    (["--context-parallel", "2", "--cp-method", "ulysses"], ["--heads 2,1", "multiple of 2", "--cp-method ring"]),
+    (["--context-parallel", "4", "--cp-method", "hybrid", "--cp-ulysses", "2", "--heads", "2,1"],
+     ["--cp-ulysses 2", "--heads 2,1"]),
+    (["--context-parallel", "2", "--device", "meta"], ["--device meta", "gloo"]),
+])
+def test_bad_context_parallel_options_are_refused_before_any_rank_starts(tmp_path, monkeypatch, args, words):
+    started = []
+    monkeypatch.setattr("attnlab.cli.train_cmd.run_local", lambda *a, **k: started.append(a))
+    out = tmp_path / "out"
+    assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), *words)
+    assert not started and not out.exists()
+
+
+def test_context_parallel_under_torchrun_must_name_its_world(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    result = runner.invoke(app, ["train", "--context-parallel", "2", "--out", str(tmp_path / "out")])
+    assert_one_error_line(result, "--context-parallel 2", "WORLD_SIZE=4")
+
+
+def test_each_rank_of_a_sharded_run_takes_the_single_process_steps_in_fp64():
+    """What every rank of ``attnlab train --context-parallel 2`` runs, in fp64: the same losses as
+    one process to 1e-10, on every rank."""
+    from attnlab.distributed.launch import run_local
+
+    config = _train.TrainConfig(task="induction", steps=3, batch_size=2, d_model=16, heads=2, eval_sequences=4,
+                                warmup=2).resolved()
+    single = _train.Trainer(config)
+    single.model.double()
+    want = [single.train_step()[0] for _ in range(3)]
+    run = _train.ShardedRun(config=config, dtype="float64")
+    outcomes = run_local(_train.train_sharded, world=2, args=(run,), timeout=120)
+    assert all(o.ok for o in outcomes), [o.trace for o in outcomes]
+    assert want[-1] != want[0]
+    for outcome in outcomes:
+        assert outcome.value["step"] == 3 and not outcome.value["interrupted"]
+        assert outcome.value["train_loss"] == pytest.approx(want, rel=1e-10, abs=1e-12)
+
+
+def test_train_on_two_ranks_resumes_a_checkpoint_writes_it_once_and_matches_one_process(tmp_path, small_eval):
+    """A checkpoint continued on two ranks (the sharding is not part of it) gives, in fp32, the
+    losses of one process within float rounding; rank 0 alone writes the checkpoint back (the
+    same files, nothing stray). The new-run path of each rank is the fp64 test above."""
+    import shutil
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert runner.invoke(app, ["train", "--steps", "2", *TINY, "--out", str(one)]).exit_code == 0
+    shutil.copytree(one, two)
+    for out, sharded in ((one, []), (two, ["--context-parallel", "2"])):
+        result = runner.invoke(app, ["train", "--resume", str(out), "--steps", "4", *sharded])
+        assert result.exit_code == 0, result.output
+        assert "from step 2" in result.output
+    assert "context parallel over 2 ranks (ring; local gloo processes)" in result.output.replace("\n", "")
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
+    assert len(b["history"]["train_loss"]) == 4 and b["steps"] == 4
+    assert b["history"]["train_loss"] == pytest.approx(a["history"]["train_loss"], rel=1e-5)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

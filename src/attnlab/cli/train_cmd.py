@@ -30,9 +30,14 @@ from attnlab import train as _train
 from attnlab._checks import one_of, per_layer, positive_int, positive_number
 from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, at_most, check_seed, fail, option_errors
 from attnlab.cli._memory import refuse_if_too_big
+from attnlab.distributed import METHODS, sequence_layout
+from attnlab.distributed.launch import run_local
+from attnlab.distributed.layout import check_length
 from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
+_MAX_LOCAL_RANKS = 64  # local processes; more belong on a real cluster under torchrun
+_RANK_TIMEOUT = 7 * 24 * 3600.0  # seconds the launcher waits for its ranks (a training run may be long)
 
 
 def train(
@@ -63,6 +68,13 @@ def train(
                                                  "with --resume: the resumed folder)."),
     resume: Path = typer.Option(None, "--resume", help="Continue the checkpoint in this folder at its step; "
                                                        "options given must agree with it, the others are its own."),
+    context_parallel: int = typer.Option(None, "--context-parallel", show_default=False,
+                                         help="Shard every sequence over P ranks: starts P local gloo processes, "
+                                              "or joins the ranks torchrun started (P = WORLD_SIZE)."),
+    cp_method: str = typer.Option(None, "--cp-method", show_default=False,
+                                  help="With --context-parallel: ring (default), ulysses or hybrid."),
+    cp_ulysses: int = typer.Option(None, "--cp-ulysses", show_default=False,
+                                   help="With --cp-method hybrid: ranks per Ulysses group (must divide P)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -75,26 +87,36 @@ def train(
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None).items()
         if value is not None}
     _check_options(given, steps, threads)
+    sharding = _check_sharding(context_parallel, cp_method, cp_ulysses, device)
     _check_device(device)
     if resume is not None:
         trainer = _resumed_trainer(resume, given, steps, device)
     else:
         trainer = _new_trainer(given, steps, device)
+    if sharding is not None:
+        _check_shardable(trainer, sharding)
     out = out if out is not None else (resume if resume is not None else DEFAULT_OUT)
     _check_out(out)
     torch.set_num_threads(threads)
     console = Console(highlight=False)
     c = trainer.config
-    console.print(f"attnlab train --task {c.task}: {c.layers} layer{'s' if c.layers != 1 else ''} x {format_heads(trainer.model.heads_per_layer)} "
-                  f"heads, d_model {c.d_model}, "
-                  f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions"
-                  f"{f', softcap {c.softcap:g}' if c.softcap is not None else ''}{', sinks' if c.sinks else ''}; "
-                  f"{c.steps} steps of {c.batch_size} x {trainer.task.seq_len} tokens, from step {trainer.step}",
-                  markup=False, soft_wrap=True)
-    result = _run(trainer, out, console)
+    if sharding is None or sharding.rank == 0:
+        console.print(f"attnlab train --task {c.task}: {c.layers} layer{'s' if c.layers != 1 else ''} x "
+                      f"{format_heads(trainer.model.heads_per_layer)} heads, d_model {c.d_model}, "
+                      f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions"
+                      f"{f', softcap {c.softcap:g}' if c.softcap is not None else ''}{', sinks' if c.sinks else ''}; "
+                      f"{c.steps} steps of {c.batch_size} x {trainer.task.seq_len} tokens, from step {trainer.step}"
+                      + ("" if sharding is None else f"; {sharding.describe()}"), markup=False, soft_wrap=True)
+    if sharding is None:
+        result = _run(trainer, out, console)
+    else:
+        result, trainer = _run_sharded(trainer, sharding, resume=resume, steps=steps, out=out, threads=threads)
+        if result is None:  # a rank other than torchrun's rank 0: rank 0 reports
+            return
     if result.interrupted:
+        again = "" if sharding is None else f" {sharding.options()}"
         console.print(f"Interrupted at step {result.step} of {c.steps}; checkpoint saved in {out}. "
-                      f"Resume with: attnlab train --resume {out}", markup=False, soft_wrap=True)
+                      f"Resume with: attnlab train --resume {out}{again}", markup=False, soft_wrap=True)
         raise typer.Exit(INTERRUPTED_EXIT)
     _finish(trainer, result, out, console)
 
@@ -251,7 +273,7 @@ def _check_device(device: str) -> None:
 def _check_out(out: Path) -> None:
     """Create ``out`` and try a write there now, so an unwritable folder fails before training."""
     created = not out.exists()
-    probe = out / ".attnlab-write-test"
+    probe = out / f".attnlab-write-test-{os.getpid()}"  # one per process: torchrun's ranks check at once
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
@@ -260,6 +282,129 @@ def _check_out(out: Path) -> None:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharding:
+    """The checked ``--context-parallel`` options, and where this process stands."""
+
+    world: int
+    method: str
+    ulysses: int | None
+    torchrun: bool  # this process is one of the ranks torchrun started
+    rank: int = 0  # under torchrun: this process's rank; else the launcher's (it reports)
+
+    def describe(self) -> str:
+        how = f"{self.method}" + (f", Ulysses groups of {self.ulysses}" if self.ulysses else "")
+        where = "torchrun's ranks" if self.torchrun else "local gloo processes"
+        return f"context parallel over {self.world} ranks ({how}; {where})"
+
+    def options(self) -> str:
+        """The options that shard a run this way, as typed."""
+        text = f"--context-parallel {self.world} --cp-method {self.method}"
+        return text + (f" --cp-ulysses {self.ulysses}" if self.ulysses else "")
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _check_sharding(world: int | None, method: str | None, ulysses: int | None, device: str) -> _Sharding | None:
+    """The ``--context-parallel`` options checked on their own (None without them); nothing starts."""
+    if world is None:
+        for flag, value in (("--cp-method", method), ("--cp-ulysses", ulysses)):
+            if value is not None:
+                fail(f"{flag} needs --context-parallel P (the ranks to shard each sequence over)")
+        return None
+    method = "ring" if method is None else method
+    with option_errors():
+        positive_int("--context-parallel", world)
+        one_of("--cp-method", method, METHODS)
+        if ulysses is not None:
+            positive_int("--cp-ulysses", ulysses)
+    torchrun = _under_torchrun()
+    if torchrun and world != int(os.environ["WORLD_SIZE"]):
+        fail(f"--context-parallel {world} disagrees with torchrun's WORLD_SIZE={os.environ['WORLD_SIZE']} "
+             "(under torchrun, give the number of ranks it started)")
+    if not torchrun:
+        at_most("--context-parallel", world, _MAX_LOCAL_RANKS, "local processes; use torchrun on a cluster")
+    if method == "hybrid" and ulysses is None:
+        fail("--cp-method hybrid needs --cp-ulysses U, the ranks of each Ulysses group (U divides P)")
+    if method != "hybrid" and ulysses is not None:
+        fail(f"--cp-ulysses is only for --cp-method hybrid (got --cp-method {method})")
+    if ulysses is not None and world % ulysses:
+        fail(f"--cp-ulysses {ulysses} must divide --context-parallel {world} (the ring runs across P / U groups)")
+    if torch.device(device).type != "cpu":
+        fail(f"--context-parallel runs its ranks on the CPU with gloo (got --device {device}); "
+             "GPU ranks (NCCL) are not supported by attnlab train yet")
+    return _Sharding(world, method, ulysses, torchrun, int(os.environ["RANK"]) if torchrun else 0)
+
+
+def _check_shardable(trainer: _train.Trainer, sharding: _Sharding) -> None:
+    """Refuse, before any rank starts, a model or task the sharding cannot split."""
+    layout = sequence_layout("zigzag", method=sharding.method, ulysses=sharding.ulysses, world=sharding.world)
+    seq_len = trainer.task.seq_len
+    try:
+        check_length(seq_len, layout=layout, world=sharding.world, name="the task's sequence length")
+    except ValueError as err:
+        fail(f"--context-parallel {sharding.world}: {err}")
+    split = {"ulysses": sharding.world, "hybrid": sharding.ulysses}.get(sharding.method)
+    if split is None:
+        return
+    flag = "--context-parallel" if sharding.method == "ulysses" else "--cp-ulysses"
+    counts = trainer.model.heads_per_layer + ((trainer.config.kv_heads,) if trainer.config.kv_heads else ())
+    if any(count % split for count in counts):
+        fail(f"--cp-method {sharding.method} splits the heads over {flag} {split} ranks: every layer's head count "
+             f"must be a multiple of {split}, got --heads {format_heads(trainer.model.heads_per_layer)} "
+             "(or use --cp-method ring)")
+
+
+def _run_sharded(trainer: _train.Trainer, sharding: _Sharding, *, resume: Path | None, steps: int | None,
+                 out: Path, threads: int) -> tuple[_train.TrainResult | None, _train.Trainer]:
+    """Train on ``sharding.world`` ranks; rank 0 writes the checkpoint. Returns rank 0's result and,
+    in the reporting process, the trained model read back from the checkpoint (else ``None``)."""
+    run = _train.ShardedRun(config=None if resume is not None else trainer.config,
+                            resume=None if resume is None else str(resume), steps=steps, method=sharding.method,
+                            ulysses=sharding.ulysses, out=str(out), threads=threads, stop_on_interrupt=True)
+    if sharding.torchrun:
+        values = _inline_rank(run)
+    else:
+        values = _local_ranks(run, sharding.world)
+    if values is None:
+        return None, trainer
+    first = values[0]
+    result = _train.TrainResult(step=first["step"], interrupted=first["interrupted"], metrics=first["metrics"])
+    return result, _train.Trainer.resume(out)
+
+
+def _local_ranks(run: _train.ShardedRun, world: int) -> list[dict]:
+    """Start ``world`` local gloo processes; one ``error:`` line naming the ranks that failed.
+
+    The launcher ignores Ctrl-C while they train: the ranks get it too, agree to stop after the
+    same step, and rank 0 saves the checkpoint."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        outcomes = run_local(_train.train_sharded, world=world, args=(run,), threads=run.threads,
+                             timeout=_RANK_TIMEOUT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        fail("; ".join(f"rank {o.rank}: {o.error}" for o in failed))
+    return [o.value for o in outcomes]
+
+
+def _inline_rank(run: _train.ShardedRun) -> list[dict] | None:
+    """This process is one of torchrun's ranks: join the group, train, and gather the results on
+    rank 0 (None on the other ranks)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    value = _train.train_sharded(dist.get_rank(), dist.get_world_size(), run)
+    values = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, values, dst=0)
+    return values
 
 
 def _run(trainer: _train.Trainer, out: Path, console) -> _train.TrainResult:

@@ -64,6 +64,7 @@ def context_parallel_attention(
     method: str = "ring",
     layout: str | ChunkLayout = "zigzag",
     ulysses: int | None = None,
+    head_chunks: int = 1,
     group=None,
     timeout: float | None = None,
     stats: CommStats | None = None,
@@ -99,6 +100,11 @@ def context_parallel_attention(
             be a multiple of the chunk count (``ValueError`` otherwise; attnlab does not pad).
         ulysses: ``method="hybrid"`` only: ranks per Ulysses group (divides ``P``, and the query
             and key/value heads).
+        head_chunks: ring and hybrid: run the ring once per chunk of key/value heads (at most
+            one per head), so what is in flight (the shard being sent and the one arriving,
+            the gradient accumulators) and the per-step temporaries shrink by that factor;
+            only the whole-size output, log-sum-exp and gradients stay. Costs ``head_chunks``
+            times the messages (the bytes are the same). 1 (default): one ring for all heads.
         group: process group (default: the world).
         timeout: seconds to wait for a peer before raising ``RuntimeError`` (default 300): a rank
             that raised, exited or stalled fails the others instead of hanging them.
@@ -119,6 +125,7 @@ def context_parallel_attention(
         out_l = context_parallel_attention(q_l, k_l, v_l, causal=True, method="ulysses")
     """
     _check_kinds(method=method, layout=layout, causal=causal, mask=mask, scale=scale, stats=stats)
+    positive_int("head_chunks", head_chunks)
     who = peers(group, timeout)
     call = build_call(q, k, v, causal=causal, scale=scale)  # checks dtypes, ranks, heads, sizes
     _check_shards(q, k, v, mask, method, ulysses, who)
@@ -128,13 +135,14 @@ def context_parallel_attention(
     # Everything that changes the result, so that ranks never silently compute different things.
     check_agreement({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": q.dtype,
                      "causal": causal, "scale": call.scale, "mask": mask, "method": method, "layout": layout,
-                     "ulysses": ulysses, "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
+                     "ulysses": ulysses, "head_chunks": head_chunks,
+                     "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
     if method == "ring":
         return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, mask=mask,
-                              stats=stats)
+                              stats=stats, head_chunks=head_chunks)
     if method == "hybrid":
         return hybrid_attention(q, k, v, who=who, ulysses=ulysses, layout=layout, causal=causal,
-                                scale=call.scale, mask=mask, stats=stats)
+                                scale=call.scale, mask=mask, stats=stats, head_chunks=head_chunks)
     return ulysses_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale,
                              mask=mask, stats=stats)
 
@@ -209,6 +217,8 @@ class ContextParallel:
         layout: ``"zigzag"``, ``"contiguous"`` or a :class:`ChunkLayout`.
         timeout: seconds to wait for a peer (None: 300).
         ulysses: ``method="hybrid"`` only: ranks per Ulysses group.
+        head_chunks: ring and hybrid: run the ring once per chunk of key/value heads, for
+            smaller buffers in flight (see :func:`context_parallel_attention`).
 
     Example:
         >>> ContextParallel(method="ulysses", layout="contiguous").method
@@ -222,9 +232,11 @@ class ContextParallel:
     layout: str | ChunkLayout = "zigzag"
     timeout: float | None = None
     ulysses: int | None = None
+    head_chunks: int = 1
 
     def __post_init__(self):
         one_of("method", self.method, METHODS)
+        positive_int("head_chunks", self.head_chunks)
         check_layout(self.layout)
         timeout_seconds(self.timeout)
         if self.ulysses is not None:
@@ -284,4 +296,4 @@ class ContextParallel:
         """
         return context_parallel_attention(q, k, v, causal=causal, mask=mask, scale=scale,
                                           method=self.method, layout=self.layout, ulysses=self.ulysses,
-                                          group=self.group, timeout=self.timeout)
+                                          head_chunks=self.head_chunks, group=self.group, timeout=self.timeout)

@@ -56,14 +56,20 @@ def subgroups(who: Peers, ulysses: int) -> tuple[Peers, Peers]:
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, ulysses: int, layout, causal: bool,
-                     scale: float, mask=None, stats: CommStats | None = None) -> Tensor:
+                     scale: float, mask=None, stats: CommStats | None = None, head_chunks: int = 1) -> Tensor:
     """Hybrid attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`.
 
-    ``layout`` is the ring's layout over the ``P / ulysses`` ring positions."""
+    ``layout`` is the ring's layout over the ``P / ulysses`` ring positions.
+
+    Example (under ``torchrun --nproc-per-node 4``; shards in ``hybrid_layout("zigzag", ring=2, ulysses=2)``)::
+
+        out_l = hybrid_attention(q_l, k_l, v_l, who=peers(None, None), ulysses=2, layout="zigzag",
+                                 causal=True, scale=q_l.shape[-1] ** -0.5)
+    """
     inner, across = subgroups(who, ulysses)
     chunks_per_rank(layout)  # checked: a name or a ChunkLayout over the ring positions
     qh, kh, vh = (_Reshard.apply(t, seq_to_heads, heads_to_seq, inner, "contiguous", stats)
                   for t in (q, k, v))  # (B, H/U, T/R, D): the group's ring shard, in order
     out = ring_attention(qh, kh, vh, who=across, layout=layout, causal=causal, scale=scale, mask=mask,
-                         stats=stats)
+                         stats=stats, head_chunks=head_chunks)
     return _Reshard.apply(out, heads_to_seq, seq_to_heads, inner, "contiguous", stats)  # (B, H, T/P, Dv)

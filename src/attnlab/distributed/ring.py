@@ -39,7 +39,7 @@ from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, Pending, transfer
 from attnlab.distributed.layout import check_length, chunk_ids, chunks_per_rank, positions
 
-__all__ = ["ring_pieces", "RingPlan", "ring_plan"]
+__all__ = ["ring_pieces", "RingPlan", "ring_plan", "head_chunks_of"]
 
 # PyTorch's fused CPU flash kernel and its backward (both take the row log-sum-exp).
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -269,15 +269,16 @@ class _Setup:
     def __init__(self, who: Peers, *, plan: RingPlan, pieces: dict[int, list[_Piece]], scale: float,
                  stats: CommStats | None, shapes: list[Tensor]):
         self.who, self.plan, self.pieces, self.scale, self.stats = who, plan, pieces, scale, stats
-        self.shapes = shapes  # this rank's k and v: every shard has their shapes and dtype
+        self.shapes = shapes  # this rank's k and v (of the heads in flight): every shard has their shapes
+        self.counting = True  # False on the second and later head chunks: scores are per (query, key) pair
 
     def count(self, stage: str, pairs: int) -> None:
-        if self.stats is not None:
+        if self.stats is not None and self.counting:
             self.stats.scores[stage] += pairs
 
     def count_skipped(self) -> None:
         """Add the shard sends a full ring would make from this rank and this plan leaves out."""
-        if self.stats is not None:
+        if self.stats is not None and self.counting:
             made = sum(self.plan.forwards(self.who.rank, step) for step in range(self.who.world - 1))
             self.stats.sends_skipped += self.who.world - 1 - made
 
@@ -372,6 +373,7 @@ def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
     """Ring forward. Returns out ``(B, Hq, T, Dv)`` and lse ``(B, Hq, T)`` in the accumulation dtype."""
     who, acc = setup.who, score_dtype(q.dtype)
     B, Hq, T, _ = q.shape
+    setup.shapes = [k, v]  # what every shard in flight looks like (this chunk's heads)
     qa = q.to(acc)
     out = q.new_zeros(B, Hq, T, v.shape[-1], dtype=acc)
     lse = torch.full((B, Hq, T), float("-inf"), dtype=acc, device=q.device)
@@ -420,6 +422,7 @@ def _backward(setup: _Setup, d_out: Tensor, saved: tuple) -> tuple[Tensor, Tenso
     and the last rank that needs the shard sends the finished accumulator home to its owner."""
     q, k, v, out, lse = saved
     who, plan, acc = setup.who, setup.plan, out.dtype
+    setup.shapes = [k, v]
     qa, d_out = q.to(acc), d_out.to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     grads = [(k.shape, acc), (v.shape, acc)]
@@ -460,11 +463,52 @@ def _backward(setup: _Setup, d_out: Tensor, saved: tuple) -> tuple[Tensor, Tenso
     return dq, dk, dv
 
 
+def head_chunks_of(q_heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
+    """``(query heads, key/value heads)`` of each of ``chunks`` runs of the ring (at most one per
+    key/value head; a query head goes with its key/value head, as in grouped-query attention).
+
+    Example:
+        >>> head_chunks_of(8, 2, 4)     # two key/value heads: two chunks at most
+        [(slice(0, 4, None), slice(0, 1, None)), (slice(4, 8, None), slice(1, 2, None))]
+    """
+    chunks, group = min(positive_int("head_chunks", chunks), kv_heads), q_heads // kv_heads
+    edges = [kv_heads * i // chunks for i in range(chunks + 1)]
+    return [(slice(a * group, b * group), slice(a, b)) for a, b in zip(edges, edges[1:])]
+
+
+def _forward_by_heads(setup: _Setup, q: Tensor, k: Tensor, v: Tensor,
+                      chunks: list[tuple[slice, slice]]) -> tuple[Tensor, Tensor]:
+    """:func:`_forward` once per chunk of heads: the ring's buffers hold one chunk's heads."""
+    if len(chunks) == 1:
+        return _forward(setup, q, k, v)
+    B, Hq, T, _ = q.shape
+    out = q.new_empty(B, Hq, T, v.shape[-1], dtype=score_dtype(q.dtype))  # (B, Hq, T, Dv)
+    lse = q.new_empty(B, Hq, T, dtype=out.dtype)
+    for i, (hq, hkv) in enumerate(chunks):
+        setup.counting = i == 0
+        out[:, hq], lse[:, hq] = _forward(setup, q[:, hq], k[:, hkv], v[:, hkv])
+    return out, lse
+
+
+def _backward_by_heads(setup: _Setup, d_out: Tensor, saved: tuple,
+                       chunks: list[tuple[slice, slice]]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_backward` once per chunk of heads, into whole-size gradients."""
+    if len(chunks) == 1:
+        return _backward(setup, d_out, saved)
+    q, k, v, out, lse = saved
+    dq, dk, dv = (torch.empty(t.shape, dtype=out.dtype, device=t.device) for t in (q, k, v))
+    for i, (hq, hkv) in enumerate(chunks):
+        setup.counting = i == 0
+        dq[:, hq], dk[:, hkv], dv[:, hkv] = _backward(
+            setup, d_out[:, hq], (q[:, hq], k[:, hkv], v[:, hkv], out[:, hq], lse[:, hq]))
+    return dq, dk, dv
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, setup):
-        out, lse = _forward(setup, q, k, v)
-        ctx.setup = setup
+    def forward(ctx, q, k, v, setup, chunks):
+        out, lse = _forward_by_heads(setup, q, k, v, chunks)
+        ctx.setup, ctx.chunks = setup, chunks
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -472,16 +516,16 @@ class _RingFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.setup, d_out, (q, k, v, out, lse))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dq, dk, dv = _backward_by_heads(ctx.setup, d_out, (q, k, v, out, lse), ctx.chunks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causal: bool,
-                   scale: float, mask=None, stats: CommStats | None = None) -> Tensor:
+                   scale: float, mask=None, stats: CommStats | None = None, head_chunks: int = 1) -> Tensor:
     """Ring attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`."""
     plan, pieces = _plan_ring(rank=who.rank, world=who.world, layout=layout, length=q.shape[2] * who.world,
                               causal=causal, mask=mask, batch=q.shape[0], device=q.device)
     if stats is not None:
         stats.plan = plan
     setup = _Setup(who, plan=plan, pieces=pieces, scale=scale, stats=stats, shapes=[k, v])
-    return _RingFunction.apply(q, k, v, setup)
+    return _RingFunction.apply(q, k, v, setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks))
