@@ -128,7 +128,9 @@ def test_alibi_with_learnable_slopes(symmetric):
     if not symmetric:
         kwargs.update(causal=True, align="bottom_right")
     want = _eager(q, k, v, mod_fn=mod_fn, allowed=allowed)
-    assert _check_all(q, k, v, kwargs, want, (slopes,)) == ["reference", "chunked", "sdpa"]
+    # blocks needs a mask to skip by: it serves the causal form
+    served = ["reference", "chunked", "sdpa"] + ([] if symmetric else ["blocks"])
+    assert _check_all(q, k, v, kwargs, want, (slopes,)) == served
 
 
 def test_alibi_standard_slopes_from_a_head_count():
@@ -202,7 +204,7 @@ def test_sinks_match_gpt_oss_eager(masking):
         allowed = attnlab.masks.causal_mask(13, 17, align=masking.get("align", "top_left"))
     want = _eager(q, k, v, sinks=sinks, allowed=allowed)
     assert _check_all(q, k, v, dict(sinks=sinks, **masking), want, (sinks,)) == \
-        ["reference", "chunked", "sdpa"]
+        ["reference", "chunked", "sdpa"] + (["blocks"] if masking else [])
 
 
 def test_sink_gradient_is_the_formula():
@@ -280,6 +282,120 @@ def test_gradcheck_every_learnable_part(backend):
         return attnlab.attention(q, k, v, causal=True, score_mod=mod, sinks=sinks, backend=backend)
 
     assert torch.autograd.gradcheck(f, (q, k, v, slopes, table, bias, sinks))
+
+
+# ----------------------------------------------------------------------------- blocks
+def _blocks_call(q, k, v, block, **kwargs):
+    from attnlab.backends.blocks import blocks_attention
+    return blocks_attention(build_call(q, k, v, **kwargs), block=block).out
+
+
+BLOCK_MASKS = {
+    "window": lambda T: dict(mask=attnlab.masks.sliding_window_mod(T, T, 7)),
+    "causal": lambda T: dict(causal=True),
+    "documents": lambda T: dict(mask=attnlab.masks.document_mod(torch.arange(T) * 3 // T)),
+}
+
+
+@pytest.mark.parametrize("mask_name", sorted(BLOCK_MASKS))
+@pytest.mark.parametrize("mod_name", ["alibi", "relative", "bias", "composed"])
+def test_blocks_adds_additive_mods_and_sinks_through_its_masks(mod_name, mask_name):
+    """Small blocks, so that runs stack many pieces (one shared tile for ALiBi and T5's bias,
+    one per piece for a bias tensor); forward and every gradient against fp64 written here."""
+    T = 45
+    q, k, v = _qkv(Tq=T, Tk=T)
+    slopes = torch.rand(4, dtype=F64, requires_grad=True)
+    table = torch.randn(8, 4, dtype=F64, requires_grad=True)
+    bias = torch.randn(2, 1, T, T, dtype=F64, requires_grad=True)
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    i, j = _positions(T, T)
+    buckets = scores.relative_position_bucket(j - i, bidirectional=True, num_buckets=8, max_distance=12)
+    terms = {
+        "alibi": (scores.alibi(slopes), lambda: -slopes.view(1, -1, 1, 1) * (i - j).to(F64)),
+        "relative": (scores.relative_bias(table, num_buckets=8, max_distance=12, bidirectional=True),
+                     lambda: table[buckets].permute(2, 0, 1)[None]),
+        "bias": (scores.bias(bias), lambda: bias),
+        "composed": (scores.alibi(slopes, symmetric=True) + scores.bias(bias),
+                     lambda: -slopes.view(1, -1, 1, 1) * (i - j).abs().to(F64) + bias),
+    }
+    mod, term = terms[mod_name]
+    masking = BLOCK_MASKS[mask_name](T)
+    allowed = build_call(q, k, v, **masking).allowed()
+    want = _eager(q, k, v, mod_fn=lambda s: s + term(), sinks=sinks, allowed=allowed)
+    got = _blocks_call(q, k, v, 8, score_mod=mod, sinks=sinks, **masking)
+    _assert_close(got, want, "forward")
+    leaves = _leaves(q, k, v, slopes, table, bias, sinks)
+    grad_out = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, grad_out, allow_unused=True)
+    got_grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
+    for w, g in zip(want_grads, got_grads):
+        assert (w is None) == (g is None)
+        if w is not None:
+            _assert_close(g, w, f"{mod_name} gradient")
+
+
+def test_blocks_shares_a_relative_tile_across_a_run():
+    """ALiBi on a sliding window: one tile per run of stacked pieces; a bias tensor: one per piece."""
+    from attnlab.backends import blocks
+
+    q = torch.randn(1, 2, 64, 4)
+    call = build_call(q, q, q, mask=attnlab.masks.sliding_window_mod(64, 64, 5))
+    runs = [run for run in blocks._planned_runs(call, call.mask_mod(), 8) if run.n > 1]
+    assert runs
+    for run in runs:
+        assert blocks._bias_tile(call, scores.alibi(2), run).shape == (1, 2, 8, run.keys)
+        assert blocks._bias_tile(call, scores.bias(torch.randn(64, 64)), run).shape == (run.n, 1, 8, run.keys)
+
+
+def test_blocks_reads_the_mods_tensors_on_every_call():
+    """The plan is kept on a prepared mask; the slopes, table and sinks are read per call."""
+    q, k, v = (t.detach() for t in _qkv(Tq=40, Tk=40))
+    prepared = attnlab.masks.prepare(attnlab.masks.sliding_window_mod(40, 40, 6), tq=40, tk=40)
+    slopes, sinks = torch.rand(4, dtype=F64), torch.randn(4, dtype=F64)
+    for _ in range(2):
+        kwargs = dict(mask=prepared, score_mod=scores.alibi(slopes), sinks=sinks)
+        got = attnlab.attention(q, k, v, backend="blocks", **kwargs)
+        _assert_close(got, attnlab.attention(q, k, v, backend="reference", **kwargs), "forward")
+        slopes.mul_(3.0)
+        sinks.add_(1.0)
+
+
+def test_blocks_fully_masked_rows_with_sinks_give_zero_and_zero_gradient():
+    q, k, v = _qkv(Tq=20, Tk=20)
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    slopes = torch.rand(4, dtype=F64, requires_grad=True)
+    mod = attnlab.masks.varlen_causal_mod(torch.tensor([20, 0]), torch.tensor([20, 0]))  # batch 1: nothing
+    kwargs = dict(mask=mod, sinks=sinks, score_mod=scores.alibi(slopes))
+    out = _blocks_call(q, k, v, 8, **kwargs)
+    assert out[1].eq(0).all()
+    grads = torch.autograd.grad(out.sum(), (q, sinks, slopes))
+    assert grads[0][1].eq(0).all() and all(torch.isfinite(g).all() for g in grads)
+    want = attnlab.attention(q, k, v, backend="reference", **kwargs)
+    for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, sinks, slopes))):
+        _assert_close(g, w, "gradient")
+
+
+def test_blocks_gradcheck_every_additive_part():
+    q, k, v = _qkv(B=1, Hq=2, Hkv=1, Tq=11, Tk=11, D=3)
+    slopes = torch.rand(2, dtype=F64, requires_grad=True)
+    table = torch.randn(8, 2, dtype=F64, requires_grad=True)
+    bias = torch.randn(1, 2, 11, 11, dtype=F64, requires_grad=True)
+    sinks = torch.randn(2, dtype=F64, requires_grad=True)
+    window = attnlab.masks.sliding_window_mod(11, 11, 4)
+
+    def f(q, k, v, slopes, table, bias, sinks):
+        mod = (scores.alibi(slopes)
+               + scores.relative_bias(table, num_buckets=8, max_distance=8, bidirectional=False)
+               + scores.bias(bias))
+        return _blocks_call(q, k, v, 4, mask=window, score_mod=mod, sinks=sinks)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, slopes, table, bias, sinks))
+
+
+def test_blocks_declines_what_is_not_additive():
+    q = torch.randn(1, 2, 16, 4)
+    text = why(q, q, q, causal=True, score_mod=scores.softcap(5.0))
+    assert "blocks: cannot serve: blocks adds a score mod only through the kernel's float mask" in text
 
 
 def test_fp32_within_the_conformance_rule():

@@ -92,6 +92,8 @@ class ScoreMod:
 
     Attributes:
         additive: whether the mod adds a term that does not depend on the score.
+        relative: whether that term depends only on ``kv_idx - q_idx`` and ``h`` (ALiBi, T5's
+            bias), so that tiles of equal query and key offsets share it.
 
     Example:
         >>> class Double(ScoreMod):
@@ -102,6 +104,7 @@ class ScoreMod:
     """
 
     additive: bool = False
+    relative: bool = False
 
     def __call__(self, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
         if self.additive:
@@ -221,6 +224,7 @@ class Alibi(ScoreMod):
     """
 
     additive = True
+    relative = True
 
     def __init__(self, slopes: Tensor, *, symmetric: bool, offset: int):
         self.slopes, self.symmetric, self.offset = slopes, symmetric, offset
@@ -333,6 +337,7 @@ class RelativeBias(ScoreMod):
     """
 
     additive = True
+    relative = True
 
     def __init__(self, table: Tensor, *, num_buckets: int, max_distance: int, bidirectional: bool,
                  offset: int):
@@ -402,12 +407,12 @@ def relative_bias(table: Tensor, *, num_buckets: int, max_distance: int, bidirec
 
 
 class Bias(ScoreMod):
-    """An additive tensor ``tensor[b, h, q_idx, kv_idx]`` (size-1 dims broadcast).
+    """An additive tensor ``tensor[b, h, q_idx, kv_idx]`` (size-1 dims broadcast, and stay
+    size 1 in :meth:`bias`: a tile of a ``(Tk,)`` bias is one row).
 
     Example:
         >>> Bias(torch.arange(3.0)).bias(*grid(1, 1, (0, 2), (1, 3)))
-        tensor([[[[1., 2.],
-                  [1., 2.]]]])
+        tensor([[[[1., 2.]]]])
     """
 
     additive = True
@@ -417,7 +422,8 @@ class Bias(ScoreMod):
 
     def bias(self, b, h, q_idx, kv_idx):
         t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))  # (B|1, H|1, Tq|1, Tk|1)
-        index = [i if n > 1 else torch.zeros_like(i) if isinstance(i, Tensor) else 0
+        # A broadcast dim reads index 0 through an all-size-1 index: the result keeps size 1 there.
+        index = [i if n > 1 else i.new_zeros((1,) * i.ndim) if isinstance(i, Tensor) else 0
                  for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
         return t[tuple(index)]
 
@@ -463,6 +469,7 @@ class Composed(ScoreMod):
     def __init__(self, mods: tuple[ScoreMod, ...]):
         self.mods = mods
         self.additive = all(m.additive for m in mods)
+        self.relative = all(m.relative for m in mods)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         for mod in self.mods:

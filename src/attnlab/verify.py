@@ -20,7 +20,8 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   that they meet every mask kind, fully masked rows included; their learnable tensors (slopes,
   table, bias, sink logits) are checked in the backward pass like q, k and v.
 * a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
-  over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others.
+  over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others,
+  score mods and sinks included (blocks declines the ones that are not additive).
 * flex compiles one kernel per shape, so it is swept over the fixed shapes of
   :data:`FLEX_SHAPES` (small and block-sized, Tq != Tk, grouped-query), masks varying.
 * :func:`check` runs one backend on one configuration in one dtype and compares it with the
@@ -81,7 +82,7 @@ _MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_p
 BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked",
                  "mod_varlen")
 _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
-# Score mods and sinks, cycled on every fourth configuration (sdpa serves 6 of the 10).
+# Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 6 of the 10).
 SCORE_KINDS = ("softcap", "alibi", "sinks", "relative", "bias", "composed", "alibi_symmetric",
                "function", "softcap_sinks", "alibi_sinks")
 # B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
@@ -672,11 +673,11 @@ def sweep(
     results = []
     for dtype in dtypes:
         for name in backend_names:
-            # flex and blocks do not take score mods yet: their sweeps draw none.
+            # flex does not take score mods yet: its sweep draws none.
             if name == "flex":
                 draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small, scores=False)
             elif getattr(_backends.get(name), "needs_bounds", False):
-                draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS, scores=False)
+                draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS)
             else:
                 draw = configs(n, seed=seed, small=small)
             crossed = 0

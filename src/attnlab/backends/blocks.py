@@ -34,7 +34,17 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
 * ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact;
 * a scale <= 0, or any scale when a backward pass will run, is folded into q (the kernel
   scales its causal ``-inf`` fill, and its backward recomputes the scores with a different
-  rounding; see :func:`attnlab._math.folds_scale`).
+  rounding; see :func:`attnlab._math.folds_scale`);
+* an additive score mod (ALiBi, T5's relative bias, a bias tensor and their sums) enters each
+  run's mask as the mod's term on the run's tile, evaluated on every call from the mod's
+  tensors (the plan holds no value of them): one tile for the whole run when the term depends
+  only on ``kv_idx - q_idx`` and the pieces step queries and keys alike, else one per piece,
+  so memory stays one run's visited scores. Its tensors' gradients come from each run's
+  ``dS = P * (dP - D)`` (two more matmuls per run, only when they require grad). Softcap and a
+  user's function are not additive and are declined;
+* sinks join after the merge: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``;
+  the kernel's backward with ``out'`` and ``lse'`` is exact for the real keys, and the sink's
+  gradient is ``-sum over (b, i) of exp(sink - lse') * rowsum(dO * out')``.
 
 Example:
     >>> import torch, attnlab
@@ -63,6 +73,7 @@ from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.transforms import gradients_function, outside_transforms, vmap_by_slices
+from attnlab.scores import ScoreMod
 
 __all__ = ["BlocksBackend", "blocks_attention", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
@@ -429,19 +440,72 @@ def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     return run.query_blocks(q), run.key_blocks(k), run.key_blocks(v)
 
 
-def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """One kernel call per run. Returns out ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)``."""
+def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
+                   mod: ScoreMod | None) -> tuple[Tensor, Tensor]:
+    """One kernel call per run, the score mod's term in its mask, then the sinks. Returns out
+    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)`` (the sinks included)."""
     B, Hq, Tq, W = q.shape
     acc_dtype = score_dtype(q.dtype)
     out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
     lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
     for run in plan.runs:
-        o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=run.mask,
+        mask = run.mask if mod is None else _with_mask(_bias_tile(plan.call, mod, run), run)
+        o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=mask,
                       scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
         _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
+    if sinks is not None:
+        _add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
+
+
+def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
+    """Each head's sink (a key of logit ``sinks[h]`` and value 0) into the merged out
+    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)``, in place: lse grows to ``logaddexp(lse, sink)``
+    and out shrinks by ``exp(old lse - new lse)``; a row with no key gets 0 (the sink takes
+    all the mass)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)  # (1, Hq, 1)
+    total = torch.logaddexp(lse, sink)  # (B, Hq, Tq)
+    share = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))  # the keys' share
+    out.mul_(share.unsqueeze(-1))
+    lse.copy_(total)
+
+
+def _mask_dtype(call: AttentionCall) -> torch.dtype:
+    """The score mod's term in the kernel's mask: fp32 for fp16/bf16 calls (the kernel takes an
+    fp32 mask with half inputs; rounding the term to half would cost up to half its unit), else
+    the call's dtype."""
+    return torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+
+
+def _bias_tile(call: AttentionCall, mod: ScoreMod, run: _Run) -> Tensor:
+    """An additive score mod's term on the run's pieces, in the kernel's row layout
+    ``(n|1, B*Hq|1, bq, keys)``.
+
+    One tile serves every piece when the term depends only on ``kv_idx - q_idx`` and ``h``
+    (``mod.relative``: ALiBi, T5's bias) and the pieces step queries and keys alike (sliding
+    windows, causal diagonals); otherwise each piece gets its own. Read from the mod's tensors
+    on every call, never planned: they change at every training step.
+    """
+    n = 1 if run.n == 1 or (mod.relative and run.q_step == run.k_step) else run.n
+    device = call.device
+    step = torch.arange(n, device=device).view(n, 1, 1, 1, 1)
+    q_idx = run.qs + step * run.q_step + torch.arange(run.bq, device=device).view(1, 1, 1, -1, 1)
+    kv_idx = run.ks + step * run.k_step + torch.arange(run.keys, device=device).view(1, 1, 1, 1, -1)
+    b = torch.arange(call.batch, device=device).view(1, -1, 1, 1, 1)
+    h = torch.arange(call.q_heads, device=device).view(1, 1, -1, 1, 1)
+    term = mod.bias(b, h, q_idx, kv_idx).to(_mask_dtype(call))
+    term = term.reshape((1,) * (5 - term.ndim) + tuple(term.shape))  # (n|1, B|1, Hq|1, bq|1, keys|1)
+    if term.shape[1] == 1 and term.shape[2] == 1:
+        return term.expand(n, 1, 1, run.bq, run.keys)[:, 0]  # (n, 1, bq, keys)
+    return term.expand(n, call.batch, call.q_heads, run.bq, run.keys).flatten(1, 2)  # (n, B*Hq, bq, keys)
+
+
+def _with_mask(tile: Tensor, run: _Run) -> Tensor:
+    """The run's mask: the score mod's term plus the plan's 0/-inf mask (causal runs keep the
+    kernel's own causal masking, which takes a mask besides)."""
+    return tile if run.mask is None else tile + run.mask
 
 
 class _BlocksFunction(torch.autograd.Function):
@@ -453,31 +517,50 @@ class _BlocksFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, plan):
-        out, lse = _block_forward(plan, *_kernel_inputs(plan, q, k, v))
+    def forward(q, k, v, sinks, plan, *params):
+        out, lse = _block_forward(plan, *_kernel_inputs(plan, q, k, v), sinks, _score_mod(plan, params))
         return out.narrow(-1, 0, v.shape[-1]), lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, plan = inputs
+        q, k, v, sinks, plan, *params = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, *params)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        dq, dk, dv = _BlocksGradientsFunction.apply(d_out, *ctx.saved_tensors, ctx.plan)
-        return dq, dk, dv, None
+        q, k, v, sinks, out, lse, *params = ctx.saved_tensors
+        need_sinks = sinks is not None and ctx.needs_input_grad[3]
+        # A frozenset, not a tuple: torch.func would map a tuple's entries as vmapped arguments.
+        need_params = frozenset(i for i, need in enumerate(ctx.needs_input_grad[5:]) if need)
+        dq, dk, dv, d_sinks, *d_params = _BlocksGradientsFunction.apply(
+            d_out, q, k, v, sinks, out, lse, ctx.plan, need_sinks, need_params, *params)
+        return dq, dk, dv, d_sinks, None, *d_params
 
     @staticmethod
     def vmap(info, in_dims, *args):
         return vmap_by_slices(_BlocksFunction.apply, info, in_dims, *args)
 
 
-def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
-                    lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of the Function's inputs q, k, v from the output gradient ``d_out``.
+def _score_mod(plan: _Plan, params: tuple) -> ScoreMod | None:
+    """The call's score mod holding the Function's own inputs ``params`` (None without one)."""
+    mod = plan.call.score_mod
+    return None if mod is None else mod.with_params(params)
+
+
+def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse: Tensor,
+                    sinks: Tensor | None, need_sinks: bool, need_params: frozenset,
+                    params: tuple) -> tuple:
+    """dq, dk, dv of the Function's inputs q, k, v from the output gradient ``d_out``, then the
+    sinks' gradient and each score-mod tensor's (None where not needed).
+
+    ``out`` and ``lse`` include the sinks, so the kernel's backward with them is exact for the
+    real keys. The sink's own gradient is ``-sum over (b, i) of p_sink * D_i`` with
+    ``D_i = rowsum(dO * O)`` (its value is 0); a score-mod tensor's is the scores' gradient
+    ``dS = P * (dP - D_i)`` of each run (:func:`_score_gradient`) carried back through the
+    run's tile of the mod's term (:func:`_bias_tile`) by autograd.
 
     The gradients are written into buffers made from ``d_out`` and cut with ``narrow`` (indexing
     a whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
@@ -486,6 +569,13 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
     """
     q, k, v = _kernel_inputs(plan, *inputs)
     D, Dv, W = inputs[0].shape[-1], inputs[2].shape[-1], k.shape[-1]
+    acc_dtype = score_dtype(q.dtype)
+    mod = _score_mod(plan, params)
+    learn = [i in need_params for i in range(len(params))]
+    d_params = [torch.zeros_like(p, dtype=acc_dtype) if want else None for p, want in zip(params, learn)]
+    delta = None  # D_i = rowsum(dO * O) (B, Hq, Tq), for the sinks' and the mod's gradients
+    if need_sinks or any(learn):
+        delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)
     d_out, out = (_kernel_layout(_widened(t, W)) for t in (d_out, out))  # (B, Hq, Tq, W)
     lse = _kernel_layout(lse)
     # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
@@ -498,8 +588,17 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
             do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)  # an lse of +inf, so that its
             lse_r = lse_r.masked_fill(run.dead, float("inf"))  # weights are exp(s - inf) = 0
         q_r, k_r, v_r = _run_views(run, q, k, v)
+        mask, tile = run.mask, None
+        if mod is not None:
+            with torch.enable_grad():  # the tile's graph back to the mod's tensors that learn
+                leaves = [p.detach().requires_grad_(want) for p, want in zip(params, learn)]
+                tile = _bias_tile(plan.call, mod.with_params(leaves), run)
+            mask = _with_mask(tile.detach(), run)
         gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
-                                     attn_mask=run.mask, scale=plan.kernel_scale)
+                                     attn_mask=mask, scale=plan.kernel_scale)
+        if tile is not None and tile.requires_grad:
+            d_scores = _score_gradient(plan, run, (q_r, k_r, v_r), do_r, run.query_blocks(delta), lse_r, mask)
+            _add_tile_gradients(tile, leaves, d_scores, d_params)
         if run.first:  # the same order as the forward: nothing added to these rows yet
             run.query_blocks(dq).copy_(gq)
         else:
@@ -508,13 +607,59 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor,
         _add_blocks(dv, gv, run.ks, run.k_step)
     if plan.fold:
         dq.mul_(plan.call.scale)  # the kernel differentiated by q * scale
-    return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv)
+    d_sinks = None
+    if need_sinks:
+        p_sink = torch.exp(sinks.to(acc_dtype).view(1, -1, 1) - lse)  # (B, Hq, Tq)
+        d_sinks = (p_sink * delta).sum(dim=(0, 2)).neg_().to(sinks.dtype)
+    d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
+    return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv), d_sinks, *d_params
+
+
+def _score_gradient(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, delta: Tensor, lse: Tensor,
+                    mask: Tensor) -> Tensor:
+    """``dS = P * (dP - D_i)`` of one run's scores ``(n, B*Hq, bq, keys)`` (accumulation dtype),
+    which the kernel's backward does not return: the scores and ``dP = dO V^T`` again, with the
+    call's global lse (``+inf`` on dropped rows, whose P is then 0). Memory: the run's scores.
+
+    views: the run's q ``(n, B*Hq, bq, W)``, k and v ``(n, B*Hkv, keys, W)`` as the kernel read
+    them; d_out ``(n, B*Hq, bq, W)``, delta and lse ``(n, B*Hq, bq)``; mask the run's mask.
+    """
+    acc_dtype = score_dtype(views[0].dtype)
+    q, k, v = (t.to(acc_dtype) for t in views)
+    n, heads, bq = q.shape[:3]
+    groups = heads // k.shape[1]  # query head b*Hq + h reads key head (b*Hq + h) // groups
+
+    def by_group(t: Tensor) -> Tensor:
+        return t.reshape(n, k.shape[1], groups, *t.shape[2:])  # (n, B*Hkv, G, bq, W)
+
+    scores = torch.matmul(by_group(q), k.unsqueeze(2).transpose(-2, -1)).flatten(1, 2)  # (n, B*Hq, bq, keys)
+    scores = scores.mul_(plan.kernel_scale).add_(mask)
+    if run.causal:
+        tril = torch.ones(bq, run.keys, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill_(~tril, float("-inf"))
+    probs = torch.exp_(scores.sub_(lse.unsqueeze(-1)))
+    d_probs = torch.matmul(by_group(d_out.to(acc_dtype)), v.unsqueeze(2).transpose(-2, -1)).flatten(1, 2)
+    return probs.mul_(d_probs.sub_(delta.unsqueeze(-1)))  # (n, B*Hq, bq, keys)
+
+
+def _add_tile_gradients(tile: Tensor, leaves: list, d_scores: Tensor, d_params: list) -> None:
+    """Carry the scores' gradient ``(n, B*Hq, bq, keys)`` through the tile of the mod's term
+    ``(n|1, B*Hq|1, bq, keys)`` (a term shared by pieces or heads gets their sum) into the
+    gradient of each mod tensor that learns."""
+    dims = tuple(d for d in range(2) if tile.shape[d] == 1 and d_scores.shape[d] != 1)
+    d_tile = d_scores.sum(dim=dims, keepdim=True) if dims else d_scores
+    wanted = [(i, leaf) for i, leaf in enumerate(leaves) if leaf.requires_grad]
+    grads = torch.autograd.grad(tile, [leaf for _, leaf in wanted], d_tile.to(tile.dtype), allow_unused=True)
+    for (i, _), grad in zip(wanted, grads):
+        if grad is not None:
+            d_params[i].add_(grad)
 
 
 # The backward pass as a Function: the kernel's backward once per run, gradients summed where
 # key spans overlap.
 _BlocksGradientsFunction = gradients_function(
-    "blocks", lambda d_out, q, k, v, out, lse, plan: _block_backward(plan, d_out, (q, k, v), out, lse))
+    "blocks", lambda d_out, q, k, v, sinks, out, lse, plan, need_sinks, need_params, *params: _block_backward(
+        plan, d_out, (q, k, v), out, lse, sinks, need_sinks, need_params, params))
 
 
 def blocks_attention(call: AttentionCall, *, block: int | None = None) -> AttentionResult:
@@ -539,7 +684,9 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
         raise ValueError(f"block must be a positive int or None, got {block!r}")
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
     runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), block)
-    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, _Plan(call, runs, fold=folds_scale(call)))
+    params = call.score_mod.params() if call.score_mod is not None else ()
+    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, call.sinks,
+                                     _Plan(call, runs, fold=folds_scale(call)), *params)
     return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
 
 
@@ -563,8 +710,8 @@ class BlocksBackend(Backend):
     plans_masks = True  # plans from a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "block-sparse: the fused SDPA kernel per query block on only the keys its mask mod's "
-        "kv_bounds reach (causal, windows, documents, prefix-LM); forward and backward, GQA; "
-        "O(T) memory"
+        "kv_bounds reach (causal, windows, documents, prefix-LM); additive score mods in the "
+        "kernel's mask and sinks through the lse; forward and backward, GQA; O(T) memory"
     )
 
     def unavailable_reason(self) -> str | None:
@@ -573,9 +720,11 @@ class BlocksBackend(Backend):
         return None
 
     def limits(self, call: AttentionCall) -> list[str]:
-        """Only mask mods with bounds are worth it; no score mods or sinks yet."""
-        if call.score_mod is not None or call.sinks is not None:
-            return ["blocks does not apply score mods or sinks yet (chunked serves them in O(T) memory)"]
+        """Only mask mods with bounds are worth it; only additive score mods (the kernel's mask)."""
+        mod = call.score_mod
+        if mod is not None and not mod.additive:
+            return [f"blocks adds a score mod only through the kernel's float mask; {mod!r} is not "
+                    "additive (chunked serves it in O(T) memory)"]
         if call.mask_kind in ("bool", "float"):
             return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
                     "mask declares none (pass a mask mod from attnlab.masks)"]
@@ -589,8 +738,11 @@ class BlocksBackend(Backend):
 
     def memory_note(self, call: AttentionCall) -> str:
         block = choose_block(call)
+        held = "one block's mask at a time"
+        if call.score_mod is not None and not call.score_mod.relative:
+            held = "the score mod's term on one run of same-shaped blocks at a time"
         return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
-                f"{block}-query blocks, one block's mask at a time")
+                f"{block}-query blocks, {held}")
 
     def cost(self, call: AttentionCall) -> float:
         return _fastest(call)[0]
