@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import attnlab
 import attnlab.nn.multihead as multihead
 from attnlab.models import GPT
 from attnlab.nn import KVCache, MultiHeadAttention, PagedKVCache, WindowedKVCache
@@ -89,7 +90,8 @@ def test_paged_rows_of_different_lengths_equal_each_row_alone(monkeypatch):
     cache = PagedKVCache(3, 2, 48, 6, page_size=4, dtype=F64)
     seen = []
     real = multihead.attention
-    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: seen.append(k.shape[-2]) or real(q, k, v, **kw))
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: seen.append((k.shape[0], k.shape[-2]))
+                        or real(q, k, v, **kw))
     with torch.no_grad():
         for b, n in enumerate(lengths):
             module(xs[b][:, :n], cache=cache.select([b]))
@@ -98,12 +100,47 @@ def test_paged_rows_of_different_lengths_equal_each_row_alone(monkeypatch):
                  for s in range(steps)]  # each (3, 1, 24)
         calls = list(seen)
         alone = [module(x) for x in xs]
-    assert calls == [n + s + 1 for s in range(steps) for n in lengths]  # each row reads its own keys only
+    assert calls == [(3, max(lengths) + s + 1) for s in range(steps)]  # one call per step for the whole batch
     for b, n in enumerate(lengths):
         got = torch.cat([step[b] for step in paged])  # (steps, 24)
         torch.testing.assert_close(got, alone[b][0, n:], rtol=0, atol=1e-12)
     assert cache.row_lengths == tuple(n + steps for n in lengths)
     assert [len(t) for t in cache.block_tables] == [math.ceil((n + steps) / 4) for n in lengths]
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 3), (False, None)])
+def test_lengths_mask_is_the_varlen_rule(causal, window):
+    lengths, tq, tk = torch.tensor([7, 2, 12, 3]), 2, 12
+    got = multihead.lengths_mask(lengths, tq=tq, tk=tk, causal=causal, window=window)
+    if causal:
+        mod = attnlab.masks.varlen_causal_mod(torch.full((4,), tq), lengths, window=window)
+    else:
+        mod = attnlab.masks.padding_mod(lengths)
+    expected = attnlab.masks.materialize(mod, tq=tq, tk=tk, batch=4)
+    assert torch.equal(got.expand_as(expected), expected)
+
+
+def test_paged_batch_decodes_in_one_sdpa_call_reading_only_its_own_slots(monkeypatch):
+    module, lengths = _mha(window=5), [7, 2, 12]
+    xs = [torch.randn(1, n + 1, 24, dtype=F64) for n in lengths]
+    cache = PagedKVCache(3, 2, 64, 6, page_size=4, dtype=F64)
+    calls = []
+    real = multihead.attention
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: calls.append((q, k, v, kw)) or real(q, k, v, **kw))
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            module(xs[b][:, :n], cache=cache.select([b]))
+        held = torch.cat([seq.slots[: seq.length + 1] for seq in cache.rows])  # written now or by the step
+        unwritten = torch.ones(cache.pool.keys.shape[0], dtype=torch.bool)
+        unwritten[held] = False
+        cache.pool.keys[unwritten], cache.pool.values[unwritten] = math.nan, math.nan  # a released row's NaN
+        calls.clear()
+        step = module(torch.cat([x[:, n:] for x, n in zip(xs, lengths)]), cache=cache)
+        (q, k, v, options), = calls
+        alone = [module(x)[0, -1] for x in xs]
+    assert k.shape[:3] == (3, 2, max(lengths) + 1)
+    assert "runs on 'sdpa'" in attnlab.backends.why(q, k, v, **options)
+    torch.testing.assert_close(step[:, 0], torch.stack(alone), rtol=0, atol=1e-12)
 
 
 def test_paged_pages_are_freed_and_reused_and_overflow_changes_nothing():

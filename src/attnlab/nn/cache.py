@@ -32,7 +32,8 @@ from attnlab._checks import instance_of, non_negative_int, positive_int
 
 __all__ = ["Cache", "KVCache", "WindowedKVCache", "PagedKVCache", "new_positions"]
 
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+# attend(q, keys, values) -> out; a ragged paged batch adds key_lengths= (see Cache.attend).
+Attend = Callable[..., Tensor]
 
 
 def _dtype_device(dtype, device) -> tuple[torch.dtype, torch.device | None]:
@@ -95,7 +96,11 @@ class Cache:
         """Store ``k_new``/``v_new`` and return ``attend(q, keys, values)`` over what ``q`` may see.
 
         ``attend`` is the module's attention (its masks, causal or sliding-window, aligned
-        bottom-right on the keys it is given).
+        bottom-right on the keys it is given). A cache whose rows hold different lengths
+        (:class:`PagedKVCache`) gives it every row's keys right-padded to the longest and calls
+        ``attend(q, keys, values, key_lengths=lengths)`` with the ``(B,)`` int64 real key count
+        per row: the module then aligns its rule on each row's own length and masks the padding
+        (:func:`attnlab.masks.varlen_causal_mod`'s rule).
 
         Shapes:
             q: ``(B, H, T_new, D)``; k_new: ``(B, Hkv, T_new, D)``; v_new: ``(B, Hkv, T_new, Dv)``
@@ -487,8 +492,10 @@ class PagedKVCache(Cache):
 
     The pool holds ``capacity`` token slots cut into pages of ``page_size``. A row takes a page
     from the pool when its last page is full, so it holds ``ceil(length / page_size)`` pages,
-    whatever the other rows hold: a batch of prompts of different lengths stores no padding, and
-    attention reads each row's own keys only (one call per row over exactly its length).
+    whatever the other rows hold: a batch of prompts of different lengths stores no padding.
+    Attention is one call for the whole batch: :meth:`padded` gathers each row's pages into a
+    transient ``(B, Hkv, L_max, D)`` view (a row's padding repeats its first key, so no row reads
+    a slot it has not written) and the module masks each row past its own length.
     :meth:`release` gives a finished row's pages back for the next sequence; :meth:`select`
     gives a view of some rows (sharing the pool), e.g. to prefill each prompt alone.
 
@@ -607,8 +614,9 @@ class PagedKVCache(Cache):
                      + offsets).flatten()  # (count * P,)
             seq.slots = torch.cat([seq.slots, fresh])
 
-    def update(self, k_new: Tensor, v_new: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Append ``T_new`` positions to every row; return each row's keys/values so far.
+    def update(self, k_new: Tensor, v_new: Tensor, *, gather: bool = True) -> list[tuple[Tensor, Tensor]] | None:
+        """Append ``T_new`` positions to every row; return each row's keys/values so far
+        (None with ``gather=False``: :meth:`attend` reads them with :meth:`padded`).
 
         Example:
             >>> cache = PagedKVCache(2, 1, 8, 2, page_size=2)
@@ -624,19 +632,61 @@ class PagedKVCache(Cache):
             self.pool.keys[slots] = k_new[b].transpose(0, 1)  # (T_new, Hkv, D)
             self.pool.values[slots] = v_new[b].transpose(0, 1)
             seq.length += num_new
-        return self._gather()
+        return self._gather() if gather else None
 
     def _gather(self) -> list[tuple[Tensor, Tensor]]:
-        """Each row's keys/values ``(1, Hkv, L_b, D)``: one gather from the pool for all rows."""
-        index = torch.cat([seq.slots[: seq.length] for seq in self.rows])
-        keys = self.pool.keys.index_select(0, index).permute(1, 0, 2)  # (Hkv, sum L, D)
-        values = self.pool.values.index_select(0, index).permute(1, 0, 2)  # (Hkv, sum L, Dv)
+        """Each row's keys/values ``(1, Hkv, L_b, D)``: views of :meth:`padded`'s one gather."""
+        keys, values, _ = self.padded()
+        return [(keys[b : b + 1, :, :length], values[b : b + 1, :, :length])
+                for b, length in enumerate(self.row_lengths)]
+
+    def _padded_slots(self) -> Tensor:
+        """``(B, L_max)`` pool slots of each row's positions; past a row's length, its first slot."""
+        lengths, size = self.row_lengths, self.page_size
+        longest = max(lengths, default=0)
+        width = -(-longest // size)
+        table = torch.tensor([seq.pages + seq.pages[:1] * (width - len(seq.pages)) if seq.pages else [0] * width
+                              for seq in self.rows], dtype=torch.int64, device=self.device)  # (B, pages)
+        offsets = torch.arange(size, device=self.device)
+        slots = (table[:, :, None] * size + offsets).flatten(1)[:, :longest]  # (B, L_max)
+        if len(set(lengths)) > 1:  # the tail of a row's last page may hold a released row's keys
+            real = torch.arange(longest, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
+            slots = torch.where(real, slots, slots[:, :1])
+        return slots
+
+    def padded(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Every row's keys/values gathered from its pages, right-padded to the longest row.
+
+        Returns:
+            ``keys`` ``(B, Hkv, L_max, D)`` and ``values`` ``(B, Hkv, L_max, Dv)`` (transient
+            copies, not cache memory), and the ``(B,)`` int64 lengths of the rows, or None when
+            every row has the same length (nothing is padded). A row's padding repeats its first
+            key and value: finite, never another row's data, masked by the lengths.
+
+        Example:
+            >>> cache = PagedKVCache(2, 1, 8, 1, page_size=2)
+            >>> _ = cache.select([0]).update(torch.ones(1, 1, 3, 1), torch.ones(1, 1, 3, 1))
+            >>> _ = cache.select([1]).update(torch.full((1, 1, 1, 1), 2.0), torch.ones(1, 1, 1, 1))
+            >>> keys, values, lengths = cache.padded()
+            >>> keys[:, 0, :, 0].tolist(), lengths.tolist()
+            ([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], [3, 1])
+        """
+        slots = self._padded_slots()
+        batch, longest = slots.shape
+        index = slots.flatten()
+        keys = self.pool.keys.index_select(0, index).view(batch, longest, self.num_kv_heads, self.head_dim)
+        values = self.pool.values.index_select(0, index).view(batch, longest, self.num_kv_heads, self.value_dim)
         lengths = self.row_lengths
-        return [(k[None], v[None]) for k, v in zip(keys.split(lengths, dim=1), values.split(lengths, dim=1))]
+        ragged = None if len(set(lengths)) <= 1 else torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        return keys.transpose(1, 2), values.transpose(1, 2), ragged  # (B, Hkv, L_max, D), (B, Hkv, L_max, Dv)
 
     def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
-        rows = self.update(k_new, v_new)
-        return torch.cat([attend(q[b : b + 1], k, v) for b, (k, v) in enumerate(rows)])  # (B, H, T_new, Dv)
+        """One attention call for the whole batch over :meth:`padded` keys (see :meth:`Cache.attend`)."""
+        self.update(k_new, v_new, gather=False)
+        keys, values, lengths = self.padded()
+        if lengths is None:
+            return attend(q, keys, values)
+        return attend(q, keys, values, key_lengths=lengths)  # (B, H, T_new, Dv)
 
     def release(self, row: int) -> None:
         """Give row ``row``'s pages back to the pool and empty it (its sequence is done).

@@ -371,9 +371,9 @@ class MultiHeadAttention(nn.Module):
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
         q, k, v, _ = self._qkv(x, context, value_input, cache, documents)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor):
+        def attend(q: Tensor, k: Tensor, v: Tensor, *, key_lengths: Tensor | None = None):
             return self.attend_heads(q, k, v, mask=mask, self_attention=context is None,
-                                     return_weights=return_weights)
+                                     return_weights=return_weights, key_lengths=key_lengths)
 
         result = attend(q, k, v) if cache is None else cache.attend(q, k, v, attend)
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
@@ -381,12 +381,13 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(context_vec), (result[1] if return_weights else None)
 
     def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, self_attention: bool = True,
-                     return_weights: bool = False, scale: float | None = None):
+                     return_weights: bool = False, scale: float | None = None, key_lengths: Tensor | None = None):
         """The module's attention over given heads: its causal rule or window, dropout, backend.
 
         Queries are aligned bottom-right on the keys (the last query is the newest token), so
         ``k`` may start with cached positions; with a ``window`` the sliding window on that
-        diagonal replaces the causal mask.
+        diagonal replaces the causal mask. ``key_lengths`` (``(B,)``): each row's real keys,
+        right-padded to ``Tk``; the rule then aligns on each row's own length (a paged batch).
 
         Shapes:
             q: ``(B, H, Tq, D)``; k: ``(B, Hkv, Tk, D)``; v: ``(B, Hkv, Tk, Dv)`` ->
@@ -402,7 +403,8 @@ class MultiHeadAttention(nn.Module):
         """
         return attend_causal(q, k, v, mask=mask, causal=self.causal and self_attention, window=self.window
                              if self_attention else None, scale=scale, backend=self.backend,
-                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights)
+                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights,
+                             key_lengths=key_lengths)
 
     def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
         """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
@@ -610,11 +612,15 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
                   scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
-                  return_weights: bool = False):
+                  return_weights: bool = False, key_lengths: Tensor | None = None):
     """:func:`attnlab.attention` with the queries aligned bottom-right on the keys (the last
     query is the newest token, so ``k`` may start with cached positions), and with ``window``
     the causal sliding window on that diagonal in place of the causal mask. ``mask`` (a tensor
     or a mask mod) is ANDed in. The one attention call of the modules in :mod:`attnlab.nn`.
+
+    With ``key_lengths`` (``(B,)`` int64) row ``b`` holds ``key_lengths[b]`` real keys followed
+    by padding (a paged batch's rows gathered to the longest): the rule aligns on each row's own
+    length instead, as a ``(B, 1, Tq, Tk)`` bool mask (:func:`lengths_mask`), which SDPA serves.
 
     Shapes:
         q: ``(B, H, Tq, D)``; k: ``(B, Hkv, Tk, D)``; v: ``(B, Hkv, Tk, Dv)`` -> ``(B, H, Tq, Dv)``.
@@ -624,8 +630,15 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         >>> out = attend_causal(q, k, k, window=2)        # the newest query sees the last 2 keys
         >>> torch.allclose(out, attend_causal(q, k[:, :, 3:], k[:, :, 3:]), atol=1e-6)
         True
+        >>> padded = attend_causal(q, k, k, window=2, key_lengths=torch.tensor([3]))  # keys 3, 4: padding
+        >>> torch.allclose(padded, attend_causal(q, k[:, :, 1:3], k[:, :, 1:3]), atol=1e-6)
+        True
     """
     tq, tk = q.shape[-2], k.shape[-2]
+    if key_lengths is not None:
+        rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window)  # (B, 1, Tq, Tk)
+        return attention(q, k, v, mask=_masks.and_masks(mask, rows), scale=scale, dropout_p=dropout_p,
+                         backend=backend, return_weights=return_weights)
     align = "bottom_right" if causal and tk != tq else "top_left"
     if window is not None:
         band = _masks.sliding_window_mod(tq, tk, window, align=align)
@@ -636,6 +649,26 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         backend=backend, return_weights=return_weights,
     )
+
+
+def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, window: int | None = None) -> Tensor:
+    """Bool ``(B, 1, Tq, Tk)`` mask of a batch whose row ``b`` holds ``key_lengths[b]`` real keys,
+    its ``Tq`` queries the newest of them: :func:`attnlab.masks.varlen_causal_mod`'s rule with
+    ``q_lengths = Tq`` (every query real), built directly (a decoding step pays for it in every
+    layer). ``causal=False``: each query sees its row's real keys.
+
+    Example:
+        >>> lengths_mask(torch.tensor([3, 1]), tq=1, tk=3, window=2)[:, 0, 0].int()
+        tensor([[0, 1, 1],
+                [1, 0, 0]], dtype=torch.int32)
+    """
+    device = key_lengths.device
+    keys = torch.arange(tk, device=device)  # (Tk,)
+    if not causal:
+        return keys < key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, Tk)
+    own = key_lengths.view(-1, 1, 1, 1) - tq + torch.arange(tq, device=device).view(1, 1, tq, 1)  # (B, 1, Tq, 1)
+    allowed = keys <= own  # (B, 1, Tq, Tk)
+    return allowed if window is None else allowed & (keys > own - window)
 
 
 def _check_window(window: object, causal: bool) -> int | None:
