@@ -55,6 +55,25 @@ def test_windowed_cache_equals_full_window_attention_at_any_length(chunks):
     torch.testing.assert_close(full, _naive_window(module, x, window), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("windowed", [True, False], ids=["ring", "contiguous"])
+def test_window_decoding_step_reads_the_window_only_and_unmasked(monkeypatch, windowed):
+    module, window = _mha(4), 4
+    x = torch.randn(1, 12, 24, dtype=F64)
+    cache = module.new_cache(1, 12, windowed=windowed)
+    calls = []
+    real = multihead.attention
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: calls.append((k.shape[-2], kw["mask"]))
+                        or real(q, k, v, **kw))
+    with torch.no_grad():
+        module(x[:, :11], cache=cache)
+        calls.clear()
+        step = module(x[:, 11:], cache=cache)
+        seen = list(calls)
+        full = module(x)
+    assert seen == [(window, None)]  # no band to build or plan: sdpa's plain decoding call
+    torch.testing.assert_close(step, full[:, 11:], rtol=0, atol=1e-12)
+
+
 def test_windowed_cache_refuses_layers_it_cannot_serve_and_bad_windows():
     with pytest.raises(ValueError, match="window"):
         _mha()(torch.randn(1, 2, 24, dtype=F64), cache=WindowedKVCache(1, 2, 4, 6, dtype=F64))

@@ -639,6 +639,9 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window)  # (B, 1, Tq, Tk)
         return attention(q, k, v, mask=_masks.and_masks(mask, rows), scale=scale, dropout_p=dropout_p,
                          backend=backend, return_weights=return_weights)
+    if window is not None and causal:
+        q, k, v, mask, window = _within_window(q, k, v, mask, window, keep_keys=return_weights)
+        tk = k.shape[-2]
     align = "bottom_right" if causal and tk != tq else "top_left"
     if window is not None:
         band = _masks.sliding_window_mod(tq, tk, window, align=align)
@@ -649,6 +652,23 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         backend=backend, return_weights=return_weights,
     )
+
+
+def _within_window(q, k, v, mask, window: int, *, keep_keys: bool):
+    """A causal sliding window on the bottom-right diagonal, cut to what it needs: keys before the
+    first query's window are dropped (none of the queries sees them; a decoding step over a
+    contiguous cache then reads ``window`` keys, not all of them; kept with ``keep_keys``, whose
+    weights index every key, or a mask mod, which indexes positions), and a window that reaches
+    the first key from every query is no mask beyond the causal one (None: a decoding step over a
+    ring buffer is an unmasked call, which SDPA serves)."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    first = tk - tq - window + 1  # keys before it are outside every query's window
+    if first > 0 and not keep_keys and (mask is None or isinstance(mask, Tensor)):
+        k, v = k[..., first:, :], v[..., first:, :]  # (B, Hkv, Tq + window - 1, D)
+        if isinstance(mask, Tensor) and mask.shape[-1] == tk:
+            mask = mask[..., first:]
+        tk -= first
+    return q, k, v, mask, (None if tk <= window else window)
 
 
 def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, window: int | None = None) -> Tensor:
