@@ -140,7 +140,7 @@ def test_lengths_mask_is_the_varlen_rule(causal, window):
 
 
 def test_paged_batch_decodes_in_one_sdpa_call_reading_only_its_own_slots(monkeypatch):
-    module, lengths = _mha(window=5), [7, 2, 12]
+    module, lengths = _mha(window=5), [7, 4, 12]  # rows 1 and 2 take a fresh page at the step
     xs = [torch.randn(1, n + 1, 24, dtype=F64) for n in lengths]
     cache = PagedKVCache(3, 2, 64, 6, page_size=4, dtype=F64)
     calls = []
@@ -149,10 +149,8 @@ def test_paged_batch_decodes_in_one_sdpa_call_reading_only_its_own_slots(monkeyp
     with torch.no_grad():
         for b, n in enumerate(lengths):
             module(xs[b][:, :n], cache=cache.select([b]))
-        held = torch.cat([seq.slots[: seq.length + 1] for seq in cache.rows])  # written now or by the step
-        unwritten = torch.ones(cache.pool.keys.shape[0], dtype=torch.bool)
-        unwritten[held] = False
-        cache.pool.keys[unwritten], cache.pool.values[unwritten] = math.nan, math.nan  # a released row's NaN
+        free = (torch.tensor(cache.pool.free)[:, None] * 4 + torch.arange(4)).flatten()  # slots of free pages
+        cache.pool.keys[free], cache.pool.values[free] = math.nan, math.nan  # what a released row left there
         calls.clear()
         step = module(torch.cat([x[:, n:] for x, n in zip(xs, lengths)]), cache=cache)
         (q, k, v, options), = calls

@@ -494,8 +494,8 @@ class PagedKVCache(Cache):
     from the pool when its last page is full, so it holds ``ceil(length / page_size)`` pages,
     whatever the other rows hold: a batch of prompts of different lengths stores no padding.
     Attention is one call for the whole batch: :meth:`padded` gathers each row's pages into a
-    transient ``(B, Hkv, L_max, D)`` view (a row's padding repeats its first key, so no row reads
-    a slot it has not written) and the module masks each row past its own length.
+    transient ``(B, Hkv, L_max, D)`` copy (pages are zeroed when a row takes them, so no row reads
+    another row's keys, even a released one's) and the module masks each row past its own length.
     :meth:`release` gives a finished row's pages back for the next sequence; :meth:`select`
     gives a view of some rows (sharing the pool), e.g. to prefill each prompt alone.
 
@@ -606,12 +606,18 @@ class PagedKVCache(Cache):
                 f"{self.pool.num_pages * self.page_size}); release() finished rows or make a larger cache")
 
     def _allocate(self, num_new: int) -> None:
+        """Give each row the pages ``num_new`` more positions need, zeroed: the slots of a row's
+        pages it has not written yet hold zeros, never a released row's keys (what :meth:`padded`
+        reads past a row's length)."""
         offsets = torch.arange(self.page_size, device=self.device)
         for seq, count in zip(self.rows, self._pages_needed(num_new)):
+            if not count:
+                continue
             pages, self.pool.free = self.pool.free[:count], self.pool.free[count:]
             seq.pages += pages
             fresh = (torch.tensor(pages, dtype=torch.int64, device=self.device)[:, None] * self.page_size
                      + offsets).flatten()  # (count * P,)
+            self.pool.keys[fresh], self.pool.values[fresh] = 0, 0
             seq.slots = torch.cat([seq.slots, fresh])
 
     def update(self, k_new: Tensor, v_new: Tensor, *, gather: bool = True) -> list[tuple[Tensor, Tensor]] | None:
@@ -640,19 +646,11 @@ class PagedKVCache(Cache):
         return [(keys[b : b + 1, :, :length], values[b : b + 1, :, :length])
                 for b, length in enumerate(self.row_lengths)]
 
-    def _padded_slots(self) -> Tensor:
-        """``(B, L_max)`` pool slots of each row's positions; past a row's length, its first slot."""
-        lengths, size = self.row_lengths, self.page_size
-        longest = max(lengths, default=0)
-        width = -(-longest // size)
-        table = torch.tensor([seq.pages + seq.pages[:1] * (width - len(seq.pages)) if seq.pages else [0] * width
-                              for seq in self.rows], dtype=torch.int64, device=self.device)  # (B, pages)
-        offsets = torch.arange(size, device=self.device)
-        slots = (table[:, :, None] * size + offsets).flatten(1)[:, :longest]  # (B, L_max)
-        if len(set(lengths)) > 1:  # the tail of a row's last page may hold a released row's keys
-            real = torch.arange(longest, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
-            slots = torch.where(real, slots, slots[:, :1])
-        return slots
+    def _padded_table(self) -> Tensor:
+        """``(B, pages)`` each row's block table, padded to the longest with its own first page."""
+        width = max((len(seq.pages) for seq in self.rows), default=0)
+        return torch.tensor([seq.pages + seq.pages[:1] * (width - len(seq.pages)) if seq.pages else [0] * width
+                             for seq in self.rows], dtype=torch.int64, device=self.device)  # (B, pages)
 
     def padded(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """Every row's keys/values gathered from its pages, right-padded to the longest row.
@@ -660,8 +658,10 @@ class PagedKVCache(Cache):
         Returns:
             ``keys`` ``(B, Hkv, L_max, D)`` and ``values`` ``(B, Hkv, L_max, Dv)`` (transient
             copies, not cache memory), and the ``(B,)`` int64 lengths of the rows, or None when
-            every row has the same length (nothing is padded). A row's padding repeats its first
-            key and value: finite, never another row's data, masked by the lengths.
+            every row has the same length (nothing is padded). Whole pages are gathered (a few
+            large copies, not one per position): past its length a row reads the zeros of its
+            last page's unwritten slots, then its own first page again; never another row's data,
+            and masked by the lengths.
 
         Example:
             >>> cache = PagedKVCache(2, 1, 8, 1, page_size=2)
@@ -669,14 +669,17 @@ class PagedKVCache(Cache):
             >>> _ = cache.select([1]).update(torch.full((1, 1, 1, 1), 2.0), torch.ones(1, 1, 1, 1))
             >>> keys, values, lengths = cache.padded()
             >>> keys[:, 0, :, 0].tolist(), lengths.tolist()
-            ([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], [3, 1])
+            ([[1.0, 1.0, 1.0], [2.0, 0.0, 2.0]], [3, 1])
         """
-        slots = self._padded_slots()
-        batch, longest = slots.shape
-        index = slots.flatten()
-        keys = self.pool.keys.index_select(0, index).view(batch, longest, self.num_kv_heads, self.head_dim)
-        values = self.pool.values.index_select(0, index).view(batch, longest, self.num_kv_heads, self.value_dim)
-        lengths = self.row_lengths
+        table = self._padded_table()
+        lengths, pages = self.row_lengths, self.pool.num_pages
+        longest, (batch, width) = max(lengths, default=0), table.shape
+        index = table.flatten()
+        per_page = self.page_size * self.num_kv_heads
+        keys = self.pool.keys.view(pages, per_page * self.head_dim).index_select(0, index)  # (B * pages, P * Hkv * D)
+        values = self.pool.values.view(pages, per_page * self.value_dim).index_select(0, index)  # (B * pages, P * Hkv * Dv)
+        keys = keys.view(batch, width * self.page_size, self.num_kv_heads, self.head_dim)[:, :longest]
+        values = values.view(batch, width * self.page_size, self.num_kv_heads, self.value_dim)[:, :longest]
         ragged = None if len(set(lengths)) <= 1 else torch.tensor(lengths, dtype=torch.int64, device=self.device)
         return keys.transpose(1, 2), values.transpose(1, 2), ragged  # (B, Hkv, L_max, D), (B, Hkv, L_max, Dv)
 

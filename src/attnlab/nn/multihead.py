@@ -807,12 +807,7 @@ def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
     else:
         span = int(positions.max()) + 1 if positions.numel() else 0
     cos, sin = rope.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2): every position < span
-    if positions.shape[0] == 1:
-        return apply_rotary(x, cos[positions[0]], sin[positions[0]])
-    if x.shape[0] == 0:  # an empty batch has nothing to rotate (and torch.stack refuses [])
-        return x
-    return torch.stack([apply_rotary(x[b], cos[positions[b]], sin[positions[b]])
-                        for b in range(x.shape[0])])  # (B, H, T, D)
+    return apply_rotary(x, cos[positions][:, None], sin[positions][:, None])  # (B|1, 1, T, D/2) per row
 
 
 def _check_padding_type(padding_mask: object) -> None:
