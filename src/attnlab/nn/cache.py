@@ -408,10 +408,13 @@ class WindowedKVCache(Cache):
     def check_room(self, num_new: int) -> None:
         """A ring never overflows: the oldest positions make room."""
 
-    def _written_slots(self, num_new: int) -> Tensor:
-        """Slots the last ``min(num_new, window)`` new positions go to, in order."""
+    def _written_slots(self, num_new: int) -> slice | Tensor:
+        """Slots the last ``min(num_new, window)`` new positions go to, in order: a slice unless
+        they wrap around the ring (a decoding step's one slot is a plain copy, not an index_put)."""
         kept = min(num_new, self.window)
-        first = self.length + num_new - kept
+        first = (self.length + num_new - kept) % self.window
+        if first + kept <= self.window:
+            return slice(first, first + kept)
         return torch.arange(first, first + kept, device=self.device) % self.window  # (kept,)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
