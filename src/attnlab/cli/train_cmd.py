@@ -264,7 +264,7 @@ def _check_variant(task: str, given: dict) -> None:
         if not pattern or unknown:
             fail(f"--layer-pattern must be letters of {', '.join(f'{k} ({v})' for k, v in LAYER_KINDS.items())}, "
                  f"got {pattern!r}" + (f" with unknown {unknown!r}" if unknown else ""))
-    kinds = {(pattern or "G")[layer % len(pattern or "G")] for layer in range(layers)}
+    kinds = set((pattern or "G")[:layers])  # the letters the tiled pattern uses (--layers may be huge)
     shown = f"--layer-pattern {pattern}" if pattern is not None else "no --layer-pattern (every layer G)"
     for letter, name in (("L", "window"), ("M", "latent_dim")):
         if letter in kinds and name not in given:
