@@ -100,6 +100,17 @@ def test_a_head_count_per_layer_reaches_the_model_the_banner_the_table_and_metri
     assert GPT.from_pretrained(out).heads_per_layer == (2, 1)
 
 
+def test_variant_options_reach_the_model_and_the_banner(tmp_path, small_eval):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--steps", "1", *TINY, "--kv-heads", "1", "--layer-pattern", "LM",
+                                 "--window", "4", "--latent-dim", "8", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 kv heads, layers LM (window 4, latent 8)" in result.output
+    model = GPT.from_pretrained(out)
+    assert model.layer_kinds == ("L", "M") and model.blocks[0].attn.window == 4
+    assert (model.config["num_kv_heads"], model.blocks[1].attn.latent_dim) == (1, 8)
+
+
 def test_the_one_layer_control_gives_its_layer_the_defaults_first_head_count(tmp_path, small_eval):
     out = tmp_path / "control"
     result = runner.invoke(app, ["train", "--layers", "1", "--steps", "1", "--d-model", "16", "--batch-size", "4",
@@ -145,6 +156,12 @@ def test_bad_options_give_one_error_line_and_write_nothing(tmp_path, args, words
     (["--task", "text", "--text", "missing.txt"], "--text"), (["--text", "notes.txt"], "--text"),
     (["--threads", "0"], "--threads"), (["--threads", str(10**8)], "--threads"), (["--threads", "x"], "--threads"),
     (["--resume", "no-such-folder"], "--resume"),
+    (["--kv-heads", "0"], "--kv-heads"), (["--kv-heads", "x"], "--kv-heads"), (["--kv-heads", "3"], "--kv-heads"),
+    (["--layer-pattern", "LXG", "--window", "2"], "--layer-pattern"), (["--layer-pattern", ""], "--layer-pattern"),
+    (["--layer-pattern", "L"], "--window"), (["--window", "0", "--layer-pattern", "L"], "--window"),
+    (["--window", "3"], "--window"), (["--window", "x"], "--window"),
+    (["--layer-pattern", "GM"], "--latent-dim"), (["--latent-dim", "0", "--layer-pattern", "M"], "--latent-dim"),
+    (["--latent-dim", "4", "--layer-pattern", "G"], "--latent-dim"),
 ])
 def test_every_bad_train_option_is_refused_by_its_flag_name(tmp_path, args, option):
     """The error names the option as typed on the command line (--d-model), never the Python

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import attnlab
 import attnlab.nn.multihead as multihead
 from attnlab.models import GPT
 from attnlab.nn import KVCache, MultiHeadAttention, PagedKVCache, WindowedKVCache
@@ -54,6 +55,25 @@ def test_windowed_cache_equals_full_window_attention_at_any_length(chunks):
     torch.testing.assert_close(full, _naive_window(module, x, window), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("windowed", [True, False], ids=["ring", "contiguous"])
+def test_window_decoding_step_reads_the_window_only_and_unmasked(monkeypatch, windowed):
+    module, window = _mha(4), 4
+    x = torch.randn(1, 12, 24, dtype=F64)
+    cache = module.new_cache(1, 12, windowed=windowed)
+    calls = []
+    real = multihead.attention
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: calls.append((k.shape[-2], kw["mask"]))
+                        or real(q, k, v, **kw))
+    with torch.no_grad():
+        module(x[:, :11], cache=cache)
+        calls.clear()
+        step = module(x[:, 11:], cache=cache)
+        seen = list(calls)
+        full = module(x)
+    assert seen == [(window, None)]  # no band to build or plan: sdpa's plain decoding call
+    torch.testing.assert_close(step, full[:, 11:], rtol=0, atol=1e-12)
+
+
 def test_windowed_cache_refuses_layers_it_cannot_serve_and_bad_windows():
     with pytest.raises(ValueError, match="window"):
         _mha()(torch.randn(1, 2, 24, dtype=F64), cache=WindowedKVCache(1, 2, 4, 6, dtype=F64))
@@ -89,7 +109,8 @@ def test_paged_rows_of_different_lengths_equal_each_row_alone(monkeypatch):
     cache = PagedKVCache(3, 2, 48, 6, page_size=4, dtype=F64)
     seen = []
     real = multihead.attention
-    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: seen.append(k.shape[-2]) or real(q, k, v, **kw))
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: seen.append((k.shape[0], k.shape[-2]))
+                        or real(q, k, v, **kw))
     with torch.no_grad():
         for b, n in enumerate(lengths):
             module(xs[b][:, :n], cache=cache.select([b]))
@@ -98,12 +119,45 @@ def test_paged_rows_of_different_lengths_equal_each_row_alone(monkeypatch):
                  for s in range(steps)]  # each (3, 1, 24)
         calls = list(seen)
         alone = [module(x) for x in xs]
-    assert calls == [n + s + 1 for s in range(steps) for n in lengths]  # each row reads its own keys only
+    assert calls == [(3, max(lengths) + s + 1) for s in range(steps)]  # one call per step for the whole batch
     for b, n in enumerate(lengths):
         got = torch.cat([step[b] for step in paged])  # (steps, 24)
         torch.testing.assert_close(got, alone[b][0, n:], rtol=0, atol=1e-12)
     assert cache.row_lengths == tuple(n + steps for n in lengths)
     assert [len(t) for t in cache.block_tables] == [math.ceil((n + steps) / 4) for n in lengths]
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 3), (False, None)])
+def test_lengths_mask_is_the_varlen_rule(causal, window):
+    lengths, tq, tk = torch.tensor([7, 2, 12, 3]), 2, 12
+    got = multihead.lengths_mask(lengths, tq=tq, tk=tk, causal=causal, window=window)
+    if causal:
+        mod = attnlab.masks.varlen_causal_mod(torch.full((4,), tq), lengths, window=window)
+    else:
+        mod = attnlab.masks.padding_mod(lengths)
+    expected = attnlab.masks.materialize(mod, tq=tq, tk=tk, batch=4)
+    assert torch.equal(got.expand_as(expected), expected)
+
+
+def test_paged_batch_decodes_in_one_sdpa_call_reading_only_its_own_slots(monkeypatch):
+    module, lengths = _mha(window=5), [7, 4, 12]  # rows 1 and 2 take a fresh page at the step
+    xs = [torch.randn(1, n + 1, 24, dtype=F64) for n in lengths]
+    cache = PagedKVCache(3, 2, 64, 6, page_size=4, dtype=F64)
+    calls = []
+    real = multihead.attention
+    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: calls.append((q, k, v, kw)) or real(q, k, v, **kw))
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            module(xs[b][:, :n], cache=cache.select([b]))
+        free = (torch.tensor(cache.pool.free)[:, None] * 4 + torch.arange(4)).flatten()  # slots of free pages
+        cache.pool.keys[free], cache.pool.values[free] = math.nan, math.nan  # what a released row left there
+        calls.clear()
+        step = module(torch.cat([x[:, n:] for x, n in zip(xs, lengths)]), cache=cache)
+        (q, k, v, options), = calls
+        alone = [module(x)[0, -1] for x in xs]
+    assert k.shape[:3] == (3, 2, max(lengths) + 1)
+    assert "runs on 'sdpa'" in attnlab.backends.why(q, k, v, **options)
+    torch.testing.assert_close(step[:, 0], torch.stack(alone), rtol=0, atol=1e-12)
 
 
 def test_paged_pages_are_freed_and_reused_and_overflow_changes_nothing():
@@ -224,3 +278,16 @@ def test_alibi_is_refused_where_keys_are_not_in_position_order():
     for options in (dict(layer_pattern="GL", window=4), dict(layer_pattern="GM", latent_dim=8, latent_rope_dim=4)):
         with pytest.raises(ValueError, match="positions='alibi'"):
             GPT(vocab_size=11, max_len=16, d_model=16, num_layers=2, num_heads=2, positions="alibi", **options)
+
+
+def test_alibi_with_a_window_decodes_over_a_kv_cache_as_the_full_forward():
+    """Regression: the window's key cut shifted ALiBi's distances; with a score mod every key stays."""
+    from attnlab.nn import MultiHeadAttention
+
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(8, 8, num_heads=2, window=3, positions="alibi").double().eval()
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    full = mha(x)
+    cache = mha.new_cache(1, 16, windowed=False)
+    steps = [mha(x[:, :5], cache=cache)] + [mha(x[:, t:t + 1], cache=cache) for t in range(5, 9)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-12)

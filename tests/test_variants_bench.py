@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from attnlab.bench.variants import VARIANTS, VariantSizes, kv_cache_bytes, tiny_corpus, variants_suite
+import attnlab.bench
+from attnlab.bench.variants import (VARIANTS, VariantRow, VariantSizes, kv_cache_bytes, plot_variants, tiny_corpus,
+                                    variants_suite)
 from attnlab.cli import app
 runner = CliRunner()
 
@@ -65,9 +67,23 @@ def test_kv_memory_refuses_bad_options(args, option):
     assert_one_error_line(runner.invoke(app, ["kv-memory", *line]), option)
 
 
-def test_bench_variants_cannot_plot(tmp_path):
-    assert_one_error_line(runner.invoke(app, ["bench", "--suite", "variants", "--plot", str(tmp_path / "p.png")]),
-                          "--plot")
+def test_bench_variants_plots_its_figures_as_bars(tmp_path, monkeypatch):
+    found = [VariantRow(name, 100.0 * (i + 1), 90.0 * (i + 1), 2**20 * (i + 2), 50.0 + i, 3.0 - i / 10)
+             for i, name in enumerate(VARIANTS)]
+    monkeypatch.setattr(attnlab.bench, "run_suite", lambda suite, **_: [row.bench_row() for row in found])
+    target = tmp_path / "variants.png"
+    result = runner.invoke(app, ["bench", "--suite", "variants", "--plot", str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = plot_variants([row.bench_row() for row in found])
+    kv, rate, peak, loss = fig.axes
+    assert [tick.get_text() for tick in kv.get_xticklabels()] == list(VARIANTS)
+    for ax, expected in ((kv, [r.kv_bytes_measured for r in found]), (rate, [r.tokens_per_s for r in found]),
+                         (peak, [r.peak_bytes / 2**20 for r in found]), (loss, [r.held_out_loss for r in found])):
+        assert [bar.get_height() for bar in ax.patches] == pytest.approx(expected)
+    assert kv.collections[0].get_offsets()[:, 1].tolist() == pytest.approx([r.kv_bytes_formula for r in found])
+    with pytest.raises(ValueError, match="rows: none is a row of the variants suite"):
+        plot_variants([])
 
 
 def test_variants_suite_tiny_measures_what_the_formula_says():

@@ -1059,7 +1059,8 @@ def _ablate_group(model: GPT, inputs: Tensor, targets: Tensor, heads: list[tuple
     """Held-out accuracy with all ``heads`` ``(layer, head)`` zeroed at once."""
     handles = []
     for layer, head in heads:
-        head_dim = model.blocks[layer].attn.head_dim
+        attn = model.blocks[layer].attn  # a latent layer's heads give value_dim features each, not head_dim
+        head_dim = attn.out_proj.in_features // attn.num_heads
 
         def zero_head(module, args, lo=head * head_dim, hi=(head + 1) * head_dim):
             x = args[0].clone()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,6 +111,8 @@ class BenchRow:
         note: anything else (memory, the backend auto chose, ...).
         t: the sequence length the row was measured at (keys for a decoding step), None when the
             row has no single one; ``attnlab bench --plot`` draws rows against it.
+        values: other figures of the row by name (the variants suite's KV bytes per token, peak
+            memory, held-out loss), what a suite's own plot draws.
 
     Example:
         >>> BenchRow("backends", "causal", "sdpa", 0.5, 1e9, 1e10).gflops
@@ -126,6 +128,7 @@ class BenchRow:
     ratio: float | None = None
     note: str = ""
     t: int | None = None
+    values: dict[str, float] = field(default_factory=dict)
 
     @property
     def gflops(self) -> float | None:

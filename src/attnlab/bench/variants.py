@@ -27,7 +27,7 @@ from attnlab.models import GPT
 from attnlab.train import TextTask, TrainConfig, Trainer
 
 __all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token", "VariantSizes", "VARIANTS", "VariantRow",
-           "tiny_corpus", "variants_suite", "print_variants"]
+           "tiny_corpus", "variants_suite", "print_variants", "plot_variants"]
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
@@ -138,10 +138,20 @@ class VariantRow:
     held_out_loss: float
 
     def bench_row(self) -> BenchRow:
-        return BenchRow("variants", "decode", self.name, 1.0 / self.tokens_per_s, note=(
+        values = {name: float(getattr(self, name)) for name in _PLOTTED}
+        return BenchRow("variants", "decode", self.name, 1.0 / self.tokens_per_s, values=values, note=(
             f"KV {self.kv_bytes_measured:.0f} B/token (formula {self.kv_bytes_formula:.0f}), peak "
             f"{self.peak_bytes / 2**20:.1f} MiB, {self.tokens_per_s:.0f} tokens/s, held-out loss "
             f"{self.held_out_loss:.3f}"))
+
+
+# VariantRow figures the suite's plot draws (BenchRow.values), one panel each but the formula,
+# drawn as a mark on the measured bytes' bars.
+_PLOTTED = ("kv_bytes_measured", "kv_bytes_formula", "peak_bytes", "tokens_per_s", "held_out_loss")
+_PANELS = {"kv_bytes_measured": ("KV cache bytes per token", "bytes (bars: measured, -: formula)", 1),
+           "tokens_per_s": ("decoding speed", "tokens/s", 1),
+           "peak_bytes": ("peak memory while decoding", "MiB", 2**20),
+           "held_out_loss": ("quality after the same training", "held-out loss (lower is better)", 1)}
 
 
 def tiny_corpus(sentences: int = 4000, *, seed: int = 0) -> str:
@@ -221,6 +231,47 @@ def variants_suite(*, quick: bool = False, sizes: VariantSizes | None = None, se
     non_negative_int("seed", seed)
     corpus = TextTask(tiny_corpus(sizes.corpus_sentences, seed=seed), seq_len=sizes.seq_len)
     return [_one_variant(name, sizes, corpus, seed) for name in VARIANTS]
+
+
+def plot_variants(rows: list[BenchRow], *, caption: str | None = None):
+    """The suite as bars, one per variant: KV bytes per token (the formula marked on each bar),
+    tokens/s, peak memory and held-out loss (``attnlab bench --suite variants --plot``).
+
+    Args:
+        rows: the suite's rows (:meth:`VariantRow.bench_row`); others are ignored.
+        caption: the title's second line (default: :func:`attnlab.bench.timing.machine_line`).
+
+    Returns:
+        a matplotlib ``Figure`` (no pyplot state), one panel per figure in that order.
+
+    Raises:
+        ValueError: naming ``rows`` when none is a variants row.
+
+    Example:
+        >>> fig = plot_variants([VariantRow(n, 512, 512, 2**20, 100.0, 2.5).bench_row() for n in ("MHA", "MQA")])
+        >>> len(fig.axes), len(fig.axes[0].patches)
+        (4, 2)
+    """
+    from matplotlib.figure import Figure
+
+    rows = [row for row in rows if row.suite == "variants" and set(_PLOTTED) <= set(row.values)]
+    if not rows:
+        raise ValueError("rows: none is a row of the variants suite (with its figures) to plot")
+    names = [row.name for row in rows]
+    fig = Figure(figsize=(3.2 * len(_PANELS), 4.2), layout="constrained")
+    for ax, (key, (title, unit, factor)) in zip(fig.subplots(1, len(_PANELS)), _PANELS.items()):
+        heights = [row.values[key] / factor for row in rows]
+        ax.bar(names, heights, color=[f"C{i % 10}" for i in range(len(rows))])
+        if key == "kv_bytes_measured":
+            ax.scatter(names, [row.values["kv_bytes_formula"] for row in rows], marker="_", s=400, color="black",
+                       zorder=3, label="formula")
+        ax.set_title(title, fontsize="medium")
+        ax.set_ylabel(unit)
+        ax.tick_params(axis="x", labelrotation=45)
+        ax.grid(True, axis="y", alpha=0.3)
+    caption = caption if caption is not None else f"machine: {machine_line()}"
+    fig.suptitle(f"attnlab bench --suite variants: attention variants at one model size\n{caption}")
+    return fig
 
 
 def print_variants(rows: list[VariantRow], sizes: VariantSizes, *, console=None) -> None:

@@ -16,8 +16,8 @@ import typer
 from attnlab._checks import one_of
 from attnlab.cli._errors import fail, option_errors
 
-# Suites whose rows have a time and a sequence length: what --plot draws.
-_UNPLOTTABLE = ("memory", "decode-model", "variants")
+# Suites whose rows have no time and sequence length for --plot to draw (variants has its own chart).
+_UNPLOTTABLE = ("memory", "decode-model")
 
 
 def bench(
@@ -33,7 +33,8 @@ def bench(
                                  help="Also write the tables as Markdown to FILE.md, headed by the machine "
                                       "and this command (what BENCHMARKS.md holds)."),
     plot: Path = typer.Option(None, "--plot", metavar="FILE.png",
-                              help="Also draw median time and GFLOP/s vs T, one line per implementation."),
+                              help="Also draw median time and GFLOP/s vs T, one line per implementation "
+                                   "(variants: bars of KV bytes/token, tokens/s, peak memory, held-out loss)."),
     with_flex: bool = typer.Option(False, "--with-flex",
                                    help="Sparse suite: also time the flex backend and compiled FlexAttention "
                                         "with its own block mask, forward (compiles for minutes on CPU)."),
@@ -64,7 +65,7 @@ def bench(
                             *(["--with-flex"] if with_flex else [])])
         _write("--markdown", markdown, bench_markdown(json.loads(document), command=command))
     if plot is not None:
-        _write_plot(plot, rows)
+        _write_plot(plot, rows, suite)
 
 
 def _check_outputs(suite: str, json_out: str | None, markdown: str | None, plot: Path | None) -> None:
@@ -112,11 +113,12 @@ def _write(option: str, path: str, data: str | bytes) -> None:
         fail(f"cannot write {option} {path!r}: {err.strerror or err}")
 
 
-def _write_plot(plot: Path, rows) -> None:
+def _write_plot(plot: Path, rows, suite: str) -> None:
     from attnlab.bench.report import figure_png, plot_rows
+    from attnlab.bench.variants import plot_variants
 
     with option_errors():
-        figure = plot_rows(rows)
+        figure = plot_variants(rows) if suite == "variants" else plot_rows(rows)
     _write("--plot", str(plot), figure_png(figure))
 
 

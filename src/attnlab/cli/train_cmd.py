@@ -8,6 +8,12 @@ for the device's memory (named by the option that makes it so, before anything i
 Ctrl-C finishes the current step, saves a checkpoint and prints the command that resumes it
 (exit 130); a second Ctrl-C stops at once.
 
+``--kv-heads``, ``--layer-pattern``, ``--window`` and ``--latent-dim`` train an attention variant
+(grouped-query heads; local, global and latent layers, see :class:`attnlab.models.GPT`): a
+``--kv-heads`` that does not divide every layer's heads, a pattern with letters other than G, L
+and M, a ``--window`` or ``--latent-dim`` missing for the pattern's L or M layers, or given
+without them, is one ``error:`` line naming the option.
+
 ``--resume DIR`` continues a checkpoint with its own options: an option given as well must say
 what the checkpoint says (``--task recall`` on an induction checkpoint is refused, naming both),
 and ``--steps`` below the checkpoint's step is refused; at the checkpoint's step there is nothing
@@ -33,6 +39,7 @@ from attnlab.cli._memory import refuse_if_too_big
 from attnlab.distributed import METHODS, sequence_layout
 from attnlab.distributed.launch import run_local
 from attnlab.distributed.layout import check_length
+from attnlab.models.gpt import LAYER_KINDS
 from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
@@ -75,6 +82,17 @@ def train(
                                   help="With --context-parallel: ring (default), ulysses or hybrid."),
     cp_ulysses: int = typer.Option(None, "--cp-ulysses", show_default=False,
                                    help="With --cp-method hybrid: ranks per Ulysses group (must divide P)."),
+    kv_heads: int = typer.Option(None, "--kv-heads", show_default=False,
+                                 help="Grouped-query key/value heads; must divide every layer's --heads "
+                                      "(default: one per head)."),
+    layer_pattern: str = typer.Option(None, "--layer-pattern", show_default=False,
+                                      help="Each layer's attention, tiled over --layers: G global, L local "
+                                           "(sliding --window), M latent (MLA, --latent-dim); e.g. LLG "
+                                           "(default: all G)."),
+    window: int = typer.Option(None, "--window", show_default=False,
+                               help="Keys per query of the L layers' sliding window."),
+    latent_dim: int = typer.Option(None, "--latent-dim", show_default=False,
+                                   help="Width of the M layers' key/value latent."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -84,8 +102,8 @@ def train(
 
     given = {name: value for name, value in dict(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
-        lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None).items()
-        if value is not None}
+        lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
+        layer_pattern=layer_pattern, window=window, latent_dim=latent_dim).items() if value is not None}
     _check_options(given, steps, threads)
     sharding = _check_sharding(context_parallel, cp_method, cp_ulysses, device)
     _check_device(device)
@@ -104,7 +122,8 @@ def train(
         console.print(f"attnlab train --task {c.task}: {c.layers} layer{'s' if c.layers != 1 else ''} x "
                       f"{format_heads(trainer.model.heads_per_layer)} heads, d_model {c.d_model}, "
                       f"{'attention-only' if c.attention_only else 'with MLP'}, {c.positions} positions"
-                      f"{f', softcap {c.softcap:g}' if c.softcap is not None else ''}{', sinks' if c.sinks else ''}; "
+                      f"{f', softcap {c.softcap:g}' if c.softcap is not None else ''}{', sinks' if c.sinks else ''}"
+                      f"{_variant_banner(c)}; "
                       f"{c.steps} steps of {c.batch_size} x {trainer.task.seq_len} tokens, from step {trainer.step}"
                       + ("" if sharding is None else f"; {sharding.describe()}"), markup=False, soft_wrap=True)
     if sharding is None:
@@ -124,7 +143,9 @@ def train(
 # The command line's name of each TrainConfig field an option sets.
 FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": "--d-model",
          "attention_only": "--attention-only/--mlp", "steps": "--steps", "batch_size": "--batch-size", "lr": "--lr",
-         "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks"}
+         "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks",
+         "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
+         "latent_dim": "--latent-dim"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -151,7 +172,8 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
         if "task" in given:
             one_of("--task", given["task"], _train.TASKS)
         for name, value in (*given.items(), ("steps", steps)):
-            if name in ("layers", "d_model", "batch_size", "steps") and value is not None:
+            if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim") \
+                    and value is not None:
                 positive_int(FLAGS[name], value)
         if "lr" in given:
             positive_number("--lr", given["lr"])
@@ -170,6 +192,7 @@ def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
     if task_name != "text" and "text" in given:
         fail(f"--text is only for --task text (got --task {task_name})")
     _check_heads(task_name, given.get("heads"), given.get("layers"), given.get("d_model"))
+    _check_variant(task_name, given)
     options = {name: value for name, value in given.items() if name != "text"}
     config = _train.TrainConfig(**{**options, "task": task_name}, steps=steps, device=device,
                                 text=None if "text" not in given else str(given["text"]))
@@ -261,6 +284,43 @@ def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | N
     bad = [count for count in counts if d_model % count]
     if bad:
         fail(f"{shown} must divide --d-model {d_model} ({bad[0]} does not; each head gets d_model / heads features)")
+
+
+def _check_variant(task: str, given: dict) -> None:
+    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window for its L
+    layers and --latent-dim for its M layers, neither without them (over --layers)."""
+    layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
+    pattern = given.get("layer_pattern")
+    if pattern is not None:
+        unknown = "".join(sorted(set(pattern) - set(LAYER_KINDS)))
+        if not pattern or unknown:
+            fail(f"--layer-pattern must be letters of {', '.join(f'{k} ({v})' for k, v in LAYER_KINDS.items())}, "
+                 f"got {pattern!r}" + (f" with unknown {unknown!r}" if unknown else ""))
+    kinds = set((pattern or "G")[:layers])  # the letters the tiled pattern uses (--layers may be huge)
+    shown = f"--layer-pattern {pattern}" if pattern is not None else "no --layer-pattern (every layer G)"
+    for letter, name in (("L", "window"), ("M", "latent_dim")):
+        if letter in kinds and name not in given:
+            fail(f"{shown} has {LAYER_KINDS[letter]} layers: give {FLAGS[name]}")
+        if letter not in kinds and name in given:
+            fail(f"{_shown(name, given[name])} is for {letter} layers ({LAYER_KINDS[letter]}), and {shown} has none "
+                 f"over {layers} layer{'s' if layers > 1 else ''}")
+    if "kv_heads" in given:
+        heads = given.get("heads", _train.default_heads(task, layers))
+        counts = heads if isinstance(heads, tuple) else (heads,)
+        bad = [count for count in counts if count % given["kv_heads"]]
+        if bad:
+            fail(f"{_shown('kv_heads', given['kv_heads'])} must divide every layer's head count "
+                 f"({_shown('heads', heads)}{'' if 'heads' in given else ' (the default)'}: {bad[0]} is not a multiple)")
+
+
+def _variant_banner(config: _train.TrainConfig) -> str:
+    """``, GQA 2 kv heads, layers LLG (window 8)`` for a variant; empty for plain multi-head attention."""
+    parts = [f"{config.kv_heads} kv heads"] if config.kv_heads is not None else []
+    if config.layer_pattern is not None:
+        sizes = [f"{name} {value}" for name, value in (("window", config.window), ("latent", config.latent_dim))
+                 if value is not None]
+        parts.append(f"layers {config.layer_pattern}" + (f" ({', '.join(sizes)})" if sizes else ""))
+    return "".join(f", {part}" for part in parts)
 
 
 def _check_device(device: str) -> None:

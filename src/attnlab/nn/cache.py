@@ -32,7 +32,8 @@ from attnlab._checks import instance_of, non_negative_int, positive_int
 
 __all__ = ["Cache", "KVCache", "WindowedKVCache", "PagedKVCache", "new_positions"]
 
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+# attend(q, keys, values) -> out; a ragged paged batch adds key_lengths= (see Cache.attend).
+Attend = Callable[..., Tensor]
 
 
 def _dtype_device(dtype, device) -> tuple[torch.dtype, torch.device | None]:
@@ -95,7 +96,11 @@ class Cache:
         """Store ``k_new``/``v_new`` and return ``attend(q, keys, values)`` over what ``q`` may see.
 
         ``attend`` is the module's attention (its masks, causal or sliding-window, aligned
-        bottom-right on the keys it is given).
+        bottom-right on the keys it is given). A cache whose rows hold different lengths
+        (:class:`PagedKVCache`) gives it every row's keys right-padded to the longest and calls
+        ``attend(q, keys, values, key_lengths=lengths)`` with the ``(B,)`` int64 real key count
+        per row: the module then aligns its rule on each row's own length and masks the padding
+        (:func:`attnlab.masks.varlen_causal_mod`'s rule).
 
         Shapes:
             q: ``(B, H, T_new, D)``; k_new: ``(B, Hkv, T_new, D)``; v_new: ``(B, Hkv, T_new, Dv)``
@@ -403,10 +408,13 @@ class WindowedKVCache(Cache):
     def check_room(self, num_new: int) -> None:
         """A ring never overflows: the oldest positions make room."""
 
-    def _written_slots(self, num_new: int) -> Tensor:
-        """Slots the last ``min(num_new, window)`` new positions go to, in order."""
+    def _written_slots(self, num_new: int) -> slice | Tensor:
+        """Slots the last ``min(num_new, window)`` new positions go to, in order: a slice unless
+        they wrap around the ring (a decoding step's one slot is a plain copy, not an index_put)."""
         kept = min(num_new, self.window)
-        first = self.length + num_new - kept
+        first = (self.length + num_new - kept) % self.window
+        if first + kept <= self.window:
+            return slice(first, first + kept)
         return torch.arange(first, first + kept, device=self.device) % self.window  # (kept,)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
@@ -487,8 +495,10 @@ class PagedKVCache(Cache):
 
     The pool holds ``capacity`` token slots cut into pages of ``page_size``. A row takes a page
     from the pool when its last page is full, so it holds ``ceil(length / page_size)`` pages,
-    whatever the other rows hold: a batch of prompts of different lengths stores no padding, and
-    attention reads each row's own keys only (one call per row over exactly its length).
+    whatever the other rows hold: a batch of prompts of different lengths stores no padding.
+    Attention is one call for the whole batch: :meth:`padded` gathers each row's pages into a
+    transient ``(B, Hkv, L_max, D)`` copy (pages are zeroed when a row takes them, so no row reads
+    another row's keys, even a released one's) and the module masks each row past its own length.
     :meth:`release` gives a finished row's pages back for the next sequence; :meth:`select`
     gives a view of some rows (sharing the pool), e.g. to prefill each prompt alone.
 
@@ -599,16 +609,23 @@ class PagedKVCache(Cache):
                 f"{self.pool.num_pages * self.page_size}); release() finished rows or make a larger cache")
 
     def _allocate(self, num_new: int) -> None:
+        """Give each row the pages ``num_new`` more positions need, zeroed: the slots of a row's
+        pages it has not written yet hold zeros, never a released row's keys (what :meth:`padded`
+        reads past a row's length)."""
         offsets = torch.arange(self.page_size, device=self.device)
         for seq, count in zip(self.rows, self._pages_needed(num_new)):
+            if not count:
+                continue
             pages, self.pool.free = self.pool.free[:count], self.pool.free[count:]
             seq.pages += pages
             fresh = (torch.tensor(pages, dtype=torch.int64, device=self.device)[:, None] * self.page_size
                      + offsets).flatten()  # (count * P,)
+            self.pool.keys[fresh], self.pool.values[fresh] = 0, 0
             seq.slots = torch.cat([seq.slots, fresh])
 
-    def update(self, k_new: Tensor, v_new: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Append ``T_new`` positions to every row; return each row's keys/values so far.
+    def update(self, k_new: Tensor, v_new: Tensor, *, gather: bool = True) -> list[tuple[Tensor, Tensor]] | None:
+        """Append ``T_new`` positions to every row; return each row's keys/values so far
+        (None with ``gather=False``: :meth:`attend` reads them with :meth:`padded`).
 
         Example:
             >>> cache = PagedKVCache(2, 1, 8, 2, page_size=2)
@@ -624,19 +641,58 @@ class PagedKVCache(Cache):
             self.pool.keys[slots] = k_new[b].transpose(0, 1)  # (T_new, Hkv, D)
             self.pool.values[slots] = v_new[b].transpose(0, 1)
             seq.length += num_new
-        return self._gather()
+        return self._gather() if gather else None
 
     def _gather(self) -> list[tuple[Tensor, Tensor]]:
-        """Each row's keys/values ``(1, Hkv, L_b, D)``: one gather from the pool for all rows."""
-        index = torch.cat([seq.slots[: seq.length] for seq in self.rows])
-        keys = self.pool.keys.index_select(0, index).permute(1, 0, 2)  # (Hkv, sum L, D)
-        values = self.pool.values.index_select(0, index).permute(1, 0, 2)  # (Hkv, sum L, Dv)
-        lengths = self.row_lengths
-        return [(k[None], v[None]) for k, v in zip(keys.split(lengths, dim=1), values.split(lengths, dim=1))]
+        """Each row's keys/values ``(1, Hkv, L_b, D)``: views of :meth:`padded`'s one gather."""
+        keys, values, _ = self.padded()
+        return [(keys[b : b + 1, :, :length], values[b : b + 1, :, :length])
+                for b, length in enumerate(self.row_lengths)]
+
+    def _padded_table(self) -> Tensor:
+        """``(B, pages)`` each row's block table, padded to the longest with its own first page."""
+        width = max((len(seq.pages) for seq in self.rows), default=0)
+        return torch.tensor([seq.pages + seq.pages[:1] * (width - len(seq.pages)) if seq.pages else [0] * width
+                             for seq in self.rows], dtype=torch.int64, device=self.device)  # (B, pages)
+
+    def padded(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Every row's keys/values gathered from its pages, right-padded to the longest row.
+
+        Returns:
+            ``keys`` ``(B, Hkv, L_max, D)`` and ``values`` ``(B, Hkv, L_max, Dv)`` (transient
+            copies, not cache memory), and the ``(B,)`` int64 lengths of the rows, or None when
+            every row has the same length (nothing is padded). Whole pages are gathered (a few
+            large copies, not one per position): past its length a row reads the zeros of its
+            last page's unwritten slots, then its own first page again; never another row's data,
+            and masked by the lengths.
+
+        Example:
+            >>> cache = PagedKVCache(2, 1, 8, 1, page_size=2)
+            >>> _ = cache.select([0]).update(torch.ones(1, 1, 3, 1), torch.ones(1, 1, 3, 1))
+            >>> _ = cache.select([1]).update(torch.full((1, 1, 1, 1), 2.0), torch.ones(1, 1, 1, 1))
+            >>> keys, values, lengths = cache.padded()
+            >>> keys[:, 0, :, 0].tolist(), lengths.tolist()
+            ([[1.0, 1.0, 1.0], [2.0, 0.0, 2.0]], [3, 1])
+        """
+        table = self._padded_table()
+        lengths, pages = self.row_lengths, self.pool.num_pages
+        longest, (batch, width) = max(lengths, default=0), table.shape
+        index = table.flatten()
+        per_page = self.page_size * self.num_kv_heads
+        keys = self.pool.keys.view(pages, per_page * self.head_dim).index_select(0, index)  # (B * pages, P * Hkv * D)
+        values = self.pool.values.view(pages, per_page * self.value_dim).index_select(0, index)  # (B * pages, P * Hkv * Dv)
+        keys = keys.view(batch, width * self.page_size, self.num_kv_heads, self.head_dim)[:, :longest]
+        values = values.view(batch, width * self.page_size, self.num_kv_heads, self.value_dim)[:, :longest]
+        ragged = None if len(set(lengths)) <= 1 else torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        return keys.transpose(1, 2), values.transpose(1, 2), ragged  # (B, Hkv, L_max, D), (B, Hkv, L_max, Dv)
 
     def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
-        rows = self.update(k_new, v_new)
-        return torch.cat([attend(q[b : b + 1], k, v) for b, (k, v) in enumerate(rows)])  # (B, H, T_new, Dv)
+        """One attention call for the whole batch over :meth:`padded` keys (see :meth:`Cache.attend`)."""
+        self.update(k_new, v_new, gather=False)
+        keys, values, lengths = self.padded()
+        if lengths is None:
+            return attend(q, keys, values)
+        return attend(q, keys, values, key_lengths=lengths)  # (B, H, T_new, Dv)
 
     def release(self, row: int) -> None:
         """Give row ``row``'s pages back to the pool and empty it (its sequence is done).

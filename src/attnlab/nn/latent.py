@@ -232,8 +232,8 @@ class LatentAttention(nn.Module):
         else:
             q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T, dn + dr)
 
-        def attend(q: Tensor, keys: Tensor, _: Tensor):
-            return self._attend_latents(q, keys, mask, absorb, return_weights)
+        def attend(q: Tensor, keys: Tensor, _: Tensor, *, key_lengths: Tensor | None = None):
+            return self._attend_latents(q, keys, mask, absorb, return_weights, key_lengths)
 
         result = attend(q, keys, no_values) if cache is None else cache.attend(q, keys, no_values, attend)
         out = result[0] if return_weights else result  # absorbed (B, H, T, dc); expanded (B, H, T, dv)
@@ -242,8 +242,10 @@ class LatentAttention(nn.Module):
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.value_dim))  # (B, T, d_model)
         return (out, result[1]) if return_weights else out
 
-    def _attend_latents(self, q: Tensor, keys: Tensor, mask, absorb: bool, return_weights: bool):
-        """Attention of ``q`` over cached ``keys`` ``(B, 1, Tk, dc + dr)``, absorbed or expanded."""
+    def _attend_latents(self, q: Tensor, keys: Tensor, mask, absorb: bool, return_weights: bool,
+                        key_lengths: Tensor | None = None):
+        """Attention of ``q`` over cached ``keys`` ``(B, 1, Tk, dc + dr)``, absorbed or expanded
+        (``key_lengths``: a paged batch's real keys per row, see :func:`attend_causal`)."""
         scale = 1.0 / math.sqrt(self.nope_dim + self.rope_dim)
         latent, k_rope = keys.split((self.latent_dim, self.rope_dim), dim=-1)  # (B, 1, Tk, dc), (.., dr)
         if absorb:  # one shared key/value head: keys [c, k_rope], values c (a view, no copy)
@@ -255,7 +257,8 @@ class LatentAttention(nn.Module):
             k_nope, v = kv.split((self.nope_dim, self.value_dim), dim=-1)
             k = torch.cat([k_nope, k_rope.expand(B, self.num_heads, Tk, self.rope_dim)], dim=-1)  # (B, H, Tk, dn + dr)
         return attend_causal(q, k, v, mask=mask, window=self.window, scale=scale, backend=self.backend,
-                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights)
+                             dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights,
+                             key_lengths=key_lengths)
 
     # ------------------------------------------------------------------ caching
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,

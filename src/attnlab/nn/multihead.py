@@ -412,9 +412,9 @@ class MultiHeadAttention(nn.Module):
         score_mod = self._score_mod(alibi_offset, context is not None)
         q, k, v, _ = self._qkv(x, context, value_input, cache, documents)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor):
+        def attend(q: Tensor, k: Tensor, v: Tensor, *, key_lengths: Tensor | None = None):
             return self.attend_heads(q, k, v, mask=mask, self_attention=context is None,
-                                     return_weights=return_weights, score_mod=score_mod)
+                                     return_weights=return_weights, score_mod=score_mod, key_lengths=key_lengths)
 
         result = attend(q, k, v) if cache is None else cache.attend(q, k, v, attend)
         context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
@@ -422,13 +422,15 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(context_vec), (result[1] if return_weights else None)
 
     def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, self_attention: bool = True,
-                     return_weights: bool = False, scale: float | None = None, score_mod=None):
+                     return_weights: bool = False, scale: float | None = None, score_mod=None,
+                     key_lengths: Tensor | None = None):
         """The module's attention over given heads: its causal rule or window, sinks, dropout,
         backend, and ``score_mod`` (the module's softcap/ALiBi, :meth:`_score_mod`).
 
         Queries are aligned bottom-right on the keys (the last query is the newest token), so
         ``k`` may start with cached positions; with a ``window`` the sliding window on that
-        diagonal replaces the causal mask.
+        diagonal replaces the causal mask. ``key_lengths`` (``(B,)``): each row's real keys,
+        right-padded to ``Tk``; the rule then aligns on each row's own length (a paged batch).
 
         Shapes:
             q: ``(B, H, Tq, D)``; k: ``(B, Hkv, Tk, D)``; v: ``(B, Hkv, Tk, Dv)`` ->
@@ -445,7 +447,7 @@ class MultiHeadAttention(nn.Module):
         return attend_causal(q, k, v, mask=mask, causal=self.causal and self_attention, window=self.window
                              if self_attention else None, scale=scale, backend=self.backend,
                              dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights,
-                             score_mod=score_mod, sinks=self.sinks)
+                             score_mod=score_mod, sinks=self.sinks, key_lengths=key_lengths)
 
     def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
         """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
@@ -656,11 +658,16 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
                   scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
-                  return_weights: bool = False, score_mod=None, sinks: Tensor | None = None):
+                  return_weights: bool = False, score_mod=None, sinks: Tensor | None = None,
+                  key_lengths: Tensor | None = None):
     """:func:`attnlab.attention` with the queries aligned bottom-right on the keys (the last
     query is the newest token, so ``k`` may start with cached positions), and with ``window``
     the causal sliding window on that diagonal in place of the causal mask. ``mask`` (a tensor
     or a mask mod) is ANDed in. The one attention call of the modules in :mod:`attnlab.nn`.
+
+    With ``key_lengths`` (``(B,)`` int64) row ``b`` holds ``key_lengths[b]`` real keys followed
+    by padding (a paged batch's rows gathered to the longest): the rule aligns on each row's own
+    length instead, as a ``(B, 1, Tq, Tk)`` bool mask (:func:`lengths_mask`), which SDPA serves.
 
     Shapes:
         q: ``(B, H, Tq, D)``; k: ``(B, Hkv, Tk, D)``; v: ``(B, Hkv, Tk, Dv)`` -> ``(B, H, Tq, Dv)``.
@@ -670,8 +677,19 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         >>> out = attend_causal(q, k, k, window=2)        # the newest query sees the last 2 keys
         >>> torch.allclose(out, attend_causal(q, k[:, :, 3:], k[:, :, 3:]), atol=1e-6)
         True
+        >>> padded = attend_causal(q, k, k, window=2, key_lengths=torch.tensor([3]))  # keys 3, 4: padding
+        >>> torch.allclose(padded, attend_causal(q, k[:, :, 1:3], k[:, :, 1:3]), atol=1e-6)
+        True
     """
     tq, tk = q.shape[-2], k.shape[-2]
+    if key_lengths is not None:
+        rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window)  # (B, 1, Tq, Tk)
+        return attention(q, k, v, mask=_masks.and_masks(mask, rows), scale=scale, dropout_p=dropout_p,
+                         backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
+    if window is not None and causal:  # a score mod (ALiBi) indexes key positions: keep every key
+        q, k, v, mask, window = _within_window(q, k, v, mask, window,
+                                               keep_keys=return_weights or score_mod is not None)
+        tk = k.shape[-2]
     align = "bottom_right" if causal and tk != tq else "top_left"
     if window is not None:
         band = _masks.sliding_window_mod(tq, tk, window, align=align)
@@ -682,6 +700,43 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
+
+
+def _within_window(q, k, v, mask, window: int, *, keep_keys: bool):
+    """A causal sliding window on the bottom-right diagonal, cut to what it needs: keys before the
+    first query's window are dropped (none of the queries sees them; a decoding step over a
+    contiguous cache then reads ``window`` keys, not all of them; kept with ``keep_keys``, whose
+    weights index every key, or a mask mod, which indexes positions), and a window that reaches
+    the first key from every query is no mask beyond the causal one (None: a decoding step over a
+    ring buffer is an unmasked call, which SDPA serves)."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    first = tk - tq - window + 1  # keys before it are outside every query's window
+    if first > 0 and not keep_keys and (mask is None or isinstance(mask, Tensor)):
+        k, v = k[..., first:, :], v[..., first:, :]  # (B, Hkv, Tq + window - 1, D)
+        if isinstance(mask, Tensor) and mask.shape[-1] == tk:
+            mask = mask[..., first:]
+        tk -= first
+    return q, k, v, mask, (None if tk <= window else window)
+
+
+def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, window: int | None = None) -> Tensor:
+    """Bool ``(B, 1, Tq, Tk)`` mask of a batch whose row ``b`` holds ``key_lengths[b]`` real keys,
+    its ``Tq`` queries the newest of them: :func:`attnlab.masks.varlen_causal_mod`'s rule with
+    ``q_lengths = Tq`` (every query real), built directly (a decoding step pays for it in every
+    layer). ``causal=False``: each query sees its row's real keys.
+
+    Example:
+        >>> lengths_mask(torch.tensor([3, 1]), tq=1, tk=3, window=2)[:, 0, 0].int()
+        tensor([[0, 1, 1],
+                [1, 0, 0]], dtype=torch.int32)
+    """
+    device = key_lengths.device
+    keys = torch.arange(tk, device=device)  # (Tk,)
+    if not causal:
+        return keys < key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, Tk)
+    own = key_lengths.view(-1, 1, 1, 1) - tq + torch.arange(tq, device=device).view(1, 1, tq, 1)  # (B, 1, Tq, 1)
+    allowed = keys <= own  # (B, 1, Tq, Tk)
+    return allowed if window is None else allowed & (keys > own - window)
 
 
 def _check_window(window: object, causal: bool) -> int | None:
@@ -804,12 +859,7 @@ def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
     else:
         span = int(positions.max()) + 1 if positions.numel() else 0
     cos, sin = rope.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2): every position < span
-    if positions.shape[0] == 1:
-        return apply_rotary(x, cos[positions[0]], sin[positions[0]])
-    if x.shape[0] == 0:  # an empty batch has nothing to rotate (and torch.stack refuses [])
-        return x
-    return torch.stack([apply_rotary(x[b], cos[positions[b]], sin[positions[b]])
-                        for b in range(x.shape[0])])  # (B, H, T, D)
+    return apply_rotary(x, cos[positions][:, None], sin[positions][:, None])  # (B|1, 1, T, D/2) per row
 
 
 def _check_padding_type(padding_mask: object) -> None:

@@ -166,7 +166,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate feature pairs ``(i, i + D/2)`` of ``x`` by the angles whose cos/sin are given.
 
     Shapes:
-        x: ``(..., T, D)``; cos, sin: ``(T, D/2)`` -> ``(..., T, D)``.
+        x: ``(..., T, D)``; cos, sin: ``(T, D/2)``, or with leading dims that broadcast against
+        ``x``'s (``(B, 1, T, D/2)``: each batch row at its own positions) -> ``(..., T, D)``.
 
     Example:
         >>> x = torch.tensor([[1.0, 0.0]])                 # one position, one pair
@@ -174,10 +175,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         tensor([[0., 1.]])
     """
     half = (x.shape[-2], x.shape[-1] // 2)
-    if x.shape[-1] % 2 or tuple(cos.shape) != half or tuple(sin.shape) != half:
+    if (x.shape[-1] % 2 or tuple(cos.shape[-2:]) != half or cos.shape != sin.shape
+            or cos.ndim > max(x.ndim, 2)):
         raise ValueError(
-            f"apply_rotary needs x (..., T, D) with D even and cos, sin (T, D/2) = {half}; got x "
-            f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+            f"apply_rotary needs x (..., T, D) with D even and cos, sin (..., T, D/2) with T, D/2 = {half}; "
+            f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
         )
     x1, x2 = x.chunk(2, dim=-1)  # (..., T, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
