@@ -75,7 +75,7 @@ from attnlab.backends.registry import register
 from attnlab.backends.transforms import gradients_function, outside_transforms, vmap_by_slices
 from attnlab.scores import ScoreMod
 
-__all__ = ["BlocksBackend", "blocks_attention", "block_spans", "choose_block", "visited_fraction",
+__all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
 
 # Queries per block that the cost model chooses from (:func:`choose_block`). Smaller blocks
@@ -660,6 +660,35 @@ def _add_tile_gradients(tile: Tensor, leaves: list, d_scores: Tensor, d_params: 
 _BlocksGradientsFunction = gradients_function(
     "blocks", lambda d_out, q, k, v, sinks, out, lse, plan, need_sinks, need_params, *params: _block_backward(
         plan, d_out, (q, k, v), out, lse, sinks, need_sinks, need_params, params))
+
+
+def blocks_gradients(call: AttentionCall, *, out: Tensor, lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``call.q``, ``call.k``, ``call.v`` from ``d_out``, given ``out`` and ``lse``
+    (the twin of :func:`attnlab.backends.chunked.chunked_gradients`).
+
+    ``out`` and ``lse`` may be those of a larger computation this call is one piece of (a ring
+    step's global rows), as long as they cover the call's queries. For calls without a score
+    mod or sinks.
+
+    Shapes:
+        out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out like out -> dq, dk, dv like q, k, v.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> x = torch.randn(1, 1, 6, 4, dtype=torch.float64, requires_grad=True)
+        >>> call = build_call(x, x, x, causal=True)
+        >>> r = blocks_attention(build_call(x.detach(), x.detach(), x.detach(), causal=True), block=4)
+        >>> dq, dk, dv = blocks_gradients(call, out=r.out, lse=r.lse, d_out=torch.ones_like(r.out))
+        >>> ref = torch.autograd.grad(blocks_attention(call, block=4).out.sum(), x)[0]
+        >>> bool(torch.allclose(dq + dk + dv, ref))
+        True
+    """
+    if call.score_mod is not None or call.sinks is not None:
+        raise ValueError("blocks_gradients: a call with a score mod or sinks differentiates through "
+                         "blocks_attention itself")
+    runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), None)
+    return _block_backward(_Plan(call, runs), d_out, (call.q, call.k, call.v), out, lse, None, False,
+                           frozenset(), ())[:3]
 
 
 def blocks_attention(call: AttentionCall, *, block: int | None = None) -> AttentionResult:

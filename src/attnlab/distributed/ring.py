@@ -34,7 +34,7 @@ from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.backends.blocks import blocks_attention
 # blocks exports no gradient-from-(out, lse) function yet (chunked_gradients' twin): its own
 # backward, given this ring's global out and lse, is exactly one shard's share of the gradient
-from attnlab.backends.blocks import _Plan as _BlocksPlan, _block_backward, _planned_runs
+from attnlab.backends.blocks import blocks_gradients
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, Pending, transfer
 from attnlab.distributed.layout import check_length, chunk_ids, chunks_per_rank, positions
@@ -354,8 +354,7 @@ def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool
         if not fused:
             return chunked_gradients(call, out=out, lse=lse, d_out=d_out)
         # blocks' own backward, given this ring's global out and lse (the twin of chunked_gradients)
-        runs = _planned_runs(call, call.mask_mod(), None)
-        dq, dk, dv = _block_backward(_BlocksPlan(call, runs), d_out, (call.q, call.k, call.v), out, lse)
+        dq, dk, dv = blocks_gradients(call, out=out, lse=lse, d_out=d_out)
         return dq.mul_(setup.scale), dk, dv
     if fused:
         Hkv, D, Dv = k.shape[1], q.shape[-1], v.shape[-1]
