@@ -156,7 +156,78 @@ def new_positions(cache: Cache | None, num_new: int, *, device=None) -> int | Te
     return start[:, None] + torch.arange(num_new, device=device)  # (B, T_new)
 
 
-class KVCache(Cache):
+class _BufferCache(Cache):
+    """A cache of two preallocated buffers ``keys (B, Hkv, slots, D)`` and ``values (B, Hkv,
+    slots, Dv)`` with one length for every row: what :class:`KVCache` and
+    :class:`WindowedKVCache` share (sizes read off the buffers, bytes, reset)."""
+
+    length: int = 0  # an attribute here (the base class derives it from row_lengths)
+
+    def _allocate(self, batch_size: int, num_kv_heads: int, slots: int, head_dim: int,
+                  value_dim: int | None, dtype, device, **size_names: int) -> None:
+        value_dim = head_dim if value_dim is None else value_dim
+        _check_sizes(batch_size=batch_size, num_kv_heads=num_kv_heads, **size_names,
+                     head_dim=head_dim, value_dim=value_dim)
+        dtype, device = _dtype_device(dtype, device)
+        self.keys = torch.zeros(batch_size, num_kv_heads, slots, head_dim, dtype=dtype,
+                                device=device)  # (B, Hkv, slots, D)
+        self.values = torch.zeros(batch_size, num_kv_heads, slots, value_dim, dtype=dtype,
+                                  device=device)  # (B, Hkv, slots, Dv)
+        self.length = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[3]
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return (self.length,) * self.batch_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both buffers (every slot is allocated up front, whatever the length).
+
+        Example:
+            >>> KVCache(1, 2, 8, 4).nbytes   # 2 buffers x 2 heads x 8 slots x 4 floats x 4 bytes
+            512
+            >>> WindowedKVCache(1, 1, 4, 2).nbytes
+            64
+        """
+        return self.keys.nbytes + self.values.nbytes
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are kept).
+
+        Example:
+            >>> cache = KVCache(1, 1, 4, 2)
+            >>> _ = cache.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2))
+            >>> cache.reset(); cache.length
+            0
+        """
+        self.length = 0
+
+
+class KVCache(_BufferCache):
     """Keys and values of the tokens seen so far, in preallocated buffers updated in place.
 
     The buffers have room for ``max_len`` positions; :meth:`update` writes new keys/values
@@ -199,47 +270,7 @@ class KVCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
-        value_dim = head_dim if value_dim is None else value_dim
-        _check_sizes(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
-                     head_dim=head_dim, value_dim=value_dim)
-        dtype, device = _dtype_device(dtype, device)
-        self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
-                                device=device)  # (B, Hkv, max_len, D)
-        self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,
-                                  device=device)  # (B, Hkv, max_len, Dv)
-        self.length = 0
-
-    length: int = 0  # an attribute here (the base class derives it from row_lengths)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.keys.device
-
-    @property
-    def head_dim(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def value_dim(self) -> int:
-        return self.values.shape[3]
-
-    @property
-    def row_lengths(self) -> tuple[int, ...]:
-        return (self.length,) * self.batch_size
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of both buffers (all ``max_len`` slots are allocated up front).
-
-        Example:
-            >>> KVCache(1, 2, 8, 4).nbytes   # 2 buffers x 2 heads x 8 slots x 4 floats x 4 bytes
-            512
-        """
-        return self.keys.nbytes + self.values.nbytes
+        self._allocate(batch_size, num_kv_heads, max_len, head_dim, value_dim, dtype, device, max_len=max_len)
 
     def check_room(self, num_new: int) -> None:
         if self.length + num_new > self.max_len:
@@ -259,25 +290,6 @@ class KVCache(Cache):
     def max_len(self) -> int:
         """Number of positions the cache can hold."""
         return self.keys.shape[2]
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[0]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys.shape[1]
-
-    def reset(self) -> None:
-        """Forget every cached position (the buffers are kept).
-
-        Example:
-            >>> cache = KVCache(1, 1, 4, 2)
-            >>> _ = cache.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2))
-            >>> cache.reset(); cache.length
-            0
-        """
-        self.length = 0
 
     def filled(self) -> tuple[Tensor, Tensor]:
         """Views of the filled slots: ``(B, Hkv, length, D)`` and ``(B, Hkv, length, Dv)``.
@@ -328,7 +340,7 @@ class KVCache(Cache):
         )
 
 
-class WindowedKVCache(Cache):
+class WindowedKVCache(_BufferCache):
     """A ring buffer of the last ``window`` keys/values: a sliding-window layer's whole cache.
 
     A causal sliding-window layer lets the query at position ``p`` see keys ``p - window + 1 ..
@@ -366,44 +378,8 @@ class WindowedKVCache(Cache):
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
-        value_dim = head_dim if value_dim is None else value_dim
-        _check_sizes(batch_size=batch_size, num_kv_heads=num_kv_heads, window=window,
-                     head_dim=head_dim, value_dim=value_dim)
-        dtype, device = _dtype_device(dtype, device)
-        self.keys = torch.zeros(batch_size, num_kv_heads, window, head_dim, dtype=dtype,
-                                device=device)  # (B, Hkv, W, D)
-        self.values = torch.zeros(batch_size, num_kv_heads, window, value_dim, dtype=dtype,
-                                  device=device)  # (B, Hkv, W, Dv)
-        self.window, self.batch_size, self.num_kv_heads = window, batch_size, num_kv_heads
-        self.head_dim, self.value_dim, self.dtype, self.device = head_dim, value_dim, dtype, self.keys.device
-        self.length = 0
-
-    length: int = 0  # positions seen so far (only the last ``window`` are held)
-
-    @property
-    def row_lengths(self) -> tuple[int, ...]:
-        return (self.length,) * self.batch_size
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the ring (``window`` slots), whatever the generated length.
-
-        Example:
-            >>> WindowedKVCache(1, 1, 4, 2).nbytes
-            64
-        """
-        return self.keys.nbytes + self.values.nbytes
-
-    def reset(self) -> None:
-        """Forget every position (the buffers are kept).
-
-        Example:
-            >>> cache = WindowedKVCache(1, 1, 2, 1)
-            >>> _ = cache.update(torch.ones(1, 1, 3, 1), torch.ones(1, 1, 3, 1))
-            >>> cache.reset(); cache.length
-            0
-        """
-        self.length = 0
+        self._allocate(batch_size, num_kv_heads, window, head_dim, value_dim, dtype, device, window=window)
+        self.window = window  # positions kept; ``length`` counts every position seen
 
     def check_room(self, num_new: int) -> None:
         """A ring never overflows: the oldest positions make room."""
