@@ -227,9 +227,9 @@ class MaskMod:
         """
 
     def value_key(self) -> tuple | None:
-        """What identifies this mask by value, for the caches backends keep per mask: the class,
-        its options and ints, and each tensor it holds by shape, dtype and device (a cache
-        compares the tensors' values on a hit: :func:`mod_tensors`, :func:`same_tensors`).
+        """What identifies this mask by value: the class, its options and ints, and each tensor it
+        holds by shape, dtype and device. Dispatch keys a mod by it when it holds no tensor
+        (:func:`value_only_key`); nothing compares tensor values.
 
         None for a class that does not declare ``_keyed = True`` itself: a mod of your own (or a
         subclass of attnlab's) may hold state no key can see, so nothing is reused for it.
