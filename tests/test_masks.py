@@ -285,3 +285,12 @@ def test_prepare_refuses_what_it_cannot_prepare_and_checks_sizes():
     with pytest.raises(ValueError, match="prepared for Tq=4, Tk=4 but the call has Tq=5, Tk=5"):
         import attnlab
         attnlab.attention(q, q, q, mask=prepared)
+
+
+def test_prepare_for_a_meta_device_keeps_the_bounds_read_on_the_cpu():
+    """Regression: preparing for device='meta' read the bounds from the meta tensors and failed."""
+    prepared = masks.prepare(masks.sliding_window_mod(8, 8, 2), tq=8, tk=8, device="meta")
+    assert prepared.lo.device.type == "meta" and prepared.kv_bounds(4, 6) == (3, 6)
+    assert prepared.rows(3).kv_bounds(4, 6) == (3, 6)
+    lo = torch.zeros(1, 4, dtype=torch.int64, device="meta")
+    assert masks.PreparedMask(lo, lo, lo, lo).kv_bounds(0, 4) is None  # no values to bound by

@@ -932,23 +932,35 @@ class PreparedMask(MaskMod):
         ((3, 6), True)
     """
 
-    def __init__(self, lo: Tensor, hi: Tensor, q_segment: Tensor, k_segment: Tensor, *, source: str = ""):
+    def __init__(self, lo: Tensor, hi: Tensor, q_segment: Tensor, k_segment: Tensor, *, source: str = "",
+                 bounds: tuple[list, list] | None = None):
         self.lo, self.hi, self.q_segment, self.k_segment = lo, hi, q_segment, k_segment
         self.tq, self.tk, self.source = lo.shape[1], k_segment.shape[1], source
-        cpu_lo, cpu_hi = lo.cpu(), hi.cpu()
-        live = cpu_hi >= cpu_lo  # (R, Tq)
-        self._kv_lo = torch.where(live, cpu_lo, self.tk).amin(dim=0).tolist() if lo.shape[0] else []
-        self._kv_hi = torch.where(live, cpu_hi + 1, 0).amax(dim=0).tolist() if lo.shape[0] else []
+        # per query, the lowest and one past the highest key any row reaches (read once, here)
+        self._kv_lo, self._kv_hi = bounds if bounds is not None else self._bounds(lo, hi, self.tk)
         self.memo: dict = {}  # what backends derive from this value, per call shape (bounded)
 
+    @staticmethod
+    def _bounds(lo: Tensor, hi: Tensor, tk: int) -> tuple[list, list] | None:
+        """Python lists of the per-query key bounds over the rows; None for meta tensors."""
+        if not has_values(lo):
+            return None, None
+        if lo.shape[0] == 0:
+            return [], []
+        cpu_lo, cpu_hi = lo.cpu(), hi.cpu()
+        live = cpu_hi >= cpu_lo  # (R, Tq)
+        return (torch.where(live, cpu_lo, tk).amin(dim=0).tolist(),
+                torch.where(live, cpu_hi + 1, 0).amax(dim=0).tolist())
+
     def __call__(self, b, h, q_idx, kv_idx):
-        rows = _on_device(self.lo, kv_idx).shape[0]
-        b = b if rows > 1 else 0
+        b = b if self.lo.shape[0] > 1 else 0
         lo, hi = _on_device(self.lo, kv_idx)[b, q_idx], _on_device(self.hi, kv_idx)[b, q_idx]
         same = _on_device(self.q_segment, kv_idx)[b, q_idx] == _on_device(self.k_segment, kv_idx)[b, kv_idx]
         return (kv_idx >= lo) & (kv_idx <= hi) & same
 
     def kv_bounds(self, q_start, q_end):
+        if self._kv_lo is None:
+            return None  # meta tensors: no values to bound by
         lo, hi = min(self._kv_lo[q_start:q_end], default=0), max(self._kv_hi[q_start:q_end], default=0)
         return (lo, hi) if hi > lo else (0, 0)
 
@@ -994,7 +1006,7 @@ class PreparedMask(MaskMod):
             return self
         return self.remember(("rows", batch), lambda: PreparedMask(*(
             t.expand(batch, -1).contiguous() for t in (self.lo, self.hi, self.q_segment, self.k_segment)),
-            source=self.source))
+            source=self.source, bounds=(self._kv_lo, self._kv_hi)))
 
     def __repr__(self) -> str:
         return f"PreparedMask({self.source}, Tq={self.tq}, Tk={self.tk}, rows={self.lo.shape[0]})"
@@ -1051,7 +1063,9 @@ def prepare(mask: Callable, *, tq: int, tk: int, batch: int = 1,
         first, last = _segment_extents(q_segment, k_segment)  # tighten the intervals to the segments
         lo, hi = torch.maximum(lo, first), torch.minimum(hi, last)
     lo, hi = lo.clamp(min=0), hi.clamp(max=tk - 1)
-    return PreparedMask(*(t.contiguous().to(device) for t in (lo, hi, q_segment, k_segment)), source=repr(mask))
+    bounds = PreparedMask._bounds(lo, hi, tk)  # on the CPU, whatever the device it goes to
+    return PreparedMask(*(t.contiguous().to(device) for t in (lo, hi, q_segment, k_segment)), source=repr(mask),
+                        bounds=bounds)
 
 
 class _IndexWithTensors(torch.overrides.TorchFunctionMode):
