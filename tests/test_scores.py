@@ -598,3 +598,109 @@ def test_sinks_and_an_additive_mod_trace_whole_under_torch_compile():
     compiled = torch.compile(lambda q, s: attnlab.attention(q, q, q, sinks=s, score_mod=mod), fullgraph=True)
     want = attnlab.attention(q, q, q, sinks=sinks, score_mod=mod, backend="reference")
     assert torch.allclose(compiled(q, sinks), want, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sdpa's sinks by lse
+def test_sdpa_applies_sinks_through_the_kernels_lse():
+    """On CPU the sinks keep SDPA's own causal kernel (no mask, O(T)) and auto takes it."""
+    from attnlab.backends.sdpa import sdpa_plan, sinks_through_lse
+
+    q, k, v = _qkv(Tq=17, Tk=17)
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    call = build_call(q, k, v, causal=True, sinks=sinks)
+    assert sinks_through_lse(call)
+    plan = sdpa_plan(call)
+    assert (plan.mask_source, plan.memory) == ("is_causal", "linear")
+    assert "runs on 'sdpa'" in why(q, k, v, causal=True, sinks=sinks)
+    want = _eager(q, k, v, sinks=sinks, allowed=attnlab.masks.causal_mask(17, 17))
+    assert _check_all(q, k, v, dict(causal=True, sinks=sinks), want, (sinks,))[:3] == \
+        ["reference", "chunked", "sdpa"]
+    learnable = scores.bias(torch.zeros(1, 4, 17, 17, dtype=F64, requires_grad=True))
+    assert not sinks_through_lse(build_call(q, k, v, sinks=sinks, score_mod=learnable))  # the sink column
+
+
+@pytest.mark.parametrize("masking", [
+    dict(causal=True), dict(causal=True, align="bottom_right"), dict(mask="bool"), dict(mask="float"),
+    dict(causal=True, scale=0.0), dict(scale=-0.7)])
+def test_sdpa_sinks_by_lse_gradcheck(masking):
+    """The kernel's backward with dO scaled and the sink's output in place of out, checked
+    numerically (GQA, dead rows, Tq != Tk, a zero and a negative scale)."""
+    q, k, v = _qkv(B=2, Hq=2, Hkv=1, Tq=4, Tk=5, D=3)
+    sinks = torch.randn(2, dtype=F64, requires_grad=True)
+    kwargs = dict(masking)
+    if kwargs.get("mask") == "bool":
+        mask = torch.rand(2, 1, 4, 5, generator=torch.Generator().manual_seed(1)) > 0.4
+        mask[0, 0, 1] = False  # a dead row: the sink takes its mass
+        kwargs["mask"] = mask
+    elif kwargs.get("mask") == "float":
+        kwargs["mask"] = torch.randn(4, 5, dtype=F64).masked_fill(torch.eye(4, 5, dtype=torch.bool), float("-inf"))
+    assert attnlab.backends.sdpa.sinks_through_lse(build_call(q, k, v, sinks=sinks, **kwargs))
+
+    def f(q, k, v, sinks):
+        return attnlab.attention(q, k, v, sinks=sinks, backend="sdpa", **kwargs)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+
+
+def test_sdpa_sinks_by_lse_keep_the_rows_rules():
+    """NaN query rows stay NaN; a fully masked row is 0 with zero gradient (the sink's mass)."""
+    q, k, v = _qkv(Tq=6, Tk=6, dtype=torch.float32)
+    sinks = torch.randn(4, requires_grad=True)
+    q_leaf = q.detach().clone()
+    q_leaf[0, 1, 2] = float("nan")
+    q = q_leaf.requires_grad_()
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[4] = False
+    out = attnlab.attention(q, k, v, mask=mask, sinks=sinks, backend="sdpa")
+    assert out[0, 1, 2].isnan().all() and torch.isfinite(out[1]).all()
+    assert out[:, :, 4].eq(0).all()
+    dq, dk, d_sinks = torch.autograd.grad(out[1].sum(), (q_leaf, k, sinks))
+    # Batch 0 holds the NaN row: its k gradient and its head's sink gradient may be NaN (the
+    # reference's are: 0 * NaN), everything else is finite.
+    assert torch.isfinite(dk[1]).all() and torch.isfinite(d_sinks[[0, 2, 3]]).all()
+    assert dq[1, :, 4].eq(0).all() and dq[1].ne(0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_sinks_by_lse_in_half_precision(dtype):
+    """Tiny half-precision calls stay within the conformance rule of fp64 (sinks kept in fp32)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _qkv(Tq=16, Tk=16, D=16))
+    sinks = torch.randn(4, dtype=dtype, requires_grad=True)
+    out = attnlab.attention(q, k, v, causal=True, sinks=sinks, backend="sdpa")
+    ref = attnlab.attention(q, k, v, causal=True, sinks=sinks, backend="reference")
+    want = attnlab.attention(*(t.double() for t in (q, k, v)), causal=True, sinks=sinks.double(),
+                             backend="reference")
+    plain = (ref.double() - want).abs().max().item()
+    assert (out.double() - want).abs().max().item() <= allowed_error(plain, dtype, 1.0)
+    grads = torch.autograd.grad(out.float().sum(), (q, sinks))
+    want_grads = torch.autograd.grad(ref.float().sum(), (q, sinks))
+    for got, w in zip(grads, want_grads):
+        assert (got.double() - w.double()).abs().max().item() <= 0.05 * max(1.0, w.abs().max().item())
+
+
+def test_sdpa_sinks_by_lse_compile_whole_with_gradients():
+    """The lse path traces under fullgraph=True and its gradients equal eager."""
+    torch._dynamo.reset()
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(Tq=16, Tk=16))
+    sinks = torch.randn(4, requires_grad=True)
+    compiled = torch.compile(lambda q, k, v, s: attnlab.attention(q, k, v, causal=True, sinks=s), fullgraph=True)
+    got = compiled(q, k, v, sinks)
+    want = attnlab.attention(q, k, v, causal=True, sinks=sinks, backend="reference")
+    assert torch.allclose(got, want, atol=1e-5)
+    for g, w in zip(torch.autograd.grad(got.sum(), (q, k, v, sinks)),
+                    torch.autograd.grad(want.sum(), (q, k, v, sinks))):
+        assert torch.allclose(g, w, atol=1e-4)
+
+
+@pytest.mark.parametrize("masking", [dict(), dict(causal=True), dict(causal=True, align="bottom_right")])
+def test_chunked_softcap_in_place_gradcheck(masking):
+    """softcap alone takes the tiled backend's in-place path (its derivative read from the capped
+    scores, 1 - (s' / cap)^2): checked numerically, batched gradients included."""
+    assert scores.softcap(1.5).in_place and not (scores.softcap(1.5) + scores.alibi(2)).in_place
+    q, k, v = _qkv(B=1, Hq=2, Hkv=1, Tq=4, Tk=6, D=3)
+
+    def f(q, k, v):
+        call = build_call(q, k, v, score_mod=scores.softcap(1.5), **masking)
+        return chunked_attention(call, q_block=2, kv_block=4).out
+
+    assert torch.autograd.gradcheck(f, (q, k, v), check_batched_grad=True)

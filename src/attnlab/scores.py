@@ -94,6 +94,10 @@ class ScoreMod:
         additive: whether the mod adds a term that does not depend on the score.
         relative: whether that term depends only on ``kv_idx - q_idx`` and ``h`` (ALiBi, T5's
             bias), so that tiles of equal query and key offsets share it.
+        in_place: whether the mod is a function of the score alone, holding no tensor, with an
+            in-place form (:meth:`apply_in_place`) and a derivative read from its output
+            (:meth:`derivative`): the tiled backend then allocates one tile per tile backward
+            and none forward, and evaluates nothing twice.
 
     Example:
         >>> class Double(ScoreMod):
@@ -105,11 +109,20 @@ class ScoreMod:
 
     additive: bool = False
     relative: bool = False
+    in_place: bool = False
 
     def __call__(self, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
         if self.additive:
             return score + self.bias(b, h, q_idx, kv_idx)
         raise NotImplementedError(type(self).__name__)
+
+    def apply_in_place(self, score: Tensor) -> Tensor:
+        """The mod written into ``score`` itself (``in_place`` mods only); returns ``score``."""
+        raise TypeError(f"{type(self).__name__} has no in-place form")
+
+    def derivative(self, modded: Tensor) -> Tensor:
+        """``d modded / d score`` at each position, from the modded scores (``in_place`` mods only)."""
+        raise TypeError(f"{type(self).__name__} has no derivative in terms of its output")
 
     def bias(self, b, h, q_idx, kv_idx) -> Tensor:
         """The additive term at the broadcast indices (additive mods only)."""
@@ -159,11 +172,31 @@ class Softcap(ScoreMod):
         ('Softcap', (10.0,), ())
     """
 
+    in_place = True
+
     def __init__(self, cap: float):
         self.cap = positive_number("softcap", cap)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         return torch.tanh(score / self.cap) * self.cap
+
+    def apply_in_place(self, score: Tensor) -> Tensor:
+        """``cap * tanh(score / cap)`` in three in-place passes.
+
+        Example:
+            >>> Softcap(2.0).apply_in_place(torch.tensor([0.0, 1.0, 100.0]))
+            tensor([0.0000, 0.9242, 2.0000])
+        """
+        return score.div_(self.cap).tanh_().mul_(self.cap)
+
+    def derivative(self, modded: Tensor) -> Tensor:
+        """``1 - tanh(score / cap)**2 = 1 - (modded / cap)**2``, in one pass over ``modded``.
+
+        Example:
+            >>> Softcap(2.0).derivative(torch.tensor([0.0, 1.0, 2.0]))
+            tensor([1.0000, 0.7500, 0.0000])
+        """
+        return torch.addcmul(modded.new_ones(()), modded, modded, value=-1.0 / self.cap ** 2)
 
     def constants(self) -> tuple:
         return (self.cap,)

@@ -197,6 +197,14 @@ def _tile_allowed(plan: _Plan, bool_mask: Tensor | None, bias_tile: Tensor | Non
 
 
 @dataclass
+class _ModDerivative:
+    """``d modded / d raw`` of one tile ``(B, Hq, bq, bk)``, kept in place of the raw scores for
+    an ``in_place`` score mod (:attr:`attnlab.scores.ScoreMod.in_place`)."""
+
+    tensor: Tensor
+
+
+@dataclass
 class _Tile:
     """One tile, ready for the online softmax or its backward pass.
 
@@ -207,7 +215,7 @@ class _Tile:
         nor NaN queries of masked rows into ``dK``).
     keep_scale: ``(B, Hq, bq, bk)`` dropout factor ``keep / (1 - p)`` or None.
     raw: ``(B, Hq, bq, bk)`` scaled scores before the score mod (None without one), for the
-        backward pass through it.
+        backward pass through it; for an ``in_place`` mod its derivative (:class:`_ModDerivative`).
     """
 
     scores: Tensor
@@ -215,12 +223,13 @@ class _Tile:
     k: Tensor
     v: Tensor
     keep_scale: Tensor | None
-    raw: Tensor | None = None
+    raw: Tensor | _ModDerivative | None = None
 
 
 def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
-               qs: int, qe: int, ks: int, ke: int) -> _Tile | None:
-    """Build the tile (qs:qe, ks:ke), or None when its mask allows nothing."""
+               qs: int, qe: int, ks: int, ke: int, *, keep_raw: bool = True) -> _Tile | None:
+    """Build the tile (qs:qe, ks:ke), or None when its mask allows nothing. ``keep_raw``:
+    keep the scores before the score mod (the backward pass differentiates through it)."""
     B, Hq = q_tile.shape[:2]
     bool_mask, bias, score_mod, _ = masks
     bias_tile = None if bias is None else _slice_tile(bias, qs, qe, ks, ke).to(plan.acc_dtype)
@@ -239,7 +248,10 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _Tensor
             q_tile = torch.where(row_live, q_tile, 0.0)
     attn_scores = torch.matmul(q_tile, k_tile.transpose(-2, -1)).mul_(plan.scale)  # (B,Hq,bq,bk)
     raw = None
-    if score_mod is not None:
+    if score_mod is not None and score_mod.in_place:  # e.g. softcap: evaluated once, in place
+        attn_scores = score_mod.apply_in_place(attn_scores)
+        raw = _ModDerivative(score_mod.derivative(attn_scores)) if keep_raw else None
+    elif score_mod is not None:
         raw = attn_scores
         attn_scores = apply_tile(score_mod, raw, q_start=qs, kv_start=ks).to(plan.acc_dtype, copy=True)
     if bias_tile is not None:
@@ -261,7 +273,7 @@ def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMask
            qs: int, qe: int, stage: str) -> Iterator[tuple[int, int, _Tile]]:
     """The non-empty tiles of one query block, reported to the tile hook."""
     for ks, ke in plan.kv_blocks(qs, qe, k.shape[2]):
-        tile = _make_tile(plan, q_tile, k, v, masks, qs, qe, ks, ke)
+        tile = _make_tile(plan, q_tile, k, v, masks, qs, qe, ks, ke, keep_raw=stage != "forward")
         if tile is None:
             continue
         if plan.tile_hook is not None:
@@ -382,7 +394,7 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     return dq.mul_(plan.scale), dk.mul_(plan.scale), dv, d_bias, d_sinks, d_params
 
 
-def _through_mod(mod: ScoreMod, raw: Tensor, d_scores: Tensor, qs: int, ks: int, d_params: list) -> Tensor:
+def _through_mod(mod: ScoreMod, raw: "Tensor | _ModDerivative", d_scores: Tensor, qs: int, ks: int, d_params: list) -> Tensor:
     """The gradient of one tile's raw scores ``(B, Hq, bq, bk)`` from that of the modded scores,
     adding the gradient of each of the mod's tensors that needs one into ``d_params``.
 
@@ -392,6 +404,8 @@ def _through_mod(mod: ScoreMod, raw: Tensor, d_scores: Tensor, qs: int, ks: int,
     wanted = [d is not None for d in d_params]
     if mod.additive and not any(wanted):
         return d_scores
+    if isinstance(raw, _ModDerivative):  # an in-place mod: its derivative was kept instead
+        return d_scores.mul_(raw.tensor)
     with torch.enable_grad():
         raw = raw.detach().requires_grad_(not mod.additive)
         params = [p.detach().requires_grad_(want) for p, want in zip(mod.params(), wanted)]

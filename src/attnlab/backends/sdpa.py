@@ -18,9 +18,15 @@ SDPA's arguments faithfully:
 * an additive score mod (alibi, relative_bias, bias and their sums) is materialised into the
   float mask, exactly what adding it to the scores means (O(Tq*Tk) memory); softcap and a
   user's function are not additive and are declined;
-* sinks become one more key per head with key and value 0 and the float mask's column holding
+* sinks, on CPU (PyTorch 2.13+, no dropout, ``Dv == D``, no other learnable mask), go through
+  the flash kernel's log-sum-exp: the kernel runs as without sinks (top-left causal stays
+  ``is_causal``, O(T) memory) and returns ``out`` and ``lse`` per row; the keys' share of the
+  row's mass is ``sigmoid(lse - sinks[h])``, and ``out`` times it is exact
+  (:class:`_SinksThroughLse`, its backward the kernel's own with ``dO`` scaled by that share and
+  the sink's output in place of ``out``, plus a closed-form sink gradient). Elsewhere sinks
+  become one more key per head with key and value 0 and the float mask's column holding
   ``sinks[h]``: its score is ``0 * scale + sinks[h]``, exactly the sink's logit, and the
-  kernel's own normalisation includes it (no mask beyond that column: O(Tk) memory). The sinks'
+  kernel's own normalisation includes it (causal is then materialised: O(Tq*Tk)). That sinks'
   gradient is the float mask's, which PyTorch computes on its math kernel;
 * a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
   with scale 1 passed): the CPU kernel scales causally blocked ``-inf`` scores (``-inf * 0``
@@ -105,13 +111,43 @@ class SdpaPlan:
     memory_note: str
 
 
+# PyTorch's CPU flash kernel as an op that also returns the row log-sum-exp (what
+# scaled_dot_product_attention calls on CPU, minus the dispatch), with its backward.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def sinks_through_lse(call: AttentionCall) -> bool:
+    """Whether ``call``'s sinks are applied through the CPU flash kernel's log-sum-exp
+    (:class:`_SinksThroughLse`) rather than as one more key in a float mask.
+
+    Needs: sinks, a CPU call on PyTorch 2.13+ (whose kernel gives dead rows zeros itself), no
+    dropout, ``Dv == D`` (the flash kernel's own rule), and no mask or score-mod tensor that
+    wants a gradient (the kernel's backward gives none for its mask).
+
+    Example:
+        >>> from attnlab.backends import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> sinks_through_lse(build_call(q, q, q, causal=True, sinks=torch.zeros(2)))
+        True
+    """
+    return (call.sinks is not None and call.device.type == "cpu" and _CPU_KERNEL_KEEPS_ROWS
+            and _CPU_FLASH is not None and call.dropout_p == 0.0
+            and call.value_dim == call.head_dim and not _mask_needs_grad(call, sinks=False))
+
+
+def _sink_key(call: AttentionCall) -> bool:
+    """Whether the call's sinks reach SDPA as one more key and a float mask column."""
+    return call.sinks is not None and not sinks_through_lse(call)
+
+
 def _mask_source(call: AttentionCall) -> str:
     if call.score_mod is not None:
         # A bias tensor the caller holds reaches SDPA as it is (added to their mask, if any).
         held = isinstance(call.score_mod, _scores.Bias) and not call.causal and call.mask_kind != "mod"
         return "user" if held else "materialised"
-    if call.sinks is not None and call.causal:
-        return "materialised"  # is_causal takes no attn_mask, and the sinks need one
+    if _sink_key(call) and call.causal:
+        return "materialised"  # is_causal takes no attn_mask, and the sink's column needs one
     if call.mask_kind == "none":
         if not call.causal:
             return "none"
@@ -123,7 +159,7 @@ def _mask_source(call: AttentionCall) -> str:
 
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
     """A zero-stride tensor with the shape/dtype of the mask SDPA will see (for kernel choice)."""
-    sinks = call.sinks is not None
+    sinks = _sink_key(call)
     if source in ("none", "is_causal") and not sinks:
         return None
     if call.score_mod is not None:
@@ -144,13 +180,14 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
 
 
 def _float_mask(call: AttentionCall) -> bool:
-    """Whether SDPA gets a float mask: a float mask, a score mod's bias or sinks."""
-    return call.mask_kind == "float" or call.score_mod is not None or call.sinks is not None
+    """Whether SDPA gets a float mask: a float mask, a score mod's bias or the sinks' column."""
+    return call.mask_kind == "float" or call.score_mod is not None or _sink_key(call)
 
 
-def _mask_needs_grad(call: AttentionCall) -> bool:
+def _mask_needs_grad(call: AttentionCall, *, sinks: bool = True) -> bool:
+    """Whether a tensor of the mask wants a gradient (``sinks``: counting the sinks' column)."""
     return ((call.bias() is not None and call.bias().requires_grad)
-            or (call.sinks is not None and call.sinks.requires_grad)
+            or (sinks and call.sinks is not None and call.sinks.requires_grad)
             or (call.score_mod is not None and any(p.requires_grad for p in call.score_mod.params())))
 
 
@@ -175,7 +212,7 @@ def kernel_for(call: AttentionCall) -> str:
     gqa = call.q_heads != call.kv_heads
     k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
         repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
-    if call.sinks is not None:  # the kernel sees one more key (never read here: empty is enough)
+    if _sink_key(call):  # the kernel sees one more key (never read here: empty is enough)
         k = k.new_empty(*k.shape[:2], k.shape[2] + 1, k.shape[3])  # (B, H, Tk + 1, D)
         v = v.new_empty(*v.shape[:2], v.shape[2] + 1, v.shape[3])  # (B, H, Tk + 1, Dv)
     # PyTorch's selector returns a Python int, which torch.compile cannot trace, and answers
@@ -239,7 +276,7 @@ def _mask_dtype(call: AttentionCall) -> torch.dtype:
     half = call.dtype in (torch.float16, torch.bfloat16)
     if half and call.device.type == "cpu" and call.mask_kind == "float" and call.mask.dtype != call.dtype:
         return torch.float32
-    if half and call.device.type == "cpu" and (call.score_mod is not None or call.sinks is not None):
+    if half and call.device.type == "cpu" and (call.score_mod is not None or _sink_key(call)):
         return torch.float32
     return call.dtype
 
@@ -269,7 +306,7 @@ def _attn_mask(call: AttentionCall, source: str) -> Tensor | None:
     mask = _keys_mask(call, source)
     if call.score_mod is not None:
         mask = _with_score_bias(call, mask)
-    if call.sinks is not None:
+    if _sink_key(call):
         mask = _with_sink_column(call, mask)
     return mask
 
@@ -361,13 +398,15 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
     """
     source = _mask_source(call)
     with _dropout_rng(call):
-        return _runner(call, source)(call.q, call.k, call.v, _attn_mask(call, source))
+        sinks = () if call.sinks is None else (call.sinks,)  # a run without sinks may be SDPA itself
+        return _runner(call, source)(call.q, call.k, call.v, _attn_mask(call, source), *sinks)
 
 
 def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
-    """``run(q, k, v, attn_mask) -> (B, Hq, Tq, Dv)``: SDPA with everything decided from
-    ``call``'s signature (kernel options, scale folding, key slicing, row mending) bound, so
-    that any call of the same signature may run it with its own tensors."""
+    """``run(q, k, v, attn_mask, sinks=None) -> (B, Hq, Tq, Dv)``: SDPA with everything decided
+    from ``call``'s signature (kernel options, scale folding, key slicing, row mending, how the
+    sinks are applied) bound, so that any call of the same signature may run it with its own
+    tensors."""
     keys = call.tq if source == "is_causal" and call.tq < call.tk else None
     factor = call.scale if folds_scale(call) else None  # scale <= 0, or a backward to recompute
     options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal",
@@ -377,14 +416,16 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
         options["enable_gqa"] = True
     repeat = call.q_heads if gqa and not _HAS_GQA else None
     float_dtype = _mask_dtype(call) if _float_mask(call) else None
-    sink_key = call.sinks is not None  # one more key of zeros, its logit in the mask's last column
+    sink_key = _sink_key(call)  # one more key of zeros, its logit in the mask's last column
+    by_lse = sinks_through_lse(call)  # or the kernel's lse (see _SinksThroughLse)
     mend = not kernel_keeps_rows(call.device)
-    if float_dtype is None and keys is None and factor is None and repeat is None and not mend:
+    if (float_dtype is None and keys is None and factor is None and repeat is None and not mend
+            and call.sinks is None):
         # Nothing to do around the kernel (the common call): SDPA itself, with its options
         # bound, so that a prepared run adds no Python frame of its own.
         return functools.partial(F.scaled_dot_product_attention, **options)  # (q, k, v, attn_mask)
 
-    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None = None) -> Tensor:
         if float_dtype is not None:
             attn_mask = attn_mask.to(float_dtype)  # (B|1, H|1, Tq|1, Tk)
         if keys is not None:
@@ -400,6 +441,12 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             q = q * factor
         if repeat is not None:
             k, v = repeat_kv(k, repeat), repeat_kv(v, repeat)  # (B, Hq, Tk, D|Dv)
+        if by_lse:
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # the op takes float masks only
+                attn_mask = torch.zeros((), dtype=_mask_dtype(call), device=q.device).masked_fill(
+                    ~attn_mask, float("-inf"))  # (B|1, H|1, Tq, Tk), as SDPA converts it
+            out, _, _ = _SinksThroughLse.apply(q, k, v, sinks, attn_mask, options["is_causal"], options["scale"])
+            return out  # (B, Hq, Tq, Dv)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
         if mend:
             out = keep_nan_rows(q, out)
@@ -408,6 +455,50 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
         return out
 
     return run
+
+
+class _SinksThroughLse(torch.autograd.Function):
+    """CPU flash attention with sinks applied through the kernel's row log-sum-exp.
+
+    With sinks the softmax has one more term, ``exp(sinks[h])``, whose value is 0: the keys keep
+    the share ``keep = exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)`` of each row's mass,
+    so the output is the kernel's ``out * keep``. Backward, with ``g`` the output's gradient and
+    ``o' = out * keep``: each score's gradient is ``P' (g . v - g . o')`` with ``P' = keep * P``,
+    which is the kernel's own backward given ``dO = g * keep`` and ``o'`` in place of ``out``
+    (it forms ``D = rowsum(dO * out)``); the sink's is ``-(1 - keep) (g . o')`` summed over
+    batch and queries. A row whose keys are all masked has ``out = 0`` from the kernel, so 0
+    and zero gradient (the sink takes the mass).
+
+    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, sinks ``(Hq,)``, attn_mask None
+    or broadcastable to ``(B, Hq, Tq, Tk)``; returns ``(B, Hq, Tq, D)``.
+    """
+
+    @staticmethod
+    def forward(q, k, v, sinks, attn_mask, is_causal, scale):
+        out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)  # lse (B, Hq, Tq) fp32
+        keep = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))  # (B, Hq, Tq): the keys' share
+        return out * keep.unsqueeze(-1).to(out.dtype), lse, keep
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, sinks, attn_mask, is_causal, scale = inputs
+        out, lse, keep = output
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse, keep)
+        ctx.is_causal, ctx.scale, ctx.sinks_dtype = is_causal, scale, sinks.dtype
+        ctx.mark_non_differentiable(lse, keep)
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse, _grad_keep):
+        q, k, v, attn_mask, out, lse, keep = ctx.saved_tensors
+        grad_q = grad_k = grad_v = grad_sinks = None
+        if any(ctx.needs_input_grad[:3]):
+            scaled = (grad_out * keep.unsqueeze(-1).to(grad_out.dtype)).contiguous()  # dO of the keys' part
+            grad_q, grad_k, grad_v = _CPU_FLASH_BACKWARD(
+                scaled, q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
+        if ctx.needs_input_grad[3]:
+            g_dot_out = (grad_out.to(keep.dtype) * out.to(keep.dtype)).sum(-1)  # (B, Hq, Tq), fp32 or fp64
+            grad_sinks = (-(1.0 - keep) * g_dot_out).sum(dim=(0, 2)).to(ctx.sinks_dtype)  # (Hq,)
+        return grad_q, grad_k, grad_v, grad_sinks, None, None, None
 
 
 class SdpaBackend(Backend):
