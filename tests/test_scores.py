@@ -704,3 +704,17 @@ def test_chunked_softcap_in_place_gradcheck(masking):
         return chunked_attention(call, q_block=2, kv_block=4).out
 
     assert torch.autograd.gradcheck(f, (q, k, v), check_batched_grad=True)
+
+
+def test_sdpa_sinks_by_lse_read_every_memory_layout():
+    """The lse op reads its inputs as if contiguous: strided k and v (a sliced last dim, heads
+    outermost) gave wrong rows until they were copied (found by the conformance sweep)."""
+    q, k, v = _qkv(B=1, Hq=4, Hkv=4, Tq=9, Tk=11, D=3, dtype=torch.float32)
+    sinks = torch.randn(4)
+    wide = torch.randn(1, 4, 11, 6)
+    k_strided, v_strided = wide[..., ::2], wide[..., 1::2]  # last-dim stride 2
+    q_outer = q.detach().transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost
+    for args in ((q_outer, k, v), (q, k_strided, v_strided)):
+        got = attnlab.attention(*args, causal=True, sinks=sinks, backend="sdpa")
+        want = attnlab.attention(*(t.contiguous() for t in args), causal=True, sinks=sinks, backend="reference")
+        assert torch.allclose(got, want, atol=1e-5)

@@ -445,6 +445,9 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             if attn_mask is not None and attn_mask.dtype == torch.bool:  # the op takes float masks only
                 attn_mask = torch.zeros((), dtype=_mask_dtype(call), device=q.device).masked_fill(
                     ~attn_mask, float("-inf"))  # (B|1, H|1, Tq, Tk), as SDPA converts it
+            # The op reads its inputs as if contiguous (a strided last dim gave wrong values;
+            # scaled_dot_product_attention's front end copies them first): copies where they are not.
+            q, k, v = (t.contiguous() for t in (q, k, v))
             out, _, _ = _SinksThroughLse.apply(q, k, v, sinks, attn_mask, options["is_causal"], options["scale"])
             return out  # (B, Hq, Tq, Dv)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
@@ -469,8 +472,9 @@ class _SinksThroughLse(torch.autograd.Function):
     batch and queries. A row whose keys are all masked has ``out = 0`` from the kernel, so 0
     and zero gradient (the sink takes the mass).
 
-    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, sinks ``(Hq,)``, attn_mask None
-    or broadcastable to ``(B, Hq, Tq, Tk)``; returns ``(B, Hq, Tq, D)``.
+    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, all contiguous; sinks ``(Hq,)``,
+    attn_mask None or a float mask broadcastable to ``(B, Hq, Tq, Tk)``; returns out
+    ``(B, Hq, Tq, D)``, and lse and the keys' share ``(B, Hq, Tq)`` (not differentiable).
     """
 
     @staticmethod
