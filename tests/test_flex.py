@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import attnlab
-from attnlab import backends, masks, verify
+from attnlab import backends, masks, scores, verify
 from attnlab._memory import PeakMemory
 from attnlab.backends import build_call
 from attnlab.backends import flex as flex_module
@@ -423,3 +423,75 @@ def test_layouts_of_one_shape_share_one_compiled_kernel():
             want = attnlab.attention(q.double(), k.double(), v.double(), backend="reference")
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == before
+
+
+# ----------------------------------------------------------------------------- score mods
+def _wavy(score, b, h, q_idx, kv_idx):
+    """A user's score mod written for FlexAttention (0-d indices under its vmap)."""
+    return score * 0.75 + 0.5 * torch.sin((q_idx - kv_idx + h).to(score.dtype))
+
+
+# One compilation per case (flex compiles per score-mod kind and mask path): each mod kind
+# and each mask path appears once, with the composition carrying T5's bias and a tensor bias.
+SCORE_CASES = {
+    "softcap, window (block mask)": (lambda: scores.softcap(2.0),
+                                     lambda: dict(mask=masks.sliding_window_mod(T, T, 64), causal=True)),
+    "alibi, causal": (lambda: scores.alibi(SHAPE[1]), lambda: dict(causal=True)),
+    "softcap + T5 bias + bias, bool mask (dense)": (
+        lambda: (scores.softcap(3.0) + scores.relative_bias(torch.randn(8, SHAPE[1]), num_buckets=8,
+                                                            max_distance=20, bidirectional=True)
+                 + scores.bias(torch.randn(1, SHAPE[1], T, T))),
+        lambda: dict(mask=torch.rand(T, T, generator=torch.Generator().manual_seed(3)) > 0.4)),
+    "user function, no mask": (lambda: scores.function(_wavy), lambda: {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCORE_CASES))
+def test_score_mods_are_flex_score_mods(case):
+    """Each score mod reaches the kernel as its score_mod, combined with every mask path, and
+    conforms to fp64 (the tiled backend's order: the mod first, then the mask)."""
+    make_mod, make_options = SCORE_CASES[case]
+    q, k, v = _qkv()
+    mod, options = make_mod(), make_options()
+    with torch.no_grad():
+        out = attnlab.attention(q, k, v, score_mod=mod, backend="flex", **options)
+    _assert_conforms(out, q, k, v, score_mod=mod, **options)
+    assert not torch.allclose(out, attnlab.attention(q, k, v, backend="reference", **options), atol=1e-3)
+
+
+def test_score_mod_in_bfloat16_keeps_the_conformance_rule():
+    """Half inputs: the mod sees float32 scores (ALiBi's distances would lose their low bits in bf16)."""
+    q, k, v = (t.bfloat16() for t in _qkv())
+    mod = scores.alibi(SHAPE[1]) + scores.softcap(3.0)
+    with torch.no_grad():
+        out = attnlab.attention(q, k, v, score_mod=mod, causal=True, backend="flex")
+    _assert_conforms(out, q, k, v, score_mod=mod, causal=True)
+
+
+def test_a_new_score_mod_instance_compiles_nothing_and_its_signature_is_a_variant():
+    """torch.compile guards on the mod's kind and settings, not on the instance or tensor values."""
+    q, k, v = _qkv()
+    flex = backends.get("flex")
+    with torch.no_grad():
+        attnlab.attention(q, k, v, score_mod=scores.alibi(SHAPE[1]), causal=True, backend="flex")
+        graphs = _graphs()
+        slopes = torch.rand(SHAPE[1])
+        out = attnlab.attention(q, k, v, score_mod=scores.alibi(slopes), causal=True, backend="flex")
+    assert _graphs() == graphs
+    _assert_conforms(out, q, k, v, score_mod=scores.alibi(slopes), causal=True)
+    call = build_call(q, k, v, score_mod=scores.softcap(7.0))
+    assert not flex.compiled(call)  # another kind: another variant (and the estimate charges it)
+    assert flex.compiled(build_call(q, k, v, score_mod=scores.alibi(torch.rand(SHAPE[1])), causal=True))
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(sinks=torch.zeros(SHAPE[1])), "returns no log-sum-exp"),
+    (dict(score_mod=scores.alibi(torch.rand(SHAPE[1], requires_grad=True))), "cannot differentiate"),
+    (dict(score_mod=scores.alibi(torch.rand(SHAPE[1], dtype=torch.float64))), "float64"),
+])
+def test_declines_sinks_and_mods_it_cannot_serve_exactly(options, words):
+    q, k, v = _qkv()
+    text = backends.reasons(build_call(q, k, v, **options))["flex"]
+    assert any(words in reason for reason in text), text
+    with pytest.raises(ValueError, match=words):
+        attnlab.attention(q, k, v, backend="flex", **options)

@@ -23,7 +23,8 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others,
   score mods and sinks included (blocks declines the ones that are not additive).
 * flex compiles one kernel per shape, so it is swept over the fixed shapes of
-  :data:`FLEX_SHAPES` (small and block-sized, Tq != Tk, grouped-query), masks varying.
+  :data:`FLEX_SHAPES` (small and block-sized, Tq != Tk, grouped-query), masks varying, with
+  the score mods it serves (:data:`FLEX_SCORE_KINDS`: every kind but sinks).
 * :func:`check` runs one backend on one configuration in one dtype and compares it with the
   reference run in fp64 -- the conformance rule: the backend's max error is at most 2x the
   error of the reference computed in the same dtype, plus a floor; gradients at most 3x.
@@ -68,7 +69,8 @@ from attnlab._checks import positive_int
 from attnlab.functional import attention
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
-           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS"]
+           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS",
+           "FLEX_SCORE_KINDS"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
 # Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
@@ -85,6 +87,8 @@ _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
 # Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 6 of the 10).
 SCORE_KINDS = ("softcap", "alibi", "sinks", "relative", "bias", "composed", "alibi_symmetric",
                "function", "softcap_sinks", "alibi_sinks")
+# The score kinds flex serves (it declines sinks).
+FLEX_SCORE_KINDS = tuple(kind for kind in SCORE_KINDS if "sinks" not in kind)
 # B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
 # lengths with odd and even tails, Tq != Tk both ways, grouped-query, and whole 128-key blocks.
 FLEX_SHAPES = (
@@ -156,7 +160,7 @@ class Config:
 
 
 def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None,
-                 mask_kinds: tuple = _MASKS, scores: bool = True) -> Config:
+                 mask_kinds: tuple = _MASKS, scores: tuple = SCORE_KINDS) -> Config:
     """Configuration number ``index``: mask kind and causal mode cycle, the rest is drawn."""
     def pick(options, weights=None):
         w = torch.tensor(weights if weights else [1.0] * len(options))
@@ -185,7 +189,7 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     q_layout, kv_layout, heads = _draw_layouts(seed, index)
     if shape is None and heads is not None:
         batch, q_heads, kv_heads = heads
-    score = SCORE_KINDS[(index // 4) % len(SCORE_KINDS)] if scores and index % 4 == 3 else "none"
+    score = scores[(index // 4) % len(scores)] if scores and index % 4 == 3 else "none"
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
                   align, dead_rows, scale, q_layout, kv_layout, score)
 
@@ -220,7 +224,7 @@ def _scale_of(u: float) -> float:
 
 def configs(
     n: int, *, seed: int = 0, shape: tuple | None = None, shapes: tuple | None = None,
-    small: bool = False, masks: tuple | None = None, scores: bool = True,
+    small: bool = False, masks: tuple | None = None, scores: bool | tuple = True,
 ) -> list[Config]:
     """``n`` seeded random configurations.
 
@@ -232,7 +236,8 @@ def configs(
         shapes: several such shapes, used in turn (overrides ``shape``).
         small: redraw drawn (not fixed) shapes whose sequences exceed 128 (quick sweeps).
         masks: the mask kinds to cycle through (default every kind).
-        scores: add score mods and sinks to every fourth configuration (:data:`SCORE_KINDS`).
+        scores: add score mods and sinks to every fourth configuration: True for every kind
+            of :data:`SCORE_KINDS`, a tuple of some of them, or False for none.
 
     Raises:
         ValueError: ``n`` is not a positive int.
@@ -242,12 +247,16 @@ def configs(
         (5, True)
     """
     positive_int("n", n)
+    kinds = SCORE_KINDS if scores is True else tuple(scores or ())
+    unknown = sorted(set(kinds) - set(SCORE_KINDS))
+    if unknown:
+        raise ValueError(f"scores: unknown score kinds {unknown}; choose from {SCORE_KINDS}")
     rng = torch.Generator().manual_seed(seed)
     result = []
     while len(result) < n:
         index = len(result)
         fixed = shapes[index % len(shapes)] if shapes else shape
-        config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS, scores)
+        config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS, kinds)
         if small and fixed is None and max(config.tq, config.tk) > 128:
             continue
         result.append(config)
@@ -673,9 +682,9 @@ def sweep(
     results = []
     for dtype in dtypes:
         for name in backend_names:
-            # flex does not take score mods yet: its sweep draws none.
+            # flex declines sinks (no log-sum-exp from its CPU kernel): its sweep draws the other mods.
             if name == "flex":
-                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small, scores=False)
+                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small, scores=FLEX_SCORE_KINDS)
             elif getattr(_backends.get(name), "needs_bounds", False):
                 draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS)
             else:

@@ -29,6 +29,16 @@ prepares a mod that holds no tensor once per shape and keeps it with its route, 
 prepares a mod with tensors once per batch (:func:`attnlab.masks.prepare`); an unprepared mod
 with tensors, and a dense mask, are built afresh on each call (nothing process-wide is kept).
 
+Score mods (:mod:`attnlab.scores`: softcap, ALiBi, T5's relative bias, a bias tensor, their
+compositions and a user's ``(score, b, h, q_idx, kv_idx)`` function) are FlexAttention's own
+``score_mod``: the kernel calls the mod on each score it computes (:class:`ScoreThenBias`,
+before a dense mask's bias when there is one), so a window with ALiBi or softcap still skips
+whole blocks. torch.compile guards on the mod's kind and Python settings (a softcap of 30
+compiles again for 50; a new function compiles again), not on its tensors' values, so the mod's
+signature is part of the compiled variant. Sinks are declined: the compiled CPU kernel returns
+no log-sum-exp to fold them in (sdpa, blocks and chunked serve them); so is a score mod whose
+tensors need a gradient, or that holds float64 tensors (the kernel's scores are float32).
+
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
 on some partial blocks, e.g. ``Tk = 8, 24, 136``); empty sequences (the kernel divides by
@@ -77,7 +87,7 @@ try:  # FlexAttention appeared in PyTorch 2.5
 except ImportError:  # pragma: no cover - depends on the installed torch
     _flex_module = None
 
-__all__ = ["FlexBackend", "BiasScoreMod"]
+__all__ = ["FlexBackend", "BiasScoreMod", "ScoreThenBias"]
 
 
 class BiasScoreMod:
@@ -113,6 +123,32 @@ class _FiniteBias(_masks.MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.bias[b, h, q_idx, kv_idx] > float("-inf")
+
+
+class ScoreThenBias:
+    """A FlexAttention score mod: attnlab's score mod, then a dense mask's bias (either may be None).
+
+    attnlab adds a float mask after the score mod (as the tiled backend does), so a softcap caps
+    the scores and the mask's ``-inf`` still blocks. No dtype conversion is written here: the
+    kernel's scores are float32, which every mod flex is handed returns.
+
+    Example:
+        >>> from attnlab import scores
+        >>> mod = ScoreThenBias(scores.softcap(1.0), torch.tensor([[[[0.5, float("-inf")]]]]))
+        >>> i = torch.tensor(0)
+        >>> round(float(mod(torch.tensor(100.0), i, i, i, i)), 4), float(mod(torch.tensor(0.0), i, i, i, i + 1))
+        (1.5, -inf)
+    """
+
+    def __init__(self, score_mod, bias: Tensor | None):
+        self.score_mod, self.bias = score_mod, bias
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        if self.score_mod is not None:
+            score = self.score_mod(score, b, h, q_idx, kv_idx)
+        if self.bias is not None:
+            score = score + self.bias[b, h, q_idx, kv_idx]
+        return score
 
 
 def _direct_mod(call: AttentionCall):
@@ -215,6 +251,21 @@ def _mask_limits(call: AttentionCall) -> list[str]:
     return []
 
 
+def _score_limits(call: AttentionCall) -> list[str]:
+    """Sinks, and score mods whose tensors flex would not handle exactly."""
+    found = []
+    if call.sinks is not None:
+        found.append("flex does not apply sinks: its compiled CPU kernel returns no log-sum-exp to fold "
+                     "them in (sdpa, blocks and chunked serve sinks)")
+    params = call.score_mod.params() if call.score_mod is not None else ()
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        found.append("flex takes the score mod's tensors as constants: it cannot differentiate them "
+                     "(chunked and blocks can)")
+    if any(p.dtype == torch.float64 for p in params):
+        found.append("flex computes scores in float32: the score mod's float64 tensors would be rounded")
+    return found
+
+
 def _prescaled_q(call: AttentionCall) -> Tensor:
     """q such that FlexAttention's default scale 1/sqrt(D) gives ``call.scale``.
 
@@ -284,7 +335,7 @@ class FlexBackend(Backend):
     plans_masks = True  # reads a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
-        "(from prepared masks); CPU: forward only, no lse; no dropout"
+        "(from prepared masks); score mods as its score_mod (no sinks); CPU: forward only, no lse; no dropout"
     )
 
     def __init__(self):
@@ -299,8 +350,6 @@ class FlexBackend(Backend):
 
     def limits(self, call: AttentionCall) -> list[str]:
         """Compiler, variant budget and earlier compile failures (capabilities cover the rest)."""
-        if call.score_mod is not None or call.sinks is not None:
-            return ["flex does not take attnlab's score mods or sinks yet (chunked serves them in O(T) memory)"]
         if _symbolic(call):  # before anything below compares or hashes a size
             return ["flex compiles its kernel per static shape (and on CPU needs Tk known to be a multiple "
                     f"of {_KV_BLOCK}); these sizes are symbolic (torch.export with a Dim, or torch.compile "
@@ -314,7 +363,7 @@ class FlexBackend(Backend):
                          "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
-        return found + _shape_limits(call) + _mask_limits(call)
+        return found + _shape_limits(call) + _mask_limits(call) + _score_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
         """O(T) unmasked, causal or with one of attnlab's mask mods (the block mask is built from
@@ -338,9 +387,10 @@ class FlexBackend(Backend):
 
     def _variant(self, call: AttentionCall) -> tuple:
         """What the compiled kernel is specialised on (static shapes, see the module doc): the
-        mask path (:func:`_mask_path`)."""
+        mask path (:func:`_mask_path`) and the score mod's signature (its kind and settings)."""
+        mod = None if call.score_mod is None else call.score_mod.signature()
         return (call.device.type, call.dtype, _mask_path(call), tuple(call.q.shape), tuple(call.k.shape),
-                tuple(call.v.shape))
+                tuple(call.v.shape), mod)
 
     def compiled(self, call: AttentionCall) -> bool:
         """Whether the kernel variant ``call`` needs is compiled in this process already.
@@ -367,21 +417,30 @@ class FlexBackend(Backend):
         return self._compiled
 
     def _mods(self, call: AttentionCall):
-        """(score_mod, block_mask) for the call; both None when nothing is masked. A direct
-        mod's block mask is kept on its prepared mask; a dense one is built per call."""
+        """(score_mod, block_mask) for the call; each None when not needed. A direct mod's
+        block mask is kept on its prepared mask; a dense one is built per call. The call's own
+        score mod runs first, then a dense mask's bias (:class:`ScoreThenBias`)."""
         mod = _direct_mod(call)
         if mod is not None:
             prepared = _masks.prepare(mod, tq=call.tq, tk=call.tk, batch=call.batch, device=call.device)
             rows = prepared.rows(call.batch)  # the kernel indexes the mask's tensors by b
-            return None, prepared.remember(("flex", call.batch, call.device), lambda: _block_mask_of(rows, call))
+            block_mask = prepared.remember(("flex", call.batch, call.device), lambda: _block_mask_of(rows, call))
+            return self._score_mod(call, None), block_mask
         bias = _dense_bias(call)
         if bias is None:
-            return None, None
-        score_mod = BiasScoreMod(bias)
-        return score_mod, _flex_module.create_block_mask(
-            score_mod.allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device,
-            BLOCK_SIZE=_KV_BLOCK,
+            return self._score_mod(call, None), None
+        allows = BiasScoreMod(bias).allows
+        return self._score_mod(call, bias), _flex_module.create_block_mask(
+            allows, call.batch, call.q_heads, call.tq, call.tk, device=call.device, BLOCK_SIZE=_KV_BLOCK,
         )
+
+    @staticmethod
+    def _score_mod(call: AttentionCall, bias: Tensor | None):
+        """The kernel's score mod: None, the dense bias alone (one class for every mask, so the
+        compiled kernel is shared), or the call's score mod then the bias."""
+        if call.score_mod is None:
+            return None if bias is None else BiasScoreMod(bias)
+        return ScoreThenBias(call.score_mod, bias)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)
