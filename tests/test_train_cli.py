@@ -441,6 +441,13 @@ def test_explain_of_a_gpt_with_sinks_prints_the_sink_share_per_head(sinks_checkp
             printed_query, printed_mean = float(rows[head][2 * layer]), float(rows[head][2 * layer + 1])
             assert printed_query == pytest.approx(float(share[head, 2]), abs=5e-4)
             assert printed_mean == pytest.approx(float(share[head].mean()), abs=5e-4)
+    # The report holds the same table: head rows, layer columns, the query's share (the mean).
+    page = (tmp_path / "report.html").read_text()
+    assert "Where the mass goes: the sink" in page
+    cells = re.findall(r'<td style="background: [^"]+">([0-9.]+) <span class="muted">\(([0-9.]+)\)</span></td>', page)
+    assert len(cells) == 4  # 2 heads x 2 layers, row by row
+    for (head, layer), (query, mean) in zip([(h, l) for h in range(2) for l in range(2)], cells):
+        assert (query, mean) == rows[head][2 * layer: 2 * layer + 2]
     plain = runner.invoke(app, ["train", "--steps", "1", *TINY, "--out", str(tmp_path / "plain")])
     assert plain.exit_code == 0 and "sink share" not in plain.output
 

@@ -242,8 +242,9 @@ def summary(view: WordAttention, word: str, *, model: str) -> tuple[str, Link, i
 
 
 def write_files(view: WordAttention, query: int, *, model: str, layer: int, heads: tuple, hide_special: bool,
-                out: Path, fmt: str) -> list[Path]:
-    """The layers x heads grid and the head view (PNG/SVG) and the model's own report (HTML)."""
+                out: Path, fmt: str, sinks: bool = False) -> list[Path]:
+    """The layers x heads grid and the head view (PNG/SVG) and the model's own report (HTML;
+    with ``sinks``, the sink's share per layer and head too)."""
     from attnlab.viz.headview import head_grid, head_view
     from attnlab.viz.heatmap import save_figure
     from attnlab.viz.html import TrainedSection, write_report
@@ -261,7 +262,7 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
         written += save_figure(figure, out / f"headview-layer{layer}", formats=images)
     if fmt in ("html", "all"):
         section = TrainedSection(display_name(model), view, focus=query, layer=layer, heads=heads,
-                                 hide_special=hide_special)
+                                 hide_special=hide_special, sinks=sinks)
         written.append(write_report(None, out / "report.html", trained=section))
         written.append(model_view(view.weights, view.words, layer=layer, head=heads[0],
                                   title=f"{display_name(model)}: every layer and head").save(out / "model.html"))

@@ -189,7 +189,8 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     heads = trained_walk.head_view_heads(view, focus, layer, head)
     try:
         written = trained_walk.write_files(view, focus, model=model, layer=layer, heads=heads,
-                                           hide_special=hide_special, out=out, fmt=fmt)
+                                           hide_special=hide_special, out=out, fmt=fmt,
+                                           sinks=trained_walk.has_sinks(encoder))
     except OSError as err:
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     _print_written(console, written, out)

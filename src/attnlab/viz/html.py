@@ -44,6 +44,8 @@ class TrainedSection:
         view: the sentence's word-level weights through every layer and head.
         focus: the query word shown first; layer: the layer shown first; heads: the heads ticked.
         hide_special: draw no lines to or from special tokens ([CLS], [SEP]).
+        sinks: the model's heads have sinks (``GPT(sinks=True)``): the report adds where the
+            mass goes, the sink's share per layer and head (rows of ``view`` then sum to 1 minus it).
 
     Example:
         >>> import torch
@@ -58,6 +60,7 @@ class TrainedSection:
     layer: int = 0
     heads: tuple = (0,)
     hide_special: bool = False
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,41 @@ def _trained_card(section: TrainedSection, prefix: str) -> str:
         f'<svg class="headview" id="{prefix}hv-svg" width="{geometry["width"]}" height="{height}" '
         f'viewBox="0 0 {geometry["width"]} {height}" role="img" aria-label="head view">'
         f'<g id="{prefix}hv-lines"></g>{"".join(words)}</svg></section>'
+    ) + _trained_sink_card(section)
+
+
+def _trained_sink_card(section: TrainedSection) -> str:
+    """A trained model with sinks: the focus word's sink share per head (rows) and layer (columns),
+    the mean over the sentence's words beside it ("" without sinks).
+
+    Example:
+        >>> w = torch.full((1, 2, 2, 2), 0.25)  # every row sums to 0.5: the sink took half
+        >>> view = WordAttention.from_pieces(w, ["hi", "there"], [0, 1])
+        >>> card = _trained_sink_card(TrainedSection("toy", view, focus=0, sinks=True))
+        >>> card.count("0.500"), _trained_sink_card(TrainedSection("toy", view, focus=0))
+        (4, '')
+    """
+    if not section.sinks:
+        return ""
+    view = section.view
+    shares = view.sink_shares()  # (L, H, W); NaN for heads a layer lacks
+    counts = view.heads_per_layer
+    head = "".join(f"<th>layer {layer}</th>" for layer in range(view.layers))
+    rows = []
+    for h in range(view.heads):
+        cells = "".join("<td></td>" if h >= counts[layer] else
+                        _share_td(float(shares[layer, h, section.focus]), float(shares[layer, h].mean()))
+                        for layer in range(view.layers))
+        rows.append(f"<tr><th>head {h}</th>{cells}</tr>")
+    word = view.words[section.focus]
+    return (
+        '<section class="card sinks"><h2>Where the mass goes: the sink</h2>'
+        f"<p class=\"muted\">Each head of this model has a sink: one more key with a learned logit and value 0. "
+        f"A cell is the share of &ldquo;{_e(word)}&rdquo;&rsquo;s attention that head gives its sink, in brackets "
+        "the mean over the sentence&rsquo;s words: attention that goes to no word. The head view above draws "
+        "the words&rsquo; part.</p>"
+        f'<div class="table-box"><table class="values sink-shares"><thead><tr><th>head</th>{head}</tr></thead>'
+        f'<tbody>{"".join(rows)}</tbody></table></div></section>'
     )
 
 
@@ -527,6 +565,13 @@ def _table(step, focus: int) -> str:
                 f"{min(n_cols, MAX_TABLE)} of {n_cols} columns</div>")
     return (f'<div class="table-box"><table class="values"><thead><tr><th></th>{head}</tr></thead>'
             f'<tbody>{"".join(body)}</tbody></table></div>{note}')
+
+
+def _share_td(share: float, mean: float) -> str:
+    """A sink-share cell: the share shaded as the value cells are, the mean in brackets."""
+    alpha = 0.06 + 0.5 * min(max(share, 0.0), 1.0)
+    return (f'<td style="background: rgba(var(--pos), {alpha:.2f})">{share:.3f} '
+            f'<span class="muted">({mean:.3f})</span></td>')
 
 
 def _td(value, scale: float, name: str) -> str:
