@@ -9,7 +9,9 @@ storages created during the call, inputs and a prebuilt mask excluded):
    (Gemma 2: scores, ``cap * tanh(s / cap)``, the additive causal mask, softmax, ``@ v``;
    gpt-oss: scores plus mask, the sink column appended, the row maximum subtracted, softmax, the
    column dropped, ``@ v``), with its causal float mask built once outside the timing, as a
-   model builds it once for all layers. Target: eager / attnlab >= 3 with O(T) memory.
+   model builds it once for all layers. Target: eager / attnlab >= 3 with O(T) memory. The
+   softcap forward also times ``backend="flex"`` (FlexAttention compiled with the cap as its
+   score_mod; compiled in the untimed first run), for comparison.
 2. what sinks cost: the sinks call against the same call without sinks, both ``auto`` and both
    on the backend ``auto`` picked for the sinks. Target: <= 1.10x.
 3. ALiBi with a causal 256-key window (``--window``) at T=8192 (``--t-window``), forward:
@@ -131,6 +133,9 @@ def mods_vs_eager(t: int, rounds: int) -> list[BenchRow]:
                                                          score_mod=scores.softcap(SOFTCAP)), (q, k, v), grad),
             "eager": _runner(lambda: eager_softcap(q, k, v, mask), (q, k, v), grad),
         }
+        if not grad and "flex" in backends.available():  # flex on CPU: forward only (compiled in the warm-up)
+            cap["flex"] = _runner(lambda: attnlab.attention(q, k, v, causal=True, score_mod=scores.softcap(SOFTCAP),
+                                                            backend="flex"), (q, k, v), grad)
         rows += _timed(f"softcap causal {mode} T={t}", cap, flops, rounds, {"attnlab": f"auto -> {cap_backend}"})
         learned = (q, k, v, sinks)
         sink = {

@@ -1,7 +1,9 @@
-"""Empty batches and sequences (B, Tq or Tk of 0) on every backend and in the modules.
+"""Empty batches and sequences (B, Tq or Tk of 0) on every backend and in the modules, with and
+without sinks.
 
 The fused CPU kernel that ``blocks`` calls divides by ``B * H``: an empty batch killed the
-process with SIGFPE, which would also kill a pytest worker. Each backend's cases therefore run
+process with SIGFPE, which would also kill a pytest worker (so did the CPU flash op that sdpa
+applies sinks through, on an empty sequence). Each backend's cases therefore run
 in a subprocess, and a crash shows up as its exit signal.
 """
 
@@ -42,10 +44,15 @@ SCRIPT = textwrap.dedent('''
         }
 
     backend = sys.argv[1]
-    for b, tq, tk in ((0, 300, 300), (0, 16, 16), (2, 0, 16), (2, 16, 0), (2, 0, 0)):
+    cases = [(b, tq, tk, sinks) for sinks in (False, True)
+             for b, tq, tk in ((0, 300, 300), (0, 16, 16), (2, 0, 16), (2, 16, 0), (2, 0, 0))]
+    for b, tq, tk, sinks in cases:  # every output is empty or zero, with sinks too (they take the mass)
         for name, (options, allowed) in masks_for(b, tq, tk).items():
             q = torch.randn(b, 2, tq, 8, requires_grad=True)
             k = torch.randn(b, 2, tk, 8, requires_grad=True)
+            if sinks:
+                options = dict(options, sinks=torch.randn(2))
+                name += "+sinks"
             try:
                 out = attnlab.attention(q, k, k, backend=backend, **options)
             except ValueError as err:
@@ -67,11 +74,12 @@ def test_empty_sizes_on_every_backend_match_fp64(backend):
     done = subprocess.run([sys.executable, "-c", SCRIPT, backend], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     lines = done.stdout.splitlines()
-    assert len(lines) == 5 * 4, done.stdout
+    assert len(lines) == 2 * 5 * 4, done.stdout  # without and with sinks
     if backend in ("auto", "reference", "sdpa", "chunked"):
         assert all(line.endswith(" ok") for line in lines), done.stdout
     if backend == "blocks":  # blocks serves the masked calls with an empty batch
-        assert all(line.endswith(" ok") for line in lines if line.startswith("0 ") and "none" not in line)
+        assert all(line.endswith(" ok") for line in lines
+                   if line.startswith("0 ") and "none" not in line and "sinks" not in line)
 
 
 MODULES = textwrap.dedent('''

@@ -122,8 +122,9 @@ def sinks_through_lse(call: AttentionCall) -> bool:
     (:class:`_SinksThroughLse`) rather than as one more key in a float mask.
 
     Needs: sinks, a CPU call on PyTorch 2.13+ (whose kernel gives dead rows zeros itself), no
-    dropout, ``Dv == D`` (the flash kernel's own rule), and no mask or score-mod tensor that
-    wants a gradient (the kernel's backward gives none for its mask).
+    dropout, ``Dv == D`` (the flash kernel's own rule), no mask or score-mod tensor that wants a
+    gradient (the kernel's backward gives none for its mask), and no empty size (the op,
+    unlike SDPA's front end, divides by zero on an empty sequence or head count: SIGFPE).
 
     Example:
         >>> from attnlab.backends import build_call
@@ -133,7 +134,8 @@ def sinks_through_lse(call: AttentionCall) -> bool:
     """
     return (call.sinks is not None and call.device.type == "cpu" and _CPU_KERNEL_KEEPS_ROWS
             and _CPU_FLASH is not None and call.dropout_p == 0.0
-            and call.value_dim == call.head_dim and not _mask_needs_grad(call, sinks=False))
+            and call.value_dim == call.head_dim and not _mask_needs_grad(call, sinks=False)
+            and min(call.batch, call.q_heads, call.kv_heads, call.tq, call.tk) > 0)
 
 
 def _sink_key(call: AttentionCall) -> bool:
