@@ -495,3 +495,30 @@ def test_declines_sinks_and_mods_it_cannot_serve_exactly(options, words):
     assert any(words in reason for reason in text), text
     with pytest.raises(ValueError, match=words):
         attnlab.attention(q, k, v, backend="flex", **options)
+
+
+def test_reset_compiled_gives_the_variant_budget_back():
+    """A long-running process may drop every compiled kernel and compile afresh (exactly)."""
+    q, k, v = _qkv()
+    flex = backends.get("flex")
+    with torch.no_grad():
+        attnlab.attention(q, k, v, causal=True, backend="flex")
+        assert flex.compiled_variants >= 1 and flex.compiled(build_call(q, k, v, causal=True))
+        flex.reset_compiled()
+        assert flex.compiled_variants == 0 and not flex.compiled(build_call(q, k, v, causal=True))
+        out = attnlab.attention(q, k, v, causal=True, backend="flex")
+    _assert_conforms(out, q, k, v, causal=True)
+    assert flex.compiled_variants == 1
+
+
+def test_a_forward_call_compiles_once_whatever_the_grad_mode():
+    """Dynamo guards on the grad mode: a forward-only call made with grad enabled must reuse the
+    kernel compiled under no_grad (it compiled a second one, which ran the budget out early)."""
+    q, k, v = _qkv()
+    mod = scores.softcap(4.0)
+    with torch.no_grad():
+        attnlab.attention(q, k, v, score_mod=mod, backend="flex")
+    graphs = _graphs()
+    out = attnlab.attention(q, k, v, score_mod=mod, backend="flex")  # grad enabled, nothing requires it
+    assert _graphs() == graphs
+    _assert_conforms(out, q, k, v, score_mod=mod)

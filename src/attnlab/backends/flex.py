@@ -387,10 +387,11 @@ class FlexBackend(Backend):
 
     def _variant(self, call: AttentionCall) -> tuple:
         """What the compiled kernel is specialised on (static shapes, see the module doc): the
-        mask path (:func:`_mask_path`) and the score mod's signature (its kind and settings)."""
+        mask path (:func:`_mask_path`), the score mod's signature (its kind and settings) and
+        whether gradients are needed (the grad mode the kernel runs under)."""
         mod = None if call.score_mod is None else call.score_mod.signature()
         return (call.device.type, call.dtype, _mask_path(call), tuple(call.q.shape), tuple(call.k.shape),
-                tuple(call.v.shape), mod)
+                tuple(call.v.shape), mod, call.requires_grad)
 
     def compiled(self, call: AttentionCall) -> bool:
         """Whether the kernel variant ``call`` needs is compiled in this process already.
@@ -410,6 +411,34 @@ class FlexBackend(Backend):
         if self._variant(call) not in self._variants:
             seconds += rates["compile_variant_s" if self._compiled is not None else "compile_first_s"]
         return seconds
+
+    @property
+    def compiled_variants(self) -> int:
+        """How many kernel variants this process has compiled (at most ``_MAX_VARIANTS``, 64).
+
+        Example:
+            >>> from attnlab.backends import get
+            >>> get("flex").compiled_variants >= 0
+            True
+        """
+        return len(self._variants)
+
+    def reset_compiled(self) -> None:
+        """Forget every compiled flex kernel, and this backend's count of them, so that a
+        long-running process (a test suite, sweeps over many shapes and score mods) gets its
+        full budget of compiled variants back.
+
+        This resets torch.compile itself (``torch._dynamo.reset()``): every function compiled
+        in the process, not only flex's, compiles again on its next call.
+
+        Example:
+            >>> from attnlab.backends import get
+            >>> get("flex").reset_compiled()
+        """
+        torch._dynamo.reset()
+        self._compiled = None
+        self._variants.clear()
+        self._compile_error.clear()
 
     def _kernel(self):
         if self._compiled is None:
@@ -437,10 +466,14 @@ class FlexBackend(Backend):
     @staticmethod
     def _score_mod(call: AttentionCall, bias: Tensor | None):
         """The kernel's score mod: None, the dense bias alone (one class for every mask, so the
-        compiled kernel is shared), or the call's score mod then the bias."""
+        compiled kernel is shared), or the call's score mod then the bias (its tensors detached
+        when the call needs no gradient, as q, k and v are)."""
         if call.score_mod is None:
             return None if bias is None else BiasScoreMod(bias)
-        return ScoreThenBias(call.score_mod, bias)
+        mod = call.score_mod
+        if not call.requires_grad and any(p.requires_grad for p in mod.params()):
+            mod = mod.with_params([p.detach() for p in mod.params()])
+        return ScoreThenBias(mod, bias)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         score_mod, block_mask = self._mods(call)
@@ -455,7 +488,10 @@ class FlexBackend(Backend):
             # Past the limit Dynamo would run the kernel unfused: an error is better than that.
             fail = {"fail_on_recompile_limit_hit": True} if hasattr(
                 torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
-            with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS, **fail):
+            # Grad mode as the call needs it: Dynamo guards on it, so a forward-only call made
+            # with grad enabled would otherwise compile a second kernel for the same variant.
+            with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS, **fail), \
+                    torch.set_grad_enabled(call.requires_grad):
                 result = self._kernel()(
                     q, k, v, score_mod=score_mod, block_mask=block_mask,
                     scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
