@@ -73,7 +73,7 @@ from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
-__all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for", "kernel_keeps_rows"]
+__all__ = ["SdpaBackend", "sdpa_plan", "SdpaPlan", "kernel_for", "kernel_keeps_rows", "sinks_through_lse"]
 
 _HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
