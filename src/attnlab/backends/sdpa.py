@@ -477,7 +477,11 @@ class _SinksThroughLse(torch.autograd.Function):
     Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, all contiguous; sinks ``(Hq,)``,
     attn_mask None or a float mask broadcastable to ``(B, Hq, Tq, Tk)``; returns out
     ``(B, Hq, Tq, D)``, and lse and the keys' share ``(B, Hq, Tq)`` (not differentiable).
+    Under ``torch.vmap`` the rule is generated from forward and backward (PyTorch runs the op
+    once per vmapped slice: it has no batching rule of its own).
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, sinks, attn_mask, is_causal, scale):
