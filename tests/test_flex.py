@@ -522,3 +522,19 @@ def test_a_forward_call_compiles_once_whatever_the_grad_mode():
     out = attnlab.attention(q, k, v, score_mod=mod, backend="flex")  # grad enabled, nothing requires it
     assert _graphs() == graphs
     _assert_conforms(out, q, k, v, score_mod=mod)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_users_function_is_declined_in_half_precision_on_cpu(dtype):
+    """torch's compiled CPU kernel computed ``(score + t[h]).to(score.dtype)`` off by 3.6 (bf16) and
+    5.2 (fp16), exact in fp32: a user's function, alone or composed, goes to chunked there."""
+    q, k, v = (t.to(dtype) for t in _qkv())
+    slopes = torch.tensor([0.25, 3.0])
+    fn = scores.function(lambda s, b, h, i, j: (s + slopes[h]).to(s.dtype))
+    for mod in (fn, scores.softcap(3.0) + fn):
+        why = backends.reasons(build_call(q, k, v, score_mod=mod))["flex"]
+        assert any("half precision" in reason for reason in why), why
+    assert not backends.reasons(build_call(q, k, v, score_mod=scores.alibi(slopes)))["flex"]
+    with torch.no_grad():  # auto serves it exactly elsewhere
+        out = attnlab.attention(q, k, v, score_mod=fn)
+    _assert_conforms(out, q, k, v, score_mod=fn)

@@ -24,7 +24,8 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   score mods and sinks included (blocks declines the ones that are not additive).
 * flex compiles one kernel per shape, so it is swept over the fixed shapes of
   :data:`FLEX_SHAPES` (small and block-sized, Tq != Tk, grouped-query), masks varying, with
-  the score mods it serves (:data:`FLEX_SCORE_KINDS`: every kind but sinks).
+  the score mods it serves (:data:`FLEX_SCORE_KINDS`: every kind but sinks; in fp16/bf16
+  :data:`FLEX_HALF_SCORE_KINDS`, without a user's function).
 * :func:`check` runs one backend on one configuration in one dtype and compares it with the
   reference run in fp64 -- the conformance rule: the backend's max error is at most 2x the
   error of the reference computed in the same dtype, plus a floor; gradients at most 3x.
@@ -70,7 +71,7 @@ from attnlab.functional import attention
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
            "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS",
-           "FLEX_SCORE_KINDS"]
+           "FLEX_SCORE_KINDS", "FLEX_HALF_SCORE_KINDS"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
 # Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
@@ -87,8 +88,10 @@ _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
 # Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 6 of the 10).
 SCORE_KINDS = ("softcap", "alibi", "sinks", "relative", "bias", "composed", "alibi_symmetric",
                "function", "softcap_sinks", "alibi_sinks")
-# The score kinds flex serves (it declines sinks).
+# The score kinds flex serves (it declines sinks), and in fp16/bf16 (where it also declines a
+# user's function on CPU: torch's compiled kernel miscomputes some).
 FLEX_SCORE_KINDS = tuple(kind for kind in SCORE_KINDS if "sinks" not in kind)
+FLEX_HALF_SCORE_KINDS = tuple(kind for kind in FLEX_SCORE_KINDS if kind != "function")
 # B, Hq, Hkv, Tq, Tk, D, Dv. flex compiles per shape, so it is swept over these only: small
 # lengths with odd and even tails, Tq != Tk both ways, grouped-query, and whole 128-key blocks.
 FLEX_SHAPES = (
@@ -682,9 +685,11 @@ def sweep(
     results = []
     for dtype in dtypes:
         for name in backend_names:
-            # flex declines sinks (no log-sum-exp from its CPU kernel): its sweep draws the other mods.
+            # flex declines sinks (no log-sum-exp from its CPU kernel), and functions in half
+            # precision: its sweep draws the other mods.
             if name == "flex":
-                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small, scores=FLEX_SCORE_KINDS)
+                kinds = FLEX_SCORE_KINDS if dtype in (torch.float32, torch.float64) else FLEX_HALF_SCORE_KINDS
+                draw = configs(flex_n or n, seed=seed, shapes=FLEX_SHAPES, small=small, scores=kinds)
             elif getattr(_backends.get(name), "needs_bounds", False):
                 draw = configs(n, seed=seed, small=small, masks=BOUNDED_MASKS)
             else:

@@ -37,7 +37,10 @@ whole blocks. torch.compile guards on the mod's kind and Python settings (a soft
 compiles again for 50; a new function compiles again), not on its tensors' values, so the mod's
 signature is part of the compiled variant. Sinks are declined: the compiled CPU kernel returns
 no log-sum-exp to fold them in (sdpa, blocks and chunked serve them); so is a score mod whose
-tensors need a gradient, or that holds float64 tensors (the kernel's scores are float32).
+tensors need a gradient, or that holds float64 tensors (the kernel's scores are float32), and,
+on CPU in fp16/bf16, a user's own function: torch's compiled kernel computed
+``(score + t[h]).to(score.dtype)`` with errors of 3.6 (bf16) and 5.2 (fp16) where fp32 was exact,
+and a function may be written that way (attnlab's structured mods are not, and are verified).
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
@@ -75,6 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab._call import AttentionCall
 from attnlab._math import keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
@@ -263,7 +267,19 @@ def _score_limits(call: AttentionCall) -> list[str]:
                      "(chunked and blocks can)")
     if any(p.dtype == torch.float64 for p in params):
         found.append("flex computes scores in float32: the score mod's float64 tensors would be rounded")
+    half = call.dtype in (torch.float16, torch.bfloat16)
+    if half and call.device.type == "cpu" and _has_function(call.score_mod):
+        found.append("torch's compiled CPU flex kernel miscomputes some score-mod functions in half precision "
+                     "(`(score + t[h]).to(score.dtype)` was off by 3.6 in bf16): a function of your own is "
+                     "left to chunked there; attnlab's structured mods are served")
     return found
+
+
+def _has_function(mod) -> bool:
+    """Whether ``mod`` is, or composes, a user's function (:class:`attnlab.scores.FunctionMod`)."""
+    if isinstance(mod, _scores.Composed):
+        return any(_has_function(part) for part in mod.mods)
+    return isinstance(mod, _scores.FunctionMod)
 
 
 def _prescaled_q(call: AttentionCall) -> Tensor:
