@@ -92,13 +92,11 @@ class _Measured:
     that measuring memory costs no extra run (the slow candidates take seconds each)."""
 
     def __init__(self, run, *, measure: bool = True):
-        self.run, self.peak_mib, self.measure, self.warm = run, None, measure, False
+        self.run, self.peak_mib, self.measure = run, None, measure
 
     def __call__(self):
-        if self.peak_mib is not None or (self.warm and not self.measure):
-            return self.run()
-        if not self.measure:  # flex: the meter (a dispatch mode) cannot enter its compiled kernel
-            self.warm = True
+        # measure=False (flex): the meter, a dispatch mode, cannot enter its compiled kernel.
+        if self.peak_mib is not None or not self.measure:
             return self.run()
         with PeakMemory() as meter:
             self.run()

@@ -31,5 +31,5 @@ def _flex_budget():
 
     if "flex" in backends.names():
         flex = backends.get("flex")
-        if getattr(flex, "compiled_variants", 0) > _FLEX_BUDGET_KEPT:
+        if flex.compiled_variants > _FLEX_BUDGET_KEPT:
             flex.reset_compiled()

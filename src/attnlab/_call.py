@@ -25,7 +25,7 @@ __all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_K
 
 # What a call may remember once computed: the dense mask of attendable positions and sdpa's
 # plan (the kernel choice, asked for by dispatch's memory and cost questions).
-MEMO_KEYS = ("allowed", "sdpa_plan")
+MEMO_KEYS = ("allowed", "sdpa_plan", "sinks_through_lse")
 
 
 @dataclass(frozen=True)

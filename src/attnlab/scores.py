@@ -98,6 +98,8 @@ class ScoreMod:
             in-place form (:meth:`apply_in_place`) and a derivative read from its output
             (:meth:`derivative`): the tiled backend then allocates one tile per tile backward
             and none forward, and evaluates nothing twice.
+        user_function: whether the mod is, or composes, a function of the user's own
+            (:class:`FunctionMod`): code attnlab has not verified on every kernel.
 
     Example:
         >>> class Double(ScoreMod):
@@ -110,6 +112,7 @@ class ScoreMod:
     additive: bool = False
     relative: bool = False
     in_place: bool = False
+    user_function: bool = False
 
     def __call__(self, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
         if self.additive:
@@ -503,6 +506,7 @@ class Composed(ScoreMod):
         self.mods = mods
         self.additive = all(m.additive for m in mods)
         self.relative = all(m.relative for m in mods)
+        self.user_function = any(m.user_function for m in mods)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         for mod in self.mods:
@@ -577,6 +581,8 @@ class FunctionMod(ScoreMod):
         >>> FunctionMod(lambda s, b, h, i, j: s - abs(i - j))(torch.zeros(()), 0, 0, 3, 1)
         tensor(-2.)
     """
+
+    user_function = True
 
     def __init__(self, fn: Callable, params: tuple[Tensor, ...] = (), make: Callable | None = None):
         self.fn, self._params, self.make = fn, params, make

@@ -197,14 +197,6 @@ def _tile_allowed(plan: _Plan, bool_mask: Tensor | None, bias_tile: Tensor | Non
 
 
 @dataclass
-class _ModDerivative:
-    """``d modded / d raw`` of one tile ``(B, Hq, bq, bk)``, kept in place of the raw scores for
-    an ``in_place`` score mod (:attr:`attnlab.scores.ScoreMod.in_place`)."""
-
-    tensor: Tensor
-
-
-@dataclass
 class _Tile:
     """One tile, ready for the online softmax or its backward pass.
 
@@ -214,8 +206,10 @@ class _Tile:
         columns no query of the tile may attend (NaN padding cannot leak through ``0 * NaN``,
         nor NaN queries of masked rows into ``dK``).
     keep_scale: ``(B, Hq, bq, bk)`` dropout factor ``keep / (1 - p)`` or None.
-    raw: ``(B, Hq, bq, bk)`` scaled scores before the score mod (None without one), for the
-        backward pass through it; for an ``in_place`` mod its derivative (:class:`_ModDerivative`).
+    raw: ``(B, Hq, bq, bk)`` scaled scores before the score mod (None without one, or with an
+        ``in_place`` mod), for the backward pass through it.
+    mod_derivative: ``(B, Hq, bq, bk)`` ``d modded / d raw`` of an ``in_place`` score mod
+        (:attr:`attnlab.scores.ScoreMod.in_place`), kept instead of ``raw``.
     """
 
     scores: Tensor
@@ -223,13 +217,15 @@ class _Tile:
     k: Tensor
     v: Tensor
     keep_scale: Tensor | None
-    raw: Tensor | _ModDerivative | None = None
+    raw: Tensor | None = None
+    mod_derivative: Tensor | None = None
 
 
 def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
                qs: int, qe: int, ks: int, ke: int, *, keep_raw: bool = True) -> _Tile | None:
-    """Build the tile (qs:qe, ks:ke), or None when its mask allows nothing. ``keep_raw``:
-    keep the scores before the score mod (the backward pass differentiates through it)."""
+    """Build the tile (qs:qe, ks:ke), or None when its mask allows nothing. ``keep_raw``: keep
+    what the backward pass needs of the score mod (the scores before it, or an ``in_place``
+    mod's derivative)."""
     B, Hq = q_tile.shape[:2]
     bool_mask, bias, score_mod, _ = masks
     bias_tile = None if bias is None else _slice_tile(bias, qs, qe, ks, ke).to(plan.acc_dtype)
@@ -247,10 +243,10 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _Tensor
         if not (has_values(row_live) and bool(row_live.all())):
             q_tile = torch.where(row_live, q_tile, 0.0)
     attn_scores = torch.matmul(q_tile, k_tile.transpose(-2, -1)).mul_(plan.scale)  # (B,Hq,bq,bk)
-    raw = None
+    raw = derivative = None
     if score_mod is not None and score_mod.in_place:  # e.g. softcap: evaluated once, in place
         attn_scores = score_mod.apply_in_place(attn_scores)
-        raw = _ModDerivative(score_mod.derivative(attn_scores)) if keep_raw else None
+        derivative = score_mod.derivative(attn_scores) if keep_raw else None
     elif score_mod is not None:
         raw = attn_scores
         attn_scores = apply_tile(score_mod, raw, q_start=qs, kv_start=ks).to(plan.acc_dtype, copy=True)
@@ -266,7 +262,7 @@ def _make_tile(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _Tensor
             kv_idx=torch.arange(ks, ke, device=q_tile.device),
         )
         keep_scale = keep.to(plan.acc_dtype).div_(1.0 - plan.dropout_p)
-    return _Tile(attn_scores, q_tile, k_tile, v_tile, keep_scale, raw)
+    return _Tile(attn_scores, q_tile, k_tile, v_tile, keep_scale, raw, derivative)
 
 
 def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMasks,
@@ -386,7 +382,9 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
             d_scores = d_probs.sub_(delta).mul_(probs)  # dS = P * (dP - D_i), reuses dP
             if d_bias is not None:
                 _slice_tile(d_bias, qs, qe, ks, ke).add_(_reduce_to(d_scores, bias.shape))
-            if tile.raw is not None:
+            if tile.mod_derivative is not None:  # an in-place mod: its derivative was kept
+                d_scores = d_scores.mul_(tile.mod_derivative)
+            elif tile.raw is not None:
                 d_scores = _through_mod(masks.score_mod, tile.raw, d_scores, qs, ks, d_params)
             dq.narrow(2, qs, qe - qs).add_(torch.matmul(d_scores, tile.k))
             d_keys = torch.matmul(d_scores.transpose(-2, -1), tile.q)  # (B, Hq, bk, D)
@@ -394,7 +392,7 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     return dq.mul_(plan.scale), dk.mul_(plan.scale), dv, d_bias, d_sinks, d_params
 
 
-def _through_mod(mod: ScoreMod, raw: "Tensor | _ModDerivative", d_scores: Tensor, qs: int, ks: int, d_params: list) -> Tensor:
+def _through_mod(mod: ScoreMod, raw: Tensor, d_scores: Tensor, qs: int, ks: int, d_params: list) -> Tensor:
     """The gradient of one tile's raw scores ``(B, Hq, bq, bk)`` from that of the modded scores,
     adding the gradient of each of the mod's tensors that needs one into ``d_params``.
 
@@ -404,8 +402,6 @@ def _through_mod(mod: ScoreMod, raw: "Tensor | _ModDerivative", d_scores: Tensor
     wanted = [d is not None for d in d_params]
     if mod.additive and not any(wanted):
         return d_scores
-    if isinstance(raw, _ModDerivative):  # an in-place mod: its derivative was kept instead
-        return d_scores.mul_(raw.tensor)
     with torch.enable_grad():
         raw = raw.detach().requires_grad_(not mod.additive)
         params = [p.detach().requires_grad_(want) for p, want in zip(mod.params(), wanted)]

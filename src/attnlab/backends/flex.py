@@ -78,7 +78,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab import scores as _scores
 from attnlab._call import AttentionCall
 from attnlab._math import keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
@@ -268,18 +267,12 @@ def _score_limits(call: AttentionCall) -> list[str]:
     if any(p.dtype == torch.float64 for p in params):
         found.append("flex computes scores in float32: the score mod's float64 tensors would be rounded")
     half = call.dtype in (torch.float16, torch.bfloat16)
-    if half and call.device.type == "cpu" and _has_function(call.score_mod):
+    if half and call.device.type == "cpu" and call.score_mod is not None and call.score_mod.user_function:
         found.append("torch's compiled CPU flex kernel miscomputes some score-mod functions in half precision "
                      "(`(score + t[h]).to(score.dtype)` was off by 3.6 in bf16): a function of your own is "
                      "left to chunked there; attnlab's structured mods are served")
     return found
 
-
-def _has_function(mod) -> bool:
-    """Whether ``mod`` is, or composes, a user's function (:class:`attnlab.scores.FunctionMod`)."""
-    if isinstance(mod, _scores.Composed):
-        return any(_has_function(part) for part in mod.mods)
-    return isinstance(mod, _scores.FunctionMod)
 
 
 def _prescaled_q(call: AttentionCall) -> Tensor:

@@ -132,10 +132,13 @@ def sinks_through_lse(call: AttentionCall) -> bool:
         >>> sinks_through_lse(build_call(q, q, q, causal=True, sinks=torch.zeros(2)))
         True
     """
-    return (call.sinks is not None and call.device.type == "cpu" and _CPU_KERNEL_KEEPS_ROWS
-            and _CPU_FLASH is not None and call.dropout_p == 0.0
-            and call.value_dim == call.head_dim and not _mask_needs_grad(call, sinks=False)
-            and min(call.batch, call.q_heads, call.kv_heads, call.tq, call.tk) > 0)
+    if call.sinks is None:
+        return False
+    return call.memo("sinks_through_lse", lambda: (  # asked by every step that builds the call's mask
+        call.device.type == "cpu" and _CPU_KERNEL_KEEPS_ROWS and _CPU_FLASH is not None
+        and call.dropout_p == 0.0 and call.value_dim == call.head_dim
+        and not _mask_needs_grad(call, sinks=False)
+        and min(call.batch, call.q_heads, call.kv_heads, call.tq, call.tk) > 0))
 
 
 def _sink_key(call: AttentionCall) -> bool:

@@ -569,9 +569,14 @@ def _table(step, focus: int) -> str:
 
 def _share_td(share: float, mean: float) -> str:
     """A sink-share cell: the share shaded as the value cells are, the mean in brackets."""
-    alpha = 0.06 + 0.5 * min(max(share, 0.0), 1.0)
-    return (f'<td style="background: rgba(var(--pos), {alpha:.2f})">{share:.3f} '
-            f'<span class="muted">({mean:.3f})</span></td>')
+    return f'<td style="{_shade(share, 1.0)}">{share:.3f} <span class="muted">({mean:.3f})</span></td>'
+
+
+def _shade(value: float, scale: float) -> str:
+    """A value cell's background: its sign's colour, stronger as ``|value| / scale`` grows to 1."""
+    alpha = 0.06 + 0.5 * min(abs(value) / scale, 1.0)
+    rgb = "var(--neg)" if value < 0 else "var(--pos)"
+    return f"background: rgba({rgb}, {alpha:.2f})"
 
 
 def _td(value, scale: float, name: str) -> str:
@@ -580,6 +585,4 @@ def _td(value, scale: float, name: str) -> str:
         return f'<td class="masked">{text}</td>'
     if isinstance(value, (bool, int)):
         return f"<td>{text}</td>"
-    alpha = 0.06 + 0.5 * min(abs(value) / scale, 1.0)
-    rgb = "var(--neg)" if value < 0 else "var(--pos)"
-    return f'<td style="background: rgba({rgb}, {alpha:.2f})">{text}</td>'
+    return f'<td style="{_shade(value, scale)}">{text}</td>'
