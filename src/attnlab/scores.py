@@ -120,11 +120,23 @@ class ScoreMod:
         raise NotImplementedError(type(self).__name__)
 
     def apply_in_place(self, score: Tensor) -> Tensor:
-        """The mod written into ``score`` itself (``in_place`` mods only); returns ``score``."""
+        """The mod written into ``score`` itself (``in_place`` mods only); returns ``score``.
+
+        Example:
+            >>> alibi(1).apply_in_place(torch.zeros(1))
+            Traceback (most recent call last):
+            TypeError: Alibi has no in-place form
+        """
         raise TypeError(f"{type(self).__name__} has no in-place form")
 
     def derivative(self, modded: Tensor) -> Tensor:
-        """``d modded / d score`` at each position, from the modded scores (``in_place`` mods only)."""
+        """``d modded / d score`` at each position, from the modded scores (``in_place`` mods only).
+
+        Example:
+            >>> alibi(1).derivative(torch.zeros(1))
+            Traceback (most recent call last):
+            TypeError: Alibi has no derivative in terms of its output
+        """
         raise TypeError(f"{type(self).__name__} has no derivative in terms of its output")
 
     def bias(self, b, h, q_idx, kv_idx) -> Tensor:
