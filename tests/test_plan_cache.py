@@ -353,3 +353,24 @@ def test_a_repeated_sdpa_call_reaches_the_kernel_within_six_python_frames(monkey
         attnlab.attention(q, k, v, **options)
     assert depths[-1] <= 6, depths  # frames from attention (1) to the kernel's caller
     assert depths[-1] < depths[0]  # the first call went through validation and dispatch
+
+
+def test_a_repeated_call_with_sinks_takes_the_prepared_run_with_its_own_sinks(counted_builds):
+    """Sinks applied through SDPA's lse need no mask rebuilt per call, so a repeated decode step
+    goes to the prepared run; it applies the sinks it is handed, not the first call's, and
+    differentiates them when they require grad (grad mode is in the key)."""
+    q, k, v = _decode_inputs()
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(q.shape[0], 1, 1, k.shape[2], generator=gen) > 0.3  # a padded cache, bool
+    all_sinks = [torch.randn(q.shape[1], generator=gen, requires_grad=True) for _ in range(3)]
+    wants = []
+    for sinks in all_sinks:
+        want = attnlab.attention(q.double(), k.double(), v.double(), mask=mask, sinks=sinks.double(),
+                                 backend="reference")
+        wants.append((want, torch.autograd.grad(want.sum(), sinks)[0]))
+    counted_builds.clear()
+    for sinks, (want, want_grad) in zip(all_sinks, wants):
+        out = attnlab.attention(q, k, v, mask=mask, sinks=sinks)
+        assert torch.allclose(out.double(), want, atol=1e-5)
+        assert torch.allclose(torch.autograd.grad(out.sum(), sinks)[0], want_grad, atol=1e-4)
+    assert len(counted_builds) == 1  # the first call; the others are the prepared run

@@ -113,7 +113,7 @@ def attention(
                        score_mod=score_mod, sinks=sinks)
     known = remembered(key, mask)
     if known is not None and known.run is not None:  # validated before: nothing reads values
-        return known.run(q, k, v, mask)  # (B, Hq, Tq, Dv)
+        return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)  # (B, Hq, Tq, Dv)
     if known is not None and known.mask is not None:  # the same mask, prepared: plans made once
         mask, causal = known.mask, False
     call = build_call(

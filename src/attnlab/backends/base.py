@@ -184,7 +184,8 @@ class Backend:
 
     def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
         """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every later call whose arguments have
-        ``call``'s signature (see :func:`attnlab.backends.dispatch.argument_key`), or None.
+        ``call``'s signature (see :func:`attnlab.backends.dispatch.argument_key`), or None. A
+        call with sinks is run as ``run(q, k, v, mask, sinks)``.
 
         Dispatch remembers it with its choice, and such a call goes from
         :func:`attnlab.attention` straight to ``run``: validation and dispatch read no tensor

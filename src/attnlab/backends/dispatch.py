@@ -271,7 +271,7 @@ def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str
     if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
         return Route(backend, None, mod)
     by_value = mod is not None and _masks.value_only_key(mod) is not None
-    plain = mod is None and call.score_mod is None and call.sinks is None  # a run takes (q, k, v, mask)
+    plain = mod is None and call.score_mod is None  # a run takes (q, k, v, mask[, sinks])
     fresh = Route(backend, backend.prepare(call) if direct and plain else None,
                   None if by_value else mod, _prepared_mask(backend, call, by_value))
     if key is not None:

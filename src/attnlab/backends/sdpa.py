@@ -453,8 +453,10 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             # The op reads its inputs as if contiguous (a strided last dim gave wrong values;
             # scaled_dot_product_attention's front end copies them first): copies where they are not.
             q, k, v = (t.contiguous() for t in (q, k, v))
-            out, _, _ = _SinksThroughLse.apply(q, k, v, sinks, attn_mask, options["is_causal"], options["scale"])
-            return out  # (B, Hq, Tq, Dv)
+            arguments = (q, k, v, sinks, attn_mask, options["is_causal"], options["scale"])
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks)):
+                return _SinksThroughLse.apply(*arguments)[0]  # (B, Hq, Tq, Dv)
+            return _sinks_by_lse(*arguments)[0]  # nothing to differentiate: no autograd Function
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
         if mend:
             out = keep_nan_rows(q, out)
@@ -463,6 +465,15 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
         return out
 
     return run
+
+
+def _sinks_by_lse(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                  scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU flash kernel's ``out * keep`` with ``keep = sigmoid(lse - sinks[h])``, and lse and
+    keep ``(B, Hq, Tq)``: :class:`_SinksThroughLse`'s forward (shapes there)."""
+    out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)  # lse (B, Hq, Tq) fp32
+    keep = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))  # (B, Hq, Tq): the keys' share
+    return out * keep.unsqueeze(-1).to(out.dtype), lse, keep
 
 
 class _SinksThroughLse(torch.autograd.Function):
@@ -488,9 +499,7 @@ class _SinksThroughLse(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, sinks, attn_mask, is_causal, scale):
-        out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)  # lse (B, Hq, Tq) fp32
-        keep = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))  # (B, Hq, Tq): the keys' share
-        return out * keep.unsqueeze(-1).to(out.dtype), lse, keep
+        return _sinks_by_lse(q, k, v, sinks, attn_mask, is_causal, scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -599,8 +608,8 @@ class SdpaBackend(Backend):
             True
         """
         source = _mask_source(call)
-        if source == "materialised" or call.dropout_p > 0.0 or call.return_weights:
-            return None
+        if source == "materialised" or call.dropout_p > 0.0 or call.return_weights or _sink_key(call):
+            return None  # (sinks as a mask column need the mask rebuilt per call; through the lse they do not)
         return _runner(call, source)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
