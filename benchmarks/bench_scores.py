@@ -17,6 +17,11 @@ storages created during the call, inputs and a prebuilt mask excluded):
 3. ALiBi with a causal 256-key window (``--window``) at T=8192 (``--t-window``), forward:
    ``auto`` (blocks) against SDPA with the dense float mask (ALiBi's bias, -inf outside the
    window: (1, H, T, T), built outside the timing). Target: >= 10x.
+4. sinks on the calls a model with sinks (gpt-oss) makes, forward under no_grad, each against
+   ``F.scaled_dot_product_attention`` with the same mask and no sinks: a right-padded prefill,
+   B=4 T=1024 (lengths 1024/900/600/300), with transformers' ``(B, 1, T, T)`` bool mask; one
+   decoding step over that padded cache (``(B, 1, 1, Tk)`` bool mask); and causal T=2048 under
+   ``torch.compile(fullgraph=True)`` (compiled against eager attnlab with sinks).
 
 FLOPs follow docs/design.md (causal halves them; the window case counts its visible pairs).
 
@@ -95,7 +100,7 @@ class _Measured:
         self.run, self.peak_mib, self.measure = run, None, measure
 
     def __call__(self):
-        # measure=False (flex): the meter, a dispatch mode, cannot enter its compiled kernel.
+        # measure=False (compiled code): the meter, a dispatch mode, cannot enter it.
         if self.peak_mib is not None or not self.measure:
             return self.run()
         with PeakMemory() as meter:
@@ -106,7 +111,9 @@ class _Measured:
 
 def _timed(suite_case: str, candidates: dict, flops: float, rounds: int, notes: dict) -> list[BenchRow]:
     """Rows of ``candidates`` timed side by side with the matmul rate, peak memory in the note."""
-    measured = {name: _Measured(run, measure=name != "flex") for name, run in candidates.items()}
+    # Compiled code (flex's kernel, a torch.compile'd call) cannot run under the memory meter.
+    measured = {name: _Measured(run, measure=not name.startswith(("flex", "compiled")))
+                for name, run in candidates.items()}
     matmul, matmul_flops = matmul_candidate()
     seconds = compare({**measured, "matmul (peak)": matmul}, rounds=rounds, min_run_time=0.2)
     peak = matmul_flops / seconds.pop("matmul (peak)")
@@ -173,6 +180,42 @@ def alibi_window(t: int, window: int, rounds: int) -> list[BenchRow]:
     return rows
 
 
+def sinks_in_models(rounds: int) -> list[BenchRow]:
+    """Part 4: sinks on a padded prefill, a padded decoding step and a compiled causal call."""
+    gen = torch.Generator().manual_seed(1)
+    sinks = torch.randn(H, generator=gen)
+    batch, t = 4, 1024
+    lengths = torch.tensor([1024, 900, 600, 300])
+    keep = torch.arange(t)[None, :] < lengths[:, None]  # (B, T): right padding
+    prefill_mask = (torch.ones(t, t, dtype=torch.bool).tril()[None] & keep[:, None, :])[:, None]  # (B, 1, T, T)
+    q, k, v = (torch.randn(batch, H, t, D, generator=gen) for _ in range(3))
+    step = torch.randn(batch, H, 1, D, generator=gen)
+    step_mask = keep[:, None, None, :]  # (B, 1, 1, Tk)
+    qc, kc, vc = (torch.randn(1, H, 2048, D, generator=gen) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v, s: attnlab.attention(q, k, v, causal=True, sinks=s), fullgraph=True)
+    cases = {
+        f"sinks padded prefill B={batch} T={t}, (B,1,T,T) bool mask": (
+            {"attnlab, sinks": lambda: attnlab.attention(q, k, v, mask=prefill_mask, sinks=sinks),
+             "F.sdpa, no sinks": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=prefill_mask)},
+            attention_flops(batch, H, t, t, D)),
+        f"sinks decode step B={batch} Tk={t}, padded bool mask": (
+            {"attnlab, sinks": lambda: attnlab.attention(step, q, v, mask=step_mask, sinks=sinks),
+             "F.sdpa, no sinks": lambda: F.scaled_dot_product_attention(step, q, v, attn_mask=step_mask)},
+            attention_flops(batch, H, 1, t, D)),
+        "sinks causal T=2048, torch.compile(fullgraph=True)": (
+            {"compiled attnlab, sinks": lambda: compiled(qc, kc, vc, sinks),
+             "attnlab, sinks": lambda: attnlab.attention(qc, kc, vc, causal=True, sinks=sinks),
+             "F.sdpa, no sinks": lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)},
+            attention_flops(1, H, 2048, 2048, D, causal=True)),
+    }
+    rows = []
+    with torch.no_grad():
+        for case, (candidates, flops) in cases.items():
+            rows += _timed(case, {name: _runner(run, (), False) for name, run in candidates.items()}, flops,
+                           rounds, {})
+    return rows
+
+
 def _ratio(rows: list[BenchRow], case: str, slow: str, fast: str) -> float:
     found = {row.name: row.seconds for row in rows if row.case == case}
     return found[slow] / found[fast]
@@ -188,6 +231,7 @@ def main() -> None:
     print(f"machine: {machine_line()}")
     rows = mods_vs_eager(args.t, args.rounds)
     rows += alibi_window(args.t_window, args.window, args.rounds)
+    rows += sinks_in_models(args.rounds)
     print_rows(rows, title=f"score mods and sinks, B=1 H={H} D={D} fp32, median of {args.rounds} interleaved rounds")
     for mode in ("fwd", "fwd+bwd"):
         for kind in ("softcap", "sinks"):
@@ -200,6 +244,11 @@ def main() -> None:
     case = f"alibi window {args.window} causal fwd T={args.t_window}"
     print(f"{case}: sdpa dense float mask / attnlab = "
           f"{_ratio(rows, case, 'sdpa, dense float mask', 'attnlab'):.2f} (target >= 10)")
+    for case in sorted({row.case for row in rows if row.case.startswith("sinks ") and "eager" not in
+                        {r.name for r in rows if r.case == row.case}}):
+        print(f"{case}: attnlab with sinks / F.sdpa without = {_ratio(rows, case, 'attnlab, sinks', 'F.sdpa, no sinks'):.2f}"
+              + (f", compiled / eager = {_ratio(rows, case, 'compiled attnlab, sinks', 'attnlab, sinks'):.2f}"
+                 if "compile" in case else ""))
 
 
 if __name__ == "__main__":
