@@ -5,23 +5,26 @@ layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose m
 (``masking_utils.create_causal_mask`` / ``create_bidirectional_mask`` / the sliding-window one)
 call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
 
-**Mechanism.** :func:`register` registers two things under one name:
+**Mechanism.** :func:`register` registers, under one name:
 
 1. :func:`attention_forward` with ``transformers.AttentionInterface``: it receives
-   ``query (B, H, Tq, D)``, ``key``/``value`` ``(B, Hkv, Tk, D)`` and the prepared mask, calls
-   :func:`attnlab.attention` (grouped-query heads, ``scaling``, dropout in training) and returns
-   ``(out (B, Tq, H, D), weights or None)``.
-2. transformers' own ``sdpa_mask`` with ``AttentionMaskInterface``. This is required: for a name
-   missing there, transformers builds **no mask at all** (its ``_preprocess_mask_arguments``
-   returns None for unknown implementations), so a padded batch would silently attend to its
-   padding and a causal model would rely on ``is_causal`` alone. ``sdpa_mask`` yields a bool
-   ``(B, 1, Tq, Tk)`` mask with transformers' polarity **True = attend** -- attnlab's polarity --
-   with causality, padding and sliding windows folded in, or None when the pattern is plain
-   causal / full without padding; then, as transformers' sdpa path does, causality comes from
-   ``is_causal`` (or ``module.is_causal``) and applies when ``Tq > 1``, aligned top-left. A
-   layer's ``sliding_window`` then applies on the same diagonal (one decoding query sees the last
-   ``sliding_window`` keys); a prepared mask already holds the window, as in transformers' eager
-   and sdpa paths.
+   ``query (B, H, Tq, D)``, ``key``/``value`` ``(B, Hkv, Tk, D)``, the prepared mask and the
+   layer's keywords, calls :func:`attnlab.attention` (grouped-query heads, ``scaling``, dropout
+   in training) and returns ``(out (B, Tq, H, D), weights or None)``. Every keyword is either
+   applied (:data:`HONOURED_KEYWORDS`), known to change nothing in transformers' eager path
+   (:data:`IGNORED_KEYWORDS`), None, or refused with ``ValueError`` naming the module's class and
+   the keyword: never dropped.
+2. A mask builder with ``AttentionMaskInterface``. This is required: for a name missing there,
+   transformers builds **no mask at all**, so a padded batch would silently attend to its
+   padding. A model transformers runs with sdpa gets ``sdpa_mask``: bool ``(B, 1, Tq, Tk)``,
+   True = attend (attnlab's polarity), or None for a plain causal / full pattern; then, as
+   transformers' sdpa path does, causality comes from ``is_causal`` (or ``module.is_causal``)
+   and applies when ``Tq > 1``, aligned top-left, and a layer's ``sliding_window`` on the same
+   diagonal. A model without sdpa support was written for eager: it gets ``eager_mask``
+   (additive floats, always built when eager builds one) and no mask means full attention.
+3. A check while a model is built: a model whose layers compute attention outside the
+   interface (``attn_implementation`` would never reach attnlab; BLOOM, MPT, GIT, SAM, ...) is
+   refused with ``ValueError``.
 
 A layer's ``softcap`` (Gemma 2, Gemma 3), ``s_aux`` (gpt-oss's per-head sinks) and
 ``position_bias`` (T5's relative bias, already a dense ``(1, H, Tq, Tk)`` tensor, with its
