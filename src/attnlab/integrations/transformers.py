@@ -30,6 +30,10 @@ A layer's ``softcap`` (Gemma 2, Gemma 3), ``s_aux`` (gpt-oss's per-head sinks) a
 ``position_bias`` (T5's relative bias, already a dense ``(1, H, Tq, Tk)`` tensor, with its
 gradient into the bias table) become :func:`attnlab.attention`'s ``score_mod`` and ``sinks``:
 softcap first, then the bias, then the mask, as the models' eager code applies them.
+Weights returned with sinks are attnlab's: the softmax over the keys and the sink, the sink's
+column dropped (rows sum to less than 1), as gpt-oss's eager code returns them. Granite-SWA's eager
+code returns the softmax over the keys alone and applies the sink to the output afterwards: the
+outputs agree, its returned weights are these divided by their row sums.
 
 A float mask (e.g. made by "eager" mask builders or passed by the user as a prepared 4-D mask)
 is added to the scores, as transformers does. When weights are asked for (an
