@@ -160,7 +160,10 @@ def _pattern(call: AttentionCall, idx: Tensor) -> _Pattern:
     listed = idx.sort(dim=-1).values  # (B|1, Hkv|1, Tq, k)
     allowed = listed >= 0
     allowed[..., 1:] &= listed[..., 1:] != listed[..., :-1]  # a repeated key counts once
-    cols = listed.clamp(min=0)
+    # int32 positions where they fit: half the memory per pair, and every primitive here takes them
+    small = call.batch * call.kv_heads * call.tk < 2**31
+    cols = listed.clamp(min=0).to(torch.int32 if small else torch.int64)
+    del listed
     if cols.shape[1] > 1:  # per kv head: one list per query head
         cols, allowed = repeat_kv(cols, call.q_heads), repeat_kv(allowed, call.q_heads)  # (B|1, Hq, Tq, k)
     mod = call.mask_mod()  # causal and a mask mod, one mechanism
@@ -186,13 +189,13 @@ def _gather_mask(mask: Tensor, cols: Tensor) -> Tensor:
         return mask  # the same for every key
     batch, heads = max(mask.shape[0], cols.shape[0]), max(mask.shape[1], cols.shape[1])
     full = mask.expand(batch, heads, cols.shape[2], mask.shape[-1])  # stride-0 views, nothing copied
-    return full.gather(-1, cols.expand(batch, heads, *cols.shape[2:]))
+    return full.gather(-1, cols.long().expand(batch, heads, *cols.shape[2:]))
 
 
 def _csr(cols: Tensor, tk: int, dtype: torch.dtype) -> Tensor:
     """The pairs as a batched CSR pattern ``(B*Hq, Tq, Tk)`` with k entries per row."""
     B, H, Tq, K = cols.shape
-    crow = torch.arange(0, Tq * K + 1, K, device=cols.device).expand(B * H, Tq + 1)  # (B*H, Tq+1)
+    crow = torch.arange(0, Tq * K + 1, K, dtype=cols.dtype, device=cols.device).expand(B * H, Tq + 1)  # (B*H, Tq+1)
     col = cols.reshape(B * H, Tq * K)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": an implementation detail here
         warnings.simplefilter("ignore", UserWarning)
@@ -211,8 +214,8 @@ def _sampled(pattern: Tensor, a: Tensor, b: Tensor) -> Tensor:
 def _bag_rows(cols: Tensor, kv_heads: int, tk: int) -> Tensor:
     """Row numbers into a ``(B*Hkv*Tk, X)`` table: ``(B*Hq*Tq, k)``."""
     B, H, Tq, K = cols.shape
-    head = torch.arange(H, device=cols.device) // (H // kv_heads)
-    base = (torch.arange(B, device=cols.device).view(-1, 1) * kv_heads + head) * tk  # (B, Hq)
+    head = torch.arange(H, dtype=cols.dtype, device=cols.device) // (H // kv_heads)
+    base = (torch.arange(B, dtype=cols.dtype, device=cols.device).view(-1, 1) * kv_heads + head) * tk  # (B, Hq)
     return (cols + base.view(B, H, 1, 1)).reshape(B * H * Tq, K)
 
 
@@ -295,8 +298,9 @@ def _key_grads(cols, q, dout, dscores, weights, kv_heads, tk):
             key = (pairs.data_ptr(), pairs.stride())
             if key not in bags:
                 order = pairs.reshape(-1).argsort()
-                edges = torch.searchsorted(pairs.reshape(-1)[order], torch.arange(tk + 1, device=cols.device))
-                bags[key] = (order, order // K, edges)
+                keys = torch.arange(tk + 1, dtype=pairs.dtype, device=cols.device)
+                edges = torch.searchsorted(pairs.reshape(-1)[order], keys, out_int32=pairs.dtype == torch.int32)
+                bags[key] = (order, (order // K).to(pairs.dtype), edges)
             order, query_of, edges = bags[key]
             dk[b, h // group] += F.embedding_bag(query_of, q[b, h], edges, mode="sum", include_last_offset=True,
                                                  per_sample_weights=dscores[b, h].reshape(-1)[order])
