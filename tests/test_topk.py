@@ -7,6 +7,9 @@ that mask; the memory test checks it stays far below one (T, T) tensor.
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 import torch
 
@@ -217,3 +220,10 @@ def test_bad_input_names_indices_or_the_option(changes, error, words):
     with pytest.raises(error) as info:
         _call(**changes)()
     assert words in str(info.value)
+
+
+def test_docs_example_runs():
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "sparse.md").read_text()
+    section = text.split("## Top-k attention", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/sparse.md", "exec"), {})

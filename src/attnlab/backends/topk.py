@@ -320,6 +320,14 @@ def topk_attention(call: AttentionCall, indices: Tensor) -> tuple[Tensor, Tensor
         ``out (B, Hq, Tq, Dv)`` and, when ``call.return_weights``, the dense weights
         ``(B, Hq, Tq, Tk)`` (zeros outside the set), else None. A query with no key gets zeros
         and zero gradient.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> call = build_call(q, q, q, return_weights=True)
+        >>> out, weights = topk_attention(call, check_indices(torch.tensor([[2], [-1], [0]]), call, rank=4))
+        >>> weights[0, 0].tolist()       # one listed key each; the second query has none
+        [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
     """
     B, Hq, Tq, _ = call.q.shape
     if min(call.q.numel(), call.k.numel(), indices.shape[-1]) == 0:  # no pair at all: zeros, zero gradient
