@@ -62,6 +62,9 @@ g = torch.Generator().manual_seed(3)
 SINKS = torch.randn(4, generator=g)
 BIAS = torch.randn(1, 4, 5, 5, generator=g)
 window = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(5, 5, dtype=torch.bool).tril(-2)
+TOPK = torch.randint(0, 5, (2, 5, 2), generator=g, dtype=torch.int32)  # (B, Tq, k), as DeepSeek-V3.2's indexer
+TOPK[..., 0] = torch.arange(5)  # each query lists itself, so no row is empty (eager would give NaN)
+SELECTED = torch.zeros(2, 1, 5, 5, dtype=torch.bool).scatter(-1, TOPK.long().unsqueeze(1), True)
 # keyword -> (value, what eager computes with it, what it computes without it), Layer.is_causal = True
 HONOURED_CASES = {
     "is_causal": (False, dict(), dict(allowed=_causal(5, 5))),
@@ -69,6 +72,7 @@ HONOURED_CASES = {
     "softcap": (0.5, dict(softcap=0.5, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
     "s_aux": (SINKS, dict(sinks=SINKS, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
     "position_bias": (BIAS, dict(bias=BIAS, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
+    "indices": (TOPK, dict(allowed=SELECTED & _causal(5, 5)), dict(allowed=_causal(5, 5))),
 }
 
 
@@ -105,7 +109,7 @@ def test_output_attentions_returns_the_weights_only_when_asked():
     assert (weights.double() - _eager(q, k, v, allowed=_causal(5, 5))[1]).abs().max().item() <= 1e-6
 
 
-@pytest.mark.parametrize("keyword", ["sinks", "indices", "block_indices", "band_mask", "anything_else"])
+@pytest.mark.parametrize("keyword", ["sinks", "block_indices", "band_mask", "anything_else"])
 def test_an_unknown_keyword_is_refused_naming_module_and_keyword(keyword):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=f"^Layer {REFUSAL}: it passes the keyword {keyword}, which attnlab"):
@@ -218,6 +222,36 @@ def test_voxtral_encoder_returns_attentions_like_eager():
 
 
 # ------------------------------------------------------------------ models refused while built
+def _deepseek_v32():
+    return transformers.DeepseekV32ForCausalLM, transformers.DeepseekV32Config(
+        vocab_size=100, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2,
+        first_k_dense_replace=1, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("side", ["none", "right", "left"])
+def test_deepseek_v32_sparse_attention_takes_its_top_k_indices_like_eager(side):
+    """Eager folds the indexer's top-k keys into the mask; attnlab gets them as ``indices`` (4 of 9 keys)."""
+    eager, ours = _pair(*_deepseek_v32())
+    mask = _padding(side)
+    keep = mask.bool()
+    assert (eager(IDS, attention_mask=mask).logits - ours(IDS, attention_mask=mask).logits)[keep].abs().max() <= 1e-4
+    generated = [m.generate(IDS[:1], max_new_tokens=5, do_sample=False) for m in (eager, ours)]
+    assert torch.equal(*generated)
+
+
+def test_deepseek_v32_gradients_equal_eager():
+    eager, ours = _pair(*_deepseek_v32())
+    for model in (eager, ours):
+        model.train()
+        model(IDS).logits.square().sum().backward()
+    for (name, a), b in zip(eager.named_parameters(), ours.parameters()):
+        if a.grad is not None:
+            assert (a.grad - b.grad).abs().max() <= 1e-4, name
+
+
 def _bloom():
     return transformers.BloomForCausalLM, transformers.BloomConfig(vocab_size=100, hidden_size=32, n_layer=1, n_head=4)
 

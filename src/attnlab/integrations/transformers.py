@@ -78,6 +78,7 @@ REFUSAL = "cannot run on attnlab"
 HONOURED_KEYWORDS = (
     "is_causal", "sliding_window", "softcap", "s_aux", "position_bias", "output_attentions",
     "cu_seq_lens_q", "cu_seq_lens_k",  # packed sequences: the mask holds them (refused without one)
+    "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
 )
 # Keywords that change nothing in transformers' eager and sdpa attention: positions (already
 # rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
@@ -87,9 +88,7 @@ IGNORED_KEYWORDS = (
     "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
 )
 # Any other keyword with a value other than None is refused, naming the module and the keyword.
-# Among them, awaiting wiring into attnlab.attention: ``sinks`` (per-query sink logits,
-# Inkling2), ``indices`` (top-k keys per query, DeepSeek-V3.2, Mistral Large 4) and
-# ``block_indices`` (MiniMax-M3): moving one into HONOURED_KEYWORDS and passing it on is the change.
+# Among them ``block_indices`` (MiniMax-M3's top-k key blocks per query).
 
 
 def attention_forward(
@@ -145,10 +144,21 @@ def attention_forward(
     result = attention(
         query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
         dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
-        score_mod=_score_mod(kwargs, tk), sinks=kwargs.get("s_aux"),
+        score_mod=_score_mod(kwargs, tk), sinks=kwargs.get("s_aux"), indices=_indices(kwargs),
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+def _indices(kwargs: dict) -> Tensor | None:
+    """Sparse attention's top-k keys ``(B, Tq, k)`` as :func:`attnlab.attention` takes them,
+    ``(B, 1, Tq, k)``: one list per query, shared by the heads; its keys meet the mask."""
+    indices = kwargs.get("indices")
+    if indices is None:
+        return None
+    if not isinstance(indices, Tensor) or indices.ndim != 3:
+        raise ValueError(f"indices must be a (B, Tq, k) tensor of key positions, got {_describe(indices)}")
+    return indices.unsqueeze(1)  # (B, 1, Tq, k)
 
 
 def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_masks.MaskMod | None, bool]:
