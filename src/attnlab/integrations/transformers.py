@@ -124,10 +124,10 @@ def attention_forward(
         >>> out, weights = attention_forward(layer, q, kv, kv, None)
         >>> out.shape, weights is None
         (torch.Size([1, 5, 4, 8]), True)
-        >>> attention_forward(layer, q, kv, kv, None, indices=torch.zeros(1, 5, 2))
+        >>> attention_forward(layer, q, kv, kv, None, block_indices=torch.zeros(1, 4, 5, 2))
         Traceback (most recent call last):
         ...
-        ValueError: Module cannot run on attnlab: it passes the keyword indices, which attnlab does not apply ...
+        ValueError: Module cannot run on attnlab: it passes the keyword block_indices, which attnlab does not apply ...
     """
     _check_kinds(module, query, key, value, attention_mask)
     _check_keywords(module, kwargs, attention_mask)
