@@ -111,7 +111,8 @@ def attention_forward(
         **kwargs: :data:`HONOURED_KEYWORDS` are applied: ``is_causal``, ``sliding_window`` (the
             keys a query sees, ending at its own position; applied when there is no prepared
             mask), ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits), ``position_bias``
-            (an additive tensor broadcasting to ``(B, H, Tq, Tk)``), ``output_attentions``;
+            (an additive tensor broadcasting to ``(B, H, Tq, Tk)``), ``indices`` (``(B, Tq, k)``
+            top-k keys per query, intersected with the mask), ``output_attentions``;
             :data:`IGNORED_KEYWORDS` change nothing, as in transformers' eager path.
 
     Raises:
