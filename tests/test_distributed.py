@@ -231,7 +231,7 @@ def three_ranks():
 @pytest.mark.parametrize("name", list(jobs.MASKED_CASES))
 def test_three_ranks_match_one_process_with_masks(three_ranks, name):
     for i, (error, limit) in enumerate(three_ranks[0][name]["checks"]):
-        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv')[i]} error {error:.2e} > {limit:.2e}"
+        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv', 'dsinks')[i]} error {error:.2e} > {limit:.2e}"
 
 
 def test_a_narrow_window_sends_only_what_the_next_rank_reaches(four_ranks):
@@ -251,13 +251,13 @@ def four_ranks():
 @pytest.mark.parametrize("name", list(jobs.CASES))
 def test_two_ranks_match_one_process(two_ranks, name):
     for i, (error, limit) in enumerate(two_ranks[0][name]["checks"]):
-        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv')[i]} error {error:.2e} > {limit:.2e}"
+        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv', 'dsinks')[i]} error {error:.2e} > {limit:.2e}"
 
 
 @pytest.mark.parametrize("name", list(jobs.CASES))
 def test_four_ranks_match_one_process(four_ranks, name):
     for i, (error, limit) in enumerate(four_ranks[0][name]["checks"]):
-        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv')[i]} error {error:.2e} > {limit:.2e}"
+        assert error <= limit, f"{name}: {('out', 'dq', 'dk', 'dv', 'dsinks')[i]} error {error:.2e} > {limit:.2e}"
 
 
 def test_zigzag_ranks_compute_equal_scores_and_contiguous_ranks_do_not(four_ranks):
