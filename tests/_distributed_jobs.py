@@ -154,9 +154,10 @@ def _single_process(tensors, mask, causal, dtype, score_mod=None, sinks=None):
     return [out.detach(), q.grad, k.grad, v.grad] + ([] if sinks is None else [sinks.grad])
 
 
-def conformance(rank: int, world: int, names: list[str]) -> dict:
-    """Run each named case; rank 0 returns errors and limits, every rank its scores counted."""
-    report = {}
+def conformance(rank: int, world: int, names: list[str], module_methods: tuple[str, ...] = ()) -> dict:
+    """Run each named case; rank 0 returns errors and limits, every rank its scores counted; with
+    ``module_methods``, also ``report["modules"]``: :func:`module_errors` on those methods."""
+    report = {"modules": module_errors(rank, world, module_methods)} if module_methods else {}
     for name in names:
         case = CASES[name]
         method, layout, causal, dtype = case[:4]
@@ -239,6 +240,10 @@ def bad_calls(rank: int, world: int) -> list[str]:
     out = context_parallel_attention(good, good, good, causal=True)
     messages.append("finite" if bool(torch.isfinite(out).all()) else "not finite")
     messages.append(_error_of(lambda: context_parallel_attention(good, good, good, group=0)))
+    per_query = torch.zeros(1, 2, 4)  # (B, H, Tq): sinks per query, which no shard holds whole
+    messages.append(_error_of(lambda: context_parallel_attention(good, good, good, sinks=per_query)))
+    learned = scores.alibi(torch.ones(2, requires_grad=True))
+    messages.append(_error_of(lambda: context_parallel_attention(good, good, good, causal=True, score_mod=learned)))
     return messages
 
 
@@ -439,3 +444,49 @@ def ring_head_chunks(rank: int, world: int, chunks: list[int]) -> dict:
         got = [unshard(t, dim=2) for t in [out.detach()] + [t.grad for t in parts]]
         report[c] = (meter.peak_bytes, max((a - b).abs().max().item() for a, b in zip(got, want)))
     return report
+
+
+# Layers whose whole attention must survive sharding: (name, MultiHeadAttention options). Heads
+# 8 and key/value heads 4 split over Ulysses groups of 2 and 4.
+MODULES = {
+    "window-rope-softcap-sinks-gqa": dict(num_heads=8, num_kv_heads=4, window=3, rope=True, softcap=5.0, sinks=True),
+    "window-alibi-sinks": dict(num_heads=8, window=5, positions="alibi", sinks=True),
+    "bidirectional-alibi-softcap": dict(num_heads=8, causal=False, positions="alibi", softcap=3.0),
+}
+
+
+def module_errors(rank: int, world: int, methods: tuple[str, ...]) -> dict | None:
+    """Each :data:`MODULES` layer in fp64, sharded by each method, against the same layer on
+    the whole sequence: the largest error of the output, the input's gradient and every
+    parameter's gradient (summed over the ranks, as training does). Rank 0 returns them."""
+    from attnlab.distributed import ContextParallel
+    from attnlab.nn import MultiHeadAttention
+
+    errors = {}
+    for name, options in MODULES.items():
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(32, 32, **options).double()
+        with torch.no_grad():
+            if mha.sinks is not None:
+                mha.sinks.normal_()
+        g = torch.Generator().manual_seed(1)
+        x, d_y = (torch.randn(2, 6 * world, 32, generator=g, dtype=torch.float64) for _ in range(2))
+        whole = x.clone().requires_grad_()
+        mha(whole).backward(d_y)
+        want = [whole.grad] + [p.grad.clone() for p in mha.parameters()]
+        want_y = mha(x).detach()
+        for method in methods:
+            mha.zero_grad()
+            setting = ContextParallel(method=method, ulysses=2 if method == "hybrid" else None)
+            mha.context_parallel = setting
+            part = setting.shard(x, dim=1).requires_grad_()
+            y = mha(part)
+            y.backward(setting.shard(d_y, dim=1))
+            mha.context_parallel = None
+            grads = [p.grad for p in mha.parameters()]
+            for grad in grads:
+                dist.all_reduce(grad)
+            layout = setting.sequence_layout(world)
+            got = [unshard(y.detach(), dim=1, layout=layout), unshard(part.grad, dim=1, layout=layout)] + grads
+            errors[f"{method}-{name}"] = max((a - b).abs().max().item() for a, b in zip(got, [want_y] + want))
+    return errors if rank == 0 else None
