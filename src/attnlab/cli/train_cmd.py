@@ -14,6 +14,11 @@ Ctrl-C finishes the current step, saves a checkpoint and prints the command that
 and M, a ``--window`` or ``--latent-dim`` missing for the pattern's L or M layers, or given
 without them, is one ``error:`` line naming the option.
 
+``--context-parallel P`` shards every sequence over P ranks; each layer keeps its whole
+attention (L layers their ``--window``, ``--softcap``, ``--sinks``, positions), and what cannot
+run sharded (latent M layers, a sequence length or head count the method cannot split) is one
+``error:`` line before any rank starts; a failure inside the ranks leaves no empty ``--out``.
+
 ``--resume DIR`` continues a checkpoint with its own options: an option given as well must say
 what the checkpoint says (``--task recall`` on an induction checkpoint is refused, naming both),
 and ``--steps`` below the checkpoint's step is refused; at the checkpoint's step there is nothing
