@@ -104,10 +104,14 @@ class MultiHeadAttention(nn.Module):
             ``RotaryEmbedding``, or ``None``/``False``.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
         context_parallel: a :class:`~attnlab.distributed.ContextParallel` setting: ``x`` is then
-            this rank's shard of a sequence split across a process group (causal or unmasked
-            self-attention, no cache, mask or attention dropout), rotary positions are the
-            tokens' global positions, and the output is this rank's shard. May also be set
-            on the attribute of the same name.
+            this rank's shard of a sequence split across a process group, and the layer's whole
+            attention runs over the global sequence: its causal rule, ``window``, ``softcap``,
+            ALiBi and rotary positions at the tokens' global positions, and ``sinks`` (each
+            rank's ``sinks`` gradient is its queries' share: sum it as for every weight). Not
+            with a cache, ``context``, ``mask``, ``padding_mask``, ``document_ids``,
+            ``return_weights`` or attention dropout in training (``ValueError`` before any
+            work). The output is this rank's shard. May also be set on the attribute of the
+            same name.
         window: a causal sliding window for self-attention: query ``i`` sees keys ``i - window + 1
             .. i`` only (:func:`attnlab.masks.sliding_window_mod`, which the block-sparse backend
             serves by skipping the blocks outside the band); a
@@ -450,23 +454,25 @@ class MultiHeadAttention(nn.Module):
                              score_mod=score_mod, sinks=self.sinks, key_lengths=key_lengths)
 
     def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
-        """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
+        """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``: the
+        layer's whole attention (causal rule, window, softcap, ALiBi at global positions, sinks)."""
         refused = [name for name, value in (("context", context), ("mask", mask), ("padding_mask", padding_mask),
                                             ("cache", cache), ("document_ids", documents)) if value is not None]
         refused += ["return_weights"] if return_weights else []
         refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
-        refused += [name for name, on in (("positions='alibi'", self.alibi_slopes is not None),
-                                          ("softcap", self.softcap is not None),
-                                          ("sinks", self.sinks is not None)) if on]
         if refused:
-            raise ValueError(f"context_parallel runs causal or unmasked self-attention over shards; "
+            raise ValueError(f"context_parallel runs the layer's own attention over shards; "
                              f"it cannot take {', '.join(refused)}")
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)  # (B, H, T_local, hd), (B, Hkv, T_local, hd) x2
         if self.rope is not None:
             positions = self.context_parallel.positions(T, device=x.device).unsqueeze(0)  # (1, T_local)
             q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
-        out = self.context_parallel.attention(q, k, v, causal=self.causal)  # (B, H, T_local, hd)
+        length = T * self.context_parallel.world_and_rank()[0]  # the global sequence
+        window = None if self.window is None else _masks.sliding_window_mod(length, length, self.window)
+        out = self.context_parallel.attention(q, k, v, causal=self.causal, mask=window,
+                                              score_mod=self._score_mod(0, False),
+                                              sinks=self.sinks)  # (B, H, T_local, hd)
         out = out.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T_local, d_out)
         return self.out_proj(out), None
 
