@@ -182,6 +182,16 @@ def test_paged_pages_are_freed_and_reused_and_overflow_changes_nothing():
         cache.select([2])
 
 
+def test_paged_select_refuses_a_repeated_row():
+    # A repeated row made two rows of the view one sequence: one update appended both rows' keys to it.
+    cache = PagedKVCache(2, 1, 16, 2, page_size=4, dtype=F64)
+    with pytest.raises(ValueError, match=r"rows must not repeat a row.*\[1, 1\]"):
+        cache.select([1, 1])
+    with pytest.raises(ValueError, match="rows must not repeat"):
+        cache.select(iter([0, 1, 0]))
+    assert cache.select([1, 0]).batch_size == 2 and cache.row_lengths == (0, 0)
+
+
 def _gpt(**options):
     torch.manual_seed(0)
     config = dict(vocab_size=23, max_len=64, d_model=24, num_layers=3, num_heads=4, num_kv_heads=2)

@@ -529,12 +529,18 @@ class PagedKVCache(Cache):
     def select(self, rows: Iterable[int]) -> "PagedKVCache":
         """A cache of the given rows only, sharing this one's pool and block tables.
 
+        Raises:
+            ValueError: a row is out of range or repeated (two rows of the view would be one
+                sequence, and one update would append both rows' keys to it).
+
         Example:
             >>> cache = PagedKVCache(3, 1, 8, 2, page_size=4)
             >>> cache.select([2]).batch_size
             1
         """
         rows = [self._row_index(row) for row in rows]
+        if len(set(rows)) < len(rows):
+            raise ValueError(f"rows must not repeat a row (each is one sequence), got {rows}")
         view = object.__new__(PagedKVCache)
         view._attach(self.pool, [self.rows[row] for row in rows])
         return view
