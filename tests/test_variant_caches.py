@@ -236,6 +236,19 @@ def test_layer_pattern_tiles_and_local_layers_use_the_window():
     torch.testing.assert_close(torch.cat(steps, 1), logits, rtol=0, atol=1e-12)
 
 
+def test_a_window_wider_than_max_len_does_not_size_the_cache():
+    # Regression: window=10**9 sized each local layer's ring at 10**9 slots (generate asked for 64 GB).
+    model = _gpt(max_len=16, layer_pattern="LG", window=10**9)
+    assert [type(c) for c in model.new_cache(1)] == [KVCache] * 3  # layers L, G, L
+    assert all(c.nbytes <= 16 * 2 * 2 * 6 * 8 for c in model.new_cache(1))  # max_len slots, k + v, fp64
+    ids = torch.randint(0, 23, (1, 6))
+    out = model.generate(ids, 10)
+    assert torch.equal(out, model.generate(ids, 10, use_cache=False))
+    mha = MultiHeadAttention(8, 8, num_heads=2, window=16)
+    assert type(mha.new_cache(1, 16)) is WindowedKVCache and mha.new_cache(1, 16).window == 16
+    assert type(mha.new_cache(1, 15)) is KVCache and mha.new_cache(1, 15, windowed=True).window == 16
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(layer_pattern="LXG", window=2), "unknown 'X'"),
     (dict(layer_pattern="", window=2), "non-empty"),

@@ -291,7 +291,8 @@ class GPT(nn.Module):
         """One empty cache per layer, on the model's device and dtype.
 
         A :class:`~attnlab.nn.KVCache` of ``max_len`` slots per global or latent layer and a
-        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer; with
+        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer (a
+        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window is wider); with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
         ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows.
 
