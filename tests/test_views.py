@@ -33,7 +33,7 @@ def _ids(page: str) -> list[str]:
 
 def _model_data(page: str) -> dict:
     return json.loads(re.search(r'<script id="[^"]*attnlab-model" type="application/json">(.*?)</script>',
-                                page).group(1).replace("<\\/", "</"))
+                                page).group(1))
 
 
 def _decode(text: str) -> np.ndarray:
@@ -104,6 +104,27 @@ def test_long_inputs_travel_in_blocks_that_keep_rows_summing_to_one():
 def test_encode_weights_rounds_to_sixteen_bits():
     values = torch.tensor([0.0, 0.5, 1 / 3, 1.0])
     np.testing.assert_allclose(_decode(encode_weights(values)), values.double().numpy(), atol=0.5 / 65535)
+
+
+HOSTILE = ["<!--", "<script>", "a</script>", "&amp;\u2028", "\u2029>"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: show(_softmax(5, 5), HOSTILE), lambda: show(_softmax(2, 2, 5, 5), HOSTILE),
+    lambda: generation_view(_softmax(1, 2, 5, 5), HOSTILE, prompt_length=3),
+    lambda: show(WordAttention.from_pieces(_softmax(2, 2, 7, 7), ["[CLS]", *HOSTILE, "[SEP]"],
+                                           [None, 0, 1, 2, 3, 4, None])),
+], ids=["walk", "model", "generation", "trained"])
+def test_token_text_cannot_end_or_hide_the_script_payload(make):
+    # Regression: "<!--" then "<script" in a token put the HTML parser in a state where "</script>"
+    # no longer closed the JSON payload's element: the view showed nothing and raised nothing.
+    page = make()._repr_html_()
+    payloads = re.findall(r'<script id="[^"]*" type="application/json">(.*?)</script>', page, re.S)
+    assert payloads
+    for payload in payloads:
+        assert not re.search("[<>&\u2028\u2029]", payload)  # nothing the HTML parser could read as markup
+    texts = json.dumps([json.loads(payload) for payload in payloads], ensure_ascii=False)
+    assert all(json.dumps(token, ensure_ascii=False)[1:-1] in texts for token in HOSTILE)  # read back unchanged
 
 
 @pytest.mark.parametrize("call, match", [
