@@ -113,7 +113,19 @@ def test_bad_input_is_one_line(tiny, make_args, words, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text('{"model_type": "llama"}')
     args = make_args(tiny, tmp_path)
-    assert_one_error_line(_explain(*args, tmp_path=tmp_path / "out"), *words)
+    assert_one_error_line(_explain(*args, tmp_path=tmp_path / "out" / "nested"), *words)
+    assert not (tmp_path / "out").exists()  # regression: the walk's refusals left an empty --out behind
+
+
+def test_a_refusal_keeps_an_out_folder_the_user_had(tiny, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    assert_one_error_line(_explain("--model", str(tiny["llama"]), "--query", "pizza", tmp_path=tmp_path / "mine"),
+                          "--query")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert_one_error_line(_explain("--model", str(tiny["llama"]), "--query", "pizza", tmp_path=tmp_path / "mine" / "a"),
+                          "--query")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 def test_truncate_cuts_an_input_longer_than_the_model(tiny, tmp_path):
