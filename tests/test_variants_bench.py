@@ -58,6 +58,8 @@ def test_kv_cache_bytes_of_local_global_layers():
     (["--kv-layers", "40"], "--kv-layers"),
     (["--latent-dim", "0"], "--latent-dim"),
     (["--latent-rope-dim", "-1"], "--latent-rope-dim"),
+    (["--latent-rope-dim", "64"], "--latent-rope-dim 64 is for MLA: give --latent-dim"),  # was silently ignored
+    (["--latent-rope-dim", "0"], "--latent-dim"),
     (["--context", "x"], "--context"),
 ])
 def test_kv_memory_refuses_bad_options(args, option):
