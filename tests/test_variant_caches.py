@@ -257,6 +257,8 @@ def test_a_window_wider_than_max_len_does_not_size_the_cache():
     (dict(window=4), "window=4 is for L layers"),
     (dict(layer_pattern="M"), "give latent_dim"),
     (dict(layer_pattern=5), "layer_pattern must be a string"),
+    (dict(layer_pattern="M", latent_dim=8, latent_rope_dim=3), "latent_rope_dim must be even.*got 3"),
+    (dict(layer_pattern="M", latent_dim=8, latent_rope_dim=0), "latent_rope_dim must be a positive int"),
 ])
 def test_bad_layer_patterns_are_one_clear_error(options, match):
     with pytest.raises((ValueError, TypeError), match=match):

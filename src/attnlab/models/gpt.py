@@ -546,6 +546,9 @@ def _layer_kinds(pattern: object, num_layers: int, window: object, latent_dim: o
             positive_int(name, value)
     if latent_rope_dim is not None and "M" not in kinds:
         raise ValueError(f"latent_rope_dim={latent_rope_dim!r} is for M layers, and layer_pattern {pattern!r} has none")
+    if latent_rope_dim is not None and positive_int("latent_rope_dim", latent_rope_dim) % 2:
+        raise ValueError(f"latent_rope_dim must be even (rotary embeddings turn features in pairs), "
+                         f"got {latent_rope_dim}")
     return kinds
 
 
