@@ -134,6 +134,18 @@ def test_token_text_cannot_end_or_hide_the_script_payload(make):
     (lambda: model_view(_softmax(1, 2, 3, 3), list("ab")), "tokens must have one label"),
     (lambda: model_view(_softmax(1, 2, 3, 3), layer=0, head=2), "layer and head"),
     (lambda: generation_view(_softmax(1, 1, 3, 3), list("abc"), prompt_length=3), "prompt_length"),
+    # Regression: empty and non-square weights raised a raw IndexError (or RuntimeError).
+    (lambda: show(torch.zeros(0, 0)), r"weights must hold at least one head, query and key, got shape \(0, 0\)"),
+    (lambda: show(torch.zeros(0, 3, 3)), r"weights must hold .* \(0, 3, 3\)"),
+    (lambda: show(torch.zeros(2, 0, 0)), r"weights must hold .* \(2, 0, 0\)"),
+    (lambda: show(torch.zeros(0, 2, 3, 3)), r"weights must hold .* \(0, 2, 3, 3\)"),
+    (lambda: show(torch.zeros(1, 0, 3, 3)), r"weights must hold .* \(1, 0, 3, 3\)"),
+    (lambda: model_view(torch.zeros(1, 1, 0, 0), []), r"weights must hold .* \(1, 1, 0, 0\)"),
+    (lambda: show(torch.rand(3, 4)), r"weights of shape \(3, 4\) have 3 queries and 4 keys: give context_tokens"),
+    (lambda: show(torch.rand(2, 3, 40), list("abc")), "give context_tokens"),
+    (lambda: show(torch.full((3, 3), float("nan"))), "weights must be finite"),
+    (lambda: show(torch.rand(3, 3), 5), "tokens must be a list of labels, got int"),
+    (lambda: show(torch.rand(3, 4), list("abc"), context_tokens=4), "context_tokens must be a list"),
 ])
 def test_bad_input_is_refused_naming_the_argument(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
