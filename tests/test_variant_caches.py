@@ -185,10 +185,15 @@ def test_paged_pages_are_freed_and_reused_and_overflow_changes_nothing():
 def test_paged_select_refuses_a_repeated_row():
     # A repeated row made two rows of the view one sequence: one update appended both rows' keys to it.
     cache = PagedKVCache(2, 1, 16, 2, page_size=4, dtype=F64)
-    with pytest.raises(ValueError, match=r"rows must not repeat a row.*\[1, 1\]"):
+    with pytest.raises(ValueError, match=r"rows must name at least one row and repeat none.*\[1, 1\]"):
         cache.select([1, 1])
-    with pytest.raises(ValueError, match="rows must not repeat"):
+    with pytest.raises(ValueError, match="repeat none"):
         cache.select(iter([0, 1, 0]))
+    with pytest.raises(ValueError, match=r"rows must name at least one row.*\[\]"):
+        cache.select([])
+    for rows in (1, None, "01", torch.tensor([0, 1])):
+        with pytest.raises(TypeError, match="rows must be a list of row indices"):
+            cache.select(rows)
     assert cache.select([1, 0]).batch_size == 2 and cache.row_lengths == (0, 0)
 
 
