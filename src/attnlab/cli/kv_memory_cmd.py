@@ -52,11 +52,13 @@ def kv_memory(
         if kv_layers is not None:
             at_most("--kv-layers", positive_int("--kv-layers", kv_layers), layers, "at most every layer")
         if latent_dim is not None:
-            positive_int("--latent-dim", latent_dim)
+            at_most("--latent-dim", positive_int("--latent-dim", latent_dim), _MAX_SIZE, "a size this large is a typo")
         if latent_rope_dim is not None and latent_rope_dim < 0:
             fail(f"--latent-rope-dim must be >= 0, got {latent_rope_dim}")
+        if latent_rope_dim is not None:
+            at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
         if window is not None:
-            positive_int("--window", window)
+            at_most("--window", positive_int("--window", window), _MAX_SIZE, "a size this large is a typo")
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
