@@ -146,6 +146,8 @@ def test_token_text_cannot_end_or_hide_the_script_payload(make):
     (lambda: show(torch.full((3, 3), float("nan"))), "weights must be finite"),
     (lambda: show(torch.rand(3, 3), 5), "tokens must be a list of labels, got int"),
     (lambda: show(torch.rand(3, 4), list("abc"), context_tokens=4), "context_tokens must be a list"),
+    (lambda: show(torch.rand(3, 4), list("abc"), context_tokens=list("xyz")),
+     r"tokens and context_tokens must label the weights' rows and columns \(3, 4\), got 3 and 3"),
 ])
 def test_bad_input_is_refused_naming_the_argument(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
