@@ -459,6 +459,12 @@ def test_explain_of_a_gpt_with_sinks_prints_the_sink_share_per_head(sinks_checkp
     (["--softcap", "inf"], ("--softcap must be a finite number",)),
     (["--softcap", "big"], ("--softcap",)),
     (["--sinks", "--positions", "sideways"], ("--positions",)),
+    # Regression: the latent and local layers' refusals came from the model, as a traceback.
+    (["--sinks", "--layer-pattern", "GM", "--latent-dim", "8"], ("--sinks: not available on latent", "GM")),
+    (["--softcap", "5", "--layer-pattern", "M", "--latent-dim", "8"], ("--softcap: not available on latent",)),
+    (["--positions", "alibi", "--layer-pattern", "MG", "--latent-dim", "8", "--sinks"],
+     ("--positions alibi, --sinks: not available on latent",)),
+    (["--positions", "alibi", "--layer-pattern", "GL", "--window", "4"], ("--positions alibi", "local", "GL")),
 ])
 def test_bad_softcap_and_sinks_options_are_one_error_line_and_write_nothing(tmp_path, args, words):
     out = tmp_path / "run"

@@ -84,8 +84,7 @@ class ModelLens:
         self.config = model.config
         architectures = getattr(self.config, "architectures", None) or []
         self.decoder = any(a.endswith(_DECODER_SUFFIXES) for a in [*architectures, type(model).__name__])
-        self.max_positions = next((int(getattr(self.config, key)) for key in ("max_position_embeddings", "n_positions")
-                                   if isinstance(getattr(self.config, key, None), int)), None)
+        self.max_positions = _max_positions(model)
 
     def ids(self, text: str, *, truncate: bool = False) -> list[int]:
         """The token ids of ``text`` (ids written as text when the directory has no tokenizer)."""
@@ -176,6 +175,21 @@ class ModelLens:
         result, prompt_length = self.generate(text, max_new_tokens, truncate=truncate)
         return generation_view(result.weights, result.tokens, prompt_length=prompt_length,
                                title=f"{self.name}: the prompt and {max_new_tokens} generated tokens")
+
+
+def _max_positions(model) -> int | None:
+    """The longest input ``model`` takes: its config's positions, less the ids a RoBERTa-style
+    embedding skips (its positions start at ``padding_idx + 1``: 514 rows hold 512 tokens)."""
+    config = model.config
+    limit = next((int(getattr(config, key)) for key in ("max_position_embeddings", "n_positions")
+                  if isinstance(getattr(config, key, None), int)), None)
+    for module in model.modules():
+        table, pad = getattr(module, "position_embeddings", None), getattr(module, "padding_idx", None)
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(table, torch.nn.Embedding) \
+                and isinstance(pad, int):
+            usable = table.num_embeddings - pad - 1  # (num_embeddings,) rows, ids pad + 1 .. pad + T
+            limit = usable if limit is None else min(limit, usable)
+    return limit
 
 
 def open_model(directory: str | Path, *, name: str | None = None) -> ModelLens:

@@ -313,6 +313,7 @@ def _check_variant(task: str, given: dict) -> None:
         if letter not in kinds and name in given:
             fail(f"{_shown(name, given[name])} is for {letter} layers ({LAYER_KINDS[letter]}), and {shown} has none "
                  f"over {layers} layer{'s' if layers > 1 else ''}")
+    _check_layer_options(kinds, shown, given)
     if "kv_heads" in given:
         heads = given.get("heads", _train.default_heads(task, layers))
         counts = heads if isinstance(heads, tuple) else (heads,)
@@ -320,6 +321,20 @@ def _check_variant(task: str, given: dict) -> None:
         if bad:
             fail(f"{_shown('kv_heads', given['kv_heads'])} must divide every layer's head count "
                  f"({_shown('heads', heads)}{'' if 'heads' in given else ' (the default)'}: {bad[0]} is not a multiple)")
+
+
+def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
+    """--sinks, --softcap and --positions alibi are options of the multi-head layers: latent
+    layers take none, and local layers' windowed cache does not keep keys in ALiBi's order."""
+    alibi = given.get("positions") == "alibi"
+    used = [flag for flag, on in (("--positions alibi", alibi), ("--softcap", "softcap" in given),
+                                  ("--sinks", given.get("sinks", False))) if on]
+    if used and "M" in kinds:
+        fail(f"{', '.join(used)}: not available on {LAYER_KINDS['M']} layers, and {shown} has some; "
+             "use a --layer-pattern without M")
+    if alibi and "L" in kinds:
+        fail(f"--positions alibi: not available on {LAYER_KINDS['L']} layers (their windowed cache does not keep "
+             f"keys in position order), and {shown} has some; use --positions rope or learned")
 
 
 def _variant_banner(config: _train.TrainConfig) -> str:

@@ -558,7 +558,8 @@ class MultiHeadAttention(nn.Module):
         A :class:`KVCache` of ``max_len`` slots by default; with ``page_size`` a
         :class:`PagedKVCache` whose pool holds ``max_len`` slots per row (rounded up to whole
         pages); for a module with a ``window`` (unless ``windowed=False`` or paged) a
-        :class:`WindowedKVCache` of ``window`` slots, whatever ``max_len``.
+        :class:`WindowedKVCache` of ``window`` slots, or a :class:`KVCache` of ``max_len`` slots
+        when the window is wider than ``max_len`` (it never slides; ``windowed=True`` forces the ring).
 
         Example:
             >>> MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=1).new_cache(2, 32)
@@ -762,11 +763,15 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
 
     ``windowed`` defaults to ``window is not None`` (a sliding-window layer needs only its
     window); ``page_size`` asks for a :class:`PagedKVCache` of ``max_len`` slots per row,
-    rounded up to whole pages.
+    rounded up to whole pages. A window wider than ``max_len`` never slides within ``max_len``
+    positions: such a layer gets a :class:`KVCache` of ``max_len`` slots unless ``windowed=True``
+    (a huge window must not size the buffer).
 
     Example:
         >>> make_cache(2, 1, 10, 4, page_size=4).free_pages      # 2 rows x 3 pages
         6
+        >>> make_cache(1, 1, 16, 4, window=10**9)
+        KVCache(batch_size=1, num_kv_heads=1, length=0, max_len=16, head_dim=4, dtype=torch.float32)
     """
     positive_int("max_len", max_len)
     if windowed is not None:
@@ -778,7 +783,7 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
                             value_dim=value_dim, dtype=dtype, device=device)
     if windowed and window is None:
         raise ValueError("windowed=True needs a module with a window")
-    if window is not None and windowed is not False:
+    if window is not None and (windowed or (windowed is None and window <= max_len)):
         return WindowedKVCache(batch_size, num_kv_heads, window, head_dim, value_dim=value_dim,
                                dtype=dtype, device=device)
     return KVCache(batch_size, num_kv_heads, max_len, head_dim, value_dim=value_dim, dtype=dtype,
