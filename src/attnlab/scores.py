@@ -821,19 +821,22 @@ def check_sinks(sinks: object, *, heads: int, device: torch.device, batch: int |
 
 def sink_logits(sinks: Tensor, dtype: torch.dtype) -> Tensor:
     """Checked ``sinks`` as logits ``(B|1, Hq|1, Tq|1)`` in ``dtype`` (a view of ``(Hq,)`` ones),
-    with ``±inf`` replaced by ``±`` the dtype's largest finite value.
+    with ``±inf`` replaced by ``±`` a quarter of the dtype's largest finite value.
 
     That replacement is the one rule every backend keeps for infinite sinks: a sink of ``+inf``
     takes all the mass (the row's output is 0, and every gradient through it, the sink's own
-    included, is 0: the limit of a growing sink), and one of ``-inf`` is no sink. With the
-    finite stand-in, ``logaddexp``, ``exp(s - lse)`` and a softmax column never form
-    ``inf - inf``; NaN stays NaN.
+    included, is 0: the limit of a growing sink), and one of ``-inf`` is no sink. With a finite
+    stand-in, ``logaddexp``, ``exp(s - lse)`` and a softmax column never form ``inf - inf``; a
+    quarter leaves room for a kernel that multiplies its logits (by ``log2(e)``, for ``exp2``)
+    or adds a score to them. NaN stays NaN. Backends compute sinks in fp32 or fp64.
 
     Example:
-        >>> sink_logits(torch.tensor([float("inf"), 0.0, float("-inf")]), torch.float32).tolist()
-        [[[3.4028234663852886e+38], [0.0], [-3.4028234663852886e+38]]]
+        >>> logits = sink_logits(torch.tensor([float("inf"), 0.0, float("-inf")]), torch.float32)
+        >>> big = torch.finfo(torch.float32).max / 4
+        >>> logits.shape, logits.flatten().tolist() == [big, 0.0, -big]
+        (torch.Size([1, 3, 1]), True)
     """
-    big = torch.finfo(dtype).max
+    big = torch.finfo(dtype).max / 4
     rows = sinks.view(1, -1, 1) if sinks.ndim == 1 else sinks  # (B|1, Hq|1, Tq|1)
     return rows.to(dtype).clamp(-big, big)
 
