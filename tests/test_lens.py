@@ -100,7 +100,7 @@ def test_explain_minilm_writes_every_layer_and_head(tmp_path):
 @pytest.mark.parametrize("make_args, words", [
     (lambda t, p: ["--model", str(p / "plain")], ["config.json"]),  # a directory, but not a model
     (lambda t, p: ["--model", str(p / "empty")], ["transformers cannot open it"]),  # a config, no weights
-    (lambda t, p: ["--model", str(t["bloom"])], ["cannot run through attnlab", "its own layers"]),
+    (lambda t, p: ["--model", str(t["bloom"])], ["cannot run on attnlab", "its own layers"]),
     (lambda t, p: ["--model", str(t["llama"]), "the " * 70], ["70 tokens", "64 positions", "--truncate"]),
     (lambda t, p: ["--model", str(t["llama"]), "--generate", "0"], ["--generate must be a positive"]),
     (lambda t, p: ["--model", str(t["llama"]), "the chef", "--generate", "63"], ["exceed", "64 positions"]),
