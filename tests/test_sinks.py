@@ -241,3 +241,23 @@ def test_flex_declines_per_query_sinks_with_the_reason():
     q, k, v = (t.detach() for t in _qkv())
     with pytest.raises(ValueError, match="flex does not apply sinks"):
         attnlab.attention(q, k, v, causal=True, sinks=torch.zeros(1, HQ, T, dtype=F64), backend="flex")
+
+
+def test_topk_takes_per_query_and_infinite_sinks():
+    """attention(indices=...) over each query's listed keys, the mask ANDed in, with per-query
+    sinks broadcasting over heads, some infinite: forward and every gradient equal eager."""
+    q, k, v = _qkv(12)
+    g = torch.Generator().manual_seed(13)
+    indices = torch.randint(-1, T, (B, HKV, T, 5), generator=g)  # -1: no key
+    listed = torch.zeros(B, HKV, T, T + 1, dtype=torch.bool).scatter_(-1, indices % (T + 1), True)[..., :T]
+    allowed = listed.repeat_interleave(HQ // HKV, 1) & _empty_rows()  # (B, Hq, Tq, Tk)
+    sinks = _infinite_sinks()[:, :1].expand(B, 1, T).clone().requires_grad_()  # (B, 1, Tq)
+    out = attnlab.attention(q, k, v, mask=_empty_rows(), indices=indices, sinks=sinks)
+    stand_in = sinks.detach().clamp(-1e4, 1e4).requires_grad_()
+    want = _eager(q, k, v, stand_in, allowed)
+    grad_out = torch.randn(out.shape, generator=g, dtype=F64)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    for got, w in zip(torch.autograd.grad(out, (q, k, v, sinks), grad_out),
+                      torch.autograd.grad(want, (q, k, v, stand_in), grad_out)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, w, atol=1e-12, rtol=1e-10)
