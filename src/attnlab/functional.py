@@ -74,10 +74,15 @@ def attention(
             of :mod:`attnlab.scores` (``softcap``, ``alibi``, ``relative_bias``, ``bias`` and
             their composition) or a function ``(score, b, h, q_idx, kv_idx) -> score``
             (FlexAttention's signature; ``h`` is the query head). Its tensors get gradients.
-        sinks: ``(Hq,)`` float tensor of per-head sink logits (gpt-oss's ``s_aux``): one more
-            key per head with logit ``sinks[h]`` and value 0, which only takes probability
-            mass. A query with every key masked then gives a zero row (the sink takes it all).
-            The weights returned leave the sink's share out (rows sum to less than 1).
+        sinks: sink logits, a float tensor: ``(Hq,)`` per head (gpt-oss's ``s_aux``), or
+            ``(B|1, Hq|1, Tq)`` per query (computed from each token, as Inkling2's
+            ``sink_proj``), broadcasting over batch and heads (``B`` is the batch dims
+            flattened for rank 5). Each query row gets one more key of logit ``sinks[h]`` (or
+            ``sinks[b, h, i]``) and value 0, which only takes probability mass; the gradient
+            of a broadcast dim is summed. A query with every key masked then gives a zero row
+            (the sink takes it all), as does a sink of ``+inf`` (with zero gradients, the
+            sink's own included); a sink of ``-inf`` is no sink. The weights returned leave the
+            sink's share out (rows sum to less than 1).
         indices: top-k sparse attention (docs/sparse.md, "Top-k attention"): an integer tensor
             ``(B|1, Hkv|1, Tq, k)`` (q's layout; leading dims may be 1 or left out) listing the
             keys each query attends to, ANDed with ``mask`` and ``causal``; ``-1`` is no key and
@@ -117,6 +122,10 @@ def attention(
         ...                         score_mod=attnlab.scores.softcap(20.0))
         >>> out.sum().backward(); sinks.grad.shape
         torch.Size([4])
+        >>> per_query = torch.zeros(2, 1, 10, requires_grad=True)  # (B, 1, Tq): one logit per query
+        >>> attnlab.attention(q, k, v, causal=True, sinks=per_query).sum().backward()
+        >>> per_query.grad.shape
+        torch.Size([2, 1, 10])
     """
     q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
     if indices is not None:  # top-k: its own kernel, never the dense dispatch

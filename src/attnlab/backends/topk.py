@@ -39,6 +39,7 @@ from attnlab._call import AttentionCall
 from attnlab._checks import has_values, integer_dtype
 from attnlab._math import repeat_kv, score_dtype, softmax_rows
 from attnlab.masks import apply_mod
+from attnlab.scores import sink_gradient, sink_logits
 
 __all__ = ["check_indices", "indices_mask", "topk_attention", "refusal"]
 
@@ -225,10 +226,12 @@ def _weighted_rows(rows: Tensor, table: Tensor, weights: Tensor) -> Tensor:
 
 
 def _softmax(call: AttentionCall, scores: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Weights ``(B, Hq, Tq, k)`` (empty rows zero) and the sinks' share ``(B, Hq, Tq)`` or None."""
+    """Weights ``(B, Hq, Tq, k)`` (empty rows zero) and the sinks' share ``(B, Hq, Tq)`` or None
+    (sinks per head or per query; infinite ones as :func:`attnlab.scores.sink_logits` says)."""
     if call.sinks is None:
         return softmax_rows(scores), None
-    column = call.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = sink_logits(call.sinks, scores.dtype)  # (B|1, Hq|1, Tq|1)
+    column = logits.unsqueeze(-1).expand(*scores.shape[:-1], 1)  # (B, Hq, Tq, 1)
     both = softmax_rows(torch.cat([scores, column], dim=-1))  # (B, Hq, Tq, k + 1)
     return both[..., :-1], both[..., -1]
 
@@ -250,15 +253,15 @@ class _TopK(torch.autograd.Function):
         weights, sink_share = _softmax(call, scores)
         rows = _bag_rows(pattern.cols, Hkv, Tk)
         out = _weighted_rows(rows, vw.reshape(B * Hkv * Tk, -1), weights).view(B, Hq, Tq, -1)  # (B, Hq, Tq, Dv)
-        ctx.save_for_backward(qw, kw, vw, weights, out, sink_share)
-        ctx.extra = (call.scale, pattern.cols, csr, rows, q.dtype, sinks is not None)
+        ctx.save_for_backward(qw, kw, vw, weights, out, sinks, sink_share)
+        ctx.extra = (call.scale, pattern.cols, csr, rows, q.dtype)
         ctx.mark_non_differentiable(weights)
         return out.to(q.dtype), weights
 
     @staticmethod
     def backward(ctx, grad_out, _grad_weights):
-        qw, kw, vw, weights, out, sink_share = ctx.saved_tensors
-        scale, cols, csr, rows, dtype, has_sinks = ctx.extra
+        qw, kw, vw, weights, out, sinks, sink_share = ctx.saved_tensors
+        scale, cols, csr, rows, dtype = ctx.extra
         B, Hq, Tq, _ = qw.shape
         Hkv, Tk = kw.shape[1], kw.shape[2]
         dout = grad_out.to(qw.dtype)
@@ -267,7 +270,7 @@ class _TopK(torch.autograd.Function):
         dscores = torch.where(weights > 0, weights * (dweights - delta), 0.0)
         dq = _weighted_rows(rows, kw.reshape(B * Hkv * Tk, -1), dscores).view_as(qw) * scale
         dk, dv = _key_grads(cols, qw, dout, dscores * scale, weights, Hkv, Tk)
-        dsinks = -(sink_share * delta[..., 0]).sum(dim=(0, 2)) if has_sinks else None
+        dsinks = None if sinks is None else sink_gradient(-(sink_share * delta[..., 0]), sinks)  # sinks' shape
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks, None, None
 
 
