@@ -47,7 +47,7 @@ def _eager(q, k, v, *, allowed=None, softcap=None, bias=None, sinks=None, scale=
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
-        column = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        column = (sinks.double().view(1, -1, 1, 1) if sinks.ndim == 1 else sinks.double()).expand(*scores.shape[:-1], 1)
         weights = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
     else:
         weights = scores.softmax(-1)
@@ -62,6 +62,7 @@ g = torch.Generator().manual_seed(3)
 SINKS = torch.randn(4, generator=g)
 BIAS = torch.randn(1, 4, 5, 5, generator=g)
 window = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(5, 5, dtype=torch.bool).tril(-2)
+QUERY_SINKS = torch.randn(2, 4, 5, 1, generator=g)  # (B, H, Tq, 1), as Inkling2's sink projection
 TOPK = torch.randint(0, 5, (2, 5, 2), generator=g, dtype=torch.int32)  # (B, Tq, k), as DeepSeek-V3.2's indexer
 TOPK[..., 0] = torch.arange(5)  # each query lists itself, so no row is empty (eager would give NaN)
 SELECTED = torch.zeros(2, 1, 5, 5, dtype=torch.bool).scatter(-1, TOPK.long().unsqueeze(1), True)
@@ -72,6 +73,7 @@ HONOURED_CASES = {
     "softcap": (0.5, dict(softcap=0.5, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
     "s_aux": (SINKS, dict(sinks=SINKS, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
     "position_bias": (BIAS, dict(bias=BIAS, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
+    "sinks": (QUERY_SINKS, dict(sinks=QUERY_SINKS, allowed=_causal(5, 5)), dict(allowed=_causal(5, 5))),
     "indices": (TOPK, dict(allowed=SELECTED & _causal(5, 5)), dict(allowed=_causal(5, 5))),
 }
 
@@ -109,7 +111,7 @@ def test_output_attentions_returns_the_weights_only_when_asked():
     assert (weights.double() - _eager(q, k, v, allowed=_causal(5, 5))[1]).abs().max().item() <= 1e-6
 
 
-@pytest.mark.parametrize("keyword", ["sinks", "block_indices", "band_mask", "anything_else"])
+@pytest.mark.parametrize("keyword", ["block_indices", "band_mask", "anything_else"])
 def test_an_unknown_keyword_is_refused_naming_module_and_keyword(keyword):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=f"^Layer {REFUSAL}: it passes the keyword {keyword}, which attnlab"):
@@ -231,10 +233,24 @@ def _deepseek_v32():
         first_k_dense_replace=1, max_position_embeddings=64)
 
 
+def _inkling2():
+    return transformers.Inkling2ForCausalLM, transformers.Inkling2TextConfig(
+        vocab_size=100, unpadded_vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+        sliding_window_size=4, d_rel=4, rel_extent=8, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, n_layers_per_attn_res_block=1, eos_token_id=99,
+        pad_token_id=0, layer_types=["hybrid_sliding", "hybrid"])
+
+
+# Families whose layers pass keywords that were once dropped: DeepSeek-V3.2's top-k ``indices``
+# (eager folds them into the mask; 4 of 9 keys per query) and Inkling2's per-query ``sinks``.
+KEYWORD_FAMILIES = {"deepseek_v32": _deepseek_v32, "inkling2": _inkling2}
+
+
 @pytest.mark.parametrize("side", ["none", "right", "left"])
-def test_deepseek_v32_sparse_attention_takes_its_top_k_indices_like_eager(side):
-    """Eager folds the indexer's top-k keys into the mask; attnlab gets them as ``indices`` (4 of 9 keys)."""
-    eager, ours = _pair(*_deepseek_v32())
+@pytest.mark.parametrize("family", list(KEYWORD_FAMILIES))
+def test_a_family_passing_indices_or_sinks_equals_eager(family, side):
+    eager, ours = _pair(*KEYWORD_FAMILIES[family]())
     mask = _padding(side)
     keep = mask.bool()
     assert (eager(IDS, attention_mask=mask).logits - ours(IDS, attention_mask=mask).logits)[keep].abs().max() <= 1e-4
@@ -242,8 +258,9 @@ def test_deepseek_v32_sparse_attention_takes_its_top_k_indices_like_eager(side):
     assert torch.equal(*generated)
 
 
-def test_deepseek_v32_gradients_equal_eager():
-    eager, ours = _pair(*_deepseek_v32())
+@pytest.mark.parametrize("family", list(KEYWORD_FAMILIES))
+def test_a_family_passing_indices_or_sinks_has_eager_gradients(family):
+    eager, ours = _pair(*KEYWORD_FAMILIES[family]())
     for model in (eager, ours):
         model.train()
         model(IDS).logits.square().sum().backward()

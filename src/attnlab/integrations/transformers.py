@@ -79,6 +79,7 @@ HONOURED_KEYWORDS = (
     "is_causal", "sliding_window", "softcap", "s_aux", "position_bias", "output_attentions",
     "cu_seq_lens_q", "cu_seq_lens_k",  # packed sequences: the mask holds them (refused without one)
     "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
+    "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
 )
 # Keywords that change nothing in transformers' eager and sdpa attention: positions (already
 # rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
@@ -110,7 +111,7 @@ def attention_forward(
         dropout: attention dropout, applied only when ``module.training``.
         **kwargs: :data:`HONOURED_KEYWORDS` are applied: ``is_causal``, ``sliding_window`` (the
             keys a query sees, ending at its own position; applied when there is no prepared
-            mask), ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits), ``position_bias``
+            mask), ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits), ``sinks`` (``(B, H, Tq, 1)``, one per query), ``position_bias``
             (an additive tensor broadcasting to ``(B, H, Tq, Tk)``), ``indices`` (``(B, Tq, k)``
             top-k keys per query, intersected with the mask), ``output_attentions``;
             :data:`IGNORED_KEYWORDS` change nothing, as in transformers' eager path.
@@ -145,10 +146,23 @@ def attention_forward(
     result = attention(
         query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
         dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
-        score_mod=_score_mod(kwargs, tk), sinks=kwargs.get("s_aux"), indices=_indices(kwargs),
+        score_mod=_score_mod(kwargs, tk), sinks=_sinks(kwargs), indices=_indices(kwargs),
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+def _sinks(kwargs: dict) -> Tensor | None:
+    """A layer's sink logits as :func:`attnlab.attention` takes them: gpt-oss's per-head ``s_aux``
+    ``(H,)``, or per-query ``sinks`` ``(B, H, Tq, 1)`` (Inkling2) as ``(B, H, Tq)``."""
+    per_head, per_query = kwargs.get("s_aux"), kwargs.get("sinks")
+    if per_query is None:
+        return per_head
+    if per_head is not None:
+        raise ValueError("s_aux and sinks were both passed; a layer has one sink logit per row")
+    if not isinstance(per_query, Tensor) or per_query.ndim != 4 or per_query.shape[-1] != 1:
+        raise ValueError(f"sinks must be a (B, H, Tq, 1) tensor of sink logits, got {_describe(per_query)}")
+    return per_query.squeeze(-1)  # (B, H, Tq)
 
 
 def _indices(kwargs: dict) -> Tensor | None:
