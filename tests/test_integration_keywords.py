@@ -166,12 +166,14 @@ def _seq2seq(config_class, model_class, **extra):
                                      attention_dropout=0.0, **extra)
 
 
-SEQ2SEQ = {  # eager masks: NLLB-MoE's decoder has is_causal False; BigBird-Pegasus adds its mask
+SEQ2SEQ = {  # eager masks: NLLB-MoE's and Pegasus-X's decoders have is_causal False; BigBird-Pegasus adds its mask
     "nllb-moe": lambda: _seq2seq(transformers.NllbMoeConfig, transformers.NllbMoeForConditionalGeneration,
                                  num_experts=4, expert_capacity=8, decoder_sparse_step=2, encoder_sparse_step=2),
     "bigbird-pegasus": lambda: _seq2seq(transformers.BigBirdPegasusConfig,
                                         transformers.BigBirdPegasusForConditionalGeneration,
                                         attention_type="original_full"),
+    "pegasus-x": lambda: _seq2seq(transformers.PegasusXConfig, transformers.PegasusXForConditionalGeneration,
+                                  block_size=4, num_global_tokens=2),  # its encoder's attention is its own
 }
 
 

@@ -35,6 +35,11 @@ column dropped (rows sum to less than 1), as gpt-oss's eager code returns them. 
 code returns the softmax over the keys alone and applies the sink to the output afterwards: the
 outputs agree, its returned weights are these divided by their row sums.
 
+Where transformers' sdpa path differs from its eager path, attnlab (on sdpa's masks) follows sdpa:
+a padded query with no key to attend gets a zero row (eager spreads it over every key, so padded
+positions differ), and AIMv2's text layers, which declare ``is_causal=False`` and take a causal mask,
+attend both ways when the mask is all ones and sdpa's builder leaves the plain causal mask out.
+
 A float mask (e.g. made by "eager" mask builders or passed by the user as a prepared 4-D mask)
 is added to the scores, as transformers does. When weights are asked for (an
 ``output_attentions`` keyword, or transformers' ``capture_outputs`` recording ``attentions``:
