@@ -36,6 +36,7 @@ PATHS = {
     "mistral": ALL_CHECKS,  # sliding window (tiny: 4 keys, shorter than the batch)
     "gemma2": ALL_CHECKS,  # logit softcap, alternating sliding and full layers
     "gpt_oss": ALL_CHECKS,  # per-head sinks (s_aux)
+    "deepseek_v3": ALL_CHECKS,  # multi-head latent attention: keys 24 wide, values 16
 }
 
 

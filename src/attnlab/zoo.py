@@ -76,7 +76,7 @@ _SMALL = {
                      "decoder_attention_heads", "attention_heads"), 4),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), 2),
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_dim", "v_head_dim"), 16),
-    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,  # MLA: queries and keys wider than values (16)
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
                      "ffn_hidden_size"), 128),
@@ -87,7 +87,7 @@ _SMALL = {
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"), 2),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 128),
     "vocab_size": 128, "image_size": 32, "patch_size": 8, "sliding_window": 4, "max_source_positions": 16,
-    "first_k_dense_replace": 1,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
 }
 _WIDE_OUTPUT = ("past_key_values", "cache")  # output fields never compared (they hold padded slots)
 
@@ -190,6 +190,8 @@ def _small_fields(config) -> dict:
             changed[key] = type(value)(min(v, _SMALL[key]) for v in value)
     if isinstance(values.get("qk_rope_head_dim"), int) and "head_dim" in values:
         changed["head_dim"] = changed.get("qk_rope_head_dim", values["qk_rope_head_dim"])  # MLA: rope's width
+    if "kv_lora_rank" in values and isinstance(values.get("num_key_value_heads"), int):
+        changed["num_key_value_heads"] = changed.get("num_attention_heads", values.get("num_attention_heads"))  # MLA
     vocab = changed.get("vocab_size", values.get("vocab_size"))
     if isinstance(vocab, int):
         changed.update(_token_ids(values, vocab))
@@ -248,14 +250,19 @@ def _check_size(cls, family: str) -> None:
 
 
 def _model_class(family: str):
-    """The class to build: a causal LM, else sequence-to-sequence, else the base model."""
-    for mapping in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-                    "MODEL_MAPPING_NAMES"):
-        name = getattr(modeling_auto, mapping).get(family)
+    """The class to build and whether it generates: a causal LM, else sequence-to-sequence, else the
+    base model, else the first class any auto mapping gives the family (a sub-model's family)."""
+    preferred = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                 "MODEL_MAPPING_NAMES")
+    others = sorted(n for n in vars(modeling_auto) if n.endswith("_MAPPING_NAMES") and n not in preferred)
+    for mapping in (*preferred, *others):
+        table = getattr(modeling_auto, mapping)
+        name = table.get(family) if isinstance(table, dict) else None
         if isinstance(name, (list, tuple)):
             name = name[0]
-        if name and hasattr(transformers, name):
-            return getattr(transformers, name), mapping != "MODEL_MAPPING_NAMES"
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls, mapping in preferred[:2]
     raise _NotApplicable("no model class in transformers' auto mappings")
 
 
@@ -496,8 +503,10 @@ def _check_family(result: FamilyResult, implementation: str, tolerance: float) -
         _check_size(cls, result.family)
         eager = _build(cls, tiny_config(result.family), "eager", dtype)
         images = _images_variant(eager, dtype)
-    except (_NotApplicable, _TimedOut):
+    except _NotApplicable:
         raise
+    except _TimedOut as exc:
+        raise _NotApplicable(f"the eager model alone {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the eager side failing is the zoo's limit, not a bug
         raise _NotApplicable(f"cannot be built tiny from its config: {_last_line(exc)}") from None
     result.dtype = str(dtype).replace("torch.", "")
