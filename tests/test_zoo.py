@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -50,6 +51,10 @@ def _crashing_attention(module, query, key, value, attention_mask, **kwargs):
     raise RuntimeError("kernel exploded")
 
 
+def _hanging_attention(module, query, key, value, attention_mask, **kwargs):
+    time.sleep(60)
+
+
 def _refusing_attention(module, query, key, value, attention_mask, **kwargs):
     return attention_forward(module, query[0], key, value, attention_mask)  # attnlab's check refuses rank 3
 
@@ -60,7 +65,7 @@ def implementations():
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     for name, function in (("zoo-wrong", _wrong_attention), ("zoo-crash", _crashing_attention),
-                           ("zoo-refuse", _refusing_attention)):
+                           ("zoo-refuse", _refusing_attention), ("zoo-hang", _hanging_attention)):
         transformers.AttentionInterface.register(name, function)
         AttentionMaskInterface.register(name, sdpa_mask)
     register()
@@ -94,10 +99,12 @@ def test_a_crash_is_recorded_and_a_refusal_keeps_attnlabs_message(implementation
     assert refused.status == "refused" and "ValueError" in refused.reason and "query" in refused.reason
 
 
-def test_a_family_past_its_time_limit_is_crashed_and_the_next_one_runs():
-    slow = zoo.run_family("llama", time_limit=1e-3)
-    assert slow.status == "crashed" and "timed out" in slow.reason
-    assert zoo.run_family("bloom").status == "not applicable"
+def test_a_family_past_its_time_limit_is_crashed_and_the_next_one_runs(implementations):
+    hung = zoo.run_family("llama", implementation="zoo-hang", time_limit=8)  # eager takes < 1 s
+    assert hung.status == "crashed" and "timed out after 8 s" in hung.reason and hung.seconds < 30
+    eager_too_slow = zoo.run_family("llama", time_limit=1e-3)  # before attnlab ran: not its failure
+    assert eager_too_slow.status == "not applicable" and "timed out" in eager_too_slow.reason
+    assert zoo.run_family("gpt2").status == "equal"
 
 
 def test_tiny_config_shrinks_sizes_and_keeps_every_layer_type():

@@ -14,7 +14,7 @@ from attnlab._checks import positive_number
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
 from attnlab.cli.bench_cmd import _check_writable, _write
 
-ZOO_COMMAND = "attnlab verify --transformers --markdown docs/zoo_table.md"
+ZOO_COMMAND = "OMP_NUM_THREADS=1 attnlab verify --transformers --markdown FILE.md"
 
 
 def verify(
