@@ -31,7 +31,7 @@ ALL_CHECKS = {"forward", "right-padded", "left-padded", "generate", "gradients",
 PATHS = {
     "llama": ALL_CHECKS,  # decoder, grouped-query heads, rotary
     "bert": ALL_CHECKS,  # bidirectional encoder (built as BertLMHeadModel: a causal LM head)
-    "t5": ALL_CHECKS - {"generate"},  # encoder-decoder with position_bias (T5's relative bias)
+    "t5": ALL_CHECKS,  # encoder-decoder with position_bias (T5's relative bias), cross-attention cache
     "bart": ALL_CHECKS,  # encoder-decoder family (built as BartForCausalLM)
     "vit": {"forward", "gradients", "attentions"},  # vision encoder: no text, no padding
     "mistral": ALL_CHECKS,  # sliding window (tiny: 4 keys, shorter than the batch)

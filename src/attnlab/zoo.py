@@ -250,10 +250,11 @@ def _check_size(cls, family: str) -> None:
 
 
 def _model_class(family: str):
-    """The class to build and whether it generates: a causal LM, else sequence-to-sequence, else the
-    base model, else the first class any auto mapping gives the family (a sub-model's family)."""
-    preferred = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-                 "MODEL_MAPPING_NAMES")
+    """The class to build and whether it generates: a sequence-to-sequence LM, text or speech (encoder,
+    decoder and cross-attention: BART's is built whole, not as BartForCausalLM), else a causal LM, else the base
+    model, else the first class any auto mapping gives the family (a sub-model's family)."""
+    preferred = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+                 "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
     others = sorted(n for n in vars(modeling_auto) if n.endswith("_MAPPING_NAMES") and n not in preferred)
     for mapping in (*preferred, *others):
         table = getattr(modeling_auto, mapping)
@@ -262,7 +263,7 @@ def _model_class(family: str):
             name = name[0]
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
-            return cls, mapping in preferred[:2]
+            return cls, mapping in preferred[:3]
     raise _NotApplicable("no model class in transformers' auto mappings")
 
 
@@ -609,6 +610,9 @@ def _generate(model, inputs: dict) -> tuple[Tensor, dict[str, Tensor]]:
         mask = torch.ones_like(inputs["attention_mask"])
         mask[1, :PADS] = 0
         inputs["attention_mask"] = mask
+    if model.config.is_encoder_decoder:  # a random config may name no start token
+        start = model.generation_config.decoder_start_token_id
+        inputs["decoder_start_token_id"] = 0 if start is None else start
     out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=0,
                          return_dict_in_generate=True, output_scores=True, min_new_tokens=NEW_TOKENS)
     return out.sequences, {f"score.{i}": s for i, s in enumerate(out.scores)}
