@@ -170,6 +170,7 @@ def test_command_exits_1_when_a_family_differs(monkeypatch):
     (["--transformers", "--time-limit", "0"], ["--time-limit", "0"]),
     (["--transformers", "--time-limit", "nan"], ["--time-limit", "nan"]),
     (["--transformers", "--json", "/no/such/folder/zoo.json"], ["--json", "does not exist"]),
+    (["--transformers", "--markdown", "zoo.txt"], ["--markdown", ".md"]),
 ])
 def test_command_refuses_bad_options(args, words):
     assert_one_error_line(runner.invoke(app, ["verify", *args]), *words)

@@ -87,6 +87,8 @@ def _verify_transformers(family: list[str] | None, json_out: Path | None, markdo
     """``--transformers``: every family (or the named ones) against eager, a summary, exit 1 on a bug."""
     with option_errors():
         positive_number("--time-limit", time_limit)
+    if markdown is not None and markdown.suffix != ".md":
+        fail(f"--markdown writes Markdown: give a file name ending in .md, got {str(markdown)!r}")
     for option, path in (("--json", json_out), ("--markdown", markdown)):
         if path is not None:
             _check_writable(option, path)
