@@ -20,7 +20,8 @@ compares them:
 A check passes when its largest difference, divided by ``max(1, largest |eager value|)``
 (gradients: by their largest value), is at most ``tolerance`` (1e-4). A family is then
 ``equal``; ``different`` when a check is over it; ``refused`` when the attnlab run raised a
-``ValueError``/``TypeError``/``NotImplementedError`` from attnlab itself; ``crashed`` for any
+``ValueError``/``TypeError``/``NotImplementedError`` from attnlab itself, or transformers would
+not build the model with attnlab's implementation; ``crashed`` for any
 other error of the attnlab run (or the time limit); ``not applicable`` when the family does not
 route attention through the interface, cannot be built tiny, its eager model fails on the zoo's
 inputs, or no attention call reached the interface. Each family runs on its own: an exception
