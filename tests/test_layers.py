@@ -40,7 +40,7 @@ CORE = [
 LAB = [
     ("attnlab.tutorial", 9),
     ("attnlab.explain", 10), ("attnlab.viz", 10), ("attnlab.verify", 10), ("attnlab.bench", 10),
-    ("attnlab.train", 10), ("attnlab.trained", 10), ("attnlab.lens", 10),
+    ("attnlab.train", 10), ("attnlab.trained", 10), ("attnlab.lens", 10), ("attnlab.zoo", 10),
     ("attnlab.cli", 11), ("attnlab.__main__", 11),
     ("attnlab.distributed.check", 11),  # the torchrun entry point: runs the CLI command
 ]

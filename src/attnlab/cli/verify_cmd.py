@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import re
+import time
+from pathlib import Path
 
 import typer
 
 from attnlab._checks import one_of, positive_int
+from attnlab._checks import positive_number
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
+from attnlab.cli.bench_cmd import _check_writable, _write
+
+ZOO_COMMAND = "OMP_NUM_THREADS=1 attnlab verify --transformers --markdown FILE.md"
 
 
 def verify(
@@ -16,11 +23,35 @@ def verify(
     configs: int = typer.Option(None, "--configs", show_default=False,
                                 help="Configurations per dtype, at least 1 (default 200, quick 16)."),
     seed: int = typer.Option(0, "--seed", help=f"Seed of the configuration draw, 0 to {MAX_SEED}."),
+    transformers: bool = typer.Option(False, "--transformers",
+                                      help="Instead: every transformers model family on attnlab against eager."),
+    family: list[str] = typer.Option(None, "--family", metavar="NAME",
+                                     help="With --transformers: only this family (repeatable, or a comma list)."),
+    json_out: Path = typer.Option(None, "--json", metavar="FILE",
+                                  help="With --transformers: write the per-family results as JSON."),
+    markdown: Path = typer.Option(None, "--markdown", metavar="FILE.md",
+                                  help="With --transformers: write the per-family status table (markdown)."),
+    time_limit: float = typer.Option(None, "--time-limit", metavar="SECONDS", show_default=False,
+                                     help="With --transformers: seconds one family may take (default 300)."),
 ) -> None:
     """Sweep seeded configurations (odd sizes, GQA, masks, causal alignments, fully masked rows)
     through every backend, forward and backward, in fp32 and bf16, and compare with the fp64
     reference: error <= 2x the same-dtype reference error + floor (gradients 3x). Exits 1 on
-    any failure."""
+    any failure.
+
+    With --transformers: build every model family of the installed transformers tiny and compare
+    attn_implementation="attnlab" with "eager" (padded batches, generation, gradients, weights);
+    exits 1 when a family is different or crashed."""
+    zoo_options = {"--family": family, "--json": json_out, "--markdown": markdown, "--time-limit": time_limit}
+    if transformers:
+        for option, value in {"--quick": quick or None, "--backend": backend, "--configs": configs}.items():
+            if value:
+                fail(f"{option} does not apply to --transformers")
+        _verify_transformers(family, json_out, markdown, 300.0 if time_limit is None else time_limit)
+        return
+    for option, value in zoo_options.items():
+        if value:
+            fail(f"{option} needs --transformers")
     import torch
     from rich.console import Console
     from rich.progress import Progress
@@ -49,6 +80,81 @@ def verify(
                           f"{['%.2e' % a for a in result.allowed]}")
         raise typer.Exit(code=1)
     console.print("[green]all backends conform[/green]")
+
+
+def _verify_transformers(family: list[str] | None, json_out: Path | None, markdown: Path | None,
+                         time_limit: float) -> None:
+    """``--transformers``: every family (or the named ones) against eager, a summary, exit 1 on a bug."""
+    with option_errors():
+        positive_number("--time-limit", time_limit)
+    if markdown is not None and markdown.suffix != ".md":
+        fail(f"--markdown writes Markdown: give a file name ending in .md, got {str(markdown)!r}")
+    for option, path in (("--json", json_out), ("--markdown", markdown)):
+        if path is not None:
+            _check_writable(option, path)
+    try:
+        from attnlab import zoo
+    except ImportError as exc:
+        fail(f"--transformers needs transformers 5.x (pip install 'attnlab[hf]'): {exc}")
+    names = _check_families(family, zoo.families())
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(width=max(120, Console().width))
+    start, results = time.perf_counter(), []
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("families", total=len(names))
+        for name in names:
+            progress.update(task, description=name)
+            results.append(zoo.run_family(name, time_limit=time_limit))
+            progress.advance(task)
+    seconds = time.perf_counter() - start
+    if json_out is not None:
+        _write("--json", str(json_out), json.dumps({"transformers": zoo.transformers.__version__,
+                                                    "seconds": round(seconds, 1),
+                                                    "families": [r.to_dict() for r in results]}, indent=1) + "\n")
+    if markdown is not None:
+        _write("--markdown", str(markdown), f"Regenerate with `{ZOO_COMMAND}` "
+               f"(transformers {zoo.transformers.__version__}).\n\n{zoo.markdown_table(results)}\n")
+    if _print_zoo(console, zoo, results, seconds):
+        raise typer.Exit(code=1)
+
+
+def _check_families(requested: list[str] | None, known: list[str]) -> list[str]:
+    """The families to run: every one, or those named (repeatable, comma lists), each known."""
+    if not requested:
+        return known
+    names = [name.strip() for item in requested for name in item.split(",")]
+    for name in names:
+        if name not in known:
+            fail(f"--family {name!r} is not a model family of the installed transformers "
+                 f"(a model_type such as llama, bert, t5)")
+    return list(dict.fromkeys(names))
+
+
+def _print_zoo(console, zoo, results, seconds: float) -> bool:
+    """The summary: counts by status, then one row per family that is not equal; True on a bug."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    counted = zoo.counts(results)
+    table = Table(title=f"transformers families on attnlab vs eager ({len(results)} in {seconds:.0f} s)")
+    for status in zoo.STATUSES:
+        table.add_column(status)
+    table.add_row(*(str(counted[s]) for s in zoo.STATUSES))
+    console.print(table)
+    notable = [r for r in results if r.status in ("different", "crashed", "refused")]
+    if notable or len(results) <= 20:
+        detail = Table()
+        for column in ("family", "status", "model", "why"):
+            detail.add_column(column, overflow="fold")
+        for r in notable if len(results) > 20 else results:
+            detail.add_row(r.family, r.status, r.model_class, escape(r.reason))
+        console.print(detail)
+    bug = counted["different"] + counted["crashed"] > 0
+    console.print("[red]some families differ or crash[/red]" if bug else "[green]no family differs or crashes[/green]")
+    return bug
 
 
 def _check_backends(requested: list[str] | None) -> list[str]:
