@@ -285,11 +285,14 @@ def _safe(t: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- forward
 def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
-                   masks: _TensorMasks) -> tuple[Tensor, Tensor]:
-    """Online-softmax forward. Returns out ``(B, Hq, Tq, Dv)`` and lse ``(B, Hq, Tq)``."""
+                   masks: _TensorMasks) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Online-softmax forward. Returns out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)`` and, for
+    fp16/bf16 inputs, out before its rounding to their dtype (else None): the backward's
+    ``D_i = rowsum(dO * O)`` from the rounded out would carry each row's rounding into every
+    score's gradient, which a score-mod tensor (ALiBi's slope) multiplies by its distance."""
     B, Hq, Tq, _ = q.shape
     Dv = v.shape[-1]
-    out = q.new_empty(B, Hq, Tq, Dv)
+    out = q.new_empty(B, Hq, Tq, Dv, dtype=plan.acc_dtype)
     lse = torch.empty(B, Hq, Tq, dtype=plan.acc_dtype, device=q.device)
     for qs, qe in plan.q_blocks(Tq):
         q_tile = q[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, D)
@@ -314,7 +317,7 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
             block_out, block_lse = _with_sinks(block_out, block_lse, masks.sinks)
         out[:, :, qs:qe] = block_out
         lse[:, :, qs:qe] = block_lse[..., 0]
-    return out, lse
+    return (out, lse, None) if out.dtype == q.dtype else (out.to(q.dtype), lse, out)
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
@@ -432,13 +435,13 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, allowed, bias, sinks, plan, *params = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, allowed, bias, sinks, out, lse, *params)
+        out, lse, unrounded = output
+        ctx.save_for_backward(q, k, v, allowed, bias, sinks, out if unrounded is None else unrounded, lse, *params)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, *(() if unrounded is None else (unrounded,)))
 
     @staticmethod
-    def backward(ctx, d_out, _d_lse):
+    def backward(ctx, d_out, _d_lse, _d_unrounded=None):
         q, k, v, allowed, bias, sinks, out, lse, *params = ctx.saved_tensors
         need_bias_grad = bias is not None and ctx.needs_input_grad[4]
         need_sinks_grad = sinks is not None and ctx.needs_input_grad[5]
@@ -516,8 +519,8 @@ def chunked_attention(
     """
     plan = _plan_of(call, q_block, kv_block, tile_hook)
     params = call.score_mod.params() if call.score_mod is not None else ()
-    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call)[:2],
-                                               call.sinks, plan, *params)
+    out, lse, _ = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call)[:2],
+                                                  call.sinks, plan, *params)
     return AttentionResult(out=out, lse=lse)
 
 

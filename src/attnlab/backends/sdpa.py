@@ -29,9 +29,9 @@ SDPA's arguments faithfully:
   kernel's own normalisation includes it (causal is then materialised: O(Tq*Tk)). That sinks'
   gradient is the float mask's, which PyTorch computes on its math kernel;
 * a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
-  with scale 1 passed): the CPU kernel scales causally blocked ``-inf`` scores (``-inf * 0``
-  is NaN) and its backward recomputes the scores with different rounding (see
-  :func:`attnlab._math.folds_scale`);
+  with scale 1 passed; fp16/bf16 fold only a sign or 0, exactly): the CPU kernel scales
+  causally blocked ``-inf`` scores (``-inf * 0`` is NaN) and its backward recomputes the
+  scores with different rounding (see :func:`attnlab._math.kernel_scales`);
 * no tensor value is read and nothing is copied for the contract's sake: on CPU with PyTorch
   2.13+ the kernels themselves give a row with no attendable key zeros and zero gradient, and a
   query row holding NaN a NaN row; elsewhere two value-free ``torch.where`` passes mend the rows
@@ -68,7 +68,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 from attnlab import scores as _scores
-from attnlab._math import folds_scale, keep_nan_rows, repeat_kv
+from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -322,7 +322,8 @@ def _with_score_bias(call: AttentionCall, mask: Tensor | None) -> Tensor:
     if isinstance(mod, _scores.Bias):  # the caller's tensor as it is, its size-1 dims kept
         from_mod = mod.tensor.reshape((1,) * (4 - mod.tensor.ndim) + tuple(mod.tensor.shape))
     else:
-        from_mod = mod.bias(*_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk), call.device))
+        from_mod = _scores.additive_term(mod, *_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk),
+                                                            call.device), dtype=score_dtype(call.dtype))
     from_mod = from_mod.to(_mask_dtype(call))  # (B|1, H|1, Tq|1, Tk|1)
     if mask is None:
         return from_mod
@@ -413,9 +414,9 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     sinks are applied) bound, so that any call of the same signature may run it with its own
     tensors."""
     keys = call.tq if source == "is_causal" and call.tq < call.tk else None
-    factor = call.scale if folds_scale(call) else None  # scale <= 0, or a backward to recompute
-    options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal",
-                   scale=1.0 if factor is not None else call.scale)
+    factor, kernel_scale = kernel_scales(call)  # q * factor: scale <= 0, or a backward to recompute
+    factor = None if factor == 1.0 else factor
+    options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal", scale=kernel_scale)
     gqa = call.q_heads != call.kv_heads
     if gqa and _HAS_GQA:
         options["enable_gqa"] = True
