@@ -488,6 +488,23 @@ def test_blocks_fully_masked_rows_with_sinks_give_zero_and_zero_gradient():
         _assert_close(g, w, "gradient")
 
 
+def test_blocks_a_bias_blocking_a_whole_row_of_a_piece():
+    # The CPU kernel returns lse 0 for a row whose mask is all -inf, and blocks merges its pieces
+    # by lse: the row's other piece was diluted (0.85 off on issue 30's case, 0.019 here).
+    q, k, v = _qkv(B=1, Hq=2, Hkv=1, Tq=12, Tk=12, D=4)
+    bias = torch.zeros(2, 12, 12, dtype=F64)
+    bias[0, 9, 8:] = float("-inf")  # row 9: every key of its causal diagonal piece (blocks of 4)
+    bias[1, 5, :] = float("-inf")  # row 5: every key, so nothing to attend
+    bias[1, 2, :2] = float("-inf")  # row 2: its first piece's keys
+    options = dict(causal=True, score_mod=scores.bias(bias))
+    want = attnlab.attention(q, k, v, backend="reference", **options)
+    out = _blocks_call(q, k, v, 4, **options)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), (q, k, v)),
+                               torch.autograd.grad(want.sum(), (q, k, v)), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda q, k, v: _blocks_call(q, k, v, 4, **options), (q, k, v))
+
+
 def test_blocks_gradcheck_every_additive_part():
     q, k, v = _qkv(B=1, Hq=2, Hkv=1, Tq=11, Tk=11, D=3)
     slopes = torch.rand(2, dtype=F64, requires_grad=True)

@@ -452,10 +452,23 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor |
                       scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
+        if mod is not None:  # the kernel gives a row whose mask is all -inf lse 0: it is empty
+            empty = _empty_rows(mask, run)
+            o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, float("-inf"))
         _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
     if sinks is not None:
         _add_sinks(out, lse, sinks)
     return out, lse
+
+
+def _empty_rows(mask: Tensor, run: _Run) -> Tensor:
+    """``(n|1, B*Hq|1, bq)``: rows of the run's mask ``(n|1, B*Hq|1, bq, keys)`` with no finite
+    entry (inside the causal triangle on a causal run), e.g. a score mod's ``-inf`` bias over
+    the piece. Their lse must be ``-inf`` for the merge by lse, not the kernel's 0."""
+    if run.causal:
+        tril = torch.ones(run.bq, run.keys, dtype=torch.bool, device=mask.device).tril()
+        mask = mask.masked_fill(~tril, float("-inf"))
+    return (mask == float("-inf")).all(dim=-1)
 
 
 def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
@@ -622,7 +635,9 @@ def _run_rows(run: _Run, d_out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     if run.dead is not None:
         do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)
         lse_r = lse_r.masked_fill(run.dead, float("inf"))
-    return do_r, lse_r
+    # A row with nothing to attend anywhere (a score mod's -inf over all its keys) has lse -inf:
+    # +inf instead, so that its weights are 0, never exp(-inf - -inf) = NaN.
+    return do_r, lse_r.masked_fill(lse_r == float("-inf"), float("inf"))
 
 
 def _consistent_delta(plan: _Plan, kernel_inputs: tuple, d_out: Tensor, lse: Tensor,
