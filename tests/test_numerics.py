@@ -252,6 +252,25 @@ def _large_scores():
     return [t.half() for t in (q, k, v)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", _names())
+def test_a_float_mask_row_at_finfo_min_is_a_uniform_softmax_forward_and_backward(name, dtype):
+    """transformers masks with finfo.min: a row held there is, in the math eager computes, a
+    uniform softmax (the scores vanish next to min) with a well-defined gradient. sdpa and
+    chunked gave it a backward Tk times too large: exp(s - lse) with lse = min + log(Tk) rounded
+    to min. Compared with the fp64 reference of the same mask."""
+    q, k, v = (t.to(dtype) for t in _qkv())
+    mask = torch.zeros(T, T, dtype=dtype)
+    mask[3] = torch.finfo(dtype).min  # one row held at min everywhere
+    mask[5, ::2] = torch.finfo(dtype).min  # and a row half blocked this way
+    got = _run(name, [q, k, v], mask=mask)
+    exact = _run("reference", [t.double() for t in (q, k, v)], mask=mask.double())
+    torch.testing.assert_close(got[0].double(), exact[0], rtol=0, atol=1e-5)
+    assert torch.allclose(exact[0][:, :, 3].double(), v.double().mean(dim=2))  # uniform
+    for have, want in zip(got[1] or [], exact[1]):
+        torch.testing.assert_close(have.double(), want, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", _names())
 def test_fp16_large_scores_are_finite_and_match_fp64(name):
     q, k, v = _large_scores()
