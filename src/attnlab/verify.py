@@ -201,22 +201,23 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     if shape is None and heads is not None:
         batch, q_heads, kv_heads = heads
     score = scores[(index // 4) % len(scores)] if scores and index % 4 == 3 else "none"
-    values, empty = _draw_extremes(seed, index)
+    values, empty = _draw_extremes(seed, index, score)
     if shape is None and empty is not None:  # an empty batch or sequence, every 16th draw
         batch, tq, tk = (0 if empty == 0 else batch, 0 if empty == 1 else tq, 0 if empty == 2 else tk)
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
                   align, dead_rows, scale, q_layout, kv_layout, score, values)
 
 
-def _draw_extremes(seed: int, index: int) -> tuple[str, int | None]:
+def _draw_extremes(seed: int, index: int, score: str) -> tuple[str, int | None]:
     """What issue 30's fuzz found bugs with, drawn from a generator of its own (every other
     draw stays as it was): values near 1 (``"near_one"``: v = 1 + 0.01 * noise, so that the
     rounding of the output to bf16 is large against the weights' gradient, which a learnable
-    ALiBi slope multiplies by the distance) on one draw in 8, and on one in 16 an empty batch
-    (0), query (1) or key (2) sequence."""
+    ALiBi slope multiplies by the distance) on one draw in 8 and on every other one with ALiBi,
+    and on one in 16 an empty batch (0), query (1) or key (2) sequence."""
     rng = torch.Generator().manual_seed(seed + 104_729)
     u = torch.rand(2, generator=rng)
-    values = "near_one" if float(u[0]) < 0.125 else "normal"
+    slopes = "alibi" in score or score == "mixed"
+    values = "near_one" if float(u[0]) < 0.125 or (slopes and float(u[1]) < 0.5) else "normal"
     return values, (index // 16) % 3 if index % 16 == 7 else None
 
 
