@@ -623,14 +623,15 @@ class _ForgetsTheSinks(attnlab.backends.Backend):
 def test_sweep_checks_score_mods_and_catches_wrong_sinks():
     from attnlab import verify
 
-    cfgs = verify.configs(40, seed=1)
+    n = 4 * len(verify.SCORE_KINDS)  # every fourth configuration has a score kind
+    cfgs = verify.configs(n, seed=1)
     assert {c.score for c in cfgs} == {"none", *verify.SCORE_KINDS}
     attnlab.backends.register(_ForgetsTheSinks())
     try:
-        results = verify.sweep(["forgets-sinks-test"], [torch.float32], n=40, seed=1, small=True)
+        results = verify.sweep(["forgets-sinks-test"], [torch.float32], n=n, seed=1, small=True)
     finally:
         attnlab.backends.unregister("forgets-sinks-test")
-    failed = {r.config.split("score:")[-1] for r in results if not r.passed}
+    failed = {r.config.split("score:")[-1].split()[0] for r in results if not r.passed}
     assert failed == {"sinks", "softcap_sinks", "alibi_sinks"}
 
 

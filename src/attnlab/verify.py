@@ -60,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable
@@ -201,11 +202,19 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
     if shape is None and heads is not None:
         batch, q_heads, kv_heads = heads
     score = scores[(index // 4) % len(scores)] if scores and index % 4 == 3 else "none"
-    values, empty = _draw_extremes(seed, index, score)
-    if shape is None and empty is not None:  # an empty batch or sequence, every 16th draw
-        batch, tq, tk = (0 if empty == 0 else batch, 0 if empty == 1 else tq, 0 if empty == 2 else tk)
     return Config(seed, batch, q_heads, kv_heads, tq, tk, head_dim, value_dim, mask, causal,
-                  align, dead_rows, scale, q_layout, kv_layout, score, values)
+                  align, dead_rows, scale, q_layout, kv_layout, score)
+
+
+def _with_extremes(config: Config, index: int, fixed: bool) -> Config:
+    """``config`` with :func:`_draw_extremes` applied (after the quick sweep's size filter, so
+    that every other draw stays as it was); an empty size only where the shape is drawn."""
+    values, empty = _draw_extremes(config.seed, index, config.score)
+    if fixed or empty is None:
+        return dataclasses.replace(config, values=values)
+    sizes = dict(batch=config.batch, tq=config.tq, tk=config.tk)
+    sizes[("batch", "tq", "tk")[empty]] = 0  # an empty batch or sequence, every 16th draw
+    return dataclasses.replace(config, values=values, **sizes)
 
 
 def _draw_extremes(seed: int, index: int, score: str) -> tuple[str, int | None]:
@@ -218,7 +227,7 @@ def _draw_extremes(seed: int, index: int, score: str) -> tuple[str, int | None]:
     u = torch.rand(2, generator=rng)
     slopes = "alibi" in score or score == "mixed"
     values = "near_one" if float(u[0]) < 0.125 or (slopes and float(u[1]) < 0.5) else "normal"
-    return values, (index // 16) % 3 if index % 16 == 7 else None
+    return values, (index // 16) % 3 if index % 16 == 5 else None  # not a score configuration (index % 4 == 3)
 
 
 def _draw_layouts(seed: int, index: int) -> tuple[str, str, tuple | None]:
@@ -289,7 +298,7 @@ def configs(
         config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS, kinds)
         if small and fixed is None and max(config.tq, config.tk) > 128:
             continue
-        result.append(config)
+        result.append(_with_extremes(config, index, fixed is not None))
     return result
 
 
