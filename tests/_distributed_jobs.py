@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import attnlab
-from attnlab import masks
+from attnlab import masks, scores
 from attnlab.distributed import CommStats, context_parallel_attention, sequence_layout, shard, unshard
 from attnlab.distributed.balance import balanced_layout
 from attnlab.verify import allowed_error
@@ -46,8 +46,28 @@ MASKED_CASES = {
     "ring-zigzag-documents-window-causal-fp64": ("ring", "zigzag", True, torch.float64, 1, 2, 2, 8, 8, 8,
                                                  "documents-window"),
     "ring-balanced-documents-fp64": ("ring", "balanced", False, torch.float64, 1, 2, 2, 8, 8, 8, "documents"),
+    # a 12th entry: the score options (see _score_options); masked pieces, ALiBi at global positions, sinks
+    "ring-contiguous-window-alibi-sinks-fp64": ("ring", "contiguous", True, torch.float64, 1, 2, 2, 8, 8, 8,
+                                                "window-narrow", "alibi sinks"),
 }
 CASES.update(MASKED_CASES)
+
+# Score mods and sinks over the global sequence (run on 2 and 4 ranks; the masked one above also on 3).
+SCORE_CASES = {
+    "ring-zigzag-causal-softcap-alibi-sinks-gqa-fp64": ("ring", "zigzag", True, torch.float64, 2, 4, 2, 8, 8, 6,
+                                                        None, "softcap alibi sinks"),
+    "ring-zigzag-causal-alibi-head-chunks-fp64": ("ring", "zigzag", True, torch.float64, 1, 4, 4, 4, 4, 4, None,
+                                                  "alibi sinks chunks"),
+    "ring-zigzag-prefix-bias-function-fp64": ("ring", "zigzag", False, torch.float64, 1, 2, 1, 8, 4, 4, "prefix",
+                                              "bias function"),
+    "ulysses-zigzag-causal-softcap-alibi-sinks-fp64": ("ulysses", "zigzag", True, torch.float64, 1, 8, 4, 4, 4, 4,
+                                                       None, "softcap alibi sinks"),
+    "ulysses-contiguous-window-alibi-sinks-fp32": ("ulysses", "contiguous", False, torch.float32, 1, 4, 4, 6, 4, 4,
+                                                   "window", "alibi sinks"),
+    "hybrid-zigzag-causal-softcap-alibi-sinks-fp64": ("hybrid", "zigzag", True, torch.float64, 1, 4, 2, 8, 8, 8,
+                                                      None, "softcap alibi sinks"),
+}
+CASES.update(SCORE_CASES)
 
 # Ulysses inside groups of 2 ranks, the ring across them (2x2 at world 4; a ring of one at world 2).
 HYBRID_CASES = {
@@ -89,7 +109,7 @@ def _mask_of(name: str, B: int, Hq: int, T: int, g: torch.Generator):
 
 
 def _global_problem(case, world: int, seed: int = 0):
-    method, layout, causal, dtype, B, Hq, Hkv, t, D, Dv, mask = case
+    method, layout, causal, dtype, B, Hq, Hkv, t, D, Dv, mask = case[:11]
     T = t * world
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64)
@@ -99,36 +119,74 @@ def _global_problem(case, world: int, seed: int = 0):
     return (q, k, v, d_out), _mask_of(mask, B, Hq, T, g)
 
 
-def _single_process(tensors, mask, causal, dtype):
+def _score_options(case, world: int, seed: int = 1) -> dict:
+    """The score mod and sinks a case names (the same on every rank), and its head chunks.
+
+    Words: softcap, alibi (causal, or symmetric when the case is not causal), bias (a global
+    (1, Hq, T, T) tensor), function (a user's function of the positions, for 0-d indices),
+    sinks (per-head logits), chunks (the ring in one run per key/value head)."""
+    words = set(case[11].split()) if len(case) > 11 else set()
+    causal, Hq, T = case[2], case[5], case[7] * world
+    g = torch.Generator().manual_seed(seed)
+    mods = []
+    if "softcap" in words:
+        mods.append(scores.softcap(2.0))
+    if "alibi" in words:
+        mods.append(scores.alibi(Hq, symmetric=not causal))
+    if "bias" in words:
+        mods.append(scores.bias(torch.randn(1, Hq, T, T, generator=g, dtype=torch.float64)))
+    if "function" in words:
+        mods.append(lambda s, b, h, i, j: s + 0.25 * torch.where(i % 3 == j % 3, 1.0, -1.0) * (h + 1))
+    sinks = torch.randn(Hq, generator=g, dtype=torch.float64) if "sinks" in words else None
+    return {"score_mod": scores.compose(*mods) if mods else None, "sinks": sinks,
+            "head_chunks": case[6] if "chunks" in words else 1}
+
+
+def _single_process(tensors, mask, causal, dtype, score_mod=None, sinks=None):
     q, k, v, d_out = (t.to(dtype) for t in tensors)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend="reference")
+    sinks = None if sinks is None else sinks.to(dtype).clone().requires_grad_()
+    if score_mod is not None and dtype != torch.float64:
+        score_mod = score_mod.with_params([p.to(dtype) for p in score_mod.params()])
+    out = attnlab.attention(q, k, v, mask=mask, causal=causal, backend="reference", score_mod=score_mod,
+                            sinks=sinks)
     out.backward(d_out)
-    return [out.detach(), q.grad, k.grad, v.grad]
+    return [out.detach(), q.grad, k.grad, v.grad] + ([] if sinks is None else [sinks.grad])
 
 
-def conformance(rank: int, world: int, names: list[str]) -> dict:
-    """Run each named case; rank 0 returns errors and limits, every rank its scores counted."""
-    report = {}
+def conformance(rank: int, world: int, names: list[str], module_methods: tuple[str, ...] = ()) -> dict:
+    """Run each named case; rank 0 returns errors and limits, every rank its scores counted; with
+    ``module_methods``, also ``report["modules"]``: :func:`module_errors` on those methods."""
+    report = {"modules": module_errors(rank, world, module_methods)} if module_methods else {}
     for name in names:
         case = CASES[name]
         method, layout, causal, dtype = case[:4]
         tensors, mask = _global_problem(case, world)
+        options = _score_options(case, world)
         if layout == "balanced":  # chunks dealt by the documents' work (every rank computes the same)
             layout = balanced_layout(mask, length=tensors[0].shape[2], world=world, chunks_per_rank=2)
         ulysses = 2 if method == "hybrid" else None
         where = sequence_layout(layout, method=method, ulysses=ulysses, world=world)
         q, k, v, d_out = (shard(t.to(dtype), dim=2, layout=where) for t in tensors)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
+        sinks, mod = options["sinks"], options["score_mod"]
+        if sinks is not None:
+            sinks = sinks.to(dtype).clone().requires_grad_()
+        if mod is not None and dtype != torch.float64:
+            mod = mod.with_params([p.to(dtype) for p in mod.params()])
         stats = CommStats()
         out = context_parallel_attention(q, k, v, causal=causal, mask=mask, method=method,
-                                         layout=layout, ulysses=ulysses, stats=stats)
+                                         layout=layout, ulysses=ulysses, stats=stats, score_mod=mod, sinks=sinks,
+                                         head_chunks=options["head_chunks"])
         out.backward(d_out)
         got = [unshard(t, dim=2, layout=where) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        if sinks is not None:  # each rank holds its queries' share of the sinks' gradient
+            dist.all_reduce(sinks.grad)
+            got.append(sinks.grad)
         entry = {"scores": dict(stats.scores), "bytes": stats.bytes_sent, "skipped": stats.sends_skipped}
         if rank == 0:
-            exact = _single_process(tensors, mask, causal, torch.float64)
-            plain = _single_process(tensors, mask, causal, dtype)
+            exact = _single_process(tensors, mask, causal, torch.float64, options["score_mod"], options["sinks"])
+            plain = _single_process(tensors, mask, causal, dtype, options["score_mod"], options["sinks"])
             entry["checks"] = [
                 ((g.double() - e).abs().max().item(),
                  allowed_error((p.double() - e).abs().max().item(), dtype, e.abs().max().item(),
@@ -182,6 +240,10 @@ def bad_calls(rank: int, world: int) -> list[str]:
     out = context_parallel_attention(good, good, good, causal=True)
     messages.append("finite" if bool(torch.isfinite(out).all()) else "not finite")
     messages.append(_error_of(lambda: context_parallel_attention(good, good, good, group=0)))
+    per_query = torch.zeros(1, 2, 4)  # (B, H, Tq): sinks per query, which no shard holds whole
+    messages.append(_error_of(lambda: context_parallel_attention(good, good, good, sinks=per_query)))
+    learned = scores.alibi(torch.ones(2, requires_grad=True))
+    messages.append(_error_of(lambda: context_parallel_attention(good, good, good, causal=True, score_mod=learned)))
     return messages
 
 
@@ -382,3 +444,49 @@ def ring_head_chunks(rank: int, world: int, chunks: list[int]) -> dict:
         got = [unshard(t, dim=2) for t in [out.detach()] + [t.grad for t in parts]]
         report[c] = (meter.peak_bytes, max((a - b).abs().max().item() for a, b in zip(got, want)))
     return report
+
+
+# Layers whose whole attention must survive sharding: (name, MultiHeadAttention options). Heads
+# 8 and key/value heads 4 split over Ulysses groups of 2 and 4.
+MODULES = {
+    "window-rope-softcap-sinks-gqa": dict(num_heads=8, num_kv_heads=4, window=3, rope=True, softcap=5.0, sinks=True),
+    "window-alibi-sinks": dict(num_heads=8, window=5, positions="alibi", sinks=True),
+    "bidirectional-alibi-softcap": dict(num_heads=8, causal=False, positions="alibi", softcap=3.0),
+}
+
+
+def module_errors(rank: int, world: int, methods: tuple[str, ...]) -> dict | None:
+    """Each :data:`MODULES` layer in fp64, sharded by each method, against the same layer on
+    the whole sequence: the largest error of the output, the input's gradient and every
+    parameter's gradient (summed over the ranks, as training does). Rank 0 returns them."""
+    from attnlab.distributed import ContextParallel
+    from attnlab.nn import MultiHeadAttention
+
+    errors = {}
+    for name, options in MODULES.items():
+        torch.manual_seed(0)
+        mha = MultiHeadAttention(32, 32, **options).double()
+        with torch.no_grad():
+            if mha.sinks is not None:
+                mha.sinks.normal_()
+        g = torch.Generator().manual_seed(1)
+        x, d_y = (torch.randn(2, 6 * world, 32, generator=g, dtype=torch.float64) for _ in range(2))
+        whole = x.clone().requires_grad_()
+        mha(whole).backward(d_y)
+        want = [whole.grad] + [p.grad.clone() for p in mha.parameters()]
+        want_y = mha(x).detach()
+        for method in methods:
+            mha.zero_grad()
+            setting = ContextParallel(method=method, ulysses=2 if method == "hybrid" else None)
+            mha.context_parallel = setting
+            part = setting.shard(x, dim=1).requires_grad_()
+            y = mha(part)
+            y.backward(setting.shard(d_y, dim=1))
+            mha.context_parallel = None
+            grads = [p.grad for p in mha.parameters()]
+            for grad in grads:
+                dist.all_reduce(grad)
+            layout = setting.sequence_layout(world)
+            got = [unshard(y.detach(), dim=1, layout=layout), unshard(part.grad, dim=1, layout=layout)] + grads
+            errors[f"{method}-{name}"] = max((a - b).abs().max().item() for a, b in zip(got, [want_y] + want))
+    return errors if rank == 0 else None

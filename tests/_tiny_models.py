@@ -1,5 +1,6 @@
-"""Tiny random transformers checkpoints saved to a directory (no hub): GPT-2, Llama, BERT, Gemma 2,
-BLOOM (which computes its attention in its own layers, not through transformers' interface).
+"""Tiny random transformers checkpoints saved to a directory (no hub): GPT-2, Llama, BERT, RoBERTa
+(positions from padding_idx + 1), Gemma 2, BLOOM (which computes its attention in its own layers,
+not through transformers' interface).
 
 Each gets a word-level tokenizer over WORDS (tokenizer.json, through transformers' fast tokenizer),
 so texts made of those words tokenize one token per word.
@@ -38,6 +39,9 @@ def _config(kind: str):
     vocab = len(SPECIALS) + len(WORDS)
     if kind == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_embd=h, n_layer=n, n_head=heads, n_positions=positions)
+    if kind == "roberta":  # positions start at pad_token_id + 1: 64 rows take 63 tokens
+        return transformers.RobertaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+                                          intermediate_size=2 * h, max_position_embeddings=positions, pad_token_id=0)
     if kind == "bert":
         return transformers.BertConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
                                        intermediate_size=2 * h, max_position_embeddings=positions)
@@ -52,7 +56,7 @@ def _config(kind: str):
     raise ValueError(kind)
 
 
-MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertModel", "llama": "LlamaForCausalLM",
+MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertModel", "roberta": "RobertaModel", "llama": "LlamaForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "bloom": "BloomForCausalLM"}
 
 
@@ -63,5 +67,5 @@ def save_tiny(kind: str, directory: Path) -> Path:
     torch.manual_seed(0)
     model = getattr(transformers, MODEL_CLASSES[kind])(_config(kind)).eval()
     model.save_pretrained(directory)
-    _tokenizer(directory, bert=kind == "bert")
+    _tokenizer(directory, bert=kind in ("bert", "roberta"))
     return directory

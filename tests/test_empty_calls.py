@@ -44,15 +44,17 @@ SCRIPT = textwrap.dedent('''
         }
 
     backend = sys.argv[1]
-    cases = [(b, tq, tk, sinks) for sinks in (False, True)
+    cases = [(b, tq, tk, sinks) for sinks in (None, "head", "query")
              for b, tq, tk in ((0, 300, 300), (0, 16, 16), (2, 0, 16), (2, 16, 0), (2, 0, 0))]
     for b, tq, tk, sinks in cases:  # every output is empty or zero, with sinks too (they take the mass)
         for name, (options, allowed) in masks_for(b, tq, tk).items():
             q = torch.randn(b, 2, tq, 8, requires_grad=True)
             k = torch.randn(b, 2, tk, 8, requires_grad=True)
-            if sinks:
-                options = dict(options, sinks=torch.randn(2))
-                name += "+sinks"
+            learnable = None
+            if sinks:  # learnable, per head (2,) or per query (B, 2, Tq): a zero gradient
+                learnable = torch.randn((2,) if sinks == "head" else (b, 2, tq), requires_grad=True)
+                options = dict(options, sinks=learnable)
+                name += "+sinks" if sinks == "head" else "+query_sinks"
             try:
                 out = attnlab.attention(q, k, k, backend=backend, **options)
             except ValueError as err:
@@ -63,6 +65,8 @@ SCRIPT = textwrap.dedent('''
             out.sum().backward()
             assert q.grad.shape == q.shape and k.grad.shape == k.shape
             assert q.grad.eq(0).all() and k.grad.eq(0).all()  # every case here is empty
+            if learnable is not None:  # sdpa's empty output was connected to no sinks: no grad
+                assert learnable.grad is not None and learnable.grad.eq(0).all(), learnable.grad
             print(b, tq, tk, name, "ok")
 ''')
 
@@ -74,7 +78,7 @@ def test_empty_sizes_on_every_backend_match_fp64(backend):
     done = subprocess.run([sys.executable, "-c", SCRIPT, backend], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 * 5 * 4, done.stdout  # without and with sinks
+    assert len(lines) == 3 * 5 * 4, done.stdout  # without sinks, with sinks per head and per query
     if backend in ("auto", "reference", "sdpa", "chunked"):
         assert all(line.endswith(" ok") for line in lines), done.stdout
     if backend == "blocks":  # blocks serves the masked calls with an empty batch

@@ -120,7 +120,7 @@ def test_bad_cache_and_options_are_refused_without_writing():
     assert cache.length == 2 and torch.equal(cache.keys, before)
     with pytest.raises(ValueError, match="rope_dim"):
         LatentAttention(32, 4, latent_dim=8, rope_dim=0)
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ValueError, match="rope_dim must be even.*got 3"):  # regression: it named head_dim
         LatentAttention(32, 4, latent_dim=8, rope_dim=3)
     paged = m.new_cache(1, 4, page_size=2)
     assert isinstance(paged, PagedKVCache)

@@ -26,12 +26,12 @@ TEXT = "the chef made a meal and it was good"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: save_tiny(kind, root / kind) for kind in ("gpt2", "llama", "bert", "gemma2", "bloom")}
+    return {kind: save_tiny(kind, root / kind) for kind in ("gpt2", "llama", "bert", "roberta", "gemma2", "bloom")}
 
 
 def _eager_weights(directory, ids):
     config = transformers.AutoConfig.from_pretrained(directory)
-    loader = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
+    loader = transformers.AutoModel if config.model_type in ("bert", "roberta") else transformers.AutoModelForCausalLM
     model = loader.from_pretrained(directory, attn_implementation="eager").eval()
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_attentions=True)
@@ -100,7 +100,7 @@ def test_explain_minilm_writes_every_layer_and_head(tmp_path):
 @pytest.mark.parametrize("make_args, words", [
     (lambda t, p: ["--model", str(p / "plain")], ["config.json"]),  # a directory, but not a model
     (lambda t, p: ["--model", str(p / "empty")], ["transformers cannot open it"]),  # a config, no weights
-    (lambda t, p: ["--model", str(t["bloom"])], ["cannot run through attnlab", "its own layers"]),
+    (lambda t, p: ["--model", str(t["bloom"])], ["cannot run on attnlab", "its own layers"]),
     (lambda t, p: ["--model", str(t["llama"]), "the " * 70], ["70 tokens", "64 positions", "--truncate"]),
     (lambda t, p: ["--model", str(t["llama"]), "--generate", "0"], ["--generate must be a positive"]),
     (lambda t, p: ["--model", str(t["llama"]), "the chef", "--generate", "63"], ["exceed", "64 positions"]),
@@ -113,13 +113,55 @@ def test_bad_input_is_one_line(tiny, make_args, words, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text('{"model_type": "llama"}')
     args = make_args(tiny, tmp_path)
-    assert_one_error_line(_explain(*args, tmp_path=tmp_path / "out"), *words)
+    assert_one_error_line(_explain(*args, tmp_path=tmp_path / "out" / "nested"), *words)
+    assert not (tmp_path / "out").exists()  # regression: the walk's refusals left an empty --out behind
+
+
+def test_a_refusal_keeps_an_out_folder_the_user_had(tiny, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    assert_one_error_line(_explain("--model", str(tiny["llama"]), "--query", "pizza", tmp_path=tmp_path / "mine"),
+                          "--query")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert_one_error_line(_explain("--model", str(tiny["llama"]), "--query", "pizza", tmp_path=tmp_path / "mine" / "a"),
+                          "--query")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 def test_truncate_cuts_an_input_longer_than_the_model(tiny, tmp_path):
     result = _explain("--model", str(tiny["llama"]), "the " * 70, "--truncate", "--format", "html", tmp_path=tmp_path)
     assert result.exit_code == 0, result.output
     assert "Tokens (64):" in result.output
+
+
+def test_a_roberta_takes_its_positions_less_the_padding_offset(tiny, tmp_path):
+    # Regression: RoBERTa's positions start at padding_idx + 1, so 64 rows take 63 tokens: 64 crashed
+    # with an IndexError inside the model, and --truncate cut to 64 and crashed the same way.
+    lens = open_model(tiny["roberta"])
+    assert lens.max_positions == 63
+    longest = lens.attention("the " * 61)  # [CLS] + 61 + [SEP]
+    _, eager = _eager_weights(tiny["roberta"], longest.ids)
+    assert len(longest.ids) == 63 and longest.tokens[0] == "[CLS]"
+    torch.testing.assert_close(longest.weights.double(), eager, atol=1e-5, rtol=0)
+    assert_one_error_line(_explain("--model", str(tiny["roberta"]), "the " * 62, tmp_path=tmp_path / "no"),
+                          "64 tokens", "63 positions", "--truncate")
+    cut = _explain("--model", str(tiny["roberta"]), "the " * 70, "--truncate", "--format", "html", tmp_path=tmp_path)
+    assert cut.exit_code == 0, cut.output
+    assert "Tokens (63):" in cut.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "header"])
+def test_a_damaged_weights_file_is_one_line_naming_it(tiny, tmp_path, damage):
+    # Regression: transformers let safetensors' own SafetensorError through, as a traceback.
+    import shutil
+
+    model = shutil.copytree(tiny["roberta"], tmp_path / "model")
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[:3000], "empty": b"", "header": data[:8] + b"\xff" * 40 + data[48:]}[damage])
+    line = assert_one_error_line(_explain("--model", str(model), TEXT, tmp_path=tmp_path / "out"),
+                                 "truncated or corrupted")
+    assert str(weights) in line
 
 
 def test_open_model_refuses_a_directory_without_a_config(tmp_path):

@@ -355,14 +355,17 @@ def test_a_repeated_sdpa_call_reaches_the_kernel_within_six_python_frames(monkey
     assert depths[-1] < depths[0]  # the first call went through validation and dispatch
 
 
-def test_a_repeated_call_with_sinks_takes_the_prepared_run_with_its_own_sinks(counted_builds):
+@pytest.mark.parametrize("per_query", [False, True], ids=["per_head", "per_query"])
+def test_a_repeated_call_with_sinks_takes_the_prepared_run_with_its_own_sinks(counted_builds, per_query):
     """Sinks applied through SDPA's lse need no mask rebuilt per call, so a repeated decode step
     goes to the prepared run; it applies the sinks it is handed, not the first call's, and
-    differentiates them when they require grad (grad mode is in the key)."""
-    q, k, v = _decode_inputs()
+    differentiates them when they require grad (grad mode is in the key). Per-query sinks
+    ``(B, 1, Tq)`` of a batch of 3 too."""
+    q, k, v = (torch.randn(3, *t.shape[1:]) for t in _decode_inputs()) if per_query else _decode_inputs()
     gen = torch.Generator().manual_seed(3)
     mask = torch.rand(q.shape[0], 1, 1, k.shape[2], generator=gen) > 0.3  # a padded cache, bool
-    all_sinks = [torch.randn(q.shape[1], generator=gen, requires_grad=True) for _ in range(3)]
+    shape = (q.shape[0], 1, q.shape[2]) if per_query else (q.shape[1],)
+    all_sinks = [torch.randn(shape, generator=gen, requires_grad=True) for _ in range(3)]
     wants = []
     for sinks in all_sinks:
         want = attnlab.attention(q.double(), k.double(), v.double(), mask=mask, sinks=sinks.double(),

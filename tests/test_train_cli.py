@@ -459,6 +459,12 @@ def test_explain_of_a_gpt_with_sinks_prints_the_sink_share_per_head(sinks_checkp
     (["--softcap", "inf"], ("--softcap must be a finite number",)),
     (["--softcap", "big"], ("--softcap",)),
     (["--sinks", "--positions", "sideways"], ("--positions",)),
+    # Regression: the latent and local layers' refusals came from the model, as a traceback.
+    (["--sinks", "--layer-pattern", "GM", "--latent-dim", "8"], ("--sinks: not available on latent", "GM")),
+    (["--softcap", "5", "--layer-pattern", "M", "--latent-dim", "8"], ("--softcap: not available on latent",)),
+    (["--positions", "alibi", "--layer-pattern", "MG", "--latent-dim", "8", "--sinks"],
+     ("--positions alibi, --sinks: not available on latent",)),
+    (["--positions", "alibi", "--layer-pattern", "GL", "--window", "4"], ("--positions alibi", "local", "GL")),
 ])
 def test_bad_softcap_and_sinks_options_are_one_error_line_and_write_nothing(tmp_path, args, words):
     out = tmp_path / "run"
@@ -494,6 +500,8 @@ def test_resume_refuses_sinks_or_softcap_the_checkpoint_was_not_trained_with(che
     (["--context-parallel", "4", "--cp-method", "hybrid", "--cp-ulysses", "2", "--heads", "2,1"],
      ["--cp-ulysses 2", "--heads 2,1"]),
     (["--context-parallel", "2", "--device", "meta"], ["--device meta", "gloo"]),
+    (["--context-parallel", "2", "--layer-pattern", "GM", "--latent-dim", "4"],
+     ["--context-parallel 2", "--layer-pattern GM", "latent (M) layers", "do not run context-parallel"]),
 ])
 def test_bad_context_parallel_options_are_refused_before_any_rank_starts(tmp_path, monkeypatch, args, words):
     started = []
@@ -501,6 +509,24 @@ def test_bad_context_parallel_options_are_refused_before_any_rank_starts(tmp_pat
     out = tmp_path / "out"
     assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), *words)
     assert not started and not out.exists()
+
+
+def test_a_rank_that_fails_leaves_no_empty_out_folder(tmp_path, monkeypatch):
+    """A refusal raised inside the ranks (after --out was checked) is one error line, and the
+    folder this command created for --out is gone again; a folder that existed stays."""
+    from attnlab.distributed.launch import Outcome
+
+    failed = [Outcome(rank=r, error="ValueError: refused on purpose", trace="") for r in range(2)]
+    monkeypatch.setattr("attnlab.cli.train_cmd.run_local", lambda *a, **k: failed)
+    out = tmp_path / "new" / "out"
+    result = runner.invoke(app, ["train", "--context-parallel", "2", *TINY, "--out", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.splitlines()[-1].startswith("error: rank 0: ValueError: refused on purpose")  # after the banner
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert runner.invoke(app, ["train", "--context-parallel", "2", *TINY, "--out", str(kept)]).exit_code == 2
+    assert kept.is_dir() and not any(kept.iterdir())
 
 
 def test_context_parallel_under_torchrun_must_name_its_world(tmp_path, monkeypatch):
@@ -513,11 +539,12 @@ def test_context_parallel_under_torchrun_must_name_its_world(tmp_path, monkeypat
 
 def test_each_rank_of_a_sharded_run_takes_the_single_process_steps_in_fp64():
     """What every rank of ``attnlab train --context-parallel 2`` runs, in fp64: the same losses as
-    one process to 1e-10, on every rank."""
+    one process to 1e-10, on every rank, with a local layer (its window kept when sharded; it was
+    trained as a global layer before), softcap and sinks."""
     from attnlab.distributed.launch import run_local
 
     config = _train.TrainConfig(task="induction", steps=3, batch_size=2, d_model=16, heads=2, eval_sequences=4,
-                                warmup=2).resolved()
+                                warmup=2, layer_pattern="LG", window=2, softcap=5.0, sinks=True).resolved()
     single = _train.Trainer(config)
     single.model.double()
     want = [single.train_step()[0] for _ in range(3)]

@@ -182,6 +182,21 @@ def test_paged_pages_are_freed_and_reused_and_overflow_changes_nothing():
         cache.select([2])
 
 
+def test_paged_select_refuses_a_repeated_row():
+    # A repeated row made two rows of the view one sequence: one update appended both rows' keys to it.
+    cache = PagedKVCache(2, 1, 16, 2, page_size=4, dtype=F64)
+    with pytest.raises(ValueError, match=r"rows must name at least one row and repeat none.*\[1, 1\]"):
+        cache.select([1, 1])
+    with pytest.raises(ValueError, match="repeat none"):
+        cache.select(iter([0, 1, 0]))
+    with pytest.raises(ValueError, match=r"rows must name at least one row.*\[\]"):
+        cache.select([])
+    for rows in (1, None, "01", torch.tensor([0, 1])):
+        with pytest.raises(TypeError, match="rows must be a list of row indices"):
+            cache.select(rows)
+    assert cache.select([1, 0]).batch_size == 2 and cache.row_lengths == (0, 0)
+
+
 def _gpt(**options):
     torch.manual_seed(0)
     config = dict(vocab_size=23, max_len=64, d_model=24, num_layers=3, num_heads=4, num_kv_heads=2)
@@ -226,6 +241,19 @@ def test_layer_pattern_tiles_and_local_layers_use_the_window():
     torch.testing.assert_close(torch.cat(steps, 1), logits, rtol=0, atol=1e-12)
 
 
+def test_a_window_wider_than_max_len_does_not_size_the_cache():
+    # Regression: window=10**9 sized each local layer's ring at 10**9 slots (generate asked for 64 GB).
+    model = _gpt(max_len=16, layer_pattern="LG", window=10**9)
+    assert [type(c) for c in model.new_cache(1)] == [KVCache] * 3  # layers L, G, L
+    assert all(c.nbytes <= 16 * 2 * 2 * 6 * 8 for c in model.new_cache(1))  # max_len slots, k + v, fp64
+    ids = torch.randint(0, 23, (1, 6))
+    out = model.generate(ids, 10)
+    assert torch.equal(out, model.generate(ids, 10, use_cache=False))
+    mha = MultiHeadAttention(8, 8, num_heads=2, window=16)
+    assert type(mha.new_cache(1, 16)) is WindowedKVCache and mha.new_cache(1, 16).window == 16
+    assert type(mha.new_cache(1, 15)) is KVCache and mha.new_cache(1, 15, windowed=True).window == 16
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(layer_pattern="LXG", window=2), "unknown 'X'"),
     (dict(layer_pattern="", window=2), "non-empty"),
@@ -234,6 +262,8 @@ def test_layer_pattern_tiles_and_local_layers_use_the_window():
     (dict(window=4), "window=4 is for L layers"),
     (dict(layer_pattern="M"), "give latent_dim"),
     (dict(layer_pattern=5), "layer_pattern must be a string"),
+    (dict(layer_pattern="M", latent_dim=8, latent_rope_dim=3), "latent_rope_dim must be even.*got 3"),
+    (dict(layer_pattern="M", latent_dim=8, latent_rope_dim=0), "latent_rope_dim must be a positive int"),
 ])
 def test_bad_layer_patterns_are_one_clear_error(options, match):
     with pytest.raises((ValueError, TypeError), match=match):

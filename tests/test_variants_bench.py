@@ -58,6 +58,11 @@ def test_kv_cache_bytes_of_local_global_layers():
     (["--kv-layers", "40"], "--kv-layers"),
     (["--latent-dim", "0"], "--latent-dim"),
     (["--latent-rope-dim", "-1"], "--latent-rope-dim"),
+    (["--latent-rope-dim", "64"], "--latent-rope-dim 64 is for MLA: give --latent-dim"),  # was silently ignored
+    (["--latent-rope-dim", "0"], "--latent-dim"),
+    (["--latent-dim", str(2**40)], "--latent-dim must be at most"),
+    (["--latent-dim", "8", "--latent-rope-dim", str(2**40)], "--latent-rope-dim must be at most"),
+    (["--window", str(2**40)], "--window must be at most"),
     (["--context", "x"], "--context"),
 ])
 def test_kv_memory_refuses_bad_options(args, option):

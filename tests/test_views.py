@@ -33,7 +33,7 @@ def _ids(page: str) -> list[str]:
 
 def _model_data(page: str) -> dict:
     return json.loads(re.search(r'<script id="[^"]*attnlab-model" type="application/json">(.*?)</script>',
-                                page).group(1).replace("<\\/", "</"))
+                                page).group(1))
 
 
 def _decode(text: str) -> np.ndarray:
@@ -106,6 +106,27 @@ def test_encode_weights_rounds_to_sixteen_bits():
     np.testing.assert_allclose(_decode(encode_weights(values)), values.double().numpy(), atol=0.5 / 65535)
 
 
+HOSTILE = ["<!--", "<script>", "a</script>", "&amp;\u2028", "\u2029>"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: show(_softmax(5, 5), HOSTILE), lambda: show(_softmax(2, 2, 5, 5), HOSTILE),
+    lambda: generation_view(_softmax(1, 2, 5, 5), HOSTILE, prompt_length=3),
+    lambda: show(WordAttention.from_pieces(_softmax(2, 2, 7, 7), ["[CLS]", *HOSTILE, "[SEP]"],
+                                           [None, 0, 1, 2, 3, 4, None])),
+], ids=["walk", "model", "generation", "trained"])
+def test_token_text_cannot_end_or_hide_the_script_payload(make):
+    # Regression: "<!--" then "<script" in a token put the HTML parser in a state where "</script>"
+    # no longer closed the JSON payload's element: the view showed nothing and raised nothing.
+    page = make()._repr_html_()
+    payloads = re.findall(r'<script id="[^"]*" type="application/json">(.*?)</script>', page, re.S)
+    assert payloads
+    for payload in payloads:
+        assert not re.search("[<>&\u2028\u2029]", payload)  # nothing the HTML parser could read as markup
+    texts = json.dumps([json.loads(payload) for payload in payloads], ensure_ascii=False)
+    assert all(json.dumps(token, ensure_ascii=False)[1:-1] in texts for token in HOSTILE)  # read back unchanged
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: show([[0.5, 0.5]]), "weights must be a torch.Tensor"),
     (lambda: show(torch.rand(2, 3), ["a"]), "tokens must label"),
@@ -113,6 +134,20 @@ def test_encode_weights_rounds_to_sixteen_bits():
     (lambda: model_view(_softmax(1, 2, 3, 3), list("ab")), "tokens must have one label"),
     (lambda: model_view(_softmax(1, 2, 3, 3), layer=0, head=2), "layer and head"),
     (lambda: generation_view(_softmax(1, 1, 3, 3), list("abc"), prompt_length=3), "prompt_length"),
+    # Regression: empty and non-square weights raised a raw IndexError (or RuntimeError).
+    (lambda: show(torch.zeros(0, 0)), r"weights must hold at least one head, query and key, got shape \(0, 0\)"),
+    (lambda: show(torch.zeros(0, 3, 3)), r"weights must hold .* \(0, 3, 3\)"),
+    (lambda: show(torch.zeros(2, 0, 0)), r"weights must hold .* \(2, 0, 0\)"),
+    (lambda: show(torch.zeros(0, 2, 3, 3)), r"weights must hold .* \(0, 2, 3, 3\)"),
+    (lambda: show(torch.zeros(1, 0, 3, 3)), r"weights must hold .* \(1, 0, 3, 3\)"),
+    (lambda: model_view(torch.zeros(1, 1, 0, 0), []), r"weights must hold .* \(1, 1, 0, 0\)"),
+    (lambda: show(torch.rand(3, 4)), r"weights of shape \(3, 4\) have 3 queries and 4 keys: give context_tokens"),
+    (lambda: show(torch.rand(2, 3, 40), list("abc")), "give context_tokens"),
+    (lambda: show(torch.full((3, 3), float("nan"))), "weights must be finite"),
+    (lambda: show(torch.rand(3, 3), 5), "tokens must be a list of labels, got int"),
+    (lambda: show(torch.rand(3, 4), list("abc"), context_tokens=4), "context_tokens must be a list"),
+    (lambda: show(torch.rand(3, 4), list("abc"), context_tokens=list("xyz")),
+     r"tokens and context_tokens must label the weights' rows and columns \(3, 4\), got 3 and 3"),
 ])
 def test_bad_input_is_refused_naming_the_argument(call, match):
     with pytest.raises((TypeError, ValueError), match=match):

@@ -49,7 +49,9 @@ class AttentionCall:
             ``(B,)`` for ranks 3 and 4, ``(A, B)`` for rank 5), flattened into ``B``.
         score_mod: a :class:`attnlab.scores.ScoreMod` applied to the scaled scores before the
             float mask and the masking, or None.
-        sinks: ``(Hq,)`` sink logits (an extra key of value 0 per query head), or None.
+        sinks: sink logits (an extra key of value 0 per row), ``(Hq,)`` per query head or
+            ``(B|1, Hq|1, Tq)`` per query (:func:`attnlab.scores.sink_logits` views both as
+            ``(B|1, Hq|1, Tq|1)``), or None.
     """
 
     q: Tensor
@@ -402,7 +404,7 @@ def build_call(
             argument and the shapes seen. Empty batches and sequences (B, Tq or Tk of 0) are
             legal. ``score_mod`` whose tensors do not match the call (slopes per head, a bias
             that does not broadcast, a function returning another shape) and ``sinks`` not of
-            shape ``(Hq,)`` on q's device are refused naming the argument.
+            shape ``(Hq,)`` or ``(B|1, Hq|1, Tq)`` on q's device are refused naming the argument.
     """
     batch = _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
@@ -413,7 +415,7 @@ def build_call(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q4 = _to_4d(q, batch)
     mod = _check_score_mod(score_mod, q4, k.shape[-2])
-    sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device)
+    sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device, batch=q4.shape[0], tq=q4.shape[2])
     return AttentionCall(
         q=q4,
         k=_to_4d(k, batch),

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from attnlab._call import AttentionCall
-from attnlab.scores import apply_tile
+from attnlab.scores import apply_tile, sink_logits
 
 __all__ = [
     "repeat_kv",
@@ -194,10 +194,11 @@ def softmax_rows(attn_scores: Tensor, sinks: Tensor | None = None) -> Tensor:
     softmax (so the backward pass sees finite numbers) and multiplied by 0 afterwards. A row
     holding a NaN score is not such a row: its NaN propagates (it is not hidden as zeros).
 
-    With ``sinks`` ``(H,)`` (scores ``(B, H, Tq, Tk)``), head ``h`` has one more key of logit
-    ``sinks[h]`` that takes part in the normalisation and is dropped from the result: rows sum
-    to ``1 - `` the sink's share, and a row with every key blocked gives the sink all the mass
-    (zeros here).
+    With ``sinks`` ``(H,)`` or ``(B|1, H|1, Tq)`` (scores ``(B, H, Tq, Tk)``), each row has one
+    more key whose logit is its sink (``sinks[h]``, or ``sinks[b, h, i]``), which takes part in
+    the normalisation and is dropped from the result: rows sum to ``1 - `` the sink's share, and
+    a row with every key blocked gives the sink all the mass (zeros here), as does a sink of
+    ``+inf``; one of ``-inf`` is no sink (:func:`attnlab.scores.sink_logits`).
 
     Example:
         >>> softmax_rows(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
@@ -207,7 +208,8 @@ def softmax_rows(attn_scores: Tensor, sinks: Tensor | None = None) -> Tensor:
         [0.25, 0.25, 0.25]
     """
     if sinks is not None:
-        column = sinks.to(attn_scores.dtype).view(1, -1, 1, 1).expand(*attn_scores.shape[:-1], 1)
+        logits = sink_logits(sinks, attn_scores.dtype)  # (B|1, H|1, Tq|1)
+        column = logits.unsqueeze(-1).expand(*attn_scores.shape[:-1], 1)  # (B, H, Tq, 1)
         return softmax_rows(torch.cat([attn_scores, column], dim=-1))[..., :-1]  # (B, H, Tq, Tk)
     row_alive = (attn_scores != float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Tq, 1)
     safe_scores = torch.where(row_alive, attn_scores, torch.zeros_like(attn_scores))

@@ -67,6 +67,10 @@ class PeakMemory(TorchDispatchMode):
     def _note_existing(self, tensor: torch.Tensor) -> None:
         """An input whose storage the block did not create: a view of it (an alias, a no-op
         ``.to``) returned by an op is not new memory."""
+        if tensor.layout != torch.strided:
+            for part in _parts(tensor):
+                self._note_existing(part)
+            return
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
@@ -76,6 +80,10 @@ class PeakMemory(TorchDispatchMode):
             weakref.finalize(storage, self._existing.discard, key)
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.layout != torch.strided:  # a sparse tensor has no storage: its parts have
+            for part in _parts(tensor):
+                self._track(part)
+            return
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
@@ -95,3 +103,12 @@ class PeakMemory(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.current_bytes -= self._sizes.pop(key, 0)
+
+
+def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold a sparse CSR/COO tensor's data (indices and values)."""
+    if tensor.layout == torch.sparse_coo:
+        return (tensor._indices(), tensor._values())
+    if tensor.layout == torch.sparse_csr:
+        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    return ()

@@ -7,9 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+import dataclasses
+
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
+from attnlab.backends import topk
 from attnlab.backends.dispatch import argument_key, remembered, route
+from attnlab.backends.registry import get
 from attnlab.scores import ScoreMod
 
 __all__ = ["attention", "attention_weights"]
@@ -30,6 +34,7 @@ def attention(
     return_weights: bool = False,
     score_mod: ScoreMod | Callable | None = None,
     sinks: Tensor | None = None,
+    indices: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(score_mod(q k^T * scale) + mask) v``.
 
@@ -69,10 +74,21 @@ def attention(
             of :mod:`attnlab.scores` (``softcap``, ``alibi``, ``relative_bias``, ``bias`` and
             their composition) or a function ``(score, b, h, q_idx, kv_idx) -> score``
             (FlexAttention's signature; ``h`` is the query head). Its tensors get gradients.
-        sinks: ``(Hq,)`` float tensor of per-head sink logits (gpt-oss's ``s_aux``): one more
-            key per head with logit ``sinks[h]`` and value 0, which only takes probability
-            mass. A query with every key masked then gives a zero row (the sink takes it all).
-            The weights returned leave the sink's share out (rows sum to less than 1).
+        sinks: sink logits, a float tensor: ``(Hq,)`` per head (gpt-oss's ``s_aux``), or
+            ``(B|1, Hq|1, Tq)`` per query (computed from each token, as Inkling2's
+            ``sink_proj``), broadcasting over batch and heads (``B`` is the batch dims
+            flattened for rank 5). Each query row gets one more key of logit ``sinks[h]`` (or
+            ``sinks[b, h, i]``) and value 0, which only takes probability mass; the gradient
+            of a broadcast dim is summed. A query with every key masked then gives a zero row
+            (the sink takes it all), as does a sink of ``+inf`` (with zero gradients, the
+            sink's own included); a sink of ``-inf`` is no sink. The weights returned leave the
+            sink's share out (rows sum to less than 1).
+        indices: top-k sparse attention (docs/sparse.md, "Top-k attention"): an integer tensor
+            ``(B|1, Hkv|1, Tq, k)`` (q's layout; leading dims may be 1 or left out) listing the
+            keys each query attends to, ANDed with ``mask`` and ``causal``; ``-1`` is no key and
+            a repeated key counts once. Runs an exact kernel at the listed pairs in O(Tq*k)
+            memory (``backend="reference"``: the dense oracle). No ``dropout_p`` or
+            ``score_mod`` (the reference takes a score mod), no gradient for a float mask.
 
     Returns:
         ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
@@ -106,8 +122,16 @@ def attention(
         ...                         score_mod=attnlab.scores.softcap(20.0))
         >>> out.sum().backward(); sinks.grad.shape
         torch.Size([4])
+        >>> per_query = torch.zeros(2, 1, 10, requires_grad=True)  # (B, 1, Tq): one logit per query
+        >>> attnlab.attention(q, k, v, causal=True, sinks=per_query).sum().backward()
+        >>> per_query.grad.shape
+        torch.Size([2, 1, 10])
     """
     q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
+    if indices is not None:  # top-k: its own kernel, never the dense dispatch
+        return _attention_at(q, k, v, indices, backend=backend, mask=mask, causal=causal, align=align,
+                             scale=scale, dropout_p=dropout_p, generator=generator,
+                             return_weights=return_weights, score_mod=score_mod, sinks=sinks)
     key = argument_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
                        generator=generator, backend=backend, return_weights=return_weights,
                        score_mod=score_mod, sinks=sinks)
@@ -133,6 +157,33 @@ def attention(
         return out
     weights = result.weights if result.weights is not None else _weights_of(call)
     return out, _restore_rank(weights, call)
+
+
+def _attention_at(q: Tensor, k: Tensor, v: Tensor, indices: object, *, backend: str, **options):
+    """:func:`attention` with ``indices``: validated, then the top-k kernel or the dense oracle."""
+    call = build_call(q, k, v, **options)
+    idx = topk.check_indices(indices, call, rank=q.ndim)
+    why_not = topk.refusal(call, backend)
+    if why_not is not None:
+        raise ValueError(why_not)
+    if backend == "reference":
+        out, weights = _dense_at(call, idx)
+    else:
+        out, weights = topk.topk_attention(call, idx)
+    out = _restore_rank(out, call)
+    return (out, _restore_rank(weights, call)) if call.return_weights else out
+
+
+def _dense_at(call: AttentionCall, idx: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The reference backend on the dense mask of the listed keys ∩ the call's masks: O(Tq*Tk)."""
+    listed = topk.indices_mask(repeat_kv(idx, call.q_heads) if idx.shape[1] > 1 else idx, call.tk)
+    allowed = call.allowed()
+    allowed = listed if allowed is None else allowed & listed  # (B|1, Hq|1, Tq, Tk)
+    bias = call.bias()
+    mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+    dense = dataclasses.replace(call, mask=mask, causal=False, _memo={})
+    result = get("reference").forward(dense)
+    return result.out, result.weights
 
 
 def attention_weights(

@@ -13,10 +13,11 @@
 
 A directory without a tokenizer takes token ids written as text (``"3 17 5 3"``). Everything that
 cannot work is refused with ``ValueError`` naming the reason in one sentence: a directory that is
-not a model, a model that computes attention in its own layers instead of through transformers'
+not a model, a model or a keyword the integration refuses (one wording, "... cannot run on attnlab:
+..."): a model that computes attention in its own layers instead of through transformers'
 attention interface (BLOOM, MPT and Falcon, whose ALiBi lives there: ``attn_implementation`` never
-reaches attnlab, so its weights would not be the fast path's), a model whose attention asks for
-what :func:`attnlab.attention` lacks, an input longer than the model's positions without
+reaches attnlab, so its weights would not be the fast path's), a layer passing a keyword
+:func:`attnlab.attention` does not apply, an input longer than the model's positions without
 ``truncate=True``.
 
 Example:
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnlab.integrations.transformers import DEFAULT_NAME, register
+from attnlab.integrations.transformers import DEFAULT_NAME, REFUSAL, register
 from attnlab.viz.views import View, generation_view, model_view
 
 __all__ = ["ModelLens", "Attention", "open_model", "TOKENIZER_FILES"]
@@ -83,8 +84,7 @@ class ModelLens:
         self.config = model.config
         architectures = getattr(self.config, "architectures", None) or []
         self.decoder = any(a.endswith(_DECODER_SUFFIXES) for a in [*architectures, type(model).__name__])
-        self.max_positions = next((int(getattr(self.config, key)) for key in ("max_position_embeddings", "n_positions")
-                                   if isinstance(getattr(self.config, key, None), int)), None)
+        self.max_positions = _max_positions(model)
 
     def ids(self, text: str, *, truncate: bool = False) -> list[int]:
         """The token ids of ``text`` (ids written as text when the directory has no tokenizer)."""
@@ -129,8 +129,8 @@ class ModelLens:
             with torch.no_grad():
                 yield
         except ValueError as err:
-            if "attnlab attention implementation does not support" in str(err):
-                raise ValueError(f"{self.name}'s attention cannot run through attnlab: {err}") from None
+            if REFUSAL in str(err):
+                raise ValueError(f"{self.name}: {err}") from None
             raise
 
     def _weights(self, input_ids: Tensor) -> Tensor:
@@ -177,6 +177,21 @@ class ModelLens:
                                title=f"{self.name}: the prompt and {max_new_tokens} generated tokens")
 
 
+def _max_positions(model) -> int | None:
+    """The longest input ``model`` takes: its config's positions, less the ids a RoBERTa-style
+    embedding skips (its positions start at ``padding_idx + 1``: 514 rows hold 512 tokens)."""
+    config = model.config
+    limit = next((int(getattr(config, key)) for key in ("max_position_embeddings", "n_positions")
+                  if isinstance(getattr(config, key, None), int)), None)
+    for module in model.modules():
+        table, pad = getattr(module, "position_embeddings", None), getattr(module, "padding_idx", None)
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(table, torch.nn.Embedding) \
+                and isinstance(pad, int):
+            usable = table.num_embeddings - pad - 1  # (num_embeddings,) rows, ids pad + 1 .. pad + T
+            limit = usable if limit is None else min(limit, usable)
+    return limit
+
+
 def open_model(directory: str | Path, *, name: str | None = None) -> ModelLens:
     """Open a transformers checkpoint directory with its attention on attnlab.
 
@@ -209,13 +224,11 @@ def open_model(directory: str | Path, *, name: str | None = None) -> ModelLens:
         loader = AutoModelForCausalLM if any(a.endswith(_DECODER_SUFFIXES) for a in architectures) else AutoModel
         model = loader.from_pretrained(directory, attn_implementation=DEFAULT_NAME).eval()
     except (OSError, ValueError, KeyError) as err:
+        if REFUSAL in str(err):  # the integration's own refusal, one wording
+            raise ValueError(f"{name or directory.name}: {err}") from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{str(directory)!r}: transformers cannot open it with attn_implementation='attnlab': "
                          f"{first}") from None
-    if not getattr(type(model), "_supports_attention_backend", False):
-        raise ValueError(f"{name or directory.name}'s attention cannot run through attnlab: "
-                         f"{type(model).__name__} computes attention in its own layers, not through "
-                         f"transformers' attention interface, so attn_implementation='attnlab' never reaches it")
     tokenizer = None
     if any((directory / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -64,6 +64,8 @@ __all__ = [
     "grid",
     "apply_tile",
     "check_sinks",
+    "sink_logits",
+    "sink_gradient",
 ]
 
 
@@ -868,10 +870,18 @@ def _checked(mod: ScoreMod, result: object, score: Tensor) -> Tensor:
     return result
 
 
-def check_sinks(sinks: object, *, heads: int, device: torch.device) -> Tensor | None:
-    """``sinks`` if it is a float ``(Hq,)`` tensor on ``device`` (or None); the error names ``sinks``.
+def check_sinks(sinks: object, *, heads: int, device: torch.device, batch: int | None = None,
+                tq: int | None = None) -> Tensor | None:
+    """``sinks`` if it is a float tensor of a sinks shape on ``device`` (or None); the error names
+    ``sinks`` and the shapes seen.
+
+    A sinks shape is ``(Hq,)``, one logit per query head (gpt-oss's ``s_aux``), or, when the
+    call's ``batch`` and ``tq`` are given, ``(B|1, Hq|1, Tq)``: one logit per query (a sink
+    computed from each token, as Inkling2's ``sink_proj``), broadcasting over batch and heads.
 
     Example:
+        >>> check_sinks(torch.zeros(2, 1, 5), heads=4, device=torch.device("cpu"), batch=2, tq=5).shape
+        torch.Size([2, 1, 5])
         >>> check_sinks(torch.zeros(3), heads=4, device=torch.device("cpu"))
         Traceback (most recent call last):
         ...
@@ -880,9 +890,50 @@ def check_sinks(sinks: object, *, heads: int, device: torch.device) -> Tensor | 
     if sinks is None:
         return None
     sinks = _float_tensor("sinks", sinks)
-    if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape (Hq,) = ({heads},), one logit per query head; "
-                         f"got {tuple(sinks.shape)}")
+    shape = tuple(sinks.shape)
+    per_query = batch is not None and tq is not None
+    if per_query and sinks.ndim == 3:
+        if shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2] != tq:
+            raise ValueError(f"sinks of rank 3 must have shape (B|1, Hq|1, Tq) with (B, Hq, Tq) = "
+                             f"({batch}, {heads}, {tq}), one logit per query; got {shape}")
+    elif shape != (heads,):
+        also = f", or (B|1, Hq|1, Tq) = ({batch}|1, {heads}|1, {tq}) per query" if per_query else ""
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads},), one logit per query head{also}; "
+                         f"got {shape}")
     if sinks.device != device:
         raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
     return sinks
+
+
+def sink_logits(sinks: Tensor, dtype: torch.dtype) -> Tensor:
+    """Checked ``sinks`` as logits ``(B|1, Hq|1, Tq|1)`` in ``dtype`` (a view of ``(Hq,)`` ones),
+    with ``±inf`` replaced by ``±`` a quarter of the dtype's largest finite value.
+
+    That replacement is the one rule every backend keeps for infinite sinks: a sink of ``+inf``
+    takes all the mass (the row's output is 0, and every gradient through it, the sink's own
+    included, is 0: the limit of a growing sink), and one of ``-inf`` is no sink. With a finite
+    stand-in, ``logaddexp``, ``exp(s - lse)`` and a softmax column never form ``inf - inf``; a
+    quarter leaves room for a kernel that multiplies its logits (by ``log2(e)``, for ``exp2``)
+    or adds a score to them. NaN stays NaN. Backends compute sinks in fp32 or fp64.
+
+    Example:
+        >>> logits = sink_logits(torch.tensor([float("inf"), 0.0, float("-inf")]), torch.float32)
+        >>> big = torch.finfo(torch.float32).max / 4
+        >>> logits.shape, logits.flatten().tolist() == [big, 0.0, -big]
+        (torch.Size([1, 3, 1]), True)
+    """
+    big = torch.finfo(dtype).max / 4
+    rows = sinks.view(1, -1, 1) if sinks.ndim == 1 else sinks  # (B|1, Hq|1, Tq|1)
+    return rows.to(dtype).clamp(-big, big)
+
+
+def sink_gradient(rows: Tensor, sinks: Tensor) -> Tensor:
+    """The sinks' gradient from each query row's ``(B, Hq, Tq)``: summed over what the sinks
+    broadcast over (batch and queries for ``(Hq,)``), in the sinks' shape and dtype.
+
+    Example:
+        >>> sink_gradient(torch.ones(2, 3, 4), torch.zeros(3)).tolist()
+        [8.0, 8.0, 8.0]
+    """
+    shape = (1, sinks.shape[0], 1) if sinks.ndim == 1 else tuple(sinks.shape)
+    return rows.sum_to_size(shape).reshape(sinks.shape).to(sinks.dtype)

@@ -16,14 +16,15 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   every causal mode, the first 36 every pairing of the two. Dropout off (dropout is tested
   separately: its random mask differs by backend). Every fourth configuration adds a score
   mod or sinks, cycled through :data:`SCORE_KINDS` (softcap, ALiBi both ways, T5's relative
-  bias, an additive bias, a composition, a user's function, sinks alone and with mods, and
-  ``"mixed"``: ALiBi plus a bias held in a dtype other than the call's), so that they meet
-  every mask kind, fully masked rows included; their learnable tensors (slopes, table, bias,
-  sink logits, in the call's dtype: bf16 in a bf16 sweep) are checked in the backward pass
-  like q, k and v. What issue 30's fuzz found bugs with is drawn too, from a generator of its
-  own: values near 1 (v = 1 + 0.01 noise) on one configuration in 8, an empty batch, query or
-  key sequence on one in 16, and a scale of 40 (large logits, in half precision too) among
-  the custom scales. The rule adds, for dq and dk, the FlashAttention-2 backward's documented
+  bias, an additive bias, a composition, a user's function, sinks alone and with mods, sinks
+  per query broadcasting over batch or heads, infinite ones, and ``"mixed"``: ALiBi plus a bias
+  held in a dtype other than the call's), so that they meet every mask kind, fully masked rows
+  included; their learnable tensors (slopes, table, bias, sink logits, in the call's dtype:
+  bf16 in a bf16 sweep) are checked in the backward pass like q, k and v. What issue 30's fuzz
+  found bugs with is drawn too, from a generator of its own: values near 1 (v = 1 + 0.01 noise)
+  on one configuration in 8 and every other one with ALiBi, an empty batch, query or key
+  sequence on one in 16, and a scale of 40 (large logits, in half precision too) among the
+  custom scales. The rule adds, for dq and dk, the FlashAttention-2 backward's documented
   bound (docs/design.md, "Scale").
 * a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
   over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others,
@@ -92,9 +93,11 @@ _MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_p
 BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked",
                  "mod_varlen")
 _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
-# Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 6 of the 10).
+# Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 9 of the 13).
+# Sinks are per head, except query_sinks (one logit per query, (B|1, H|1, Tq)) and
+# infinite_sinks (per query, a quarter of them +inf and a quarter -inf).
 SCORE_KINDS = ("softcap", "alibi", "sinks", "relative", "bias", "composed", "alibi_symmetric",
-               "function", "softcap_sinks", "alibi_sinks", "mixed")
+               "function", "softcap_sinks", "alibi_sinks", "query_sinks", "infinite_sinks", "mixed")
 # The score kinds flex serves (it declines sinks), and in fp16/bf16 (where it also declines a
 # user's function on CPU: torch's compiled kernel miscomputes some).
 FLEX_SCORE_KINDS = tuple(kind for kind in SCORE_KINDS if "sinks" not in kind)
@@ -429,7 +432,7 @@ def _score_tensors(config: Config, gen: torch.Generator) -> dict:
     kind, H = config.score, config.q_heads
     found = {}
     if "sinks" in kind:
-        found["sinks"] = torch.randn(H, generator=gen, dtype=torch.float64) * 2
+        found["sinks"] = _sink_logits(config, gen)
     if "alibi" in kind or kind in ("composed", "mixed"):
         found["slopes"] = torch.rand(H, generator=gen, dtype=torch.float64)
     if kind == "relative":
@@ -439,6 +442,20 @@ def _score_tensors(config: Config, gen: torch.Generator) -> dict:
     if kind == "mixed":  # values bf16 holds exactly: the fp64 oracle sees the same parts
         found = {name: t.to(torch.bfloat16).double() * (8.0 if name == "bias" else 1.0) for name, t in found.items()}
     return found
+
+
+def _sink_logits(config: Config, gen: torch.Generator) -> Tensor:
+    """The configuration's fp64 sinks: ``(H,)``, or per query ``(B|1, H|1, Tq)`` (which dims
+    broadcast is drawn), with ``+inf`` (all the mass) and ``-inf`` (no sink) for infinite_sinks."""
+    if config.score not in ("query_sinks", "infinite_sinks"):
+        return torch.randn(config.q_heads, generator=gen, dtype=torch.float64) * 2
+    full = torch.rand(2, generator=gen) < 0.5  # whether the batch and the head dims are full
+    shape = (config.batch if full[0] else 1, config.q_heads if full[1] else 1, config.tq)
+    sinks = torch.randn(shape, generator=gen, dtype=torch.float64) * 2
+    if config.score == "infinite_sinks":
+        u = torch.rand(shape, generator=gen)
+        sinks = sinks.masked_fill(u < 0.25, float("inf")).masked_fill(u >= 0.75, float("-inf"))
+    return sinks
 
 
 def _score_options(config: Config, tensors: dict) -> dict:

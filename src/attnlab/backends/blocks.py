@@ -42,9 +42,10 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
   so memory stays one run's visited scores. Its tensors' gradients come from each run's
   ``dS = P * (dP - D)`` (two more matmuls per run, only when they require grad). Softcap and a
   user's function are not additive and are declined;
-* sinks join after the merge: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``;
-  the kernel's backward with ``out'`` and ``lse'`` is exact for the real keys, and the sink's
-  gradient is ``-sum over (b, i) of exp(sink - lse') * rowsum(dO * out')``.
+* sinks (per head or per query) join after the merge: ``lse' = logaddexp(lse, sink)``,
+  ``out' = out * exp(lse - lse')``; the kernel's backward with ``out'`` and ``lse'`` is exact for
+  the real keys, and a row's sink gradient is ``-exp(sink - lse') * rowsum(dO * out')``, summed
+  over what the sinks broadcast over.
 
 Example:
     >>> import torch, attnlab
@@ -73,7 +74,7 @@ from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.transforms import gradients_function, outside_transforms, vmap_by_slices
-from attnlab.scores import ScoreMod, additive_term
+from attnlab.scores import ScoreMod, additive_term, sink_gradient, sink_logits
 
 __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
@@ -472,11 +473,11 @@ def _empty_rows(mask: Tensor, run: _Run) -> Tensor:
 
 
 def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
-    """Each head's sink (a key of logit ``sinks[h]`` and value 0) into the merged out
-    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)``, in place: lse grows to ``logaddexp(lse, sink)``
-    and out shrinks by ``exp(old lse - new lse)``; a row with no key gets 0 (the sink takes
-    all the mass)."""
-    sink = sinks.to(lse.dtype).view(1, -1, 1)  # (1, Hq, 1)
+    """Each row's sink (a key of logit ``sinks[h]``, or ``sinks[b, h, i]`` per query, and value 0)
+    into the merged out ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)``, in place: lse grows to
+    ``logaddexp(lse, sink)`` and out shrinks by ``exp(old lse - new lse)``; a row with no key
+    gets 0 (the sink takes all the mass)."""
+    sink = sink_logits(sinks, lse.dtype)  # (B|1, Hq|1, Tq|1)
     total = torch.logaddexp(lse, sink)  # (B, Hq, Tq)
     share = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))  # the keys' share
     out.mul_(share.unsqueeze(-1))
@@ -568,7 +569,7 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     sinks' gradient and each score-mod tensor's (None where not needed).
 
     ``out`` and ``lse`` include the sinks, so the kernel's backward with them is exact for the
-    real keys. The sink's own gradient is ``-sum over (b, i) of p_sink * D_i`` with
+    real keys. The sink's own gradient is ``-p_sink * D_i`` per row, summed to the sinks' shape, with
     ``D_i = rowsum(dO * O)`` (its value is 0); a score-mod tensor's is the scores' gradient
     ``dS = P * (dP - D_i)`` of each run (:func:`_score_gradient`) carried back through the
     run's tile of the mod's term (:func:`_bias_tile`) by autograd. With fp16/bf16 inputs the
@@ -622,8 +623,8 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
         dq.mul_(plan.factor)  # the kernel differentiated by q * factor
     d_sinks = None
     if need_sinks:
-        p_sink = torch.exp(sinks.to(acc_dtype).view(1, -1, 1) - lse)  # (B, Hq, Tq)
-        d_sinks = (p_sink * delta).sum(dim=(0, 2)).neg_().to(sinks.dtype)
+        p_sink = torch.exp(sink_logits(sinks, acc_dtype) - lse)  # (B, Hq, Tq)
+        d_sinks = sink_gradient((p_sink * delta).neg_(), sinks)  # summed to the sinks' shape
     d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
     return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv), d_sinks, *d_params
 

@@ -53,7 +53,7 @@ from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.transforms import gradients_function, vmap_by_slices
-from attnlab.scores import ScoreMod, apply_tile, captures_grad
+from attnlab.scores import ScoreMod, apply_tile, captures_grad, sink_gradient, sink_logits
 
 __all__ = [
     "ChunkedBackend",
@@ -173,7 +173,7 @@ class _TensorMasks(NamedTuple):
     allowed: Tensor | None  # bool, True = may attend
     bias: Tensor | None  # float, added to the scores
     score_mod: ScoreMod | None = None  # holding the Function's own parameter inputs
-    sinks: Tensor | None = None  # (Hq,) sink logits
+    sinks: Tensor | None = None  # (Hq,) or (B|1, Hq|1, Tq) sink logits
 
 
 def _slice_tile(mask: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
@@ -317,15 +317,16 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
         alive = row_sum != 0  # (B, Hq, bq, 1); NaN (from NaN or inf - inf) propagates
         block_out = torch.where(alive, acc / torch.where(alive, row_sum, 1.0), 0.0)
         block_lse = torch.where(alive, row_max + torch.log(row_sum), float("-inf"))
-        parts[:, :, qs:qe] = _lse_parts(alive, row_max, row_sum, masks.sinks)[..., 0, :]
-        if masks.sinks is not None:
-            block_out, block_lse = _with_sinks(block_out, block_lse, masks.sinks)
+        sink = None if masks.sinks is None else _sink_rows(masks.sinks, plan, qs, qe)  # (B|1, Hq|1, bq|1, 1)
+        parts[:, :, qs:qe] = _lse_parts(alive, row_max, row_sum, sink)[..., 0, :]
+        if sink is not None:
+            block_out, block_lse = _with_sinks(block_out, block_lse, sink)
         out[:, :, qs:qe] = block_out
         lse[:, :, qs:qe] = block_lse[..., 0]
     return (out, lse, parts, None) if out.dtype == q.dtype else (out.to(q.dtype), lse, parts, out)
 
 
-def _lse_parts(alive: Tensor, row_max: Tensor, row_sum: Tensor, sinks: Tensor | None) -> Tensor:
+def _lse_parts(alive: Tensor, row_max: Tensor, row_sum: Tensor, sink: Tensor | None) -> Tensor:
     """The lse as ``(shift, rest)`` ``(B, Hq, bq, 1, 2)``, each weight being ``exp(s - shift - rest)``:
     the row's max and ``log`` of its sum (the sinks included). ``lse = max + log(sum)`` rounds to
     the max when the max is huge (a float mask row held at ``finfo.min``: its weights are a
@@ -333,8 +334,8 @@ def _lse_parts(alive: Tensor, row_max: Tensor, row_sum: Tensor, sinks: Tensor | 
     with no key: shift 0 and rest the sink's logit, or +inf (weights 0) without sinks."""
     shift = torch.where(alive, row_max, 0.0)  # (B, Hq, bq, 1)
     rest = torch.where(alive, torch.log(row_sum), float("-inf"))
-    if sinks is not None:
-        rest = torch.logaddexp(rest, sinks.to(rest.dtype).view(1, -1, 1, 1) - shift)
+    if sink is not None:  # the rows' sink logits (B|1, Hq|1, bq|1, 1), from _sink_rows
+        rest = torch.logaddexp(rest, sink - shift)
     rest = rest.masked_fill(rest == float("-inf"), float("inf"))
     return torch.stack([shift, rest], dim=-1)
 
@@ -348,12 +349,19 @@ def _row_parts(lse: Tensor, qs: int, qe: int) -> tuple[Tensor, Tensor]:
     return _safe(lse[:, :, qs:qe, None]), lse.new_zeros(())
 
 
-def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
-    """Out ``(B, Hq, bq, Dv)`` and lse ``(B, Hq, bq, 1)`` of the keys, with each head's sink (a key
-    of logit ``sinks[h]`` and value 0) added to the normalisation: the lse grows to
-    ``logaddexp(lse, sink)`` and the output shrinks by ``exp(lse - new lse)``; a row with no key
-    gets 0 (the sink takes all the mass)."""
-    sink = sinks.to(lse.dtype).view(1, -1, 1, 1)  # (1, Hq, 1, 1)
+def _sink_rows(sinks: Tensor, plan: _Plan, qs: int, qe: int) -> Tensor:
+    """The sink logits of queries ``qs:qe``, ``(B|1, Hq|1, bq|1, 1)`` in the accumulation dtype
+    (infinite ones as :func:`attnlab.scores.sink_logits` says)."""
+    logits = sink_logits(sinks, plan.acc_dtype)  # (B|1, Hq|1, Tq|1)
+    rows = logits if logits.shape[2] == 1 else logits.narrow(2, qs, qe - qs)
+    return rows.unsqueeze(-1)  # (B|1, Hq|1, bq|1, 1)
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """Out ``(B, Hq, bq, Dv)`` and lse ``(B, Hq, bq, 1)`` of the keys, with each row's sink (a key
+    of logit ``sink`` ``(B|1, Hq|1, bq|1, 1)`` and value 0) added to the normalisation: the lse
+    grows to ``logaddexp(lse, sink)`` and the output shrinks by ``exp(lse - new lse)``; a row
+    with no key gets 0 (the sink takes all the mass)."""
     total = torch.logaddexp(lse, sink)  # (B, Hq, bq, 1)
     share = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))  # the keys' share
     return out * share.to(out.dtype), total
@@ -371,10 +379,10 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
                     need_params: frozenset = frozenset()) -> tuple:
     """FlashAttention-2 backward by recomputation; grads in the accumulation dtype.
 
-    Returns dq, dk, dv, the float mask's gradient, the sinks' gradient and a list with the
-    gradient of each score-mod tensor (None where not needed). With sinks, ``lse`` includes
-    them, so ``P = exp(S - lse)`` is already each key's share; the sink's own gradient is
-    ``-sum over (b, i) of p_sink * D_i`` (its value is 0). A score mod is differentiated tile by
+    Returns dq, dk, dv, the float mask's gradient, the sinks' gradient per row ``(B, Hq, Tq)``
+    and a list with the gradient of each score-mod tensor (None where not needed). With sinks,
+    ``lse`` includes them, so ``P = exp(S - lse)`` is already each key's share; a row's sink
+    gradient is ``-p_sink * D_i`` (its value is 0), summed to the sinks' shape by the caller. A score mod is differentiated tile by
     tile (:func:`_through_mod`).
 
     The gradients accumulate in place into buffers made from ``d_out``, every in-place update
@@ -388,7 +396,7 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     B, Hkv = k.shape[:2]
     d_params = [torch.zeros_like(p, dtype=plan.acc_dtype) if i in need_params else None
                 for i, p in enumerate(masks.score_mod.params() if masks.score_mod is not None else ())]
-    d_sinks = (d_out.new_zeros(masks.sinks.shape, dtype=plan.acc_dtype)
+    d_sinks = (d_out.new_zeros(d_out.shape[:3], dtype=plan.acc_dtype)  # per row (B, Hq, Tq)
                if masks.sinks is not None and need_sinks_grad else None)
     dq = d_out.new_zeros(q.shape, dtype=plan.acc_dtype)  # (B, Hq, Tq, D)
     dk = d_out.new_zeros(k.shape, dtype=plan.acc_dtype)  # (B, Hkv, Tk, D)
@@ -400,8 +408,8 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
         delta = (do_tile * out[:, :, qs:qe].to(plan.acc_dtype)).sum(-1, keepdim=True)  # (B,Hq,bq,1)
         shift, rest = _row_parts(lse, qs, qe)  # (B, Hq, bq, 1) each: P = exp(S - shift - rest)
         if d_sinks is not None:
-            p_sink = torch.exp(masks.sinks.to(plan.acc_dtype).view(1, -1, 1, 1) - shift - rest)  # (B, Hq, bq, 1)
-            d_sinks.sub_((p_sink * delta).sum(dim=(0, 2, 3)))
+            p_sink = torch.exp(_sink_rows(masks.sinks, plan, qs, qe) - shift - rest)  # (B, Hq, bq, 1)
+            d_sinks.narrow(2, qs, qe - qs).sub_((p_sink * delta).squeeze(-1))
         for ks, ke, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "backward"):
             probs = torch.exp_(tile.scores.sub_(shift).sub_(rest))  # (B, Hq, bq, bk)
             kept = probs if tile.keep_scale is None else probs * tile.keep_scale
@@ -493,7 +501,7 @@ def _chunked_gradients(d_out, q, k, v, allowed, bias, sinks, out, lse, plan, nee
     dq, dk, dv, d_bias, d_sinks, d_params = _backward_tiles(
         plan, (q, k, v, out, lse), masks, d_out, need_bias_grad, need_sinks_grad, need_params)
     d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-    d_sinks = None if d_sinks is None else d_sinks.to(sinks.dtype)
+    d_sinks = None if d_sinks is None else sink_gradient(d_sinks, sinks)  # summed to the sinks' shape
     d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias, d_sinks, *d_params)
 

@@ -182,7 +182,10 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
         shape = (call.batch, call.q_heads, call.tq, call.tk)
         dtype = _mask_dtype(call) if _float_mask(call) else torch.bool
     if sinks:
-        shape, dtype = (*shape[:1], call.q_heads, *shape[2:3], shape[3] + 1), _mask_dtype(call)
+        per_query = call.sinks.ndim == 3  # they fill the query dim, and the batch dim if theirs is full
+        batch = call.batch if per_query and call.sinks.shape[0] != 1 else shape[0]
+        rows = call.tq if per_query else shape[2]
+        shape, dtype = (batch, call.q_heads, rows, shape[3] + 1), _mask_dtype(call)
     grad = torch.is_grad_enabled() and _mask_needs_grad(call)  # SDPA runs math to differentiate a mask
     return torch.zeros((), dtype=dtype, device=call.device, requires_grad=grad).expand(shape)
 
@@ -352,16 +355,19 @@ def _with_score_bias(call: AttentionCall, mask: Tensor | None) -> Tensor:
 
 
 def _with_sink_column(call: AttentionCall, mask: Tensor | None) -> Tensor:
-    """``mask`` as a float mask ``(B|1, Hq, Tq|1, Tk + 1)`` whose last column is ``sinks[h]``,
-    the logit of the all-zero key the runner appends."""
+    """``mask`` as a float mask ``(B|1, Hq, Tq|1, Tk + 1)`` whose last column is each row's sink
+    logit (``sinks[h]``, or ``sinks[b, h, i]`` per query: then ``Tq``), the logit of the all-zero
+    key the runner appends."""
     dtype = _mask_dtype(call)
     if mask is None:
         mask = torch.zeros(1, 1, 1, call.tk, dtype=dtype, device=call.device)
     elif mask.dtype == torch.bool:
         mask = torch.zeros((), dtype=dtype, device=call.device).masked_fill(~mask, float("-inf"))
     mask = mask.to(dtype)
-    shape = (mask.shape[0], call.q_heads, mask.shape[2])
-    column = call.sinks.to(dtype).view(1, -1, 1, 1).expand(*shape, 1)  # (B|1, Hq, Tq|1, 1)
+    logits = _scores.sink_logits(call.sinks, dtype)  # (B|1, Hq|1, Tq|1)
+    shape = (mask.shape[0] if logits.shape[0] == 1 else logits.shape[0], call.q_heads,
+             mask.shape[2] if logits.shape[2] == 1 else logits.shape[2])  # B|1, Hq, Tq|1 (0 stays 0)
+    column = logits.unsqueeze(-1).expand(*shape, 1)  # (B|1, Hq, Tq|1, 1)
     return torch.cat([mask.expand(*shape, call.tk), column], dim=-1)  # (B|1, Hq, Tq|1, Tk + 1)
 
 
@@ -445,6 +451,9 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     by_lse = sinks_through_lse(call)  # or the kernel's lse (see _SinksThroughLse)
     kernel = _math_kernel if _math_for_float_mask(call) else contextlib.nullcontext
     mend = not kernel_keeps_rows(call.device)
+    # SDPA's output of no element is connected to none of its inputs: learnable sinks would
+    # then fail backward, so such an output is tied to them (with a zero gradient).
+    tie_sinks = call.sinks is not None and call.batch * call.q_heads * call.tq == 0
     if (float_dtype is None and keys is None and factor is None and repeat is None and not mend
             and call.sinks is None):
         # Nothing to do around the kernel (the common call): SDPA itself, with its options
@@ -480,6 +489,8 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             return _sinks_by_lse(*arguments)[0]  # nothing to differentiate: no autograd Function
         with kernel():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
+        if tie_sinks:
+            out = out + sinks.sum().to(out.dtype) * 0  # still no element
         if mend:
             out = keep_nan_rows(q, out)
             if row_alive is not None:
@@ -494,7 +505,7 @@ def _sinks_by_lse(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, attn_mask: Ten
     """The CPU flash kernel's ``out * keep`` with ``keep = sigmoid(lse - sinks[h])``, and lse and
     keep ``(B, Hq, Tq)``: :class:`_SinksThroughLse`'s forward (shapes there)."""
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)  # lse (B, Hq, Tq) fp32
-    keep = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))  # (B, Hq, Tq): the keys' share
+    keep = torch.sigmoid(lse - _scores.sink_logits(sinks, lse.dtype))  # (B, Hq, Tq): the keys' share
     return out * keep.unsqueeze(-1).to(out.dtype), lse, keep
 
 
@@ -510,7 +521,8 @@ class _SinksThroughLse(torch.autograd.Function):
     batch and queries. A row whose keys are all masked has ``out = 0`` from the kernel, so 0
     and zero gradient (the sink takes the mass).
 
-    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, all contiguous; sinks ``(Hq,)``,
+    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, all contiguous; sinks ``(Hq,)`` or
+    ``(B|1, Hq|1, Tq)`` (infinite ones as :func:`attnlab.scores.sink_logits` says),
     attn_mask None or a float mask broadcastable to ``(B, Hq, Tq, Tk)``; returns out
     ``(B, Hq, Tq, D)``, and lse and the keys' share ``(B, Hq, Tq)`` (not differentiable).
     Under ``torch.vmap`` the rule is generated from forward and backward (PyTorch runs the op
@@ -527,13 +539,13 @@ class _SinksThroughLse(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         q, k, v, sinks, attn_mask, is_causal, scale = inputs
         out, lse, keep = output
-        ctx.save_for_backward(q, k, v, attn_mask, out, lse, keep)
-        ctx.is_causal, ctx.scale, ctx.sinks_dtype = is_causal, scale, sinks.dtype
+        ctx.save_for_backward(q, k, v, sinks, attn_mask, out, lse, keep)
+        ctx.is_causal, ctx.scale = is_causal, scale
         ctx.mark_non_differentiable(lse, keep)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse, _grad_keep):
-        q, k, v, attn_mask, out, lse, keep = ctx.saved_tensors
+        q, k, v, sinks, attn_mask, out, lse, keep = ctx.saved_tensors
         grad_q = grad_k = grad_v = grad_sinks = None
         if any(ctx.needs_input_grad[:3]):
             scaled = (grad_out * keep.unsqueeze(-1).to(grad_out.dtype)).contiguous()  # dO of the keys' part
@@ -541,7 +553,7 @@ class _SinksThroughLse(torch.autograd.Function):
                 scaled, q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
         if ctx.needs_input_grad[3]:
             g_dot_out = (grad_out.to(keep.dtype) * out.to(keep.dtype)).sum(-1)  # (B, Hq, Tq), fp32 or fp64
-            grad_sinks = (-(1.0 - keep) * g_dot_out).sum(dim=(0, 2)).to(ctx.sinks_dtype)  # (Hq,)
+            grad_sinks = _scores.sink_gradient(-(1.0 - keep) * g_dot_out, sinks)  # sinks' shape
         return grad_q, grad_k, grad_v, grad_sinks, None, None, None
 
 

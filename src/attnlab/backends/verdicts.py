@@ -144,7 +144,7 @@ def _describe(call: AttentionCall) -> str:
     if call.score_mod is not None:
         parts.append(f"score_mod={call.score_mod!r}")
     if call.sinks is not None:
-        parts.append(f"sinks ({call.q_heads},)")
+        parts.append(f"sinks {tuple(call.sinks.shape)}")
     if call.dropout_p:
         parts.append(f"dropout_p={call.dropout_p}")
     if call.requires_grad:

@@ -15,8 +15,11 @@ group. A group parses its own options, then parses and runs the sub-command insi
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -29,8 +32,8 @@ try:  # typer >= 0.16 vendors click
 except ImportError:  # pragma: no cover - older typer with click installed
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 
-__all__ = ["OneLineErrorsGroup", "fail", "option_errors", "at_most", "check_seed", "MAX_SEED", "USAGE_EXIT",
-           "INTERRUPTED_EXIT"]
+__all__ = ["OneLineErrorsGroup", "fail", "option_errors", "at_most", "check_seed", "removed_on_failure", "MAX_SEED",
+           "USAGE_EXIT", "INTERRUPTED_EXIT"]
 
 USAGE_EXIT = 2  # click's own status for a bad command line
 INTERRUPTED_EXIT = 130  # the shell's status for a process stopped by SIGINT (128 + 2)
@@ -73,6 +76,26 @@ def check_seed(seed: int, option: str = "--seed") -> int:
     with option_errors():
         non_negative_int(option, seed)
     return at_most(option, seed, MAX_SEED, "seeds are 32-bit")
+
+
+@contextmanager
+def removed_on_failure(folder: Path) -> Iterator[None]:
+    """Run a command that may create ``folder`` (its ``--out``); if it refuses or fails, remove
+    what it created: ``folder`` and any parent that did not exist before, never a folder the user had.
+
+    A refusal then leaves nothing behind, wherever the command made the folder.
+    """
+    created = None
+    for path in (folder, *folder.parents):  # the topmost of the folders that do not exist yet
+        if os.path.lexists(path):
+            break
+        created = path
+    try:
+        yield
+    except BaseException as err:
+        if created is not None and getattr(err, "exit_code", 1) != 0 and created.is_dir() and not created.is_symlink():
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def _exit(message: str, code: int) -> NoReturn:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from attnlab.cli._errors import fail
 from attnlab.lens import ModelLens, open_model
 from attnlab.trained import best_head
@@ -34,12 +36,17 @@ def wants_lens(model: str) -> bool:
 
 
 def load(model: str) -> ModelLens:
-    """The model on attnlab, or one ``error:`` line saying why it cannot be."""
+    """The model on attnlab, or one ``error:`` line saying why it cannot be (a damaged weights
+    file included: transformers lets safetensors' own error through)."""
     _quiet_transformers()
     try:
         return open_model(model)
     except (ValueError, ImportError) as err:
         fail(f"--model {model!r}: {err}")
+    except SafetensorError as err:
+        files = sorted(Path(model).glob("*.safetensors"))
+        named = repr(str(files[0])) if len(files) == 1 else "a *.safetensors file in it"
+        fail(f"--model {model!r}: {named} is truncated or corrupted (not a valid safetensors file): {err}")
 
 
 def _quiet_transformers() -> None:

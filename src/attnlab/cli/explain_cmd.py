@@ -10,7 +10,8 @@ on attnlab and shown layer by layer and head by head (``--generate N``: where ea
 each generated token).
 
 Bad input (an empty sentence, an unknown ``--query`` word, a bad ``--mode``, a malformed
-option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback.
+option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback, and
+leaves behind no ``--out`` folder the command created.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from attnlab import scores
 from attnlab._checks import finite_number, positive_int, positive_number, probability
 from attnlab.cli import _lens_walk as lens_walk
 from attnlab.cli import _trained_walk as trained_walk
-from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors
+from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors, removed_on_failure
 from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
 
 FORMATS = ("png", "svg", "html", "all")
@@ -90,44 +91,45 @@ def explain(
     """Walk SENTENCE through attention, printing every step, and write heatmaps and an HTML report; then
     show what a trained model (all-MiniLM-L6-v2) does with it. --model minilm walks every layer and head
     of the trained model, with the head view."""
-    if sentence_option is not None:
-        if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
-            fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
-        sentence = sentence_option
-    if fmt not in FORMATS:
-        fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    if generate is not None:
-        with option_errors():
-            positive_int("--generate", generate)
-        at_most("--generate", generate, MAX_GENERATE, "the generation view shows every step")
-    if model != TUTORIAL and lens_walk.wants_lens(model):
-        _explain_lens(sentence, model=model, query=query, truncate=truncate, generate=generate, out=out, fmt=fmt,
-                      no_color=no_color)
-        return
-    if generate is not None:
-        fail("--generate needs a decoder checkpoint directory of transformers (--model DIR)")
-    if model != TUTORIAL:
-        _explain_trained(sentence, model=model, query=query, layer=layer, head=head, hide_special=hide_special,
-                         truncate=truncate, out=out, fmt=fmt, no_color=no_color)
-        return
-    _check_numbers(heads, d_model, d_kq, d_v, dropout)
-    check_seed(seed)
-    score_mod, sink_value = _score_options(softcap, alibi, sinks, sink_logit, mode, heads)
-    with option_errors():  # trace refuses only bad options: an empty sentence, a bad mode, ...
-        result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
-                       d_v=d_v, seed=seed, causal=causal, dropout_p=dropout, score_mod=score_mod, sinks=sink_value)
-        focus = result.query_index(query)
-    from rich.console import Console
+    with removed_on_failure(out):  # a refusal leaves no --out folder behind
+        if sentence_option is not None:
+            if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
+                fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
+            sentence = sentence_option
+        if fmt not in FORMATS:
+            fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+        if generate is not None:
+            with option_errors():
+                positive_int("--generate", generate)
+            at_most("--generate", generate, MAX_GENERATE, "the generation view shows every step")
+        if model != TUTORIAL and lens_walk.wants_lens(model):
+            _explain_lens(sentence, model=model, query=query, truncate=truncate, generate=generate, out=out, fmt=fmt,
+                          no_color=no_color)
+            return
+        if generate is not None:
+            fail("--generate needs a decoder checkpoint directory of transformers (--model DIR)")
+        if model != TUTORIAL:
+            _explain_trained(sentence, model=model, query=query, layer=layer, head=head, hide_special=hide_special,
+                             truncate=truncate, out=out, fmt=fmt, no_color=no_color)
+            return
+        _check_numbers(heads, d_model, d_kq, d_v, dropout)
+        check_seed(seed)
+        score_mod, sink_value = _score_options(softcap, alibi, sinks, sink_logit, mode, heads)
+        with option_errors():  # trace refuses only bad options: an empty sentence, a bad mode, ...
+            result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
+                           d_v=d_v, seed=seed, causal=causal, dropout_p=dropout, score_mod=score_mod, sinks=sink_value)
+            focus = result.query_index(query)
+        from rich.console import Console
 
-    _make_out(out)
-    console = Console(no_color=no_color, highlight=False, soft_wrap=False)
-    _narrate(console, result, focus)
-    section = _trained_ending(console, result, focus)
-    try:
-        written = _write_files(result, focus, out, fmt, section)
-    except OSError as err:
-        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
-    _print_written(console, written, out)
+        _make_out(out)
+        console = Console(no_color=no_color, highlight=False, soft_wrap=False)
+        _narrate(console, result, focus)
+        section = _trained_ending(console, result, focus)
+        try:
+            written = _write_files(result, focus, out, fmt, section)
+        except OSError as err:
+            fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+        _print_written(console, written, out)
 
 
 def _print_written(console, written: list[Path], out: Path) -> None:

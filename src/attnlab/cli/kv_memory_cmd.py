@@ -32,8 +32,9 @@ def kv_memory(
     kv_layers: int = typer.Option(None, "--kv-layers", help="Layers that produce and cache K/V when later "
                                                             "layers reuse them (cross-layer KV sharing)."),
     latent_dim: int = typer.Option(None, "--latent-dim", help="MLA: latent numbers cached per token and layer."),
-    latent_rope_dim: int = typer.Option(0, "--latent-rope-dim", help="MLA: decoupled RoPE key numbers cached "
-                                                                     "beside the latent."),
+    latent_rope_dim: int = typer.Option(None, "--latent-rope-dim", show_default=False,
+                                        help="MLA (with --latent-dim): decoupled RoPE key numbers cached beside "
+                                             "the latent (default 0)."),
     window: int = typer.Option(None, "--window", help="Sliding window of the local layers (tokens)."),
     layer_pattern: str = typer.Option("L", "--layer-pattern", help="With --window: local (L) and global (G) "
                                                                    "layers, repeated over --layers."),
@@ -51,11 +52,16 @@ def kv_memory(
         if kv_layers is not None:
             at_most("--kv-layers", positive_int("--kv-layers", kv_layers), layers, "at most every layer")
         if latent_dim is not None:
-            positive_int("--latent-dim", latent_dim)
-        if latent_rope_dim < 0:
+            at_most("--latent-dim", positive_int("--latent-dim", latent_dim), _MAX_SIZE, "a size this large is a typo")
+        if latent_rope_dim is not None and latent_rope_dim < 0:
             fail(f"--latent-rope-dim must be >= 0, got {latent_rope_dim}")
+        if latent_rope_dim is not None:
+            at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
         if window is not None:
-            positive_int("--window", window)
+            at_most("--window", positive_int("--window", window), _MAX_SIZE, "a size this large is a typo")
+    if latent_rope_dim is not None and latent_dim is None:
+        fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
+    latent_rope_dim = latent_rope_dim or 0
     if not layer_pattern or set(layer_pattern) - set("LG"):
         fail(f"--layer-pattern must be letters L (local) and G (global), got {layer_pattern!r}")
     if layer_pattern != "L" and window is None:

@@ -14,6 +14,11 @@ Ctrl-C finishes the current step, saves a checkpoint and prints the command that
 and M, a ``--window`` or ``--latent-dim`` missing for the pattern's L or M layers, or given
 without them, is one ``error:`` line naming the option.
 
+``--context-parallel P`` shards every sequence over P ranks; each layer keeps its whole
+attention (L layers their ``--window``, ``--softcap``, ``--sinks``, positions), and what cannot
+run sharded (latent M layers, a sequence length or head count the method cannot split) is one
+``error:`` line before any rank starts; a failure inside the ranks leaves no empty ``--out``.
+
 ``--resume DIR`` continues a checkpoint with its own options: an option given as well must say
 what the checkpoint says (``--task recall`` on an induction checkpoint is refused, naming both),
 and ``--steps`` below the checkpoint's step is refused; at the checkpoint's step there is nothing
@@ -22,10 +27,12 @@ to do. In each case nothing is written: the checkpoint's files stay as they were
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -114,6 +121,7 @@ def train(
     if sharding is not None:
         _check_shardable(trainer, sharding)
     out = out if out is not None else (resume if resume is not None else DEFAULT_OUT)
+    created = not out.exists()
     _check_out(out)
     torch.set_num_threads(threads)
     console = Console(highlight=False)
@@ -129,7 +137,8 @@ def train(
     if sharding is None:
         result = _run(trainer, out, console)
     else:
-        result, trainer = _run_sharded(trainer, sharding, resume=resume, steps=steps, out=out, threads=threads)
+        with _removed_if_left_empty(out, created):
+            result, trainer = _run_sharded(trainer, sharding, resume=resume, steps=steps, out=out, threads=threads)
         if result is None:  # a rank other than torchrun's rank 0: rank 0 reports
             return
     if result.interrupted:
@@ -304,6 +313,7 @@ def _check_variant(task: str, given: dict) -> None:
         if letter not in kinds and name in given:
             fail(f"{_shown(name, given[name])} is for {letter} layers ({LAYER_KINDS[letter]}), and {shown} has none "
                  f"over {layers} layer{'s' if layers > 1 else ''}")
+    _check_layer_options(kinds, shown, given)
     if "kv_heads" in given:
         heads = given.get("heads", _train.default_heads(task, layers))
         counts = heads if isinstance(heads, tuple) else (heads,)
@@ -311,6 +321,20 @@ def _check_variant(task: str, given: dict) -> None:
         if bad:
             fail(f"{_shown('kv_heads', given['kv_heads'])} must divide every layer's head count "
                  f"({_shown('heads', heads)}{'' if 'heads' in given else ' (the default)'}: {bad[0]} is not a multiple)")
+
+
+def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
+    """--sinks, --softcap and --positions alibi are options of the multi-head layers: latent
+    layers take none, and local layers' windowed cache does not keep keys in ALiBi's order."""
+    alibi = given.get("positions") == "alibi"
+    used = [flag for flag, on in (("--positions alibi", alibi), ("--softcap", "softcap" in given),
+                                  ("--sinks", given.get("sinks", False))) if on]
+    if used and "M" in kinds:
+        fail(f"{', '.join(used)}: not available on {LAYER_KINDS['M']} layers, and {shown} has some; "
+             "use a --layer-pattern without M")
+    if alibi and "L" in kinds:
+        fail(f"--positions alibi: not available on {LAYER_KINDS['L']} layers (their windowed cache does not keep "
+             f"keys in position order), and {shown} has some; use --positions rope or learned")
 
 
 def _variant_banner(config: _train.TrainConfig) -> str:
@@ -342,6 +366,18 @@ def _check_out(out: Path) -> None:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(out: Path, created: bool) -> Iterator[None]:
+    """On failure, remove ``out`` if this command created it and nothing was written there: a
+    rank that refuses or fails leaves no empty folder behind."""
+    try:
+        yield
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +437,13 @@ def _check_sharding(world: int | None, method: str | None, ulysses: int | None, 
 
 
 def _check_shardable(trainer: _train.Trainer, sharding: _Sharding) -> None:
-    """Refuse, before any rank starts, a model or task the sharding cannot split."""
+    """Refuse, before any rank starts, a model or task the sharding cannot split. Every layer
+    runs its whole attention sharded (global and local layers: window, softcap, sinks, ALiBi,
+    RoPE); latent (MLA) layers do not run context-parallel."""
+    c = trainer.config
+    if "M" in trainer.model.layer_kinds:
+        fail(f"--context-parallel {sharding.world}: --layer-pattern {c.layer_pattern} has latent (M) layers, which "
+             "do not run context-parallel; use G and L layers, or train on one process")
     layout = sequence_layout("zigzag", method=sharding.method, ulysses=sharding.ulysses, world=sharding.world)
     seq_len = trainer.task.seq_len
     try:

@@ -38,6 +38,7 @@ from torch import Tensor
 from attnlab._call import build_call
 from attnlab._checks import divisible, instance_of, int_value, one_of, positive_int
 from attnlab.distributed._agreement import check_agreement
+from attnlab.distributed._global import check_score_options
 from attnlab.distributed._args import timeout_seconds
 from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
 from attnlab import masks as _masks
@@ -61,6 +62,8 @@ def context_parallel_attention(
     causal: bool = False,
     mask: Tensor | Callable | None = None,
     scale: float | None = None,
+    score_mod=None,
+    sinks: Tensor | None = None,
     method: str = "ring",
     layout: str | ChunkLayout = "zigzag",
     ulysses: int | None = None,
@@ -89,6 +92,15 @@ def context_parallel_attention(
             ring step computes only the key blocks the mod reaches, and a key/value shard no
             rank further along the ring can reach is not sent (``stats.plan`` says which).
         scale: score multiplier; defaults to ``1 / sqrt(D)``.
+        score_mod: a score mod over the global sequence (:mod:`attnlab.scores`: softcap, ALiBi,
+            T5's relative bias, a bias tensor ``(B|1, Hq|1, T, T)``, compositions, a function of
+            your own), evaluated at global query/key positions and global head numbers on
+            every method; the ring then computes its pieces with the tiled kernel. Its tensors
+            may not require grad (``ValueError``): the scores are differentiated, not the mod.
+        sinks: ``(Hq,)`` per-head sink logits (a key of value 0 in every row's softmax), as in
+            :func:`attnlab.attention`; their gradient on each rank is that rank's queries' share
+            (sum it across ranks, as for the module weights every rank holds). Per-query sinks
+            are refused (``ValueError``).
         method: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (Ulysses inside groups of ``ulysses``
             consecutive ranks, the ring across the groups: :mod:`~attnlab.distributed.hybrid`;
             the shards are then in :func:`~attnlab.distributed.layout.hybrid_layout`'s
@@ -132,19 +144,20 @@ def context_parallel_attention(
     global_len = q.shape[2] * who.world
     check_length(global_len, layout=sequence_layout(layout, method=method, ulysses=ulysses, world=who.world),
                  world=who.world, name="global sequence length (T_local * world)")
+    score_mod, sinks = check_score_options(score_mod, sinks, batch=q.shape[0], heads=q.shape[1], length=global_len,
+                                           device=q.device, dtype=q.dtype)
     # Everything that changes the result, so that ranks never silently compute different things.
     check_agreement({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": q.dtype,
-                     "causal": causal, "scale": call.scale, "mask": mask, "method": method, "layout": layout,
-                     "ulysses": ulysses, "head_chunks": head_chunks,
+                     "causal": causal, "scale": call.scale, "mask": mask, "score_mod": score_mod, "sinks": sinks,
+                     "method": method, "layout": layout, "ulysses": ulysses, "head_chunks": head_chunks,
                      "grad": torch.is_grad_enabled() and call.requires_grad}, who, q.device)
+    options = dict(who=who, layout=layout, causal=causal, scale=call.scale, mask=mask, stats=stats,
+                   score_mod=score_mod, sinks=sinks)
     if method == "ring":
-        return ring_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale, mask=mask,
-                              stats=stats, head_chunks=head_chunks)
+        return ring_attention(q, k, v, head_chunks=head_chunks, **options)
     if method == "hybrid":
-        return hybrid_attention(q, k, v, who=who, ulysses=ulysses, layout=layout, causal=causal,
-                                scale=call.scale, mask=mask, stats=stats, head_chunks=head_chunks)
-    return ulysses_attention(q, k, v, who=who, layout=layout, causal=causal, scale=call.scale,
-                             mask=mask, stats=stats)
+        return hybrid_attention(q, k, v, ulysses=ulysses, head_chunks=head_chunks, **options)
+    return ulysses_attention(q, k, v, **options)
 
 
 def _check_kinds(*, method, layout, causal, mask, scale, stats) -> None:
@@ -287,13 +300,13 @@ class ContextParallel:
                          device=device)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask=None,
-                  scale: float | None = None) -> Tensor:
+                  scale: float | None = None, score_mod=None, sinks: Tensor | None = None) -> Tensor:
         """:func:`context_parallel_attention` with this setting.
 
         Example (under torchrun)::
 
             out_l = ContextParallel(method="ring").attention(q_l, k_l, v_l, causal=True)
         """
-        return context_parallel_attention(q, k, v, causal=causal, mask=mask, scale=scale,
-                                          method=self.method, layout=self.layout, ulysses=self.ulysses,
+        return context_parallel_attention(q, k, v, causal=causal, mask=mask, scale=scale, score_mod=score_mod,
+                                          sinks=sinks, method=self.method, layout=self.layout, ulysses=self.ulysses,
                                           head_chunks=self.head_chunks, group=self.group, timeout=self.timeout)

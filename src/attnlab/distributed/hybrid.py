@@ -26,7 +26,7 @@ from torch import Tensor
 from attnlab.distributed._comm import CommStats, Peers, peers
 from attnlab.distributed.layout import chunks_per_rank
 from attnlab.distributed.ring import ring_attention
-from attnlab.distributed.ulysses import _Reshard, heads_to_seq, seq_to_heads
+from attnlab.distributed.ulysses import _Reshard, head_share, heads_to_seq, seq_to_heads
 
 __all__: list[str] = []  # hybrid_attention is reached through attnlab.distributed.context_parallel_attention
 
@@ -56,7 +56,8 @@ def subgroups(who: Peers, ulysses: int) -> tuple[Peers, Peers]:
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, ulysses: int, layout, causal: bool,
-                     scale: float, mask=None, stats: CommStats | None = None, head_chunks: int = 1) -> Tensor:
+                     scale: float, mask=None, stats: CommStats | None = None, head_chunks: int = 1,
+                     score_mod=None, sinks: Tensor | None = None) -> Tensor:
     """Hybrid attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`.
 
     ``layout`` is the ring's layout over the ``P / ulysses`` ring positions.
@@ -70,6 +71,8 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, ulysses: in
     chunks_per_rank(layout)  # checked: a name or a ChunkLayout over the ring positions
     qh, kh, vh = (_Reshard.apply(t, seq_to_heads, heads_to_seq, inner, "contiguous", stats)
                   for t in (q, k, v))  # (B, H/U, T/R, D): the group's ring shard, in order
+    mine = head_share(inner, q.shape[1])  # the group's ring runs these global heads
     out = ring_attention(qh, kh, vh, who=across, layout=layout, causal=causal, scale=scale, mask=mask,
-                         stats=stats, head_chunks=head_chunks)
+                         stats=stats, head_chunks=head_chunks, score_mod=score_mod,
+                         sinks=None if sinks is None else sinks[mine], head_offset=mine.start, heads=q.shape[1])
     return _Reshard.apply(out, heads_to_seq, seq_to_heads, inner, "contiguous", stats)  # (B, H, T/P, Dv)

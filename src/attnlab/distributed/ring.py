@@ -35,8 +35,10 @@ from attnlab.backends.blocks import blocks_attention
 # blocks exports no gradient-from-(out, lse) function yet (chunked_gradients' twin): its own
 # backward, given this ring's global out and lse, is exactly one shard's share of the gradient
 from attnlab.backends.blocks import blocks_gradients
+from attnlab.backends import chunked as _chunked
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, Pending, transfer
+from attnlab.distributed._global import global_mod
 from attnlab.distributed.layout import check_length, chunk_ids, chunks_per_rank, positions
 
 __all__ = ["ring_pieces", "RingPlan", "ring_plan", "head_chunks_of"]
@@ -264,13 +266,25 @@ def ring_plan(*, world: int, layout="zigzag", length: int, causal: bool = False,
 
 
 class _Setup:
-    """What both passes need: peers, plan, this rank's pieces, scale, and where to count."""
+    """What both passes need: peers, plan, this rank's pieces, scale, the score mod, and where to count."""
 
     def __init__(self, who: Peers, *, plan: RingPlan, pieces: dict[int, list[_Piece]], scale: float,
-                 stats: CommStats | None, shapes: list[Tensor]):
+                 stats: CommStats | None, shapes: list[Tensor], score_mod=None, where=None,
+                 head_offset: int = 0, heads: int = 0):
         self.who, self.plan, self.pieces, self.scale, self.stats = who, plan, pieces, scale, stats
         self.shapes = shapes  # this rank's k and v (of the heads in flight): every shard has their shapes
         self.counting = True  # False on the second and later head chunks: scores are per (query, key) pair
+        self.score_mod, self.where = score_mod, where  # where: each rank's global positions (T_local,)
+        self.head_offset, self.heads = head_offset, heads  # global number of local head 0; global count
+        self.head_start = 0  # the first local head of the chunk of heads in flight
+
+    def piece_mod(self, source: int, rows: slice, cols: slice):
+        """The score mod of one piece, at its queries' and keys' global positions and heads."""
+        if self.score_mod is None:
+            return None
+        return global_mod(self.score_mod, q_pos=self.where[self.who.rank][rows], k_pos=self.where[source][cols],
+                          head_offset=self.head_offset + self.head_start, heads=self.heads,
+                          length=len(self.where[0]) * self.who.world)
 
     def count(self, stage: str, pairs: int) -> None:
         if self.stats is not None and self.counting:
@@ -330,8 +344,12 @@ def _masked_call(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, mask, fused: bo
     return build_call(q, k, v, mask=mask, scale=setup.scale)
 
 
-def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask) -> tuple[Tensor, Tensor]:
-    """out ``(B, Hq, rows, Dv)`` and lse ``(B, Hq, rows)`` of one piece."""
+def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask,
+                   mod=None) -> tuple[Tensor, Tensor]:
+    """out ``(B, Hq, rows, Dv)`` and lse ``(B, Hq, rows)`` of one piece (``mod``: its score mod)."""
+    if mod is not None:  # the tiled kernel: the fused ones take no score mod
+        part = chunked_attention(build_call(q, k, v, causal=causal, mask=mask, scale=setup.scale, score_mod=mod))
+        return part.out, part.lse
     fused = _fused(q, k, v)
     if mask is not None:  # the block-sparse path: only the key blocks the mask reaches
         call = _masked_call(setup, q, k, v, mask, fused)
@@ -346,8 +364,11 @@ def _piece_forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool,
 
 
 def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask, out: Tensor,
-                    lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                    lse: Tensor, d_out: Tensor, mod=None) -> tuple[Tensor, Tensor, Tensor]:
     """This piece's share of dq, dk, dv, from the global ``out`` and ``lse`` of its rows."""
+    if mod is not None:
+        call = build_call(q, k, v, causal=causal, mask=mask, scale=setup.scale, score_mod=mod)
+        return _score_mod_gradients(call, out=out, lse=lse, d_out=d_out)
     fused = _fused(q, k, v)
     if mask is not None:
         call = _masked_call(setup, q, k, v, mask, fused)
@@ -368,6 +389,17 @@ def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool
                              d_out=d_out)
 
 
+def _score_mod_gradients(call, *, out: Tensor, lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`~attnlab.backends.chunked.chunked_gradients` of a call with a score mod whose tensors
+    need no gradient (checked before the ring starts): the tiled backward differentiates each
+    tile through the mod. chunked_gradients itself refuses score mods, as it returns no gradient
+    for their tensors; its tile loop is exact for the scores."""
+    plan = _chunked._plan_of(call, None, None, None)
+    dq, dk, dv, *_ = _chunked._backward_tiles(plan, (call.q, call.k, call.v, out, lse), _chunked._tensor_masks(call),
+                                              d_out, False)
+    return dq, dk, dv
+
+
 def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Ring forward. Returns out ``(B, Hq, T, Dv)`` and lse ``(B, Hq, T)`` in the accumulation dtype."""
     who, acc = setup.who, score_dtype(q.dtype)
@@ -383,7 +415,8 @@ def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
         for rows, cols, causal, mask, pairs in (setup.pieces[source] if held else ()):
             setup.count("forward", pairs)
             part_out, part_lse = _piece_forward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
-                                                held[1][:, :, cols].to(acc), causal, mask)
+                                                held[1][:, :, cols].to(acc), causal, mask,
+                                                setup.piece_mod(source, rows, cols))
             _merge_into(out, lse, rows, part_out, part_lse)
         held = coming.wait()
     setup.count_skipped()
@@ -399,7 +432,8 @@ def _shard_gradients(setup: _Setup, source: int, held: list[Tensor], qa: Tensor,
     for rows, cols, causal, mask, pairs in setup.pieces[source]:
         setup.count("backward", pairs)
         gq, gk, gv = _piece_backward(setup, qa[:, :, rows], k[:, :, cols].to(acc), v[:, :, cols].to(acc),
-                                     causal, mask, out[:, :, rows], lse[:, :, rows], d_out[:, :, rows])
+                                     causal, mask, out[:, :, rows], lse[:, :, rows], d_out[:, :, rows],
+                                     setup.piece_mod(source, rows, cols))
         dq[:, :, rows] += gq
         if dk is None and cols == slice(0, T):  # one piece over every key: its grads are the sums
             dk, dv = gk, gv
@@ -484,8 +518,9 @@ def _forward_by_heads(setup: _Setup, q: Tensor, k: Tensor, v: Tensor,
     out = q.new_empty(B, Hq, T, v.shape[-1], dtype=score_dtype(q.dtype))  # (B, Hq, T, Dv)
     lse = q.new_empty(B, Hq, T, dtype=out.dtype)
     for i, (hq, hkv) in enumerate(chunks):
-        setup.counting = i == 0
+        setup.counting, setup.head_start = i == 0, hq.start
         out[:, hq], lse[:, hq] = _forward(setup, q[:, hq], k[:, hkv], v[:, hkv])
+    setup.head_start = 0
     return out, lse
 
 
@@ -497,34 +532,68 @@ def _backward_by_heads(setup: _Setup, d_out: Tensor, saved: tuple,
     q, k, v, out, lse = saved
     dq, dk, dv = (torch.empty(t.shape, dtype=out.dtype, device=t.device) for t in (q, k, v))
     for i, (hq, hkv) in enumerate(chunks):
-        setup.counting = i == 0
+        setup.counting, setup.head_start = i == 0, hq.start
         dq[:, hq], dk[:, hkv], dv[:, hkv] = _backward(
             setup, d_out[:, hq], (q[:, hq], k[:, hkv], v[:, hkv], out[:, hq], lse[:, hq]))
+    setup.head_start = 0
     return dq, dk, dv
+
+
+def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
+    """Each head's sink (a key of logit ``sinks[h]`` and value 0) into the ring's merged ``out``
+    ``(B, Hq, T, Dv)`` and ``lse`` ``(B, Hq, T)``, in place: ``lse' = logaddexp(lse, sink)``,
+    ``out' = out * exp(lse - lse')``. Every piece's backward, given ``out'`` and ``lse'``, is then
+    exact with the sinks."""
+    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, Hq, T)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))  # a row that saw no key stays 0
+    lse.copy_(new_lse)
+
+
+def _sinks_gradient(sinks: Tensor, out: Tensor, lse: Tensor, d_out: Tensor) -> Tensor:
+    """``d sinks[h] = -sum over (b, i) of p_sink * D_i``, ``D_i = rowsum(dO * O)`` (the sink's value is 0):
+    this rank's queries' share."""
+    delta = (d_out * out).sum(-1)  # (B, Hq, T)
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # (B, Hq, T)
+    return (p_sink * delta).sum(dim=(0, 2)).neg_()
 
 
 class _RingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, setup, chunks):
+    def forward(ctx, q, k, v, sinks, setup, chunks):
         out, lse = _forward_by_heads(setup, q, k, v, chunks)
+        if sinks is not None:
+            _add_sinks(out, lse, sinks)
         ctx.setup, ctx.chunks = setup, chunks
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward_by_heads(ctx.setup, d_out, (q, k, v, out, lse), ctx.chunks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            d_sinks = _sinks_gradient(sinks, out, lse, d_out.to(out.dtype)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causal: bool,
-                   scale: float, mask=None, stats: CommStats | None = None, head_chunks: int = 1) -> Tensor:
-    """Ring attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`."""
-    plan, pieces = _plan_ring(rank=who.rank, world=who.world, layout=layout, length=q.shape[2] * who.world,
+                   scale: float, mask=None, stats: CommStats | None = None, head_chunks: int = 1,
+                   score_mod=None, sinks: Tensor | None = None, head_offset: int = 0,
+                   heads: int | None = None) -> Tensor:
+    """Ring attention on checked shards; see :func:`attnlab.distributed.context_parallel_attention`.
+
+    ``score_mod`` is evaluated at global positions and at global heads ``head_offset + h`` of
+    ``heads`` (default: ``q``'s, all of them); ``sinks`` ``(Hq,)`` are those of ``q``'s heads."""
+    length = q.shape[2] * who.world
+    plan, pieces = _plan_ring(rank=who.rank, world=who.world, layout=layout, length=length,
                               causal=causal, mask=mask, batch=q.shape[0], device=q.device)
     if stats is not None:
         stats.plan = plan
-    setup = _Setup(who, plan=plan, pieces=pieces, scale=scale, stats=stats, shapes=[k, v])
-    return _RingFunction.apply(q, k, v, setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks))
+    where = None
+    if score_mod is not None:
+        where = [positions(length, layout=layout, rank=r, world=who.world, device=q.device) for r in range(who.world)]
+    setup = _Setup(who, plan=plan, pieces=pieces, scale=scale, stats=stats, shapes=[k, v], score_mod=score_mod,
+                   where=where, head_offset=head_offset, heads=q.shape[1] if heads is None else heads)
+    return _RingFunction.apply(q, k, v, sinks, setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks))

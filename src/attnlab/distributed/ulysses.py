@@ -24,6 +24,7 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab.distributed._comm import CommStats, Peers, all_to_all
+from attnlab.distributed._global import global_mod
 from attnlab.distributed.layout import to_global_order, to_rank_major
 from attnlab.functional import attention
 
@@ -112,12 +113,29 @@ def _local_mask(mask, who: Peers, heads: int):
     return HeadShiftedMod(mask, who.rank * per_rank) if who.rank else mask
 
 
+def head_share(who: Peers, heads: int) -> slice:
+    """The global query heads of this rank's head shard.
+
+    Example:
+        >>> from attnlab.distributed._comm import Peers
+        >>> head_share(Peers(group=None, world=2, rank=1, timeout=1.0), 8)
+        slice(4, 8, None)
+    """
+    per_rank = heads // who.world
+    return slice(who.rank * per_rank, (who.rank + 1) * per_rank)
+
+
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout: str, causal: bool,
                       scale: float, mask=None, backend: str = "auto",
-                      stats: CommStats | None = None) -> Tensor:
-    """Ulysses on checked shards; see :func:`attnlab.distributed.context_parallel_attention`."""
+                      stats: CommStats | None = None, score_mod=None, sinks: Tensor | None = None) -> Tensor:
+    """Ulysses on checked shards; see :func:`attnlab.distributed.context_parallel_attention`.
+
+    ``score_mod`` sees global head numbers (positions already are global); ``sinks`` ``(Hq,)``
+    are cut to this rank's heads (so their gradient here is this rank's share)."""
     qh, kh, vh = (_Reshard.apply(t, seq_to_heads, heads_to_seq, who, layout, stats)
                   for t in (q, k, v))  # (B, H/P, T, D)
+    mine = head_share(who, q.shape[1])
+    mod = global_mod(score_mod, head_offset=mine.start, heads=q.shape[1], length=qh.shape[2])
     out = attention(qh, kh, vh, mask=_local_mask(mask, who, q.shape[1]), causal=causal,
-                    scale=scale, backend=backend)
+                    scale=scale, backend=backend, score_mod=mod, sinks=None if sinks is None else sinks[mine])
     return _Reshard.apply(out, heads_to_seq, seq_to_heads, who, layout, stats)  # (B, H, T/P, D)

@@ -5,28 +5,35 @@ layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose m
 (``masking_utils.create_causal_mask`` / ``create_bidirectional_mask`` / the sliding-window one)
 call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
 
-**Mechanism.** :func:`register` registers two things under one name:
+**Mechanism.** :func:`register` registers, under one name:
 
 1. :func:`attention_forward` with ``transformers.AttentionInterface``: it receives
-   ``query (B, H, Tq, D)``, ``key``/``value`` ``(B, Hkv, Tk, D)`` and the prepared mask, calls
-   :func:`attnlab.attention` (grouped-query heads, ``scaling``, dropout in training) and returns
-   ``(out (B, Tq, H, D), weights or None)``.
-2. transformers' own ``sdpa_mask`` with ``AttentionMaskInterface``. This is required: for a name
-   missing there, transformers builds **no mask at all** (its ``_preprocess_mask_arguments``
-   returns None for unknown implementations), so a padded batch would silently attend to its
-   padding and a causal model would rely on ``is_causal`` alone. ``sdpa_mask`` yields a bool
-   ``(B, 1, Tq, Tk)`` mask with transformers' polarity **True = attend** -- attnlab's polarity --
-   with causality, padding and sliding windows folded in, or None when the pattern is plain
-   causal / full without padding; then, as transformers' sdpa path does, causality comes from
-   ``is_causal`` (or ``module.is_causal``) and applies when ``Tq > 1``, aligned top-left. A
-   layer's ``sliding_window`` then applies on the same diagonal (one decoding query sees the last
-   ``sliding_window`` keys); a prepared mask already holds the window, as in transformers' eager
-   and sdpa paths.
+   ``query (B, H, Tq, D)``, ``key``/``value`` ``(B, Hkv, Tk, D)``, the prepared mask and the
+   layer's keywords, calls :func:`attnlab.attention` (grouped-query heads, ``scaling``, dropout
+   in training) and returns ``(out (B, Tq, H, D), weights or None)``. Every keyword is either
+   applied (:data:`HONOURED_KEYWORDS`), known to change nothing in transformers' eager path
+   (:data:`IGNORED_KEYWORDS`), None, or refused with ``ValueError`` naming the module's class and
+   the keyword: never dropped.
+2. A mask builder with ``AttentionMaskInterface``. This is required: for a name missing there,
+   transformers builds **no mask at all**, so a padded batch would silently attend to its
+   padding. A model transformers runs with sdpa gets ``sdpa_mask``: bool ``(B, 1, Tq, Tk)``,
+   True = attend (attnlab's polarity), or None for a plain causal / full pattern; then, as
+   transformers' sdpa path does, causality comes from ``is_causal`` (or ``module.is_causal``)
+   and applies when ``Tq > 1``, aligned top-left, and a layer's ``sliding_window`` on the same
+   diagonal. A model without sdpa support was written for eager: it gets ``eager_mask``
+   (additive floats, always built when eager builds one) and no mask means full attention.
+3. A check while a model is built: a model whose layers compute attention outside the
+   interface (``attn_implementation`` would never reach attnlab; BLOOM, MPT, GIT, SAM, ...) is
+   refused with ``ValueError``.
 
 A layer's ``softcap`` (Gemma 2, Gemma 3), ``s_aux`` (gpt-oss's per-head sinks) and
 ``position_bias`` (T5's relative bias, already a dense ``(1, H, Tq, Tk)`` tensor, with its
 gradient into the bias table) become :func:`attnlab.attention`'s ``score_mod`` and ``sinks``:
 softcap first, then the bias, then the mask, as the models' eager code applies them.
+Weights returned with sinks are attnlab's: the softmax over the keys and the sink, the sink's
+column dropped (rows sum to less than 1), as gpt-oss's eager code returns them. Granite-SWA's eager
+code returns the softmax over the keys alone and applies the sink to the output afterwards: the
+outputs agree, its returned weights are these divided by their row sums.
 
 A float mask (e.g. made by "eager" mask builders or passed by the user as a prepared 4-D mask)
 is added to the scores, as transformers does. When weights are asked for (an
@@ -44,6 +51,10 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
+import sys
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -52,13 +63,33 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
 
-__all__ = ["register", "attention_forward", "DEFAULT_NAME", "TESTED_VERSIONS"]
+__all__ = ["register", "attention_forward", "DEFAULT_NAME", "TESTED_VERSIONS", "HONOURED_KEYWORDS",
+           "IGNORED_KEYWORDS", "REFUSAL"]
 
 DEFAULT_NAME = "attnlab"
 TESTED_VERSIONS = ("5.23.0", "5.24.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
+# The phrase every refusal of a model or a keyword carries (attnlab.lens matches it).
+REFUSAL = "cannot run on attnlab"
+
+# Keywords attention_forward applies, each as transformers' eager/sdpa paths do.
+HONOURED_KEYWORDS = (
+    "is_causal", "sliding_window", "softcap", "s_aux", "position_bias", "output_attentions",
+    "cu_seq_lens_q", "cu_seq_lens_k",  # packed sequences: the mask holds them (refused without one)
+    "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
+    "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
+)
+# Keywords that change nothing in transformers' eager and sdpa attention: positions (already
+# rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
+IGNORED_KEYWORDS = (
+    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
+    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
+)
+# Any other keyword with a value other than None is refused, naming the module and the keyword.
+# Among them ``block_indices`` (MiniMax-M3's top-k key blocks per query).
 
 
 def attention_forward(
@@ -78,10 +109,15 @@ def attention_forward(
         attention_mask: the mask transformers prepared, or None.
         scaling: score multiplier (default ``1 / sqrt(D)``).
         dropout: attention dropout, applied only when ``module.training``.
-        **kwargs: ``is_causal``, ``sliding_window`` (the keys a query sees, ending at its own
-            position; applied when there is no prepared mask), ``output_attentions``,
-            ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits) and ``position_bias`` (an
-            additive tensor broadcasting to ``(B, H, Tq, Tk)``) are honoured.
+        **kwargs: :data:`HONOURED_KEYWORDS` are applied: ``is_causal``, ``sliding_window`` (the
+            keys a query sees, ending at its own position; applied when there is no prepared
+            mask), ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits), ``sinks`` (``(B, H, Tq, 1)``, one per query), ``position_bias``
+            (an additive tensor broadcasting to ``(B, H, Tq, Tk)``), ``indices`` (``(B, Tq, k)``
+            top-k keys per query, intersected with the mask), ``output_attentions``;
+            :data:`IGNORED_KEYWORDS` change nothing, as in transformers' eager path.
+
+    Raises:
+        ValueError: any other keyword whose value is not None, naming the module's class.
 
     Example:
         >>> layer = nn.Module()
@@ -90,31 +126,99 @@ def attention_forward(
         >>> out, weights = attention_forward(layer, q, kv, kv, None)
         >>> out.shape, weights is None
         (torch.Size([1, 5, 4, 8]), True)
+        >>> attention_forward(layer, q, kv, kv, None, block_indices=torch.zeros(1, 4, 5, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: Module cannot run on attnlab: it passes the keyword block_indices, which attnlab does not apply ...
     """
     _check_kinds(module, query, key, value, attention_mask)
-    is_causal = kwargs.get("is_causal")
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    _check_keywords(module, kwargs, attention_mask)
     tq, tk = query.shape[2], key.shape[2]
     mask = attention_mask
     if mask is not None and mask.shape[-1] > tk:
         mask = mask[..., :tk]  # a static cache's mask can be longer than the keys filled so far
-    # As transformers' sdpa path: a prepared mask already holds the causal pattern; without one,
-    # causality applies only to several queries (one decoding query sees every cached key).
-    causal = bool(is_causal) and mask is None and tq > 1
-    window = kwargs.get("sliding_window")
-    if bool(is_causal) and mask is None and window is not None:
-        mask = _window_mod(tq, tk, window)
-        causal = causal and mask is None
+    causal = False
+    if mask is None and not _eager_masks(getattr(module, "config", None)):
+        mask, causal = _sdpa_rule(module, kwargs, tq, tk)
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
     want_weights = _wants_weights(module, kwargs)
     result = attention(
         query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
         dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
-        score_mod=_score_mod(kwargs, tk), sinks=kwargs.get("s_aux"),
+        score_mod=_score_mod(kwargs, tk), sinks=_sinks(kwargs), indices=_indices(kwargs),
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+def _sinks(kwargs: dict) -> Tensor | None:
+    """A layer's sink logits as :func:`attnlab.attention` takes them: gpt-oss's per-head ``s_aux``
+    ``(H,)``, or per-query ``sinks`` ``(B, H, Tq, 1)`` (Inkling2) as ``(B, H, Tq)``."""
+    per_head, per_query = kwargs.get("s_aux"), kwargs.get("sinks")
+    if per_query is None:
+        return per_head
+    if per_head is not None:
+        raise ValueError("s_aux and sinks were both passed; a layer has one sink logit per row")
+    if not isinstance(per_query, Tensor) or per_query.ndim != 4 or per_query.shape[-1] != 1:
+        raise ValueError(f"sinks must be a (B, H, Tq, 1) tensor of sink logits, got {_describe(per_query)}")
+    return per_query.squeeze(-1)  # (B, H, Tq)
+
+
+def _indices(kwargs: dict) -> Tensor | None:
+    """Sparse attention's top-k keys ``(B, Tq, k)`` as :func:`attnlab.attention` takes them,
+    ``(B, 1, Tq, k)``: one list per query, shared by the heads; its keys meet the mask."""
+    indices = kwargs.get("indices")
+    if indices is None:
+        return None
+    if not isinstance(indices, Tensor) or indices.ndim != 3:
+        raise ValueError(f"indices must be a (B, Tq, k) tensor of key positions, got {_describe(indices)}")
+    return indices.unsqueeze(1)  # (B, 1, Tq, k)
+
+
+def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_masks.MaskMod | None, bool]:
+    """What transformers' sdpa path applies when it gets no mask: ``(mask, causal)``.
+
+    The sdpa mask builder leaves out a plain causal mask, so causality comes from ``is_causal``
+    (or ``module.is_causal``) and applies to several queries only, aligned top-left (one decoding
+    query sees every cached key); a layer's ``sliding_window`` then applies on the same diagonal.
+    """
+    is_causal = kwargs.get("is_causal")
+    is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = is_causal and tq > 1
+    window = kwargs.get("sliding_window")
+    if is_causal and window is not None:
+        mod = _window_mod(tq, tk, window)
+        if mod is not None:
+            return mod, False
+    return None, causal
+
+
+def _refusal(subject: str, reason: str) -> ValueError:
+    """The one wording of a refused model or keyword."""
+    return ValueError(f"{subject} {REFUSAL}: {reason}")
+
+
+def _check_keywords(module: nn.Module, kwargs: dict, mask: Tensor | None) -> None:
+    """Refuse, rather than drop, a keyword attnlab does not apply (one whose value is not None)."""
+    for name, value in kwargs.items():
+        if value is None or name in IGNORED_KEYWORDS:
+            continue
+        if name not in HONOURED_KEYWORDS:
+            raise _refusal(type(module).__name__,
+                           f"it passes the keyword {name}, which attnlab does not apply (its value: "
+                           f"{_describe(value)}); computing without it would give another attention")
+        if name.startswith("cu_seq_lens") and mask is None and isinstance(value, Tensor) and value.shape[0] > 2:
+            raise _refusal(type(module).__name__,
+                           f"it passes {name} of {value.shape[0] - 1} packed sequences and no mask that "
+                           "separates them; pass position_ids so that transformers builds that mask")
+
+
+def _describe(value: object) -> str:
+    """A short description of a keyword's value for a message (a tensor's shape, never its data)."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
 
 
 def _score_mod(kwargs: dict, tk: int) -> _scores.ScoreMod | None:
@@ -167,18 +271,18 @@ def _window_mod(tq: int, tk: int, window: object) -> _masks.SlidingWindowMod | N
 def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
     """Whether the caller will use the attention weights.
 
-    An ``output_attentions`` keyword decides when the layer passes one. Models whose forward is
-    wrapped in transformers' ``capture_outputs`` (GPT-2 pops the keyword before its layers run)
-    record the weights a layer returns through forward hooks, only while its output collector
-    holds an ``...attentions`` entry; that collector is what transformers itself consults, so it
-    decides next. Outside such a forward, ``config.output_attentions`` does.
+    Models whose forward is wrapped in transformers' ``capture_outputs`` record the weights a
+    layer returns through forward hooks while its output collector holds an ``...attentions``
+    entry, whatever keyword the layer passes (GPT-2 pops it; Voxtral's encoder layers pass
+    ``output_attentions=False`` themselves): the collector is what transformers consults, so it
+    decides first. Then an ``output_attentions`` keyword; outside both, ``config.output_attentions``.
     """
     asked = kwargs.get("output_attentions")
-    if asked is not None:
-        return bool(asked)
     recording = _recorded_outputs()
-    if recording is not None:
-        return any(key.endswith("attentions") for key in recording)
+    if recording is not None and any(key.endswith("attentions") for key in recording):
+        return True
+    if asked is not None or recording is not None:
+        return bool(asked)
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
 
 
@@ -195,12 +299,105 @@ def _recorded_outputs() -> dict | None:
     return None
 
 
+# Configs of models transformers has not validated with sdpa: they get eager's masks. Configs are
+# not hashable, so they are kept by id, each entry dropped with its config.
+_EAGER_MASK_CONFIGS: dict[int, weakref.ref] = {}
+# A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
+_CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
+_OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
+
+
+def _eager_masks(config: object) -> bool:
+    """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`)."""
+    ref = _EAGER_MASK_CONFIGS.get(id(config))
+    return ref is not None and ref() is config
+
+
+def _remember_masks(config: object, *, eager: bool) -> None:
+    key = id(config)
+    if eager:
+        _EAGER_MASK_CONFIGS[key] = weakref.ref(config, lambda _, key=key: _EAGER_MASK_CONFIGS.pop(key, None))
+    else:
+        _EAGER_MASK_CONFIGS.pop(key, None)
+
+
+def _attention_outside_interface(model_class: type) -> str | None:
+    """Why ``model_class``'s own layers compute attention without transformers' attention
+    interface (so ``attn_implementation`` never reaches attnlab there), or None.
+
+    transformers' own test (``PreTrainedModel._can_set_attn_implementation``): the modeling
+    module defines ``*Attention*(nn.Module)`` classes but never calls
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``; or it picks attention classes from a table keyed by
+    the implementation's name, which has no entry for attnlab. A module without readable source
+    (a class defined in a notebook) is given the benefit of the doubt.
+    """
+    try:
+        code = inspect.getsource(sys.modules[model_class.__module__])
+    except (KeyError, OSError, TypeError):
+        return None
+    if _CLASS_TABLE.search(code):
+        return "it picks attention classes from a table keyed by the implementation's name"
+    if _OWN_ATTENTION.search(code) and "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code:
+        return "it computes attention in its own layers, not through transformers' attention interface"
+    return None
+
+
+def _check_model(model: nn.Module) -> None:
+    """At build time: refuse a model attnlab cannot serve; choose its mask convention.
+
+    A model transformers runs with sdpa gets sdpa's masks (bool, None for a plain causal or
+    full pattern; :func:`attention_forward` applies ``is_causal`` as sdpa does). A model without
+    sdpa support was written for eager, whose masks are always built and additive: DeepSeek-V4
+    and BigBird-Pegasus add floats to them, NLLB-MoE's decoder relies on them for causality,
+    Splinter and BridgeTower declare no ``is_causal`` on bidirectional layers. It gets eager's.
+    """
+    reason = _attention_outside_interface(type(model))
+    if reason is not None:
+        raise _refusal(type(model).__name__, reason + "; load it with attn_implementation='eager'")
+    _remember_masks(model.config, eager=not getattr(model, "_supports_sdpa", False))
+
+
+def _install_build_check(pretrained_model: type, names: set) -> None:
+    """Wrap ``PreTrainedModel.get_correct_attn_implementation`` -- where transformers checks an
+    implementation name while a model is built (``from_pretrained``, ``from_config``, the
+    constructor) or switched (``set_attn_implementation``) -- so that it also runs
+    :func:`_check_model` for a name :func:`register` registered. transformers accepts any
+    registered name without asking the model; this is the one place it could."""
+    original = pretrained_model.get_correct_attn_implementation
+    if getattr(original, "_attnlab_names", None) is not None:
+        original._attnlab_names.update(names)
+        return
+
+    def get_correct_attn_implementation(self, requested_attention=None, is_init_check=False):
+        applicable = original(self, requested_attention, is_init_check)
+        if applicable in get_correct_attn_implementation._attnlab_names:
+            _check_model(self)
+        return applicable
+
+    get_correct_attn_implementation._attnlab_names = set(names)
+    get_correct_attn_implementation.__doc__ = original.__doc__
+    pretrained_model.get_correct_attn_implementation = get_correct_attn_implementation
+
+
+def _mask_builder(sdpa_mask, eager_mask):
+    """transformers' mask builder for a registered name: eager's for the configs
+    :func:`_check_model` gave eager's convention, sdpa's otherwise."""
+    def attnlab_mask(*args, config=None, **kwargs):
+        build = eager_mask if _eager_masks(config) else sdpa_mask
+        return build(*args, config=config, **kwargs)
+    return attnlab_mask
+
+
 def register(name: str = DEFAULT_NAME) -> str:
     """Make ``attn_implementation=name`` run transformers models on :func:`attnlab.attention`.
 
-    Registers :func:`attention_forward` with ``transformers.AttentionInterface`` and
-    transformers' ``sdpa_mask`` (bool masks, True = attend) with ``AttentionMaskInterface``
-    under ``name``; calling it again is harmless.
+    Registers :func:`attention_forward` with ``transformers.AttentionInterface`` and a mask
+    builder with ``AttentionMaskInterface`` under ``name``, and has transformers check each model
+    built with ``name``: one whose layers compute attention outside transformers' attention
+    interface (BLOOM, MPT, Longformer, GIT, SAM, ...) is refused with ``ValueError``; one
+    transformers runs with sdpa gets sdpa's bool masks (True = attend; None for a plain causal or
+    full pattern); any other gets eager's additive float masks, as its eager code expects.
+    Calling it again is harmless.
 
     Raises:
         ImportError: transformers is not installed (``pip install 'attnlab[hf]'``) or too old.
@@ -218,13 +415,14 @@ def register(name: str = DEFAULT_NAME) -> str:
     if not name or name in _RESERVED:
         raise ValueError(f"name must be a non-empty string other than {', '.join(_RESERVED)}; got {name!r}")
     try:  # imported here: attnlab itself never needs transformers
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers import AttentionInterface, PreTrainedModel
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
     except ImportError as exc:
         raise ImportError(
             f"register needs transformers 5.x (tested {', '.join(TESTED_VERSIONS)}): "
             f"pip install 'attnlab[hf]' ({exc})"
         ) from None
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_builder(sdpa_mask, eager_mask))
+    _install_build_check(PreTrainedModel, {name})
     return name

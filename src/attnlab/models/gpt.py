@@ -291,7 +291,8 @@ class GPT(nn.Module):
         """One empty cache per layer, on the model's device and dtype.
 
         A :class:`~attnlab.nn.KVCache` of ``max_len`` slots per global or latent layer and a
-        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer; with
+        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer (a
+        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window is wider); with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
         ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows.
 
@@ -545,6 +546,9 @@ def _layer_kinds(pattern: object, num_layers: int, window: object, latent_dim: o
             positive_int(name, value)
     if latent_rope_dim is not None and "M" not in kinds:
         raise ValueError(f"latent_rope_dim={latent_rope_dim!r} is for M layers, and layer_pattern {pattern!r} has none")
+    if latent_rope_dim is not None and positive_int("latent_rope_dim", latent_rope_dim) % 2:
+        raise ValueError(f"latent_rope_dim must be even (rotary embeddings turn features in pairs), "
+                         f"got {latent_rope_dim}")
     return kinds
 
 

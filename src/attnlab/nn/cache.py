@@ -529,12 +529,21 @@ class PagedKVCache(Cache):
     def select(self, rows: Iterable[int]) -> "PagedKVCache":
         """A cache of the given rows only, sharing this one's pool and block tables.
 
+        Raises:
+            TypeError: ``rows`` is not a list (an iterable) of ints.
+            ValueError: no row, a row out of range, or a repeated row (two rows of the view would be
+                one sequence, and one update would append both rows' keys to it).
+
         Example:
             >>> cache = PagedKVCache(3, 1, 8, 2, page_size=4)
             >>> cache.select([2]).batch_size
             1
         """
+        if isinstance(rows, (str, bytes, Tensor)) or not isinstance(rows, Iterable):
+            raise TypeError(f"rows must be a list of row indices, got {type(rows).__name__}")
         rows = [self._row_index(row) for row in rows]
+        if not rows or len(set(rows)) < len(rows):
+            raise ValueError(f"rows must name at least one row and repeat none (each is one sequence), got {rows}")
         view = object.__new__(PagedKVCache)
         view._attach(self.pool, [self.rows[row] for row in rows])
         return view

@@ -97,6 +97,8 @@ class LatentAttention(nn.Module):
         value_dim = nope_dim if value_dim is None else value_dim
         for name, size in (("rope_dim", rope_dim), ("value_dim", value_dim)):
             positive_int(name, size)
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim must be even (rotary embeddings turn features in pairs), got {rope_dim}")
         probability("dropout_p", dropout_p)
         positive_number("norm_eps", norm_eps)
         instance_of("bias", bias, bool, "a bool")
@@ -116,7 +118,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(latent_dim, eps=norm_eps)
         self.kv_up = nn.Linear(latent_dim, num_heads * (nope_dim + value_dim), bias=False)
         self.out_proj = nn.Linear(num_heads * value_dim, d_model, bias=bias)
-        self.rope = RotaryEmbedding(rope_dim, base=rope_base)  # checks that rope_dim is even
+        self.rope = RotaryEmbedding(rope_dim, base=rope_base)
 
     @property
     def cache_features(self) -> int:

@@ -104,10 +104,14 @@ class MultiHeadAttention(nn.Module):
             ``RotaryEmbedding``, or ``None``/``False``.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
         context_parallel: a :class:`~attnlab.distributed.ContextParallel` setting: ``x`` is then
-            this rank's shard of a sequence split across a process group (causal or unmasked
-            self-attention, no cache, mask or attention dropout), rotary positions are the
-            tokens' global positions, and the output is this rank's shard. May also be set
-            on the attribute of the same name.
+            this rank's shard of a sequence split across a process group, and the layer's whole
+            attention runs over the global sequence: its causal rule, ``window``, ``softcap``,
+            ALiBi and rotary positions at the tokens' global positions, and ``sinks`` (each
+            rank's ``sinks`` gradient is its queries' share: sum it as for every weight). Not
+            with a cache, ``context``, ``mask``, ``padding_mask``, ``document_ids``,
+            ``return_weights`` or attention dropout in training (``ValueError`` before any
+            work). The output is this rank's shard. May also be set on the attribute of the
+            same name.
         window: a causal sliding window for self-attention: query ``i`` sees keys ``i - window + 1
             .. i`` only (:func:`attnlab.masks.sliding_window_mod`, which the block-sparse backend
             serves by skipping the blocks outside the band); a
@@ -450,23 +454,25 @@ class MultiHeadAttention(nn.Module):
                              score_mod=score_mod, sinks=self.sinks, key_lengths=key_lengths)
 
     def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
-        """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``."""
+        """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``: the
+        layer's whole attention (causal rule, window, softcap, ALiBi at global positions, sinks)."""
         refused = [name for name, value in (("context", context), ("mask", mask), ("padding_mask", padding_mask),
                                             ("cache", cache), ("document_ids", documents)) if value is not None]
         refused += ["return_weights"] if return_weights else []
         refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
-        refused += [name for name, on in (("positions='alibi'", self.alibi_slopes is not None),
-                                          ("softcap", self.softcap is not None),
-                                          ("sinks", self.sinks is not None)) if on]
         if refused:
-            raise ValueError(f"context_parallel runs causal or unmasked self-attention over shards; "
+            raise ValueError(f"context_parallel runs the layer's own attention over shards; "
                              f"it cannot take {', '.join(refused)}")
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)  # (B, H, T_local, hd), (B, Hkv, T_local, hd) x2
         if self.rope is not None:
             positions = self.context_parallel.positions(T, device=x.device).unsqueeze(0)  # (1, T_local)
             q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
-        out = self.context_parallel.attention(q, k, v, causal=self.causal)  # (B, H, T_local, hd)
+        length = T * self.context_parallel.world_and_rank()[0]  # the global sequence
+        window = None if self.window is None else _masks.sliding_window_mod(length, length, self.window)
+        out = self.context_parallel.attention(q, k, v, causal=self.causal, mask=window,
+                                              score_mod=self._score_mod(0, False),
+                                              sinks=self.sinks)  # (B, H, T_local, hd)
         out = out.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T_local, d_out)
         return self.out_proj(out), None
 
@@ -552,7 +558,8 @@ class MultiHeadAttention(nn.Module):
         A :class:`KVCache` of ``max_len`` slots by default; with ``page_size`` a
         :class:`PagedKVCache` whose pool holds ``max_len`` slots per row (rounded up to whole
         pages); for a module with a ``window`` (unless ``windowed=False`` or paged) a
-        :class:`WindowedKVCache` of ``window`` slots, whatever ``max_len``.
+        :class:`WindowedKVCache` of ``window`` slots, or a :class:`KVCache` of ``max_len`` slots
+        when the window is wider than ``max_len`` (it never slides; ``windowed=True`` forces the ring).
 
         Example:
             >>> MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=1).new_cache(2, 32)
@@ -756,11 +763,15 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
 
     ``windowed`` defaults to ``window is not None`` (a sliding-window layer needs only its
     window); ``page_size`` asks for a :class:`PagedKVCache` of ``max_len`` slots per row,
-    rounded up to whole pages.
+    rounded up to whole pages. A window wider than ``max_len`` never slides within ``max_len``
+    positions: such a layer gets a :class:`KVCache` of ``max_len`` slots unless ``windowed=True``
+    (a huge window must not size the buffer).
 
     Example:
         >>> make_cache(2, 1, 10, 4, page_size=4).free_pages      # 2 rows x 3 pages
         6
+        >>> make_cache(1, 1, 16, 4, window=10**9)
+        KVCache(batch_size=1, num_kv_heads=1, length=0, max_len=16, head_dim=4, dtype=torch.float32)
     """
     positive_int("max_len", max_len)
     if windowed is not None:
@@ -772,7 +783,7 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
                             value_dim=value_dim, dtype=dtype, device=device)
     if windowed and window is None:
         raise ValueError("windowed=True needs a module with a window")
-    if window is not None and windowed is not False:
+    if window is not None and (windowed or (windowed is None and window <= max_len)):
         return WindowedKVCache(batch_size, num_kv_heads, window, head_dim, value_dim=value_dim,
                                dtype=dtype, device=device)
     return KVCache(batch_size, num_kv_heads, max_len, head_dim, value_dim=value_dim, dtype=dtype,

@@ -108,7 +108,8 @@ class Weights:
         cross = context_tokens is not None
         context_tokens = tokens if context_tokens is None else context_tokens
         if len(tokens) != weights.shape[1] or len(context_tokens) != weights.shape[2]:
-            raise ValueError(f"tokens must label the weights' rows and columns {tuple(weights.shape[1:])}, got "
+            names = "tokens and context_tokens" if cross else "tokens"
+            raise ValueError(f"{names} must label the weights' rows and columns {tuple(weights.shape[1:])}, got "
                              f"{len(tokens)} and {len(context_tokens)} labels")
         if allowed is not None and tuple(allowed.shape) != tuple(weights.shape[1:]):
             raise ValueError(f"allowed must be (Tq, Tk) = {tuple(weights.shape[1:])}, got {tuple(allowed.shape)}")

@@ -54,14 +54,23 @@ def escape(text) -> str:
     return html.escape(str(text), quote=True)
 
 
+# Characters a <script> element's content must not hold raw: "<!--" then "<script" switches the
+# HTML parser into a state where "</script>" no longer ends the element (the payload swallows the
+# page); U+2028/2029 end a line in older JavaScript. JSON's \u escapes read back as the same text.
+_SCRIPT_SAFE = {ord(c): f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"}
+
+
 def to_json(data) -> str:
-    """``data`` as compact JSON that can sit inside a ``<script>`` element (``</`` escaped).
+    """``data`` as compact JSON that can sit inside a ``<script>`` element.
+
+    ``<``, ``>``, ``&``, U+2028 and U+2029 are written as JSON ``\\u`` escapes, so no text (a
+    token holding ``<!--`` and ``<script``, say) can end or hide the element.
 
     Example:
-        >>> to_json({"a": "</script>"})
-        '{"a":"<\\\\/script>"}'
+        >>> to_json({"a": "<!--<script></script>"})
+        '{"a":"\\\\u003c!--\\\\u003cscript\\\\u003e\\\\u003c/script\\\\u003e"}'
     """
-    return json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    return json.dumps(data, separators=(",", ":")).translate(_SCRIPT_SAFE)
 
 
 def viridis(t: float) -> str:

@@ -90,6 +90,10 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         layer, head: the head enlarged first in the model view.
         title: shown above the view and as the saved page's title.
 
+    Raises:
+        ValueError: ``weights`` is empty, of another rank, not square without ``context_tokens``,
+            or (one layer) not finite; labels that do not match its sizes.
+
     Example:
         >>> import torch
         >>> w = torch.softmax(torch.randn(2, 4, 4), dim=-1)                  # (H, T, T)
@@ -103,8 +107,18 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         return View(weights._repr_html_, title=title or f"attnlab explain: {weights.sentence}")
     if not isinstance(weights, Tensor):
         raise TypeError(f"weights must be a torch.Tensor, a Trace or a WordAttention, got {type(weights).__name__}")
+    _check_not_empty(weights)
+    for name, labels in (("tokens", tokens), ("context_tokens", context_tokens)):
+        if labels is not None and not (hasattr(labels, "__len__") and hasattr(labels, "__iter__")):
+            raise TypeError(f"{name} must be a list of labels, got {type(labels).__name__}")
     if weights.ndim == 4:
         return model_view(weights, tokens, layer=layer, head=head, title=title)
+    rows_labelled = tokens is None or len(tokens) == weights.shape[-2]  # else Weights.of names tokens
+    if weights.ndim in (2, 3) and context_tokens is None and weights.shape[-2] != weights.shape[-1] and rows_labelled:
+        raise ValueError(f"weights of shape {tuple(weights.shape)} have {weights.shape[-2]} queries and "
+                         f"{weights.shape[-1]} keys: give context_tokens, the keys' labels (cross-attention)")
+    if weights.ndim in (2, 3) and not bool(torch.isfinite(weights).all()):
+        raise ValueError("weights must be finite (a masked weight is 0), got NaN or inf")
     n_tokens = weights.shape[-2] if weights.ndim >= 2 else 0
     tokens = [str(i) for i in range(n_tokens)] if tokens is None else tokens
     view = html.Weights.of(weights, tokens, context_tokens=context_tokens)
@@ -114,6 +128,12 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         raise ValueError(f"cross-attention weights are shown up to {WALK_TOKENS} tokens a side, "
                          f"got {tuple(view.weights.shape[1:])}")
     return model_view(view.weights[None], view.tokens, layer=0, head=head, title=title)
+
+
+def _check_not_empty(weights: Tensor) -> None:
+    """A view draws at least one head, query and key: an empty size is refused naming ``weights``."""
+    if weights.numel() == 0:
+        raise ValueError(f"weights must hold at least one head, query and key, got shape {tuple(weights.shape)}")
 
 
 def _titled(title: str | None, view: str) -> str:
@@ -137,6 +157,7 @@ def _model_data(weights: Tensor, tokens) -> dict:
     if not isinstance(weights, Tensor) or weights.ndim != 4 or weights.shape[-1] != weights.shape[-2]:
         shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
         raise ValueError(f"weights must be a (L, H, T, T) tensor, got {shape}")
+    _check_not_empty(weights)
     n_tokens = weights.shape[-1]
     tokens = [str(i) for i in range(n_tokens)] if tokens is None else [str(t) for t in tokens]
     if len(tokens) != n_tokens:

@@ -1,0 +1,344 @@
+"""Exact top-k sparse attention: each query attends to its own listed keys (``attention(indices=...)``).
+
+Query ``i`` attends to the keys ``indices[..., i, :]`` that the call's mask and ``causal`` also
+allow (the intersection: DeepSeek-V3.2 passes the causal/padding mask with top-k lists that may
+name masked keys when a row has fewer than k valid ones). ``-1`` means "no key" (FlashMLA's
+padding); a key listed twice counts once (a set, as a bool mask scattered from the list is).
+
+Nothing of size ``(Tq, Tk)`` is built: the pairs are a sparse pattern with ``k`` entries per
+query row. The scores are a sampled matrix product at those pairs (``torch.sparse.sampled_addmm``),
+the weighted sum of values is an ``F.embedding_bag`` with the weights as per-sample weights, so
+the selected keys are never copied out either; memory is O(B·H·Tq·k) for the scores and
+weights plus O(T·D) for the inputs. The backward is analytic (the softmax gradient at the
+pairs) with the same two primitives; key and value gradients sum each key's bag of queries
+(the pattern sorted by key once per index set). Keys that are not listed are never read;
+a listed key the mask blocks enters with weight 0 (NaN stored there reaches the output, as
+with the fused kernels, docs/design.md "Non-finite values").
+
+Example:
+    >>> import torch
+    >>> from attnlab._call import build_call
+    >>> q = k = v = torch.randn(1, 2, 4, 8)
+    >>> idx = torch.tensor([[0, -1], [0, 1], [1, 1], [2, 3]]).view(1, 1, 4, 2)   # (B, H, Tq, k)
+    >>> call = build_call(q, k, v, causal=True)
+    >>> out, _ = topk_attention(call, check_indices(idx, call, rank=4))
+    >>> bool(torch.allclose(out[:, :, 0], v[:, :, 0]))      # query 0 sees key 0 alone
+    True
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab._call import AttentionCall
+from attnlab._checks import has_values, integer_dtype
+from attnlab._math import repeat_kv, score_dtype, softmax_rows
+from attnlab.masks import apply_mod
+from attnlab.scores import sink_gradient, sink_logits
+
+__all__ = ["check_indices", "indices_mask", "topk_attention", "refusal"]
+
+
+def check_indices(indices: object, call: AttentionCall, *, rank: int) -> Tensor:
+    """``indices`` checked against the call and laid out 4-D ``(B|1, Hkv|1, Tq, k)``, int64.
+
+    Args:
+        indices: integer tensor ``(..., Tq, k)`` in the layout of the user's q of rank ``rank``
+            (2 to 5); leading dims may be fewer (they align from the right) and each is 1 or
+            the call's size, the head dim 1 or ``Hkv``.
+        call: the validated call.
+        rank: the rank of the user's q.
+
+    Raises:
+        TypeError: not a tensor, or not a signed integer dtype.
+        ValueError: wrong rank or sizes, ``k > Tk``, another device, or values outside
+            ``[-1, Tk)`` (one min/max read of the values).
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(2, 3, 5, 4)
+        >>> check_indices(torch.zeros(5, 2, dtype=torch.long), build_call(q, q, q), rank=4).shape
+        torch.Size([1, 1, 5, 2])
+    """
+    if not isinstance(indices, Tensor):
+        raise TypeError(f"indices must be an integer tensor (..., Tq, k), got {type(indices).__name__}")
+    integer_dtype("indices", indices)
+    if indices.device != call.device:
+        raise ValueError(f"indices must be on q's device {call.device}, got {indices.device}")
+    shape = tuple(indices.shape)
+    if not 2 <= indices.ndim <= rank:
+        raise ValueError(f"indices must have rank 2 to {rank} (..., Tq, k) like q, got shape {shape}")
+    idx = indices.reshape((1,) * (rank - indices.ndim) + shape)
+    lead = rank - (2 if rank <= 3 else 3)  # the batch dims
+    expected = (*call.batch_shape, *((call.kv_heads,) if rank >= 4 else ()), call.tq)
+    for axis, (got, want) in enumerate(zip(idx.shape[:-1], expected)):
+        if got != want and (got != 1 or axis == len(expected) - 1):
+            what = "Tq" if axis == len(expected) - 1 else ("heads (Hkv or 1)" if axis == lead else "batch")
+            raise ValueError(f"indices of shape {shape} does not fit (..., Hkv, Tq, k) = "
+                             f"({', '.join(map(str, expected))}, k): its {what} dim is {got}, expected {want}")
+    if idx.shape[-1] > call.tk:
+        raise ValueError(f"indices selects k={idx.shape[-1]} keys per query but there are only Tk={call.tk} keys")
+    _check_values(idx, call.tk)
+    return _to_4d(idx, rank, call.batch_shape).long()
+
+
+def _check_values(idx: Tensor, tk: int) -> None:
+    """One min/max read: every entry in ``[-1, Tk)``."""
+    if idx.numel() == 0 or not has_values(idx):
+        return
+    low, high = (int(x) for x in torch.aminmax(idx))
+    if low < -1 or high >= tk:
+        bad = low if low < -1 else high
+        raise ValueError(f"indices must hold key positions in [0, Tk={tk}) or -1 for no key, got {bad}")
+
+
+def _to_4d(idx: Tensor, rank: int, batch: tuple) -> Tensor:
+    if rank == 2:
+        return idx[None, None]  # (1, 1, Tq, k)
+    if rank == 3:
+        return idx[:, None]  # (B|1, 1, Tq, k)
+    if rank == 5:
+        if idx.shape[:2] == (1, 1):
+            return idx[0]  # (1, H|1, Tq, k): shared by every batch row
+        return idx.expand(*batch, *idx.shape[2:]).flatten(0, 1)  # (A*B, H|1, Tq, k)
+    return idx
+
+
+def refusal(call: AttentionCall, backend: str) -> str | None:
+    """Why a call with ``indices`` cannot be served, in words naming the option, or None.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> refusal(build_call(q, q, q, dropout_p=0.1), "auto")
+        'dropout_p=0.1 is not supported with indices (top-k attention has no dropout)'
+    """
+    if backend not in ("auto", "reference"):
+        return (f"backend={backend!r} cannot serve a call with indices: use 'auto' (the gathered top-k "
+                f"kernel) or 'reference' (the dense fp64 oracle, O(Tq*Tk) memory)")
+    if call.dropout_p > 0:
+        return f"dropout_p={call.dropout_p} is not supported with indices (top-k attention has no dropout)"
+    if backend == "auto" and call.score_mod is not None:
+        return ("score_mod is not supported with indices on backend='auto' (the top-k kernel has no score "
+                "mod); backend='reference' applies it on the dense scores")
+    if backend == "auto" and isinstance(call.mask, Tensor) and call.mask.requires_grad:
+        return "mask requires grad: the top-k kernel does not differentiate a float mask (pass mask.detach())"
+    return None
+
+
+def indices_mask(indices: Tensor, tk: int) -> Tensor:
+    """The dense bool mask ``(..., Tq, Tk)`` of the listed keys (-1 entries skipped): O(Tq*Tk).
+
+    What the reference path and the tests compare against; the top-k kernel never builds it.
+
+    Example:
+        >>> indices_mask(torch.tensor([[1, -1], [0, 0]]), 3).int()
+        tensor([[0, 1, 0],
+                [1, 0, 0]], dtype=torch.int32)
+    """
+    listed = torch.zeros(*indices.shape[:-1], tk + 1, dtype=torch.bool, device=indices.device)
+    listed.scatter_(-1, torch.where(indices < 0, tk, indices), True)  # -1 lands in the extra column
+    return listed[..., :tk]
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    """The pairs of one call: ``cols (B, Hq, Tq, k)`` key positions (0 where none), ``allowed``
+    (broadcasts to it) and the float mask at the pairs (or None)."""
+
+    cols: Tensor
+    allowed: Tensor
+    bias: Tensor | None
+
+
+def _pattern(call: AttentionCall, idx: Tensor) -> _Pattern:
+    """Deduplicate the lists (sorted, so a repeat follows its first), then AND the mask at the pairs."""
+    listed = idx.sort(dim=-1).values  # (B|1, Hkv|1, Tq, k)
+    allowed = listed >= 0
+    allowed[..., 1:] &= listed[..., 1:] != listed[..., :-1]  # a repeated key counts once
+    # int32 positions where they fit: half the memory per pair, and every primitive here takes them
+    small = call.batch * call.kv_heads * call.tk < 2**31
+    cols = listed.clamp(min=0).to(torch.int32 if small else torch.int64)
+    del listed
+    if cols.shape[1] > 1:  # per kv head: one list per query head
+        cols, allowed = repeat_kv(cols, call.q_heads), repeat_kv(allowed, call.q_heads)  # (B|1, Hq, Tq, k)
+    mod = call.mask_mod()  # causal and a mask mod, one mechanism
+    if mod is not None:
+        b = torch.arange(call.batch, device=call.device).view(-1, 1, 1, 1)
+        h = torch.arange(call.q_heads, device=call.device).view(1, -1, 1, 1)
+        q_idx = torch.arange(call.tq, device=call.device).view(1, 1, -1, 1)
+        allowed = allowed & torch.as_tensor(apply_mod(mod, b, h, q_idx, cols), device=call.device)
+    bias = None
+    if isinstance(call.mask, Tensor):
+        at_pairs = _gather_mask(call.mask, cols)
+        if call.mask.dtype == torch.bool:
+            allowed = allowed & at_pairs
+        else:
+            bias = at_pairs
+    cols = cols.expand(call.batch, call.q_heads, call.tq, cols.shape[-1])  # (B, Hq, Tq, k)
+    return _Pattern(cols=cols, allowed=allowed, bias=bias)
+
+
+def _gather_mask(mask: Tensor, cols: Tensor) -> Tensor:
+    """A mask ``(B|1, H|1, Tq|1, Tk|1)`` read at the pairs: ``(B|., H|., Tq, k)``."""
+    if mask.shape[-1] == 1:
+        return mask  # the same for every key
+    batch, heads = max(mask.shape[0], cols.shape[0]), max(mask.shape[1], cols.shape[1])
+    full = mask.expand(batch, heads, cols.shape[2], mask.shape[-1])  # stride-0 views, nothing copied
+    return full.gather(-1, cols.long().expand(batch, heads, *cols.shape[2:]))
+
+
+def _csr(cols: Tensor, tk: int, dtype: torch.dtype) -> Tensor:
+    """The pairs as a batched CSR pattern ``(B*Hq, Tq, Tk)`` with k entries per row."""
+    B, H, Tq, K = cols.shape
+    crow = torch.arange(0, Tq * K + 1, K, dtype=cols.dtype, device=cols.device).expand(B * H, Tq + 1)  # (B*H, Tq+1)
+    col = cols.reshape(B * H, Tq * K)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": an implementation detail here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow.contiguous(), col, torch.zeros(B * H, Tq * K, dtype=dtype, device=cols.device),
+                                       size=(B * H, Tq, tk), check_invariants=False)
+
+
+def _sampled(pattern: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``(a @ b^T)`` at the pattern's pairs: a ``(B, Hq, Tq, X)``, b ``(B, Hq, Tk, X)`` -> ``(B, Hq, Tq, k)``."""
+    B, H, Tq, X = a.shape
+    product = torch.sparse.sampled_addmm(pattern, a.reshape(B * H, Tq, X),
+                                         b.reshape(B * H, -1, X).transpose(1, 2), beta=0.0)
+    return product.values().view(B, H, Tq, -1)
+
+
+def _bag_rows(cols: Tensor, kv_heads: int, tk: int) -> Tensor:
+    """Row numbers into a ``(B*Hkv*Tk, X)`` table: ``(B*Hq*Tq, k)``."""
+    B, H, Tq, K = cols.shape
+    head = torch.arange(H, dtype=cols.dtype, device=cols.device) // (H // kv_heads)
+    base = (torch.arange(B, dtype=cols.dtype, device=cols.device).view(-1, 1) * kv_heads + head) * tk  # (B, Hq)
+    return (cols + base.view(B, H, 1, 1)).reshape(B * H * Tq, K)
+
+
+def _weighted_rows(rows: Tensor, table: Tensor, weights: Tensor) -> Tensor:
+    """``sum_j weights[r, j] * table[rows[r, j]]`` per row r, without copying the rows out."""
+    return F.embedding_bag(rows, table, per_sample_weights=weights.reshape(rows.shape), mode="sum")
+
+
+def _softmax(call: AttentionCall, scores: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Weights ``(B, Hq, Tq, k)`` (empty rows zero) and the sinks' share ``(B, Hq, Tq)`` or None
+    (sinks per head or per query; infinite ones as :func:`attnlab.scores.sink_logits` says)."""
+    if call.sinks is None:
+        return softmax_rows(scores), None
+    logits = sink_logits(call.sinks, scores.dtype)  # (B|1, Hq|1, Tq|1)
+    column = logits.unsqueeze(-1).expand(*scores.shape[:-1], 1)  # (B, Hq, Tq, 1)
+    both = softmax_rows(torch.cat([scores, column], dim=-1))  # (B, Hq, Tq, k + 1)
+    return both[..., :-1], both[..., -1]
+
+
+class _TopK(torch.autograd.Function):
+    """Forward and analytic backward at the pairs; saves the weights (O(T·k)), never the scores' inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, call, pattern):
+        work = score_dtype(q.dtype)
+        qw, kw, vw = (t.to(work) for t in (q, k, v))
+        B, Hq, Tq, _ = q.shape
+        Hkv, Tk = k.shape[1], k.shape[2]
+        csr = _csr(pattern.cols, Tk, work)
+        scores = _sampled(csr, qw, repeat_kv(kw, Hq)) * call.scale  # (B, Hq, Tq, k)
+        if pattern.bias is not None:
+            scores = scores + pattern.bias.to(work)
+        scores = scores.masked_fill(~pattern.allowed, float("-inf"))
+        weights, sink_share = _softmax(call, scores)
+        rows = _bag_rows(pattern.cols, Hkv, Tk)
+        out = _weighted_rows(rows, vw.reshape(B * Hkv * Tk, -1), weights).view(B, Hq, Tq, -1)  # (B, Hq, Tq, Dv)
+        ctx.save_for_backward(qw, kw, vw, weights, out, sinks, sink_share)
+        ctx.extra = (call.scale, pattern.cols, csr, rows, q.dtype)
+        ctx.mark_non_differentiable(weights)
+        return out.to(q.dtype), weights
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_weights):
+        qw, kw, vw, weights, out, sinks, sink_share = ctx.saved_tensors
+        scale, cols, csr, rows, dtype = ctx.extra
+        B, Hq, Tq, _ = qw.shape
+        Hkv, Tk = kw.shape[1], kw.shape[2]
+        dout = grad_out.to(qw.dtype)
+        delta = (dout * out).sum(dim=-1, keepdim=True)  # (B, Hq, Tq, 1)
+        dweights = _sampled(csr, dout, repeat_kv(vw, Hq))  # (B, Hq, Tq, k)
+        dscores = torch.where(weights > 0, weights * (dweights - delta), 0.0)
+        dq = _weighted_rows(rows, kw.reshape(B * Hkv * Tk, -1), dscores).view_as(qw) * scale
+        dk, dv = _key_grads(cols, qw, dout, dscores * scale, weights, Hkv, Tk)
+        dsinks = None if sinks is None else sink_gradient(-(sink_share * delta[..., 0]), sinks)  # sinks' shape
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks, None, None
+
+
+class _Nothing(torch.autograd.Function):
+    """A call without a single pair: a zero output whose inputs get zero gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks):
+        ctx.save_for_backward(q, k, v, sinks)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])  # (B, Hq, Tq, Dv)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return tuple(None if t is None else torch.zeros_like(t) for t in ctx.saved_tensors)
+
+
+def _key_grads(cols, q, dout, dscores, weights, kv_heads, tk):
+    """dk, dv ``(B, Hkv, Tk, X)``: each key sums its bag of (query, weight), the pairs sorted by key
+    once per distinct list (``cols`` is a stride-0 view where heads or batch share one)."""
+    B, Hq, Tq, K = cols.shape
+    group = Hq // kv_heads
+    dk = q.new_zeros(B, kv_heads, tk, q.shape[-1])
+    dv = q.new_zeros(B, kv_heads, tk, dout.shape[-1])
+    bags = {}
+    for b in range(B):
+        for h in range(Hq):
+            pairs = cols[b, h]  # (Tq, k)
+            key = (pairs.data_ptr(), pairs.stride())
+            if key not in bags:
+                order = pairs.reshape(-1).argsort()
+                keys = torch.arange(tk + 1, dtype=pairs.dtype, device=cols.device)
+                edges = torch.searchsorted(pairs.reshape(-1)[order], keys, out_int32=pairs.dtype == torch.int32)
+                bags[key] = (order, (order // K).to(pairs.dtype), edges)
+            order, query_of, edges = bags[key]
+            dk[b, h // group] += F.embedding_bag(query_of, q[b, h], edges, mode="sum", include_last_offset=True,
+                                                 per_sample_weights=dscores[b, h].reshape(-1)[order])
+            dv[b, h // group] += F.embedding_bag(query_of, dout[b, h], edges, mode="sum", include_last_offset=True,
+                                                 per_sample_weights=weights[b, h].reshape(-1)[order])
+    return dk, dv
+
+
+def topk_attention(call: AttentionCall, indices: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Attention of each query over its listed keys ∩ the call's mask.
+
+    Args:
+        call: a validated call (no dropout, no score mod: see :func:`refusal`).
+        indices: ``(B|1, Hkv|1, Tq, k)`` int64 from :func:`check_indices`.
+
+    Returns:
+        ``out (B, Hq, Tq, Dv)`` and, when ``call.return_weights``, the dense weights
+        ``(B, Hq, Tq, Tk)`` (zeros outside the set), else None. A query with no key gets zeros
+        and zero gradient.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> call = build_call(q, q, q, return_weights=True)
+        >>> out, weights = topk_attention(call, check_indices(torch.tensor([[2], [-1], [0]]), call, rank=4))
+        >>> weights[0, 0].tolist()       # one listed key each; the second query has none
+        [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    """
+    B, Hq, Tq, _ = call.q.shape
+    if min(call.q.numel(), call.k.numel(), indices.shape[-1]) == 0:  # no pair at all: zeros, zero gradient
+        out = _Nothing.apply(call.q, call.k, call.v, call.sinks)
+        return out, call.q.new_zeros(B, Hq, Tq, call.tk) if call.return_weights else None
+    pattern = _pattern(call, indices)
+    out, weights = _TopK.apply(call.q, call.k, call.v, call.sinks, call, pattern)
+    if not call.return_weights:
+        return out, None
+    dense = weights.new_zeros(B, Hq, Tq, call.tk).scatter_add_(-1, pattern.cols, weights.detach())
+    return out, dense.to(call.dtype)
