@@ -649,14 +649,20 @@ def _compare(config: Config, dtype: torch.dtype, oracle: tuple, got: list[Tensor
     bound = _flash_backward_bound(config, dtype, reduction)
     errors, allowed = [], []
     for i, have in zip(which, got):
-        size, terms = magnitude, reduction
+        size, terms, held = magnitude, reduction, dtype
         if i >= 4:  # a score mod's tensor or the sinks: a sum over every query (and key) it meets
             size = max(magnitude, float(exact[i].abs().max()) if exact[i].numel() else 0.0)
             terms = reduction * config.tq * config.batch
-        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), dtype, size,
+            held = _coarser(dtype, _parts_dtype(config, dtype))  # its gradient is rounded to its dtype
+        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), held, size,
                                      reduction=terms, gradient=i > 0) + bound.get(i, 0.0))
         errors.append(_max_err(have, exact[i]))
     return tuple(errors), tuple(allowed)
+
+
+def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
+    """Of ``dtype`` and ``other`` (None: none), the one with the larger floor."""
+    return dtype if other is None or _FLOORS[dtype] >= _FLOORS[other] else other
 
 
 def _flash_backward_bound(config: Config, dtype: torch.dtype, reduction: int) -> dict[int, float]:
