@@ -76,6 +76,22 @@ def test_configs_cover_the_design_space():
     assert pairs == {(m, *c) for m in verify._MASKS for c in verify._CAUSAL}
 
 
+def test_configs_draw_what_issue_30_found_bugs_with():
+    """Compositions of mixed-dtype mods, values near 1 (learnable bf16 slopes), empty sizes and
+    large logits: each drawn, and each served and exact where drawn."""
+    cfgs = verify.configs(N_CONFIGS, seed=1)
+    assert any(c.score == "mixed" for c in cfgs)
+    assert any(c.values == "near_one" and "alibi" in c.score for c in cfgs)
+    assert any(c.batch == 0 for c in cfgs) and any(c.tq == 0 for c in cfgs) and any(c.tk == 0 for c in cfgs)
+    assert any(c.scale == 40.0 for c in cfgs)
+    mixed = next(c for c in cfgs if c.score == "mixed" and min(c.batch, c.tq, c.tk) > 0)
+    options, learned = verify._options(mixed, torch.float32, True)
+    assert {t.dtype for t in learned} == {torch.bfloat16}  # held in another dtype than the call's
+    for name, dtype in (("sdpa", torch.float32), ("chunked", torch.float64)):
+        result = verify.check(name, mixed, dtype)
+        assert result.served and result.passed, result
+
+
 def test_quick_configs_cover_small_shapes_and_every_mask_kind():
     """What ``attnlab verify --quick`` draws (16 configurations, small)."""
     cfgs = verify.configs(16, small=True)

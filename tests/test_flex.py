@@ -538,3 +538,43 @@ def test_a_users_function_is_declined_in_half_precision_on_cpu(dtype):
     with torch.no_grad():  # auto serves it exactly elsewhere
         out = attnlab.attention(q, k, v, score_mod=fn)
     _assert_conforms(out, q, k, v, score_mod=fn)
+
+
+def test_a_score_mod_inductor_cannot_lower_is_declined_for_that_mod_only(monkeypatch):
+    """A user's function Inductor could not lower (``torch.sort(t).values[q_idx]``) raised an
+    InductorError, and flex then declined every call, plain causal included, until clear_plans().
+    The kernel is stood in for here: a real failed lowering takes ~20 s to compile."""
+    class InductorError(RuntimeError):
+        pass
+
+    real = flex_module.FlexBackend._kernel
+
+    def kernel(self):
+        compiled = real(self)
+
+        def run(q, k, v, *, score_mod=None, **options):
+            if getattr(getattr(score_mod, "score_mod", None), "user_function", False):
+                raise InductorError("LoweringException: PendingUnbackedSymbolNotFound: u0, u1")
+            return compiled(q, k, v, score_mod=score_mod, **options)
+        return run
+
+    monkeypatch.setattr(flex_module.FlexBackend, "_kernel", kernel)
+    flex = backends.get("flex")
+    q, k, v = _qkv()
+    table = torch.randn(T)
+    bad = scores.function(lambda s, b, h, i, j: s + torch.sort(table).values[i])
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match="could not lower the score mod function"):
+                attnlab.attention(q, k, v, score_mod=bad, backend="flex")
+            why = backends.reasons(build_call(q, k, v, score_mod=bad))["flex"]
+            assert any("InductorError" in reason for reason in why), why
+            assert backends.reasons(build_call(q, k, v, causal=True))["flex"] == []
+            out = attnlab.attention(q, k, v, causal=True, backend="flex")  # still served
+            _assert_conforms(out, q, k, v, causal=True)
+            other = scores.function(lambda s, b, h, i, j: s * 0.5)
+            assert backends.reasons(build_call(q, k, v, score_mod=other))["flex"] == []
+            out = attnlab.attention(q, k, v, score_mod=bad)  # auto: served elsewhere
+            _assert_conforms(out, q, k, v, score_mod=bad)
+    finally:
+        flex._mod_errors.clear()

@@ -223,6 +223,32 @@ def test_export_with_a_dynamic_sequence_length(kind):
         torch.testing.assert_close(program.module()(q, k, v), want, rtol=0, atol=1e-5)
 
 
+class _DataDependentBatch(torch.nn.Module):
+    """Attention over the first ``n.item()`` sequences: a batch size known only from data."""
+
+    def __init__(self, options: dict):
+        super().__init__()
+        self.options = options
+
+    def forward(self, n, q, k, v):
+        rows = n.item()
+        torch._check_is_size(rows)
+        torch._check(rows <= q.shape[0])
+        return attnlab.attention(q[:rows], k[:rows], v[:rows], **self.options)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal"])
+def test_export_with_a_data_dependent_batch_size(kind):
+    # The broadcast check compared the batch size with 1 (Ne(u0, 1)): a guard on a size known
+    # only at run time, which export refuses; F.scaled_dot_product_attention exports.
+    example = (torch.tensor(3), *(torch.randn(4, 2, 8, 4) for _ in range(3)))
+    program = torch.export.export(_DataDependentBatch(EXPORTED[kind]), example)
+    q, k, v = (torch.randn(4, 2, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for rows in (1, 2, 4):
+        want = F.scaled_dot_product_attention(q[:rows], k[:rows], v[:rows], is_causal=kind == "causal")
+        torch.testing.assert_close(program.module()(torch.tensor(rows), q, k, v), want, rtol=0, atol=1e-5)
+
+
 def test_tiled_backends_decline_while_exported_at_a_symbolic_length():
     """chunked and blocks loop over tiles of the sequence in Python and read the mask's values to
     skip them, flex compiles per static shape: traced at a symbolic length they would fix it, which

@@ -252,6 +252,25 @@ def _large_scores():
     return [t.half() for t in (q, k, v)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", _names())
+def test_a_float_mask_row_at_finfo_min_is_a_uniform_softmax_forward_and_backward(name, dtype):
+    """transformers masks with finfo.min: a row held there is, in the math eager computes, a
+    uniform softmax (the scores vanish next to min) with a well-defined gradient. sdpa and
+    chunked gave it a backward Tk times too large: exp(s - lse) with lse = min + log(Tk) rounded
+    to min. Compared with the fp64 reference of the same mask."""
+    q, k, v = (t.to(dtype) for t in _qkv())
+    mask = torch.zeros(T, T, dtype=dtype)
+    mask[3] = torch.finfo(dtype).min  # one row held at min everywhere
+    mask[5, ::2] = torch.finfo(dtype).min  # and a row half blocked this way
+    got = _run(name, [q, k, v], mask=mask)
+    exact = _run("reference", [t.double() for t in (q, k, v)], mask=mask.double())
+    torch.testing.assert_close(got[0].double(), exact[0], rtol=0, atol=1e-5)
+    assert torch.allclose(exact[0][:, :, 3].double(), v.double().mean(dim=2))  # uniform
+    for have, want in zip(got[1] or [], exact[1]):
+        torch.testing.assert_close(have.double(), want, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", _names())
 def test_fp16_large_scores_are_finite_and_match_fp64(name):
     q, k, v = _large_scores()
@@ -385,7 +404,7 @@ def test_returned_weights_are_a_softmax_at_any_logit_range(name, magnitude):
         assert w[0].triu(1).eq(0).all(), "causally blocked keys get weight 0"
 
 
-def _flash_rounding(q, k, v, d_out, magnitude, exact):
+def _flash_rounding(q, k, v, d_out, magnitude, exact, scale=D ** -0.5):
     """What FlashAttention-style backwards (sdpa's and blocks' kernel, chunked) add to the
     rule, per out, dq, dk, dv, at scores of ``magnitude``:
 
@@ -398,7 +417,7 @@ def _flash_rounding(q, k, v, d_out, magnitude, exact):
       the plain softmax backward, ~30 at 1e8 in dq whose exact value is 0.
     """
     weights = 2.0**-24 * magnitude if magnitude < 1e6 else 0.0
-    delta = 2.0**-24 * float(d_out.abs().max() * v.abs().max()) * math.sqrt(T) * D ** -0.5
+    delta = 2.0**-24 * float(d_out.abs().max() * v.abs().max()) * math.sqrt(k.shape[-2]) * abs(scale)
     return (weights * float(exact[0].abs().max()), delta * float(k.abs().max()),
             delta * float(q.abs().max()), weights * float(exact[1][2].abs().max()))
 
@@ -417,6 +436,45 @@ def test_gradients_at_large_logits_match_fp64(name, magnitude):
     d_out = _d_out(got[0].shape)
     exact = _fp64_attention(q, k, v, allowed, D ** -0.5, d_out)
     _assert_within_rule(name, got, exact, plain, extra=_flash_rounding(q, k, v, d_out, magnitude, exact))
+
+
+@pytest.mark.parametrize("name", _names())
+def test_gradients_at_a_large_scale_keep_the_documented_bound(name):
+    """Causal, scale 1000, fp32: dq and dk were 0.0034 off on sdpa, chunked and blocks where the
+    largest gradient is 0.0046 and the reference's error 0.00013: the FlashAttention-2 backward's
+    ``rowsum(dO * O)`` against ``dP`` (see _flash_rounding), which the scale multiplies. The
+    promise (docs/design.md, "Scale") is the rule plus that bound; sdpa's and blocks' is the
+    kernel's own, chunked is the same algorithm."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=gen) for _ in range(3))
+    got = _run(name, [q, k, v], causal=True, scale=1000.0)
+    plain = _run("reference", [q, k, v], causal=True, scale=1000.0)
+    allowed = torch.ones(32, 32, dtype=torch.bool).tril()
+    d_out = _d_out(got[0].shape)
+    exact = _fp64_attention(q, k, v, allowed, 1000.0, d_out)
+    magnitude = 1000.0 * float((q.double() @ k.double().transpose(-2, -1)).abs().max())
+    _assert_within_rule(name, got, exact, plain,
+                        extra=_flash_rounding(q, k, v, d_out, magnitude, exact, scale=1000.0))
+
+
+@pytest.mark.parametrize("name", ["sdpa", "blocks", "chunked", "auto"])
+def test_half_precision_output_does_not_depend_on_grad_mode(name):
+    """sdpa and blocks folded the scale into fp16/bf16 q whenever a backward would run: q * 1000
+    overflowed fp16 to inf (NaN out), and in bf16 the rounding of q * scale moved large scores
+    by enough to change which key wins (0.12 off, 0.007 without grad)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
+    for dtype, q_times, scale in ((torch.float16, 100.0, 1000.0), (torch.bfloat16, 1.0, 37.3)):
+        inputs = [(q * q_times).to(dtype), k.to(dtype), v.to(dtype)]
+        with torch.no_grad():
+            without = attnlab.attention(*inputs, causal=True, scale=scale, backend=name)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with_grad = attnlab.attention(*leaves, causal=True, scale=scale, backend=name)
+        assert torch.equal(with_grad.detach(), without), dtype
+        exact = attnlab.attention(*(t.double() for t in inputs), causal=True, scale=scale, backend="reference")
+        assert _max_err(without, exact) <= FLOOR[dtype] * 8 * float(exact.abs().max()), dtype
+        grads = torch.autograd.grad(with_grad, leaves, torch.ones_like(with_grad))
+        assert all(torch.isfinite(g).all() for g in grads), dtype
 
 
 def test_sdpa_repeated_calls_keep_a_zero_scale():

@@ -354,7 +354,7 @@ def _check_score_mod(score_mod: object, q4: Tensor, tk: int) -> _scores.ScoreMod
     refused here (:func:`attnlab.scores.check_function`)."""
     if score_mod is None:
         return None
-    mod = _scores.as_score_mod(score_mod)
+    mod = _scores.as_score_mod(score_mod).for_call(dtype=_score_probe_dtype(q4.dtype), device=q4.device)
     B, H, Tq, _ = q4.shape
     mod.check(batch=B, heads=H, tq=Tq, tk=tk, device=q4.device)
     if _scores.has_function(mod) and min(B, H, Tq, tk) > 0:

@@ -272,8 +272,28 @@ def broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
     shape = [1] * rank
     for one in shapes:
         for axis, size in enumerate(one, start=rank - len(one)):
-            if size != 1:
-                if shape[axis] != 1 and shape[axis] != size:
+            if not _is_one(size):
+                if not _is_one(shape[axis]) and not _same(shape[axis], size):
                     return None
                 shape[axis] = size
     return tuple(shape)
+
+
+def _is_one(size) -> bool:
+    """``size == 1``; a size that depends on data while ``torch.export`` traces (an unbacked
+    symbol, ``q[:n.item()]``) is taken as not 1 without a guard, as PyTorch's own broadcasting
+    takes it."""
+    if isinstance(size, int):
+        return size == 1
+    return torch.fx.experimental.symbolic_shapes.guard_or_false(size == 1)  # loaded: size is symbolic
+
+
+def _same(a, b) -> bool:
+    """``a == b`` for sizes; two data-dependent sizes that tracing cannot tell apart are taken
+    as equal and checked when the traced program runs (``torch._check``)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if not torch.fx.experimental.symbolic_shapes.guard_or_true(a == b):
+        return False
+    torch._check(a == b)
+    return True

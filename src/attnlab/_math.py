@@ -31,6 +31,7 @@ __all__ = [
     "softmax_rows",
     "apply_dropout",
     "folds_scale",
+    "kernel_scales",
 ]
 
 
@@ -233,16 +234,39 @@ def apply_dropout(attn_weights: Tensor, p: float, generator: torch.Generator | N
     return attn_weights * keep.div_(1.0 - p)
 
 
-def folds_scale(call: AttentionCall) -> bool:
-    """Whether a fused kernel must get ``q * scale`` and scale 1 rather than ``q`` and ``scale``.
+def kernel_scales(call: AttentionCall) -> tuple[float, float]:
+    """``(factor, scale)``: a fused kernel gets ``q * factor`` and ``scale`` (factor 1: q as it is).
 
     PyTorch's CPU flash kernel (behind ``sdpa`` and ``blocks``) fills causally blocked scores
     with ``-inf`` before it multiplies by the scale: a scale of 0 makes them ``-inf * 0 = NaN``
     and a negative one ``+inf``. Its backward recomputes the scores as one ``scale * q @ k^T``
     product where its forward rounded ``q @ k^T`` and then scaled it, so at scores of 1e5 and
     beyond ``exp(scores - lse)`` is off by ``e**ulp(scores)`` (value gradients 1e27 off at 1e8).
-    With the scale folded into q and scale 1 passed, both passes compute the same products;
-    it costs one pass over q, paid only where it matters: scale <= 0, or a backward pass ahead.
+    So fp32/fp64 calls fold the whole scale into q (scale 1) where it matters: scale <= 0, or
+    a backward pass ahead. fp16/bf16 calls never round ``q * scale`` to their own dtype: it
+    overflows fp16 past 65504 and moves large scores enough to change which key wins, which
+    would make the output depend on grad mode; they fold only what is exact (a sign, or 0)
+    and pass ``|scale|``, the kernel scaling in fp32. Decided from the Python float, the dtype
+    and grad mode, never from tensor values.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> kernel_scales(build_call(q, q, q, scale=-2.0)), kernel_scales(build_call(q.half(), q.half(), q.half(), scale=-2.0))
+        ((-2.0, 1.0), (-1.0, 2.0))
+    """
+    scale = call.scale
+    if scale == 0.0:
+        return 0.0, 1.0
+    if call.dtype in (torch.float16, torch.bfloat16):
+        return (-1.0, -scale) if scale < 0.0 else (1.0, scale)
+    if scale < 0.0 or (call.requires_grad and scale != 1.0):
+        return scale, 1.0
+    return 1.0, scale
+
+
+def folds_scale(call: AttentionCall) -> bool:
+    """Whether a fused kernel gets q multiplied by anything (see :func:`kernel_scales`).
 
     Example:
         >>> from attnlab._call import build_call
@@ -250,4 +274,4 @@ def folds_scale(call: AttentionCall) -> bool:
         >>> folds_scale(build_call(q, q, q, scale=0.0)), folds_scale(build_call(q, q, q))
         (True, False)
     """
-    return call.scale <= 0.0 or (call.requires_grad and call.scale != 1.0)
+    return kernel_scales(call)[0] != 1.0

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import broadcast_shape, int_value, positive_int, positive_number
+from attnlab.masks import _IndexWithTensors
 
 __all__ = [
     "ScoreMod",
@@ -54,6 +55,7 @@ __all__ = [
     "relative_position_bucket",
     "bias",
     "compose",
+    "additive_term",
     "function",
     "as_score_mod",
     "has_function",
@@ -157,6 +159,17 @@ class ScoreMod:
         """The mod's Python settings (not tensors), for :meth:`signature`."""
         return ()
 
+    def for_call(self, *, dtype: torch.dtype, device: torch.device) -> ScoreMod:
+        """The mod as a call computing scores in ``dtype`` on ``device`` uses it: tensors attnlab
+        made from Python numbers (ALiBi's slopes from floats or a head count) follow the call,
+        as a float literal in the reference's arithmetic would; the caller's tensors are kept.
+
+        Example:
+            >>> alibi([0.5]).for_call(dtype=torch.float64, device=torch.device("cpu")).slopes.dtype
+            torch.float64
+        """
+        return self
+
     def signature(self) -> tuple:
         """What dispatch keys on: the kind, its Python settings, and each tensor's shape, dtype,
         device and ``requires_grad`` -- never a tensor value.
@@ -239,14 +252,14 @@ def softcap(cap: float) -> Softcap:
     return Softcap(cap)
 
 
-def alibi_slopes(num_heads: int) -> Tensor:
+def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
     """Per-head ALiBi slopes: the geometric sequence ``2**(-8 i / n)``, ``i = 1..n``.
 
     For a head count that is not a power of two, the slopes of the closest lower power of two
     are followed by every other slope of the next power of two (as in the paper's code).
 
     Shapes:
-        returns ``(num_heads,)`` float32.
+        returns ``(num_heads,)`` in ``dtype`` (float32 by default).
 
     Example:
         >>> alibi_slopes(4)
@@ -261,7 +274,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
     slopes = power_of_two(closest)
     if closest < num_heads:
         slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=dtype)
 
 
 class Alibi(ScoreMod):
@@ -276,8 +289,15 @@ class Alibi(ScoreMod):
     additive = True
     relative = True
 
-    def __init__(self, slopes: Tensor, *, symmetric: bool, offset: int):
+    def __init__(self, slopes: Tensor, *, symmetric: bool, offset: int, numbers: tuple[float, ...] | None = None):
         self.slopes, self.symmetric, self.offset = slopes, symmetric, offset
+        self.numbers = numbers  # the Python floats the slopes were made from, if they were
+
+    def for_call(self, *, dtype, device):
+        if self.numbers is None or (self.slopes.dtype, self.slopes.device) == (dtype, device):
+            return self
+        slopes = torch.tensor(self.numbers, dtype=dtype, device=device)
+        return Alibi(slopes, symmetric=self.symmetric, offset=self.offset, numbers=self.numbers)
 
     def bias(self, b, h, q_idx, kv_idx):
         distance = q_idx + self.offset - kv_idx
@@ -334,16 +354,19 @@ def alibi(slopes: Tensor | Sequence[float] | int, *, symmetric: bool = False, of
         tensor([[ 0.0000,  0.5000],
                 [-0.5000,  0.0000]])
     """
+    numbers = None
     if isinstance(slopes, int) and not isinstance(slopes, bool):
-        slopes = alibi_slopes(slopes)
+        numbers = tuple(alibi_slopes(slopes, dtype=torch.float64).tolist())
     elif isinstance(slopes, (list, tuple)):
-        slopes = torch.tensor([float(s) for s in slopes], dtype=torch.float32)
+        numbers = tuple(float(s) for s in slopes)
+    if numbers is not None:  # float32 until a call gives them its dtype (ScoreMod.for_call)
+        slopes = torch.tensor(numbers, dtype=torch.float32)
     slopes = _float_tensor("slopes", slopes)
     if slopes.ndim != 1:
         raise ValueError(f"slopes must have shape (heads,), got {tuple(slopes.shape)}")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-    return Alibi(slopes, symmetric=symmetric, offset=int_value("offset", offset))
+    return Alibi(slopes, symmetric=symmetric, offset=int_value("offset", offset), numbers=numbers)
 
 
 def relative_position_bucket(relative_position: Tensor, *, bidirectional: bool, num_buckets: int,
@@ -473,7 +496,8 @@ class Bias(ScoreMod):
     def bias(self, b, h, q_idx, kv_idx):
         t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))  # (B|1, H|1, Tq|1, Tk|1)
         # A broadcast dim reads index 0 through an all-size-1 index: the result keeps size 1 there.
-        index = [i if n > 1 else i.new_zeros((1,) * i.ndim) if isinstance(i, Tensor) else 0
+        # An empty dim (B, Tq or Tk of 0) is indexed by its own empty indices, never by index 0.
+        index = [i if n != 1 else i.new_zeros((1,) * i.ndim) if isinstance(i, Tensor) else 0
                  for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
         return t[tuple(index)]
 
@@ -527,16 +551,27 @@ class Composed(ScoreMod):
             score = mod(score, b, h, q_idx, kv_idx)
         return score
 
-    def bias(self, b, h, q_idx, kv_idx):
+    def bias(self, b, h, q_idx, kv_idx, *, dtype: torch.dtype | None = None):
+        """The parts' terms summed, each first cast to ``dtype`` when given: a kernel that takes
+        the sum as its float mask passes its computation dtype, so that bf16 parts in an fp32
+        call (or fp32 parts in an fp64 one) add up as they do on the scores, not in their own
+        dtype."""
         if not self.additive:
             return super().bias(b, h, q_idx, kv_idx)
-        total = self.mods[0].bias(b, h, q_idx, kv_idx)
-        for mod in self.mods[1:]:
-            total = total + mod.bias(b, h, q_idx, kv_idx)
+        terms = (mod.bias(b, h, q_idx, kv_idx) for mod in self.mods)
+        if dtype is not None:
+            terms = (term.to(dtype) for term in terms)
+        total = next(terms)
+        for term in terms:
+            total = total + term
         return total
 
     def params(self):
         return tuple(p for m in self.mods for p in m.params())
+
+    def for_call(self, *, dtype, device):
+        parts = tuple(mod.for_call(dtype=dtype, device=device) for mod in self.mods)
+        return self if all(a is b for a, b in zip(parts, self.mods)) else Composed(parts)
 
     def with_params(self, params):
         parts, at = [], 0
@@ -555,6 +590,21 @@ class Composed(ScoreMod):
 
     def __repr__(self) -> str:
         return " + ".join(map(repr, self.mods))
+
+
+def additive_term(mod: ScoreMod, b, h, q_idx, kv_idx, *, dtype: torch.dtype) -> Tensor:
+    """An additive mod's term at the broadcast indices in ``dtype``, a composition's parts each
+    cast to ``dtype`` before they are summed (what adding them one by one to ``dtype`` scores
+    gives, as the reference does).
+
+    Example:
+        >>> parts = bias(torch.tensor(1.0, dtype=torch.bfloat16)) + bias(torch.tensor(2**-9, dtype=torch.bfloat16))
+        >>> additive_term(parts, *grid(1, 1, (0, 1), (0, 1)), dtype=torch.float32).item()
+        1.001953125
+    """
+    if isinstance(mod, Composed):
+        return mod.bias(b, h, q_idx, kv_idx, dtype=dtype)
+    return mod.bias(b, h, q_idx, kv_idx).to(dtype)
 
 
 def compose(*mods: ScoreMod | Callable) -> ScoreMod:
@@ -739,37 +789,73 @@ def apply_tile(mod: ScoreMod, score: Tensor, *, q_start: int, kv_start: int) -> 
     key ``kv_start``; the result has the tile's shape.
 
     Structured mods and functions written with broadcasting ops are called once on the tile's
-    index grid. A function that cannot be called that way (it needs 0-d indices, as under
-    FlexAttention) is mapped position by position with ``torch.vmap``.
+    index grid. A function that cannot be called that way (it raises, or returns a shape that
+    is not the tile's: written for 0-d indices, as under FlexAttention, e.g. ``bias[b][q_idx]``)
+    is mapped position by position with ``torch.vmap``, indexing as FlexAttention does. A
+    composition applies its parts one by one, each evaluated as it would be alone.
 
     Raises:
         ValueError: the mod returned a shape that does not broadcast to the tile's (names
             ``score_mod``).
-        TypeError: it returned a non-tensor or a non-float tensor.
+        TypeError: it returned a non-tensor or a non-float tensor, or a function can be
+            evaluated neither way (``int(q_idx)``, a Python ``if`` on an index).
 
     Example:
         >>> apply_tile(alibi(torch.tensor([1.0])), torch.zeros(1, 1, 1, 3), q_start=2, kv_start=0)
         tensor([[[[-2., -1.,  0.]]]])
     """
+    if isinstance(mod, Composed) and mod.user_function:
+        for part in mod.mods:
+            score = apply_tile(part, score, q_start=q_start, kv_start=kv_start)
+        return score
     B, H, bq, bk = score.shape
     b, h, q_idx, kv_idx = grid(B, H, (q_start, q_start + bq), (kv_start, kv_start + bk), score.device)
     if isinstance(mod, FunctionMod):
-        try:
-            result = mod(score, b, h, q_idx, kv_idx)
-        except Exception:  # noqa: BLE001 -- written for 0-d indices: map it as FlexAttention does
-            result = _vmapped(mod, score, b, h, q_idx, kv_idx)
-    else:
+        return _checked(mod, _function_tile(mod, score, b, h, q_idx, kv_idx), score)
+    return _checked(mod, mod(score, b, h, q_idx, kv_idx), score)
+
+
+def _fits(result: object, score: Tensor) -> bool:
+    """Whether ``result`` is a tensor broadcasting to ``score``'s shape."""
+    return isinstance(result, Tensor) and broadcast_shape([tuple(result.shape), tuple(score.shape)]) == tuple(score.shape)
+
+
+def _function_tile(mod: FunctionMod, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
+    """A user's function on the tile's grid, or mapped per position when the grid call fails."""
+    try:
         result = mod(score, b, h, q_idx, kv_idx)
-    return _checked(mod, result, score)
+        if _fits(result, score):
+            return result
+        grid_error: Exception = ValueError(f"it returned shape {tuple(getattr(result, 'shape', ()))}")
+    except Exception as err:  # noqa: BLE001 -- written for 0-d indices: map it as FlexAttention does
+        grid_error = err
+    try:
+        return _vmapped(mod, score, b, h, q_idx, kv_idx)
+    except Exception as scalar_err:  # noqa: BLE001
+        if _first_line(scalar_err) == _first_line(grid_error):
+            raise  # the function's own error, whichever way it is called: the user's to see
+        raise TypeError(
+            f"score_mod: {mod!r} cannot be evaluated. attnlab evaluates a score mod as FlexAttention "
+            f"does, once per position on 0-d index tensors under torch.vmap, where {_first_line(scalar_err)}; "
+            f"called on whole index tensors instead, {_first_line(grid_error)}. Write it with tensor "
+            "operations on the indices (torch.where for choices; no .item(), int(), bool() or Python "
+            "if/while on index values)") from scalar_err
+
+
+def _first_line(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # vmap's text goes on
+    return f"{type(err).__name__}: {first}"
 
 
 def _vmapped(mod: ScoreMod, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
-    """``mod`` per position through four nested ``torch.vmap`` over ``(B, H, bq, bk)``."""
+    """``mod`` per position through four nested ``torch.vmap`` over ``(B, H, bq, bk)``, indexing
+    with tensors as FlexAttention does (``bias[b][q_idx]`` maps)."""
     fn = mod
     for dims in ((0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None),
                  (0, 0, None, None, None)):
         fn = torch.vmap(fn, in_dims=dims)
-    return fn(score, b.flatten(), h.flatten(), q_idx.flatten(), kv_idx.flatten())
+    with _IndexWithTensors():
+        return fn(score, b.flatten(), h.flatten(), q_idx.flatten(), kv_idx.flatten())
 
 
 def _checked(mod: ScoreMod, result: object, score: Tensor) -> Tensor:

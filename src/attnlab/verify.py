@@ -17,9 +17,15 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   separately: its random mask differs by backend). Every fourth configuration adds a score
   mod or sinks, cycled through :data:`SCORE_KINDS` (softcap, ALiBi both ways, T5's relative
   bias, an additive bias, a composition, a user's function, sinks alone and with mods, sinks
-  per query broadcasting over batch or heads, and infinite ones), so that they meet every mask
-  kind, fully masked rows included; their learnable tensors (slopes, table, bias, sink logits)
-  are checked in the backward pass like q, k and v.
+  per query broadcasting over batch or heads, infinite ones, and ``"mixed"``: ALiBi plus a bias
+  held in a dtype other than the call's), so that they meet every mask kind, fully masked rows
+  included; their learnable tensors (slopes, table, bias, sink logits, in the call's dtype:
+  bf16 in a bf16 sweep) are checked in the backward pass like q, k and v. What issue 30's fuzz
+  found bugs with is drawn too, from a generator of its own: values near 1 (v = 1 + 0.01 noise)
+  on one configuration in 8 and every other one with ALiBi, an empty batch, query or key
+  sequence on one in 16, and a scale of 40 (large logits, in half precision too) among the
+  custom scales. The rule adds, for dq and dk, the FlashAttention-2 backward's documented
+  bound (docs/design.md, "Scale").
 * a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
   over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others,
   score mods and sinks included (blocks declines the ones that are not additive).
@@ -55,6 +61,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable
@@ -86,11 +93,11 @@ _MASKS = ("none", "bool", "padding", "float", "mod_window", "mod_lambda", "mod_p
 BOUNDED_MASKS = ("mod_window", "mod_combined", "mod_document", "mod_prefix", "mod_chunked",
                  "mod_varlen")
 _CAUSAL = ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
-# Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 8 of the 12).
+# Score mods and sinks, cycled on every fourth configuration (sdpa and blocks serve 9 of the 13).
 # Sinks are per head, except query_sinks (one logit per query, (B|1, H|1, Tq)) and
 # infinite_sinks (per query, a quarter of them +inf and a quarter -inf).
 SCORE_KINDS = ("softcap", "alibi", "sinks", "relative", "bias", "composed", "alibi_symmetric",
-               "function", "softcap_sinks", "alibi_sinks", "query_sinks", "infinite_sinks")
+               "function", "softcap_sinks", "alibi_sinks", "query_sinks", "infinite_sinks", "mixed")
 # The score kinds flex serves (it declines sinks), and in fp16/bf16 (where it also declines a
 # user's function on CPU: torch's compiled kernel miscomputes some).
 FLEX_SCORE_KINDS = tuple(kind for kind in SCORE_KINDS if "sinks" not in kind)
@@ -152,6 +159,7 @@ class Config:
     q_layout: str = "contiguous"
     kv_layout: str = "contiguous"
     score: str = "none"
+    values: str = "normal"
 
     def label(self) -> str:
         """A short readable id, e.g. ``B1 H2/1 T3x5 D4/4 causal:bottom_right none``."""
@@ -161,8 +169,9 @@ class Config:
         layouts = "" if self.q_layout == self.kv_layout == "contiguous" else \
             f" q:{self.q_layout} kv:{self.kv_layout}"
         score = "" if self.score == "none" else f" score:{self.score}"
+        values = "" if self.values == "normal" else f" v:{self.values}"
         return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} T{self.tq}x{self.tk} "
-                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}{layouts}{score}")
+                f"D{self.head_dim}/{self.value_dim}{causal} {self.mask}{dead}{scale}{layouts}{score}{values}")
 
 
 def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | None,
@@ -200,6 +209,30 @@ def _draw_config(rng: torch.Generator, seed: int, index: int, shape: tuple | Non
                   align, dead_rows, scale, q_layout, kv_layout, score)
 
 
+def _with_extremes(config: Config, index: int, fixed: bool) -> Config:
+    """``config`` with :func:`_draw_extremes` applied (after the quick sweep's size filter, so
+    that every other draw stays as it was); an empty size only where the shape is drawn."""
+    values, empty = _draw_extremes(config.seed, index, config.score)
+    if fixed or empty is None:
+        return dataclasses.replace(config, values=values)
+    sizes = dict(batch=config.batch, tq=config.tq, tk=config.tk)
+    sizes[("batch", "tq", "tk")[empty]] = 0  # an empty batch or sequence, every 16th draw
+    return dataclasses.replace(config, values=values, **sizes)
+
+
+def _draw_extremes(seed: int, index: int, score: str) -> tuple[str, int | None]:
+    """What issue 30's fuzz found bugs with, drawn from a generator of its own (every other
+    draw stays as it was): values near 1 (``"near_one"``: v = 1 + 0.01 * noise, so that the
+    rounding of the output to bf16 is large against the weights' gradient, which a learnable
+    ALiBi slope multiplies by the distance) on one draw in 8 and on every other one with ALiBi,
+    and on one in 16 an empty batch (0), query (1) or key (2) sequence."""
+    rng = torch.Generator().manual_seed(seed + 104_729)
+    u = torch.rand(2, generator=rng)
+    slopes = "alibi" in score or score == "mixed"
+    values = "near_one" if float(u[0]) < 0.125 or (slopes and float(u[1]) < 0.5) else "normal"
+    return values, (index // 16) % 3 if index % 16 == 5 else None  # not a score configuration (index % 4 == 3)
+
+
 def _draw_layouts(seed: int, index: int) -> tuple[str, str, tuple | None]:
     """The q and k/v layouts of configuration ``index`` and the ``(B, Hq, Hkv)`` to use instead
     of the drawn ones (None: keep them).
@@ -221,11 +254,14 @@ def _draw_layouts(seed: int, index: int) -> tuple[str, str, tuple | None]:
 
 
 def _scale_of(u: float) -> float:
-    """A custom scale from a uniform draw ``u``: mostly in [0.3, 1.05), sometimes 0 (uniform
-    weights: with causal, the running mean) or negative (fused kernels mask before scaling)."""
+    """A custom scale from a uniform draw ``u``: mostly in [0.35, 1.05), sometimes 0 (uniform
+    weights: with causal, the running mean), negative (fused kernels mask before scaling) or
+    40 (large logits)."""
     if u < 0.1:
         return 0.0
-    return -4.0 * u if u < 0.25 else u + 0.05
+    if u < 0.25:
+        return -4.0 * u
+    return 40.0 if u < 0.3 else u + 0.05  # 40: large logits, where half-precision q * scale misleads
 
 
 def configs(
@@ -265,7 +301,7 @@ def configs(
         config = _draw_config(rng, seed * 100_003 + index, index, fixed, masks or _MASKS, kinds)
         if small and fixed is None and max(config.tq, config.tk) > 128:
             continue
-        result.append(config)
+        result.append(_with_extremes(config, index, fixed is not None))
     return result
 
 
@@ -384,6 +420,8 @@ def _drawn_inputs(config: Config):
                     dtype=torch.float64)
     v = torch.randn(config.batch, config.kv_heads, config.tk, config.value_dim, generator=gen,
                     dtype=torch.float64)
+    if config.values == "near_one":
+        v = 1.0 + 0.01 * v
     grad_weights = torch.randn(config.batch, config.q_heads, config.tq, config.value_dim,
                                generator=gen, dtype=torch.float64)
     return q, k, v, grad_weights, _mask_for(config, gen), _score_tensors(config, gen)
@@ -395,12 +433,14 @@ def _score_tensors(config: Config, gen: torch.Generator) -> dict:
     found = {}
     if "sinks" in kind:
         found["sinks"] = _sink_logits(config, gen)
-    if "alibi" in kind or kind == "composed":
+    if "alibi" in kind or kind in ("composed", "mixed"):
         found["slopes"] = torch.rand(H, generator=gen, dtype=torch.float64)
     if kind == "relative":
         found["table"] = torch.randn(8, H, generator=gen, dtype=torch.float64)
-    if kind in ("bias", "composed"):
+    if kind in ("bias", "composed", "mixed"):
         found["bias"] = torch.randn(config.batch, H, config.tq, config.tk, generator=gen, dtype=torch.float64)
+    if kind == "mixed":  # values bf16 holds exactly: the fp64 oracle sees the same parts
+        found = {name: t.to(torch.bfloat16).double() * (8.0 if name == "bias" else 1.0) for name, t in found.items()}
     return found
 
 
@@ -425,12 +465,12 @@ def _score_options(config: Config, tensors: dict) -> dict:
     mods = []
     if kind.startswith("softcap") or kind == "composed":
         mods.append(_scores.softcap(1.5))
-    if kind.startswith("alibi") or kind == "composed":
+    if kind.startswith("alibi") or kind in ("composed", "mixed"):
         mods.append(_scores.alibi(tensors["slopes"], symmetric=kind != "alibi", offset=offset))
     if kind == "relative":
         mods.append(_scores.relative_bias(tensors["table"], num_buckets=8, max_distance=12,
                                           bidirectional=not config.causal, offset=offset))
-    if kind in ("bias", "composed"):
+    if kind in ("bias", "composed", "mixed"):
         mods.append(_scores.bias(tensors["bias"]))
     if kind == "function":
         mods.append(_scores.function(_wavy))
@@ -453,10 +493,10 @@ def _laid_out(config: Config, dtype: torch.dtype, with_grad: bool, laid_out: boo
 
 
 def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, *,
-         laid_out: bool = True) -> list[Tensor]:
+         laid_out: bool = True, oracle_of: torch.dtype | None = None) -> list[Tensor]:
     """Output (and q/k/v gradients) of one backend, in fp64 for comparison."""
     q, k, v, d_out = _laid_out(config, dtype, with_grad, laid_out)
-    options, learned = _options(config, dtype, with_grad)
+    options, learned = _options(config, dtype, with_grad, oracle_of=oracle_of)
     with torch.set_grad_enabled(with_grad):
         out = attention(q, k, v, backend=backend, **options)
     if not with_grad:
@@ -470,22 +510,37 @@ def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, *,
     return [t.detach().double() for t in (out, *grads)]
 
 
-def _options(config: Config, dtype: torch.dtype, learn: bool) -> tuple[dict, list[Tensor]]:
+def _options(config: Config, dtype: torch.dtype, learn: bool, *,
+             oracle_of: torch.dtype | None = None) -> tuple[dict, list[Tensor]]:
     """The keyword options of the configuration's call in ``dtype``, and the tensors of its score
-    mod and sinks (leaves requiring grad when ``learn``, in a fixed order)."""
+    mod and sinks (leaves requiring grad when ``learn``, in a fixed order). ``oracle_of``: the
+    call is the oracle of a check in that dtype, and gets the values that check's tensors hold
+    (:func:`_parts_dtype`) in ``dtype``."""
     mask, score_tensors = _inputs(config)[4:]
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(dtype)
-    tensors = {name: t.to(dtype, copy=True).requires_grad_(learn) for name, t in score_tensors.items()}
+    parts = _parts_dtype(config, oracle_of or dtype)
+    held = dtype if oracle_of is not None or parts is None else parts
+    tensors = {name: (t if parts is None else t.to(parts)).to(held, copy=True).requires_grad_(learn)
+               for name, t in score_tensors.items()}
     options = dict(mask=mask, causal=config.causal, align=config.align, scale=config.scale,
                    **_score_options(config, tensors))
     return options, [tensors[name] for name in sorted(tensors)]
 
 
+def _parts_dtype(config: Config, dtype: torch.dtype) -> torch.dtype | None:
+    """For ``"mixed"``, the dtype its tensors are held in, other than the call's (fp32 in an fp64
+    call, bf16 in fp16/fp32 calls, fp32 in bf16 ones: a model holding bf16 biases calls in
+    fp32); None for the other kinds (held in the call's dtype)."""
+    if config.score != "mixed":
+        return None
+    return {torch.float64: torch.float32, torch.bfloat16: torch.float32}.get(dtype, torch.bfloat16)
+
+
 @functools.lru_cache(maxsize=1024)
 def _oracle(config: Config, dtype: torch.dtype, with_grad: bool) -> tuple:
     """(fp64 reference results, same-dtype reference results), cached across backends."""
-    return (_run(config, torch.float64, "reference", with_grad, laid_out=False),
+    return (_run(config, torch.float64, "reference", with_grad, laid_out=False, oracle_of=dtype),
             _run(config, dtype, "reference", with_grad, laid_out=False))
 
 
@@ -591,16 +646,37 @@ def _compare(config: Config, dtype: torch.dtype, oracle: tuple, got: list[Tensor
     # (dq, dk are exactly 0 with one key, yet a fused kernel's rounding is not).
     magnitude = max((float(t.abs().max()) for t in exact[:4] if t.numel()), default=0.0)
     reduction = max(config.head_dim, config.value_dim, config.tk)
+    bound = _flash_backward_bound(config, dtype, reduction)
     errors, allowed = [], []
     for i, have in zip(which, got):
-        size, terms = magnitude, reduction
+        size, terms, held = magnitude, reduction, dtype
         if i >= 4:  # a score mod's tensor or the sinks: a sum over every query (and key) it meets
             size = max(magnitude, float(exact[i].abs().max()) if exact[i].numel() else 0.0)
             terms = reduction * config.tq * config.batch
-        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), dtype, size,
-                                     reduction=terms, gradient=i > 0))
+            held = _coarser(dtype, _parts_dtype(config, dtype))  # its gradient is rounded to its dtype
+        allowed.append(allowed_error(_max_err(same_dtype[i], exact[i]), held, size,
+                                     reduction=terms, gradient=i > 0) + bound.get(i, 0.0))
         errors.append(_max_err(have, exact[i]))
     return tuple(errors), tuple(allowed)
+
+
+def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
+    """Of ``dtype`` and ``other`` (None: none), the one with the larger floor."""
+    return dtype if other is None or _FLOORS[dtype] >= _FLOORS[other] else other
+
+
+def _flash_backward_bound(config: Config, dtype: torch.dtype, reduction: int) -> dict[int, float]:
+    """The documented extra error of dq (1) and dk (2) in a FlashAttention-2 backward
+    (docs/design.md, "Scale"): ``D = rowsum(dO * O)`` is rounded another way than ``dP``, about
+    ``u * max|dO| * max|v| * sqrt(K)`` per score, times ``|scale| * max|k|`` in dq (``max|q|``
+    in dk); ``u`` the unit roundoff of the fp32 (fp64) arithmetic."""
+    q, k, v, d_out = _inputs(config)[:4]
+    if min(t.numel() for t in (q, k, v)) == 0:
+        return {}
+    scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
+    unit = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    per_score = unit * float(d_out.abs().max() * v.abs().max()) * math.sqrt(reduction) * abs(scale)
+    return {1: per_score * float(k.abs().max()), 2: per_score * float(q.abs().max())}
 
 
 # Grad mode crossed with the inputs that require grad, as (grad enabled, inputs): a backend

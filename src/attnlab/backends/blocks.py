@@ -34,7 +34,7 @@ The contract (``docs/design.md``) is kept exactly, or the call is declined:
 * ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact;
 * a scale <= 0, or any scale when a backward pass will run, is folded into q (the kernel
   scales its causal ``-inf`` fill, and its backward recomputes the scores with a different
-  rounding; see :func:`attnlab._math.folds_scale`);
+  rounding; fp16/bf16 fold only a sign or 0, exactly; see :func:`attnlab._math.kernel_scales`);
 * an additive score mod (ALiBi, T5's relative bias, a bias tensor and their sums) enters each
   run's mask as the mod's term on the run's tile, evaluated on every call from the mod's
   tensors (the plan holds no value of them): one tile for the whole run when the term depends
@@ -69,12 +69,12 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
-from attnlab._math import folds_scale, keep_nan_rows, score_dtype
+from attnlab._math import kernel_scales, keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.transforms import gradients_function, outside_transforms, vmap_by_slices
-from attnlab.scores import ScoreMod, sink_gradient, sink_logits
+from attnlab.scores import ScoreMod, additive_term, sink_gradient, sink_logits
 
 __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
@@ -396,23 +396,21 @@ def _kernel_inputs(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor
     Function's inputs (``torch.func`` hands the Function unwrapped tensors, never the call's)."""
     width = max(q.shape[-1], v.shape[-1])
     q, k, v = (_kernel_layout(_widened(t, width)) for t in (q, k, v))
-    return (q * plan.call.scale if plan.fold else q), k, v
+    return (q * plan.factor if plan.factor != 1.0 else q), k, v
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What the autograd function needs besides the tensors.
 
-    fold: the kernel gets ``q * scale`` and scale 1 (see :func:`attnlab._math.folds_scale`).
+    factor, kernel_scale: the kernel gets ``q * factor`` and ``kernel_scale`` (see
+    :func:`attnlab._math.kernel_scales`; factor 1: q as it is).
     """
 
     call: AttentionCall
     runs: tuple
-    fold: bool = False
-
-    @property
-    def kernel_scale(self) -> float:
-        return 1.0 if self.fold else self.call.scale
+    factor: float = 1.0
+    kernel_scale: float = 1.0
 
 
 def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor, first: bool) -> None:
@@ -455,10 +453,23 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor |
                       scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
+        if mod is not None:  # the kernel gives a row whose mask is all -inf lse 0: it is empty
+            empty = _empty_rows(mask, run)
+            o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, float("-inf"))
         _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
     if sinks is not None:
         _add_sinks(out, lse, sinks)
-    return out.to(q.dtype), lse
+    return out, lse
+
+
+def _empty_rows(mask: Tensor, run: _Run) -> Tensor:
+    """``(n|1, B*Hq|1, bq)``: rows of the run's mask ``(n|1, B*Hq|1, bq, keys)`` with no finite
+    entry (inside the causal triangle on a causal run), e.g. a score mod's ``-inf`` bias over
+    the piece. Their lse must be ``-inf`` for the merge by lse, not the kernel's 0."""
+    if run.causal:
+        tril = torch.ones(run.bq, run.keys, dtype=torch.bool, device=mask.device).tril()
+        mask = mask.masked_fill(~tril, float("-inf"))
+    return (mask == float("-inf")).all(dim=-1)
 
 
 def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
@@ -496,7 +507,7 @@ def _bias_tile(call: AttentionCall, mod: ScoreMod, run: _Run) -> Tensor:
     kv_idx = run.ks + step * run.k_step + torch.arange(run.keys, device=device).view(1, 1, 1, 1, -1)
     b = torch.arange(call.batch, device=device).view(1, -1, 1, 1, 1)
     h = torch.arange(call.q_heads, device=device).view(1, 1, -1, 1, 1)
-    term = mod.bias(b, h, q_idx, kv_idx).to(_mask_dtype(call))
+    term = additive_term(mod, b, h, q_idx, kv_idx, dtype=score_dtype(call.dtype)).to(_mask_dtype(call))
     term = term.reshape((1,) * (5 - term.ndim) + tuple(term.shape))  # (n|1, B|1, Hq|1, bq|1, keys|1)
     if term.shape[1] == 1 and term.shape[2] == 1:
         return term.expand(n, 1, 1, run.bq, run.keys)[:, 0]  # (n, 1, bq, keys)
@@ -520,7 +531,7 @@ class _BlocksFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, sinks, plan, *params):
         out, lse = _block_forward(plan, *_kernel_inputs(plan, q, k, v), sinks, _score_mod(plan, params))
-        return out.narrow(-1, 0, v.shape[-1]), lse
+        return out.narrow(-1, 0, v.shape[-1]).to(q.dtype), lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -561,7 +572,11 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     real keys. The sink's own gradient is ``-p_sink * D_i`` per row, summed to the sinks' shape, with
     ``D_i = rowsum(dO * O)`` (its value is 0); a score-mod tensor's is the scores' gradient
     ``dS = P * (dP - D_i)`` of each run (:func:`_score_gradient`) carried back through the
-    run's tile of the mod's term (:func:`_bias_tile`) by autograd.
+    run's tile of the mod's term (:func:`_bias_tile`) by autograd. With fp16/bf16 inputs the
+    kernel's out is rounded to their dtype, and ``D_i`` from it would carry each row's rounding
+    into every score's gradient (ALiBi's slope multiplies it by the distance): there ``D_i``
+    is summed as ``rowsum(P * dP)`` over the runs first (:func:`_consistent_delta`), one more
+    pass over the scores, taken only for those gradients.
 
     The gradients are written into buffers made from ``d_out`` and cut with ``narrow`` (indexing
     a whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
@@ -575,19 +590,17 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     learn = [i in need_params for i in range(len(params))]
     d_params = [torch.zeros_like(p, dtype=acc_dtype) if want else None for p, want in zip(params, learn)]
     delta = None  # D_i = rowsum(dO * O) (B, Hq, Tq), for the sinks' and the mod's gradients
-    if need_sinks or any(learn):
+    if (need_sinks or any(learn)) and acc_dtype == q.dtype:
         delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)
     d_out, out = (_kernel_layout(_widened(t, W)) for t in (d_out, out))  # (B, Hq, Tq, W)
     lse = _kernel_layout(lse)
+    if (need_sinks or any(learn)) and acc_dtype != q.dtype:
+        delta = _consistent_delta(plan, (q, k, v), d_out, lse, mod)
     # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
     dq = _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
     dk, dv = d_out.new_zeros(k.shape), d_out.new_zeros(v.shape)
     for run in plan.runs:
-        do_r = run.query_blocks(d_out)  # (n, B*Hq, bq, W)
-        lse_r = run.query_blocks(lse)  # (n, B*Hq, bq)
-        if run.dead is not None:  # a dropped row passes no gradient: zero output gradient, and
-            do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)  # an lse of +inf, so that its
-            lse_r = lse_r.masked_fill(run.dead, float("inf"))  # weights are exp(s - inf) = 0
+        do_r, lse_r = _run_rows(run, d_out, lse)  # (n, B*Hq, bq, W), (n, B*Hq, bq)
         q_r, k_r, v_r = _run_views(run, q, k, v)
         mask, tile = run.mask, None
         if mod is not None:
@@ -606,14 +619,44 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
             _add_blocks(dq, gq, run.qs, run.q_step)
         _add_blocks(dk, gk, run.ks, run.k_step)
         _add_blocks(dv, gv, run.ks, run.k_step)
-    if plan.fold:
-        dq.mul_(plan.call.scale)  # the kernel differentiated by q * scale
+    if plan.factor != 1.0:
+        dq.mul_(plan.factor)  # the kernel differentiated by q * factor
     d_sinks = None
     if need_sinks:
         p_sink = torch.exp(sink_logits(sinks, acc_dtype) - lse)  # (B, Hq, Tq)
         d_sinks = sink_gradient((p_sink * delta).neg_(), sinks)  # summed to the sinks' shape
     d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
     return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv), d_sinks, *d_params
+
+
+def _run_rows(run: _Run, d_out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The run's output gradient ``(n, B*Hq, bq, W)`` and lse ``(n, B*Hq, bq)``, a dropped row's
+    gradient zeroed and its lse ``+inf`` (its weights are then ``exp(s - inf) = 0``)."""
+    do_r, lse_r = run.query_blocks(d_out), run.query_blocks(lse)
+    if run.dead is not None:
+        do_r = do_r.masked_fill(run.dead.unsqueeze(-1), 0.0)
+        lse_r = lse_r.masked_fill(run.dead, float("inf"))
+    # A row with nothing to attend anywhere (a score mod's -inf over all its keys) has lse -inf:
+    # +inf instead, so that its weights are 0, never exp(-inf - -inf) = NaN.
+    return do_r, lse_r.masked_fill(lse_r == float("-inf"), float("inf"))
+
+
+def _consistent_delta(plan: _Plan, kernel_inputs: tuple, d_out: Tensor, lse: Tensor,
+                      mod: ScoreMod | None) -> Tensor:
+    """``D_i = sum_j P_ij dP_ij`` ``(B, Hq, Tq)`` summed over the runs in the accumulation dtype:
+    ``rowsum(dO * O)`` without the rounding of O to the inputs' dtype.
+
+    kernel_inputs: q, k, v as the kernel read them; d_out ``(B, Hq, Tq, W)`` and lse
+    ``(B, Hq, Tq)`` in the kernel's layout.
+    """
+    q, k, v = kernel_inputs
+    delta = d_out.new_zeros(*lse.shape, 1, dtype=lse.dtype)  # (B, Hq, Tq, 1)
+    for run in plan.runs:
+        do_r, lse_r = _run_rows(run, d_out, lse)
+        mask = run.mask if mod is None else _with_mask(_bias_tile(plan.call, mod, run), run)
+        probs, d_probs = _probs(plan, run, _run_views(run, q, k, v), do_r, lse_r, mask)
+        _add_blocks(delta, probs.mul_(d_probs).sum(dim=-1, keepdim=True), run.qs, run.q_step)
+    return delta[..., 0]
 
 
 def _score_gradient(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, delta: Tensor, lse: Tensor,
@@ -625,6 +668,13 @@ def _score_gradient(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, delta: 
     views: the run's q ``(n, B*Hq, bq, W)``, k and v ``(n, B*Hkv, keys, W)`` as the kernel read
     them; d_out ``(n, B*Hq, bq, W)``, delta and lse ``(n, B*Hq, bq)``; mask the run's mask.
     """
+    probs, d_probs = _probs(plan, run, views, d_out, lse, mask)
+    return probs.mul_(d_probs.sub_(delta.unsqueeze(-1)))  # (n, B*Hq, bq, keys)
+
+
+def _probs(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, lse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``P`` and ``dP = dO V^T`` of one run ``(n, B*Hq, bq, keys)``, in the accumulation dtype
+    (shapes as in :func:`_score_gradient`)."""
     acc_dtype = score_dtype(views[0].dtype)
     q, k, v = (t.to(acc_dtype) for t in views)
     n, heads, bq = q.shape[:3]
@@ -634,13 +684,15 @@ def _score_gradient(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, delta: 
         return t.reshape(n, k.shape[1], groups, *t.shape[2:])  # (n, B*Hkv, G, bq, W)
 
     scores = torch.matmul(by_group(q), k.unsqueeze(2).transpose(-2, -1)).flatten(1, 2)  # (n, B*Hq, bq, keys)
-    scores = scores.mul_(plan.kernel_scale).add_(mask)
+    scores = scores.mul_(plan.kernel_scale)
+    if mask is not None:
+        scores = scores.add_(mask)
     if run.causal:
         tril = torch.ones(bq, run.keys, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill_(~tril, float("-inf"))
     probs = torch.exp_(scores.sub_(lse.unsqueeze(-1)))
     d_probs = torch.matmul(by_group(d_out.to(acc_dtype)), v.unsqueeze(2).transpose(-2, -1)).flatten(1, 2)
-    return probs.mul_(d_probs.sub_(delta.unsqueeze(-1)))  # (n, B*Hq, bq, keys)
+    return probs, d_probs  # (n, B*Hq, bq, keys) each
 
 
 def _add_tile_gradients(tile: Tensor, leaves: list, d_scores: Tensor, d_params: list) -> None:
@@ -688,7 +740,7 @@ def blocks_gradients(call: AttentionCall, *, out: Tensor, lse: Tensor, d_out: Te
         raise ValueError("blocks_gradients: a call with a score mod or sinks differentiates through "
                          "blocks_attention itself")
     runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), None)
-    return _block_backward(_Plan(call, runs), d_out, (call.q, call.k, call.v), out, lse, None, False,
+    return _block_backward(_Plan(call, runs, 1.0, call.scale), d_out, (call.q, call.k, call.v), out, lse, None, False,
                            frozenset(), ())[:3]
 
 
@@ -716,7 +768,7 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), block)
     params = call.score_mod.params() if call.score_mod is not None else ()
     out, lse = _BlocksFunction.apply(call.q, call.k, call.v, call.sinks,
-                                     _Plan(call, runs, fold=folds_scale(call)), *params)
+                                     _Plan(call, runs, *kernel_scales(call)), *params)
     return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
 
 

@@ -6,8 +6,10 @@ exponentials ``l`` and a running weighted sum of values ``acc``, rescaled whenev
 grows. The score matrix never exists at full size; forward keeps ``O(T·D)`` plus one tile.
 
 The backward pass is FlashAttention-2's: the forward pass saves only q, k, v, the output and
-the row log-sum-exp ``lse``; backward recomputes each tile's probabilities ``P = exp(S - lse)``
-and accumulates, with ``D_i = rowsum(dO * O)``::
+the row log-sum-exp ``lse`` (kept as the row's max and the log of its sum: ``max + log(sum)``
+rounds to the max when the max is huge, e.g. a float mask row at ``finfo.min``); backward
+recomputes each tile's probabilities ``P = exp(S - lse)`` and accumulates, with
+``D_i = rowsum(dO * O)``::
 
     dV += P^T dO        dS = P * (dO V^T - D_i)        dQ += dS K * scale      dK += dS^T Q * scale
 
@@ -285,12 +287,17 @@ def _safe(t: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- forward
 def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
-                   masks: _TensorMasks) -> tuple[Tensor, Tensor]:
-    """Online-softmax forward. Returns out ``(B, Hq, Tq, Dv)`` and lse ``(B, Hq, Tq)``."""
+                   masks: _TensorMasks) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Online-softmax forward. Returns out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, the lse in
+    two parts for the backward (:func:`_lse_parts`, ``(B, Hq, Tq, 2)``) and, for fp16/bf16
+    inputs, out before its rounding to their dtype (else None): the backward's
+    ``D_i = rowsum(dO * O)`` from the rounded out would carry each row's rounding into every
+    score's gradient, which a score-mod tensor (ALiBi's slope) multiplies by its distance."""
     B, Hq, Tq, _ = q.shape
     Dv = v.shape[-1]
-    out = q.new_empty(B, Hq, Tq, Dv)
+    out = q.new_empty(B, Hq, Tq, Dv, dtype=plan.acc_dtype)
     lse = torch.empty(B, Hq, Tq, dtype=plan.acc_dtype, device=q.device)
+    parts = torch.empty(B, Hq, Tq, 2, dtype=plan.acc_dtype, device=q.device)
     for qs, qe in plan.q_blocks(Tq):
         q_tile = q[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, D)
         row_max = torch.full((B, Hq, qe - qs, 1), float("-inf"), dtype=plan.acc_dtype,
@@ -310,11 +317,36 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
         alive = row_sum != 0  # (B, Hq, bq, 1); NaN (from NaN or inf - inf) propagates
         block_out = torch.where(alive, acc / torch.where(alive, row_sum, 1.0), 0.0)
         block_lse = torch.where(alive, row_max + torch.log(row_sum), float("-inf"))
-        if masks.sinks is not None:
-            block_out, block_lse = _with_sinks(block_out, block_lse, _sink_rows(masks.sinks, plan, qs, qe))
+        sink = None if masks.sinks is None else _sink_rows(masks.sinks, plan, qs, qe)  # (B|1, Hq|1, bq|1, 1)
+        parts[:, :, qs:qe] = _lse_parts(alive, row_max, row_sum, sink)[..., 0, :]
+        if sink is not None:
+            block_out, block_lse = _with_sinks(block_out, block_lse, sink)
         out[:, :, qs:qe] = block_out
         lse[:, :, qs:qe] = block_lse[..., 0]
-    return out, lse
+    return (out, lse, parts, None) if out.dtype == q.dtype else (out.to(q.dtype), lse, parts, out)
+
+
+def _lse_parts(alive: Tensor, row_max: Tensor, row_sum: Tensor, sink: Tensor | None) -> Tensor:
+    """The lse as ``(shift, rest)`` ``(B, Hq, bq, 1, 2)``, each weight being ``exp(s - shift - rest)``:
+    the row's max and ``log`` of its sum (the sinks included). ``lse = max + log(sum)`` rounds to
+    the max when the max is huge (a float mask row held at ``finfo.min``: its weights are a
+    uniform 1/Tk, and ``exp(s - lse)`` gave each key weight 1); the two parts keep it exact. A row
+    with no key: shift 0 and rest the sink's logit, or +inf (weights 0) without sinks."""
+    shift = torch.where(alive, row_max, 0.0)  # (B, Hq, bq, 1)
+    rest = torch.where(alive, torch.log(row_sum), float("-inf"))
+    if sink is not None:  # the rows' sink logits (B|1, Hq|1, bq|1, 1), from _sink_rows
+        rest = torch.logaddexp(rest, sink - shift)
+    rest = rest.masked_fill(rest == float("-inf"), float("inf"))
+    return torch.stack([shift, rest], dim=-1)
+
+
+def _row_parts(lse: Tensor, qs: int, qe: int) -> tuple[Tensor, Tensor]:
+    """``(shift, rest)`` ``(B, Hq, bq, 1)`` of rows ``qs:qe`` from the forward's parts
+    ``(B, Hq, Tq, 2)`` or from an lse ``(B, Hq, Tq)`` (a caller's, :func:`chunked_gradients`)."""
+    if lse.dim() == 4:
+        part = lse[:, :, qs:qe]  # (B, Hq, bq, 2)
+        return part[..., :1], part[..., 1:]
+    return _safe(lse[:, :, qs:qe, None]), lse.new_zeros(())
 
 
 def _sink_rows(sinks: Tensor, plan: _Plan, qs: int, qe: int) -> Tensor:
@@ -374,12 +406,12 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
         q_tile = q[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, D)
         do_tile = d_out.narrow(2, qs, qe - qs).to(plan.acc_dtype)  # (B, Hq, bq, Dv)
         delta = (do_tile * out[:, :, qs:qe].to(plan.acc_dtype)).sum(-1, keepdim=True)  # (B,Hq,bq,1)
-        row_lse = _safe(lse[:, :, qs:qe, None])  # (B, Hq, bq, 1)
+        shift, rest = _row_parts(lse, qs, qe)  # (B, Hq, bq, 1) each: P = exp(S - shift - rest)
         if d_sinks is not None:
-            p_sink = torch.exp(_sink_rows(masks.sinks, plan, qs, qe) - row_lse)  # (B, Hq, bq, 1)
+            p_sink = torch.exp(_sink_rows(masks.sinks, plan, qs, qe) - shift - rest)  # (B, Hq, bq, 1)
             d_sinks.narrow(2, qs, qe - qs).sub_((p_sink * delta).squeeze(-1))
         for ks, ke, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "backward"):
-            probs = torch.exp_(tile.scores.sub_(row_lse))  # (B, Hq, bq, bk)
+            probs = torch.exp_(tile.scores.sub_(shift).sub_(rest))  # (B, Hq, bq, bk)
             kept = probs if tile.keep_scale is None else probs * tile.keep_scale
             d_values = torch.matmul(kept.transpose(-2, -1), do_tile)  # (B, Hq, bk, Dv)
             dv.narrow(2, ks, ke - ks).add_(sum_kv_groups(d_values, Hkv))
@@ -439,13 +471,13 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, allowed, bias, sinks, plan, *params = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, allowed, bias, sinks, out, lse, *params)
+        out, lse, parts, unrounded = output
+        ctx.save_for_backward(q, k, v, allowed, bias, sinks, out if unrounded is None else unrounded, parts, *params)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, parts, *(() if unrounded is None else (unrounded,)))
 
     @staticmethod
-    def backward(ctx, d_out, _d_lse):
+    def backward(ctx, d_out, _d_lse, _d_parts, _d_unrounded=None):
         q, k, v, allowed, bias, sinks, out, lse, *params = ctx.saved_tensors
         need_bias_grad = bias is not None and ctx.needs_input_grad[4]
         need_sinks_grad = sinks is not None and ctx.needs_input_grad[5]
@@ -523,8 +555,8 @@ def chunked_attention(
     """
     plan = _plan_of(call, q_block, kv_block, tile_hook)
     params = call.score_mod.params() if call.score_mod is not None else ()
-    out, lse = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call)[:2],
-                                               call.sinks, plan, *params)
+    out, lse, *_ = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call)[:2],
+                                                  call.sinks, plan, *params)
     return AttentionResult(out=out, lse=lse)
 
 

@@ -41,6 +41,10 @@ tensors need a gradient, or that holds float64 tensors (the kernel's scores are 
 on CPU in fp16/bf16, a user's own function: torch's compiled kernel computed
 ``(score + t[h]).to(score.dtype)`` with errors of 3.6 (bf16) and 5.2 (fp16) where fp32 was exact,
 and a function may be written that way (attnlab's structured mods are not, and are verified).
+A user's function Inductor cannot lower (``torch.sort(t).values[q_idx]``) makes that call raise
+``ValueError`` with the reason, and flex declines that function from then on; other calls are
+still served (a compile failure without a user's function is taken as the compiler's and
+declines every call on the device).
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
@@ -340,7 +344,7 @@ class FlexBackend(Backend):
     dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
     dropout = False
     backward_devices = ("cuda",)  # torch.compile's CPU flex kernel is inference only
-    stateful_limits = True  # the budget of compiled variants and a compile failure seen
+    stateful_limits = True  # the budget of compiled variants and the compile failures seen
     plans_masks = True  # reads a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
@@ -350,6 +354,7 @@ class FlexBackend(Backend):
     def __init__(self):
         self._compiled = None
         self._compile_error: dict[str, str] = {}
+        self._mod_errors: dict[tuple, str] = {}  # a user's score mod Inductor could not lower, by signature
         self._variants: set[tuple] = set()
 
     def unavailable_reason(self) -> str | None:
@@ -372,6 +377,9 @@ class FlexBackend(Backend):
                          "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
+        failed = None if call.score_mod is None else self._mod_errors.get(call.score_mod.signature())
+        if failed is not None:
+            found.append(failed)
         return found + _shape_limits(call) + _mask_limits(call) + _score_limits(call)
 
     def memory_for(self, call: AttentionCall) -> str:
@@ -448,6 +456,18 @@ class FlexBackend(Backend):
         self._compiled = None
         self._variants.clear()
         self._compile_error.clear()
+        self._mod_errors.clear()
+
+    def _mod_failed(self, mod, error: str) -> str:
+        """Remember that Inductor could not lower ``mod`` (a user's function: code attnlab has
+        not verified), so that flex declines that mod alone from now on; the reason, as the
+        ``ValueError`` of a declined call words it."""
+        reason = (f"torch.compile could not lower the score mod {mod!r} into flex's kernel ({error}); "
+                  "chunked and the reference evaluate it eagerly")
+        if len(self._mod_errors) >= _MAX_VARIANTS:  # bounded: the oldest is forgotten
+            del self._mod_errors[next(iter(self._mod_errors))]
+        self._mod_errors[mod.signature()] = reason
+        return f"backend 'flex' cannot serve this call: {reason}"
 
     def _kernel(self):
         if self._compiled is None:
@@ -506,8 +526,12 @@ class FlexBackend(Backend):
                     scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
                 )
         except Exception as error:  # compile failures surface here; decline from now on
-            if any(word in type(error).__name__ for word in ("Inductor", "Backend", "RecompileLimit")):
-                self._compile_error[call.device.type] = str(error).splitlines()[0][:200]
+            if not any(word in type(error).__name__ for word in ("Inductor", "Backend", "RecompileLimit")):
+                raise
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            if call.score_mod is not None and call.score_mod.user_function:
+                raise ValueError(self._mod_failed(call.score_mod, f"{type(error).__name__}: {first}")) from error
+            self._compile_error[call.device.type] = first
             raise
         self._variants.add(self._variant(call))
         out, lse = result if want_lse else (result, None)  # lse: natural log, -inf on dead rows

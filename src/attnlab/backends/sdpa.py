@@ -28,10 +28,13 @@ SDPA's arguments faithfully:
   ``sinks[h]``: its score is ``0 * scale + sinks[h]``, exactly the sink's logit, and the
   kernel's own normalisation includes it (causal is then materialised: O(Tq*Tk)). That sinks'
   gradient is the float mask's, which PyTorch computes on its math kernel;
+* a float mask with a backward ahead runs on SDPA's math kernel: the fused kernels' backward
+  recomputes the weights from an fp32 lse, which cannot hold ``finfo.min + log(Tk)`` for a row
+  the mask holds at ``finfo.min`` (every key got weight 1); the mask is O(Tq*Tk) already;
 * a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
-  with scale 1 passed): the CPU kernel scales causally blocked ``-inf`` scores (``-inf * 0``
-  is NaN) and its backward recomputes the scores with different rounding (see
-  :func:`attnlab._math.folds_scale`);
+  with scale 1 passed; fp16/bf16 fold only a sign or 0, exactly): the CPU kernel scales
+  causally blocked ``-inf`` scores (``-inf * 0`` is NaN) and its backward recomputes the
+  scores with different rounding (see :func:`attnlab._math.kernel_scales`);
 * no tensor value is read and nothing is copied for the contract's sake: on CPU with PyTorch
   2.13+ the kernels themselves give a row with no attendable key zeros and zero gradient, and a
   query row holding NaN a NaN row; elsewhere two value-free ``torch.where`` passes mend the rows
@@ -68,7 +71,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 from attnlab import scores as _scores
-from attnlab._math import folds_scale, keep_nan_rows, repeat_kv
+from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -217,6 +220,8 @@ def kernel_for(call: AttentionCall) -> str:
         'flash'
     """
     source = _mask_source(call)
+    if _math_for_float_mask(call):
+        return "math"
     gqa = call.q_heads != call.kv_heads
     k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
         repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
@@ -254,6 +259,20 @@ def sdpa_plan(call: AttentionCall) -> SdpaPlan:
         'linear'
     """
     return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_for and cost
+
+
+def _math_kernel():
+    """SDPA restricted to its math kernel (see :func:`_math_for_float_mask`)."""
+    return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+
+
+def _math_for_float_mask(call: AttentionCall) -> bool:
+    """Whether a float mask with a backward ahead runs on SDPA's math kernel. The fused kernels'
+    backward recomputes the weights as ``exp(s - lse)`` from an fp32 lse, and a row the mask
+    holds at ``finfo.min`` (a uniform softmax, as eager gives) has ``lse = min + log(Tk)``, which
+    rounds to ``min``: every key got weight 1, a gradient Tk times too large. The math kernel
+    differentiates the softmax itself (the mask's memory is the caller's order already)."""
+    return call.mask_kind == "float" and call.requires_grad and not sinks_through_lse(call)
 
 
 def _plan(call: AttentionCall) -> SdpaPlan:
@@ -325,7 +344,8 @@ def _with_score_bias(call: AttentionCall, mask: Tensor | None) -> Tensor:
     if isinstance(mod, _scores.Bias):  # the caller's tensor as it is, its size-1 dims kept
         from_mod = mod.tensor.reshape((1,) * (4 - mod.tensor.ndim) + tuple(mod.tensor.shape))
     else:
-        from_mod = mod.bias(*_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk), call.device))
+        from_mod = _scores.additive_term(mod, *_scores.grid(call.batch, call.q_heads, (0, call.tq), (0, call.tk),
+                                                            call.device), dtype=score_dtype(call.dtype))
     from_mod = from_mod.to(_mask_dtype(call))  # (B|1, H|1, Tq|1, Tk|1)
     if mask is None:
         return from_mod
@@ -419,9 +439,9 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     sinks are applied) bound, so that any call of the same signature may run it with its own
     tensors."""
     keys = call.tq if source == "is_causal" and call.tq < call.tk else None
-    factor = call.scale if folds_scale(call) else None  # scale <= 0, or a backward to recompute
-    options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal",
-                   scale=1.0 if factor is not None else call.scale)
+    factor, kernel_scale = kernel_scales(call)  # q * factor: scale <= 0, or a backward to recompute
+    factor = None if factor == 1.0 else factor
+    options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal", scale=kernel_scale)
     gqa = call.q_heads != call.kv_heads
     if gqa and _HAS_GQA:
         options["enable_gqa"] = True
@@ -429,6 +449,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     float_dtype = _mask_dtype(call) if _float_mask(call) else None
     sink_key = _sink_key(call)  # one more key of zeros, its logit in the mask's last column
     by_lse = sinks_through_lse(call)  # or the kernel's lse (see _SinksThroughLse)
+    kernel = _math_kernel if _math_for_float_mask(call) else contextlib.nullcontext
     mend = not kernel_keeps_rows(call.device)
     # SDPA's output of no element is connected to none of its inputs: learnable sinks would
     # then fail backward, so such an output is tied to them (with a zero gradient).
@@ -466,7 +487,8 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks)):
                 return _SinksThroughLse.apply(*arguments)[0]  # (B, Hq, Tq, Dv)
             return _sinks_by_lse(*arguments)[0]  # nothing to differentiate: no autograd Function
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
+        with kernel():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
         if tie_sinks:
             out = out + sinks.sum().to(out.dtype) * 0  # still no element
         if mend:
