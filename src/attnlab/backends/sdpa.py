@@ -28,9 +28,11 @@ SDPA's arguments faithfully:
   ``sinks[h]``: its score is ``0 * scale + sinks[h]``, exactly the sink's logit, and the
   kernel's own normalisation includes it (causal is then materialised: O(Tq*Tk)). That sinks'
   gradient is the float mask's, which PyTorch computes on its math kernel;
-* a float mask with a backward ahead runs on SDPA's math kernel: the fused kernels' backward
-  recomputes the weights from an fp32 lse, which cannot hold ``finfo.min + log(Tk)`` for a row
-  the mask holds at ``finfo.min`` (every key got weight 1); the mask is O(Tq*Tk) already;
+* a float mask row held entirely at ``finfo.min`` gets the fused kernel's backward, as
+  ``F.scaled_dot_product_attention`` gives it: the kernel recomputes the weights from an fp32
+  lse that cannot hold ``finfo.min + log(Tk)`` (each key's weight is taken as 1, not 1/Tk);
+  exactness there would take SDPA's math kernel on every float-masked training call, about 3x
+  slower (docs/design.md, "Fully masked rows");
 * a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
   with scale 1 passed; fp16/bf16 fold only a sign or 0, exactly): the CPU kernel scales
   causally blocked ``-inf`` scores (``-inf * 0`` is NaN) and its backward recomputes the
@@ -220,8 +222,6 @@ def kernel_for(call: AttentionCall) -> str:
         'flash'
     """
     source = _mask_source(call)
-    if _math_for_float_mask(call):
-        return "math"
     gqa = call.q_heads != call.kv_heads
     k, v = (call.k, call.v) if (_HAS_GQA or not gqa) else (
         repeat_kv(call.k, call.q_heads), repeat_kv(call.v, call.q_heads))
@@ -259,20 +259,6 @@ def sdpa_plan(call: AttentionCall) -> SdpaPlan:
         'linear'
     """
     return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_for and cost
-
-
-def _math_kernel():
-    """SDPA restricted to its math kernel (see :func:`_math_for_float_mask`)."""
-    return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
-
-
-def _math_for_float_mask(call: AttentionCall) -> bool:
-    """Whether a float mask with a backward ahead runs on SDPA's math kernel. The fused kernels'
-    backward recomputes the weights as ``exp(s - lse)`` from an fp32 lse, and a row the mask
-    holds at ``finfo.min`` (a uniform softmax, as eager gives) has ``lse = min + log(Tk)``, which
-    rounds to ``min``: every key got weight 1, a gradient Tk times too large. The math kernel
-    differentiates the softmax itself (the mask's memory is the caller's order already)."""
-    return call.mask_kind == "float" and call.requires_grad and not sinks_through_lse(call)
 
 
 def _plan(call: AttentionCall) -> SdpaPlan:
@@ -449,7 +435,6 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     float_dtype = _mask_dtype(call) if _float_mask(call) else None
     sink_key = _sink_key(call)  # one more key of zeros, its logit in the mask's last column
     by_lse = sinks_through_lse(call)  # or the kernel's lse (see _SinksThroughLse)
-    kernel = _math_kernel if _math_for_float_mask(call) else contextlib.nullcontext
     mend = not kernel_keeps_rows(call.device)
     # SDPA's output of no element is connected to none of its inputs: learnable sinks would
     # then fail backward, so such an output is tied to them (with a zero gradient).
@@ -487,8 +472,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks)):
                 return _SinksThroughLse.apply(*arguments)[0]  # (B, Hq, Tq, Dv)
             return _sinks_by_lse(*arguments)[0]  # nothing to differentiate: no autograd Function
-        with kernel():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)  # (B, Hq, Tq, Dv)
         if tie_sinks:
             out = out + sinks.sum().to(out.dtype) * 0  # still no element
         if mend:
