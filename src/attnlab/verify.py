@@ -230,7 +230,7 @@ def _draw_extremes(seed: int, index: int, score: str) -> tuple[str, int | None]:
     u = torch.rand(2, generator=rng)
     slopes = "alibi" in score or score == "mixed"
     values = "near_one" if float(u[0]) < 0.125 or (slopes and float(u[1]) < 0.5) else "normal"
-    return values, (index // 16) % 3 if index % 16 == 5 else None  # not a score configuration (index % 4 == 3)
+    return values, (index // 16) % 3 if index % 16 == 13 else None  # not a score configuration (index % 4 == 3)
 
 
 def _draw_layouts(seed: int, index: int) -> tuple[str, str, tuple | None]:
