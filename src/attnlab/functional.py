@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
-
-import dataclasses
 
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows

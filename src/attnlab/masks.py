@@ -1151,6 +1151,16 @@ def _on_grid(mod: Callable, indices: tuple) -> Tensor:
     return allowed
 
 
+def _unevaluable(subject: str, kind: str, scalar_err: BaseException, grid_err: BaseException) -> TypeError:
+    """The one error for a user's mod that fails both on 0-d indices under vmap and on index grids
+    (mask mods here, score mods in :mod:`attnlab.scores`)."""
+    return TypeError(
+        f"{subject} cannot be evaluated. attnlab evaluates {kind} as FlexAttention does, once per "
+        f"position on 0-d index tensors under torch.vmap, where {_first_line(scalar_err)}; called on "
+        f"whole index tensors instead, {_first_line(grid_err)}. Write it with tensor operations on the "
+        "indices (torch.where for choices; no .item(), int(), bool() or Python if/while on index values)")
+
+
 def _first_line(err: BaseException) -> str:
     first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # vmap's text goes on
     return f"{type(err).__name__}: {first}"
@@ -1209,13 +1219,7 @@ def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
         except Exception as grid_err:  # noqa: BLE001
             if _first_line(grid_err) == _first_line(scalar_err):
                 raise  # the mod's own error, whichever way it is called: the user's to see
-            raise TypeError(
-                f"mask: the mask mod {name} cannot be evaluated. attnlab evaluates a mask mod as "
-                f"FlexAttention does, once per position on 0-d index tensors under torch.vmap, where "
-                f"{_first_line(scalar_err)}; called on whole index tensors instead, "
-                f"{_first_line(grid_err)}. Write it with tensor operations on the indices (torch.where "
-                f"for choices; no .item(), int(), bool() or Python if/while on index values)"
-            ) from scalar_err
+            raise _unevaluable(f"mask: the mask mod {name}", "a mask mod", scalar_err, grid_err) from scalar_err
 
 
 def evaluate(

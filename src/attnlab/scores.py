@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import broadcast_shape, int_value, positive_int, positive_number
-from attnlab.masks import _IndexWithTensors
+from attnlab.masks import _IndexWithTensors, _first_line, _unevaluable
 
 __all__ = [
     "ScoreMod",
@@ -834,17 +834,7 @@ def _function_tile(mod: FunctionMod, score: Tensor, b, h, q_idx, kv_idx) -> Tens
     except Exception as scalar_err:  # noqa: BLE001
         if _first_line(scalar_err) == _first_line(grid_error):
             raise  # the function's own error, whichever way it is called: the user's to see
-        raise TypeError(
-            f"score_mod: {mod!r} cannot be evaluated. attnlab evaluates a score mod as FlexAttention "
-            f"does, once per position on 0-d index tensors under torch.vmap, where {_first_line(scalar_err)}; "
-            f"called on whole index tensors instead, {_first_line(grid_error)}. Write it with tensor "
-            "operations on the indices (torch.where for choices; no .item(), int(), bool() or Python "
-            "if/while on index values)") from scalar_err
-
-
-def _first_line(err: BaseException) -> str:
-    first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # vmap's text goes on
-    return f"{type(err).__name__}: {first}"
+        raise _unevaluable(f"score_mod: {mod!r}", "a score mod", scalar_err, grid_error) from scalar_err
 
 
 def _vmapped(mod: ScoreMod, score: Tensor, b, h, q_idx, kv_idx) -> Tensor:
