@@ -7,6 +7,7 @@ outcome; the command's options are refused with one ``error:`` line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -112,6 +113,20 @@ def test_a_family_past_its_time_limit_is_crashed_and_the_next_one_runs(implement
     eager_too_slow = zoo.run_family("llama", time_limit=1e-3)  # before attnlab ran: not its failure
     assert eager_too_slow.status == "not applicable" and "timed out" in eager_too_slow.reason
     assert zoo.run_family("gpt2").status == "equal"
+
+
+def test_a_time_limit_that_fires_before_the_eager_model_is_built_is_not_attnlabs_failure(monkeypatch):
+    real_quiet = zoo._quiet
+
+    @contextlib.contextmanager
+    def slow_quiet():  # the alarm fires while the run is still being set up (a busy machine)
+        time.sleep(0.05)
+        with real_quiet():
+            yield
+
+    monkeypatch.setattr(zoo, "_quiet", slow_quiet)
+    result = zoo.run_family("llama", time_limit=1e-3)
+    assert result.status == "not applicable" and "the eager model alone timed out" in result.reason
 
 
 def test_tiny_config_shrinks_sizes_and_keeps_every_layer_type():
