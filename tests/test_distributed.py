@@ -423,7 +423,7 @@ def test_context_parallel_command_refuses_bad_options(args, option):
 
 
 def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
-    """``python -m attnlab.distributed.check`` under a launcher's environment (RANK etc. set)."""
+    """``python -m attnlab.cli._cp_check`` under a launcher's environment (RANK etc. set)."""
     import os
     import subprocess
     import sys
@@ -434,7 +434,7 @@ def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
 
     port = str(_free_port())
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "attnlab.distributed.check", "--seq-len", "32", "--heads", "2",
+        [sys.executable, "-m", "attnlab.cli._cp_check", "--seq-len", "32", "--heads", "2",
          "--head-dim", "8", "--dtype", "fp64"],
         env={**os.environ, "PYTHONPATH": str(src), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"},

@@ -9,6 +9,7 @@ import attnlab.backends
 from attnlab import masks
 from attnlab.nn import MultiHeadAttention, alibi_bias
 from attnlab.bench.competitors import SeedMultiHeadAttention  # the tutorial's module, as written
+from attnlab.tutorial import load_tutorial_state_dict
 
 BACKENDS = ["reference", "sdpa", "chunked", "flex"]
 
@@ -25,7 +26,7 @@ def test_seed_initialisation_and_state_dict_layout_match_the_document():
     x = torch.rand(2, 12, 3)
     torch.testing.assert_close(ours(x), doc(x), rtol=0, atol=1e-6)
     fresh = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
-    fresh.load_state_dict(doc.state_dict())  # the document's W_query.weight ... keys
+    load_tutorial_state_dict(fresh, doc.state_dict())  # the document's W_query.weight ... keys
     torch.testing.assert_close(fresh(x), doc(x), rtol=0, atol=1e-6)
 
 
