@@ -326,6 +326,14 @@ class ShardedAttention:
 
     Shapes:
         q ``(B, H, T_local, D)``, k and v ``(B, Hkv, T_local, D)`` -> ``(B, H, T_local, D)``.
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> mha = context_parallel(MultiHeadAttention(8, 8, num_heads=2), ContextParallel(method="ulysses"))
+        >>> mha.attention
+        ShardedAttention(ContextParallel(group=None, method='ulysses', layout='zigzag', timeout=None, ulysses=None, head_chunks=1))
+        >>> context_parallel(mha, None).attention.__name__   # the part it replaced
+        'attention'
     """
 
     shards = True  # the layer gives it shards: no cache, dense mask, context or weights
