@@ -290,14 +290,14 @@ def gpt_training(rank: int, world: int, method: str, positions: str, steps: int)
     Each rank feeds its shard of the token ids; the loss is the global mean (local sums
     all-reduced) and parameter gradients are summed across ranks, as in data parallelism.
     """
-    from attnlab.distributed import ContextParallel
+    from attnlab.distributed import ContextParallel, context_parallel
     from attnlab.models import GPT
 
     torch.manual_seed(0)
     model = GPT(vocab_size=11, max_len=32, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
                 positions=positions).double()
     if world > 1:
-        model.context_parallel = ContextParallel(method=method, layout="zigzag")
+        context_parallel(model, ContextParallel(method=method, layout="zigzag"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
     losses = []
@@ -459,7 +459,7 @@ def module_errors(rank: int, world: int, methods: tuple[str, ...]) -> dict | Non
     """Each :data:`MODULES` layer in fp64, sharded by each method, against the same layer on
     the whole sequence: the largest error of the output, the input's gradient and every
     parameter's gradient (summed over the ranks, as training does). Rank 0 returns them."""
-    from attnlab.distributed import ContextParallel
+    from attnlab.distributed import ContextParallel, context_parallel
     from attnlab.nn import MultiHeadAttention
 
     errors = {}
@@ -478,11 +478,11 @@ def module_errors(rank: int, world: int, methods: tuple[str, ...]) -> dict | Non
         for method in methods:
             mha.zero_grad()
             setting = ContextParallel(method=method, ulysses=2 if method == "hybrid" else None)
-            mha.context_parallel = setting
+            context_parallel(mha, setting)
             part = setting.shard(x, dim=1).requires_grad_()
             y = mha(part)
             y.backward(setting.shard(d_y, dim=1))
-            mha.context_parallel = None
+            context_parallel(mha, None)
             grads = [p.grad for p in mha.parameters()]
             for grad in grads:
                 dist.all_reduce(grad)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnlab
 from attnlab import masks
-from attnlab.distributed import ContextParallel, context_parallel_attention, layout as _layout
+from attnlab.distributed import (ContextParallel, ShardedAttention, context_parallel, context_parallel_attention,
+                                 layout as _layout)
 from attnlab.distributed.launch import run_local
 from attnlab.distributed.balance import balanced_layout, visited_pairs
 from attnlab.distributed.ring import _plan_ring, ring_pieces, ring_plan
@@ -389,13 +391,45 @@ def test_ring_in_head_chunks_is_exact_and_halves_the_per_rank_peak():
 def test_modules_refuse_what_sharded_attention_cannot_do():
     from attnlab.nn import MultiHeadAttention
 
-    mha = MultiHeadAttention(8, 8, num_heads=2, dropout_p=0.1, context_parallel=ContextParallel())
+    mha = context_parallel(MultiHeadAttention(8, 8, num_heads=2, dropout_p=0.1), ContextParallel())
     x = torch.randn(1, 4, 8)
     with pytest.raises(ValueError, match="cannot take mask, cache, return_weights, attention dropout"):
         mha(x, mask=torch.ones(4, 4, dtype=torch.bool), cache=mha.new_cache(batch_size=1, max_len=8),
             return_weights=True)
-    with pytest.raises(TypeError, match="context_parallel must be a ContextParallel"):
-        MultiHeadAttention(8, 8, num_heads=2, context_parallel="ring")
+    with pytest.raises(TypeError, match="setting must be a ContextParallel or None, got str"):
+        context_parallel(MultiHeadAttention(8, 8, num_heads=2), "ring")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'context_parallel'"):
+        MultiHeadAttention(8, 8, num_heads=2, context_parallel=ContextParallel())  # the wrapper replaces it
+
+
+def test_context_parallel_wraps_every_self_attention_and_undoes_itself():
+    """The wrapper swaps each self-attention's attention part (a block's cross-attention and a
+    GPT's layers included or not as they should be), keeps the part it replaced, and None puts
+    that part back, so the module computes exactly what it computed before."""
+    from attnlab.models import GPT
+    from attnlab.nn import MultiHeadAttention, TransformerBlock
+
+    setting = ContextParallel(method="ulysses")
+    mine = lambda q, k, v, **options: attnlab.attention(q, k, v, **options)  # noqa: E731 (a user's part)
+    mha = MultiHeadAttention(8, 8, num_heads=2, attention=mine)
+    assert context_parallel(mha, setting) is mha and isinstance(mha.attention, ShardedAttention)
+    assert mha.attention.setting is setting and mha.attention.inner is mine
+    context_parallel(mha, ContextParallel(method="ring"))  # a second setting replaces the first
+    assert mha.attention.inner is mine and context_parallel(mha, None).attention is mine
+    block = context_parallel(TransformerBlock(8, 2, cross_attention=True), setting)
+    assert isinstance(block.attn.attention, ShardedAttention)
+    assert block.cross_attn.attention is attnlab.attention  # cross-attention is never sharded
+    gpt = GPT(vocab_size=5, max_len=8, d_model=8, num_layers=2, num_heads=2)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = gpt(ids)
+    context_parallel(gpt, setting)
+    assert all(isinstance(b.attn.attention, ShardedAttention) for b in gpt.blocks)
+    torch.testing.assert_close(context_parallel(gpt, None)(ids), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="LatentAttention does not run context-parallel"):
+        context_parallel(GPT(vocab_size=5, max_len=8, d_model=8, num_layers=1, num_heads=2, layer_pattern="M",
+                             latent_dim=4), setting)
+    with pytest.raises(ValueError, match="holds no MultiHeadAttention"):
+        context_parallel(torch.nn.Linear(2, 2), setting)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -423,7 +457,7 @@ def test_context_parallel_command_refuses_bad_options(args, option):
 
 
 def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
-    """``python -m attnlab.distributed.check`` under a launcher's environment (RANK etc. set)."""
+    """``python -m attnlab.cli._cp_check`` under a launcher's environment (RANK etc. set)."""
     import os
     import subprocess
     import sys
@@ -434,7 +468,7 @@ def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
 
     port = str(_free_port())
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "attnlab.distributed.check", "--seq-len", "32", "--heads", "2",
+        [sys.executable, "-m", "attnlab.cli._cp_check", "--seq-len", "32", "--heads", "2",
          "--head-dim", "8", "--dtype", "fp64"],
         env={**os.environ, "PYTHONPATH": str(src), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"},

@@ -42,7 +42,6 @@ LAB = [
     ("attnlab.explain", 10), ("attnlab.viz", 10), ("attnlab.verify", 10), ("attnlab.bench", 10),
     ("attnlab.train", 10), ("attnlab.trained", 10), ("attnlab.lens", 10), ("attnlab.zoo", 10),
     ("attnlab.cli", 11), ("attnlab.__main__", 11),
-    ("attnlab.distributed.check", 11),  # the torchrun entry point: runs the CLI command
 ]
 LAYERS = CORE + LAB
 
@@ -159,7 +158,7 @@ def test_every_module_has_a_layer():
 def test_the_lab_sits_above_the_library():
     assert max(rank for _, rank in CORE) < min(rank for _, rank in LAB)
     lab = sorted(name for name in all_modules() if in_lab(name))
-    assert "attnlab.tutorial" in lab and "attnlab.distributed.check" in lab and "attnlab.viz.html" in lab
+    assert "attnlab.tutorial" in lab and "attnlab.cli._cp_check" in lab and "attnlab.viz.html" in lab
     assert not any(in_lab(name) for name in ("attnlab", "attnlab.nn.multihead", "attnlab.distributed.ring"))
 
 
@@ -232,6 +231,33 @@ def test_import_attnlab_loads_the_library_only():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_import_attnlab_loads_no_distributed_cli_or_lab_module():
+    """A fresh interpreter: ``import attnlab`` alone loads the core (functional, backends, masks,
+    scores, nn) and no ``attnlab.distributed`` module (context parallelism is a wrapper the user
+    imports), no command line and no lab module; ``import attnlab.nn`` loads no distributed
+    module either (the layers take their attention part, they do not import it)."""
+    script = "\n".join([
+        "import sys",
+        "import attnlab, attnlab.nn, attnlab.models",
+        "print(sorted(m for m in sys.modules if m.startswith('attnlab')))",
+    ])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = eval(result.stdout.strip())  # a printed list of module names
+    assert "attnlab.nn.multihead" in loaded and "attnlab.functional" in loaded
+    refused = ("attnlab.distributed", "attnlab.cli", "attnlab.__main__") + tuple(prefix for prefix, _ in LAB)
+    assert [m for m in loaded if m.startswith(refused)] == []
+
+
+def test_no_library_module_imports_the_command_line():
+    modules = all_modules()
+    found = [f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {name} imports {edge.target}"
+             for name, path in modules.items() if not in_lab(name)
+             for edge in imports_of(path, modules) if edge.target.startswith(("attnlab.cli", "attnlab.__main__"))]
+    assert not found, found
 
 
 def test_module_level_imports_form_no_cycle():

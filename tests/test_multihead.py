@@ -9,6 +9,7 @@ import attnlab.backends
 from attnlab import masks
 from attnlab.nn import MultiHeadAttention, alibi_bias
 from attnlab.bench.competitors import SeedMultiHeadAttention  # the tutorial's module, as written
+from attnlab.tutorial import load_tutorial_state_dict
 
 BACKENDS = ["reference", "sdpa", "chunked", "flex"]
 
@@ -25,7 +26,7 @@ def test_seed_initialisation_and_state_dict_layout_match_the_document():
     x = torch.rand(2, 12, 3)
     torch.testing.assert_close(ours(x), doc(x), rtol=0, atol=1e-6)
     fresh = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
-    fresh.load_state_dict(doc.state_dict())  # the document's W_query.weight ... keys
+    load_tutorial_state_dict(fresh, doc.state_dict())  # the document's W_query.weight ... keys
     torch.testing.assert_close(fresh(x), doc(x), rtol=0, atol=1e-6)
 
 
@@ -162,3 +163,71 @@ def test_benchmark_contenders_compute_the_same_function():
         outs = {name: module(x) for name, module in modules.items()}
     for name, out in outs.items():
         torch.testing.assert_close(out, outs["seed document"], rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_warm_forward_goes_straight_to_its_attention_part(monkeypatch):
+    """The common call (self-attention, causal, no cache or mask) checks once, projects, calls the
+    attention part and out-projects: at most 10 attnlab Python calls and 3 attnlab frames on the
+    stack when the kernel runs (26 calls and 6 frames before), with and without grad."""
+    import os
+    import sys
+
+    import torch.nn.functional as F
+
+    from attnlab.backends import dispatch
+
+    package = os.path.dirname(attnlab.__file__)
+    kernel, depths, calls = F.scaled_dot_product_attention, [], [0]
+
+    def spy(*args, **kwargs):  # bound by the prepared run, so wrapped before the first call
+        frame, depth = sys._getframe(1), 0
+        while frame is not None:
+            depth += frame.f_code.co_filename.startswith(package)
+            frame = frame.f_back
+        depths.append(depth)
+        return kernel(*args, **kwargs)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls[0] += 1
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    dispatch.clear_plans()  # no run prepared with the unwrapped kernel
+    mha, x = MultiHeadAttention(32, 32, num_heads=4, backend="sdpa"), torch.randn(2, 16, 32)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            mha(x), mha(x)  # warm
+            depths.clear()
+            calls[0] = 0
+            sys.setprofile(profile)
+            try:
+                mha(x)
+            finally:
+                sys.setprofile(None)
+        assert calls[0] <= 10 and depths and max(depths) <= 3, (grad, calls, depths)
+
+
+def test_the_attention_part_is_injected_and_sees_the_modules_rule():
+    """A part with attnlab.attention's signature replaces it on every path (common call, cache,
+    window) and the module computes what the default part computes."""
+    seen = []
+
+    def part(q, k, v, **options):
+        seen.append(sorted(options))
+        return attnlab.attention(q, k, v, **options)
+
+    torch.manual_seed(0)
+    plain = MultiHeadAttention(16, 16, num_heads=4, window=3).double()
+    torch.manual_seed(0)
+    mine = MultiHeadAttention(16, 16, num_heads=4, window=3, attention=part).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    torch.testing.assert_close(mine(x), plain(x), rtol=0, atol=1e-12)
+    cache = mine.new_cache(2, 8)
+    torch.testing.assert_close(mine(x[:, :5], cache=cache), plain(x[:, :5]), rtol=0, atol=1e-12)
+    assert len(seen) == 2 and "causal" in seen[0]
+    torch.manual_seed(0)
+    fast = MultiHeadAttention(16, 16, num_heads=4, attention=part)
+    fast(torch.randn(1, 3, 16))
+    assert seen[-1] == ["backend", "causal", "dropout_p", "sinks"]  # the common call's options
+    with pytest.raises(TypeError, match="attention must be a function with attnlab.attention's signature, got str"):
+        MultiHeadAttention(16, 16, num_heads=4, attention="sdpa")

@@ -62,7 +62,7 @@ def test_window_decoding_step_reads_the_window_only_and_unmasked(monkeypatch, wi
     cache = module.new_cache(1, 12, windowed=windowed)
     calls = []
     real = multihead.attention
-    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: calls.append((k.shape[-2], kw["mask"]))
+    monkeypatch.setattr(module, "attention", lambda q, k, v, **kw: calls.append((k.shape[-2], kw["mask"]))
                         or real(q, k, v, **kw))
     with torch.no_grad():
         module(x[:, :11], cache=cache)
@@ -109,7 +109,7 @@ def test_paged_rows_of_different_lengths_equal_each_row_alone(monkeypatch):
     cache = PagedKVCache(3, 2, 48, 6, page_size=4, dtype=F64)
     seen = []
     real = multihead.attention
-    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: seen.append((k.shape[0], k.shape[-2]))
+    monkeypatch.setattr(module, "attention", lambda q, k, v, **kw: seen.append((k.shape[0], k.shape[-2]))
                         or real(q, k, v, **kw))
     with torch.no_grad():
         for b, n in enumerate(lengths):
@@ -145,7 +145,7 @@ def test_paged_batch_decodes_in_one_sdpa_call_reading_only_its_own_slots(monkeyp
     cache = PagedKVCache(3, 2, 64, 6, page_size=4, dtype=F64)
     calls = []
     real = multihead.attention
-    monkeypatch.setattr(multihead, "attention", lambda q, k, v, **kw: calls.append((q, k, v, kw)) or real(q, k, v, **kw))
+    monkeypatch.setattr(module, "attention", lambda q, k, v, **kw: calls.append((q, k, v, kw)) or real(q, k, v, **kw))
     with torch.no_grad():
         for b, n in enumerate(lengths):
             module(xs[b][:, :n], cache=cache.select([b]))

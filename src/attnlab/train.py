@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import io as _io
-from attnlab.distributed import ContextParallel
+from attnlab.distributed import ContextParallel, context_parallel as _context_parallel
 from attnlab.distributed.layout import check_length
 from attnlab._checks import divisible, instance_of, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
@@ -496,7 +496,7 @@ class Trainer:
             world = context_parallel.world_and_rank()[0]
             check_length(self.task.seq_len, layout=context_parallel.sequence_layout(world), world=world,
                          name=f"context_parallel over {world} ranks: the task's sequence length")
-            self.model.context_parallel = context_parallel
+            _context_parallel(self.model, context_parallel)
 
     @property
     def writes(self) -> bool:
@@ -597,11 +597,12 @@ class Trainer:
             >>> 0.0 <= accuracy <= 1.0
             True
         """
-        setting, self.model.context_parallel = self.model.context_parallel, None  # whole, on every rank
+        _context_parallel(self.model, None)  # whole, on every rank
         try:
             return evaluate(self.model, *self.eval_set())
         finally:
-            self.model.context_parallel = setting
+            if self.context_parallel is not None:
+                _context_parallel(self.model, self.context_parallel)
 
     def train(self, *, on_step: Callable[[int, float, float, float], None] | None = None,
               should_stop: Callable[[], bool] | None = None, out: str | os.PathLike | None = None) -> TrainResult:

@@ -9,7 +9,8 @@ functional core, :func:`attnlab.attention`: the modules only project their input
 options (causal mask, dropout, scale). Where a tutorial has a bug, the code here does the right
 thing and the docstring says what differs (see also ``docs/seeds.md``). Production modules
 (grouped-query attention, KV cache, RoPE, blocks) live in :mod:`attnlab.nn`;
-:class:`Projections` shows one of them under the tutorials' weight names.
+:class:`Projections` shows one of them under the tutorials' weight names, and
+:func:`load_tutorial_state_dict` loads the tutorials' checkpoints into it.
 
 Example:
     >>> import torch
@@ -47,6 +48,7 @@ __all__ = [
     "MultiHeadAttentionWrapper",
     "Projections",
     "ProjectionView",
+    "load_tutorial_state_dict",
     "project",
     "multi_head_attention",
     "cross_attention",
@@ -444,8 +446,8 @@ class Projections:
     :meth:`~attnlab.nn.MultiHeadAttention.projection` gives one part). This view names the
     parts as the tutorials do, each a :class:`ProjectionView` (``.weight``, ``.bias``,
     callable) sharing storage with the module. Every access reads the module afresh, so the
-    view follows ``.to()``, ``.double()`` and ``load_state_dict``. (Loading a checkpoint saved
-    from the tutorials' module needs no view: ``mha.load_state_dict(state)`` accepts its keys.)
+    view follows ``.to()``, ``.double()`` and ``load_state_dict``. (A checkpoint saved from the
+    tutorials' module loads with :func:`load_tutorial_state_dict`.)
 
     Shapes:
         W_query: ``(d_out, d_in)``; W_key: ``(num_kv_heads * head_dim, kdim)``;
@@ -483,6 +485,56 @@ class Projections:
     def W_value(self) -> ProjectionView:
         """The value projection ``(num_kv_heads * head_dim, vdim)``."""
         return ProjectionView(*self.module.projection("value"))
+
+
+_PARTS = ("query", "key", "value")
+
+
+def load_tutorial_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = True):
+    """Load a state dict saved from the tutorials' multi-head module into ``module``.
+
+    The tutorials' module keeps ``W_query``, ``W_key``, ``W_value`` as three ``nn.Linear`` and
+    saves its causal ``mask`` buffer; every :class:`attnlab.nn.MultiHeadAttention` in ``module``
+    (at any depth) stores them fused as ``in_proj_weight`` rows (or ``q_proj_weight``, ... when
+    not fused) and ``in_proj_bias``. Keys already in attnlab's layout pass unchanged.
+
+    Returns:
+        What ``module.load_state_dict`` returns (missing and unexpected keys).
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> state = {f"W_{p}.weight": torch.randn(2, 3) for p in ("query", "key", "value")}
+        >>> mha = MultiHeadAttention(3, 2, 4, 0.0, 1)
+        >>> load_tutorial_state_dict(mha, {**state, "out_proj.weight": torch.eye(2),
+        ...                                "out_proj.bias": torch.zeros(2)})
+        <All keys matched successfully>
+        >>> torch.equal(mha.in_proj_weight, torch.cat(list(state.values())))
+        True
+    """
+    state = dict(state_dict)
+    for name, layer in module.named_modules():
+        if isinstance(layer, MultiHeadAttention):
+            _to_fused_names(state, f"{name}." if name else "", fused=layer.fused)
+    return module.load_state_dict(state, strict=strict)
+
+
+def _to_fused_names(state: dict, prefix: str, *, fused: bool) -> None:
+    """Rename one layer's ``W_query.weight`` ... keys (under ``prefix``) in place; drop ``mask``."""
+    state.pop(prefix + "mask", None)
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}W_{part}.{kind}" for part in _PARTS]
+        if not all(key in state for key in keys):
+            continue
+        tensors = [state.pop(key) for key in keys]
+        if kind == "bias":
+            state[prefix + "in_proj_bias"] = torch.cat(tensors)  # (d_out + 2 d_kv,)
+        elif fused:
+            state[prefix + "in_proj_weight"] = torch.cat(tensors)  # (d_out + 2 d_kv, d_in)
+        else:
+            for part, tensor in zip(("q", "k", "v"), tensors):
+                state[f"{prefix}{part}_proj_weight"] = tensor
 
 
 def project(x: Tensor, weight: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ on rank 0, compares them with single-process attention on the whole sequence in 
 it reports the time, the bytes it sent and its peak tensor memory.
 
 :func:`run_check` launches it: inline when started by ``torchrun`` (the environment says so),
-else on ``nproc`` local processes. ``python -m attnlab.distributed.check`` and
+else on ``nproc`` local processes. ``python -m attnlab.cli._cp_check`` and
 ``attnlab context-parallel`` are its command lines; :func:`scaling_rows` is the benchmark.
 
 Example:

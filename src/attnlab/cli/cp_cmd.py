@@ -31,7 +31,7 @@ def context_parallel(
     backward, gather the results and compare them with single-process attention on the whole
     sequence (error vs fp64 within attnlab's tolerance rule). Prints, per method and rank, the
     time, bytes sent and peak tensor memory. Runs `--nproc` local processes with gloo, or the
-    ranks `torchrun --nproc-per-node P -m attnlab.distributed.check` started (NCCL on GPUs).
+    ranks `torchrun --nproc-per-node P -m attnlab.cli._cp_check` started (NCCL on GPUs).
     Exits 1 when a result is outside the rule."""
     from attnlab.bench import context_parallel as _cp
     from attnlab.distributed import LAYOUTS

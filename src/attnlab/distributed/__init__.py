@@ -12,8 +12,10 @@ shard of the output, equal to single-process :func:`attnlab.attention` on the wh
   divisible by ``P``.
 
 It runs on any backend of ``torch.distributed`` (gloo on CPU, NCCL on GPU), launched with
-``torchrun``. ``python -m attnlab.distributed.check`` checks both methods against one process
-(see ``docs/distributed.md`` for when each wins).
+``torchrun``. ``python -m attnlab.cli._cp_check`` checks both methods against one process
+(see ``docs/distributed.md`` for when each wins). :func:`context_parallel` makes a layer, a
+block or a GPT run its attention over shards: it swaps each ``MultiHeadAttention``'s attention
+function part for a :class:`ShardedAttention`.
 
 Example (run under ``torchrun --nproc-per-node 2``)::
 
@@ -47,8 +49,10 @@ from attnlab.distributed.layout import (LAYOUTS, ChunkLayout, check_layout, chec
                                         shard, unshard)
 from attnlab.distributed.ring import RingPlan, ring_attention, ring_plan
 from attnlab.distributed.ulysses import ulysses_attention
+from attnlab.nn.latent import LatentAttention
+from attnlab.nn.multihead import MultiHeadAttention
 
-__all__ = ["context_parallel_attention", "ContextParallel", "CommStats", "METHODS", "LAYOUTS",
+__all__ = ["context_parallel_attention", "context_parallel", "ContextParallel", "ShardedAttention", "CommStats", "METHODS", "LAYOUTS",
            "ChunkLayout", "RingPlan", "ring_plan", "hybrid_layout", "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
 
 METHODS = ("ring", "ulysses", "hybrid")
@@ -219,7 +223,7 @@ def _masks_kind(mask) -> str:
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """How a module shards its sequence: pass as ``context_parallel=`` to attnlab modules.
+    """How a module shards its sequence: apply it with :func:`context_parallel`.
 
     Attributes:
         group: process group (None: the world).
@@ -310,3 +314,80 @@ class ContextParallel:
         return context_parallel_attention(q, k, v, causal=causal, mask=mask, scale=scale, score_mod=score_mod,
                                           sinks=sinks, method=self.method, layout=self.layout, ulysses=self.ulysses,
                                           head_chunks=self.head_chunks, group=self.group, timeout=self.timeout)
+
+
+class ShardedAttention:
+    """A layer's attention function part that runs over this rank's shard of the sequence.
+
+    :func:`context_parallel` puts it into each ``MultiHeadAttention`` (its ``attention``
+    part); the layer then projects its shard, rotates at :meth:`positions` and calls it with
+    its whole rule (causal, window mod, score mods, sinks). ``inner`` is the part it replaced,
+    put back by ``context_parallel(module, None)``.
+
+    Shapes:
+        q ``(B, H, T_local, D)``, k and v ``(B, Hkv, T_local, D)`` -> ``(B, H, T_local, D)``.
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> mha = context_parallel(MultiHeadAttention(8, 8, num_heads=2), ContextParallel(method="ulysses"))
+        >>> mha.attention
+        ShardedAttention(ContextParallel(group=None, method='ulysses', layout='zigzag', timeout=None, ulysses=None, head_chunks=1))
+        >>> context_parallel(mha, None).attention.__name__   # the part it replaced
+        'attention'
+    """
+
+    shards = True  # the layer gives it shards: no cache, dense mask, context or weights
+
+    def __init__(self, setting: ContextParallel, inner: Callable):
+        self.setting, self.inner = setting, inner
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask=None,
+                 scale: float | None = None, score_mod=None, sinks: Tensor | None = None) -> Tensor:
+        return self.setting.attention(q, k, v, causal=causal, mask=mask, scale=scale, score_mod=score_mod,
+                                      sinks=sinks)
+
+    def positions(self, local_len: int, *, device=None) -> Tensor:
+        """Global positions ``(local_len,)`` of this rank's tokens."""
+        return self.setting.positions(local_len, device=device)
+
+    def __repr__(self) -> str:
+        return f"ShardedAttention({self.setting!r})"
+
+
+def context_parallel(module: torch.nn.Module, setting: ContextParallel | None) -> torch.nn.Module:
+    """Make ``module`` run its self-attention over shards of its sequence (None: undo).
+
+    Every ``MultiHeadAttention`` in ``module`` (itself, a ``TransformerBlock``'s, a ``GPT``'s;
+    cross-attention excepted) gets a :class:`ShardedAttention` as its attention part. Feed each
+    rank its shard (``setting.shard(x, dim=1)``): the layers' causal rule, window, softcap,
+    ALiBi, rotary and learned positions then hold at global positions, and the output is this
+    rank's shard. Sum each parameter's gradient over the ranks, as in data parallelism.
+
+    Returns:
+        ``module`` itself, changed in place.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``setting`` not a ContextParallel/None.
+        ValueError: ``module`` holds a ``LatentAttention`` (not context-parallel) or no
+            ``MultiHeadAttention``.
+
+    Example (under torchrun)::
+
+        model = context_parallel(GPT(vocab_size=11, num_heads=4), ContextParallel(method="ring"))
+        logits_l = model(ContextParallel().shard(ids, dim=1))   # this rank's shard of the logits
+        context_parallel(model, None)                           # whole sequences again
+    """
+    instance_of("module", module, torch.nn.Module, "a torch.nn.Module")
+    if setting is not None:
+        instance_of("setting", setting, ContextParallel, "a ContextParallel or None")
+    layers = [m for name, m in module.named_modules()
+              if isinstance(m, MultiHeadAttention) and not name.endswith("cross_attn")]
+    if setting is not None and any(isinstance(m, LatentAttention) for m in module.modules()):
+        raise ValueError("LatentAttention does not run context-parallel; use MultiHeadAttention layers")
+    if setting is not None and not layers:
+        raise ValueError(f"module ({type(module).__name__}) holds no MultiHeadAttention to run over shards")
+    for layer in layers:
+        part = layer.attention
+        inner = part.inner if isinstance(part, ShardedAttention) else part
+        layer.attention = inner if setting is None else ShardedAttention(setting, inner)
+    return module

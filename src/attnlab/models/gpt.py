@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from attnlab import io as _io
 from attnlab._checks import (divisible, finite_number, instance_of, one_of, per_layer, positive_int,
                              probability, same_device)
-from attnlab.distributed import ContextParallel
 from attnlab.models import _hub, _inputs
 from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
@@ -95,7 +94,6 @@ class GPT(nn.Module):
         activation: the MLP activation (``"gelu_tanh"`` is GPT-2's).
         tie_embeddings: the output projection shares the token embedding's weight.
         backend: attention backend (``"auto"``).
-        context_parallel: shard sequences across a process group (see the property).
         layer_pattern: each layer's attention, one letter per layer, repeated over the depth
             (``"LLLLLG"``: five local layers to one global, Gemma 3's pattern): ``G`` global
             (``num_heads``/``num_kv_heads`` causal attention), ``L`` local (the same with a causal
@@ -130,7 +128,7 @@ class GPT(nn.Module):
         num_heads: int | Sequence[int] = 4, num_kv_heads: int | None = None, d_ff: int | None = None,
         attention_only: bool = False, positions: str = "learned", dropout_p: float = 0.0, bias: bool = True,
         norm_eps: float = 1e-5, activation: str = "gelu_tanh", tie_embeddings: bool = True,
-        backend: str = "auto", context_parallel: ContextParallel | None = None,
+        backend: str = "auto",
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
         latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
     ):
@@ -176,29 +174,15 @@ class GPT(nn.Module):
         self._init_embeddings()
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.context_parallel = context_parallel
 
-    @property
-    def context_parallel(self) -> ContextParallel | None:
-        """The context-parallel setting (None: one process holds the whole sequence).
-
-        Set it to a :class:`~attnlab.distributed.ContextParallel` to feed each rank its shard
-        of the token ids (:func:`attnlab.distributed.shard`); positions are then global and
-        the logits are this rank's shard. Generation with a cache needs it unset.
-
-        Example:
-            >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2).context_parallel is None
-            True
-        """
-        return self._context_parallel
-
-    @context_parallel.setter
-    def context_parallel(self, setting: ContextParallel | None) -> None:
-        if setting is not None:
-            instance_of("context_parallel", setting, ContextParallel, "a ContextParallel or None")
-        self._context_parallel = setting
+    def _shard_positions(self, local_len: int, device) -> Tensor | None:
+        """Global positions ``(local_len,)`` of this rank's tokens when the layers attend over
+        shards (:func:`attnlab.distributed.context_parallel`), else None."""
         for block in self.blocks:
-            block.attn.context_parallel = setting
+            part = getattr(block.attn, "attention", None)
+            if getattr(part, "shards", False):
+                return part.positions(local_len, device=device)
+        return None
 
     def _init_embeddings(self) -> None:
         with torch.no_grad():
@@ -246,8 +230,9 @@ class GPT(nn.Module):
         if document_ids is not None:
             documents = _check_documents(document_ids, x, None, caches)
             positions = _masks.document_positions(documents)  # (B|1, T)
-        if self.pos_emb is not None and self.context_parallel is not None:
-            x = self.pos_emb(x, positions=self.context_parallel.positions(x.shape[1], device=x.device))
+        shard_positions = None if self.pos_emb is None else self._shard_positions(x.shape[1], x.device)
+        if shard_positions is not None:
+            x = self.pos_emb(x, positions=shard_positions)
         elif self.pos_emb is not None and isinstance(positions, int):
             x = self.pos_emb(x, offset=positions)
         elif self.pos_emb is not None:

@@ -24,7 +24,6 @@ import torch  # noqa: F401  (the doctest examples use it)
 from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
-from attnlab.distributed import ContextParallel
 from attnlab.nn.cache import Cache, KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import RotaryEmbedding
@@ -108,8 +107,6 @@ class TransformerBlock(nn.Module):
         mlp: include the MLP sub-layer. ``mlp=False`` gives an attention-only block
             (``norm_mlp`` and ``mlp`` are None), the setting of circuit studies, where every
             path from input to output goes through attention heads.
-        context_parallel: shard the self-attention's sequence across a process group (see
-            :class:`~attnlab.nn.MultiHeadAttention`); ``x`` is then this rank's shard.
         window: a causal sliding window for the self-attention (local layers).
         attn: a self-attention module to use instead of the ``MultiHeadAttention`` the block
             would build (e.g. a :class:`~attnlab.nn.LatentAttention`); it takes the keyword
@@ -134,7 +131,7 @@ class TransformerBlock(nn.Module):
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
         d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
-        mlp: bool = True, context_parallel: ContextParallel | None = None, window: int | None = None,
+        mlp: bool = True, window: int | None = None,
         attn: nn.Module | None = None, positions: str | None = None, softcap: float | None = None,
         sinks: bool = False,
     ):
@@ -149,7 +146,7 @@ class TransformerBlock(nn.Module):
         else:
             self.attn = MultiHeadAttention(
                 d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-                rope=rope, context_parallel=context_parallel, window=window, positions=positions,
+                rope=rope, window=window, positions=positions,
                 softcap=softcap, sinks=sinks, **common,
             )
         self.norm_cross = self.cross_attn = None

@@ -130,16 +130,6 @@ class LatentAttention(nn.Module):
         """
         return self.latent_dim + self.rope_dim
 
-    @property
-    def context_parallel(self) -> None:
-        """Always None: latent attention does not run context-parallel."""
-        return None
-
-    @context_parallel.setter
-    def context_parallel(self, setting: object) -> None:
-        if setting is not None:
-            raise ValueError("LatentAttention does not run context-parallel; set context_parallel=None")
-
     # ------------------------------------------------------------------ weights
     def up_weights(self) -> tuple[Tensor, Tensor]:
         """``W_UK`` ``(H, nope_dim, latent_dim)`` and ``W_UV`` ``(H, value_dim, latent_dim)``, views

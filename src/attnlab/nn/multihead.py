@@ -21,11 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, one_of, positive_int,
-                             positive_number, probability, same_device)
+                             positive_number, probability)
 from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab import scores as _scores
-from attnlab.distributed import ContextParallel
 from attnlab.functional import attention
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error, new_positions
 from attnlab.nn.positional import RotaryEmbedding, apply_rotary
@@ -63,8 +62,9 @@ class MultiHeadAttention(nn.Module):
     gives one part's ``(weight, bias)``. The parameters are initialised exactly as the
     tutorials' three ``nn.Linear`` layers created in that order, then ``out_proj``: after
     ``torch.manual_seed(s)`` the module reproduces the documents' outputs. A ``state_dict``
-    saved from the tutorials' module (keys ``W_query.weight``, ...) loads into this layout;
-    :class:`attnlab.tutorial.Projections` shows the parts under the tutorials' names.
+    saved from the tutorials' module (keys ``W_query.weight``, ...) loads with
+    :func:`attnlab.tutorial.load_tutorial_state_dict`; :class:`attnlab.tutorial.Projections`
+    shows the parts under the tutorials' names.
 
     **Masks** (True = may attend). ``mask`` broadcasts to ``(B, H, Tq, Tk)`` (a 2-D
     ``(Tq, Tk)`` or a 4-D tensor), is a float bias (e.g. ALiBi), or a mask mod.
@@ -103,15 +103,13 @@ class MultiHeadAttention(nn.Module):
             :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``), a
             ``RotaryEmbedding``, or ``None``/``False``.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
-        context_parallel: a :class:`~attnlab.distributed.ContextParallel` setting: ``x`` is then
-            this rank's shard of a sequence split across a process group, and the layer's whole
-            attention runs over the global sequence: its causal rule, ``window``, ``softcap``,
-            ALiBi and rotary positions at the tokens' global positions, and ``sinks`` (each
-            rank's ``sinks`` gradient is its queries' share: sum it as for every weight). Not
-            with a cache, ``context``, ``mask``, ``padding_mask``, ``document_ids``,
-            ``return_weights`` or attention dropout in training (``ValueError`` before any
-            work). The output is this rank's shard. May also be set on the attribute of the
-            same name.
+        attention: the attention function part, with :func:`attnlab.attention`'s signature
+            (the default). Every call of the module goes through it, so a wrapper swaps it to
+            change how heads attend: :func:`attnlab.distributed.context_parallel` puts a sharded
+            one in. A part with ``shards = True`` runs over a sequence split across processes:
+            the module then asks it for its tokens' positions (``part.positions(T, device=)``)
+            and passes it the layer's whole rule (causal, window, score mods, sinks), never a
+            cache, mask, ``context`` or weights.
         window: a causal sliding window for self-attention: query ``i`` sees keys ``i - window + 1
             .. i`` only (:func:`attnlab.masks.sliding_window_mod`, which the block-sparse backend
             serves by skipping the blocks outside the band); a
@@ -159,11 +157,11 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool = True,
         rope: RotaryEmbedding | bool | None = None,
         backend: str = "auto",
-        context_parallel: ContextParallel | None = None,
         window: int | None = None,
         positions: str | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        attention: Callable = attention,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -183,11 +181,11 @@ class MultiHeadAttention(nn.Module):
         self._make_projections(qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.rope = self._make_rope(rope)
-        if context_parallel is not None:
-            instance_of("context_parallel", context_parallel, ContextParallel, "a ContextParallel or None")
-        self.context_parallel = context_parallel
         self._make_score_options(positions, softcap, sinks)
-        self.register_load_state_dict_pre_hook(_seed_layout_hook)
+        if not callable(attention):
+            raise TypeError(f"attention must be a function with attnlab.attention's signature, got "
+                            f"{type(attention).__name__}")
+        self.attention = attention
 
     def _make_score_options(self, positions: str | None, softcap: float | None, sinks: bool) -> None:
         """ALiBi slopes (a buffer, not saved), the softcap and the sink logits (a parameter)."""
@@ -286,10 +284,6 @@ class MultiHeadAttention(nn.Module):
         return weight, bias
 
     # ----------------------------------------------------------------- projections
-    def _heads(self, t: Tensor, num_heads: int) -> Tensor:
-        B, T, _ = t.shape
-        return t.view(B, T, num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention projections, one matmul when the weights are fused.
 
@@ -304,10 +298,13 @@ class MultiHeadAttention(nn.Module):
         """
         if not self.fused:
             return self.project_q(x), *self.project_kv(x)
+        B, T, _ = x.shape
+        hd, d_out, d_kv = self.head_dim, self.d_out, self.d_kv
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, T, d_out + 2 d_kv)
-        q, k, v = qkv.split((self.d_out, self.d_kv, self.d_kv), dim=-1)
-        return (self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads),
-                self._heads(v, self.num_kv_heads))
+        q, k, v = qkv.split((d_out, d_kv, d_kv), dim=-1)
+        return (q.view(B, T, self.num_heads, hd).transpose(1, 2),  # (B, H, T, hd)
+                k.view(B, T, self.num_kv_heads, hd).transpose(1, 2),  # (B, Hkv, T, hd)
+                v.view(B, T, self.num_kv_heads, hd).transpose(1, 2))
 
     def project_q(self, x: Tensor) -> Tensor:
         """Query projection ``(B, T, d_in) -> (B, H, T, hd)``.
@@ -316,7 +313,9 @@ class MultiHeadAttention(nn.Module):
             >>> MultiHeadAttention(8, 8, num_heads=4).project_q(torch.randn(1, 3, 8)).shape
             torch.Size([1, 4, 3, 2])
         """
-        return self._heads(F.linear(x, *self.projection("query")), self.num_heads)
+        B, T, _ = x.shape
+        q = F.linear(x, *self.projection("query"))  # (B, T, d_out)
+        return q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
 
     def project_kv(self, context: Tensor, value_input: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Key and value projections of ``context`` (values of ``value_input`` if given).
@@ -337,7 +336,9 @@ class MultiHeadAttention(nn.Module):
         else:
             k = F.linear(context, *self.projection("key"))
             v = F.linear(context if value_input is None else value_input, *self.projection("value"))
-        return self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+        B, T, _ = k.shape
+        return (k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2),  # (B, Hkv, Tk, hd)
+                v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2))
 
     # --------------------------------------------------------------------- forward
     def forward(
@@ -354,56 +355,63 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend and project; see the class docstring for shapes and mask polarity.
 
+        The common call (self-attention, no cache, mask, positions or window) is checked once
+        and goes straight to the attention part: project, attend, out-project.
+
         Args:
             x: queries' input ``(B, Tq, d_in)`` or ``(Tq, d_in)``.
             context: keys' and values' input for cross-attention; None = self-attention.
             mask: bool (True = may attend) / float (added to scores) tensor broadcastable to
                 ``(B, H, Tq, Tk)``, or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
             padding_mask: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache).
-            cache: a :class:`~attnlab.nn.Cache` (:class:`KVCache`, :class:`WindowedKVCache`,
-                :class:`PagedKVCache`) from :meth:`new_cache`; the new keys/values are appended
-                and the queries attend to everything cached they may see (self-attention only).
-                ``mask`` and ``padding_mask`` go with a :class:`KVCache` only; a paged cache's
-                rows may hold different lengths (each row's tokens take its own positions) and
-                returns no weights.
+            cache: a :class:`~attnlab.nn.Cache` from :meth:`new_cache`; the new keys/values are
+                appended and the queries attend to everything cached they may see
+                (self-attention only). ``mask`` and ``padding_mask`` go with a :class:`KVCache`
+                only; a paged cache's rows may hold different lengths and return no weights.
             return_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
                 (before dropout); ``out`` is computed exactly as without them.
-            value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``
-                (torch's ``value`` argument; used by interop).
+            value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``.
             document_ids: ``(T,)`` or ``(B, T)`` integer ids of the document each token of a
-                packed sequence belongs to (self-attention, no cache). Attention stays inside
-                each document (:func:`attnlab.masks.document_mod`, ANDed with ``mask`` and the
-                causal mask) and rotary positions restart at 0 at each document start, so a
-                packed batch gives what running each document alone gives.
+                packed sequence belongs to (self-attention, no cache): attention stays inside
+                each document and rotary positions restart at 0 at each document start.
 
         Returns:
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
         self._check_inputs(x, context, value_input)
+        if (context is None and mask is None and padding_mask is None and cache is None and document_ids is None
+                and not return_weights and x.ndim == 3 and self.fused and self.rope is None
+                and self.window is None and self.softcap is None and self.alibi_slopes is None
+                and (self.context_length is None or x.shape[1] <= self.context_length)
+                and not getattr(self.attention, "shards", False)):
+            B, T, _ = x.shape
+            q, k, v = self.project_qkv(x)  # (B, H, T, hd), (B, Hkv, T, hd) x2
+            out = self.attention(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0,
+                                 backend=self.backend, sinks=self.sinks)  # (B, H, T, hd)
+            return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_out))  # (B, T, d_out)
         unbatched = x.ndim == 2
-        x, context, value_input, mask, padding_mask = self._batch_inputs(
-            x, context, value_input, mask, padding_mask, unbatched
-        )
-        documents = _check_documents(document_ids, x, context, cache)
-        if cache is not None:
-            _check_cache(cache, x, context, self.num_kv_heads, self.window)
-            _check_cache_options(cache, mask, padding_mask, return_weights, self.alibi_slopes is not None)
-        # Everything that can be checked is checked before the cache is written; the guard puts
-        # the cache back if attention itself fails afterwards.
-        with _restore_on_error([cache], x.shape[1]):
-            out, weights = self._attend(x, context, value_input, mask, padding_mask, cache,
-                                        return_weights, documents)
+        x, context, value_input, mask, padding_mask = _batch_inputs(x, context, value_input, mask, padding_mask,
+                                                                     unbatched)
+        if getattr(self.attention, "shards", False):
+            out, weights = self._attend_shards(x, context, mask, padding_mask, cache, return_weights, document_ids)
+        else:
+            documents = _check_documents(document_ids, x, context, cache)
+            if cache is not None:
+                _check_cache(cache, x, context, self.num_kv_heads, self.window)
+                _check_cache_options(cache, mask, padding_mask, return_weights, self.alibi_slopes is not None)
+            # Everything that can be checked is checked before the cache is written; the guard
+            # puts the cache back if attention itself fails afterwards.
+            with _restore_on_error([cache], x.shape[1]):
+                out, weights = self._attend(x, context, value_input, mask, padding_mask, cache,
+                                            return_weights, documents)
         if unbatched:
             out, weights = out[0], None if weights is None else weights[0]
         return (out, weights) if return_weights else out
 
-    def _attend(self, x, context, value_input, mask, padding_mask, cache, return_weights,
-                documents=None):
-        """Batched forward: ``(out, weights or None)``; may write ``cache``.
+    def _attend(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
+        """Batched forward with every option: ``(out, weights or None)``; may write ``cache``.
 
         ``documents``: ``(B|1, T)`` int64 document ids of a packed batch, or None."""
-        if self.context_parallel is not None:
-            return self._attend_sharded(x, context, mask, padding_mask, cache, return_weights, documents)
         B, Tq, _ = x.shape
         cached = 0 if cache is None else max(cache.row_lengths, default=0)
         Tk = cached + Tq if context is None else context.shape[1]
@@ -414,7 +422,7 @@ class MultiHeadAttention(nn.Module):
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
         alibi_offset = 0 if cache is None or self.alibi_slopes is None else cache.length  # a KVCache
         score_mod = self._score_mod(alibi_offset, context is not None)
-        q, k, v, _ = self._qkv(x, context, value_input, cache, documents)
+        q, k, v = self._qkv(x, context, value_input, cache, documents)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, *, key_lengths: Tensor | None = None):
             return self.attend_heads(q, k, v, mask=mask, self_attention=context is None,
@@ -451,28 +459,29 @@ class MultiHeadAttention(nn.Module):
         return attend_causal(q, k, v, mask=mask, causal=self.causal and self_attention, window=self.window
                              if self_attention else None, scale=scale, backend=self.backend,
                              dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights,
-                             score_mod=score_mod, sinks=self.sinks, key_lengths=key_lengths)
+                             score_mod=score_mod, sinks=self.sinks, key_lengths=key_lengths, attend=self.attention)
 
-    def _attend_sharded(self, x, context, mask, padding_mask, cache, return_weights, documents):
-        """Context-parallel self-attention on this rank's shard ``x`` ``(B, T_local, d_in)``: the
-        layer's whole attention (causal rule, window, softcap, ALiBi at global positions, sinks)."""
+    def _attend_shards(self, x, context, mask, padding_mask, cache, return_weights, document_ids):
+        """Self-attention on this rank's shard ``x`` ``(B, T_local, d_in)`` through a sharded
+        attention part: the layer's whole rule (causal, window, softcap, ALiBi, rotary positions
+        and sinks) over the global sequence, whose positions the part gives."""
         refused = [name for name, value in (("context", context), ("mask", mask), ("padding_mask", padding_mask),
-                                            ("cache", cache), ("document_ids", documents)) if value is not None]
+                                            ("cache", cache), ("document_ids", document_ids)) if value is not None]
         refused += ["return_weights"] if return_weights else []
         refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
         if refused:
-            raise ValueError(f"context_parallel runs the layer's own attention over shards; "
-                             f"it cannot take {', '.join(refused)}")
+            raise ValueError(f"a sharded attention part ({self.attention!r}) runs the layer's own attention "
+                             f"over shards; it cannot take {', '.join(refused)}")
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)  # (B, H, T_local, hd), (B, Hkv, T_local, hd) x2
+        positions = self.attention.positions(T, device=x.device)  # (T_local,) global positions
         if self.rope is not None:
-            positions = self.context_parallel.positions(T, device=x.device).unsqueeze(0)  # (1, T_local)
-            q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
-        length = T * self.context_parallel.world_and_rank()[0]  # the global sequence
-        window = None if self.window is None else _masks.sliding_window_mod(length, length, self.window)
-        out = self.context_parallel.attention(q, k, v, causal=self.causal, mask=window,
-                                              score_mod=self._score_mod(0, False),
-                                              sinks=self.sinks)  # (B, H, T_local, hd)
+            q, k = _rotate_at(self.rope, q, positions[None]), _rotate_at(self.rope, k, positions[None])
+        # A window is a mask mod over global positions: with top-left alignment and Tq == Tk its
+        # offset is 0, whatever the length, so the part evaluates it at global positions.
+        window = None if self.window is None else _masks.sliding_window_mod(T, T, self.window)
+        out = self.attention(q, k, v, causal=self.causal, mask=window, score_mod=self._score_mod(0, False),
+                             sinks=self.sinks)  # (B, H, T_local, hd)
         out = out.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T_local, d_out)
         return self.out_proj(out), None
 
@@ -497,55 +506,42 @@ class MultiHeadAttention(nn.Module):
                     f"value_input must be (B, Tk, vdim) = {expected} to match context "
                     f"{tuple(context.shape)}; got {tuple(value_input.shape)}"
                 )
-            q, (k, v) = self.project_q(x), self.project_kv(context, value_input)
-            return q, k, v, 0
-        offset = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
+            return self.project_q(x), *self.project_kv(context, value_input)
         if self.rope is not None and documents is not None:
             positions = _masks.document_positions(documents)  # (B|1, T), 0 at each document start
             q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
         elif self.rope is not None:
+            offset = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
             q, k = rotate(self.rope, q, offset), rotate(self.rope, k, offset)
-        return q, k, v, offset  # k, v: the new tokens' only; the cache adds what it holds
+        return q, k, v  # k, v: the new tokens' only; the cache adds what it holds
 
     def _check_inputs(self, x, context, value_input) -> None:
-        """Tensors of the module's floating dtype (or any float under autocast), on its device."""
+        """Tensors of the module's floating dtype (or any float under autocast), on its device,
+        ``x`` of rank 2 or 3 and width ``d_in``: one function, no helper calls (every forward
+        pays for it)."""
         weight = self.out_proj.weight
         for name, t in (("x", x), ("context", context), ("value_input", value_input)):
             if t is None and name != "x":
                 continue
-            instance_of(name, t, Tensor, "a torch.Tensor")
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if not t.dtype.is_floating_point:
                 raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
-            same_device(name, t, weight.device)
+            if t.device != weight.device:
+                raise ValueError(f"{name} is on {t.device} but the module's weights are on {weight.device}; "
+                                 f"move one of them (module.to(...) or {name}.to(...))")
             if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
                 raise TypeError(
                     f"{name} has dtype {t.dtype} but the module's weights are {weight.dtype}; "
                     f"convert one of them (e.g. module.to({t.dtype}))"
                 )
-
-    @staticmethod
-    def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
-        """Add a batch axis of 1 to unbatched inputs (and masks)."""
         if x.ndim not in (2, 3):
             raise ValueError(f"x must be (B, T, d_in) or (T, d_in), got shape {tuple(x.shape)}")
-        if context is not None and context.ndim != x.ndim:
+        if context is None and (x.shape[-1] != self.d_in or not self.fused):
             raise ValueError(
-                f"context must have x's rank; got x {tuple(x.shape)}, context {tuple(context.shape)}"
+                f"self-attention needs x (B, T, {self.d_in}) and kdim == vdim == d_in; got x "
+                f"{tuple(x.shape)}, kdim={self.kdim}, vdim={self.vdim} (pass context=)"
             )
-        if isinstance(mask, Tensor) and mask.ndim == 3 and not unbatched:
-            raise ValueError(
-                f"a 3-D mask {tuple(mask.shape)} is ambiguous for batched input; pass (Tq, Tk) "
-                "or (B|1, H|1, Tq, Tk)"
-            )
-        if not unbatched:
-            return x, context, value_input, mask, padding_mask
-        if isinstance(mask, Tensor) and mask.ndim == 3:
-            mask = mask[None]  # (1, H, Tq, Tk)
-        if padding_mask is not None:
-            _check_padding_type(padding_mask)
-            padding_mask = padding_mask[None]  # (1, Tk)
-        add = (lambda t: None if t is None else t[None])
-        return add(x), add(context), add(value_input), mask, padding_mask
 
     # ------------------------------------------------------------------- helpers
     def new_cache(
@@ -649,6 +645,28 @@ class MultiHeadAttention(nn.Module):
         return module.train(self.training)
 
 
+def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
+    """Add a batch axis of 1 to unbatched inputs (and masks)."""
+    if context is not None and context.ndim != x.ndim:
+        raise ValueError(
+            f"context must have x's rank; got x {tuple(x.shape)}, context {tuple(context.shape)}"
+        )
+    if isinstance(mask, Tensor) and mask.ndim == 3 and not unbatched:
+        raise ValueError(
+            f"a 3-D mask {tuple(mask.shape)} is ambiguous for batched input; pass (Tq, Tk) "
+            "or (B|1, H|1, Tq, Tk)"
+        )
+    if not unbatched:
+        return x, context, value_input, mask, padding_mask
+    if isinstance(mask, Tensor) and mask.ndim == 3:
+        mask = mask[None]  # (1, H, Tq, Tk)
+    if padding_mask is not None:
+        _check_padding_type(padding_mask)
+        padding_mask = padding_mask[None]  # (1, Tk)
+    add = (lambda t: None if t is None else t[None])
+    return add(x), add(context), add(value_input), mask, padding_mask
+
+
 def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *, to_torch: bool) -> None:
     """Copy Q/K/V and output weights between the two layouts (they share names by design)."""
     names = ["in_proj_weight"] if ours.fused else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
@@ -666,11 +684,12 @@ def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
                   scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
                   return_weights: bool = False, score_mod=None, sinks: Tensor | None = None,
-                  key_lengths: Tensor | None = None):
+                  key_lengths: Tensor | None = None, attend: Callable = attention):
     """:func:`attnlab.attention` with the queries aligned bottom-right on the keys (the last
     query is the newest token, so ``k`` may start with cached positions), and with ``window``
     the causal sliding window on that diagonal in place of the causal mask. ``mask`` (a tensor
-    or a mask mod) is ANDed in. The one attention call of the modules in :mod:`attnlab.nn`.
+    or a mask mod) is ANDed in. The one attention call of the modules in :mod:`attnlab.nn` beyond
+    their common call; ``attend`` is the attention function part (:func:`attnlab.attention`).
 
     With ``key_lengths`` (``(B,)`` int64) row ``b`` holds ``key_lengths[b]`` real keys followed
     by padding (a paged batch's rows gathered to the longest): the rule aligns on each row's own
@@ -691,8 +710,8 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
     tq, tk = q.shape[-2], k.shape[-2]
     if key_lengths is not None:
         rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window)  # (B, 1, Tq, Tk)
-        return attention(q, k, v, mask=_masks.and_masks(mask, rows), scale=scale, dropout_p=dropout_p,
-                         backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
+        return attend(q, k, v, mask=_masks.and_masks(mask, rows), scale=scale, dropout_p=dropout_p,
+                      backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
     if window is not None and causal:  # a score mod (ALiBi) indexes key positions: keep every key
         q, k, v, mask, window = _within_window(q, k, v, mask, window,
                                                keep_keys=return_weights or score_mod is not None)
@@ -703,7 +722,7 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         if isinstance(mask, Tensor):
             band = _masks.materialize(band, tq=tq, tk=tk, batch=1, device=q.device)  # (1, 1, Tq, Tk)
         mask, causal = _masks.and_masks(mask, band), False  # the band is causal itself
-    return attention(  # a causal mask that blocks nothing (one decoding step) is dropped there
+    return attend(  # a causal mask that blocks nothing (one decoding step) is dropped there
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
@@ -900,25 +919,3 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
             f"mask of shape {tuple(mask.shape)} does not broadcast with padding_mask "
             f"(B, Tk) = {(batch, tk)} to (B, H, Tq, Tk)"
         ) from None
-
-
-def _seed_layout_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    """Load a state dict saved from the tutorials' module (its ``W_query.weight`` ... keys).
-
-    Part of the module's state-dict format rather than of the tutorial code: the constructor
-    and initialisation follow the tutorials' module, so its checkpoints load here (the
-    ``mask`` buffer it saves is dropped). The key names are data; nothing is imported.
-    """
-    state_dict.pop(prefix + "mask", None)
-    for kind in ("weight", "bias"):
-        keys = [f"{prefix}W_{part}.{kind}" for part in _PARTS]
-        if not all(key in state_dict for key in keys):
-            continue
-        tensors = [state_dict.pop(key) for key in keys]
-        if kind == "bias":
-            state_dict[prefix + "in_proj_bias"] = torch.cat(tensors)
-        elif module.fused:
-            state_dict[prefix + "in_proj_weight"] = torch.cat(tensors)
-        else:
-            for part, tensor in zip(("q", "k", "v"), tensors):
-                state_dict[f"{prefix}{part}_proj_weight"] = tensor
