@@ -62,7 +62,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -402,10 +401,40 @@ def broadcastable(t: Tensor, layout: str) -> Tensor:
     return t.narrow(dim, 0, min(1, t.shape[dim])).expand(t.shape).contiguous()
 
 
-@functools.lru_cache(maxsize=512)
+class _Memo:
+    """One sweep's drawn inputs and reference results, each computed once and dropped with the
+    sweep (nothing outlives it); at most ``size`` of each, the oldest forgotten first.
+
+    Example:
+        >>> memo = _Memo()
+        >>> memo.inputs(configs(1)[0]) is memo.inputs(configs(1)[0])
+        True
+    """
+
+    def __init__(self, size: int = 1024):
+        self.size, self._inputs, self._oracles = size, {}, {}
+
+    def inputs(self, config: Config) -> tuple:
+        """:func:`_inputs` of ``config``."""
+        return self._kept(self._inputs, config, lambda: _inputs(config))
+
+    def oracle(self, config: Config, dtype: torch.dtype, with_grad: bool) -> tuple:
+        """(fp64 reference results, same-dtype reference results), shared across backends."""
+        return self._kept(self._oracles, (config, dtype, with_grad), lambda: (
+            _run(config, torch.float64, "reference", with_grad, self, laid_out=False, oracle_of=dtype),
+            _run(config, dtype, "reference", with_grad, self, laid_out=False)))
+
+    def _kept(self, store: dict, key, make):
+        if key not in store:
+            if len(store) >= self.size:
+                del store[next(iter(store))]
+            store[key] = make()
+        return store[key]
+
+
 def _inputs(config: Config):
-    """fp64 q, k, v, output-gradient weights and the mask of a configuration (cached); q and
-    the output gradient are broadcastable to the q layout, k and v to the kv layout."""
+    """fp64 q, k, v, output-gradient weights and the mask of a configuration; q and the output
+    gradient are broadcastable to the q layout, k and v to the kv layout."""
     q, k, v, grad_weights, mask, score_tensors = _drawn_inputs(config)
     q, grad_weights = (broadcastable(t, config.q_layout) for t in (q, grad_weights))
     k, v = (broadcastable(t, config.kv_layout) for t in (k, v))
@@ -482,21 +511,21 @@ def _wavy(score, b, h, q_idx, kv_idx):
     return score * 0.75 + 0.5 * torch.sin((q_idx - kv_idx + h).to(score.dtype))
 
 
-def _laid_out(config: Config, dtype: torch.dtype, with_grad: bool, laid_out: bool) -> tuple:
+def _laid_out(config: Config, dtype: torch.dtype, with_grad: bool, laid_out: bool, memo: _Memo) -> tuple:
     """q, k, v (leaves) and the output gradient in ``dtype``, in the configuration's layouts
     when ``laid_out`` (else contiguous)."""
-    q64, k64, v64, grad_weights, *_ = _inputs(config)
+    q64, k64, v64, grad_weights, *_ = memo.inputs(config)
     q_layout, kv_layout = (config.q_layout, config.kv_layout) if laid_out else ("contiguous",) * 2
     q, k, v, d_out = (relayout(t.to(dtype), layout) for t, layout in
                       ((q64, q_layout), (k64, kv_layout), (v64, kv_layout), (grad_weights, q_layout)))
     return (*(t.requires_grad_(with_grad) for t in (q, k, v)), d_out)
 
 
-def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, *,
+def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, memo: _Memo, *,
          laid_out: bool = True, oracle_of: torch.dtype | None = None) -> list[Tensor]:
     """Output (and q/k/v gradients) of one backend, in fp64 for comparison."""
-    q, k, v, d_out = _laid_out(config, dtype, with_grad, laid_out)
-    options, learned = _options(config, dtype, with_grad, oracle_of=oracle_of)
+    q, k, v, d_out = _laid_out(config, dtype, with_grad, laid_out, memo)
+    options, learned = _options(config, dtype, with_grad, memo, oracle_of=oracle_of)
     with torch.set_grad_enabled(with_grad):
         out = attention(q, k, v, backend=backend, **options)
     if not with_grad:
@@ -510,13 +539,13 @@ def _run(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, *,
     return [t.detach().double() for t in (out, *grads)]
 
 
-def _options(config: Config, dtype: torch.dtype, learn: bool, *,
+def _options(config: Config, dtype: torch.dtype, learn: bool, memo: _Memo | None = None, *,
              oracle_of: torch.dtype | None = None) -> tuple[dict, list[Tensor]]:
     """The keyword options of the configuration's call in ``dtype``, and the tensors of its score
     mod and sinks (leaves requiring grad when ``learn``, in a fixed order). ``oracle_of``: the
     call is the oracle of a check in that dtype, and gets the values that check's tensors hold
     (:func:`_parts_dtype`) in ``dtype``."""
-    mask, score_tensors = _inputs(config)[4:]
+    mask, score_tensors = (memo or _Memo()).inputs(config)[4:]
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     parts = _parts_dtype(config, oracle_of or dtype)
@@ -535,13 +564,6 @@ def _parts_dtype(config: Config, dtype: torch.dtype) -> torch.dtype | None:
     if config.score != "mixed":
         return None
     return {torch.float64: torch.float32, torch.bfloat16: torch.float32}.get(dtype, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=1024)
-def _oracle(config: Config, dtype: torch.dtype, with_grad: bool) -> tuple:
-    """(fp64 reference results, same-dtype reference results), cached across backends."""
-    return (_run(config, torch.float64, "reference", with_grad, laid_out=False, oracle_of=dtype),
-            _run(config, dtype, "reference", with_grad, laid_out=False))
 
 
 FORWARD_FACTOR = 2.0  # a fast path may err at most 2x the plain computation's error (outputs) ...
@@ -608,36 +630,38 @@ class CheckResult:
         return max((e / a for e, a in zip(self.errors, self.allowed)), default=0.0)
 
 
-def _serves(config: Config, dtype: torch.dtype, backend: str, with_grad: bool) -> list[str]:
-    q, k, v, _ = _laid_out(config, dtype, with_grad, True)
-    options, _ = _options(config, dtype, with_grad)
+def _serves(config: Config, dtype: torch.dtype, backend: str, with_grad: bool, memo: _Memo) -> list[str]:
+    q, k, v, _ = _laid_out(config, dtype, with_grad, True, memo)
+    options, _ = _options(config, dtype, with_grad, memo)
     with torch.set_grad_enabled(with_grad):
         return _backends.reasons(build_call(q, k, v, **options))[backend]
 
 
-def check(backend: str, config: Config, dtype: torch.dtype) -> CheckResult:
+def check(backend: str, config: Config, dtype: torch.dtype, *, memo: _Memo | None = None) -> CheckResult:
     """Run ``backend`` on ``config`` in ``dtype`` and compare with the fp64 reference.
 
     Forward and backward when the backend can differentiate the call, else forward only;
-    a declined call returns ``served=False``.
+    a declined call returns ``served=False``. ``memo``: the sweep's inputs and reference
+    results (default: computed for this check alone).
 
     Example:
         >>> check("reference", configs(1)[0], torch.float32).passed
         True
     """
-    with_grad = not _serves(config, dtype, backend, True)
-    if not with_grad and _serves(config, dtype, backend, False):
-        note = "; ".join(_serves(config, dtype, backend, False))
+    memo = _Memo() if memo is None else memo
+    with_grad = not _serves(config, dtype, backend, True, memo)
+    if not with_grad and _serves(config, dtype, backend, False, memo):
+        note = "; ".join(_serves(config, dtype, backend, False, memo))
         return CheckResult(backend, _dtype_name(dtype), config.label(), False, False, (), (),
                            True, note)
-    got = _run(config, dtype, backend, with_grad)
-    errors, allowed = _compare(config, dtype, _oracle(config, dtype, with_grad), got, range(len(got)))
+    got = _run(config, dtype, backend, with_grad, memo)
+    errors, allowed = _compare(config, dtype, memo, memo.oracle(config, dtype, with_grad), got, range(len(got)))
     passed = all(e <= a for e, a in zip(errors, allowed))
     return CheckResult(backend, _dtype_name(dtype), config.label(), True, with_grad,
                        tuple(errors), tuple(allowed), passed, "")
 
 
-def _compare(config: Config, dtype: torch.dtype, oracle: tuple, got: list[Tensor],
+def _compare(config: Config, dtype: torch.dtype, memo: _Memo, oracle: tuple, got: list[Tensor],
              which: Iterable[int]) -> tuple[tuple, tuple]:
     """(errors, allowed) of ``got``: the results ``which`` (0 out, 1 dq, 2 dk, 3 dv) of a run,
     against the fp64 reference and the same-dtype reference of ``oracle``."""
@@ -646,7 +670,7 @@ def _compare(config: Config, dtype: torch.dtype, oracle: tuple, got: list[Tensor
     # (dq, dk are exactly 0 with one key, yet a fused kernel's rounding is not).
     magnitude = max((float(t.abs().max()) for t in exact[:4] if t.numel()), default=0.0)
     reduction = max(config.head_dim, config.value_dim, config.tk)
-    bound = _flash_backward_bound(config, dtype, reduction)
+    bound = _flash_backward_bound(memo.inputs(config)[:4], config, dtype, reduction)
     errors, allowed = [], []
     for i, have in zip(which, got):
         size, terms, held = magnitude, reduction, dtype
@@ -665,12 +689,12 @@ def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
     return dtype if other is None or _FLOORS[dtype] >= _FLOORS[other] else other
 
 
-def _flash_backward_bound(config: Config, dtype: torch.dtype, reduction: int) -> dict[int, float]:
+def _flash_backward_bound(inputs: tuple, config: Config, dtype: torch.dtype, reduction: int) -> dict[int, float]:
     """The documented extra error of dq (1) and dk (2) in a FlashAttention-2 backward
     (docs/design.md, "Scale"): ``D = rowsum(dO * O)`` is rounded another way than ``dP``, about
     ``u * max|dO| * max|v| * sqrt(K)`` per score, times ``|scale| * max|k|`` in dq (``max|q|``
     in dk); ``u`` the unit roundoff of the fp32 (fp64) arithmetic."""
-    q, k, v, d_out = _inputs(config)[:4]
+    q, k, v, d_out = inputs
     if min(t.numel() for t in (q, k, v)) == 0:
         return {}
     scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
@@ -688,9 +712,10 @@ GRAD_MODE_CONFIGS = 2  # served configurations per backend and dtype that sweep 
 
 
 def check_grad_mode(backend: str, config: Config, dtype: torch.dtype, *, grad_enabled: bool,
-                    inputs: str) -> CheckResult:
+                    inputs: str, memo: _Memo | None = None) -> CheckResult:
     """Run ``backend`` on ``config`` with grad mode ``grad_enabled`` and ``requires_grad`` on
-    the inputs named in ``inputs`` (``"qkv"``, ``"k"``, ``""``), and compare with fp64.
+    the inputs named in ``inputs`` (``"qkv"``, ``"k"``, ``""``), and compare with fp64
+    (``memo`` as in :func:`check`).
 
     Passes when the backend declines with a reason, or serves without an error, records a
     graph exactly when the call needs one, and gives the output and the gradient of each input
@@ -707,9 +732,10 @@ def check_grad_mode(backend: str, config: Config, dtype: torch.dtype, *, grad_en
     def result(*fields) -> CheckResult:
         return CheckResult(backend, _dtype_name(dtype), label, *fields, grad_mode=mode)
 
-    q64, k64, v64, grad_weights, *_ = _inputs(config)
+    memo = _Memo() if memo is None else memo
+    q64, k64, v64, grad_weights, *_ = memo.inputs(config)
     tensors = [t.to(dtype, copy=True).requires_grad_(name in inputs) for name, t in zip("qkv", (q64, k64, v64))]
-    options, _ = _options(config, dtype, False)
+    options, _ = _options(config, dtype, False, memo)
     with torch.set_grad_enabled(grad_enabled):
         why_not = _backends.reasons(build_call(*tensors, **options))[backend]
         if why_not:
@@ -726,7 +752,7 @@ def check_grad_mode(backend: str, config: Config, dtype: torch.dtype, *, grad_en
     if needed:
         leaves = [tensors[i - 1] for i in which[1:]]
         got += [g.double() for g in torch.autograd.grad((out * grad_weights.to(dtype)).sum(), leaves)]
-    errors, allowed = _compare(config, dtype, _oracle(config, dtype, True), got, which)
+    errors, allowed = _compare(config, dtype, memo, memo.oracle(config, dtype, True), got, which)
     return result(True, needed, errors, allowed, all(e <= a for e, a in zip(errors, allowed)), "")
 
 
@@ -775,7 +801,7 @@ def sweep(
     positive_int("n", n)
     if flex_n is not None:
         positive_int("flex_n", flex_n)
-    results = []
+    results, memo = [], _Memo()  # the sweep's inputs and oracles, dropped when it returns
     for dtype in dtypes:
         for name in backend_names:
             # flex declines sinks (no log-sum-exp from its CPU kernel), and functions in half
@@ -789,12 +815,12 @@ def sweep(
                 draw = configs(n, seed=seed, small=small)
             crossed = 0
             for config in draw:
-                result = _not_compiled(name, config, dtype) if small else None
-                result = result or check(name, config, dtype)
+                result = _not_compiled(name, config, dtype, memo) if small else None
+                result = result or check(name, config, dtype, memo=memo)
                 found = [result]
                 if result.served and crossed < GRAD_MODE_CONFIGS:
                     crossed += 1
-                    found += [check_grad_mode(name, config, dtype, grad_enabled=enabled, inputs=inputs)
+                    found += [check_grad_mode(name, config, dtype, grad_enabled=enabled, inputs=inputs, memo=memo)
                               for enabled, inputs in GRAD_MODES]
                 for result in found:
                     results.append(result)
@@ -803,13 +829,13 @@ def sweep(
     return results
 
 
-def _not_compiled(backend: str, config: Config, dtype: torch.dtype) -> CheckResult | None:
+def _not_compiled(backend: str, config: Config, dtype: torch.dtype, memo: _Memo) -> CheckResult | None:
     """An unserved result when ``backend`` would have to compile a new kernel for ``config``."""
     compiled = getattr(_backends.get(backend), "compiled", None)
     if compiled is None:
         return None
-    q, k, v, _ = _laid_out(config, dtype, False, True)
-    options, _ = _options(config, dtype, False)
+    q, k, v, _ = _laid_out(config, dtype, False, True, memo)
+    options, _ = _options(config, dtype, False, memo)
     with torch.no_grad():
         call = build_call(q, k, v, **options)
     if compiled(call) or _backends.reasons(call)[backend]:

@@ -44,7 +44,9 @@ and a function may be written that way (attnlab's structured mods are not, and a
 A user's function Inductor cannot lower (``torch.sort(t).values[q_idx]``) makes that call raise
 ``ValueError`` with the reason, and flex declines that function from then on; other calls are
 still served (a compile failure without a user's function is taken as the compiler's and
-declines every call on the device).
+declines every call on the device). These failures are the only history flex's limits read:
+at most ``_RECOMPILE_LIMIT`` of them, keyed without keeping a user's function alive, and
+forgotten by :func:`attnlab.backends.dispatch.clear_plans`.
 
 Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
 the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
@@ -58,7 +60,10 @@ has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes t
 Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
 score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
 declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
-compiles once. Inductor's CPU code is also fixed to the thread count at compile time (compiled
+compiles once. The variants flex holds are bounded by Dynamo's recompile limit, raised for
+flex's kernel alone to ``_RECOMPILE_LIMIT``; a call past it drops flex's compiled variants
+(flex's code only, nothing else the process compiled) and compiles its own, so flex serves a
+call whatever ran before. Inductor's CPU code is also fixed to the thread count at compile time (compiled
 under ``torch.set_num_threads(1)`` it has no OpenMP loop, and stays serial after the count is
 raised in the same process), so set the thread count before the first flex call. Compiling
 takes seconds (the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds
@@ -76,12 +81,14 @@ from __future__ import annotations
 
 import math
 import shutil
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab import masks as _masks
+from attnlab import scores as _scores
 from attnlab._call import AttentionCall
 from attnlab._math import keep_nan_rows, score_dtype
 from attnlab.backends.base import AttentionResult, Backend, call_flops
@@ -312,8 +319,9 @@ _HAS_CPP_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is no
 
 # Dynamo compiles at most `recompile_limit` (default 8) variants of one function per process and
 # then silently runs flex_attention unfused, materialising the O(T^2) scores. The kernel call
-# raises that limit for flex alone, and the backend declines a new variant past this bound.
-_MAX_VARIANTS = 64
+# raises that limit for flex alone and fails past it; flex then drops its compiled variants
+# (flex_attention's code only) and compiles the call's. Also the bound of flex's bookkeeping.
+_RECOMPILE_LIMIT = 64
 
 # FlexAttention's block: the block mask and the CPU kernel work on 128-key blocks. The compiled
 # CPU kernel of torch 2.13 and 2.14, built for AVX2 (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2),
@@ -323,6 +331,36 @@ _MAX_VARIANTS = 64
 # failing length depends on the vector width, and the ISA Inductor builds for depends on the
 # machine, so only full blocks are trusted on CPU (Tk = 128, 256, ... were exact in every trial).
 _KV_BLOCK = 128
+
+
+def _weak_key(key):
+    """``key`` (a score mod's signature) with each object it keeps alive by identity (a user's
+    function) held by a weak reference instead, so flex's bookkeeping keeps no user tensor alive.
+
+    Example:
+        >>> fn = lambda s, b, h, i, j: s
+        >>> key = _weak_key(_scores.function(fn).signature())
+        >>> key == _weak_key(_scores.function(fn).signature()), key[1]() is fn
+        (True, True)
+    """
+    if isinstance(key, tuple):
+        return tuple(_weak_key(part) for part in key)
+    if isinstance(key, _scores._Identity):
+        try:
+            return weakref.ref(key.obj)
+        except TypeError:  # not weakly referable (a builtin): it holds no tensor of the user's
+            return key
+    return key
+
+
+def _drop_compiled() -> None:
+    """Drop every compiled variant of ``flex_attention`` (its code object's Dynamo cache only;
+    ``torch._dynamo.reset()``, which drops every compiled function, where torch lacks that)."""
+    reset_code = getattr(torch._dynamo.eval_frame, "reset_code", None)
+    if reset_code is None:  # pragma: no cover - depends on the installed torch
+        torch._dynamo.reset()
+    else:
+        reset_code(_flex_module.flex_attention.__code__)
 
 
 class FlexBackend(Backend):
@@ -344,7 +382,6 @@ class FlexBackend(Backend):
     dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
     dropout = False
     backward_devices = ("cuda",)  # torch.compile's CPU flex kernel is inference only
-    stateful_limits = True  # the budget of compiled variants and the compile failures seen
     plans_masks = True  # reads a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "torch.nn.attention.flex_attention compiled with torch.compile; block-sparse masks "
@@ -353,8 +390,11 @@ class FlexBackend(Backend):
 
     def __init__(self):
         self._compiled = None
+        # Bookkeeping, at most _RECOMPILE_LIMIT entries each, keys without tensors (_weak_key),
+        # forgotten by reset(): compile failures by device type, a user's score mod Inductor
+        # could not lower by signature, and the variants compiled (for the cost estimate).
         self._compile_error: dict[str, str] = {}
-        self._mod_errors: dict[tuple, str] = {}  # a user's score mod Inductor could not lower, by signature
+        self._mod_errors: dict[tuple, str] = {}
         self._variants: set[tuple] = set()
 
     def unavailable_reason(self) -> str | None:
@@ -363,7 +403,7 @@ class FlexBackend(Backend):
         return None
 
     def limits(self, call: AttentionCall) -> list[str]:
-        """Compiler, variant budget and earlier compile failures (capabilities cover the rest)."""
+        """Compiler and earlier compile failures (capabilities cover the rest)."""
         if _symbolic(call):  # before anything below compares or hashes a size
             return ["flex compiles its kernel per static shape (and on CPU needs Tk known to be a multiple "
                     f"of {_KV_BLOCK}); these sizes are symbolic (torch.export with a Dim, or torch.compile "
@@ -372,12 +412,9 @@ class FlexBackend(Backend):
         device = call.device.type
         if device == "cpu" and not _HAS_CPP_COMPILER:
             found.append("torch.compile on CPU needs a C++ compiler and none was found")
-        if self._variant(call) not in self._variants and len(self._variants) >= _MAX_VARIANTS:
-            found.append(f"{_MAX_VARIANTS} shapes are compiled in this process already; another would "
-                         "run FlexAttention unfused with O(T^2) memory")
         if device in self._compile_error:
             found.append(f"torch.compile(flex_attention) failed here: {self._compile_error[device]}")
-        failed = None if call.score_mod is None else self._mod_errors.get(call.score_mod.signature())
+        failed = None if call.score_mod is None else self._mod_errors.get(_weak_key(call.score_mod.signature()))
         if failed is not None:
             found.append(failed)
         return found + _shape_limits(call) + _mask_limits(call) + _score_limits(call)
@@ -406,7 +443,7 @@ class FlexBackend(Backend):
         """What the compiled kernel is specialised on (static shapes, see the module doc): the
         mask path (:func:`_mask_path`), the score mod's signature (its kind and settings) and
         whether gradients are needed (the grad mode the kernel runs under)."""
-        mod = None if call.score_mod is None else call.score_mod.signature()
+        mod = None if call.score_mod is None else _weak_key(call.score_mod.signature())
         return (call.device.type, call.dtype, _mask_path(call), tuple(call.q.shape), tuple(call.k.shape),
                 tuple(call.v.shape), mod, call.requires_grad)
 
@@ -431,7 +468,7 @@ class FlexBackend(Backend):
 
     @property
     def compiled_variants(self) -> int:
-        """How many kernel variants this process has compiled (at most ``_MAX_VARIANTS``, 64).
+        """How many kernel variants flex has compiled and holds (at most ``_RECOMPILE_LIMIT``, 64).
 
         Example:
             >>> from attnlab.backends import get
@@ -440,23 +477,28 @@ class FlexBackend(Backend):
         """
         return len(self._variants)
 
-    def reset_compiled(self) -> None:
-        """Forget every compiled flex kernel, and this backend's count of them, so that a
-        long-running process (a test suite, sweeps over many shapes and score mods) gets its
-        full budget of compiled variants back.
+    def reset(self) -> None:
+        """Forget the compile failures seen and the variants counted (what
+        :func:`attnlab.backends.dispatch.clear_plans` clears); compiled kernels stay.
 
-        This resets torch.compile itself (``torch._dynamo.reset()``): every function compiled
-        in the process, not only flex's, compiles again on its next call.
+        Example:
+            >>> from attnlab.backends import get
+            >>> get("flex").reset()
+        """
+        self._variants.clear()
+        self._compile_error.clear()
+        self._mod_errors.clear()
+
+    def reset_compiled(self) -> None:
+        """:meth:`reset`, and drop every compiled flex kernel (flex_attention's compiled code
+        only: other functions the process compiled are kept).
 
         Example:
             >>> from attnlab.backends import get
             >>> get("flex").reset_compiled()
         """
-        torch._dynamo.reset()
-        self._compiled = None
-        self._variants.clear()
-        self._compile_error.clear()
-        self._mod_errors.clear()
+        self.reset()
+        _drop_compiled()
 
     def _mod_failed(self, mod, error: str) -> str:
         """Remember that Inductor could not lower ``mod`` (a user's function: code attnlab has
@@ -464,10 +506,21 @@ class FlexBackend(Backend):
         ``ValueError`` of a declined call words it."""
         reason = (f"torch.compile could not lower the score mod {mod!r} into flex's kernel ({error}); "
                   "chunked and the reference evaluate it eagerly")
-        if len(self._mod_errors) >= _MAX_VARIANTS:  # bounded: the oldest is forgotten
+        if len(self._mod_errors) >= _RECOMPILE_LIMIT:  # bounded: the oldest is forgotten
             del self._mod_errors[next(iter(self._mod_errors))]
-        self._mod_errors[mod.signature()] = reason
+        self._mod_errors[_weak_key(mod.signature())] = reason
         return f"backend 'flex' cannot serve this call: {reason}"
+
+    def _run_kernel(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, options: dict):
+        """The compiled kernel on the call, under flex's recompile limit and the call's grad mode."""
+        # Past the limit Dynamo would run the kernel unfused: an error is better than that.
+        fail = {"fail_on_recompile_limit_hit": True} if hasattr(
+            torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
+        # Grad mode as the call needs it: Dynamo guards on it, so a forward-only call made
+        # with grad enabled would otherwise compile a second kernel for the same variant.
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, **fail), \
+                torch.set_grad_enabled(call.requires_grad):
+            return self._kernel()(q, k, v, **options)
 
     def _kernel(self):
         if self._compiled is None:
@@ -513,18 +566,17 @@ class FlexBackend(Backend):
         q, k, v = (_standard_strides(t) for t in (_prescaled_q(call), call.k, call.v))
         if not call.requires_grad:  # e.g. under no_grad: the compiled CPU kernel refuses inputs
             q, k, v = q.detach(), k.detach(), v.detach()  # that require grad, even with no graph
+        options = dict(score_mod=score_mod, block_mask=block_mask, scale=None,
+                       enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse)
         try:
-            # Past the limit Dynamo would run the kernel unfused: an error is better than that.
-            fail = {"fail_on_recompile_limit_hit": True} if hasattr(
-                torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
-            # Grad mode as the call needs it: Dynamo guards on it, so a forward-only call made
-            # with grad enabled would otherwise compile a second kernel for the same variant.
-            with torch._dynamo.config.patch(recompile_limit=_MAX_VARIANTS, **fail), \
-                    torch.set_grad_enabled(call.requires_grad):
-                result = self._kernel()(
-                    q, k, v, score_mod=score_mod, block_mask=block_mask,
-                    scale=None, enable_gqa=call.q_heads != call.kv_heads, return_lse=want_lse,
-                )
+            try:
+                result = self._run_kernel(call, q, k, v, options)
+            except Exception as error:
+                if "RecompileLimit" not in type(error).__name__:
+                    raise
+                self._variants.clear()  # flex's variants fill Dynamo's limit: compile this one afresh
+                _drop_compiled()
+                result = self._run_kernel(call, q, k, v, options)
         except Exception as error:  # compile failures surface here; decline from now on
             if not any(word in type(error).__name__ for word in ("Inductor", "Backend", "RecompileLimit")):
                 raise
@@ -533,6 +585,8 @@ class FlexBackend(Backend):
                 raise ValueError(self._mod_failed(call.score_mod, f"{type(error).__name__}: {first}")) from error
             self._compile_error[call.device.type] = first
             raise
+        if len(self._variants) >= _RECOMPILE_LIMIT:
+            self._variants.clear()
         self._variants.add(self._variant(call))
         out, lse = result if want_lse else (result, None)  # lse: natural log, -inf on dead rows
         return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)  # the kernel hides NaN rows

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch import Tensor
 
@@ -30,9 +32,11 @@ from attnlab.distributed.ulysses import _Reshard, head_share, heads_to_seq, seq_
 
 __all__: list[str] = []  # hybrid_attention is reached through attnlab.distributed.context_parallel_attention
 
-# (parent group, world, ulysses) -> this rank's (Ulysses group, ring group). Process groups are
-# made once: every rank of a group must create it, and making one is a collective.
-_SUBGROUPS: dict[tuple, tuple] = {}
+# parent process group -> {ulysses: this rank's (Ulysses group, ring group)}. Made once per
+# parent: every member must create a group (a collective), so no rank may forget one alone.
+# At most one entry per divisor of the parent's size; weakly keyed, so the entries go with
+# their parent (dist.destroy_process_group), the only reset that keeps the ranks agreeing.
+_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _grid(*, world: int, ulysses: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -42,16 +46,16 @@ def _grid(*, world: int, ulysses: int) -> tuple[list[list[int]], list[list[int]]
 
 
 def subgroups(who: Peers, ulysses: int) -> tuple[Peers, Peers]:
-    """This rank's Ulysses group and ring group (made on first use, then kept)."""
-    key = (who.group, who.world, ulysses)
-    if key not in _SUBGROUPS:
+    """This rank's Ulysses group and ring group (made on first use, then kept with the parent group)."""
+    kept = _SUBGROUPS.setdefault(dist.group.WORLD if who.group is None else who.group, {})
+    if ulysses not in kept:
         rows, cols = _grid(world=who.world, ulysses=ulysses)
         mine = []
         for members in (rows[who.rank // ulysses], cols[who.rank % ulysses]):
             ranks = [who.global_rank(r) for r in members]  # only the members create it
             mine.append(dist.new_group(ranks, use_local_synchronization=True))
-        _SUBGROUPS[key] = tuple(mine)
-    row, col = _SUBGROUPS[key]
+        kept[ulysses] = tuple(mine)
+    row, col = kept[ulysses]
     return peers(row, who.timeout), peers(col, who.timeout)
 
 

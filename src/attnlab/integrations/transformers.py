@@ -59,7 +59,6 @@ import importlib
 import inspect
 import re
 import sys
-import weakref
 
 import torch
 from torch import Tensor, nn
@@ -305,9 +304,9 @@ def _recorded_outputs() -> dict | None:
     return None
 
 
-# Configs of models transformers has not validated with sdpa: they get eager's masks. Configs are
-# not hashable, so they are kept by id, each entry dropped with its config.
-_EAGER_MASK_CONFIGS: dict[int, weakref.ref] = {}
+# The config attribute that marks a model transformers has not validated with sdpa: it gets
+# eager's masks. Set on the model's own config at build time, so nothing process-wide remembers it.
+_EAGER_MASKS = "_attnlab_eager_masks"
 # A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
 _CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
 _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
@@ -315,16 +314,16 @@ _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILI
 
 def _eager_masks(config: object) -> bool:
     """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`)."""
-    ref = _EAGER_MASK_CONFIGS.get(id(config))
-    return ref is not None and ref() is config
+    return getattr(config, _EAGER_MASKS, False) is True
 
 
 def _remember_masks(config: object, *, eager: bool) -> None:
-    key = id(config)
+    """Mark ``config`` with its model's mask convention (a mark only where eager's, so that a
+    config of an sdpa model is left as it was)."""
     if eager:
-        _EAGER_MASK_CONFIGS[key] = weakref.ref(config, lambda _, key=key: _EAGER_MASK_CONFIGS.pop(key, None))
-    else:
-        _EAGER_MASK_CONFIGS.pop(key, None)
+        setattr(config, _EAGER_MASKS, True)
+    elif _EAGER_MASKS in vars(config):
+        delattr(config, _EAGER_MASKS)
 
 
 def _attention_outside_interface(model_class: type) -> str | None:
