@@ -116,14 +116,11 @@ def _first_line(err: BaseException) -> str:
 def apply_mod(mod: Callable, b, h, q_idx, kv_idx) -> Tensor:
     """A mask mod at every position of broadcast index tensors, by FlexAttention's semantics.
 
-    A mask mod's meaning is what it returns for one position: ``mod(b, h, q_idx, kv_idx)`` on
-    0-d index tensors (FlexAttention's rule; it maps mods with ``torch.vmap``). So a plain
-    callable is evaluated through ``torch.vmap`` over the axes its indices vary along: a mod
-    written for FlexAttention (``intervals[image_of[kv_idx]]``) and an elementwise one
-    (``kv_idx <= q_idx``) both give the right mask. A :class:`MaskMod` whose ``broadcasts`` is
-    True (attnlab's own) is called on the index tensors directly, the fast path. A callable
-    that vmap refuses (``.numpy()``, data-dependent shapes) is called on the index tensors
-    directly, which is what such code can only mean; one that fails both ways raises.
+    A mod means what it returns on 0-d indices, so a plain callable is mapped with ``torch.vmap``
+    over the axes its indices vary along (a FlexAttention mod such as
+    ``intervals[image_of[kv_idx]]`` and an elementwise ``kv_idx <= q_idx`` both work); a mod
+    with ``broadcasts = True`` is called once on the grids (the fast path), and so is a callable
+    vmap refuses (``.numpy()``, data-dependent shapes).
 
     Args:
         mod: a mask mod ``(b, h, q_idx, kv_idx) -> bool``.

@@ -66,12 +66,11 @@ def _diagonal(q_idx, kv_idx, offset, window: int | None = None):
 
 
 class CausalMod(MaskMod):
-    """Causal mask mod: query ``i`` may attend key ``j`` when ``j <= i + offset``.
+    """The type :func:`causal_mod` returns (query ``i`` at position ``i + offset``).
 
     Example:
-        >>> mod = CausalMod(offset=0)
-        >>> bool(mod(0, 0, torch.tensor(2), torch.tensor(3)))
-        False
+        >>> isinstance(causal_mod(2, 2), CausalMod)
+        True
     """
 
     _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
@@ -92,16 +91,22 @@ class CausalMod(MaskMod):
         return f"CausalMod(offset={self.offset})"
 
 
-class SlidingWindowMod(MaskMod):
-    """Causal sliding window: query ``i`` sees the ``window`` keys ending at ``i + offset``.
-
-    Query ``i`` may attend key ``j`` when ``i + offset - window < j <= i + offset``; with
-    ``window=1`` each query sees one key.
+def causal_mod(tq: int, tk: int, *, align: str = "top_left") -> CausalMod:
+    """Causal mask mod: query ``i`` may attend key ``j <= i + offset``, the offset set by ``align``.
 
     Example:
-        >>> mod = SlidingWindowMod(window=2)
-        >>> [bool(mod(0, 0, torch.tensor(3), torch.tensor(j))) for j in range(4)]
-        [False, False, True, True]
+        >>> causal_mod(1, 4, align="bottom_right")
+        CausalMod(offset=3)
+    """
+    return CausalMod(causal_offset(tq, tk, align))
+
+
+class SlidingWindowMod(MaskMod):
+    """The type :func:`sliding_window_mod` returns (query ``i`` at position ``i + offset``).
+
+    Example:
+        >>> isinstance(sliding_window_mod(4, 4, 2), SlidingWindowMod)
+        True
     """
 
     _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
@@ -124,6 +129,112 @@ class SlidingWindowMod(MaskMod):
 
     def __repr__(self) -> str:
         return f"SlidingWindowMod(window={self.window}, offset={self.offset})"
+
+
+def sliding_window_mod(tq: int, tk: int, window: int, *, align: str = "top_left") -> SlidingWindowMod:
+    """Causal sliding window: query ``i`` sees the ``window`` keys ending at ``i + offset``.
+
+    Example:
+        >>> materialize(sliding_window_mod(4, 4, 2), tq=4, tk=4)[0, 0].int()
+        tensor([[1, 0, 0, 0],
+                [1, 1, 0, 0],
+                [0, 1, 1, 0],
+                [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    return SlidingWindowMod(window, causal_offset(tq, tk, align))
+
+
+class PrefixLMMod(MaskMod):
+    """The type :func:`prefix_lm_mod` returns (query ``i`` at position ``i + offset``).
+
+    Example:
+        >>> isinstance(prefix_lm_mod(4, 4, 2), PrefixLMMod)
+        True
+    """
+
+    _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
+
+    def __init__(self, prefix_len: int, offset: int = 0):
+        self.prefix_len = non_negative_int("prefix_len", prefix_len)
+        self.offset = int_value("offset", offset)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx < self.prefix_len) | (kv_idx <= q_idx + self.offset)
+
+    def kv_bounds(self, q_start, q_end):
+        return 0, max(self.prefix_len, q_end + self.offset)
+
+    def row_ranges(self, q, tk):  # keys < prefix_len, or <= the diagonal: one prefix of the keys
+        return 0, torch.clamp(q + self.offset, min=self.prefix_len - 1), None
+
+    def __repr__(self) -> str:
+        return f"PrefixLMMod(prefix_len={self.prefix_len}, offset={self.offset})"
+
+
+def prefix_lm_mod(tq: int, tk: int, prefix_len: int, *, align: str = "top_left") -> PrefixLMMod:
+    """Prefix-LM: every query sees the first ``prefix_len`` keys, and the rest causally.
+
+    Example:
+        >>> materialize(prefix_lm_mod(4, 4, 2), tq=4, tk=4)[0, 0].int()
+        tensor([[1, 1, 0, 0],
+                [1, 1, 0, 0],
+                [1, 1, 1, 0],
+                [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    return PrefixLMMod(prefix_len, causal_offset(tq, tk, align))
+
+
+class ChunkedLocalMod(MaskMod):
+    """The type :func:`chunked_local_mod` returns (query ``i`` at position ``i + offset``).
+
+    Example:
+        >>> isinstance(chunked_local_mod(4, 4, 2), ChunkedLocalMod)
+        True
+    """
+
+    _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
+
+    def __init__(self, chunk: int, *, causal: bool = True, offset: int = 0):
+        self.chunk = positive_int("chunk", chunk)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        self.causal = causal
+        self.offset = int_value("offset", offset)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        pos = q_idx + self.offset
+        same = torch.div(kv_idx, self.chunk, rounding_mode="floor") == torch.div(
+            pos, self.chunk, rounding_mode="floor")
+        return (same & (kv_idx <= pos)) if self.causal else same
+
+    def kv_bounds(self, q_start, q_end):
+        first, last = q_start + self.offset, q_end - 1 + self.offset
+        lo = (first // self.chunk) * self.chunk
+        hi = last + 1 if self.causal else (last // self.chunk + 1) * self.chunk
+        return lo, max(lo, hi)
+
+    def row_ranges(self, q, tk):
+        pos = q + self.offset
+        start = torch.div(pos, self.chunk, rounding_mode="floor") * self.chunk
+        return start, pos if self.causal else start + self.chunk - 1, None
+
+    def __repr__(self) -> str:
+        return f"ChunkedLocalMod(chunk={self.chunk}, causal={self.causal}, offset={self.offset})"
+
+
+def chunked_local_mod(tq: int, tk: int, chunk: int, *, causal: bool = True,
+                      align: str = "top_left") -> ChunkedLocalMod:
+    """Chunked local attention (Llama 4): a query sees only keys of its own ``chunk``-sized
+    block, causally when ``causal``.
+
+    Example:
+        >>> materialize(chunked_local_mod(4, 4, 2), tq=4, tk=4)[0, 0].int()
+        tensor([[1, 0, 0, 0],
+                [1, 1, 0, 0],
+                [0, 0, 1, 0],
+                [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    return ChunkedLocalMod(chunk, causal=causal, offset=causal_offset(tq, tk, align))
 
 
 def _lengths_tensor(name: str, lengths: object) -> Tensor:
@@ -165,12 +276,11 @@ def _on_device(t: Tensor, like: object) -> Tensor:
 
 
 class PaddingMod(MaskMod):
-    """Key padding: in batch row ``b`` only keys ``j < lengths[b]`` are real tokens.
+    """The type :func:`padding_mod` returns.
 
     Example:
-        >>> mod = PaddingMod(torch.tensor([1, 3]))
-        >>> bool(mod(torch.tensor(0), 0, 0, torch.tensor(2)))
-        False
+        >>> isinstance(padding_mod(torch.tensor([1, 3])), PaddingMod)
+        True
     """
 
     _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
@@ -194,44 +304,27 @@ class PaddingMod(MaskMod):
         return f"PaddingMod(lengths={_shown(self.lengths)})"
 
 
-class VarlenCausalMod(MaskMod):
-    """Causal attention aligned per sequence in a padded batch (FlashAttention's varlen rule).
-
-    Row ``b`` of the batch holds ``q_lengths[b]`` real queries and ``k_lengths[b]`` real keys,
-    each right-padded (to ``Tq`` and ``Tk``). Query ``i`` of row ``b`` may attend key ``j`` when
-
-    * ``i < q_lengths[b]`` and ``j < k_lengths[b]`` (both are real tokens), and
-    * ``j <= i + k_lengths[b] - q_lengths[b]``: bottom-right causal alignment of the row's own
-      lengths, so its last real query sees all its real keys (decoding over a KV cache);
-    * with ``window``, also ``j > i + k_lengths[b] - q_lengths[b] - window`` (a causal sliding
-      window on the same diagonal).
-
-    Padded query rows (``i >= q_lengths[b]``) attend nothing, so by attnlab's rule their output
-    and gradients are zero; so do real queries that precede every key (``k_lengths[b] <
-    q_lengths[b]``, the first ``q_lengths[b] - k_lengths[b]`` queries), as in FlashAttention.
-    A row with ``q_lengths[b] == 0`` or ``k_lengths[b] == 0`` is all zeros. Pass the mod as
-    ``mask`` *without* ``causal=True``: ``causal`` aligns on the padded sizes.
+def padding_mod(lengths: Tensor) -> PaddingMod:
+    """Key padding: in batch row ``b`` only keys ``j < lengths[b]`` are real tokens.
 
     Args:
-        q_lengths: ``(B,)`` integer tensor, real queries per row, ``0 <= q_lengths[b] <= Tq``.
-        k_lengths: ``(B,)`` integer tensor, real keys per row, ``0 <= k_lengths[b] <= Tk``.
-        window: optional causal sliding window (keys per query, ``>= 1``).
-
-    Raises:
-        TypeError: lengths whose dtype is not a signed integer (unsigned lengths would wrap
-            around in ``k_lengths[b] - q_lengths[b]``).
-        ValueError: lengths that are not 1-D, negative, of different shapes, or a
-            window below 1; at call time (:meth:`check_sizes`) lengths that do not match the
-            batch or exceed ``Tq`` / ``Tk``.
+        lengths: ``(B,)`` non-negative signed integer tensor (read at each call, so lengths
+            updated in place are seen).
 
     Example:
-        >>> mod = VarlenCausalMod(torch.tensor([1, 2]), torch.tensor([3, 2]))
-        >>> materialize(mod, tq=2, tk=3, batch=2)[:, 0].int()
-        tensor([[[1, 1, 1],
-                 [0, 0, 0]],
-        <BLANKLINE>
-                [[1, 0, 0],
-                 [1, 1, 0]]], dtype=torch.int32)
+        >>> padding_mod(torch.tensor([2, 5]))
+        PaddingMod(lengths=[2, 5])
+    """
+    return PaddingMod(lengths)
+
+
+class VarlenCausalMod(MaskMod):
+    """The type :func:`varlen_causal_mod` returns.
+
+    Example:
+        >>> mod = varlen_causal_mod(torch.tensor([1, 2]), torch.tensor([3, 2]))
+        >>> isinstance(mod, VarlenCausalMod), mod.window
+        (True, None)
     """
 
     _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
@@ -286,81 +379,38 @@ class VarlenCausalMod(MaskMod):
                 f"k_lengths={_shown(self.k_lengths)}, window={self.window})")
 
 
-class PrefixLMMod(MaskMod):
-    """Prefix-LM: every query sees the first ``prefix_len`` keys, and the rest causally.
+def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
+                      window: int | None = None) -> VarlenCausalMod:
+    """Causal attention aligned on each row's own lengths in a padded batch (FlashAttention's varlen).
 
-    Query ``i`` may attend key ``j`` when ``j < prefix_len`` or ``j <= i + offset``.
+    Row ``b`` holds ``q_lengths[b]`` real queries and ``k_lengths[b]`` real keys, right-padded.
+    Query ``i`` may attend key ``j`` when both are real and ``j <= i + k_lengths[b] -
+    q_lengths[b]`` (and, with ``window``, ``j`` is among the ``window`` keys ending there): the
+    row's last real query sees all its real keys, as decoding a padded batch over a KV cache
+    needs (``align="bottom_right"`` would align every row on the padded ``Tk - Tq``). Padded
+    queries, and real ones before every key, attend nothing: zero output and gradient. Pass it
+    as ``mask`` without ``causal=True``.
 
-    Example:
-        >>> materialize(PrefixLMMod(2), tq=4, tk=4)[0, 0].int()
-        tensor([[1, 1, 0, 0],
-                [1, 1, 0, 0],
-                [1, 1, 1, 0],
-                [1, 1, 1, 1]], dtype=torch.int32)
-    """
+    Args:
+        q_lengths: ``(B,)`` signed integer tensor, ``0 <= q_lengths[b] <= Tq``.
+        k_lengths: ``(B,)`` signed integer tensor, ``0 <= k_lengths[b] <= Tk``.
+        window: optional causal sliding window, ``>= 1``.
 
-    _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
-
-    def __init__(self, prefix_len: int, offset: int = 0):
-        self.prefix_len = non_negative_int("prefix_len", prefix_len)
-        self.offset = int_value("offset", offset)
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        return (kv_idx < self.prefix_len) | (kv_idx <= q_idx + self.offset)
-
-    def kv_bounds(self, q_start, q_end):
-        return 0, max(self.prefix_len, q_end + self.offset)
-
-    def row_ranges(self, q, tk):  # keys < prefix_len, or <= the diagonal: one prefix of the keys
-        return 0, torch.clamp(q + self.offset, min=self.prefix_len - 1), None
-
-    def __repr__(self) -> str:
-        return f"PrefixLMMod(prefix_len={self.prefix_len}, offset={self.offset})"
-
-
-class ChunkedLocalMod(MaskMod):
-    """Chunked local attention: the sequence is cut into chunks of ``chunk`` positions and a
-    query sees only keys of its own chunk (causally when ``causal``), as in Llama 4.
-
-    Query ``i`` sits at position ``p = i + offset``; it may attend key ``j`` when
-    ``j // chunk == p // chunk`` (and ``j <= p`` when causal).
+    Raises:
+        TypeError: an unsigned or non-integer dtype (``k - q`` would wrap around).
+        ValueError: lengths not 1-D, negative or of different shapes, a window below 1; at
+            call time, lengths that do not match the batch or exceed ``Tq`` / ``Tk``.
 
     Example:
-        >>> materialize(ChunkedLocalMod(2), tq=4, tk=4)[0, 0].int()
-        tensor([[1, 0, 0, 0],
-                [1, 1, 0, 0],
-                [0, 0, 1, 0],
-                [0, 0, 1, 1]], dtype=torch.int32)
+        >>> mod = varlen_causal_mod(torch.tensor([1, 2]), torch.tensor([3, 2]))
+        >>> materialize(mod, tq=2, tk=3, batch=2)[:, 0].int()
+        tensor([[[1, 1, 1],
+                 [0, 0, 0]],
+        <BLANKLINE>
+                [[1, 0, 0],
+                 [1, 1, 0]]], dtype=torch.int32)
     """
-
-    _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
-
-    def __init__(self, chunk: int, *, causal: bool = True, offset: int = 0):
-        self.chunk = positive_int("chunk", chunk)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        self.causal = causal
-        self.offset = int_value("offset", offset)
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        pos = q_idx + self.offset
-        same = torch.div(kv_idx, self.chunk, rounding_mode="floor") == torch.div(
-            pos, self.chunk, rounding_mode="floor")
-        return (same & (kv_idx <= pos)) if self.causal else same
-
-    def kv_bounds(self, q_start, q_end):
-        first, last = q_start + self.offset, q_end - 1 + self.offset
-        lo = (first // self.chunk) * self.chunk
-        hi = last + 1 if self.causal else (last // self.chunk + 1) * self.chunk
-        return lo, max(lo, hi)
-
-    def row_ranges(self, q, tk):
-        pos = q + self.offset
-        start = torch.div(pos, self.chunk, rounding_mode="floor") * self.chunk
-        return start, pos if self.causal else start + self.chunk - 1, None
-
-    def __repr__(self) -> str:
-        return f"ChunkedLocalMod(chunk={self.chunk}, causal={self.causal}, offset={self.offset})"
+    return VarlenCausalMod(q_lengths, k_lengths, window=window)
 
 
 def _document_rows(document_ids: Tensor) -> Tensor:
@@ -395,24 +445,11 @@ def _occurrence_bounds(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class DocumentMod(MaskMod):
-    """Packed documents: a query sees only keys of its own document (causally when ``causal``).
-
-    ``document_ids[b, p]`` names the document position ``p`` of batch row ``b`` belongs to
-    (one row ``(T,)`` serves every batch row). Query ``i`` sits at position ``i + offset`` and
-    may attend key ``j`` when both hold the same id (and ``j <= i + offset`` when causal).
-    :meth:`kv_bounds` spans the documents a query block touches, so tiled backends visit only
-    the diagonal blocks of a packed batch.
+    """The type :func:`document_mod` returns (query ``i`` at position ``i + offset``).
 
     Example:
-        >>> mod = DocumentMod(torch.tensor([0, 0, 1, 1, 1]))
-        >>> materialize(mod, tq=5, tk=5)[0, 0].int()
-        tensor([[1, 0, 0, 0, 0],
-                [1, 1, 0, 0, 0],
-                [0, 0, 1, 0, 0],
-                [0, 0, 1, 1, 0],
-                [0, 0, 1, 1, 1]], dtype=torch.int32)
-        >>> mod.kv_bounds(3, 5)
-        (2, 5)
+        >>> isinstance(document_mod(torch.tensor([0, 1])), DocumentMod)
+        True
     """
 
     _keyed = True  # attnlab's own: see value_only_key and has_row_ranges
@@ -467,46 +504,27 @@ class DocumentMod(MaskMod):
         return f"DocumentMod(ids of shape {tuple(self.ids.shape)}, causal={self.causal}, offset={self.offset})"
 
 
-def causal_mod(tq: int, tk: int, *, align: str = "top_left") -> CausalMod:
-    """Causal mask mod for ``tq`` queries over ``tk`` keys with the given alignment.
-
-    Example:
-        >>> causal_mod(1, 4, align="bottom_right")
-        CausalMod(offset=3)
-    """
-    return CausalMod(causal_offset(tq, tk, align))
-
-
-def sliding_window_mod(tq: int, tk: int, window: int, *, align: str = "top_left") -> SlidingWindowMod:
-    """Causal sliding-window mask mod: each query sees its last ``window`` keys.
-
-    Example:
-        >>> sliding_window_mod(4, 4, 2)
-        SlidingWindowMod(window=2, offset=0)
-    """
-    return SlidingWindowMod(window, causal_offset(tq, tk, align))
-
-
-def padding_mod(lengths: Tensor) -> PaddingMod:
-    """Key-padding mask mod from per-row lengths (keys ``j < lengths[b]`` are real).
-
-    Example:
-        >>> padding_mod(torch.tensor([2, 5]))
-        PaddingMod(lengths=[2, 5])
-    """
-    return PaddingMod(lengths)
-
-
 def document_mod(document_ids: Tensor, *, causal: bool = True) -> DocumentMod:
-    """Mask mod for documents packed into one sequence: attention stays inside each document.
+    """Packed documents: a query sees only keys of its own document (causally when ``causal``).
+
+    Its key bounds span the documents a query block touches, so tiled backends visit only the
+    diagonal blocks of a packed batch.
 
     Args:
-        document_ids: ``(T,)`` or ``(B, T)`` integer tensor, the document of each position.
+        document_ids: ``(T,)`` or ``(B, T)`` integer tensor, the document of each position
+            (one row serves every batch row).
         causal: also block later keys of the same document.
 
     Example:
-        >>> document_mod(torch.tensor([0, 0, 1])).kv_bounds(2, 3)
-        (2, 3)
+        >>> mod = document_mod(torch.tensor([0, 0, 1, 1, 1]))
+        >>> materialize(mod, tq=5, tk=5)[0, 0].int()
+        tensor([[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [0, 0, 1, 0, 0],
+                [0, 0, 1, 1, 0],
+                [0, 0, 1, 1, 1]], dtype=torch.int32)
+        >>> mod.kv_bounds(3, 5)
+        (2, 5)
     """
     return DocumentMod(document_ids, causal=causal)
 
@@ -533,50 +551,3 @@ def document_positions(document_ids: Tensor) -> Tensor:
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     run_start = torch.where(starts, pos, 0).cummax(dim=1).values  # (B|1, T)
     return pos - run_start
-
-
-def prefix_lm_mod(tq: int, tk: int, prefix_len: int, *, align: str = "top_left") -> PrefixLMMod:
-    """Prefix-LM mask mod: the first ``prefix_len`` keys are seen by all, the rest causally.
-
-    Example:
-        >>> prefix_lm_mod(4, 4, 2)
-        PrefixLMMod(prefix_len=2, offset=0)
-    """
-    return PrefixLMMod(prefix_len, causal_offset(tq, tk, align))
-
-
-def chunked_local_mod(tq: int, tk: int, chunk: int, *, causal: bool = True,
-                      align: str = "top_left") -> ChunkedLocalMod:
-    """Chunked local mask mod: each query sees only its own ``chunk``-sized block of keys.
-
-    Example:
-        >>> chunked_local_mod(8, 8, 4)
-        ChunkedLocalMod(chunk=4, causal=True, offset=0)
-    """
-    return ChunkedLocalMod(chunk, causal=causal, offset=causal_offset(tq, tk, align))
-
-
-def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
-                      window: int | None = None) -> VarlenCausalMod:
-    """Causal mask mod aligned on each row's own lengths in a padded batch (varlen).
-
-    Query ``i`` of row ``b`` sees real keys ``j <= i + k_lengths[b] - q_lengths[b]``; padded
-    queries and keys take no part (see :class:`VarlenCausalMod`). What decoding a right-padded
-    batch over a KV cache needs, where ``align="bottom_right"`` would align on ``Tk - Tq``.
-
-    Args:
-        q_lengths: ``(B,)`` integer tensor of real query counts.
-        k_lengths: ``(B,)`` integer tensor of real key counts.
-        window: optional causal sliding window on the same per-row diagonal.
-
-    Example:
-        >>> import attnlab
-        >>> q, k = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)   # (B, H, T, D), padded
-        >>> mod = varlen_causal_mod(torch.tensor([1, 3]), torch.tensor([4, 5]))
-        >>> out = attnlab.attention(q, k, k, mask=mod)
-        >>> solo = attnlab.attention(q[:1, :, :1], k[:1, :, :4], k[:1, :, :4],
-        ...                          causal=True, align="bottom_right")
-        >>> bool(torch.allclose(out[:1, :, :1], solo, atol=1e-6)), bool(out[0, :, 1:].eq(0).all())
-        (True, True)
-    """
-    return VarlenCausalMod(q_lengths, k_lengths, window=window)

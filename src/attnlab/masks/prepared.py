@@ -49,15 +49,13 @@ def _segment_extents(q_segment: Tensor, k_segment: Tensor) -> tuple[Tensor, Tens
 
 
 class PreparedMask(MaskMod):
-    """A mask mod turned, once, into the value the block-sparse and flex paths read: per query
-    row one key interval ``[lo, hi]`` and a segment per position (see :meth:`MaskMod.row_ranges`).
+    """The type :func:`prepare` returns: a mask as one key interval ``[lo, hi]`` per query row
+    and a segment per position (:meth:`MaskMod.row_ranges`), for one ``(Tq, Tk)``.
 
-    Made by :func:`prepare` for one ``(Tq, Tk)``, as FlexAttention's ``create_block_mask`` makes
-    a ``BlockMask``: pass it as ``mask`` to every call of that shape, and what a backend derives
-    from it (the blocks' plan, flex's block mask) is computed on the first call and kept on the
-    value itself (:attr:`memo`), not in a process-wide cache. It is a snapshot: editing the
-    tensors of the mod it came from afterwards does not change it. It reads no tensor value
-    when asked for bounds (they are Python lists made here), so dispatch may ask.
+    What backends derive from it (the blocks' plan, flex's block mask) is kept on the value
+    (:attr:`memo`), not in a process-wide cache. A snapshot: editing the source mod's tensors
+    later does not change it. Its bounds are Python lists, so dispatch may ask without reading
+    a tensor.
 
     Shapes:
         lo, hi, q_segment: ``(R, Tq)`` int64; k_segment: ``(R, Tk)`` int64; ``R`` is 1 (one
@@ -155,15 +153,13 @@ class PreparedMask(MaskMod):
 
 def prepare(mask: Callable, *, tq: int, tk: int, batch: int = 1,
             device: torch.device | str | None = None) -> PreparedMask:
-    """Turn one of attnlab's mask mods (or an AND of them) into a :class:`PreparedMask` for
-    calls of ``tq`` queries over ``tk`` keys: the per-row key intervals, and segments, that the
-    block-sparse and flex backends read.
+    """One of attnlab's mask mods (or an AND of them) prepared for calls of ``tq`` queries over
+    ``tk`` keys, as FlexAttention's ``create_block_mask`` makes a ``BlockMask``.
 
-    Pass the result as ``mask`` to :func:`attnlab.attention` for every call of that shape: the
-    backends then derive their plans from it once. A mod that holds no tensor (causal, windows,
-    prefixes, chunks) needs no preparing -- dispatch prepares it once per shape by itself; a
-    mod with tensors (padding, varlen lengths, document ids) prepared once per batch saves the
-    planning each call otherwise repeats. A :class:`PreparedMask` of this shape is returned as is.
+    Pass the result as ``mask`` to every call of that shape: the block-sparse and flex
+    backends then plan from it once. Worth it for a mod holding tensors (padding, varlen,
+    documents), prepared once per batch; a mod without tensors is prepared by dispatch itself.
+    A :class:`PreparedMask` of this shape is returned as is.
 
     Args:
         mask: an attnlab mask mod, an AND of them, or a :class:`PreparedMask`.
