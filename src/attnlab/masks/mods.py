@@ -13,7 +13,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from attnlab.masks.evaluation import apply_mod, materialize
+from attnlab.masks.evaluation import apply_mod
 
 MaskLike = Union[Tensor, Callable, None]
 
@@ -30,6 +30,7 @@ class MaskMod:
     under ``torch.vmap``, like any plain callable (:func:`~attnlab.masks.apply_mod`).
 
     Example:
+        >>> from attnlab.masks import materialize
         >>> class EvenKeys(MaskMod):
         ...     def __call__(self, b, h, q_idx, kv_idx):
         ...         return kv_idx % 2 == 0

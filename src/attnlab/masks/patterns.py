@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import has_values, int_value, integer_dtype, non_negative_int, one_of, positive_int
-from attnlab.masks.evaluation import materialize
 from attnlab.masks.mods import MaskMod
 
 
@@ -135,6 +134,7 @@ def sliding_window_mod(tq: int, tk: int, window: int, *, align: str = "top_left"
     """Causal sliding window: query ``i`` sees the ``window`` keys ending at ``i + offset``.
 
     Example:
+        >>> from attnlab.masks import materialize
         >>> materialize(sliding_window_mod(4, 4, 2), tq=4, tk=4)[0, 0].int()
         tensor([[1, 0, 0, 0],
                 [1, 1, 0, 0],
@@ -175,6 +175,7 @@ def prefix_lm_mod(tq: int, tk: int, prefix_len: int, *, align: str = "top_left")
     """Prefix-LM: every query sees the first ``prefix_len`` keys, and the rest causally.
 
     Example:
+        >>> from attnlab.masks import materialize
         >>> materialize(prefix_lm_mod(4, 4, 2), tq=4, tk=4)[0, 0].int()
         tensor([[1, 1, 0, 0],
                 [1, 1, 0, 0],
@@ -228,6 +229,7 @@ def chunked_local_mod(tq: int, tk: int, chunk: int, *, causal: bool = True,
     block, causally when ``causal``.
 
     Example:
+        >>> from attnlab.masks import materialize
         >>> materialize(chunked_local_mod(4, 4, 2), tq=4, tk=4)[0, 0].int()
         tensor([[1, 0, 0, 0],
                 [1, 1, 0, 0],
@@ -403,6 +405,7 @@ def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
 
     Example:
         >>> mod = varlen_causal_mod(torch.tensor([1, 2]), torch.tensor([3, 2]))
+        >>> from attnlab.masks import materialize
         >>> materialize(mod, tq=2, tk=3, batch=2)[:, 0].int()
         tensor([[[1, 1, 1],
                  [0, 0, 0]],
@@ -517,6 +520,7 @@ def document_mod(document_ids: Tensor, *, causal: bool = True) -> DocumentMod:
 
     Example:
         >>> mod = document_mod(torch.tensor([0, 0, 1, 1, 1]))
+        >>> from attnlab.masks import materialize
         >>> materialize(mod, tq=5, tk=5)[0, 0].int()
         tensor([[1, 0, 0, 0, 0],
                 [1, 1, 0, 0, 0],
