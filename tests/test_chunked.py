@@ -103,7 +103,7 @@ CASES = [
     ("mask-mod", (2, 2, 2, 16, 16, 8, 8), dict(mask=lambda b, h, i, j: (i + j + b + h) % 3 != 0)),
     ("sliding-window", (1, 2, 2, 18, 18, 8, 8), dict(mask=masks.sliding_window_mod(18, 18, 4))),
     ("window-and-causal", (1, 1, 1, 19, 19, 3, 3),
-     dict(causal=True, mask=masks.SlidingWindowMod(5))),
+     dict(causal=True, mask=masks.sliding_window_mod(19, 19, 5))),
     ("gqa", (2, 6, 2, 10, 14, 8, 8), dict(causal=True)),
     ("Dv!=D", (1, 2, 1, 9, 13, 3, 11), dict()),
     ("T=1", (1, 2, 2, 1, 1, 4, 4), dict(causal=True)),

@@ -294,3 +294,46 @@ def test_prepare_for_a_meta_device_keeps_the_bounds_read_on_the_cpu():
     assert prepared.rows(3).kv_bounds(4, 6) == (3, 6)
     lo = torch.zeros(1, 4, dtype=torch.int64, device="meta")
     assert masks.PreparedMask(lo, lo, lo, lo).kv_bounds(0, 4) is None  # no values to bound by
+
+
+# ----------------------------------------------------------------------------- the package's names
+
+# Every name attnlab.masks exported when it was one module, and the private ones other modules import.
+NAMES_BEFORE_THE_SPLIT = (
+    "ALIGNMENTS", "MaskMod", "causal_mod", "sliding_window_mod", "padding_mod", "DocumentMod", "PrefixLMMod",
+    "ChunkedLocalMod", "document_mod", "document_positions", "prefix_lm_mod", "chunked_local_mod",
+    "VarlenCausalMod", "varlen_causal_mod", "and_masks", "or_masks", "materialize", "evaluate", "apply_mod",
+    "mod_tensors", "value_only_key", "has_row_ranges", "PreparedMask", "prepare", "kv_range", "causal_mask",
+    "sliding_window_mask", "padding_mask", "causal_offset", "CausalMod", "SlidingWindowMod", "PaddingMod",
+    "CombinedMod", "check_align", "_IndexWithTensors", "_first_line", "_unevaluable", "_occurrence_bounds",
+)
+
+
+def test_every_name_of_the_single_module_still_resolves():
+    assert [name for name in NAMES_BEFORE_THE_SPLIT if not hasattr(masks, name)] == []
+    assert all(hasattr(masks, name) for name in masks.__all__)
+
+
+def test_all_lists_one_constructor_per_pattern_and_no_pattern_class():
+    """The functions construct; the classes they return are types (isinstance), not in __all__."""
+    classes = [name for name in masks.__all__ if isinstance(getattr(masks, name), type)]
+    assert classes == ["MaskMod"]  # the base class a user subclasses
+    assert isinstance(masks.document_mod(torch.tensor([0, 1])), masks.DocumentMod)
+    assert isinstance(masks.prepare(masks.causal_mod(2, 2), tq=2, tk=2), masks.PreparedMask)
+
+
+def test_value_only_key_is_the_masks_identity_by_value():
+    window = masks.sliding_window_mod(8, 8, 3)
+    assert masks.value_only_key(window) == masks.value_only_key(masks.sliding_window_mod(4, 4, 3))
+    assert masks.value_only_key(window) != masks.value_only_key(masks.sliding_window_mod(8, 8, 2))
+    assert masks.value_only_key(masks.causal_mod(2, 4, align="bottom_right")) == ("CausalMod", ("offset", 2))
+    both = masks.causal_mod(8, 8) & window
+    assert masks.value_only_key(both) == ("CombinedMod", "and", ("CausalMod", ("offset", 0)),
+                                          ("SlidingWindowMod", ("offset", 0), ("window", 3)))
+
+    class Shifted(masks.SlidingWindowMod):  # a subclass may hold state no key sees
+        pass
+
+    unkeyed = [masks.padding_mod(torch.tensor([2])), window & masks.padding_mod(torch.tensor([2])),
+               masks.prepare(window, tq=8, tk=8), Shifted(2), lambda b, h, q, kv: kv <= q, window | (lambda *i: True)]
+    assert [masks.value_only_key(mod) for mod in unkeyed] == [None] * len(unkeyed)

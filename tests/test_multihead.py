@@ -91,7 +91,7 @@ def test_unbatched_equals_batched_and_mask_forms():
     bias = alibi_bias(2, 5)
     torch.testing.assert_close(mod(x, mask=bias[0]), mod(x[None], mask=bias)[0], rtol=0, atol=1e-6)
     real = torch.tensor([True, True, False, True, False])
-    mod_mask = masks.PaddingMod(torch.tensor([3]))
+    mod_mask = masks.padding_mod(torch.tensor([3]))
     via_mod = mod(x[None], mask=mod_mask, padding_mask=real[None])
     via_tensor = mod(x[None], padding_mask=(real & (torch.arange(5) < 3))[None])
     torch.testing.assert_close(via_mod, via_tensor, rtol=0, atol=1e-6)

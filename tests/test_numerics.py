@@ -78,7 +78,7 @@ def _padding_options(kind: str) -> tuple[dict, torch.Tensor]:
     options = {
         "bool": dict(mask=real),
         "float": dict(mask=torch.zeros(real.shape).masked_fill(~real, -INF)),
-        "mod": dict(mask=masks.PaddingMod(LENGTHS)),
+        "mod": dict(mask=masks.padding_mod(LENGTHS)),
         "bool-causal": dict(mask=real, causal=True),
     }[kind]
     return options, real.transpose(-2, -1)
@@ -381,7 +381,7 @@ def test_zero_and_negative_scales_on_every_causal_piece(name, kind, scale):
     t = T if name == "flex" else 3 * T
     mod = _scale_mods(t)[kind]
     options = dict(causal=True) if mod is None else dict(mask=mod)
-    allowed = masks.materialize(masks.CausalMod(0) if mod is None else mod, tq=t, tk=t).expand(B, H, t, t)
+    allowed = masks.materialize(masks.causal_mod(t, t) if mod is None else mod, tq=t, tk=t).expand(B, H, t, t)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, H, t, D, generator=gen) for _ in range(3))
     got = _run(name, [q, k, v], scale=scale, **options)
@@ -407,7 +407,7 @@ def test_returned_weights_are_a_softmax_at_any_logit_range(name, magnitude):
     """Rows sum to 1 (0 where nothing is attended), blocked keys get 0. blocks once gave
     exp(scores - lse) with its kernel's lse: rows summed to 0.94-1.008 at 1e3, 1e-7 at 1e8."""
     q, k, v = _large_logits(magnitude)
-    options = dict(causal=True, mask=masks.PaddingMod(torch.tensor([T, 0])))
+    options = dict(causal=True, mask=masks.padding_mod(torch.tensor([T, 0])))
     if not _serves(name, (q, k, v), False, **options):
         pytest.skip(f"{name} declines this call")
     with torch.no_grad():
