@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 import torch.nn.functional as F
 
@@ -32,12 +31,13 @@ from attnlab import masks as _masks
 from attnlab._call import build_call
 from attnlab._checks import instance_of, positive_int
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
-from attnlab.backends._lse import fold_sinks, merge_, row_delta, sink_logits, sinks_gradient
+from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta, sinks_gradient
 from attnlab.backends.blocks import blocks_attention, blocks_gradients
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, Pending, transfer
 from attnlab.distributed._global import global_mod
 from attnlab.distributed.layout import check_length, chunk_ids, chunks_per_rank, positions
+from attnlab.scores import sink_logits
 
 __all__ = ["ring_pieces", "RingPlan", "ring_plan", "head_chunks_of"]
 
@@ -513,25 +513,31 @@ def _backward_by_heads(setup: _Setup, d_out: Tensor, saved: tuple,
     return dq, dk, dv
 
 
-class _RingFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, setup, chunks):
-        out, lse = _forward_by_heads(setup, q, k, v, chunks)
-        if sinks is not None:  # every piece's backward, given the folded out and lse, is then exact
-            out, lse = fold_sinks(out, lse, sink_logits(sinks, lse.dtype))
-        ctx.setup, ctx.chunks = setup, chunks
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        return out.to(q.dtype)
+def _ring_forward(plan: tuple, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple:
+    """out in q's dtype, then the merged out (None when already in q's dtype) and lse, in the
+    accumulation dtype, the sinks folded in: every piece's backward, given them, is exact."""
+    setup, chunks = plan
+    out, lse = _forward_by_heads(setup, q, k, v, chunks)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sink_logits(sinks, lse.dtype))
+    return out.to(q.dtype), lse, None if out.dtype == q.dtype else out
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, d_out):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_by_heads(ctx.setup, d_out, (q, k, v, out, lse), ctx.chunks)
-        d_sinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            d_sinks = sinks_gradient(sinks, sink_logits(sinks, lse.dtype), lse, row_delta(d_out, out, out.dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None
+
+def _ring_gradients(plan: tuple, needs: frozenset, d_out: Tensor, tensors: tuple, outputs: tuple) -> tuple:
+    """The ring run again for dq, dk, dv; the sinks' gradient from this rank's queries."""
+    setup, chunks = plan
+    q, k, v, sinks = tensors
+    out = outputs[0] if outputs[2] is None else outputs[2]
+    lse = outputs[1]
+    dq, dk, dv = _backward_by_heads(setup, d_out, (q, k, v, out, lse), chunks)
+    d_sinks = None
+    if sinks is not None and 3 in needs:
+        d_sinks = sinks_gradient(sinks, sink_logits(sinks, lse.dtype), lse, row_delta(d_out, out, out.dtype))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks
+
+
+# ``apply((setup, head chunks), q, k, v, sinks)``: the ring forward, its backward the ring again.
+_RingFunction = kernel_function("ring", _ring_forward, _ring_gradients)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causal: bool,
@@ -552,4 +558,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causa
         where = [positions(length, layout=layout, rank=r, world=who.world, device=q.device) for r in range(who.world)]
     setup = _Setup(who, plan=plan, pieces=pieces, scale=scale, stats=stats, shapes=[k, v], score_mod=score_mod,
                    where=where, head_offset=head_offset, heads=q.shape[1] if heads is None else heads)
-    return _RingFunction.apply(q, k, v, sinks, setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks))
+    return _RingFunction.apply((setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks)), q, k, v, sinks)[0]
