@@ -70,11 +70,12 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._math import kernel_scales, keep_nan_rows, score_dtype
+from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta, score_gradient_, sinks_gradient
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
-from attnlab.backends.transforms import gradients_function, outside_transforms, vmap_by_slices
-from attnlab.scores import ScoreMod, additive_term, sink_gradient, sink_logits
+from attnlab.backends.transforms import outside_transforms
+from attnlab.scores import ScoreMod, additive_term, sink_logits
 
 __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
@@ -413,19 +414,6 @@ class _Plan:
     kernel_scale: float = 1.0
 
 
-def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor, first: bool) -> None:
-    """Fold one run's ``(o, l)`` into the accumulated views ``out``/``lse`` of its query blocks
-    (``(n, B*Hq, bq, W)`` / ``(n, B*Hq, bq)``): lse = logaddexp, out = the lse-weighted sum."""
-    if first:
-        out.copy_(o)
-        lse.copy_(l)
-        return
-    new = torch.logaddexp(lse, l)  # -inf where both are
-    safe = new.masked_fill(new == float("-inf"), 0.0)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - safe).unsqueeze(-1))
-    lse.copy_(new)
-
-
 def _init(t: Tensor, runs: tuple, *, fill: float) -> Tensor:
     """Fill an empty accumulator ``(B, H, Tq, ...)`` with ``fill`` unless the runs that write
     their query blocks first cover every row (then every value is written before it is read)."""
@@ -456,9 +444,13 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor |
         if mod is not None:  # the kernel gives a row whose mask is all -inf lse 0: it is empty
             empty = _empty_rows(mask, run)
             o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, float("-inf"))
-        _merge_into(run.query_blocks(out), run.query_blocks(lse), o, l, run.first)
+        if run.first:  # nothing merged into these query blocks yet
+            run.query_blocks(out).copy_(o)
+            run.query_blocks(lse).copy_(l)
+        else:
+            merge_(run.query_blocks(out), run.query_blocks(lse), o, l)  # (n, B*Hq, bq, W), (n, B*Hq, bq)
     if sinks is not None:
-        _add_sinks(out, lse, sinks)
+        out, lse = fold_sinks(out, lse, sink_logits(sinks, lse.dtype))
     return out, lse
 
 
@@ -470,18 +462,6 @@ def _empty_rows(mask: Tensor, run: _Run) -> Tensor:
         tril = torch.ones(run.bq, run.keys, dtype=torch.bool, device=mask.device).tril()
         mask = mask.masked_fill(~tril, float("-inf"))
     return (mask == float("-inf")).all(dim=-1)
-
-
-def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
-    """Each row's sink (a key of logit ``sinks[h]``, or ``sinks[b, h, i]`` per query, and value 0)
-    into the merged out ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)``, in place: lse grows to
-    ``logaddexp(lse, sink)`` and out shrinks by ``exp(old lse - new lse)``; a row with no key
-    gets 0 (the sink takes all the mass)."""
-    sink = sink_logits(sinks, lse.dtype)  # (B|1, Hq|1, Tq|1)
-    total = torch.logaddexp(lse, sink)  # (B, Hq, Tq)
-    share = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))  # the keys' share
-    out.mul_(share.unsqueeze(-1))
-    lse.copy_(total)
 
 
 def _mask_dtype(call: AttentionCall) -> torch.dtype:
@@ -520,40 +500,23 @@ def _with_mask(tile: Tensor, run: _Run) -> Tensor:
     return tile if run.mask is None else tile + run.mask
 
 
-class _BlocksFunction(torch.autograd.Function):
-    """Forward: the fused kernel once per run. Backward: the kernel's backward once per run.
+def _blocks_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *params: Tensor):
+    """The Function's forward: out ``(B, Hq, Tq, Dv)`` in q's dtype and lse ``(B, Hq, Tq)``."""
+    out, lse = _block_forward(plan, *_kernel_inputs(plan, q, k, v), sinks, _score_mod(plan, params))
+    return out.narrow(-1, 0, v.shape[-1]).to(q.dtype), lse
 
-    Written for ``torch.func`` (see :mod:`attnlab.backends.transforms`): ``setup_context``, a
-    ``vmap`` rule that runs the plan once per vmapped slice, and a backward pass that is a
-    Function of its own (:class:`_BlocksGradientsFunction`) with the same rule.
-    """
 
-    @staticmethod
-    def forward(q, k, v, sinks, plan, *params):
-        out, lse = _block_forward(plan, *_kernel_inputs(plan, q, k, v), sinks, _score_mod(plan, params))
-        return out.narrow(-1, 0, v.shape[-1]).to(q.dtype), lse
+def _blocks_gradients(plan: _Plan, needs: frozenset, d_out: Tensor, tensors: tuple, outputs: tuple) -> tuple:
+    """dq, dk, dv, the sinks' and each score-mod tensor's gradient (None where not needed)."""
+    q, k, v, sinks, *params = tensors
+    need_params = frozenset(i - 4 for i in needs if i >= 4)
+    return _block_backward(plan, d_out, (q, k, v), *outputs, sinks, sinks is not None and 3 in needs,
+                           need_params, tuple(params))
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, sinks, plan, *params = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, sinks, out, lse, *params)
-        ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
 
-    @staticmethod
-    def backward(ctx, d_out, _d_lse):
-        q, k, v, sinks, out, lse, *params = ctx.saved_tensors
-        need_sinks = sinks is not None and ctx.needs_input_grad[3]
-        # A frozenset, not a tuple: torch.func would map a tuple's entries as vmapped arguments.
-        need_params = frozenset(i for i, need in enumerate(ctx.needs_input_grad[5:]) if need)
-        dq, dk, dv, d_sinks, *d_params = _BlocksGradientsFunction.apply(
-            d_out, q, k, v, sinks, out, lse, ctx.plan, need_sinks, need_params, *params)
-        return dq, dk, dv, d_sinks, None, *d_params
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_by_slices(_BlocksFunction.apply, info, in_dims, *args)
+# ``apply(plan, q, k, v, sinks, *score-mod tensors)``: the fused kernel once per run, forward and
+# backward (the backward a Function of its own, for torch.func).
+_BlocksFunction = kernel_function("blocks", _blocks_forward, _blocks_gradients)
 
 
 def _score_mod(plan: _Plan, params: tuple) -> ScoreMod | None:
@@ -591,7 +554,7 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     d_params = [torch.zeros_like(p, dtype=acc_dtype) if want else None for p, want in zip(params, learn)]
     delta = None  # D_i = rowsum(dO * O) (B, Hq, Tq), for the sinks' and the mod's gradients
     if (need_sinks or any(learn)) and acc_dtype == q.dtype:
-        delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)
+        delta = row_delta(d_out, out, acc_dtype)
     d_out, out = (_kernel_layout(_widened(t, W)) for t in (d_out, out))  # (B, Hq, Tq, W)
     lse = _kernel_layout(lse)
     if (need_sinks or any(learn)) and acc_dtype != q.dtype:
@@ -623,8 +586,7 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
         dq.mul_(plan.factor)  # the kernel differentiated by q * factor
     d_sinks = None
     if need_sinks:
-        p_sink = torch.exp(sink_logits(sinks, acc_dtype) - lse)  # (B, Hq, Tq)
-        d_sinks = sink_gradient((p_sink * delta).neg_(), sinks)  # summed to the sinks' shape
+        d_sinks = sinks_gradient(sinks, sink_logits(sinks, acc_dtype), lse, delta)  # summed to the sinks' shape
     d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
     return dq.narrow(-1, 0, D), dk.narrow(-1, 0, D), dv.narrow(-1, 0, Dv), d_sinks, *d_params
 
@@ -669,7 +631,7 @@ def _score_gradient(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, delta: 
     them; d_out ``(n, B*Hq, bq, W)``, delta and lse ``(n, B*Hq, bq)``; mask the run's mask.
     """
     probs, d_probs = _probs(plan, run, views, d_out, lse, mask)
-    return probs.mul_(d_probs.sub_(delta.unsqueeze(-1)))  # (n, B*Hq, bq, keys)
+    return score_gradient_(probs, d_probs, delta.unsqueeze(-1))  # (n, B*Hq, bq, keys)
 
 
 def _probs(plan: _Plan, run: _Run, views: tuple, d_out: Tensor, lse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -706,13 +668,6 @@ def _add_tile_gradients(tile: Tensor, leaves: list, d_scores: Tensor, d_params: 
     for (i, _), grad in zip(wanted, grads):
         if grad is not None:
             d_params[i].add_(grad)
-
-
-# The backward pass as a Function: the kernel's backward once per run, gradients summed where
-# key spans overlap.
-_BlocksGradientsFunction = gradients_function(
-    "blocks", lambda d_out, q, k, v, sinks, out, lse, plan, need_sinks, need_params, *params: _block_backward(
-        plan, d_out, (q, k, v), out, lse, sinks, need_sinks, need_params, params))
 
 
 def blocks_gradients(call: AttentionCall, *, out: Tensor, lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -767,8 +722,8 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
     runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), block)
     params = call.score_mod.params() if call.score_mod is not None else ()
-    out, lse = _BlocksFunction.apply(call.q, call.k, call.v, call.sinks,
-                                     _Plan(call, runs, *kernel_scales(call)), *params)
+    out, lse = _BlocksFunction.apply(_Plan(call, runs, *kernel_scales(call)), call.q, call.k, call.v, call.sinks,
+                                     *params)
     return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
 
 

@@ -49,10 +49,11 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._checks import has_values, positive_int
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
+from attnlab.backends._lse import (kernel_function, online_finish, online_start, online_step, row_delta, row_parts,
+                                   score_gradient_, sink_row_gradient)
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
-from attnlab.backends.transforms import gradients_function, vmap_by_slices
 from attnlab.scores import ScoreMod, apply_tile, captures_grad, sink_gradient, sink_logits
 
 __all__ = [
@@ -279,17 +280,11 @@ def _tiles(plan: _Plan, q_tile: Tensor, k: Tensor, v: Tensor, masks: _TensorMask
         yield ks, ke, tile
 
 
-def _safe(t: Tensor) -> Tensor:
-    """Lift -inf (a row with nothing seen) to the lowest finite value, so that ``exp(s - t)``
-    is 0 for blocked scores, never NaN; finite values, however negative, are unchanged."""
-    return t.clamp_min(torch.finfo(t.dtype).min)
-
-
 # ----------------------------------------------------------------------------- forward
 def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
                    masks: _TensorMasks) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Online-softmax forward. Returns out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, the lse in
-    two parts for the backward (:func:`_lse_parts`, ``(B, Hq, Tq, 2)``) and, for fp16/bf16
+    two parts for the backward (:func:`attnlab.backends._lse.online_finish`, ``(B, Hq, Tq, 2)``) and, for fp16/bf16
     inputs, out before its rounding to their dtype (else None): the backward's
     ``D_i = rowsum(dO * O)`` from the rounded out would carry each row's rounding into every
     score's gradient, which a score-mod tensor (ALiBi's slope) multiplies by its distance."""
@@ -300,71 +295,19 @@ def _forward_tiles(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
     parts = torch.empty(B, Hq, Tq, 2, dtype=plan.acc_dtype, device=q.device)
     for qs, qe in plan.q_blocks(Tq):
         q_tile = q[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, D)
-        row_max = torch.full((B, Hq, qe - qs, 1), float("-inf"), dtype=plan.acc_dtype,
-                             device=q.device)
-        row_sum = torch.zeros_like(row_max)
-        acc = torch.zeros(B, Hq, qe - qs, Dv, dtype=plan.acc_dtype, device=q.device)
+        state = online_start((B, Hq, qe - qs), Dv, plan.acc_dtype, q.device)
         for _, _, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "forward"):
-            new_max = torch.maximum(row_max, tile.scores.amax(dim=-1, keepdim=True))
-            safe_max = _safe(new_max)
-            probs = torch.exp_(tile.scores.sub_(safe_max))  # (B, Hq, bq, bk), in place
-            rescale = torch.exp(row_max - safe_max)  # 0 while nothing was seen
-            row_sum = row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
-            if tile.keep_scale is not None:
-                probs = probs.mul_(tile.keep_scale)
-            acc = acc.mul_(rescale).add_(torch.matmul(probs, tile.v))
-            row_max = new_max
-        alive = row_sum != 0  # (B, Hq, bq, 1); NaN (from NaN or inf - inf) propagates
-        block_out = torch.where(alive, acc / torch.where(alive, row_sum, 1.0), 0.0)
-        block_lse = torch.where(alive, row_max + torch.log(row_sum), float("-inf"))
-        sink = None if masks.sinks is None else _sink_rows(masks.sinks, plan, qs, qe)  # (B|1, Hq|1, bq|1, 1)
-        parts[:, :, qs:qe] = _lse_parts(alive, row_max, row_sum, sink)[..., 0, :]
-        if sink is not None:
-            block_out, block_lse = _with_sinks(block_out, block_lse, sink)
-        out[:, :, qs:qe] = block_out
-        lse[:, :, qs:qe] = block_lse[..., 0]
+            state = online_step(state, tile.scores, tile.v, tile.keep_scale)
+        sink = None if masks.sinks is None else _sink_rows(masks.sinks, plan, qs, qe)  # (B|1, Hq|1, bq|1)
+        out[:, :, qs:qe], lse[:, :, qs:qe], parts[:, :, qs:qe] = online_finish(state, sink)
     return (out, lse, parts, None) if out.dtype == q.dtype else (out.to(q.dtype), lse, parts, out)
 
 
-def _lse_parts(alive: Tensor, row_max: Tensor, row_sum: Tensor, sink: Tensor | None) -> Tensor:
-    """The lse as ``(shift, rest)`` ``(B, Hq, bq, 1, 2)``, each weight being ``exp(s - shift - rest)``:
-    the row's max and ``log`` of its sum (the sinks included). ``lse = max + log(sum)`` rounds to
-    the max when the max is huge (a float mask row held at ``finfo.min``: its weights are a
-    uniform 1/Tk, and ``exp(s - lse)`` gave each key weight 1); the two parts keep it exact. A row
-    with no key: shift 0 and rest the sink's logit, or +inf (weights 0) without sinks."""
-    shift = torch.where(alive, row_max, 0.0)  # (B, Hq, bq, 1)
-    rest = torch.where(alive, torch.log(row_sum), float("-inf"))
-    if sink is not None:  # the rows' sink logits (B|1, Hq|1, bq|1, 1), from _sink_rows
-        rest = torch.logaddexp(rest, sink - shift)
-    rest = rest.masked_fill(rest == float("-inf"), float("inf"))
-    return torch.stack([shift, rest], dim=-1)
-
-
-def _row_parts(lse: Tensor, qs: int, qe: int) -> tuple[Tensor, Tensor]:
-    """``(shift, rest)`` ``(B, Hq, bq, 1)`` of rows ``qs:qe`` from the forward's parts
-    ``(B, Hq, Tq, 2)`` or from an lse ``(B, Hq, Tq)`` (a caller's, :func:`chunked_gradients`)."""
-    if lse.dim() == 4:
-        part = lse[:, :, qs:qe]  # (B, Hq, bq, 2)
-        return part[..., :1], part[..., 1:]
-    return _safe(lse[:, :, qs:qe, None]), lse.new_zeros(())
-
-
 def _sink_rows(sinks: Tensor, plan: _Plan, qs: int, qe: int) -> Tensor:
-    """The sink logits of queries ``qs:qe``, ``(B|1, Hq|1, bq|1, 1)`` in the accumulation dtype
+    """The sink logits of queries ``qs:qe``, ``(B|1, Hq|1, bq|1)`` in the accumulation dtype
     (infinite ones as :func:`attnlab.scores.sink_logits` says)."""
     logits = sink_logits(sinks, plan.acc_dtype)  # (B|1, Hq|1, Tq|1)
-    rows = logits if logits.shape[2] == 1 else logits.narrow(2, qs, qe - qs)
-    return rows.unsqueeze(-1)  # (B|1, Hq|1, bq|1, 1)
-
-
-def _with_sinks(out: Tensor, lse: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
-    """Out ``(B, Hq, bq, Dv)`` and lse ``(B, Hq, bq, 1)`` of the keys, with each row's sink (a key
-    of logit ``sink`` ``(B|1, Hq|1, bq|1, 1)`` and value 0) added to the normalisation: the lse
-    grows to ``logaddexp(lse, sink)`` and the output shrinks by ``exp(lse - new lse)``; a row
-    with no key gets 0 (the sink takes all the mass)."""
-    total = torch.logaddexp(lse, sink)  # (B, Hq, bq, 1)
-    share = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))  # the keys' share
-    return out * share.to(out.dtype), total
+    return logits if logits.shape[2] == 1 else logits.narrow(2, qs, qe - qs)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -405,11 +348,11 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     for qs, qe in plan.q_blocks(q.shape[2]):
         q_tile = q[:, :, qs:qe].to(plan.acc_dtype)  # (B, Hq, bq, D)
         do_tile = d_out.narrow(2, qs, qe - qs).to(plan.acc_dtype)  # (B, Hq, bq, Dv)
-        delta = (do_tile * out[:, :, qs:qe].to(plan.acc_dtype)).sum(-1, keepdim=True)  # (B,Hq,bq,1)
-        shift, rest = _row_parts(lse, qs, qe)  # (B, Hq, bq, 1) each: P = exp(S - shift - rest)
+        delta = row_delta(do_tile, out[:, :, qs:qe], plan.acc_dtype).unsqueeze(-1)  # (B, Hq, bq, 1)
+        shift, rest = row_parts(lse, qs, qe)  # (B, Hq, bq, 1) each: P = exp(S - shift - rest)
         if d_sinks is not None:
-            p_sink = torch.exp(_sink_rows(masks.sinks, plan, qs, qe) - shift - rest)  # (B, Hq, bq, 1)
-            d_sinks.narrow(2, qs, qe - qs).sub_((p_sink * delta).squeeze(-1))
+            sink = _sink_rows(masks.sinks, plan, qs, qe).unsqueeze(-1)  # (B|1, Hq|1, bq|1, 1)
+            d_sinks.narrow(2, qs, qe - qs).add_(sink_row_gradient(sink - shift, rest, delta).squeeze(-1))
         for ks, ke, tile in _tiles(plan, q_tile, k, v, masks, qs, qe, "backward"):
             probs = torch.exp_(tile.scores.sub_(shift).sub_(rest))  # (B, Hq, bq, bk)
             kept = probs if tile.keep_scale is None else probs * tile.keep_scale
@@ -418,7 +361,7 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
             d_probs = torch.matmul(do_tile, tile.v.transpose(-2, -1))  # (B, Hq, bq, bk)
             if tile.keep_scale is not None:
                 d_probs = d_probs.mul_(tile.keep_scale)
-            d_scores = d_probs.sub_(delta).mul_(probs)  # dS = P * (dP - D_i), reuses dP
+            d_scores = score_gradient_(probs, d_probs, delta)  # dS = P * (dP - D_i), in dP
             if d_bias is not None:
                 _slice_tile(d_bias, qs, qe, ks, ke).add_(_reduce_to(d_scores, bias.shape))
             if tile.mod_derivative is not None:  # an in-place mod: its derivative was kept
@@ -456,54 +399,25 @@ def _through_mod(mod: ScoreMod, raw: Tensor, d_scores: Tensor, qs: int, ks: int,
     return d_scores if d_raw is None else d_raw.to(d_scores.dtype)
 
 
-class _ChunkedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, the masks, out, lse; backward recomputes tile by tile.
-
-    Written for ``torch.func`` (see :mod:`attnlab.backends.transforms`): ``setup_context``, a
-    ``vmap`` rule that runs the tiles once per vmapped slice, and a backward pass that is a
-    Function of its own (:class:`_ChunkedGradientsFunction`) with the same rule.
-    """
-
-    @staticmethod
-    def forward(q, k, v, allowed, bias, sinks, plan, *params):
-        return _forward_tiles(plan, q, k, v, _masks_of(allowed, bias, sinks, plan, params))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, allowed, bias, sinks, plan, *params = inputs
-        out, lse, parts, unrounded = output
-        ctx.save_for_backward(q, k, v, allowed, bias, sinks, out if unrounded is None else unrounded, parts, *params)
-        ctx.plan = plan
-        ctx.mark_non_differentiable(lse, parts, *(() if unrounded is None else (unrounded,)))
-
-    @staticmethod
-    def backward(ctx, d_out, _d_lse, _d_parts, _d_unrounded=None):
-        q, k, v, allowed, bias, sinks, out, lse, *params = ctx.saved_tensors
-        need_bias_grad = bias is not None and ctx.needs_input_grad[4]
-        need_sinks_grad = sinks is not None and ctx.needs_input_grad[5]
-        # A frozenset, not a tuple: torch.func would map a tuple's entries as vmapped arguments.
-        need_params = frozenset(i for i, need in enumerate(ctx.needs_input_grad[7:]) if need)
-        dq, dk, dv, d_bias, d_sinks, *d_params = _ChunkedGradientsFunction.apply(
-            d_out, q, k, v, allowed, bias, sinks, out, lse, ctx.plan, need_bias_grad,
-            need_sinks_grad, need_params, *params)
-        return (dq, dk, dv, None, d_bias, d_sinks, None, *d_params)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_by_slices(_ChunkedAttentionFunction.apply, info, in_dims, *args)
+def _chunked_forward(plan: _Plan, q, k, v, allowed, bias, sinks, *params):
+    """The kernel's forward: out, lse, the lse's parts and the unrounded out (see :func:`_forward_tiles`)."""
+    return _forward_tiles(plan, q, k, v, _masks_of(allowed, bias, sinks, plan, params))
 
 
-def _chunked_gradients(d_out, q, k, v, allowed, bias, sinks, out, lse, plan, need_bias_grad,
-                       need_sinks_grad, need_params, *params):
-    """dq, dk, dv, the float mask's, the sinks' and each score-mod tensor's gradient, in the
-    inputs' dtypes (None where not needed)."""
+def _chunked_gradients(plan: _Plan, needs: frozenset, d_out: Tensor, tensors: tuple, outputs: tuple) -> tuple:
+    """The gradients of q, k, v, the bool mask (None), the float mask, the sinks and each score-mod
+    tensor, in the inputs' dtypes (None where not needed); the backward recomputes tile by tile."""
+    q, k, v, allowed, bias, sinks, *params = tensors
+    out, _, parts, unrounded = outputs
     masks = _masks_of(allowed, bias, sinks, plan, params)
+    need_params = frozenset(i - 6 for i in needs if i >= 6)
+    saved = (q, k, v, out if unrounded is None else unrounded, parts)
     dq, dk, dv, d_bias, d_sinks, d_params = _backward_tiles(
-        plan, (q, k, v, out, lse), masks, d_out, need_bias_grad, need_sinks_grad, need_params)
+        plan, saved, masks, d_out, bias is not None and 4 in needs, sinks is not None and 5 in needs, need_params)
     d_bias = None if d_bias is None else d_bias.to(bias.dtype)
     d_sinks = None if d_sinks is None else sink_gradient(d_sinks, sinks)  # summed to the sinks' shape
     d_params = [None if d is None else d.to(p.dtype) for d, p in zip(d_params, params)]
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_bias, d_sinks, *d_params)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, d_bias, d_sinks, *d_params)
 
 
 def _masks_of(allowed, bias, sinks, plan: _Plan, params: tuple) -> _TensorMasks:
@@ -512,7 +426,9 @@ def _masks_of(allowed, bias, sinks, plan: _Plan, params: tuple) -> _TensorMasks:
     return _TensorMasks(allowed, bias, mod, sinks)
 
 
-_ChunkedGradientsFunction = gradients_function("chunked", _chunked_gradients)
+# ``apply(plan, q, k, v, allowed, bias, sinks, *score-mod tensors)``: saves its inputs, out and
+# the lse; the backward recomputes tile by tile (a Function of its own, for torch.func).
+_ChunkedFunction = kernel_function("chunked", _chunked_forward, _chunked_gradients)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -555,8 +471,8 @@ def chunked_attention(
     """
     plan = _plan_of(call, q_block, kv_block, tile_hook)
     params = call.score_mod.params() if call.score_mod is not None else ()
-    out, lse, *_ = _ChunkedAttentionFunction.apply(call.q, call.k, call.v, *_tensor_masks(call)[:2],
-                                                  call.sinks, plan, *params)
+    out, lse, *_ = _ChunkedFunction.apply(plan, call.q, call.k, call.v, *_tensor_masks(call)[:2], call.sinks,
+                                          *params)
     return AttentionResult(out=out, lse=lse)
 
 
@@ -580,7 +496,8 @@ def chunked_gradients(
     Shapes:
         out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out ``(B, Hq, Tq, Dv)`` ->
         dq ``(B, Hq, Tq, D)``, dk ``(B, Hkv, Tk, D)``, dv ``(B, Hkv, Tk, Dv)``, all in the
-        accumulation dtype (fp32 for fp16/bf16, else the input dtype). No dropout, no float mask.
+        accumulation dtype (fp32 for fp16/bf16, else the input dtype). No dropout, float mask or
+        sinks; a score mod only when none of its tensors requires grad (they get no gradient here).
 
     Example:
         >>> from attnlab.backends import build_call
@@ -593,8 +510,10 @@ def chunked_gradients(
         >>> all(torch.allclose(a, b) for a, b in zip((dq, dk, dv), expected))
         True
     """
-    if call.dropout_p > 0.0 or call.mask_kind == "float" or call.score_mod is not None or call.sinks is not None:
-        raise ValueError("chunked_gradients serves calls without dropout, a float mask, a score mod or sinks")
+    learnable_mod = call.score_mod is not None and any(p.requires_grad for p in call.score_mod.params())
+    if call.dropout_p > 0.0 or call.mask_kind == "float" or learnable_mod or call.sinks is not None:
+        raise ValueError("chunked_gradients serves calls without dropout, a float mask, sinks or a score "
+                         "mod with tensors that require grad")
     plan = _plan_of(call, q_block, kv_block, tile_hook)
     saved = (call.q, call.k, call.v, out, lse)
     dq, dk, dv, *_ = _backward_tiles(plan, saved, _tensor_masks(call), d_out, False)

@@ -20,10 +20,9 @@ SDPA's arguments faithfully:
   user's function are not additive and are declined;
 * sinks, on CPU (PyTorch 2.13+, no dropout, ``Dv == D``, no other learnable mask), go through
   the flash kernel's log-sum-exp: the kernel runs as without sinks (top-left causal stays
-  ``is_causal``, O(T) memory) and returns ``out`` and ``lse`` per row; the keys' share of the
-  row's mass is ``sigmoid(lse - sinks[h])``, and ``out`` times it is exact
-  (:class:`_SinksThroughLse`, its backward the kernel's own with ``dO`` scaled by that share and
-  the sink's output in place of ``out``, plus a closed-form sink gradient). Elsewhere sinks
+  ``is_causal``, O(T) memory) and returns ``out`` and ``lse`` per row, into which the sinks are
+  folded (:mod:`attnlab.backends._lse`); its backward is the kernel's own given the folded ``out``
+  and ``lse``, plus a closed-form sink gradient (:data:`_SinksThroughLse`). Elsewhere sinks
   become one more key per head with key and value 0 and the float mask's column holding
   ``sinks[h]``: its score is ``0 * scale + sinks[h]``, exactly the sink's logit, and the
   kernel's own normalisation includes it (causal is then materialised: O(Tq*Tk)). That sinks'
@@ -74,6 +73,7 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab import scores as _scores
 from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
+from attnlab.backends._lse import fold_sinks, row_delta, sinks_gradient
 from attnlab.backends.base import AttentionResult, Backend, call_flops
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -124,7 +124,7 @@ _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 
 def sinks_through_lse(call: AttentionCall) -> bool:
     """Whether ``call``'s sinks are applied through the CPU flash kernel's log-sum-exp
-    (:class:`_SinksThroughLse`) rather than as one more key in a float mask.
+    (:data:`_SinksThroughLse`) rather than as one more key in a float mask.
 
     Needs: sinks, a CPU call on PyTorch 2.13+ (whose kernel gives dead rows zeros itself), no
     dropout, ``Dv == D`` (the flash kernel's own rule), no mask or score-mod tensor that wants a
@@ -468,7 +468,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             # The op reads its inputs as if contiguous (a strided last dim gave wrong values;
             # scaled_dot_product_attention's front end copies them first): copies where they are not.
             q, k, v = (t.contiguous() for t in (q, k, v))
-            arguments = (q, k, v, sinks, attn_mask, options["is_causal"], options["scale"])
+            arguments = ((options["is_causal"], options["scale"]), q, k, v, sinks, attn_mask)
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks)):
                 return _SinksThroughLse.apply(*arguments)[0]  # (B, Hq, Tq, Dv)
             return _sinks_by_lse(*arguments)[0]  # nothing to differentiate: no autograd Function
@@ -484,61 +484,62 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     return run
 
 
-def _sinks_by_lse(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                  scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The CPU flash kernel's ``out * keep`` with ``keep = sigmoid(lse - sinks[h])``, and lse and
-    keep ``(B, Hq, Tq)``: :class:`_SinksThroughLse`'s forward (shapes there)."""
+def _sinks_by_lse(plan: tuple, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor,
+                  attn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The CPU flash kernel's out and lse with the sinks folded in (:func:`attnlab.backends._lse.fold_sinks`).
+
+    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, all contiguous; sinks ``(Hq,)`` or
+    ``(B|1, Hq|1, Tq)``; attn_mask None or a float mask broadcastable to ``(B, Hq, Tq, Tk)``;
+    plan ``(is_causal, scale)``. Returns out ``(B, Hq, Tq, D)`` and lse ``(B, Hq, Tq)`` (fp32; a
+    row with no key keeps the kernel's lse, not ``-inf``: its out is 0 either way).
+    """
+    is_causal, scale = plan
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)  # lse (B, Hq, Tq) fp32
-    keep = torch.sigmoid(lse - _scores.sink_logits(sinks, lse.dtype))  # (B, Hq, Tq): the keys' share
-    return out * keep.unsqueeze(-1).to(out.dtype), lse, keep
+    return fold_sinks(out, lse, _scores.sink_logits(sinks, lse.dtype))
+
+
+def _sinks_gradients(plan: tuple, needs: frozenset, d_out: Tensor, tensors: tuple, outputs: tuple) -> tuple:
+    """The kernel's own backward given the folded out and lse (exact for the keys), and the sinks'
+    gradient ``-p_sink * rowsum(dO * out)``; a row whose keys are all masked has out 0 from the
+    kernel, so zero gradients (the sink takes the mass)."""
+    q, k, v, sinks, attn_mask = tensors
+    out, lse = outputs
+    grad_q = grad_k = grad_v = grad_sinks = None
+    if needs & {0, 1, 2}:
+        grad_q, grad_k, grad_v = _CPU_FLASH_BACKWARD(
+            d_out.contiguous(), q, k, v, out, lse, 0.0, plan[0], attn_mask=attn_mask, scale=plan[1])
+    if 3 in needs:
+        grad_sinks = sinks_gradient(sinks, _scores.sink_logits(sinks, lse.dtype), lse, row_delta(d_out, out, lse.dtype))
+    return grad_q, grad_k, grad_v, grad_sinks, None
 
 
 class _SinksThroughLse(torch.autograd.Function):
-    """CPU flash attention with sinks applied through the kernel's row log-sum-exp.
+    """CPU flash attention with sinks through the kernel's row log-sum-exp: ``apply(plan, q, k,
+    v, sinks, attn_mask)`` -> out, lse (:func:`_sinks_by_lse`, :func:`_sinks_gradients`).
 
-    With sinks the softmax has one more term, ``exp(sinks[h])``, whose value is 0: the keys keep
-    the share ``keep = exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)`` of each row's mass,
-    so the output is the kernel's ``out * keep``. Backward, with ``g`` the output's gradient and
-    ``o' = out * keep``: each score's gradient is ``P' (g . v - g . o')`` with ``P' = keep * P``,
-    which is the kernel's own backward given ``dO = g * keep`` and ``o'`` in place of ``out``
-    (it forms ``D = rowsum(dO * out)``); the sink's is ``-(1 - keep) (g . o')`` summed over
-    batch and queries. A row whose keys are all masked has ``out = 0`` from the kernel, so 0
-    and zero gradient (the sink takes the mass).
-
-    Shapes: q ``(B, Hq, Tq, D)``, k and v ``(B, Hkv, Tk, D)``, all contiguous; sinks ``(Hq,)`` or
-    ``(B|1, Hq|1, Tq)`` (infinite ones as :func:`attnlab.scores.sink_logits` says),
-    attn_mask None or a float mask broadcastable to ``(B, Hq, Tq, Tk)``; returns out
-    ``(B, Hq, Tq, D)``, and lse and the keys' share ``(B, Hq, Tq)`` (not differentiable).
-    Under ``torch.vmap`` the rule is generated from forward and backward (PyTorch runs the op
-    once per vmapped slice: it has no batching rule of its own).
+    Written by hand, not by :func:`attnlab.backends._lse.kernel_function`: ``torch.compile``
+    traces this path whole (``fullgraph=True``), and dynamo cannot resolve a Function class made
+    by a factory; its ``vmap`` rule is generated from forward and backward.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, sinks, attn_mask, is_causal, scale):
-        return _sinks_by_lse(q, k, v, sinks, attn_mask, is_causal, scale)
+    def forward(plan, q, k, v, sinks, attn_mask):
+        return _sinks_by_lse(plan, q, k, v, sinks, attn_mask)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, sinks, attn_mask, is_causal, scale = inputs
-        out, lse, keep = output
-        ctx.save_for_backward(q, k, v, sinks, attn_mask, out, lse, keep)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        ctx.mark_non_differentiable(lse, keep)
+        plan, *tensors = inputs
+        ctx.save_for_backward(*tensors, *output)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse, _grad_keep):
-        q, k, v, sinks, attn_mask, out, lse, keep = ctx.saved_tensors
-        grad_q = grad_k = grad_v = grad_sinks = None
-        if any(ctx.needs_input_grad[:3]):
-            scaled = (grad_out * keep.unsqueeze(-1).to(grad_out.dtype)).contiguous()  # dO of the keys' part
-            grad_q, grad_k, grad_v = _CPU_FLASH_BACKWARD(
-                scaled, q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
-        if ctx.needs_input_grad[3]:
-            g_dot_out = (grad_out.to(keep.dtype) * out.to(keep.dtype)).sum(-1)  # (B, Hq, Tq), fp32 or fp64
-            grad_sinks = _scores.sink_gradient(-(1.0 - keep) * g_dot_out, sinks)  # sinks' shape
-        return grad_q, grad_k, grad_v, grad_sinks, None, None, None
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, sinks, attn_mask, out, lse = ctx.saved_tensors
+        needs = frozenset(i for i, need in enumerate(ctx.needs_input_grad[1:]) if need)
+        return None, *_sinks_gradients(ctx.plan, needs, grad_out, (q, k, v, sinks, attn_mask), (out, lse))
 
 
 class SdpaBackend(Backend):

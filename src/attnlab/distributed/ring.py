@@ -3,7 +3,8 @@
 Forward, on rank ``r`` of ``P``: at step ``s`` it holds the key/value shard of rank ``r - s``.
 It starts sending that shard to rank ``r + 1`` (and receiving the next one from ``r - 1``),
 computes its queries against the shard it holds with PyTorch's fused CPU flash kernel, or
-attnlab's tiled kernel on other devices and on NaN/inf inputs (both return the row log-sum-exp), and merges the partial result into its running output by the log-sum-exp rule::
+attnlab's tiled kernel on other devices and on NaN/inf inputs (both return the row log-sum-exp), and merges the partial result into its running output by the log-sum-exp rule
+(:func:`attnlab.backends._lse.merge_`)::
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 import torch.nn.functional as F
 
@@ -31,15 +31,13 @@ from attnlab import masks as _masks
 from attnlab._call import build_call
 from attnlab._checks import instance_of, positive_int
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
-from attnlab.backends.blocks import blocks_attention
-# blocks exports no gradient-from-(out, lse) function yet (chunked_gradients' twin): its own
-# backward, given this ring's global out and lse, is exactly one shard's share of the gradient
-from attnlab.backends.blocks import blocks_gradients
-from attnlab.backends import chunked as _chunked
+from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta, sinks_gradient
+from attnlab.backends.blocks import blocks_attention, blocks_gradients
 from attnlab.backends.chunked import chunked_attention, chunked_gradients
 from attnlab.distributed._comm import CommStats, Peers, Pending, transfer
 from attnlab.distributed._global import global_mod
 from attnlab.distributed.layout import check_length, chunk_ids, chunks_per_rank, positions
+from attnlab.scores import sink_logits
 
 __all__ = ["ring_pieces", "RingPlan", "ring_plan", "head_chunks_of"]
 
@@ -93,19 +91,6 @@ def _merge(blocks: list[tuple[int, int, int, int]], *, along: str) -> list[tuple
                 continue
         merged.append(block)
     return merged
-
-
-def _merge_into(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Tensor) -> None:
-    """Fold a partial result into the running ``out``/``lse`` rows by the log-sum-exp rule.
-
-    In place (``part_out`` is consumed), so a merge allocates nothing of the output's size."""
-    old_lse = lse[:, :, rows]
-    new_lse = torch.logaddexp(old_lse, part_lse)  # (B, Hq, rows); -inf only if both are
-    safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-    old_w = torch.exp(old_lse - safe).unsqueeze(-1)  # (B, Hq, rows, 1); 0 while nothing was seen
-    new_w = torch.exp(part_lse - safe).unsqueeze(-1)
-    out[:, :, rows].mul_(old_w).add_(part_out.mul_(new_w))
-    lse[:, :, rows] = new_lse
 
 
 @dataclass(frozen=True)
@@ -368,7 +353,7 @@ def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool
     """This piece's share of dq, dk, dv, from the global ``out`` and ``lse`` of its rows."""
     if mod is not None:
         call = build_call(q, k, v, causal=causal, mask=mask, scale=setup.scale, score_mod=mod)
-        return _score_mod_gradients(call, out=out, lse=lse, d_out=d_out)
+        return chunked_gradients(call, out=out, lse=lse, d_out=d_out)  # the mod's tensors need none
     fused = _fused(q, k, v)
     if mask is not None:
         call = _masked_call(setup, q, k, v, mask, fused)
@@ -389,17 +374,6 @@ def _piece_backward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor, causal: bool
                              d_out=d_out)
 
 
-def _score_mod_gradients(call, *, out: Tensor, lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`~attnlab.backends.chunked.chunked_gradients` of a call with a score mod whose tensors
-    need no gradient (checked before the ring starts): the tiled backward differentiates each
-    tile through the mod. chunked_gradients itself refuses score mods, as it returns no gradient
-    for their tensors; its tile loop is exact for the scores."""
-    plan = _chunked._plan_of(call, None, None, None)
-    dq, dk, dv, *_ = _chunked._backward_tiles(plan, (call.q, call.k, call.v, out, lse), _chunked._tensor_masks(call),
-                                              d_out, False)
-    return dq, dk, dv
-
-
 def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Ring forward. Returns out ``(B, Hq, T, Dv)`` and lse ``(B, Hq, T)`` in the accumulation dtype."""
     who, acc = setup.who, score_dtype(q.dtype)
@@ -417,7 +391,7 @@ def _forward(setup: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
             part_out, part_lse = _piece_forward(setup, qa[:, :, rows], held[0][:, :, cols].to(acc),
                                                 held[1][:, :, cols].to(acc), causal, mask,
                                                 setup.piece_mod(source, rows, cols))
-            _merge_into(out, lse, rows, part_out, part_lse)
+            merge_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
         held = coming.wait()
     setup.count_skipped()
     return out, lse
@@ -539,43 +513,31 @@ def _backward_by_heads(setup: _Setup, d_out: Tensor, saved: tuple,
     return dq, dk, dv
 
 
-def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
-    """Each head's sink (a key of logit ``sinks[h]`` and value 0) into the ring's merged ``out``
-    ``(B, Hq, T, Dv)`` and ``lse`` ``(B, Hq, T)``, in place: ``lse' = logaddexp(lse, sink)``,
-    ``out' = out * exp(lse - lse')``. Every piece's backward, given ``out'`` and ``lse'``, is then
-    exact with the sinks."""
-    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, Hq, T)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))  # a row that saw no key stays 0
-    lse.copy_(new_lse)
+def _ring_forward(plan: tuple, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple:
+    """out in q's dtype, then the merged out (None when already in q's dtype) and lse, in the
+    accumulation dtype, the sinks folded in: every piece's backward, given them, is exact."""
+    setup, chunks = plan
+    out, lse = _forward_by_heads(setup, q, k, v, chunks)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sink_logits(sinks, lse.dtype))
+    return out.to(q.dtype), lse, None if out.dtype == q.dtype else out
 
 
-def _sinks_gradient(sinks: Tensor, out: Tensor, lse: Tensor, d_out: Tensor) -> Tensor:
-    """``d sinks[h] = -sum over (b, i) of p_sink * D_i``, ``D_i = rowsum(dO * O)`` (the sink's value is 0):
-    this rank's queries' share."""
-    delta = (d_out * out).sum(-1)  # (B, Hq, T)
-    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # (B, Hq, T)
-    return (p_sink * delta).sum(dim=(0, 2)).neg_()
+def _ring_gradients(plan: tuple, needs: frozenset, d_out: Tensor, tensors: tuple, outputs: tuple) -> tuple:
+    """The ring run again for dq, dk, dv; the sinks' gradient from this rank's queries."""
+    setup, chunks = plan
+    q, k, v, sinks = tensors
+    out = outputs[0] if outputs[2] is None else outputs[2]
+    lse = outputs[1]
+    dq, dk, dv = _backward_by_heads(setup, d_out, (q, k, v, out, lse), chunks)
+    d_sinks = None
+    if sinks is not None and 3 in needs:
+        d_sinks = sinks_gradient(sinks, sink_logits(sinks, lse.dtype), lse, row_delta(d_out, out, out.dtype))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks
 
 
-class _RingFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, setup, chunks):
-        out, lse = _forward_by_heads(setup, q, k, v, chunks)
-        if sinks is not None:
-            _add_sinks(out, lse, sinks)
-        ctx.setup, ctx.chunks = setup, chunks
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        return out.to(q.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, d_out):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_by_heads(ctx.setup, d_out, (q, k, v, out, lse), ctx.chunks)
-        d_sinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            d_sinks = _sinks_gradient(sinks, out, lse, d_out.to(out.dtype)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks, None, None
+# ``apply((setup, head chunks), q, k, v, sinks)``: the ring forward, its backward the ring again.
+_RingFunction = kernel_function("ring", _ring_forward, _ring_gradients)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causal: bool,
@@ -596,4 +558,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, who: Peers, layout, causa
         where = [positions(length, layout=layout, rank=r, world=who.world, device=q.device) for r in range(who.world)]
     setup = _Setup(who, plan=plan, pieces=pieces, scale=scale, stats=stats, shapes=[k, v], score_mod=score_mod,
                    where=where, head_offset=head_offset, heads=q.shape[1] if heads is None else heads)
-    return _RingFunction.apply(q, k, v, sinks, setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks))
+    return _RingFunction.apply((setup, head_chunks_of(q.shape[1], k.shape[1], head_chunks)), q, k, v, sinks)[0]
