@@ -6,7 +6,7 @@ import torch
 
 import attnlab
 from attnlab import backends
-from attnlab.backends import build_call
+from attnlab.backends import build_call, dispatch
 
 
 def _qkv(t=64, d=16, heads=2, requires_grad=False):
@@ -54,7 +54,7 @@ def test_auto_never_picks_quadratic_when_linear_serves(case, grad):
     if "linear" in classes:
         assert backends.memory_class(chosen, call) == "linear"
     same_class = [b for b in serving if backends.memory_class(b, call) == backends.memory_class(chosen, call)]
-    preferred = [b for b in same_class if b.preferred(call)]
+    preferred = [b for b in same_class if dispatch.claimed(b, call)]
     if preferred:  # a fixed rule wins over the cost estimates (sdpa on the mask the caller holds)
         assert chosen is preferred[0]
     else:

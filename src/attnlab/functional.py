@@ -134,7 +134,7 @@ def attention(
     key = argument_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
                        generator=generator, backend=backend, return_weights=return_weights,
                        score_mod=score_mod, sinks=sinks)
-    known = remembered(key, mask)
+    known = remembered(key)
     if known is not None and known.run is not None:  # validated before: nothing reads values
         return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)  # (B, Hq, Tq, Dv)
     if known is not None and known.mask is not None:  # the same mask, prepared: plans made once

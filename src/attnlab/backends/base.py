@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -181,47 +180,6 @@ class Backend:
             1.0
         """
         return 1.0
-
-    def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
-        """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every later call whose arguments have
-        ``call``'s signature (see :func:`attnlab.backends.dispatch.argument_key`), or None. A
-        call with sinks is run as ``run(q, k, v, mask, sinks)``.
-
-        Dispatch remembers it with its choice, and such a call goes from
-        :func:`attnlab.attention` straight to ``run``: validation and dispatch read no tensor
-        values, so a signature validated once is valid for every call that has it. Return one
-        only where ``run`` decides nothing from values and keeps the whole contract itself;
-        ``run`` gets the user's 4-D tensors and mask as given. The default is None.
-
-        Example:
-            >>> from attnlab._call import build_call
-            >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().prepare(build_call(q, q, q)) is None
-            True
-        """
-        return None
-
-    def preferred(self, call: AttentionCall) -> bool:
-        """Whether this backend wins ``call`` among those serving it in the best memory class,
-        whatever the cost estimates say: a rule from the call's fixed properties that holds on
-        every machine, where measured rates would not (default False).
-
-        Example:
-            >>> from attnlab._call import build_call
-            >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().preferred(build_call(q, q, q))
-            False
-        """
-        return False
-
-    def reset(self) -> None:
-        """Forget whatever this backend remembers between calls (default: nothing to forget).
-
-        :func:`attnlab.backends.dispatch.clear_plans` calls it on every registered backend.
-
-        Example:
-            >>> Backend().reset()
-        """
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""
