@@ -265,8 +265,6 @@ def _with_scores(key: tuple, score_mod: object, sinks: object) -> tuple | None:
         if not isinstance(score_mod, ScoreMod) and not callable(score_mod):
             return None
         mod_key = as_score_mod(score_mod).signature()  # a user's function by weak reference
-        if mod_key is None:  # a function that takes no weak reference: never remembered
-            return None
     return (*key, mod_key, sinks_key)
 
 
