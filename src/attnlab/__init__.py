@@ -30,11 +30,11 @@ Example:
 """
 
 from attnlab import backends, masks, nn, scores
-from attnlab.functional import attention, attention_weights
+from attnlab.functional import AttentionPlan, attention, attention_weights, plan
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_weights", "masks", "scores", "backends", "nn", "__version__"]
+__all__ = ["attention", "attention_weights", "plan", "AttentionPlan", "masks", "scores", "backends", "nn", "__version__"]
 
 
 def __getattr__(name: str):

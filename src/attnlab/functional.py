@@ -11,11 +11,12 @@ from torch import Tensor
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
 from attnlab.backends import topk
-from attnlab.backends.dispatch import argument_key, remembered, route
+from attnlab.backends.base import Backend
+from attnlab.backends.dispatch import Route, argument_key, prepared_mask, prepared_run, remembered, route, select
 from attnlab.backends.registry import get
 from attnlab.scores import ScoreMod
 
-__all__ = ["attention", "attention_weights"]
+__all__ = ["attention", "attention_weights", "plan", "AttentionPlan"]
 
 
 def attention(
@@ -149,13 +150,154 @@ def attention(
         call = build_call(q, k, v, mask=chosen_route.mask, causal=False, align=align, scale=scale,
                           dropout_p=dropout_p, generator=generator, return_weights=return_weights,
                           score_mod=score_mod, sinks=sinks)
-    chosen = chosen_route.backend
-    result = chosen.forward(call)
+    return _run(chosen_route.backend, call)
+
+
+def _run(backend: Backend, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    """``backend`` on a validated call; the output (and weights) in the user's layout."""
+    result = backend.forward(call)
     out = _restore_rank(result.out, call)
-    if not return_weights:
+    if not call.return_weights:
         return out
     weights = result.weights if result.weights is not None else _weights_of(call)
     return out, _restore_rank(weights, call)
+
+
+def plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Callable | None = None,
+    causal: bool = False,
+    align: str = "top_left",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    return_weights: bool = False,
+    score_mod: ScoreMod | Callable | None = None,
+    sinks: Tensor | None = None,
+) -> AttentionPlan:
+    """:func:`attention` for these arguments, decided once: an :class:`AttentionPlan` to hold.
+
+    A caller who repeats a call (a module per shape, a training loop) holds the plan, as
+    FlexAttention's users hold a ``BlockMask``: the backend is chosen here, SDPA's run is bound,
+    and nothing is kept in module state. Arguments mean what they mean for :func:`attention`;
+    only the tensors' shapes, dtypes and devices are fixed (and ``mask``/``sinks`` are the
+    plan's defaults).
+
+    Example:
+        >>> import torch, attnlab
+        >>> q = torch.randn(2, 4, 10, 16)                       # (B, H, T, D)
+        >>> causal = attnlab.plan(q, q, q, causal=True)
+        >>> causal.backend
+        'sdpa'
+        >>> k, v = torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+        >>> torch.allclose(causal(q, k, v), attnlab.attention(q, k, v, causal=True))
+        True
+    """
+    q, k, v = sdpa_aligned(q, k, v)
+    options = dict(causal=causal, align=align, scale=scale, dropout_p=dropout_p, generator=generator,
+                   return_weights=return_weights, score_mod=score_mod)
+    return AttentionPlan(build_call(q, k, v, mask=mask, sinks=sinks, **options), q, k, v, mask, sinks,
+                         options, backend)
+
+
+class AttentionPlan:
+    """One :func:`attention` signature with its backend chosen once (made by :func:`plan`).
+
+    ``plan(q, k, v, mask=None, sinks=None)`` runs it on tensors of the planned shapes, dtypes
+    and devices (``ValueError`` naming the argument otherwise); ``mask`` and ``sinks`` default
+    to the planned ones, and another mask must be of the same kind (a tensor of the same
+    shape and dtype, or a mask mod). Each grad setting (grad mode, which inputs require grad)
+    is decided once, on its first call.
+
+    Attributes:
+        backend: the name of the backend that runs the planned call.
+
+    Example:
+        >>> import torch, attnlab
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> padded = attnlab.plan(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool))
+        >>> keep = torch.tensor([True] * 5 + [False] * 3).view(1, 1, 1, 8)
+        >>> torch.allclose(padded(q, q, q, mask=keep), attnlab.attention(q, q, q, mask=keep))
+        True
+        >>> padded(torch.randn(1, 2, 9, 4), q, q)
+        Traceback (most recent call last):
+        ValueError: q: the plan was made for shape (1, 2, 8, 4) float32 on cpu, got shape (1, 2, 9, 4) float32 on cpu
+    """
+
+    def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object,
+                 options: dict, name: str):
+        self._signature = _signature(q, k, v)
+        self._mask, self._sinks, self._options, self._name = mask, sinks, options, name
+        self._routes: dict[tuple, Route] = {}  # per grad setting: at most a handful
+        self.backend = self._route(call, _grads(q, k, v, mask, sinks), q, k, v, mask).backend.name
+
+    def _route(self, call: AttentionCall, grads: tuple, q: Tensor, k: Tensor, v: Tensor, mask: object) -> Route:
+        """Choose the backend for ``call`` (the first of its grad setting) and keep the route."""
+        chosen = select(call, self._name)
+        direct = call.q is q and call.k is k and call.v is v and call.mask is mask
+        planned = prepared_mask(chosen, call) if mask is self._mask else None
+        self._routes[grads] = Route(chosen, prepared_run(chosen, call) if direct else None, planned)
+        return self._routes[grads]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Callable | None = None,
+                 sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        q, k, v = sdpa_aligned(q, k, v)
+        if _signature(q, k, v) != self._signature:
+            self._refuse(q, k, v)
+        mask = self._mask if mask is None else _like("mask", mask, self._mask)
+        sinks = self._sinks if sinks is None else _like("sinks", sinks, self._sinks)
+        grads = _grads(q, k, v, mask, sinks)
+        known = self._routes.get(grads)
+        if known is not None and known.run is not None:  # sdpa, bound: nothing to decide
+            return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)
+        prepared = known.mask if known is not None and mask is self._mask else None
+        call = build_call(q, k, v, mask=mask if prepared is None else prepared, sinks=sinks,
+                          **(self._options if prepared is None else {**self._options, "causal": False}))
+        chosen = known.backend if known is not None else self._route(call, grads, q, k, v, mask).backend
+        return _run(chosen, call)
+
+    def _refuse(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        for name, got, want in zip("qkv", _signature(q, k, v), self._signature):
+            if got != want:
+                raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(got)}")
+
+    def __repr__(self) -> str:
+        return f"AttentionPlan(backend={self.backend!r}, q {_words(self._signature[0])})"
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    return tuple((t.shape, t.dtype, t.device) if isinstance(t, Tensor) else type(t) for t in (q, k, v))
+
+
+def _words(sig: object) -> str:
+    if not isinstance(sig, tuple):
+        return f"a {sig.__name__}"
+    shape, dtype, device = sig
+    return f"shape {tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
+
+
+def _like(name: str, given: object, planned: object) -> object:
+    """``given`` if it has the planned argument's kind (and a tensor its shape, dtype, device)."""
+    if isinstance(planned, Tensor) and isinstance(given, Tensor):
+        want, got = (planned.shape, planned.dtype, planned.device), (given.shape, given.dtype, given.device)
+        if got != want:
+            raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(got)}")
+        return given
+    if planned is not None and not isinstance(planned, Tensor) and not isinstance(given, Tensor):
+        return given  # a mask mod for a mask mod: checked by build_call
+    what = "none" if planned is None else "a tensor" if isinstance(planned, Tensor) else "a mask mod"
+    raise ValueError(f"{name}: the plan was made with {what}, got a {type(given).__name__}; "
+                     f"make another plan for it")
+
+
+def _grads(q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object) -> tuple:
+    """What decides a backend beyond the signature: grad mode and which inputs want a gradient."""
+    return (torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+            isinstance(mask, Tensor) and mask.requires_grad, isinstance(sinks, Tensor) and sinks.requires_grad)
 
 
 def _attention_at(q: Tensor, k: Tensor, v: Tensor, indices: object, *, backend: str, **options):

@@ -37,7 +37,8 @@ from attnlab.backends.sdpa import SdpaBackend
 from attnlab.scores import ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PREFERENCE", "claimed", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route"]
+           "PREFERENCE", "claimed", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
+           "prepared_run", "prepared_mask"]
 
 
 def _sdpa_claims(backend: Backend, call: AttentionCall) -> bool:
@@ -301,7 +302,7 @@ def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str
     backend = select(call, name)
     if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
         return Route(backend, None)
-    fresh = Route(backend, prepared_run(backend, call) if direct else None, _prepared_mask(backend, call))
+    fresh = Route(backend, prepared_run(backend, call) if direct else None, prepared_mask(backend, call))
     if key is not None:
         with _LOCK:
             _ROUTES[key] = fresh
@@ -326,9 +327,17 @@ def prepared_run(backend: Backend, call: AttentionCall) -> Callable | None:
     return backend.prepare(call)
 
 
-def _prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask | None:
+def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask | None:
     """The call's mask and ``causal`` prepared once for a backend that plans from masks, when
-    they hold no tensor (a mod keyed by value, or ``causal`` alone); else None."""
+    they hold no tensor (a mod keyed by value, or ``causal`` alone); else None.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> prepared_mask(get("blocks"), build_call(q, q, q, causal=True)) is not None
+        True
+    """
     if not backend.plans_masks or call.batch == 0:
         return None
     by_value = call.mask_kind == "mod" and _masks.value_only_key(call.mask) is not None
