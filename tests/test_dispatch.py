@@ -102,3 +102,20 @@ def test_why_for_a_named_backend_and_echo(capsys):
     text = backends.why(q, k, v, backend="reference", echo=True)
     assert "runs on 'reference'" in text and "named explicitly" in text
     assert capsys.readouterr().out.strip() == text
+
+
+def test_auto_asks_only_the_preferred_backend_when_its_rule_claims_the_call(monkeypatch):
+    asked = []
+    real = dispatch.reasons_of
+    monkeypatch.setattr(dispatch, "reasons_of", lambda backend, call: asked.append(backend.name) or real(backend, call))
+    q = torch.randn(1, 2, 64, 8)
+    for options in (dict(), dict(causal=True), dict(mask=torch.rand(64, 64) > 0.5), dict(mask=torch.zeros(64, 64))):
+        asked.clear()
+        assert backends.select(build_call(q, q, q, **options), "auto").name == "sdpa"
+        assert asked == ["sdpa"], options
+    asked.clear()
+    assert backends.select(build_call(q, q, q, causal=True), "chunked").name == "chunked"
+    assert asked == ["chunked"]  # a named backend: its own reasons only
+    asked.clear()
+    backends.select(build_call(q, q, q, mask=attnlab.masks.sliding_window_mod(64, 64, 8)), "auto")
+    assert sorted(asked) == sorted(backends.names())  # a mask mod: every backend, then the cost model
