@@ -3,7 +3,8 @@
 A backend states its capabilities as class attributes (devices, dtypes, dropout, where its
 backward runs, its memory class); :meth:`Backend.not_supported_reasons` turns them into
 reasons in words and adds whatever :meth:`Backend.limits` says about one call. Dispatch
-(:mod:`attnlab.backends.dispatch`) reads only this interface.
+(:mod:`attnlab.backends.dispatch`) reads this interface, and sdpa's own claim rule and prepared
+run, which no other backend has.
 
 Example:
     >>> import torch
