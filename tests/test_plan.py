@@ -100,5 +100,7 @@ def test_a_plan_refuses_another_signature_by_name():
         planned(q, k, v, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match=r"^mask: the plan was made with none"):
         attnlab.plan(q, k, v)(q, k, v, mask=torch.ones(12, 12, dtype=torch.bool))
+    with pytest.raises(TypeError, match="^k must be a torch.Tensor, got list"):
+        planned(q, [1.0], v)
     with pytest.raises(ValueError, match="backend 'flex' cannot serve"):
         attnlab.plan(q, k, v, dropout_p=0.5, backend="flex")

@@ -38,6 +38,9 @@ def attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(score_mod(q k^T * scale) + mask) v``.
 
+    Stateless: no tensor or object of the caller is kept once it returns. A caller who repeats
+    one call (a module, a training loop) may hold a :func:`plan` of it instead.
+
     Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; a tensor of lower rank than the
     others gets size-1 leading dims, as SDPA aligns them from the right):
         q: ``(..., Tq, D)``, k: ``(..., Tk, D)``, v: ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
@@ -230,7 +233,7 @@ class AttentionPlan:
 
     def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object,
                  options: dict, name: str):
-        self._signature = _signature(q, k, v)
+        self._signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
         self._mask, self._sinks, self._options, self._name = mask, sinks, options, name
         self._routes: dict[tuple, Route] = {}  # per grad setting: at most a handful
         self.backend = self._route(call, _grads(q, k, v, mask, sinks), q, k, v, mask).backend.name
@@ -246,7 +249,11 @@ class AttentionPlan:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Callable | None = None,
                  sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         q, k, v = sdpa_aligned(q, k, v)
-        if _signature(q, k, v) != self._signature:
+        try:  # one flat tuple, no call per tensor: this runs on every call
+            signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        except AttributeError:
+            signature = None
+        if signature != self._signature:
             self._refuse(q, k, v)
         mask = self._mask if mask is None else _like("mask", mask, self._mask)
         sinks = self._sinks if sinks is None else _like("sinks", sinks, self._sinks)
@@ -260,23 +267,21 @@ class AttentionPlan:
         chosen = known.backend if known is not None else self._route(call, grads, q, k, v, mask).backend
         return _run(chosen, call)
 
-    def _refuse(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        for name, got, want in zip("qkv", _signature(q, k, v), self._signature):
-            if got != want:
-                raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(got)}")
+    def _refuse(self, q: object, k: object, v: object) -> None:
+        for i, (name, given) in enumerate(zip("qkv", (q, k, v))):
+            want = self._signature[i::3]
+            if not isinstance(given, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(given).__name__}")
+            if (given.shape, given.dtype, given.device) != want:
+                raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(given)}")
 
     def __repr__(self) -> str:
-        return f"AttentionPlan(backend={self.backend!r}, q {_words(self._signature[0])})"
+        return f"AttentionPlan(backend={self.backend!r}, q {_words(self._signature[::3])})"
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    return tuple((t.shape, t.dtype, t.device) if isinstance(t, Tensor) else type(t) for t in (q, k, v))
-
-
-def _words(sig: object) -> str:
-    if not isinstance(sig, tuple):
-        return f"a {sig.__name__}"
-    shape, dtype, device = sig
+def _words(t: Tensor | tuple) -> str:
+    """``shape (...) dtype on device`` of a tensor or of its ``(shape, dtype, device)``."""
+    shape, dtype, device = (t.shape, t.dtype, t.device) if isinstance(t, Tensor) else t
     return f"shape {tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
 
 
@@ -285,7 +290,7 @@ def _like(name: str, given: object, planned: object) -> object:
     if isinstance(planned, Tensor) and isinstance(given, Tensor):
         want, got = (planned.shape, planned.dtype, planned.device), (given.shape, given.dtype, given.device)
         if got != want:
-            raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(got)}")
+            raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(given)}")
         return given
     if planned is not None and not isinstance(planned, Tensor) and not isinstance(given, Tensor):
         return given  # a mask mod for a mask mod: checked by build_call
