@@ -84,3 +84,22 @@ def test_the_route_cache_stays_within_its_bound(monkeypatch):
         assert len(dispatch._ROUTES) <= 4
     dispatch.clear_plans()
     assert not dispatch._ROUTES
+
+
+def test_clear_plans_is_the_one_reset_and_reaches_every_backend():
+    forgotten = []
+
+    class Remembers(attnlab.backends.Backend):
+        name = "remembers-test"
+
+        def reset(self):
+            forgotten.append(self.name)
+
+    attnlab.backends.register(Remembers())
+    try:
+        q = torch.randn(1, 1, 4, 8)
+        attnlab.attention(q, q, q, causal=True)
+        dispatch.clear_plans()
+        assert forgotten == ["remembers-test"] and not dispatch._ROUTES
+    finally:
+        attnlab.backends.unregister("remembers-test")

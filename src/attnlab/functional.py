@@ -147,13 +147,14 @@ def attention(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         generator=generator, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
-    direct = call.q is q and call.k is k and call.v is v and call.mask is mask
-    chosen_route = route(key, known, call, backend, direct=direct)  # known: no second lookup
-    if chosen_route.mask is not None and known is None:  # the first call plans from it too
-        call = build_call(q, k, v, mask=chosen_route.mask, causal=False, align=align, scale=scale,
-                          dropout_p=dropout_p, generator=generator, return_weights=return_weights,
-                          score_mod=score_mod, sinks=sinks)
-    return _run(chosen_route.backend, call)
+    if known is None:  # a new signature: choose, and remember where the key holds no user object
+        direct = call.q is q and call.k is k and call.v is v and call.mask is mask  # 4-D, unbroadcast
+        known = route(key, call, backend, direct=direct)
+        if known.mask is not None:  # the first call plans from the prepared mask too
+            call = build_call(q, k, v, mask=known.mask, causal=False, align=align, scale=scale,
+                              dropout_p=dropout_p, generator=generator, return_weights=return_weights,
+                              score_mod=score_mod, sinks=sinks)
+    return _run(known.backend, call)
 
 
 def _run(backend: Backend, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:

@@ -643,6 +643,11 @@ class _Identity:
             self.ref = _dead
         self.hash = id(obj)
 
+    @property
+    def obj(self) -> object:
+        """The object, or None once it died (or when it takes no weak reference)."""
+        return self.ref()
+
     def __hash__(self) -> int:
         return self.hash
 

@@ -71,9 +71,6 @@ class Backend:
         traceable: whether its forward reads no tensor values, so that it runs inside
             ``torch.compile(fullgraph=True)``, ``torch.func`` transforms and ``torch.export``;
             one that is not declines calls made while compiling.
-        stateful_limits: whether :meth:`limits` depends on the backend's own state as well as
-            the call (flex: its budget of compiled variants), so that a remembered choice is
-            asked again.
         plans_masks: whether its forward derives a plan from the mask (blocks' runs, flex's
             block mask) that it keeps on a :class:`~attnlab.masks.PreparedMask`: dispatch then
             prepares a mask mod that holds no tensor (and ``causal``) once per route, and later
@@ -98,7 +95,6 @@ class Backend:
     dropout: bool = True
     backward_devices: tuple[str, ...] | None = None
     traceable: bool = False
-    stateful_limits: bool = False
     plans_masks: bool = False
 
     def unavailable_reason(self) -> str | None:
@@ -181,6 +177,15 @@ class Backend:
             1.0
         """
         return 1.0
+
+    def reset(self) -> None:
+        """Forget whatever this backend remembers between calls (default: nothing to forget).
+
+        :func:`attnlab.backends.dispatch.clear_plans`, the one reset, calls it on every backend.
+
+        Example:
+            >>> Backend().reset()
+        """
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""

@@ -281,24 +281,18 @@ def remembered(key: tuple | None) -> Route | None:
     return _ROUTES.get(key)
 
 
-def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
-    """The route for ``call``: ``known`` (what :func:`remembered` found under ``key``) if still
-    valid, else a fresh :func:`select`, remembered under ``key`` (with sdpa's prepared run when
-    ``direct``: the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
-    as given).
-
-    A backend whose limits depend on its own state (``Backend.stateful_limits``: flex's budget
-    of compiled variants) is asked again on every call.
+def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
+    """A fresh route for ``call``: :func:`select`'s backend, with sdpa's prepared run when
+    ``direct`` (the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
+    as given) and a prepared mask for a backend that plans from masks; remembered under ``key``.
 
     Example:
         >>> import torch
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 2, 6, 4)
-        >>> route(None, None, build_call(q, q, q), "auto", direct=True).backend.name
+        >>> route(None, build_call(q, q, q), "auto", direct=True).backend.name
         'sdpa'
     """
-    if known is not None and not (known.backend.stateful_limits and reasons_of(known.backend, call)):
-        return known
     backend = select(call, name)
     if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
         return Route(backend, None)
@@ -348,10 +342,13 @@ def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask 
 
 
 def clear_plans() -> None:
-    """Forget every remembered route: the one reset of attnlab's state.
+    """Forget every remembered route and whatever the backends remember (:meth:`Backend.reset`):
+    the one reset of attnlab's state.
 
     Example:
         >>> clear_plans()
     """
     with _LOCK:
         _ROUTES.clear()
+    for backend in registry().values():
+        backend.reset()
