@@ -41,66 +41,40 @@ def attention(
     Stateless: no tensor or object of the caller is kept once it returns. A caller who repeats
     one call (a module, a training loop) may hold a :func:`plan` of it instead.
 
-    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; a tensor of lower rank than the
-    others gets size-1 leading dims, as SDPA aligns them from the right):
-        q: ``(..., Tq, D)``, k: ``(..., Tk, D)``, v: ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
-        With rank 4 or 5, k and v may have fewer heads than q (grouped-query attention): ``Hq``
-        must be a multiple of ``Hkv`` and query head ``h`` reads key/value head
-        ``h // (Hq // Hkv)``. The batch dims (``B``, or ``A, B``) broadcast as in
-        ``torch.nn.functional.scaled_dot_product_attention``: keys and values of batch 1
-        serve every query of a batch (a shared prompt) and are read in place, never copied
-        (rank 5 copies them only when ``A`` is broadcast and ``B`` is not); their gradient is
-        the sum over the batch they served. Mask mods see the flattened batch index
-        ``b = a * B + b'`` for rank 5.
+    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; lower ranks align from the
+    right and batch dims broadcast, as in ``F.scaled_dot_product_attention``; the contract in
+    full is docs/design.md, "The contract"):
+        q ``(..., Tq, D)``, k ``(..., Tk, D)``, v ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
+        With heads (rank 4, 5), k and v may have fewer (grouped-query): ``Hq`` a multiple of
+        ``Hkv``, query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
 
     Args:
         q, k, v: query, key and value tensors of one floating dtype on one device.
-        mask: what each query may attend to. A **bool** tensor (True = may attend) or a
-            **float** tensor (added to the scaled scores; ``-inf`` blocks), broadcasting to
-            ``(..., Tq, Tk)``; or a **mask mod** ``(b, h, q_idx, kv_idx) -> bool`` written with
-            tensor ops (see :mod:`attnlab.masks`). A padding mask for ``(B, H, T, D)`` inputs has
-            shape ``(B, 1, 1, Tk)``.
-        causal: also block future keys. It is ANDed with ``mask`` when both are given.
-        align: causal alignment when ``Tq != Tk``: ``"top_left"`` (default, as PyTorch's
-            ``is_causal``: query ``i`` sees keys ``<= i``) or ``"bottom_right"`` (query ``i``
-            sees keys ``<= i + Tk - Tq``, what decoding with a KV cache needs).
+        mask: a **bool** tensor (True = may attend) or a **float** tensor (added to the scaled
+            scores), broadcasting to ``(..., Tq, Tk)`` (padding: ``(B, 1, 1, Tk)``), or a
+            **mask mod** ``(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnlab.masks`).
+        causal: also block future keys, ANDed with ``mask``.
+        align: ``"top_left"`` (query ``i`` sees keys ``<= i``, PyTorch's ``is_causal``) or
+            ``"bottom_right"`` (keys ``<= i + Tk - Tq``: decoding over a KV cache).
         scale: multiplier of the scores; defaults to ``1 / sqrt(D)``.
-        dropout_p: probability of zeroing each attention weight (the rest are scaled by
-            ``1 / (1 - dropout_p)``); must be in ``[0, 1)``. Pass 0 in evaluation.
+        dropout_p: probability of zeroing each weight, in ``[0, 1)``; 0 in evaluation.
         generator: random generator for dropout; same seed, same output.
         backend: ``"auto"`` (the fastest backend that serves the call, never an O(T^2)-memory
-            one when an O(T) one serves) or a name from :func:`attnlab.backends.available`.
-            A named backend that cannot serve the call raises ``ValueError`` with its reasons.
-        return_weights: also return the attention weights ``(..., Hq, Tq, Tk)`` per head (never
-            averaged), before dropout. Asking for them does not change how ``out`` is computed.
-        score_mod: how each scaled score is changed before the float mask and the masking: one
-            of :mod:`attnlab.scores` (``softcap``, ``alibi``, ``relative_bias``, ``bias`` and
-            their composition) or a function ``(score, b, h, q_idx, kv_idx) -> score``
-            (FlexAttention's signature; ``h`` is the query head). Its tensors get gradients.
-        sinks: sink logits, a float tensor: ``(Hq,)`` per head (gpt-oss's ``s_aux``), or
-            ``(B|1, Hq|1, Tq)`` per query (computed from each token, as Inkling2's
-            ``sink_proj``), broadcasting over batch and heads (``B`` is the batch dims
-            flattened for rank 5). Each query row gets one more key of logit ``sinks[h]`` (or
-            ``sinks[b, h, i]``) and value 0, which only takes probability mass; the gradient
-            of a broadcast dim is summed. A query with every key masked then gives a zero row
-            (the sink takes it all), as does a sink of ``+inf`` (with zero gradients, the
-            sink's own included); a sink of ``-inf`` is no sink. The weights returned leave the
-            sink's share out (rows sum to less than 1).
-        indices: top-k sparse attention (docs/sparse.md, "Top-k attention"): an integer tensor
-            ``(B|1, Hkv|1, Tq, k)`` (q's layout; leading dims may be 1 or left out) listing the
-            keys each query attends to, ANDed with ``mask`` and ``causal``; ``-1`` is no key and
-            a repeated key counts once. Runs an exact kernel at the listed pairs in O(Tq*k)
-            memory (``backend="reference"``: the dense oracle). No ``dropout_p`` or
-            ``score_mod`` (the reference takes a score mod), no gradient for a float mask.
+            one when an O(T) one serves) or a name from :func:`attnlab.backends.available`,
+            which raises ``ValueError`` with its reasons when it cannot serve the call.
+        return_weights: also return the weights ``(..., Hq, Tq, Tk)`` per head, before dropout.
+        score_mod: changes each scaled score before masking: one of :mod:`attnlab.scores` or a
+            function ``(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature).
+        sinks: sink logits ``(Hq,)`` or ``(B|1, Hq|1, Tq)``: one more key per row, of that
+            logit and value 0, which only takes probability mass (``+inf`` takes it all,
+            ``-inf`` is no sink); the weights returned leave its share out.
+        indices: top-k sparse attention, ``(B|1, Hkv|1, Tq, k)`` key indices per query
+            (``-1``: none), ANDed with the masks, in O(Tq*k) memory (docs/sparse.md).
 
     Returns:
-        ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
-        A query that may attend to no key gets a zero output row and zero gradient.
-        Values stored at keys no query may attend (padding, unused cache slots) have no
-        influence when finite; NaN/inf there may reach the output on the fused backends, as
-        with ``F.scaled_dot_product_attention`` (docs/design.md, "Non-finite values"). NaN in
-        ``q`` makes its output row NaN, and inf in ``q`` gives what the math gives (NaN from
-        ``inf - inf``), on every backend.
+        ``out`` ``(..., Tq, Dv)``, or ``(out, weights)`` with ``return_weights``. A query with
+        no key to attend gets a zero row and zero gradient; finite values at blocked keys
+        have no influence (docs/design.md, "Non-finite values").
 
     Raises:
         TypeError: non-tensor input, a non-float or mixed dtype, an integer mask.
@@ -376,10 +350,9 @@ def attention_weights(
 def _weights_of(call: AttentionCall) -> Tensor:
     """Weights ``(B, Hq, Tq, Tk)`` of a validated call: the softmax of its recomputed scores.
 
-    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores (1e3 and
-    beyond in fp32) an lse that rounded differently from the recomputed scores scales whole
-    rows, which then sum to 0.94 or 1e-7 instead of 1. Scores and softmax stay in fp32 for half
-    inputs; only the weights are rounded to the input dtype. Rows with nothing to attend are
+    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores an lse
+    that rounded differently from the recomputed scores scales whole rows, which then no longer
+    sum to 1. Scores and softmax stay in fp32 for half inputs. Rows with nothing to attend are
     zeros; a NaN score gives a NaN row."""
     with torch.no_grad():
         attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
