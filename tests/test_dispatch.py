@@ -6,7 +6,7 @@ import torch
 
 import attnlab
 from attnlab import backends
-from attnlab.backends import build_call
+from attnlab.backends import build_call, dispatch
 
 
 def _qkv(t=64, d=16, heads=2, requires_grad=False):
@@ -54,7 +54,7 @@ def test_auto_never_picks_quadratic_when_linear_serves(case, grad):
     if "linear" in classes:
         assert backends.memory_class(chosen, call) == "linear"
     same_class = [b for b in serving if backends.memory_class(b, call) == backends.memory_class(chosen, call)]
-    preferred = [b for b in same_class if b.preferred(call)]
+    preferred = [b for b in same_class if dispatch.claimed(b, call)]
     if preferred:  # a fixed rule wins over the cost estimates (sdpa on the mask the caller holds)
         assert chosen is preferred[0]
     else:
@@ -102,3 +102,20 @@ def test_why_for_a_named_backend_and_echo(capsys):
     text = backends.why(q, k, v, backend="reference", echo=True)
     assert "runs on 'reference'" in text and "named explicitly" in text
     assert capsys.readouterr().out.strip() == text
+
+
+def test_auto_asks_only_the_preferred_backend_when_its_rule_claims_the_call(monkeypatch):
+    asked = []
+    real = dispatch.reasons_of
+    monkeypatch.setattr(dispatch, "reasons_of", lambda backend, call: asked.append(backend.name) or real(backend, call))
+    q = torch.randn(1, 2, 64, 8)
+    for options in (dict(), dict(causal=True), dict(mask=torch.rand(64, 64) > 0.5), dict(mask=torch.zeros(64, 64))):
+        asked.clear()
+        assert backends.select(build_call(q, q, q, **options), "auto").name == "sdpa"
+        assert asked == ["sdpa"], options
+    asked.clear()
+    assert backends.select(build_call(q, q, q, causal=True), "chunked").name == "chunked"
+    assert asked == ["chunked"]  # a named backend: its own reasons only
+    asked.clear()
+    backends.select(build_call(q, q, q, mask=attnlab.masks.sliding_window_mod(64, 64, 8)), "auto")
+    assert sorted(asked) == sorted(backends.names())  # a mask mod: every backend, then the cost model

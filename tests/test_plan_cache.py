@@ -98,7 +98,10 @@ def test_every_change_gets_the_choice_of_a_fresh_dispatch(grad):
             for args in _variants():
                 q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
                 attnlab.attention(q, k, v, **args)
-                route = dispatch.remembered(_key(q, k, v, **args), args.get("mask"))
+                route = dispatch.remembered(_key(q, k, v, **args))
+                if route is None:  # a mod held by identity (a lambda) is never remembered
+                    assert masks.value_only_key(args["mask"]) is None, args
+                    continue
                 assert route.backend is select(build_call(q, k, v, **args)), args
 
 
@@ -108,10 +111,10 @@ def test_grad_mode_change_is_seen():
     mod = masks.sliding_window_mod(512, 512, 8)
     with torch.no_grad():
         attnlab.attention(q, q, q, mask=mod)
-        assert dispatch.remembered(_key(q, q, q, mask=mod), mod).backend is select(build_call(q, q, q, mask=mod))
-    assert dispatch.remembered(_key(q, q, q, mask=mod), mod) is None  # grad mode is in the key
+        assert dispatch.remembered(_key(q, q, q, mask=mod)).backend is select(build_call(q, q, q, mask=mod))
+    assert dispatch.remembered(_key(q, q, q, mask=mod)) is None  # grad mode is in the key
     attnlab.attention(q, q, q, mask=mod)
-    assert dispatch.remembered(_key(q, q, q, mask=mod), mod).backend is select(build_call(q, q, q, mask=mod))
+    assert dispatch.remembered(_key(q, q, q, mask=mod)).backend is select(build_call(q, q, q, mask=mod))
 
 
 def test_registering_a_backend_invalidates_the_routes():

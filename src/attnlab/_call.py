@@ -52,6 +52,14 @@ class AttentionCall:
         sinks: sink logits (an extra key of value 0 per row), ``(Hq,)`` per query head or
             ``(B|1, Hq|1, Tq)`` per query (:func:`attnlab.scores.sink_logits` views both as
             ``(B|1, Hq|1, Tq|1)``), or None.
+
+    Derived once, when the call is made (plain fields, read freely): the sizes ``batch``,
+    ``q_heads``, ``kv_heads``, ``tq``, ``tk``, ``head_dim``, ``value_dim``; ``dtype``, ``device``;
+    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); and the
+    call's mask as one value that backends switch on: ``mask_kind`` (``"none"``, ``"bool"``,
+    ``"float"`` or ``"mod"``: a mask mod or a :class:`~attnlab.masks.PreparedMask`), ``mask``,
+    ``causal`` and ``causal_offset`` (query ``i`` sees keys ``j <= i + causal_offset``: the
+    alignment folded in).
     """
 
     q: Tensor
@@ -69,68 +77,37 @@ class AttentionCall:
     score_mod: _scores.ScoreMod | None = None
     sinks: Tensor | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # Read by every backend several times per call: plain fields, computed once in __post_init__
+    # (so that dataclasses.replace recomputes them too).
+    batch: int = field(init=False)
+    q_heads: int = field(init=False)
+    kv_heads: int = field(init=False)
+    tq: int = field(init=False)
+    tk: int = field(init=False)
+    head_dim: int = field(init=False)
+    value_dim: int = field(init=False)
+    dtype: torch.dtype = field(init=False)
+    device: torch.device = field(init=False)
+    requires_grad: bool = field(init=False)
+    mask_kind: str = field(init=False)
+    causal_offset: int = field(init=False)
 
-    # Sizes, named as in the docs.
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def q_heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def tq(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def tk(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def requires_grad(self) -> bool:
-        """Whether a backward pass may follow: grad mode is on and q, k, v, a float mask, the
-        sinks or a tensor of the score mod requires grad (under ``no_grad`` nothing is recorded,
-        whatever the inputs say)."""
-        return torch.is_grad_enabled() and (
-            self.q.requires_grad or self.k.requires_grad or self.v.requires_grad
-            or (isinstance(self.mask, Tensor) and self.mask.requires_grad)
-            or (self.sinks is not None and self.sinks.requires_grad)
-            or (self.score_mod is not None and any(p.requires_grad for p in self.score_mod.params())))
-
-    @property
-    def mask_kind(self) -> str:
-        """``"none"``, ``"bool"``, ``"float"`` or ``"mod"``."""
-        if self.mask is None:
-            return "none"
-        if isinstance(self.mask, Tensor):
-            return "bool" if self.mask.dtype == torch.bool else "float"
-        return "mod"
-
-    @property
-    def causal_offset(self) -> int:
-        """Query ``i`` may see keys ``j <= i + causal_offset`` when ``causal`` is set."""
-        return _masks.causal_offset(self.tq, self.tk, self.align)
+    def __post_init__(self) -> None:
+        q, k, v, mask, mod, sinks = self.q, self.k, self.v, self.mask, self.score_mod, self.sinks
+        kind = "none" if mask is None else ("mod" if not isinstance(mask, Tensor)
+                                            else "bool" if mask.dtype == torch.bool else "float")
+        # A backward pass may follow when grad mode is on and an input of the call wants one.
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or (kind == "float" and mask.requires_grad) or (sinks is not None and sinks.requires_grad)
+            or (mod is not None and any(p.requires_grad for p in mod.params())))
+        tq, tk = q.shape[2], k.shape[2]
+        values = dict(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], tq=tq, tk=tk,
+                      head_dim=q.shape[3], value_dim=v.shape[3], dtype=q.dtype, device=q.device,
+                      requires_grad=grad, mask_kind=kind,
+                      causal_offset=tk - tq if self.align == "bottom_right" else 0)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def memo(self, key: str, compute: Callable[[], object]):
         """The value of ``compute()`` under ``key`` (one of :data:`MEMO_KEYS`), computed once per call.
@@ -410,7 +387,8 @@ def build_call(
     _check_options(causal, align, scale, dropout_p)
     _check_generator(generator, q.device)
     norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
-    if causal and _masks.causal_offset(q.shape[-2], k.shape[-2], align) >= k.shape[-2] - 1:
+    tq, tk = q.shape[-2], k.shape[-2]
+    if causal and (tk - tq if align == "bottom_right" else 0) >= tk - 1:
         causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q4 = _to_4d(q, batch)

@@ -272,10 +272,15 @@ def broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
     shape = [1] * rank
     for one in shapes:
         for axis, size in enumerate(one, start=rank - len(one)):
-            if not _is_one(size):
-                if not _is_one(shape[axis]) and not _same(shape[axis], size):
+            if size == 1 if type(size) is int else _is_one(size):  # plain ints: no call per dim
+                continue
+            have = shape[axis]
+            if type(have) is int and type(size) is int:
+                if have != 1 and have != size:
                     return None
-                shape[axis] = size
+            elif not _is_one(have) and not _same(have, size):
+                return None
+            shape[axis] = size
     return tuple(shape)
 
 

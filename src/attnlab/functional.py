@@ -11,11 +11,12 @@ from torch import Tensor
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
 from attnlab.backends import topk
-from attnlab.backends.dispatch import argument_key, remembered, route
+from attnlab.backends.base import Backend
+from attnlab.backends.dispatch import Route, argument_key, prepared_mask, prepared_run, remembered, route, select
 from attnlab.backends.registry import get
 from attnlab.scores import ScoreMod
 
-__all__ = ["attention", "attention_weights"]
+__all__ = ["attention", "attention_weights", "plan", "AttentionPlan"]
 
 
 def attention(
@@ -37,66 +38,43 @@ def attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(score_mod(q k^T * scale) + mask) v``.
 
-    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; a tensor of lower rank than the
-    others gets size-1 leading dims, as SDPA aligns them from the right):
-        q: ``(..., Tq, D)``, k: ``(..., Tk, D)``, v: ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
-        With rank 4 or 5, k and v may have fewer heads than q (grouped-query attention): ``Hq``
-        must be a multiple of ``Hkv`` and query head ``h`` reads key/value head
-        ``h // (Hq // Hkv)``. The batch dims (``B``, or ``A, B``) broadcast as in
-        ``torch.nn.functional.scaled_dot_product_attention``: keys and values of batch 1
-        serve every query of a batch (a shared prompt) and are read in place, never copied
-        (rank 5 copies them only when ``A`` is broadcast and ``B`` is not); their gradient is
-        the sum over the batch they served. Mask mods see the flattened batch index
-        ``b = a * B + b'`` for rank 5.
+    Stateless: no tensor or object of the caller is kept once it returns. A caller who repeats
+    one call (a module, a training loop) may hold a :func:`plan` of it instead.
+
+    Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; lower ranks align from the
+    right and batch dims broadcast, as in ``F.scaled_dot_product_attention``; the contract in
+    full is docs/design.md, "The contract"):
+        q ``(..., Tq, D)``, k ``(..., Tk, D)``, v ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
+        With heads (rank 4, 5), k and v may have fewer (grouped-query): ``Hq`` a multiple of
+        ``Hkv``, query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
 
     Args:
         q, k, v: query, key and value tensors of one floating dtype on one device.
-        mask: what each query may attend to. A **bool** tensor (True = may attend) or a
-            **float** tensor (added to the scaled scores; ``-inf`` blocks), broadcasting to
-            ``(..., Tq, Tk)``; or a **mask mod** ``(b, h, q_idx, kv_idx) -> bool`` written with
-            tensor ops (see :mod:`attnlab.masks`). A padding mask for ``(B, H, T, D)`` inputs has
-            shape ``(B, 1, 1, Tk)``.
-        causal: also block future keys. It is ANDed with ``mask`` when both are given.
-        align: causal alignment when ``Tq != Tk``: ``"top_left"`` (default, as PyTorch's
-            ``is_causal``: query ``i`` sees keys ``<= i``) or ``"bottom_right"`` (query ``i``
-            sees keys ``<= i + Tk - Tq``, what decoding with a KV cache needs).
+        mask: a **bool** tensor (True = may attend) or a **float** tensor (added to the scaled
+            scores), broadcasting to ``(..., Tq, Tk)`` (padding: ``(B, 1, 1, Tk)``), or a
+            **mask mod** ``(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnlab.masks`).
+        causal: also block future keys, ANDed with ``mask``.
+        align: ``"top_left"`` (query ``i`` sees keys ``<= i``, PyTorch's ``is_causal``) or
+            ``"bottom_right"`` (keys ``<= i + Tk - Tq``: decoding over a KV cache).
         scale: multiplier of the scores; defaults to ``1 / sqrt(D)``.
-        dropout_p: probability of zeroing each attention weight (the rest are scaled by
-            ``1 / (1 - dropout_p)``); must be in ``[0, 1)``. Pass 0 in evaluation.
+        dropout_p: probability of zeroing each weight, in ``[0, 1)``; 0 in evaluation.
         generator: random generator for dropout; same seed, same output.
         backend: ``"auto"`` (the fastest backend that serves the call, never an O(T^2)-memory
-            one when an O(T) one serves) or a name from :func:`attnlab.backends.available`.
-            A named backend that cannot serve the call raises ``ValueError`` with its reasons.
-        return_weights: also return the attention weights ``(..., Hq, Tq, Tk)`` per head (never
-            averaged), before dropout. Asking for them does not change how ``out`` is computed.
-        score_mod: how each scaled score is changed before the float mask and the masking: one
-            of :mod:`attnlab.scores` (``softcap``, ``alibi``, ``relative_bias``, ``bias`` and
-            their composition) or a function ``(score, b, h, q_idx, kv_idx) -> score``
-            (FlexAttention's signature; ``h`` is the query head). Its tensors get gradients.
-        sinks: sink logits, a float tensor: ``(Hq,)`` per head (gpt-oss's ``s_aux``), or
-            ``(B|1, Hq|1, Tq)`` per query (computed from each token, as Inkling2's
-            ``sink_proj``), broadcasting over batch and heads (``B`` is the batch dims
-            flattened for rank 5). Each query row gets one more key of logit ``sinks[h]`` (or
-            ``sinks[b, h, i]``) and value 0, which only takes probability mass; the gradient
-            of a broadcast dim is summed. A query with every key masked then gives a zero row
-            (the sink takes it all), as does a sink of ``+inf`` (with zero gradients, the
-            sink's own included); a sink of ``-inf`` is no sink. The weights returned leave the
-            sink's share out (rows sum to less than 1).
-        indices: top-k sparse attention (docs/sparse.md, "Top-k attention"): an integer tensor
-            ``(B|1, Hkv|1, Tq, k)`` (q's layout; leading dims may be 1 or left out) listing the
-            keys each query attends to, ANDed with ``mask`` and ``causal``; ``-1`` is no key and
-            a repeated key counts once. Runs an exact kernel at the listed pairs in O(Tq*k)
-            memory (``backend="reference"``: the dense oracle). No ``dropout_p`` or
-            ``score_mod`` (the reference takes a score mod), no gradient for a float mask.
+            one when an O(T) one serves) or a name from :func:`attnlab.backends.available`,
+            which raises ``ValueError`` with its reasons when it cannot serve the call.
+        return_weights: also return the weights ``(..., Hq, Tq, Tk)`` per head, before dropout.
+        score_mod: changes each scaled score before masking: one of :mod:`attnlab.scores` or a
+            function ``(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature).
+        sinks: sink logits ``(Hq,)`` or ``(B|1, Hq|1, Tq)``: one more key per row, of that
+            logit and value 0, which only takes probability mass (``+inf`` takes it all,
+            ``-inf`` is no sink); the weights returned leave its share out.
+        indices: top-k sparse attention, ``(B|1, Hkv|1, Tq, k)`` key indices per query
+            (``-1``: none), ANDed with the masks, in O(Tq*k) memory (docs/sparse.md).
 
     Returns:
-        ``out`` of shape ``(..., Tq, Dv)``, or ``(out, weights)`` when ``return_weights``.
-        A query that may attend to no key gets a zero output row and zero gradient.
-        Values stored at keys no query may attend (padding, unused cache slots) have no
-        influence when finite; NaN/inf there may reach the output on the fused backends, as
-        with ``F.scaled_dot_product_attention`` (docs/design.md, "Non-finite values"). NaN in
-        ``q`` makes its output row NaN, and inf in ``q`` gives what the math gives (NaN from
-        ``inf - inf``), on every backend.
+        ``out`` ``(..., Tq, Dv)``, or ``(out, weights)`` with ``return_weights``. A query with
+        no key to attend gets a zero row and zero gradient; finite values at blocked keys
+        have no influence (docs/design.md, "Non-finite values").
 
     Raises:
         TypeError: non-tensor input, a non-float or mixed dtype, an integer mask.
@@ -134,7 +112,7 @@ def attention(
     key = argument_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
                        generator=generator, backend=backend, return_weights=return_weights,
                        score_mod=score_mod, sinks=sinks)
-    known = remembered(key, mask)
+    known = remembered(key)
     if known is not None and known.run is not None:  # validated before: nothing reads values
         return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)  # (B, Hq, Tq, Dv)
     if known is not None and known.mask is not None:  # the same mask, prepared: plans made once
@@ -143,19 +121,163 @@ def attention(
         q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
         generator=generator, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
-    direct = call.q is q and call.k is k and call.v is v and call.mask is mask
-    chosen_route = route(key, known, call, backend, direct=direct)  # known: no second lookup
-    if chosen_route.mask is not None and known is None:  # the first call plans from it too
-        call = build_call(q, k, v, mask=chosen_route.mask, causal=False, align=align, scale=scale,
-                          dropout_p=dropout_p, generator=generator, return_weights=return_weights,
-                          score_mod=score_mod, sinks=sinks)
-    chosen = chosen_route.backend
-    result = chosen.forward(call)
+    if known is None:  # a new signature: choose, and remember where the key holds no user object
+        direct = call.q is q and call.k is k and call.v is v and call.mask is mask  # 4-D, unbroadcast
+        known = route(key, call, backend, direct=direct)
+        if known.mask is not None:  # the first call plans from the prepared mask too
+            call = build_call(q, k, v, mask=known.mask, causal=False, align=align, scale=scale,
+                              dropout_p=dropout_p, generator=generator, return_weights=return_weights,
+                              score_mod=score_mod, sinks=sinks)
+    return _run(known.backend, call)
+
+
+def _run(backend: Backend, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    """``backend`` on a validated call; the output (and weights) in the user's layout."""
+    result = backend.forward(call)
     out = _restore_rank(result.out, call)
-    if not return_weights:
+    if not call.return_weights:
         return out
     weights = result.weights if result.weights is not None else _weights_of(call)
     return out, _restore_rank(weights, call)
+
+
+def plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Callable | None = None,
+    causal: bool = False,
+    align: str = "top_left",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    return_weights: bool = False,
+    score_mod: ScoreMod | Callable | None = None,
+    sinks: Tensor | None = None,
+) -> AttentionPlan:
+    """:func:`attention` for these arguments, decided once: an :class:`AttentionPlan` to hold.
+
+    A caller who repeats a call (a module per shape, a training loop) holds the plan, as
+    FlexAttention's users hold a ``BlockMask``: the backend is chosen here, SDPA's run is bound,
+    and nothing is kept in module state. Arguments mean what they mean for :func:`attention`;
+    only the tensors' shapes, dtypes and devices are fixed (and ``mask``/``sinks`` are the
+    plan's defaults).
+
+    Example:
+        >>> import torch, attnlab
+        >>> q = torch.randn(2, 4, 10, 16)                       # (B, H, T, D)
+        >>> causal = attnlab.plan(q, q, q, causal=True)
+        >>> causal.backend
+        'sdpa'
+        >>> k, v = torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+        >>> torch.allclose(causal(q, k, v), attnlab.attention(q, k, v, causal=True))
+        True
+    """
+    q, k, v = sdpa_aligned(q, k, v)
+    options = dict(causal=causal, align=align, scale=scale, dropout_p=dropout_p, generator=generator,
+                   return_weights=return_weights, score_mod=score_mod)
+    return AttentionPlan(build_call(q, k, v, mask=mask, sinks=sinks, **options), q, k, v, mask, sinks,
+                         options, backend)
+
+
+class AttentionPlan:
+    """One :func:`attention` signature with its backend chosen once (made by :func:`plan`).
+
+    ``plan(q, k, v, mask=None, sinks=None)`` runs it on tensors of the planned shapes, dtypes
+    and devices (``ValueError`` naming the argument otherwise); ``mask`` and ``sinks`` default
+    to the planned ones, and another mask must be of the same kind (a tensor of the same
+    shape and dtype, or a mask mod). Each grad setting (grad mode, which inputs require grad)
+    is decided once, on its first call.
+
+    Attributes:
+        backend: the name of the backend that runs the planned call.
+
+    Example:
+        >>> import torch, attnlab
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> padded = attnlab.plan(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool))
+        >>> keep = torch.tensor([True] * 5 + [False] * 3).view(1, 1, 1, 8)
+        >>> torch.allclose(padded(q, q, q, mask=keep), attnlab.attention(q, q, q, mask=keep))
+        True
+        >>> padded(torch.randn(1, 2, 9, 4), q, q)
+        Traceback (most recent call last):
+        ValueError: q: the plan was made for shape (1, 2, 8, 4) float32 on cpu, got shape (1, 2, 9, 4) float32 on cpu
+    """
+
+    def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object,
+                 options: dict, name: str):
+        self._signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        self._mask, self._sinks, self._options, self._name = mask, sinks, options, name
+        self._routes: dict[tuple, Route] = {}  # per grad setting: at most a handful
+        self.backend = self._route(call, _grads(q, k, v, mask, sinks), q, k, v, mask).backend.name
+
+    def _route(self, call: AttentionCall, grads: tuple, q: Tensor, k: Tensor, v: Tensor, mask: object) -> Route:
+        """Choose the backend for ``call`` (the first of its grad setting) and keep the route."""
+        chosen = select(call, self._name)
+        direct = call.q is q and call.k is k and call.v is v and call.mask is mask
+        planned = prepared_mask(chosen, call) if mask is self._mask else None
+        self._routes[grads] = Route(chosen, prepared_run(chosen, call) if direct else None, planned)
+        return self._routes[grads]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Callable | None = None,
+                 sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        q, k, v = sdpa_aligned(q, k, v)
+        try:  # one flat tuple, no call per tensor: this runs on every call
+            signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        except AttributeError:
+            signature = None
+        if signature != self._signature:
+            self._refuse(q, k, v)
+        mask = self._mask if mask is None else _like("mask", mask, self._mask)
+        sinks = self._sinks if sinks is None else _like("sinks", sinks, self._sinks)
+        grads = _grads(q, k, v, mask, sinks)
+        known = self._routes.get(grads)
+        if known is not None and known.run is not None:  # sdpa, bound: nothing to decide
+            return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)
+        prepared = known.mask if known is not None and mask is self._mask else None
+        call = build_call(q, k, v, mask=mask if prepared is None else prepared, sinks=sinks,
+                          **(self._options if prepared is None else {**self._options, "causal": False}))
+        chosen = known.backend if known is not None else self._route(call, grads, q, k, v, mask).backend
+        return _run(chosen, call)
+
+    def _refuse(self, q: object, k: object, v: object) -> None:
+        for i, (name, given) in enumerate(zip("qkv", (q, k, v))):
+            want = self._signature[i::3]
+            if not isinstance(given, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(given).__name__}")
+            if (given.shape, given.dtype, given.device) != want:
+                raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(given)}")
+
+    def __repr__(self) -> str:
+        return f"AttentionPlan(backend={self.backend!r}, q {_words(self._signature[::3])})"
+
+
+def _words(t: Tensor | tuple) -> str:
+    """``shape (...) dtype on device`` of a tensor or of its ``(shape, dtype, device)``."""
+    shape, dtype, device = (t.shape, t.dtype, t.device) if isinstance(t, Tensor) else t
+    return f"shape {tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
+
+
+def _like(name: str, given: object, planned: object) -> object:
+    """``given`` if it has the planned argument's kind (and a tensor its shape, dtype, device)."""
+    if isinstance(planned, Tensor) and isinstance(given, Tensor):
+        want, got = (planned.shape, planned.dtype, planned.device), (given.shape, given.dtype, given.device)
+        if got != want:
+            raise ValueError(f"{name}: the plan was made for {_words(want)}, got {_words(given)}")
+        return given
+    if planned is not None and not isinstance(planned, Tensor) and not isinstance(given, Tensor):
+        return given  # a mask mod for a mask mod: checked by build_call
+    what = "none" if planned is None else "a tensor" if isinstance(planned, Tensor) else "a mask mod"
+    raise ValueError(f"{name}: the plan was made with {what}, got a {type(given).__name__}; "
+                     f"make another plan for it")
+
+
+def _grads(q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object) -> tuple:
+    """What decides a backend beyond the signature: grad mode and which inputs want a gradient."""
+    return (torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+            isinstance(mask, Tensor) and mask.requires_grad, isinstance(sinks, Tensor) and sinks.requires_grad)
 
 
 def _attention_at(q: Tensor, k: Tensor, v: Tensor, indices: object, *, backend: str, **options):
@@ -228,10 +350,9 @@ def attention_weights(
 def _weights_of(call: AttentionCall) -> Tensor:
     """Weights ``(B, Hq, Tq, Tk)`` of a validated call: the softmax of its recomputed scores.
 
-    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores (1e3 and
-    beyond in fp32) an lse that rounded differently from the recomputed scores scales whole
-    rows, which then sum to 0.94 or 1e-7 instead of 1. Scores and softmax stay in fp32 for half
-    inputs; only the weights are rounded to the input dtype. Rows with nothing to attend are
+    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores an lse
+    that rounded differently from the recomputed scores scales whole rows, which then no longer
+    sum to 1. Scores and softmax stay in fp32 for half inputs. Rows with nothing to attend are
     zeros; a NaN score gives a NaN row."""
     with torch.no_grad():
         attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -623,19 +624,38 @@ def compose(*mods: ScoreMod | Callable) -> ScoreMod:
     return flat[0] if len(flat) == 1 else Composed(tuple(flat))
 
 
-class _Identity:
-    """A key part that compares and hashes by the object's identity and keeps it alive."""
+def _dead() -> None:
+    return None
 
-    __slots__ = ("obj",)
+
+class _Identity:
+    """A key part that compares and hashes by an object's identity through a weak reference:
+    a remembered key never keeps a user's function alive, and one whose function died equals
+    nothing (a new object at the same address does not match it), as does one whose object
+    takes no weak reference (such a call is never found again)."""
+
+    __slots__ = ("ref", "hash")
 
     def __init__(self, obj: object):
-        self.obj = obj
+        try:
+            self.ref = weakref.ref(obj)
+        except TypeError:  # no weak reference: equal to nothing rather than kept alive
+            self.ref = _dead
+        self.hash = id(obj)
+
+    @property
+    def obj(self) -> object:
+        """The object, or None once it died (or when it takes no weak reference)."""
+        return self.ref()
 
     def __hash__(self) -> int:
-        return id(self.obj)
+        return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
+        if not isinstance(other, _Identity):
+            return False
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
 
 
 class FunctionMod(ScoreMod):
@@ -662,7 +682,8 @@ class FunctionMod(ScoreMod):
             return self
         return FunctionMod(self.make(*params), tuple(params), self.make)
 
-    def signature(self):
+    def signature(self) -> tuple:
+        """The function by weak reference (:class:`_Identity`), its tensors by shape."""
         return ("FunctionMod", _Identity(self.make or self.fn), tuple(_tensor_sig(p) for p in self._params))
 
     def __repr__(self) -> str:

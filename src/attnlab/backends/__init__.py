@@ -26,7 +26,6 @@ import torch  # noqa: F401  (the doctest examples use it)
 
 from attnlab._call import AttentionCall, build_call
 from attnlab.backends.base import AttentionResult, Backend
-from attnlab.backends.dispatch import check_backend_name, memory_class, reasons, select
 from attnlab.backends.registry import available, get, names, register, registry, unregister
 
 # Registration order is the order `attnlab backends` lists them in.
@@ -35,6 +34,7 @@ from attnlab.backends.sdpa import SdpaBackend
 from attnlab.backends.chunked import ChunkedBackend
 from attnlab.backends.blocks import BlocksBackend
 from attnlab.backends.flex import FlexBackend
+from attnlab.backends.dispatch import check_backend_name, memory_class, reasons, select
 from attnlab.backends.verdicts import Verdict, verdicts, why
 
 __all__ = [

@@ -3,7 +3,8 @@
 A backend states its capabilities as class attributes (devices, dtypes, dropout, where its
 backward runs, its memory class); :meth:`Backend.not_supported_reasons` turns them into
 reasons in words and adds whatever :meth:`Backend.limits` says about one call. Dispatch
-(:mod:`attnlab.backends.dispatch`) reads only this interface.
+(:mod:`attnlab.backends.dispatch`) reads this interface, and sdpa's own claim rule and prepared
+run, which no other backend has.
 
 Example:
     >>> import torch
@@ -17,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +71,6 @@ class Backend:
         traceable: whether its forward reads no tensor values, so that it runs inside
             ``torch.compile(fullgraph=True)``, ``torch.func`` transforms and ``torch.export``;
             one that is not declines calls made while compiling.
-        stateful_limits: whether :meth:`limits` depends on the backend's own state as well as
-            the call (flex: its budget of compiled variants), so that a remembered choice is
-            asked again.
         plans_masks: whether its forward derives a plan from the mask (blocks' runs, flex's
             block mask) that it keeps on a :class:`~attnlab.masks.PreparedMask`: dispatch then
             prepares a mask mod that holds no tensor (and ``causal``) once per route, and later
@@ -98,7 +95,6 @@ class Backend:
     dropout: bool = True
     backward_devices: tuple[str, ...] | None = None
     traceable: bool = False
-    stateful_limits: bool = False
     plans_masks: bool = False
 
     def unavailable_reason(self) -> str | None:
@@ -182,42 +178,10 @@ class Backend:
         """
         return 1.0
 
-    def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
-        """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every later call whose arguments have
-        ``call``'s signature (see :func:`attnlab.backends.dispatch.argument_key`), or None. A
-        call with sinks is run as ``run(q, k, v, mask, sinks)``.
-
-        Dispatch remembers it with its choice, and such a call goes from
-        :func:`attnlab.attention` straight to ``run``: validation and dispatch read no tensor
-        values, so a signature validated once is valid for every call that has it. Return one
-        only where ``run`` decides nothing from values and keeps the whole contract itself;
-        ``run`` gets the user's 4-D tensors and mask as given. The default is None.
-
-        Example:
-            >>> from attnlab._call import build_call
-            >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().prepare(build_call(q, q, q)) is None
-            True
-        """
-        return None
-
-    def preferred(self, call: AttentionCall) -> bool:
-        """Whether this backend wins ``call`` among those serving it in the best memory class,
-        whatever the cost estimates say: a rule from the call's fixed properties that holds on
-        every machine, where measured rates would not (default False).
-
-        Example:
-            >>> from attnlab._call import build_call
-            >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().preferred(build_call(q, q, q))
-            False
-        """
-        return False
-
     def reset(self) -> None:
         """Forget whatever this backend remembers between calls (default: nothing to forget).
 
-        :func:`attnlab.backends.dispatch.clear_plans` calls it on every registered backend.
+        :func:`attnlab.backends.dispatch.clear_plans`, the one reset, calls it on every backend.
 
         Example:
             >>> Backend().reset()

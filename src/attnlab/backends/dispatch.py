@@ -1,9 +1,15 @@
-"""Dispatch: which backend runs a call.
+"""Dispatch: which backend runs a call, as an ordered preference list plus reasons.
 
-``backend="auto"`` picks, among the backends that serve a call, the one with the best memory
-class for *this call* (never an O(T^2) path when an O(T) one serves) and, within that class,
-the lowest estimated time (:meth:`Backend.cost`). A named backend runs if it can serve the call
-and raises ``ValueError`` with its reasons otherwise.
+    backend="auto"                                     backend="sdpa" (a name)
+         |                                                  |
+    PREFERENCE, in order: ("sdpa", its rule)           that backend's reasons only:
+         | the rule claims the call, the backend           none -> it runs
+         | serves it (no reasons) in O(T) memory?          some -> ValueError listing them
+    yes -> it runs (no other backend is asked)
+    no  -> every backend's reasons; the best memory class among those that serve;
+           a claim there, else the lowest estimated cost (mask mods: blocks, chunked, flex)
+
+Routes are remembered per argument signature (:func:`argument_key`), holding no user object.
 
 Example:
     >>> import torch
@@ -27,15 +33,26 @@ from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab.backends.base import MEMORY_CLASSES, Backend
 from attnlab.backends.registry import generation, get, registry
+from attnlab.backends.sdpa import SdpaBackend
 from attnlab.scores import ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route"]
+           "PREFERENCE", "claimed", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
+           "prepared_run", "prepared_mask"]
+
+
+def _sdpa_claims(backend: Backend, call: AttentionCall) -> bool:
+    """SDPA takes every mask as the caller holds it (none, top-left causal, a bool or float
+    tensor): no other backend can skip work there (:meth:`SdpaBackend.preferred`)."""
+    return isinstance(backend, SdpaBackend) and backend.preferred(call)
+
+
+# The backends that claim calls by a rule that holds on every machine, most preferred first.
+PREFERENCE: tuple[tuple[str, Callable[[Backend, AttentionCall], bool]], ...] = (("sdpa", _sdpa_claims),)
 
 # The one cache on the hot path: per argument signature (shapes, dtypes, devices, the mask's
-# kind and shape, options, grad mode, registry generation; never a tensor value), the backend
-# auto or a name chose and, where the backend offers one, its prepared run or the prepared mask
-# it plans from (with the plans kept on it). Bounded.
+# kind and shape, a mask mod by value, options, grad mode, registry generation; never a tensor
+# value nor a user's object), the route chosen. Bounded; cleared by clear_plans().
 # Thread-safety rule: a read is one dict lookup (atomic in CPython); every write holds _LOCK;
 # two threads missing one signature at once both compute the (identical) route and the later
 # one stores it. Full, it drops its oldest entry (insertion order).
@@ -46,25 +63,22 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class Route:
-    """What dispatch remembers for one argument signature.
+    """What dispatch remembers for one argument signature (no user tensor or object).
 
     Attributes:
         backend: the backend that serves it.
-        run: ``backend.prepare(call)``: the kernel call with every decision bound, or None.
-        mod: the mask mod it was chosen for when the key holds the mod's ``id`` (kept alive, so
-            the id is not reused); None when the key holds the mask by value.
+        run: sdpa's prepared run (:meth:`SdpaBackend.prepare`) with every decision bound, or None.
         mask: for a backend that plans from masks (``Backend.plans_masks``), the call's mask
-            and ``causal`` as one :class:`~attnlab.masks.PreparedMask` that later calls pass
-            instead (with ``causal=False``), so its plans are made once; else None.
+            mod (one keyed by value) and ``causal`` as one :class:`~attnlab.masks.PreparedMask`
+            that later calls pass instead (with ``causal=False``), so its plans are made once.
 
     Example:
-        >>> Route(backend=get("reference"), run=None, mod=None).backend.name
+        >>> Route(backend=get("reference"), run=None).backend.name
         'reference'
     """
 
     backend: Backend
     run: Callable | None
-    mod: object
     mask: _masks.PreparedMask | None = None
 
 
@@ -121,9 +135,10 @@ def memory_class(backend: Backend, call: AttentionCall) -> str:
 def select(call: AttentionCall, name: str = "auto") -> Backend:
     """The backend that will run ``call``: a named one if it serves, else auto's choice.
 
-    Auto takes the backends that serve the call in the best memory class (never an O(T^2)
-    path when an O(T) one serves); among them one whose :meth:`Backend.preferred` rule claims
-    the call, else the lowest estimated time (:meth:`Backend.cost`).
+    Auto walks :data:`PREFERENCE`: the first backend whose rule claims the call and that serves
+    it in O(T) memory wins, and no other backend is asked. Otherwise every backend's reasons
+    are read: among those serving the call in the best memory class (never an O(T^2) path
+    when an O(T) one serves), a claimed one, else the lowest estimated time (:meth:`Backend.cost`).
 
     Args:
         call: a validated call from :func:`attnlab._call.build_call`.
@@ -140,12 +155,22 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         >>> select(build_call(q, q, q), "auto").name
         'sdpa'
     """
-    if check_backend_name(name) != "auto":
-        backend = get(name)
+    if name != "auto":
+        backend = get(check_backend_name(name))
         why_not = reasons_of(backend, call)  # only the named backend's, not every one's
         if why_not:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(why_not))
         return backend
+    for preferred_name, claims in PREFERENCE:
+        backend = registry().get(preferred_name)
+        if (backend is not None and claims(backend, call) and not reasons_of(backend, call)
+                and backend.memory_for(call) == MEMORY_CLASSES[0]):
+            return backend
+    return _by_memory_and_cost(call)
+
+
+def _by_memory_and_cost(call: AttentionCall) -> Backend:
+    """Auto's choice when no preferred backend claims ``call`` in O(T) memory."""
     serving = [registry()[n] for n, why_not in reasons(call).items() if not why_not]
     if not serving:  # the reference serves every valid call; this is a programming error
         raise RuntimeError("no attention backend can serve this call")
@@ -153,7 +178,7 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     classes = [MEMORY_CLASSES.index(memory_class(b, call)) for b in serving]
     candidates = [b for b, c in zip(serving, classes) if c == min(classes)]
     for backend in candidates:
-        if backend.preferred(call):
+        if claimed(backend, call):
             return backend
     if torch.compiler.is_compiling():
         # Sizes may be symbolic (torch.export's dynamic dims): comparing costs would guard on
@@ -168,20 +193,34 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     return chosen
 
 
+def claimed(backend: Backend, call: AttentionCall) -> bool:
+    """Whether a rule of :data:`PREFERENCE` claims ``call`` for ``backend``.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> claimed(get("sdpa"), build_call(q, q, q, causal=True)), claimed(get("chunked"), build_call(q, q, q))
+        (True, False)
+    """
+    return any(name == backend.name and claims(backend, call) for name, claims in PREFERENCE)
+
+
 def argument_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,
                  scale: object, dropout_p: object, generator: object, backend: object,
                  return_weights: object, score_mod: object = None, sinks: object = None) -> tuple | None:
     """The signature of :func:`attnlab.attention`'s arguments under which a route is remembered.
 
     Everything validation and dispatch read, and nothing else: shapes, dtypes, devices and
-    ``requires_grad`` of q, k, v, a tensor mask and the sinks, a mask mod (by value when it
-    holds no tensor -- causal, windows, prefixes, chunks: :func:`attnlab.masks.value_only_key`,
-    so a new ``sliding_window_mod(T, T, 256)`` per step finds its route -- else by its ``id``),
-    a score mod's :meth:`~attnlab.scores.ScoreMod.signature` (its kind, settings and tensors'
-    shapes; a user's function by identity), the options, grad mode and the registry's
-    generation. None (nothing remembered) for arguments of unusual
-    types (tensor subclasses, ``causal=1``: validation must see them each time) and for a
-    dropout generator (its device is part of what is checked).
+    ``requires_grad`` of q, k, v, a tensor mask and the sinks, a mask mod by value
+    (:func:`attnlab.masks.value_only_key`: causal, windows, prefixes, chunks, so a new
+    ``sliding_window_mod(T, T, 256)`` per step finds its route), a score mod's
+    :meth:`~attnlab.scores.ScoreMod.signature` (a user's function through a weak reference),
+    the options, grad mode and the registry's generation. A key never holds a user's tensor or
+    keeps a user's object alive. None (nothing remembered) for a mask mod that holds tensors
+    (``document_mod(ids)``: hold an :func:`attnlab.plan` instead), arguments of unusual types
+    (tensor subclasses, ``causal=1``: validation must see them each time) and a dropout
+    generator (its device is part of what is checked).
 
     Example:
         >>> import torch
@@ -193,7 +232,7 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
         >>> argument_key(q, q, q, **{**options, "causal": 1}) is None
         True
     """
-    if torch.compiler.is_compiling():  # the compiled graph keeps its own choice (remembered)
+    if torch.compiler.is_compiling():  # the compiled graph keeps its own choice
         return None
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or generator is not None
             or (causal is not True and causal is not False) or type(align) is not str
@@ -204,10 +243,10 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
         mask_key = None
     elif type(mask) is Tensor:
         mask_key = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
-    elif callable(mask):
-        mask_key = _masks.value_only_key(mask) or id(mask)
     else:
-        return None
+        mask_key = _masks.value_only_key(mask) if callable(mask) else None
+        if mask_key is None:
+            return None
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
@@ -222,58 +261,42 @@ def _with_scores(key: tuple, score_mod: object, sinks: object) -> tuple | None:
     if sinks is not None and type(sinks) is not Tensor:
         return None
     sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad)
-    if score_mod is None:
-        mod_key = None
-    elif isinstance(score_mod, ScoreMod):
-        mod_key = score_mod.signature()
-    elif callable(score_mod):
-        mod_key = as_score_mod(score_mod).signature()  # the function by identity, kept alive
-    else:
-        return None
+    mod_key = None
+    if score_mod is not None:
+        if not isinstance(score_mod, ScoreMod) and not callable(score_mod):
+            return None
+        mod_key = as_score_mod(score_mod).signature()  # a user's function by weak reference
     return (*key, mod_key, sinks_key)
 
 
-def remembered(key: tuple | None, mask: object) -> Route | None:
-    """The route stored under ``key`` for this ``mask`` (a mod must be the very object), or None.
+def remembered(key: tuple | None) -> Route | None:
+    """The route stored under ``key``, or None.
 
     Example:
-        >>> remembered(None, None) is None
+        >>> remembered(None) is None
         True
     """
     if key is None or torch.compiler.is_compiling():  # the compiled graph keeps its own choice
         return None
-    route = _ROUTES.get(key)
-    if route is None or (route.mod is not None and route.mod is not mask):
-        return None
-    return route
+    return _ROUTES.get(key)
 
 
-def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
-    """The route for ``call``: ``known`` (what :func:`remembered` found under ``key``) if still
-    valid, else a fresh :func:`select`, remembered (with ``backend.prepare(call)`` when
-    ``direct``: the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
-    as given).
-
-    A backend whose limits depend on its own state (``Backend.stateful_limits``: flex's budget
-    of compiled variants) is asked again on every call.
+def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
+    """A fresh route for ``call``: :func:`select`'s backend, with sdpa's prepared run when
+    ``direct`` (the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
+    as given) and a prepared mask for a backend that plans from masks; remembered under ``key``.
 
     Example:
         >>> import torch
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 2, 6, 4)
-        >>> route(None, None, build_call(q, q, q), "auto", direct=True).backend.name
+        >>> route(None, build_call(q, q, q), "auto", direct=True).backend.name
         'sdpa'
     """
-    if known is not None and not (known.backend.stateful_limits and reasons_of(known.backend, call)):
-        return known
     backend = select(call, name)
-    mod = call.mask if call.mask_kind == "mod" else None
     if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
-        return Route(backend, None, mod)
-    by_value = mod is not None and _masks.value_only_key(mod) is not None
-    plain = mod is None and call.score_mod is None  # a run takes (q, k, v, mask[, sinks])
-    fresh = Route(backend, backend.prepare(call) if direct and plain else None,
-                  None if by_value else mod, _prepared_mask(backend, call, by_value))
+        return Route(backend, None)
+    fresh = Route(backend, prepared_run(backend, call) if direct else None, prepared_mask(backend, call))
     if key is not None:
         with _LOCK:
             _ROUTES[key] = fresh
@@ -282,11 +305,36 @@ def route(key: tuple | None, known: Route | None, call: AttentionCall, name: str
     return fresh
 
 
-def _prepared_mask(backend: Backend, call: AttentionCall, by_value: bool) -> _masks.PreparedMask | None:
+def prepared_run(backend: Backend, call: AttentionCall) -> Callable | None:
+    """sdpa's ``run(q, k, v, mask[, sinks])`` for every call of ``call``'s signature, or None
+    (another backend, a mask mod or a score mod: those are read from the call each time).
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> prepared_run(get("reference"), build_call(q, q, q)) is None
+        True
+    """
+    if not isinstance(backend, SdpaBackend) or call.mask_kind == "mod" or call.score_mod is not None:
+        return None
+    return backend.prepare(call)
+
+
+def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask | None:
     """The call's mask and ``causal`` prepared once for a backend that plans from masks, when
-    they hold no tensor (a mod keyed by value, or ``causal`` alone); else None."""
+    they hold no tensor (a mod keyed by value, or ``causal`` alone); else None.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> prepared_mask(get("blocks"), build_call(q, q, q, causal=True)) is not None
+        True
+    """
     if not backend.plans_masks or call.batch == 0:
         return None
+    by_value = call.mask_kind == "mod" and _masks.value_only_key(call.mask) is not None
     if not (by_value or (call.mask_kind == "none" and call.causal)):
         return None
     mod = call.mask_mod()  # an OR has no interval form: planned per call
@@ -294,8 +342,8 @@ def _prepared_mask(backend: Backend, call: AttentionCall, by_value: bool) -> _ma
 
 
 def clear_plans() -> None:
-    """Forget every remembered route and whatever the backends remember
-    (:meth:`Backend.reset`): one reset for all of attnlab's state.
+    """Forget every remembered route and whatever the backends remember (:meth:`Backend.reset`):
+    the one reset of attnlab's state.
 
     Example:
         >>> clear_plans()

@@ -435,6 +435,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     float_dtype = _mask_dtype(call) if _float_mask(call) else None
     sink_key = _sink_key(call)  # one more key of zeros, its logit in the mask's last column
     by_lse = sinks_through_lse(call)  # or the kernel's lse (see _SinksThroughLse)
+    lse_mask_dtype = _mask_dtype(call) if by_lse else None  # (run must not hold the call's tensors)
     mend = not kernel_keeps_rows(call.device)
     # SDPA's output of no element is connected to none of its inputs: learnable sinks would
     # then fail backward, so such an output is tied to them (with a zero gradient).
@@ -463,7 +464,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             k, v = repeat_kv(k, repeat), repeat_kv(v, repeat)  # (B, Hq, Tk, D|Dv)
         if by_lse:
             if attn_mask is not None and attn_mask.dtype == torch.bool:  # the op takes float masks only
-                attn_mask = torch.zeros((), dtype=_mask_dtype(call), device=q.device).masked_fill(
+                attn_mask = torch.zeros((), dtype=lse_mask_dtype, device=q.device).masked_fill(
                     ~attn_mask, float("-inf"))  # (B|1, H|1, Tq, Tk), as SDPA converts it
             # The op reads its inputs as if contiguous (a strided last dim gave wrong values;
             # scaled_dot_product_attention's front end copies them first): copies where they are not.

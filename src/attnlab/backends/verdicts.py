@@ -15,7 +15,7 @@ import torch  # noqa: F401  (the doctest examples use it)
 
 from attnlab._call import AttentionCall, build_call
 from attnlab.backends.base import MEMORY_CLASSES
-from attnlab.backends.dispatch import memory_class, reasons, select
+from attnlab.backends.dispatch import claimed, memory_class, reasons, select
 from attnlab.backends.registry import registry
 
 __all__ = ["Verdict", "verdicts", "why"]
@@ -82,7 +82,7 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
         if backend is chosen:
             if name != "auto":
                 how = "named explicitly"
-            elif backend.preferred(call):
+            elif claimed(backend, call):
                 how = "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
             else:
                 how = "fastest of the best memory class"
@@ -91,7 +91,7 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
             reason = f"not asked for (backend={name!r})"
         elif MEMORY_CLASSES.index(memory) > MEMORY_CLASSES.index(chosen_memory):
             reason = f"O(T^2) memory where an O(T) path serves{note}"
-        elif chosen.preferred(call):
+        elif claimed(chosen, call):
             reason = f"passed over for {chosen.name!r}, which takes this mask as given (est. {_format_seconds(cost)})"
         else:
             reason = f"slower: cost {_format_seconds(cost)} vs {_format_seconds(chosen_cost)}"
