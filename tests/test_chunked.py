@@ -1,7 +1,7 @@
 """The chunked backend against an fp64 reference: every mask, every tiling, forward and backward.
 
 The oracle is the reference backend run in fp64 (explicit softmax over the full score matrix).
-Errors are judged by the rule of docs/design.md: at most 2x (forward) / 3x (gradients) the error of the
+Errors are judged by the rule of docs/contract.md: at most 2x (forward) / 3x (gradients) the error of the
 plain reference computation at the same dtype, plus a small floor.
 """
 

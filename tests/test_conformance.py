@@ -1,4 +1,4 @@
-"""Every available backend against the fp64 reference (the rule of docs/design.md), via attnlab.verify.
+"""Every available backend against the fp64 reference (the rule of docs/contract.md), via attnlab.verify.
 
 The sweep logic (configurations, tolerance) lives in :mod:`attnlab.verify` and is the same one
 ``attnlab verify`` runs. Each backend must *serve* at least 200 configurations per dtype;

@@ -1,6 +1,6 @@
 """attnlab's MultiHeadAttention against torch.nn.MultiheadAttention, and torch.compile.
 
-Tolerance (docs/design.md): with fp64 copies of torch's module as the oracle, attnlab's fp32 error
+Tolerance (docs/contract.md): with fp64 copies of torch's module as the oracle, attnlab's fp32 error
 must be within attnlab.verify's rule of torch's own fp32 error: 2x for outputs, 3x for input
 gradients, plus verify's fp32 floor.
 """

@@ -84,7 +84,7 @@ def _padding_options(kind: str) -> tuple[dict, torch.Tensor]:
     return options, real.transpose(-2, -1)
 
 
-# Non-finite values at blocked keys are kept out only where that is free (docs/design.md,
+# Non-finite values at blocked keys are kept out only where that is free (docs/contract.md,
 # "Non-finite values"): the reference and chunked backends never let them in; the fused kernels
 # read them with weight 0. Finite values there have no influence on any backend.
 _SCRUBBING = ("reference", "chunked")
@@ -183,7 +183,7 @@ def test_nan_inf_in_query_makes_its_row_nan_on_every_backend(name, masked, poiso
 @pytest.mark.parametrize("name", [n for n in _names() if n.values[0] != "flex"])
 def test_nan_in_an_attended_key_or_value_propagates(name):
     # flex's compiled kernel keeps finite rows where an attended key holds NaN; attnlab no
-    # longer scans the inputs to decline it (docs/design.md, "Non-finite values").
+    # longer scans the inputs to decline it (docs/contract.md, "Non-finite values").
     q, k, v = _qkv()
     for tensor in ("k", "v"):
         poisoned = {"k": k.clone(), "v": v.clone()}
@@ -462,7 +462,7 @@ def test_gradients_at_a_large_scale_keep_the_documented_bound(name):
     """Causal, scale 1000, fp32: dq and dk were 0.0034 off on sdpa, chunked and blocks where the
     largest gradient is 0.0046 and the reference's error 0.00013: the FlashAttention-2 backward's
     ``rowsum(dO * O)`` against ``dP`` (see _flash_rounding), which the scale multiplies. The
-    promise (docs/design.md, "Scale") is the rule plus that bound; sdpa's and blocks' is the
+    promise (docs/contract.md, "Scale") is the rule plus that bound; sdpa's and blocks' is the
     kernel's own, chunked is the same algorithm."""
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 32, 16, generator=gen) for _ in range(3))

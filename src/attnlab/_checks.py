@@ -1,7 +1,7 @@
 """Argument checks shared by every layer: one home, one wording for each kind of bad value.
 
 Every check raises ``ValueError`` (or ``TypeError`` for a value of the wrong kind) whose message
-names the argument and shows the value seen, as the contract in ``docs/design.md`` asks.
+names the argument and shows the value seen, as the contract in ``docs/contract.md`` asks.
 
 Example:
     >>> positive_int("num_heads", 4)

@@ -2,7 +2,7 @@
 
 Forward attention costs ``2*B*H*Tq*Tk*(D + Dv)`` multiply-adds counted as two FLOPs each
 (``4*B*H*Tq*Tk*D`` when ``Dv == D``), halved for a causal mask the kernel really skips; the
-backward pass counts 2.5x the forward. ``docs/design.md`` states the same rule; BENCHMARKS.md
+backward pass counts 2.5x the forward. ``docs/contract.md`` states the same rule; BENCHMARKS.md
 quotes it next to every figure.
 
 Example:

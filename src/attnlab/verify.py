@@ -25,7 +25,7 @@ One mechanism serves ``attnlab verify`` and ``tests/test_conformance.py``:
   on one configuration in 8 and every other one with ALiBi, an empty batch, query or key
   sequence on one in 16, and a scale of 40 (large logits, in half precision too) among the
   custom scales. The rule adds, for dq and dk, the FlashAttention-2 backward's documented
-  bound (docs/design.md, "Scale").
+  bound (docs/contract.md, "Scale").
 * a backend that serves only mask mods with bounds (``needs_bounds = True``: blocks) is swept
   over :data:`BOUNDED_MASKS`, so that it is checked on as many configurations as the others,
   score mods and sinks included (blocks declines the ones that are not additive).
@@ -691,7 +691,7 @@ def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
 
 def _flash_backward_bound(inputs: tuple, config: Config, dtype: torch.dtype, reduction: int) -> dict[int, float]:
     """The documented extra error of dq (1) and dk (2) in a FlashAttention-2 backward
-    (docs/design.md, "Scale"): ``D = rowsum(dO * O)`` is rounded another way than ``dP``, about
+    (docs/contract.md, "Scale"): ``D = rowsum(dO * O)`` is rounded another way than ``dP``, about
     ``u * max|dO| * max|v| * sqrt(K)`` per score, times ``|scale| * max|k|`` in dq (``max|q|``
     in dk); ``u`` the unit roundoff of the fp32 (fp64) arithmetic."""
     q, k, v, d_out = inputs

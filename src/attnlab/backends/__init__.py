@@ -1,6 +1,6 @@
 """Backends behind :func:`attnlab.attention`, the dispatch that chooses between them, and why.
 
-Every backend keeps one contract (``docs/design.md``, "Semantics") or declines the call with
+Every backend keeps one contract (``docs/contract.md``) or declines the call with
 reasons. The package is laid out as xformers lays out its attention ops:
 
 * :mod:`~attnlab.backends.base` -- the protocol: capabilities declared on the class, refusal

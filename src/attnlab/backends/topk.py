@@ -13,7 +13,7 @@ weights plus O(T·D) for the inputs. The backward is analytic (the softmax gradi
 pairs) with the same two primitives; key and value gradients sum each key's bag of queries
 (the pattern sorted by key once per index set). Keys that are not listed are never read;
 a listed key the mask blocks enters with weight 0 (NaN stored there reaches the output, as
-with the fused kernels, docs/design.md "Non-finite values").
+with the fused kernels, docs/contract.md "Non-finite values").
 
 Example:
     >>> import torch

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # matplotlib is imported lazily: `attnlab` must import fast
 __all__ = ["FLOPS_NOTE", "SPARSE_FLOPS_NOTE", "RATIO_NOTE", "row_record", "bench_json", "bench_markdown",
            "case_family", "plot_rows", "figure_png"]
 
-FLOPS_NOTE = ("forward 2*B*H*Tq*Tk*(D+Dv), halved for causal; backward 2.5x forward (docs/design.md); "
+FLOPS_NOTE = ("forward 2*B*H*Tq*Tk*(D+Dv), halved for causal; backward 2.5x forward (docs/contract.md); "
               "modules add their projections; peak_fraction = GFLOP/s over the same-dtype matmul rate "
               "measured in the same rounds")
 SPARSE_FLOPS_NOTE = "sparse rows count only the visible (query, key) pairs of their mask, not Tq*Tk"

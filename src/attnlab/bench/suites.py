@@ -416,7 +416,7 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
     console = Console() if console is None else console
     console.print(f"machine: {machine_line()}")
     if name != "overhead":  # the overhead suite reports ratios to plain PyTorch, no FLOPs
-        console.print("FLOPs: forward 2*B*H*Tq*Tk*(D+Dv), halved for causal (docs/design.md); "
+        console.print("FLOPs: forward 2*B*H*Tq*Tk*(D+Dv), halved for causal (docs/contract.md); "
                       "% of matmul = GFLOP/s over the same-dtype matmul rate measured in this run")
     rows: list[BenchRow] = []
     for suite in (SUITES if name == "all" else (name,)):

@@ -41,7 +41,7 @@ def bench(
 ) -> None:
     """Time attnlab's implementations side by side on this machine and print GFLOP/s, the
     fraction of the same-dtype matrix-multiply rate measured in the same run, and ratios to the
-    fastest. FLOPs follow docs/design.md (forward 4·B·H·Tq·Tk·D, halved for causal); sparse
+    fastest. FLOPs follow docs/contract.md (forward 4·B·H·Tq·Tk·D, halved for causal); sparse
     FLOPs count only the visible (query, key) pairs."""
     from rich.console import Console
 
