@@ -136,7 +136,7 @@ def test_unsupported_conversions_raise():
 
 def test_torch_compile_matches_eager_causal_and_padded():
     torch.manual_seed(4)
-    module = MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=2, rope=True).eval()
+    module = MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=2, positions="rope").eval()
     compiled = torch.compile(module)
     x = torch.randn(2, 16, 32)
     real = torch.ones(2, 16, dtype=torch.bool)

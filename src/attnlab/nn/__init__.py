@@ -16,6 +16,7 @@ from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.positional import (
+    ALiBi,
     LearnedPositionalEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
@@ -31,6 +32,7 @@ __all__ = [
     "WindowedKVCache",
     "PagedKVCache",
     "RotaryEmbedding",
+    "ALiBi",
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "alibi_bias",
