@@ -15,6 +15,7 @@ from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder,
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
     ALiBi,
     LearnedPositionalEmbedding,
@@ -26,6 +27,8 @@ from attnlab.nn.positional import (
 
 __all__ = [
     "MultiHeadAttention",
+    "from_torch",
+    "to_torch",
     "LatentAttention",
     "Cache",
     "KVCache",

@@ -4,7 +4,7 @@ The module keeps the tutorials' constructor ``MultiHeadAttention(d_in, d_out,
 context_length, dropout_p, num_heads)`` (the tutorials' positional call) and grows into what a model needs: one fused Q/K/V
 projection, grouped-query and multi-query attention (``num_kv_heads``), cross-attention to a
 ``context`` of another width, padding masks, a KV cache for decoding, rotary embeddings, and
-interoperability with ``torch.nn.MultiheadAttention``.
+conversion to and from ``torch.nn.MultiheadAttention`` (:mod:`attnlab.nn.convert`).
 
 Masks follow attnlab's polarity everywhere: **True = may be attended**. ``padding_mask`` is
 True at real tokens. This is the opposite of ``torch.nn.MultiheadAttention``'s
@@ -581,73 +581,6 @@ class MultiHeadAttention(nn.Module):
             + (f", window={self.window}" if self.window is not None else "")
         )
 
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
-        """An equivalent attnlab module built from a ``torch.nn.MultiheadAttention``.
-
-        The copy is non-causal (as torch's module is), has torch's ``kdim``/``vdim``, biases,
-        dropout, dtype and device, and the same weights. attnlab modules are always batch
-        first: for a torch module with ``batch_first=False`` transpose ``(T, B, C)`` inputs.
-        torch's ``key_padding_mask`` (True = ignore) becomes ``padding_mask=~key_padding_mask``,
-        and its ``key``/``value`` arguments become ``context=key, value_input=value``.
-
-        Raises:
-            TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
-            ValueError: it uses ``add_bias_kv`` or ``add_zero_attn`` (no attnlab equivalent).
-
-        Example:
-            >>> ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
-            >>> mha = MultiHeadAttention.from_torch(ref)
-            >>> x = torch.randn(2, 5, 8)
-            >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
-            True
-        """
-        if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
-        if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError("torch modules with add_bias_kv or add_zero_attn have no attnlab equivalent")
-        weight = module.out_proj.weight
-        new = cls(
-            module.embed_dim, module.embed_dim, None, module.dropout, module.num_heads,
-            qkv_bias=module.in_proj_bias is not None, causal=False, kdim=module.kdim,
-            vdim=module.vdim, out_bias=module.out_proj.bias is not None, backend=backend,
-        ).to(device=weight.device, dtype=weight.dtype)
-        _copy_projections(new, module, to_torch=False)
-        return new.train(module.training)
-
-    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An equivalent ``torch.nn.MultiheadAttention`` with the same weights.
-
-        torch's module has one ``bias`` switch: when only one of ``qkv_bias``/``out_bias`` is
-        set, the other bias is created as zeros (same outputs). torch's module is never causal
-        by itself: for a causal attnlab module pass ``attn_mask``/``is_causal`` when calling it.
-
-        Raises:
-            ValueError: ``d_in != d_out``, grouped-query heads, or rotary embeddings (torch's
-                module cannot express them).
-
-        Example:
-            >>> mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).eval()
-            >>> ref = mha.to_torch()
-            >>> x = torch.randn(2, 5, 8)
-            >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
-            True
-        """
-        if self.d_in != self.d_out or self.num_kv_heads != self.num_heads or self.rope is not None:
-            raise ValueError(
-                "torch.nn.MultiheadAttention needs d_in == d_out, num_kv_heads == num_heads and no "
-                f"rope; got d_in={self.d_in}, d_out={self.d_out}, num_kv_heads={self.num_kv_heads}, "
-                f"rope={self.rope is not None}"
-            )
-        weight = self.out_proj.weight
-        has_bias = self.in_proj_bias is not None or self.out_proj.bias is not None
-        module = nn.MultiheadAttention(
-            self.d_out, self.num_heads, dropout=self.dropout_p, bias=has_bias, kdim=self.kdim,
-            vdim=self.vdim, batch_first=batch_first, device=weight.device, dtype=weight.dtype,
-        )
-        _copy_projections(self, module, to_torch=True)
-        return module.train(self.training)
-
 
 def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
     """Add a batch axis of 1 to unbatched inputs (and masks)."""
@@ -669,20 +602,6 @@ def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
         padding_mask = padding_mask[None]  # (1, Tk)
     add = (lambda t: None if t is None else t[None])
     return add(x), add(context), add(value_input), mask, padding_mask
-
-
-def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *, to_torch: bool) -> None:
-    """Copy Q/K/V and output weights between the two layouts (they share names by design)."""
-    names = ["in_proj_weight"] if ours.fused else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
-    pairs = [(getattr(ours, n), getattr(theirs, n)) for n in names]
-    pairs += [(ours.in_proj_bias, theirs.in_proj_bias), (ours.out_proj.weight, theirs.out_proj.weight),
-              (ours.out_proj.bias, theirs.out_proj.bias)]
-    with torch.no_grad():
-        for mine, other in pairs:
-            source, target = (mine, other) if to_torch else (other, mine)
-            if target is None:
-                continue
-            target.copy_(torch.zeros_like(target) if source is None else source)
 
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
