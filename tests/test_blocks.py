@@ -12,7 +12,7 @@ D, H = 32, 4
 
 def test_decoder_is_causal():
     torch.manual_seed(0)
-    dec = TransformerDecoder(2, D, H, num_kv_heads=2, rope=True).double().eval()
+    dec = TransformerDecoder(2, D, H, num_kv_heads=2, positions="rope").double().eval()
     x = torch.randn(2, 12, D, dtype=torch.float64)
     changed = x.clone()
     changed[:, 7:] = torch.randn(2, 5, D, dtype=torch.float64)
@@ -51,7 +51,7 @@ def test_decoder_cross_attention_ignores_padded_memory():
 
 def test_decoder_with_caches_equals_full_pass():
     torch.manual_seed(3)
-    dec = TransformerDecoder(2, D, H, num_kv_heads=1, rope=True).double().eval()
+    dec = TransformerDecoder(2, D, H, num_kv_heads=1, positions="rope").double().eval()
     x = torch.randn(1, 9, D, dtype=torch.float64)
     with torch.no_grad():
         full = dec(x)

@@ -12,7 +12,7 @@ PREFILL, STEPS = 16, 64
 
 def _module(num_kv_heads, rope, seed=0):
     torch.manual_seed(seed)
-    return MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=num_kv_heads, rope=rope,
+    return MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=num_kv_heads, positions="rope" if rope else None,
                               qkv_bias=True).double().eval()
 
 
@@ -48,7 +48,7 @@ def test_prefill_then_single_steps_equals_full_pass(num_kv_heads, rope):
 
 def test_chunked_prefill_with_fp32_and_padding():
     torch.manual_seed(1)
-    module = MultiHeadAttention(16, 16, num_heads=2, rope=True).eval()
+    module = MultiHeadAttention(16, 16, num_heads=2, positions="rope").eval()
     x = torch.randn(2, 12, 16)
     real = torch.ones(2, 12, dtype=torch.bool)
     real[1, :3] = False  # left padding in row 1

@@ -55,7 +55,7 @@ def module_width(module):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_packed_multihead_equals_each_document_alone(rope, causal, kv_heads):
     torch.manual_seed(1)
-    mha = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=kv_heads, causal=causal, rope=rope).double()
+    mha = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=kv_heads, causal=causal, positions="rope" if rope else None).double()
     packed, alone, g_packed, g_alone = _packed_vs_alone(
         mha, LENGTHS, lambda m, x, ids: m(x, document_ids=ids))
     assert torch.allclose(packed, alone, atol=1e-12)
@@ -66,7 +66,7 @@ def test_packed_multihead_equals_each_document_alone(rope, causal, kv_heads):
 @pytest.mark.parametrize("rope", [False, True])
 def test_packed_transformer_block_equals_each_document_alone(rope):
     torch.manual_seed(2)
-    block = TransformerBlock(16, 2, causal=True, rope=rope).double()
+    block = TransformerBlock(16, 2, causal=True, positions="rope" if rope else None).double()
     packed, alone, g_packed, g_alone = _packed_vs_alone(
         block, LENGTHS, lambda m, x, ids: m(x, document_ids=ids))
     assert torch.allclose(packed, alone, atol=1e-12)
@@ -76,7 +76,7 @@ def test_packed_transformer_block_equals_each_document_alone(rope):
 
 def test_packed_batch_rows_have_their_own_documents():
     torch.manual_seed(3)
-    mha = MultiHeadAttention(8, 8, num_heads=2, rope=True).double()
+    mha = MultiHeadAttention(8, 8, num_heads=2, positions="rope").double()
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     ids = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]])
     out = mha(x, document_ids=ids)

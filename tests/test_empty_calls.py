@@ -91,7 +91,7 @@ MODULES = textwrap.dedent('''
     from attnlab.nn import MultiHeadAttention
     from attnlab.models import BertEncoder, GPT
     torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 16, num_heads=2, causal=True, rope=True, backend="blocks")
+    mha = MultiHeadAttention(16, 16, num_heads=2, causal=True, positions="rope", backend="blocks")
     x = torch.randn(0, 300, 16, requires_grad=True)
     out = mha(x, document_ids=torch.zeros(0, 300, dtype=torch.long))
     out.sum().backward()

@@ -221,7 +221,7 @@ def _raising_mod(b, h, q_idx, kv_idx):
          "dtype", "batch"],
 )
 def test_failed_module_call_leaves_the_cache_unchanged(call, error, pattern):
-    module = MultiHeadAttention(8, 8, context_length=5, num_heads=2, rope=True).eval()
+    module = MultiHeadAttention(8, 8, context_length=5, num_heads=2, positions="rope").eval()
     cache = _filled_cache(module, max_len=8, prefill=3)
     before = _state(cache)
     with torch.no_grad(), pytest.raises(error, match=pattern):

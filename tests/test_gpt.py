@@ -144,7 +144,7 @@ def test_per_layer_heads_equal_blocks_built_by_hand_with_those_heads():
                 positions="rope").eval()
     # The parameters have the same shapes whatever the head count, so blocks with the wrong
     # counts would load these weights without complaint and compute something else.
-    blocks = [TransformerBlock(16, h, causal=True, rope=True, mlp=False, activation="gelu_tanh").eval()
+    blocks = [TransformerBlock(16, h, causal=True, positions="rope", mlp=False, activation="gelu_tanh").eval()
               for h in (4, 2, 1)]
     for block, theirs in zip(blocks, model.blocks):
         block.load_state_dict(theirs.state_dict())

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from attnlab import masks, verify
-from attnlab.nn import MultiHeadAttention
+from attnlab.nn import MultiHeadAttention, from_torch, to_torch
 
 E, H = 24, 3
 
@@ -68,7 +68,7 @@ CONFIGS = [
 def test_matches_torch_multihead_attention(name, self_attn, kdim, vdim, bias, batch_first, padding, causal):
     torch.manual_seed(0)
     ref = nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first).eval()
-    ours = MultiHeadAttention.from_torch(ref)
+    ours = from_torch(ref)
     assert not ours.causal and ours.fused == (kdim == vdim == E)
     B, Tq = 3, 9
     Tk = Tq if self_attn else 13
@@ -107,7 +107,7 @@ def test_matches_torch_multihead_attention(name, self_attn, kdim, vdim, bias, ba
 def test_causal_module_matches_torch_with_causal_mask():
     torch.manual_seed(3)
     ours = MultiHeadAttention(E, E, num_heads=H, causal=True, qkv_bias=True).eval()
-    ref = ours.to_torch().eval()
+    ref = to_torch(ours).eval()
     x = torch.randn(2, 11, E)
     expected, _ = ref(x, x, x, attn_mask=~masks.causal_mask(11), need_weights=False)
     ref64 = copy.deepcopy(ref).double()
@@ -118,25 +118,25 @@ def test_causal_module_matches_torch_with_causal_mask():
 
 def test_round_trip_and_single_bias_switch():
     ours = MultiHeadAttention(E, E, num_heads=H, causal=False, qkv_bias=False, out_bias=True)
-    ref = ours.to_torch(batch_first=False)
+    ref = to_torch(ours, batch_first=False)
     assert ref.in_proj_bias is not None and torch.equal(ref.in_proj_bias, torch.zeros(3 * E))
-    back = MultiHeadAttention.from_torch(ref)
+    back = from_torch(ref)
     x = torch.randn(2, 5, E)
     torch.testing.assert_close(back(x), ours(x), rtol=0, atol=1e-6)
 
 
 def test_unsupported_conversions_raise():
     with pytest.raises(ValueError, match="add_bias_kv"):
-        MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, add_bias_kv=True))
+        from_torch(nn.MultiheadAttention(E, H, add_bias_kv=True))
     with pytest.raises(ValueError, match="num_kv_heads"):
-        MultiHeadAttention(E, E, num_heads=H, num_kv_heads=1).to_torch()
+        to_torch(MultiHeadAttention(E, E, num_heads=H, num_kv_heads=1))
     with pytest.raises(TypeError, match="MultiheadAttention"):
-        MultiHeadAttention.from_torch(nn.Linear(2, 2))
+        from_torch(nn.Linear(2, 2))
 
 
 def test_torch_compile_matches_eager_causal_and_padded():
     torch.manual_seed(4)
-    module = MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=2, rope=True).eval()
+    module = MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=2, positions="rope").eval()
     compiled = torch.compile(module)
     x = torch.randn(2, 16, 32)
     real = torch.ones(2, 16, dtype=torch.bool)

@@ -15,7 +15,7 @@ from attnlab.nn import MultiHeadAttention, TransformerDecoder
 def _modules(seed=0):
     torch.manual_seed(seed)
     return [
-        MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, rope=True, qkv_bias=True),
+        MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, positions="rope", qkv_bias=True),
         MultiHeadAttention(16, 12, num_heads=3, kdim=5, vdim=7, out_bias=False),
         TransformerDecoder(2, 16, 2, cross_attention=True),
     ]

@@ -231,3 +231,98 @@ def test_the_attention_part_is_injected_and_sees_the_modules_rule():
     assert seen[-1] == ["backend", "causal", "dropout_p", "sinks"]  # the common call's options
     with pytest.raises(TypeError, match="attention must be a function with attnlab.attention's signature, got str"):
         MultiHeadAttention(16, 16, num_heads=4, attention="sdpa")
+
+
+@pytest.mark.parametrize("options, keys", [
+    (dict(), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
+    (dict(num_kv_heads=2, qkv_bias=True), ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]),
+    (dict(kdim=5, vdim=7, out_bias=False), ["q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"]),
+    (dict(positions="rope", num_kv_heads=2), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
+    (dict(window=3, sinks=True), ["in_proj_weight", "sinks", "out_proj.weight", "out_proj.bias"]),
+    (dict(positions="alibi"), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
+], ids=["fused", "gqa", "cross", "rope", "window", "alibi"])
+def test_parts_keep_the_state_dict_keys(options, keys):
+    """The positions part adds no key: a checkpoint saved before the parts loads (keys listed from
+    the module as it was)."""
+    assert list(MultiHeadAttention(16, 16, num_heads=4, **options).state_dict()) == keys
+
+
+def test_the_positions_part_is_injected():
+    """A RotaryEmbedding or ALiBi given as positions= is the module's part, and computes what the
+    named part computes; a part of the wrong size is refused with its expected size."""
+    from attnlab.nn import ALiBi, RotaryEmbedding
+
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    for name, part in (("rope", RotaryEmbedding(4)), ("alibi", ALiBi(4))):
+        torch.manual_seed(0)
+        named = MultiHeadAttention(16, 16, num_heads=4, positions=name).double()
+        torch.manual_seed(0)
+        given = MultiHeadAttention(16, 16, num_heads=4, positions=part).double()
+        assert given.positions is part
+        torch.testing.assert_close(given(x), named(x), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"ALiBi\(num_heads=4\); got ALiBi\(num_heads=2\)"):
+        MultiHeadAttention(16, 16, num_heads=4, positions=ALiBi(2))
+
+
+def _module_frames_and_calls(monkeypatch, run):
+    """(most attnlab frames on the stack at the kernel, of them in attnlab.nn, attnlab calls) of
+    ``run()``, warm."""
+    import os
+    import sys
+
+    import torch.nn.functional as F
+
+    from attnlab.backends import dispatch
+
+    package = os.path.dirname(attnlab.__file__)
+    kernel, stacks, calls = F.scaled_dot_product_attention, [], [0]
+
+    def spy(*args, **kwargs):
+        frame, names = sys._getframe(1), []
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(package):
+                names.append(os.path.relpath(frame.f_code.co_filename, package))
+            frame = frame.f_back
+        stacks.append(names)
+        return kernel(*args, **kwargs)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls[0] += 1
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    dispatch.clear_plans()
+    with torch.no_grad():
+        run(), run()
+        stacks.clear()
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+    assert stacks, "the kernel was not reached"
+    deepest = max(stacks, key=len)
+    return len(deepest), sum(name.startswith("nn") for name in deepest), calls[0]
+
+
+def test_rope_window_and_cached_forwards_call_the_part_from_forward(monkeypatch):
+    """RoPE, a sliding window and a cached decoding step compute their rule before the call, so the
+    attention part runs right below forward: one attnlab.nn frame on the stack at the kernel (RoPE
+    went through _attend -> attend -> attend_heads -> attend_causal before). A warm RoPE forward
+    takes the common call's path, and a windowed decoding step reaches the kernel 2 frames deep."""
+    x = torch.randn(2, 16, 32)
+    rope = MultiHeadAttention(32, 32, num_heads=4, positions="rope", backend="sdpa")
+    depth, module_frames, calls = _module_frames_and_calls(monkeypatch, lambda: rope(x))
+    assert depth <= 2 and module_frames == 1 and calls <= 20, (depth, calls)
+    window = MultiHeadAttention(32, 32, num_heads=4, window=4, backend="sdpa")
+    depth, module_frames, _ = _module_frames_and_calls(monkeypatch, lambda: window(x))
+    assert module_frames == 1, depth
+    for mha in (MultiHeadAttention(32, 32, num_heads=4, window=4, backend="sdpa").eval(),
+                MultiHeadAttention(32, 32, num_heads=4, positions="rope", backend="sdpa").eval()):
+        cache = mha.new_cache(2, 64)
+        with torch.no_grad():
+            mha(x, cache=cache)
+        depth, module_frames, _ = _module_frames_and_calls(monkeypatch, lambda: mha(x[:, :1], cache=cache))
+        assert module_frames == 1, (mha, depth)
+        if mha.window is not None:
+            assert depth <= 2, depth

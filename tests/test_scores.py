@@ -688,8 +688,8 @@ def test_module_sinks_are_a_learned_parameter_and_match_eager():
 
 
 @pytest.mark.parametrize("bad, error, words", [
-    (dict(positions="rope"), ValueError, "positions must be one of"),
-    (dict(positions="alibi", rope=True), ValueError, "pick one"),
+    (dict(positions="sinusoidal"), ValueError, "positions must be one of"),
+    (dict(positions=__import__("attnlab").nn.RotaryEmbedding(2)), ValueError, "RotaryEmbedding\\(head_dim=4\\)"),
     (dict(softcap=0.0), ValueError, "softcap must be a positive"),
     (dict(sinks=1), TypeError, "sinks must be a bool"),
 ])

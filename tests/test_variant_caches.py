@@ -17,7 +17,7 @@ F64 = torch.float64
 
 def _mha(window=None, num_kv_heads=2, seed=0):
     torch.manual_seed(seed)
-    return MultiHeadAttention(24, 24, num_heads=4, num_kv_heads=num_kv_heads, rope=True, qkv_bias=True,
+    return MultiHeadAttention(24, 24, num_heads=4, num_kv_heads=num_kv_heads, positions="rope", qkv_bias=True,
                               window=window).double().eval()
 
 

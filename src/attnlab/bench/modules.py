@@ -34,6 +34,7 @@ from torch import Tensor
 from attnlab.backends import available
 from attnlab.bench.competitors import NanoGPTAttention, SeedMultiHeadAttention
 from attnlab.bench.timing import BenchRow, compare, machine_line, matmul_peak, print_rows
+from attnlab.nn.convert import to_torch
 from attnlab.nn.multihead import MultiHeadAttention
 
 __all__ = ["ModulesConfig", "build_modules", "nanogpt_twin", "run_modules_suite"]
@@ -80,7 +81,7 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
     """
     C, H, T = config.d_model, config.num_heads, config.seq_len
     ours = MultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
-    theirs = ours.to_torch(batch_first=True)
+    theirs = to_torch(ours, batch_first=True)
     seed = SeedMultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
     with torch.no_grad():
         for part in ("query", "key", "value"):

@@ -159,13 +159,13 @@ class GPT(nn.Module):
         self.dropout = nn.Dropout(dropout_p)
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, layer_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
-                             num_kv_heads=num_kv_heads, rope=positions == "rope" or None, bias=bias,
+                             num_kv_heads=num_kv_heads, bias=bias,
                              norm_eps=norm_eps, activation=activation, backend=backend,
                              mlp=not attention_only, window=window if kind == "L" else None,
                              attn=LatentAttention(d_model, layer_heads, latent_dim=latent_dim,
                                                   rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
                                                   backend=backend) if kind == "M" else None,
-                             positions="alibi" if positions == "alibi" else None, softcap=softcap, sinks=sinks)
+                             positions=positions if positions in ("rope", "alibi") else None, softcap=softcap, sinks=sinks)
             for layer_heads, kind in zip(heads, kinds)
         )
         self.layer_kinds = kinds

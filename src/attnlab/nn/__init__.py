@@ -15,7 +15,9 @@ from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder,
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
+    ALiBi,
     LearnedPositionalEmbedding,
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
@@ -25,12 +27,15 @@ from attnlab.nn.positional import (
 
 __all__ = [
     "MultiHeadAttention",
+    "from_torch",
+    "to_torch",
     "LatentAttention",
     "Cache",
     "KVCache",
     "WindowedKVCache",
     "PagedKVCache",
     "RotaryEmbedding",
+    "ALiBi",
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "alibi_bias",

@@ -26,7 +26,6 @@ from torch import Tensor, nn
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.nn.cache import Cache, KVCache, _restore_on_error
 from attnlab.nn.multihead import MultiHeadAttention
-from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
 
@@ -98,7 +97,6 @@ class TransformerBlock(nn.Module):
         num_kv_heads: grouped-query key/value heads (default ``num_heads``).
         cross_attention: add a cross-attention sub-layer reading ``context``.
         d_context: width of ``context`` (default ``d_model``).
-        rope: rotary embeddings in self-attention (``True`` or a ``RotaryEmbedding``).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
         norm_first: pre-norm (True) or post-norm (False) residual arrangement.
@@ -111,7 +109,8 @@ class TransformerBlock(nn.Module):
         attn: a self-attention module to use instead of the ``MultiHeadAttention`` the block
             would build (e.g. a :class:`~attnlab.nn.LatentAttention`); it takes the keyword
             arguments ``mask``, ``padding_mask``, ``cache``, ``return_weights``, ``document_ids``.
-        positions, softcap, sinks: self-attention's ALiBi (``"alibi"``), score softcap and
+        positions, softcap, sinks: self-attention's positions part (``"rope"``, ``"alibi"``, a
+            ``RotaryEmbedding`` or an ``ALiBi``; see :class:`MultiHeadAttention`), score softcap and
             learnable sinks (see :class:`~attnlab.nn.MultiHeadAttention`).
 
     Example:
@@ -129,10 +128,10 @@ class TransformerBlock(nn.Module):
     def __init__(
         self, d_model: int, num_heads: int, *, d_ff: int | None = None, dropout_p: float = 0.0,
         causal: bool = True, num_kv_heads: int | None = None, cross_attention: bool = False,
-        d_context: int | None = None, rope: RotaryEmbedding | bool | None = None, bias: bool = True,
+        d_context: int | None = None, bias: bool = True,
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
         mlp: bool = True, window: int | None = None,
-        attn: nn.Module | None = None, positions: str | None = None, softcap: float | None = None,
+        attn: nn.Module | None = None, positions: str | nn.Module | None = None, softcap: float | None = None,
         sinks: bool = False,
     ):
         super().__init__()
@@ -146,7 +145,7 @@ class TransformerBlock(nn.Module):
         else:
             self.attn = MultiHeadAttention(
                 d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-                rope=rope, window=window, positions=positions,
+                window=window, positions=positions,
                 softcap=softcap, sinks=sinks, **common,
             )
         self.norm_cross = self.cross_attn = None
@@ -272,7 +271,7 @@ class TransformerEncoder(_Stack):
         num_layers: number of blocks.
         d_model, num_heads: width and heads.
         **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout_p``,
-            ``num_kv_heads``, ``rope``, ``bias``, ``norm_eps``, ``backend``, ``mlp``).
+            ``num_kv_heads``, ``positions``, ``bias``, ``norm_eps``, ``backend``, ``mlp``).
 
     Example:
         >>> enc = TransformerEncoder(2, 16, 2, d_ff=32)
@@ -300,10 +299,10 @@ class TransformerDecoder(_Stack):
         d_model, num_heads: width and heads.
         cross_attention: each block also attends to ``context`` (encoder-decoder models).
         **options: keyword-only :class:`TransformerBlock` options (``d_ff``, ``dropout_p``,
-            ``num_kv_heads``, ``d_context``, ``rope``, ``bias``, ``norm_eps``, ``backend``, ``mlp``).
+            ``num_kv_heads``, ``d_context``, ``positions``, ``bias``, ``norm_eps``, ``backend``, ``mlp``).
 
     Example:
-        >>> dec = TransformerDecoder(2, 16, 2, rope=True)
+        >>> dec = TransformerDecoder(2, 16, 2, positions="rope")
         >>> caches = dec.new_cache(1, max_len=8)
         >>> with torch.no_grad():
         ...     _ = dec(torch.randn(1, 3, 16), caches=caches)

@@ -59,7 +59,7 @@ class Cache:
     """The interface every KV cache offers the attention modules (see the module docstring).
 
     A subclass holds ``keys``-like buffers of ``dtype`` on ``device`` and implements
-    :attr:`row_lengths`, :meth:`check_room`, :meth:`attend`, :meth:`reset`, :attr:`nbytes`
+    :attr:`row_lengths`, :meth:`check_room`, :meth:`extend`, :meth:`reset`, :attr:`nbytes`
     and :meth:`_snapshot`.
 
     Example:
@@ -92,21 +92,30 @@ class Cache:
         """``ValueError`` if ``num_new`` more positions per row do not fit; writes nothing."""
         raise NotImplementedError
 
-    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
-        """Store ``k_new``/``v_new`` and return ``attend(q, keys, values)`` over what ``q`` may see.
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store ``k_new``/``v_new`` and return the keys and values the new queries may see.
 
-        ``attend`` is the module's attention (its masks, causal or sliding-window, aligned
-        bottom-right on the keys it is given). A cache whose rows hold different lengths
-        (:class:`PagedKVCache`) gives it every row's keys right-padded to the longest and calls
-        ``attend(q, keys, values, key_lengths=lengths)`` with the ``(B,)`` int64 real key count
-        per row: the module then aligns its rule on each row's own length and masks the padding
-        (:func:`attnlab.masks.varlen_causal_mod`'s rule).
+        The third value is None when every row holds the same length; a cache whose rows differ
+        (:class:`PagedKVCache`) right-pads them to the longest and returns each row's real key
+        count ``(B,)`` int64, on which the module aligns its rule (:func:`attnlab.nn.multihead.causal_rule`).
+
+        Shapes:
+            k_new: ``(B, Hkv, T_new, D)``; v_new: ``(B, Hkv, T_new, Dv)`` -> keys ``(B, Hkv, L, D)``,
+            values ``(B, Hkv, L, Dv)``, lengths ``(B,)`` or None.
+        """
+        raise NotImplementedError
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
+        """:meth:`extend`, then ``attend(q, keys, values)`` (with ``key_lengths=`` for ragged rows).
 
         Shapes:
             q: ``(B, H, T_new, D)``; k_new: ``(B, Hkv, T_new, D)``; v_new: ``(B, Hkv, T_new, Dv)``
             -> ``(B, H, T_new, Dv)``.
         """
-        raise NotImplementedError
+        keys, values, lengths = self.extend(k_new, v_new)
+        if lengths is None:
+            return attend(q, keys, values)
+        return attend(q, keys, values, key_lengths=lengths)  # (B, H, T_new, Dv)
 
     @property
     def nbytes(self) -> int:
@@ -279,9 +288,8 @@ class KVCache(_BufferCache):
                 f"max_len={self.max_len}; create the cache with a larger max_len or reset() it"
             )
 
-    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
-        keys, values = self.update(k_new, v_new)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
-        return attend(q, keys, values)
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, None]:
+        return (*self.update(k_new, v_new), None)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
 
     def _snapshot(self, num_new: int) -> Callable[[], None]:
         return _Slots(self, num_new).restore
@@ -420,9 +428,8 @@ class WindowedKVCache(_BufferCache):
         self.length += num_new
         return keys, values
 
-    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
-        keys, values = self.update(k_new, v_new)
-        return attend(q, keys, values)
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, None]:
+        return (*self.update(k_new, v_new), None)
 
     def _snapshot(self, num_new: int) -> Callable[[], None]:
         length, slots = self.length, self._written_slots(max(0, num_new))
@@ -671,13 +678,10 @@ class PagedKVCache(Cache):
         ragged = None if len(set(lengths)) <= 1 else torch.tensor(lengths, dtype=torch.int64, device=self.device)
         return keys.transpose(1, 2), values.transpose(1, 2), ragged  # (B, Hkv, L_max, D), (B, Hkv, L_max, Dv)
 
-    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, attend: Attend) -> Tensor:
-        """One attention call for the whole batch over :meth:`padded` keys (see :meth:`Cache.attend`)."""
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Every row's keys over :meth:`padded` pages, for one call for the whole batch."""
         self.update(k_new, v_new, gather=False)
-        keys, values, lengths = self.padded()
-        if lengths is None:
-            return attend(q, keys, values)
-        return attend(q, keys, values, key_lengths=lengths)  # (B, H, T_new, Dv)
+        return self.padded()  # (B, Hkv, L_max, D), (B, Hkv, L_max, Dv), (B,) or None
 
     def release(self, row: int) -> None:
         """Give row ``row``'s pages back to the pool and empty it (its sequence is done).

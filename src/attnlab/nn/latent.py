@@ -39,8 +39,7 @@ from attnlab._checks import instance_of, positive_int, positive_number, probabil
 from attnlab.backends import check_backend_name
 from attnlab.nn.cache import Cache, _restore_on_error, new_positions
 from attnlab.nn.multihead import (_check_cache, _check_cache_options, _check_documents, _check_window,
-                                  _combine_masks, _rotate_at, _with_documents, attend_causal, make_cache,
-                                  rotate)
+                                  _combine_masks, _with_documents, attend_causal, make_cache)
 from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["LatentAttention"]
@@ -212,10 +211,10 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.project_latent(x)  # (B, T, dc), (B, 1, T, dr)
         if documents is not None:
             positions = _masks.document_positions(documents)  # (B|1, T)
-            q_rope, k_rope = _rotate_at(self.rope, q_rope, positions), _rotate_at(self.rope, k_rope, positions)
+            q_rope, k_rope = self.rope.at(q_rope, positions), self.rope.at(k_rope, positions)
         else:
             offset = new_positions(cache, T, device=x.device)
-            q_rope, k_rope = rotate(self.rope, q_rope, offset), rotate(self.rope, k_rope, offset)
+            q_rope, k_rope = self.rope.at(q_rope, offset), self.rope.at(k_rope, offset)
         keys = torch.cat([latent[:, None], k_rope], dim=-1)  # (B, 1, T, dc + dr): what the cache holds
         no_values = keys[..., :0]  # (B, 1, T, 0)
         w_uk, w_uv = self.up_weights()

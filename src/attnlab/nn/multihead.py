@@ -4,7 +4,7 @@ The module keeps the tutorials' constructor ``MultiHeadAttention(d_in, d_out,
 context_length, dropout_p, num_heads)`` (the tutorials' positional call) and grows into what a model needs: one fused Q/K/V
 projection, grouped-query and multi-query attention (``num_kv_heads``), cross-attention to a
 ``context`` of another width, padding masks, a KV cache for decoding, rotary embeddings, and
-interoperability with ``torch.nn.MultiheadAttention``.
+conversion to and from ``torch.nn.MultiheadAttention`` (:mod:`attnlab.nn.convert`).
 
 Masks follow attnlab's polarity everywhere: **True = may be attended**. ``padding_mask`` is
 True at real tokens. This is the opposite of ``torch.nn.MultiheadAttention``'s
@@ -27,7 +27,7 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error, new_positions
-from attnlab.nn.positional import RotaryEmbedding, apply_rotary
+from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
 
 __all__ = ["MultiHeadAttention"]
 
@@ -99,9 +99,6 @@ class MultiHeadAttention(nn.Module):
         vdim: width of the value input; defaults to ``kdim``. When it differs from ``kdim``
             pass the values' input as ``forward(..., value_input=...)``.
         out_bias: bias in ``out_proj``.
-        rope: rotary embeddings for self-attention: ``True`` (a
-            :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``), a
-            ``RotaryEmbedding``, or ``None``/``False``.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
         attention: the attention function part, with :func:`attnlab.attention`'s signature
             (the default). Every call of the module goes through it, so a wrapper swaps it to
@@ -115,9 +112,11 @@ class MultiHeadAttention(nn.Module):
             serves by skipping the blocks outside the band); a
             :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots is then the whole cache it
             needs (:meth:`new_cache` with ``windowed=True``). Needs ``causal=True``.
-        positions: ``"alibi"`` adds ALiBi to self-attention's scores (the paper's slopes per
-            head, causal or, for a non-causal module, symmetric; a KV cache's earlier tokens
-            keep their distances), or None. Not with ``rope``; with a cache, a :class:`KVCache`.
+        positions: the positions part of self-attention, or None. ``"rope"`` (or a
+            :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``) rotates queries and
+            keys; ``"alibi"`` (or an :class:`~attnlab.nn.positional.ALiBi` of ``num_heads``) adds
+            ALiBi to the scores (causal or, for a non-causal module, symmetric; a KV cache's
+            earlier tokens keep their distances; with a cache, a :class:`KVCache`).
         softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
         sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
             ``(num_heads,)`` initialised to 0: a key of value 0 that only takes probability mass.
@@ -129,7 +128,7 @@ class MultiHeadAttention(nn.Module):
         >>> mha = MultiHeadAttention(3, 2, 12, 0.0, 2)        # the tutorials' call
         >>> mha(torch.rand(2, 12, 3)).shape
         torch.Size([2, 12, 2])
-        >>> gqa = MultiHeadAttention(64, 64, num_heads=8, num_kv_heads=2, rope=True)
+        >>> gqa = MultiHeadAttention(64, 64, num_heads=8, num_kv_heads=2, positions="rope")
         >>> cache = gqa.new_cache(batch_size=1, max_len=16)
         >>> with torch.no_grad():
         ...     prefill = gqa(torch.randn(1, 5, 64), cache=cache)
@@ -155,10 +154,9 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         out_bias: bool = True,
-        rope: RotaryEmbedding | bool | None = None,
+        positions: str | RotaryEmbedding | ALiBi | None = None,
         backend: str = "auto",
         window: int | None = None,
-        positions: str | None = None,
         softcap: float | None = None,
         sinks: bool = False,
         attention: Callable = attention,
@@ -180,24 +178,35 @@ class MultiHeadAttention(nn.Module):
         self.fused = kdim == d_in and vdim == d_in
         self._make_projections(qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
-        self.rope = self._make_rope(rope)
-        self._make_score_options(positions, softcap, sinks)
+        self.positions = self._make_positions(positions)
+        self.softcap = None if softcap is None else positive_number("softcap", softcap)
+        instance_of("sinks", sinks, bool, "a bool")
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
         if not callable(attention):
             raise TypeError(f"attention must be a function with attnlab.attention's signature, got "
                             f"{type(attention).__name__}")
         self.attention = attention
 
-    def _make_score_options(self, positions: str | None, softcap: float | None, sinks: bool) -> None:
-        """ALiBi slopes (a buffer, not saved), the softcap and the sink logits (a parameter)."""
-        if positions is not None:
-            one_of("positions", positions, ("alibi",))
-            if self.rope is not None:
-                raise ValueError("positions='alibi' and rope are two position schemes; pick one")
-        slopes = _scores.alibi_slopes(self.num_heads) if positions == "alibi" else None
-        self.register_buffer("alibi_slopes", slopes, persistent=False)
-        self.softcap = None if softcap is None else positive_number("softcap", softcap)
-        instance_of("sinks", sinks, bool, "a bool")
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
+    def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
+        """The positions part from its name or as given (its sizes checked)."""
+        if isinstance(positions, str):
+            one_of("positions", positions, ("rope", "alibi"))
+            return RotaryEmbedding(self.head_dim) if positions == "rope" else ALiBi(self.num_heads)
+        if (positions is None or (isinstance(positions, RotaryEmbedding) and positions.head_dim == self.head_dim)
+                or (isinstance(positions, ALiBi) and positions.num_heads == self.num_heads)):
+            return positions
+        raise ValueError(f"positions must be None, 'rope', 'alibi', a RotaryEmbedding(head_dim={self.head_dim}) "
+                         f"or an ALiBi(num_heads={self.num_heads}); got {positions!r}")
+
+    @property
+    def rope(self) -> RotaryEmbedding | None:
+        """The positions part when it rotates queries and keys, else None."""
+        return self.positions if isinstance(self.positions, RotaryEmbedding) else None
+
+    @property
+    def alibi_slopes(self) -> Tensor | None:
+        """ALiBi's slopes ``(num_heads,)`` when the positions part is ALiBi, else None."""
+        return self.positions.slopes if isinstance(self.positions, ALiBi) else None
 
     def _score_mod(self, offset: int, cross: bool) -> _scores.ScoreMod | None:
         """The softcap, then ALiBi at query positions ``offset + i`` (self-attention only)."""
@@ -243,17 +252,6 @@ class MultiHeadAttention(nn.Module):
                 if bias is not None:
                     bound = 1.0 / math.sqrt(weight.shape[1])
                     nn.init.uniform_(bias, -bound, bound)
-
-    def _make_rope(self, rope: RotaryEmbedding | bool | None) -> RotaryEmbedding | None:
-        if rope is None or rope is False:
-            return None
-        if rope is True:
-            return RotaryEmbedding(self.head_dim)
-        if not isinstance(rope, RotaryEmbedding) or rope.head_dim != self.head_dim:
-            raise ValueError(
-                f"rope must be True, None or a RotaryEmbedding(head_dim={self.head_dim}); got {rope!r}"
-            )
-        return rope
 
     def projection(self, part: str) -> tuple[Tensor, Tensor | None]:
         """``(weight, bias)`` of the ``"query"``, ``"key"`` or ``"value"`` projection.
@@ -380,12 +378,15 @@ class MultiHeadAttention(nn.Module):
         """
         self._check_inputs(x, context, value_input)
         if (context is None and mask is None and padding_mask is None and cache is None and document_ids is None
-                and not return_weights and x.ndim == 3 and self.fused and self.rope is None
-                and self.window is None and self.softcap is None and self.alibi_slopes is None
+                and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
+                and self.window is None and self.softcap is None
                 and (self.context_length is None or x.shape[1] <= self.context_length)
                 and not getattr(self.attention, "shards", False)):
             B, T, _ = x.shape
             q, k, v = self.project_qkv(x)  # (B, H, T, hd), (B, Hkv, T, hd) x2
+            if self.positions is not None:  # rotary, positions 0 .. T - 1
+                cos, sin = self.positions.cos_sin(T, dtype=q.dtype, device=q.device)  # (T, hd/2)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = self.attention(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0,
                                  backend=self.backend, sinks=self.sinks)  # (B, H, T, hd)
             return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_out))  # (B, T, d_out)
@@ -402,15 +403,19 @@ class MultiHeadAttention(nn.Module):
             # Everything that can be checked is checked before the cache is written; the guard
             # puts the cache back if attention itself fails afterwards.
             with _restore_on_error([cache], x.shape[1]):
-                out, weights = self._attend(x, context, value_input, mask, padding_mask, cache,
-                                            return_weights, documents)
+                q, k, v, options = self._prepare(x, context, value_input, mask, padding_mask, cache,
+                                                 return_weights, documents)
+                result = self.attention(q, k, v, **options)  # (B, H, Tq, hd), weights (B, H, Tq, Tk)
+                out, weights = result if return_weights else (result, None)
+                out = self.out_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.d_out))  # (B, Tq, d_out)
         if unbatched:
             out, weights = out[0], None if weights is None else weights[0]
         return (out, weights) if return_weights else out
 
-    def _attend(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
-        """Batched forward with every option: ``(out, weights or None)``; may write ``cache``.
+    def _prepare(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
+        """Project, rotate and cache; ``(q, k, v, options)`` for the attention part (the module's rule).
 
+        Kept out of the call itself, so the part runs one frame below :meth:`forward`.
         ``documents``: ``(B|1, T)`` int64 document ids of a packed batch, or None."""
         B, Tq, _ = x.shape
         cached = 0 if cache is None else max(cache.row_lengths, default=0)
@@ -423,15 +428,14 @@ class MultiHeadAttention(nn.Module):
         alibi_offset = 0 if cache is None or self.alibi_slopes is None else cache.length  # a KVCache
         score_mod = self._score_mod(alibi_offset, context is not None)
         q, k, v = self._qkv(x, context, value_input, cache, documents)
-
-        def attend(q: Tensor, k: Tensor, v: Tensor, *, key_lengths: Tensor | None = None):
-            return self.attend_heads(q, k, v, mask=mask, self_attention=context is None,
-                                     return_weights=return_weights, score_mod=score_mod, key_lengths=key_lengths)
-
-        result = attend(q, k, v) if cache is None else cache.attend(q, k, v, attend)
-        context_vec = result[0] if return_weights else result  # (B, H, Tq, hd)
-        context_vec = context_vec.transpose(1, 2).reshape(B, Tq, self.d_out)  # (B, Tq, d_out)
-        return self.out_proj(context_vec), (result[1] if return_weights else None)
+        lengths = None
+        if cache is not None:
+            k, v, lengths = cache.extend(k, v)  # every key the new queries may see
+        own = context is None
+        k, v, rule = causal_rule(q, k, v, mask=mask, causal=self.causal and own, window=self.window if own else None,
+                                 key_lengths=lengths, keep_keys=return_weights or score_mod is not None)
+        return q, k, v, dict(rule, dropout_p=self.dropout_p if self.training else 0.0, backend=self.backend,
+                             return_weights=return_weights, score_mod=score_mod, sinks=self.sinks)
 
     def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, self_attention: bool = True,
                      return_weights: bool = False, scale: float | None = None, score_mod=None,
@@ -476,7 +480,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project_qkv(x)  # (B, H, T_local, hd), (B, Hkv, T_local, hd) x2
         positions = self.attention.positions(T, device=x.device)  # (T_local,) global positions
         if self.rope is not None:
-            q, k = _rotate_at(self.rope, q, positions[None]), _rotate_at(self.rope, k, positions[None])
+            q, k = self.rope.at(q, positions[None]), self.rope.at(k, positions[None])
         # A window is a mask mod over global positions: with top-left alignment and Tq == Tk its
         # offset is 0, whatever the length, so the part evaluates it at global positions.
         window = None if self.window is None else _masks.sliding_window_mod(T, T, self.window)
@@ -509,10 +513,10 @@ class MultiHeadAttention(nn.Module):
             return self.project_q(x), *self.project_kv(context, value_input)
         if self.rope is not None and documents is not None:
             positions = _masks.document_positions(documents)  # (B|1, T), 0 at each document start
-            q, k = _rotate_at(self.rope, q, positions), _rotate_at(self.rope, k, positions)
+            q, k = self.rope.at(q, positions), self.rope.at(k, positions)
         elif self.rope is not None:
             offset = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
-            q, k = rotate(self.rope, q, offset), rotate(self.rope, k, offset)
+            q, k = self.rope.at(q, offset), self.rope.at(k, offset)
         return q, k, v  # k, v: the new tokens' only; the cache adds what it holds
 
     def _check_inputs(self, x, context, value_input) -> None:
@@ -577,73 +581,6 @@ class MultiHeadAttention(nn.Module):
             + (f", window={self.window}" if self.window is not None else "")
         )
 
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
-        """An equivalent attnlab module built from a ``torch.nn.MultiheadAttention``.
-
-        The copy is non-causal (as torch's module is), has torch's ``kdim``/``vdim``, biases,
-        dropout, dtype and device, and the same weights. attnlab modules are always batch
-        first: for a torch module with ``batch_first=False`` transpose ``(T, B, C)`` inputs.
-        torch's ``key_padding_mask`` (True = ignore) becomes ``padding_mask=~key_padding_mask``,
-        and its ``key``/``value`` arguments become ``context=key, value_input=value``.
-
-        Raises:
-            TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
-            ValueError: it uses ``add_bias_kv`` or ``add_zero_attn`` (no attnlab equivalent).
-
-        Example:
-            >>> ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
-            >>> mha = MultiHeadAttention.from_torch(ref)
-            >>> x = torch.randn(2, 5, 8)
-            >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
-            True
-        """
-        if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
-        if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError("torch modules with add_bias_kv or add_zero_attn have no attnlab equivalent")
-        weight = module.out_proj.weight
-        new = cls(
-            module.embed_dim, module.embed_dim, None, module.dropout, module.num_heads,
-            qkv_bias=module.in_proj_bias is not None, causal=False, kdim=module.kdim,
-            vdim=module.vdim, out_bias=module.out_proj.bias is not None, backend=backend,
-        ).to(device=weight.device, dtype=weight.dtype)
-        _copy_projections(new, module, to_torch=False)
-        return new.train(module.training)
-
-    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An equivalent ``torch.nn.MultiheadAttention`` with the same weights.
-
-        torch's module has one ``bias`` switch: when only one of ``qkv_bias``/``out_bias`` is
-        set, the other bias is created as zeros (same outputs). torch's module is never causal
-        by itself: for a causal attnlab module pass ``attn_mask``/``is_causal`` when calling it.
-
-        Raises:
-            ValueError: ``d_in != d_out``, grouped-query heads, or rotary embeddings (torch's
-                module cannot express them).
-
-        Example:
-            >>> mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).eval()
-            >>> ref = mha.to_torch()
-            >>> x = torch.randn(2, 5, 8)
-            >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
-            True
-        """
-        if self.d_in != self.d_out or self.num_kv_heads != self.num_heads or self.rope is not None:
-            raise ValueError(
-                "torch.nn.MultiheadAttention needs d_in == d_out, num_kv_heads == num_heads and no "
-                f"rope; got d_in={self.d_in}, d_out={self.d_out}, num_kv_heads={self.num_kv_heads}, "
-                f"rope={self.rope is not None}"
-            )
-        weight = self.out_proj.weight
-        has_bias = self.in_proj_bias is not None or self.out_proj.bias is not None
-        module = nn.MultiheadAttention(
-            self.d_out, self.num_heads, dropout=self.dropout_p, bias=has_bias, kdim=self.kdim,
-            vdim=self.vdim, batch_first=batch_first, device=weight.device, dtype=weight.dtype,
-        )
-        _copy_projections(self, module, to_torch=True)
-        return module.train(self.training)
-
 
 def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
     """Add a batch axis of 1 to unbatched inputs (and masks)."""
@@ -665,20 +602,6 @@ def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
         padding_mask = padding_mask[None]  # (1, Tk)
     add = (lambda t: None if t is None else t[None])
     return add(x), add(context), add(value_input), mask, padding_mask
-
-
-def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *, to_torch: bool) -> None:
-    """Copy Q/K/V and output weights between the two layouts (they share names by design)."""
-    names = ["in_proj_weight"] if ours.fused else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
-    pairs = [(getattr(ours, n), getattr(theirs, n)) for n in names]
-    pairs += [(ours.in_proj_bias, theirs.in_proj_bias), (ours.out_proj.weight, theirs.out_proj.weight),
-              (ours.out_proj.bias, theirs.out_proj.bias)]
-    with torch.no_grad():
-        for mine, other in pairs:
-            source, target = (mine, other) if to_torch else (other, mine)
-            if target is None:
-                continue
-            target.copy_(torch.zeros_like(target) if source is None else source)
 
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
@@ -707,14 +630,32 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         >>> torch.allclose(padded, attend_causal(q, k[:, :, 1:3], k[:, :, 1:3]), atol=1e-6)
         True
     """
+    k, v, rule = causal_rule(q, k, v, mask=mask, causal=causal, window=window, key_lengths=key_lengths,
+                             keep_keys=return_weights or score_mod is not None)
+    return attend(q, k, v, **rule, scale=scale, dropout_p=dropout_p, backend=backend,
+                  return_weights=return_weights, score_mod=score_mod, sinks=sinks)
+
+
+def causal_rule(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
+                key_lengths: Tensor | None = None, keep_keys: bool = False) -> tuple[Tensor, Tensor, dict]:
+    """The rule of :func:`attend_causal` as ``(k, v, options)`` for the attention call (``mask``,
+    ``causal``, ``align``): a module computes it, then calls its attention part itself.
+
+    A window drops the keys no query sees unless ``keep_keys`` (weights or a score mod index
+    every key); with ``key_lengths`` the options hold one ``(B, 1, Tq, Tk)`` bool mask.
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4)
+        >>> k2, _, options = causal_rule(q, k, k, window=2)   # a decoding step: the last 2 keys
+        >>> k2.shape[-2], options
+        (2, {'mask': None, 'causal': True, 'align': 'bottom_right'})
+    """
     tq, tk = q.shape[-2], k.shape[-2]
     if key_lengths is not None:
         rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window)  # (B, 1, Tq, Tk)
-        return attend(q, k, v, mask=_masks.and_masks(mask, rows), scale=scale, dropout_p=dropout_p,
-                      backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks)
-    if window is not None and causal:  # a score mod (ALiBi) indexes key positions: keep every key
-        q, k, v, mask, window = _within_window(q, k, v, mask, window,
-                                               keep_keys=return_weights or score_mod is not None)
+        return k, v, {"mask": _masks.and_masks(mask, rows)}
+    if window is not None and causal:
+        q, k, v, mask, window = _within_window(q, k, v, mask, window, keep_keys=keep_keys)
         tk = k.shape[-2]
     align = "bottom_right" if causal and tk != tq else "top_left"
     if window is not None:
@@ -722,10 +663,7 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         if isinstance(mask, Tensor):
             band = _masks.materialize(band, tq=tq, tk=tk, batch=1, device=q.device)  # (1, 1, Tq, Tk)
         mask, causal = _masks.and_masks(mask, band), False  # the band is causal itself
-    return attend(  # a causal mask that blocks nothing (one decoding step) is dropped there
-        q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-        backend=backend, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
-    )
+    return k, v, {"mask": mask, "causal": causal, "align": align}  # a causal mask that blocks nothing is dropped there
 
 
 def _within_window(q, k, v, mask, window: int, *, keep_keys: bool):
@@ -809,17 +747,6 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
                    device=device)
 
 
-def rotate(rope: RotaryEmbedding, x: Tensor, positions: int | Tensor) -> Tensor:
-    """Rotate ``x`` ``(B, H, T, D)`` from an int offset, or at per-row ``(B, T)`` positions.
-
-    Example:
-        >>> rope, x = RotaryEmbedding(4), torch.randn(2, 1, 3, 4)
-        >>> torch.allclose(rotate(rope, x, 2), rotate(rope, x, torch.arange(2, 5).expand(2, 3)))
-        True
-    """
-    return rope(x, offset=positions) if isinstance(positions, int) else _rotate_at(rope, x, positions)
-
-
 def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads: int,
                  window: int | None = None) -> None:
     """The cache fits a self-attention call on ``x`` ``(B, T, d_in)``; the rest is update's."""
@@ -880,16 +807,6 @@ def _with_documents(mask, documents: Tensor, *, tq: int):
         return _masks.and_masks(mask, mod)
     dense = _masks.materialize(mod, tq=tq, tk=tq, batch=documents.shape[0], device=documents.device)
     return _masks.and_masks(mask, dense)  # (B|1, 1, T, T) with the user's dense mask
-
-
-def _rotate_at(rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
-    """Rotate ``x`` ``(B, H, T, D)`` with per-token ``positions`` ``(B|1, T)``."""
-    if not has_values(positions):  # meta: only the shapes matter, any table length serves
-        span = positions.shape[-1]
-    else:
-        span = int(positions.max()) + 1 if positions.numel() else 0
-    cos, sin = rope.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2): every position < span
-    return apply_rotary(x, cos[positions][:, None], sin[positions][:, None])  # (B|1, 1, T, D/2) per row
 
 
 def _check_padding_type(padding_mask: object) -> None:

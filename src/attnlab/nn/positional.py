@@ -31,6 +31,7 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
+    "ALiBi",
     "apply_rotary",
     "alibi_slopes",
     "alibi_bias",
@@ -248,8 +249,45 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(x.shape[-2], offset=offset, dtype=x.dtype, device=x.device)
         return apply_rotary(x, cos, sin)
 
+    def at(self, x: Tensor, positions: int | Tensor) -> Tensor:
+        """Rotate ``x`` ``(B, H, T, D)`` from an int offset, or at per-token ``(B|1, T)`` positions.
+
+        Example:
+            >>> rope, x = RotaryEmbedding(4), torch.randn(2, 1, 3, 4)
+            >>> torch.allclose(rope.at(x, 2), rope.at(x, torch.arange(2, 5).expand(2, 3)))
+            True
+        """
+        if isinstance(positions, int):
+            return self(x, offset=positions)
+        if not has_values(positions):  # meta: only the shapes matter, any table length serves
+            span = positions.shape[-1]
+        else:
+            span = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2)
+        return apply_rotary(x, cos[positions][:, None], sin[positions][:, None])  # (B|1, 1, T, D/2) per row
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
+
+
+class ALiBi(nn.Module):
+    """ALiBi as a module's positions part: per-head slopes (a buffer, not saved), no rotation.
+
+    :class:`~attnlab.nn.MultiHeadAttention` turns the slopes into a score mod
+    (:func:`attnlab.scores.alibi`) at the queries' positions, so no dense bias is built.
+
+    Example:
+        >>> ALiBi(4).slopes
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
 
 
 def alibi_bias(

@@ -1,0 +1,98 @@
+"""Conversion between :class:`~attnlab.nn.MultiHeadAttention` and ``torch.nn.MultiheadAttention``.
+
+The two share the projection parameters' names by design, so a conversion copies them one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab.nn.multihead import MultiHeadAttention
+
+__all__ = ["from_torch", "to_torch"]
+
+
+def from_torch(module: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
+    """An equivalent attnlab module built from a ``torch.nn.MultiheadAttention``.
+
+    The copy is non-causal (as torch's module is), has torch's ``kdim``/``vdim``, biases,
+    dropout, dtype and device, and the same weights. attnlab modules are always batch
+    first: for a torch module with ``batch_first=False`` transpose ``(T, B, C)`` inputs.
+    torch's ``key_padding_mask`` (True = ignore) becomes ``padding_mask=~key_padding_mask``,
+    and its ``key``/``value`` arguments become ``context=key, value_input=value``.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
+        ValueError: it uses ``add_bias_kv`` or ``add_zero_attn`` (no attnlab equivalent).
+
+    Example:
+        >>> ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+        >>> mha = from_torch(ref)
+        >>> x = torch.randn(2, 5, 8)
+        >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
+        True
+    """
+    if not isinstance(module, nn.MultiheadAttention):
+        raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise ValueError("torch modules with add_bias_kv or add_zero_attn have no attnlab equivalent")
+    weight = module.out_proj.weight
+    new = MultiHeadAttention(
+        module.embed_dim, module.embed_dim, None, module.dropout, module.num_heads,
+        qkv_bias=module.in_proj_bias is not None, causal=False, kdim=module.kdim,
+        vdim=module.vdim, out_bias=module.out_proj.bias is not None, backend=backend,
+    ).to(device=weight.device, dtype=weight.dtype)
+    _copy_projections(new, module, to_torch=False)
+    return new.train(module.training)
+
+
+def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    """An equivalent ``torch.nn.MultiheadAttention`` with the same weights.
+
+    torch's module has one ``bias`` switch: when only one of ``qkv_bias``/``out_bias`` is
+    set, the other bias is created as zeros (same outputs). torch's module is never causal
+    by itself: for a causal attnlab module pass ``attn_mask``/``is_causal`` when calling it.
+
+    Raises:
+        TypeError: ``mha`` is not a :class:`~attnlab.nn.MultiHeadAttention`.
+        ValueError: ``d_in != d_out``, grouped-query heads, or a positions part (torch's
+            module cannot express them).
+
+    Example:
+        >>> mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).eval()
+        >>> ref = to_torch(mha)
+        >>> x = torch.randn(2, 5, 8)
+        >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)
+        True
+    """
+    if not isinstance(mha, MultiHeadAttention):
+        raise TypeError(f"mha must be an attnlab MultiHeadAttention, got {type(mha).__name__}")
+    if mha.d_in != mha.d_out or mha.num_kv_heads != mha.num_heads or mha.positions is not None:
+        raise ValueError(
+            "torch.nn.MultiheadAttention needs d_in == d_out, num_kv_heads == num_heads and no "
+            f"positions part; got d_in={mha.d_in}, d_out={mha.d_out}, num_kv_heads={mha.num_kv_heads}, "
+            f"positions={mha.positions!r}"
+        )
+    weight = mha.out_proj.weight
+    has_bias = mha.in_proj_bias is not None or mha.out_proj.bias is not None
+    module = nn.MultiheadAttention(
+        mha.d_out, mha.num_heads, dropout=mha.dropout_p, bias=has_bias, kdim=mha.kdim,
+        vdim=mha.vdim, batch_first=batch_first, device=weight.device, dtype=weight.dtype,
+    )
+    _copy_projections(mha, module, to_torch=True)
+    return module.train(mha.training)
+
+
+def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *, to_torch: bool) -> None:
+    """Copy Q/K/V and output weights between the two layouts (they share names by design)."""
+    names = ["in_proj_weight"] if ours.fused else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    pairs = [(getattr(ours, n), getattr(theirs, n)) for n in names]
+    pairs += [(ours.in_proj_bias, theirs.in_proj_bias), (ours.out_proj.weight, theirs.out_proj.weight),
+              (ours.out_proj.bias, theirs.out_proj.bias)]
+    with torch.no_grad():
+        for mine, other in pairs:
+            source, target = (mine, other) if to_torch else (other, mine)
+            if target is None:
+                continue
+            target.copy_(torch.zeros_like(target) if source is None else source)
