@@ -36,9 +36,9 @@ class AttentionCall:
         q: queries ``(B, Hq, Tq, D)``.
         k: keys ``(B, Hkv, Tk, D)``; ``Hq`` is a multiple of ``Hkv`` (grouped-query).
         v: values ``(B, Hkv, Tk, Dv)``.
-        mask: ``None``, a bool/float tensor that broadcasts to ``(B, Hq, Tq, Tk)`` (every dim is
-            1 or full size, always 4-D), or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
-        causal: whether the causal mask is ANDed with ``mask``.
+        mask: the call's mask as one value, of the kind ``mask_kind`` names (see below).
+        causal_offset: None, or the causal part of the mask: query ``i`` sees keys
+            ``j <= i + causal_offset`` (the alignment folded in).
         align: ``"top_left"`` or ``"bottom_right"`` causal alignment.
         scale: multiplier of ``q @ k^T``.
         dropout_p: probability of dropping an attention weight.
@@ -53,20 +53,29 @@ class AttentionCall:
             ``(B|1, Hq|1, Tq)`` per query (:func:`attnlab.scores.sink_logits` views both as
             ``(B|1, Hq|1, Tq|1)``), or None.
 
+    The mask is one value, normalised by :func:`build_call`; backends switch on ``mask_kind``:
+
+    ============  ===========================================  ======================
+    mask_kind     mask                                          causal_offset
+    ============  ===========================================  ======================
+    ``none``      None                                          None
+    ``causal``    None                                          int
+    ``bool``      bool tensor ``(B|1, Hq|1, Tq|1, Tk|1)``       None, or int: ANDed
+    ``float``     float tensor, added to the scores             None, or int: ANDed
+    ``mod``       a mask mod, causal already ANDed into it      int if it holds causal
+    ``prepared``  a :class:`~attnlab.masks.PreparedMask`        None (in the mask)
+    ============  ===========================================  ======================
+
     Derived once, when the call is made (plain fields, read freely): the sizes ``batch``,
     ``q_heads``, ``kv_heads``, ``tq``, ``tk``, ``head_dim``, ``value_dim``; ``dtype``, ``device``;
-    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); and the
-    call's mask as one value that backends switch on: ``mask_kind`` (``"none"``, ``"bool"``,
-    ``"float"`` or ``"mod"``: a mask mod or a :class:`~attnlab.masks.PreparedMask`), ``mask``,
-    ``causal`` and ``causal_offset`` (query ``i`` sees keys ``j <= i + causal_offset``: the
-    alignment folded in).
+    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); ``mask_kind``.
     """
 
     q: Tensor
     k: Tensor
     v: Tensor
     mask: Tensor | Callable | None
-    causal: bool
+    causal_offset: int | None
     align: str
     scale: float
     dropout_p: float
@@ -90,12 +99,10 @@ class AttentionCall:
     device: torch.device = field(init=False)
     requires_grad: bool = field(init=False)
     mask_kind: str = field(init=False)
-    causal_offset: int = field(init=False)
 
     def __post_init__(self) -> None:
         q, k, v, mask, mod, sinks = self.q, self.k, self.v, self.mask, self.score_mod, self.sinks
-        kind = "none" if mask is None else ("mod" if not isinstance(mask, Tensor)
-                                            else "bool" if mask.dtype == torch.bool else "float")
+        kind = _mask_kind(mask, self.causal_offset)
         # A backward pass may follow when grad mode is on and an input of the call wants one.
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
@@ -104,8 +111,7 @@ class AttentionCall:
         tq, tk = q.shape[2], k.shape[2]
         values = dict(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], tq=tq, tk=tk,
                       head_dim=q.shape[3], value_dim=v.shape[3], dtype=q.dtype, device=q.device,
-                      requires_grad=grad, mask_kind=kind,
-                      causal_offset=tk - tq if self.align == "bottom_right" else 0)
+                      requires_grad=grad, mask_kind=kind)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -125,13 +131,10 @@ class AttentionCall:
         return self._memo[key]
 
     def mask_mod(self) -> Callable | None:
-        """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
-        parts = []
-        if self.causal:
-            parts.append(_masks.CausalMod(self.causal_offset))
-        if self.mask_kind == "mod":
-            parts.append(self.mask)
-        return _masks.and_masks(*parts)
+        """Every mask of the call but a dense tensor, as one mask mod; None when there is none."""
+        if self.mask_kind in ("mod", "prepared"):
+            return self.mask
+        return None if self.causal_offset is None else _masks.CausalMod(self.causal_offset)
 
     def allowed(self) -> Tensor | None:
         """Dense bool mask of attendable positions, broadcastable to ``(B, Hq, Tq, Tk)``.
@@ -158,6 +161,15 @@ class AttentionCall:
     def bias(self) -> Tensor | None:
         """The float (additive) mask, broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
         return self.mask if self.mask_kind == "float" else None
+
+
+def _mask_kind(mask: object, causal_offset: int | None) -> str:
+    """The kind of a normalised mask value (the table of :class:`AttentionCall`)."""
+    if mask is None:
+        return "none" if causal_offset is None else "causal"
+    if isinstance(mask, Tensor):
+        return "bool" if mask.dtype == torch.bool else "float"
+    return "prepared" if type(mask) is _masks.PreparedMask else "mod"
 
 
 def _check_tensor(name: str, value: object) -> Tensor:
@@ -355,6 +367,13 @@ def _check_generator(generator: object, device: torch.device) -> None:
         )
 
 
+def _causal_offset(causal: bool, align: str, tq: int, tk: int) -> int | None:
+    """The causal part's offset (query ``i`` sees keys ``j <= i + offset``), or None when
+    ``causal`` is off or blocks no key (e.g. one new token over a KV cache)."""
+    offset = tk - tq if align == "bottom_right" else 0
+    return offset if causal and offset < tk - 1 else None
+
+
 def build_call(
     q: Tensor,
     k: Tensor,
@@ -387,9 +406,9 @@ def build_call(
     _check_options(causal, align, scale, dropout_p)
     _check_generator(generator, q.device)
     norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
-    tq, tk = q.shape[-2], k.shape[-2]
-    if causal and (tk - tq if align == "bottom_right" else 0) >= tk - 1:
-        causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
+    offset = _causal_offset(causal, align, q.shape[-2], k.shape[-2])
+    if offset is not None and norm_mask is not None and not isinstance(norm_mask, Tensor):
+        norm_mask = _masks.and_masks(_masks.CausalMod(offset), norm_mask)  # one mod: its bounds hold both
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q4 = _to_4d(q, batch)
     mod = _check_score_mod(score_mod, q4, k.shape[-2])
@@ -399,7 +418,7 @@ def build_call(
         k=_to_4d(k, batch),
         v=_to_4d(v, batch),
         mask=norm_mask,
-        causal=causal,
+        causal_offset=offset,
         align=align,
         scale=scale,
         dropout_p=float(dropout_p),

@@ -765,10 +765,9 @@ class BlocksBackend(Backend):
         if call.mask_kind in ("bool", "float"):
             return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
                     "mask declares none (pass a mask mod from attnlab.masks)"]
-        mod = call.mask_mod()
-        if mod is None:
+        if call.mask_kind == "none":
             return ["blocks has nothing to skip without a mask mod or causal (sdpa runs it densely)"]
-        if _bounds_missing(mod, call.tq):
+        if _bounds_missing(call.mask_mod(), call.tq):
             return ["blocks cannot skip: the mask mod declares no kv_bounds (a plain function, or "
                     "an or-combination with such a part), so every key block is reachable"]
         return []

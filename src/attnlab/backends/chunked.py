@@ -599,8 +599,6 @@ def _estimated_seconds(call: AttentionCall) -> float:
     flops = 2 * call.batch * call.q_heads * keys * (call.head_dim + call.value_dim)
     seconds = flops / rates["forward_flops_per_s"] + tiles * rates["seconds_per_tile"]
     seconds *= rates["mask_factor"][call.mask_kind]
-    if call.causal and call.mask_kind == "none":
-        seconds *= rates["causal_factor"]
     if call.dropout_p > 0.0:
         seconds *= rates["dropout_factor"]
     return seconds * (rates["forward_backward_factor"] if call.requires_grad else 1.0)

@@ -168,10 +168,10 @@ class ScoreThenBias:
 def _direct_mod(call: AttentionCall):
     """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, a
     tensor mask, or a mod of the user's own (those go through the dense bias, see the module doc)."""
-    if call.mask_kind not in ("none", "mod"):
+    if call.mask_kind not in ("causal", "mod", "prepared"):
         return None
     mod = call.mask_mod()
-    return mod if mod is not None and _masks.has_row_ranges(mod) else None
+    return mod if _masks.has_row_ranges(mod) else None
 
 
 def _mask_path(call: AttentionCall) -> str | None:
@@ -179,7 +179,7 @@ def _mask_path(call: AttentionCall) -> str | None:
     O(T)), ``"dense"`` (:class:`BiasScoreMod`, O(Tq*Tk)) or None (nothing is masked)."""
     if _direct_mod(call) is not None:
         return "rows"
-    return "dense" if call.mask_kind != "none" or call.causal else None
+    return None if call.mask_kind == "none" else "dense"
 
 
 def _block_mask_of(prepared: _masks.PreparedMask, call: AttentionCall):

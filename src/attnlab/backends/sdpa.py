@@ -152,19 +152,17 @@ def _sink_key(call: AttentionCall) -> bool:
 
 
 def _mask_source(call: AttentionCall) -> str:
-    if call.score_mod is not None:
-        # A bias tensor the caller holds reaches SDPA as it is (added to their mask, if any).
-        held = isinstance(call.score_mod, _scores.Bias) and not call.causal and call.mask_kind != "mod"
+    """How the call's mask reaches SDPA: ``"none"``, ``"is_causal"``, ``"user"`` (the caller's
+    tensor as it is) or ``"materialised"`` (a dense mask built per call)."""
+    kind, alone = call.mask_kind, call.causal_offset is None
+    if call.score_mod is not None:  # a bias tensor the caller holds reaches SDPA as it is
+        held = isinstance(call.score_mod, _scores.Bias) and alone and kind in ("none", "bool", "float")
         return "user" if held else "materialised"
-    if _sink_key(call) and call.causal:
-        return "materialised"  # is_causal takes no attn_mask, and the sink's column needs one
-    if call.mask_kind == "none":
-        if not call.causal:
-            return "none"
-        return "is_causal" if call.causal_offset == 0 else "materialised"
-    if call.mask_kind in ("bool", "float") and not call.causal:
-        return "user"
-    return "materialised"
+    if kind == "none":
+        return "none"
+    if kind == "causal":  # is_causal takes no attn_mask, which the sinks' column needs
+        return "is_causal" if call.causal_offset == 0 and not _sink_key(call) else "materialised"
+    return "user" if kind in ("bool", "float") and alone else "materialised"
 
 
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
