@@ -1,51 +1,20 @@
 """The ``blocks`` backend: masked attention at the fused dense kernel's speed.
 
-For a call whose mask mod declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, sliding
-window, documents, prefix-LM, chunked-local and their combinations), the queries are cut into
-blocks (64, 128 or 256 queries, whichever the cost model expects to be fastest) and each block
-attends only the keys it can reach, with PyTorch's fused CPU flash kernel (the one behind
-``scaled_dot_product_attention``). A block's keys become pieces: a fully visible run (no mask),
-a causal diagonal (the kernel's own ``is_causal``) or a partly visible part (a small additive
-mask). The work is the visited tiles, not ``Tq * Tk``.
+For a mask mod that declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, windows,
+documents, prefix-LM, chunked-local, ANDs of them), queries are cut into blocks of 64, 128 or
+256 (:func:`choose_block`) and each block attends only the keys it can reach, on PyTorch's fused
+CPU flash kernel. A block's keys become pieces: a fully visible run, a causal diagonal (the
+kernel's ``is_causal``) or a partly visible part (a small additive mask). Pieces of one shape
+run as one kernel call over strided views stacked along the batch axis ``(n, B*Hq, bq, D)``,
+and a block's pieces merge by their log-sum-exp (:mod:`attnlab.backends._lse`). The backward
+pass is the kernel's own, once per group. The work is the visited tiles, not ``Tq * Tk``.
 
-Pieces of different blocks with the same query length, key length and mask (every interior
-block of a sliding window, every causal diagonal) run as ONE kernel call: their query blocks
-and key spans are strided views of q, k and v stacked along the batch axis ``(n, B*Hq, bq, D)``
-(overlapping key windows are only read, never copied), so a sliding window makes a handful of
-calls at any length. Outputs of a block's pieces are merged by their log-sum-exp in place.
-
-Forward and backward both call the fused kernel (its ``_for_cpu`` op and that op's backward),
-so the backward pass is the kernel's own, once per group, with the key gradients of the
-overlapping spans added back into ``dk``/``dv``. The kernel's row log-sum-exp comes for free
-and is returned (``-inf`` on rows with nothing to attend). Plans (the evaluated mask, grouped)
-are cached per mask and sizes for attnlab's own mods.
-
-The contract (``docs/design.md``) is kept exactly, or the call is declined:
-
-* a query row with no attendable key gets zeros and zero gradient: it runs with a harmless
-  all-visible mask row, its output is zeroed and its output gradient is zeroed before the
-  kernel's backward (so it adds nothing to ``dk``/``dv``);
-* keys outside a block's span are never read, keys inside it that are masked get weight 0;
-* a query row holding NaN gives a NaN row (one value-free ``where``; the merged pieces would
-  give zeros, which would pass for a fully masked row); dropout, dense masks and bounds-less
-  mods are declined;
-* grouped-query attention uses the kernel's own grouping (query head ``b*Hq + h`` of the
-  stacked view reads key/value head ``b*Hkv + h // G``), so keys and values are never repeated;
-* ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact;
-* a scale <= 0, or any scale when a backward pass will run, is folded into q (the kernel
-  scales its causal ``-inf`` fill, and its backward recomputes the scores with a different
-  rounding; fp16/bf16 fold only a sign or 0, exactly; see :func:`attnlab._math.kernel_scales`);
-* an additive score mod (ALiBi, T5's relative bias, a bias tensor and their sums) enters each
-  run's mask as the mod's term on the run's tile, evaluated on every call from the mod's
-  tensors (the plan holds no value of them): one tile for the whole run when the term depends
-  only on ``kv_idx - q_idx`` and the pieces step queries and keys alike, else one per piece,
-  so memory stays one run's visited scores. Its tensors' gradients come from each run's
-  ``dS = P * (dP - D)`` (two more matmuls per run, only when they require grad). Softcap and a
-  user's function are not additive and are declined;
-* sinks (per head or per query) join after the merge: ``lse' = logaddexp(lse, sink)``,
-  ``out' = out * exp(lse - lse')``; the kernel's backward with ``out'`` and ``lse'`` is exact for
-  the real keys, and a row's sink gradient is ``-exp(sink - lse') * rowsum(dO * out')``, summed
-  over what the sinks broadcast over.
+The contract (docs/contract.md) is kept exactly, or the call is declined: empty rows are zeros
+with zero gradient, keys outside a block's span are never read, NaN query rows stay NaN,
+grouped-query heads use the kernel's grouping (nothing repeated), ``Dv != D`` is zero-padded,
+the scale is folded into q as :func:`attnlab._math.kernel_scales` says, an additive score mod
+enters each run's mask (its gradient from ``dS``), and sinks fold in after the merge. Dropout,
+dense masks, bounds-less mods and non-additive score mods are declined.
 
 Example:
     >>> import torch, attnlab
@@ -80,10 +49,8 @@ from attnlab.scores import ScoreMod, additive_term, sink_logits
 __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
 
-# Queries per block that the cost model chooses from (:func:`choose_block`). Smaller blocks
-# visit fewer masked-out keys but the kernel runs slower on them: at T=8192 (B=1 H=8 D=64 fp32,
-# 2 threads) a 256-key window's forward took 58/67/78 ms with 64/128/256 and its forward+backward
-# 292/272/288 ms; 8 packed documents 104/-/93 ms and 571/416/376 ms.
+# Queries per block that the cost model chooses from (:func:`choose_block`): smaller blocks
+# visit fewer masked-out keys, larger ones run the kernel faster.
 BLOCK_SIZES = (64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -194,10 +161,8 @@ def _rows(t: Tensor, call: AttentionCall) -> Tensor:
 
 
 # A run of at least this many keys that every query of a block sees is given its own, unmasked
-# piece. A masked score costs the kernel only ~10% more than an unmasked one (256 x 512 and
-# 8192 x 8192, fp32), while a split adds a kernel call and an lse merge: at T=8192 a 256-key
-# window forward with 64-query blocks took 102 ms split at 32 keys vs 58 ms unsplit, 8 packed
-# documents 104 ms split at 512 vs 93 ms unsplit (blocks of 256).
+# piece: a masked score costs the kernel little more than an unmasked one, while a split adds a
+# kernel call and an lse merge.
 _MIN_FULL_RUN = 1024
 
 

@@ -1,30 +1,16 @@
 """The chunked backend: FlashAttention's algorithm written in PyTorch, O(T) memory, any mask.
 
-Queries and keys are cut into tiles. For each block of queries the tiles of keys are visited
-one at a time with an *online softmax*: a running row maximum ``m``, a running sum of
-exponentials ``l`` and a running weighted sum of values ``acc``, rescaled whenever the maximum
-grows. The score matrix never exists at full size; forward keeps ``O(T·D)`` plus one tile.
-
-The backward pass is FlashAttention-2's: the forward pass saves only q, k, v, the output and
-the row log-sum-exp ``lse`` (kept as the row's max and the log of its sum: ``max + log(sum)``
-rounds to the max when the max is huge, e.g. a float mask row at ``finfo.min``); backward
-recomputes each tile's probabilities ``P = exp(S - lse)`` and accumulates, with
-``D_i = rowsum(dO * O)``::
+Query blocks visit key tiles one at a time with an *online softmax* (a running row max, sum
+and weighted sum of values), so the score matrix never exists at full size: O(T·D) plus one
+tile. The backward pass is FlashAttention-2's, from q, k, v, the output and the row
+log-sum-exp (kept as max and log-sum, exact at a row held at ``finfo.min``)::
 
     dV += P^T dO        dS = P * (dO V^T - D_i)        dQ += dS K * scale      dK += dS^T Q * scale
 
-Tiles that no query may attend are skipped, both ways: whole key ranges from the mask mod's
-``kv_bounds`` (causal, sliding window and their combinations) and, tile by tile, any tile whose
-combined mask (mask mod, bool mask, ``-inf`` entries of a float mask) allows nothing.
-
-Dropout draws one seed per call from the call's generator and derives every kept/dropped bit
-from a hash of ``(seed, batch*head, query, key)``, so the mask does not depend on the tiling
-and the backward pass regenerates exactly the forward pass's mask (see :func:`dropout_keep`).
-
-Performance note: each tile is a few dozen small PyTorch ops, each a parallel region of the
-intra-op thread pool. On an oversubscribed CPU (more busy threads than cores) every region waits
-for a descheduled thread and the backend can slow down ten-fold or more; there,
-``torch.set_num_threads(1)`` is faster. Fused kernels (``sdpa``) do not have this problem.
+Tiles no query may attend are skipped both ways: key ranges from the mask mod's ``kv_bounds``
+and any tile whose combined mask allows nothing. Dropout bits are a hash of
+``(seed, batch*head, query, key)``, independent of the tiling (:func:`dropout_keep`). Each tile
+is a few dozen small ops: on an oversubscribed CPU set ``torch.set_num_threads(1)``.
 
 Example:
     >>> import torch
