@@ -79,3 +79,25 @@ def test_the_mask_is_one_value_normalised_at_the_entry():
     assert mod.mask_mod() is mod.mask and torch.equal(mod.allowed()[0, 0], want[0, 0])
     # a causal mask that blocks no key is no causal part
     assert build_call(q[:, :, :1], k, k, causal=True, align="bottom_right").mask_kind == "none"
+
+
+def test_backends_decide_from_the_mask_kind():
+    from attnlab.backends import flex, sdpa
+
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+    window = masks.sliding_window_mod(4, 6, window=2)
+    pad = torch.rand(1, 1, 1, 6) > 0.3
+    cases = {  # options: (sdpa's mask source, flex's mask path)
+        (): ("none", None),
+        (("causal", True),): ("is_causal", "rows"),
+        (("causal", True), ("align", "bottom_right")): ("materialised", "rows"),
+        (("mask", pad),): ("user", "dense"),
+        (("mask", pad), ("causal", True)): ("materialised", "dense"),
+        (("mask", window),): ("materialised", "rows"),
+        (("mask", window), ("causal", True)): ("materialised", "rows"),
+        (("mask", lambda b, h, i, j: i >= j),): ("materialised", "dense"),
+        (("mask", masks.prepare(window, tq=4, tk=6)),): ("materialised", "rows"),
+    }
+    for options, want in cases.items():
+        call = build_call(q, k, k, **dict(options))
+        assert (sdpa.sdpa_plan(call).mask_source, flex._mask_path(call)) == want, (options, call.mask_kind)

@@ -121,12 +121,9 @@ class _Run:
     both are strided views of q/k/v, so nothing is copied (:func:`_blocks`).
 
     mask: additive 0/-inf ``(1, B*Hq|1, bq, keys)`` shared by the n pieces, or None.
-    causal: the kernel's own causal masking (``keys == bq``, key ``c`` seen by row ``r`` iff
-        ``c <= r``): no mask tensor to build or add (at these sizes the kernel still visits
-        the whole square; 256 x 256 ran as fast causal as unmasked).
-    dead: ``(1, B*Hq|1, bq)`` rows that see no key of the piece, or None. They run with a
-        harmless all-visible mask row; their output and lse are dropped from the merge and
-        their output gradient is zeroed (so they add nothing to dq/dk/dv).
+    causal: the kernel's own causal masking (``keys == bq``): no mask tensor to build.
+    dead: ``(1, B*Hq|1, bq)`` rows that see no key of the piece, or None: run all-visible,
+        dropped from the merge, their output gradient zeroed.
     first: no earlier run wrote these query blocks, so the merge is a copy.
     """
 
@@ -496,20 +493,11 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     """dq, dk, dv of the Function's inputs q, k, v from the output gradient ``d_out``, then the
     sinks' gradient and each score-mod tensor's (None where not needed).
 
-    ``out`` and ``lse`` include the sinks, so the kernel's backward with them is exact for the
-    real keys. The sink's own gradient is ``-p_sink * D_i`` per row, summed to the sinks' shape, with
-    ``D_i = rowsum(dO * O)`` (its value is 0); a score-mod tensor's is the scores' gradient
-    ``dS = P * (dP - D_i)`` of each run (:func:`_score_gradient`) carried back through the
-    run's tile of the mod's term (:func:`_bias_tile`) by autograd. With fp16/bf16 inputs the
-    kernel's out is rounded to their dtype, and ``D_i`` from it would carry each row's rounding
-    into every score's gradient (ALiBi's slope multiplies it by the distance): there ``D_i``
-    is summed as ``rowsum(P * dP)`` over the runs first (:func:`_consistent_delta`), one more
-    pass over the scores, taken only for those gradients.
-
-    The gradients are written into buffers made from ``d_out`` and cut with ``narrow`` (indexing
-    a whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
-    maps this function with over a batch of output gradients, has no rule for ``alias`` and none
-    for writing a batched tensor into one that is not.
+    ``out`` and ``lse`` include the sinks, so the kernel's backward is exact for the real keys;
+    the sinks' gradient is ``-p_sink * D_i`` per row, a score-mod tensor's comes from each run's
+    ``dS = P * (dP - D_i)`` through its tile of the mod's term. With fp16/bf16 inputs ``D_i`` is
+    summed from the scores (:func:`_consistent_delta`), not from the rounded ``out``. Buffers are
+    cut with ``narrow`` (not indexing, ``aten::alias``) so that batched gradcheck's vmap applies.
     """
     q, k, v = _kernel_inputs(plan, *inputs)
     D, Dv, W = inputs[0].shape[-1], inputs[2].shape[-1], k.shape[-1]
@@ -639,9 +627,8 @@ def blocks_gradients(call: AttentionCall, *, out: Tensor, lse: Tensor, d_out: Te
     """Gradients of ``call.q``, ``call.k``, ``call.v`` from ``d_out``, given ``out`` and ``lse``
     (the twin of :func:`attnlab.backends.chunked.chunked_gradients`).
 
-    ``out`` and ``lse`` may be those of a larger computation this call is one piece of (a ring
-    step's global rows), as long as they cover the call's queries. For calls without a score
-    mod or sinks.
+    ``out`` and ``lse`` may be a larger computation's (a ring step's global rows). For calls
+    without a score mod or sinks.
 
     Shapes:
         out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out like out -> dq, dk, dv like q, k, v.

@@ -96,11 +96,8 @@ def dropout_keep(
 ) -> Tensor:
     """Which attention weights dropout keeps, as a pure function of the seed and the indices.
 
-    Rows ``(b, h, i)`` and columns ``j`` get independent 32-bit hashes (of the seed, ``b * heads
-    + h`` and ``i``; of ``j``); the bit for ``(b, h, i, j)`` mixes the two once more and compares
-    the result with ``p * 2**32``. It is kept with probability ``1 - p``, independently of how
-    the score matrix is tiled, so ``q_idx = arange(Tq)`` and ``kv_idx = arange(Tk)`` give the
-    full mask a chunked call with that seed uses.
+    A 32-bit hash of ``(seed, b * heads + h, i)`` mixed with one of ``j``, compared with
+    ``p * 2**32``: independent of the tiling, so full index ranges give the call's whole mask.
 
     Args:
         seed: the call's seed from :func:`draw_dropout_seed`.
@@ -309,16 +306,9 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     """FlashAttention-2 backward by recomputation; grads in the accumulation dtype.
 
     Returns dq, dk, dv, the float mask's gradient, the sinks' gradient per row ``(B, Hq, Tq)``
-    and a list with the gradient of each score-mod tensor (None where not needed). With sinks,
-    ``lse`` includes them, so ``P = exp(S - lse)`` is already each key's share; a row's sink
-    gradient is ``-p_sink * D_i`` (its value is 0), summed to the sinks' shape by the caller. A score mod is differentiated tile by
-    tile (:func:`_through_mod`).
-
-    The gradients accumulate in place into buffers made from ``d_out``, every in-place update
-    writes into a tensor computed from ``d_out``, and rows are cut with ``narrow`` (indexing a
-    whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
-    maps this function with over a batch of output gradients, has no rule for ``alias`` and none
-    for writing a batched tensor into one that is not.
+    (``-p_sink * D_i``; ``lse`` includes the sinks) and each score-mod tensor's gradient (None
+    where not needed; tile by tile, :func:`_through_mod`). Buffers come from ``d_out`` and rows
+    are cut with ``narrow``, so that batched gradcheck's vmap applies.
     """
     q, k, v, out, lse = saved
     bias = masks.bias
@@ -474,10 +464,8 @@ def chunked_gradients(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``call.q``, ``call.k``, ``call.v`` from ``d_out``, given ``out`` and ``lse``.
 
-    The FlashAttention-2 backward, tile by tile. ``out`` and ``lse`` may be those of a larger
-    attention that ``call`` is one key block of (ring attention): with the global ``out`` and
-    ``lse`` of the query rows, the result is exactly this key block's share of the gradient
-    (``dq`` summed over blocks, ``dk``/``dv`` of this block's keys).
+    The FlashAttention-2 backward, tile by tile. With a larger attention's ``out`` and ``lse``
+    (ring attention's global rows) it gives this key block's share of the gradients.
 
     Shapes:
         out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out ``(B, Hq, Tq, Dv)`` ->
