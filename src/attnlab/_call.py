@@ -264,12 +264,8 @@ def batch_shape(q: Tensor, k: Tensor, v: Tensor) -> tuple | None:
 
 
 def _check_sizes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Refuse the empty sizes that have no meaning; empty batches and sequences are legal.
-
-    B, Tq or Tk of 0 give an empty (or zero) output. D of 0 would make the default scale
-    ``1/sqrt(D)`` a division by zero, and a head count or Dv of 0 is always a slicing mistake
-    (no backend can produce anything from it), so they are errors.
-    """
+    """Refuse a head dim, value dim or head count of 0 (a slicing mistake; ``1/sqrt(0)``);
+    B, Tq or Tk of 0 are legal and give an empty (or zero) output."""
     if q.shape[-1] == 0 or k.shape[-1] == 0:
         raise ValueError(f"q and k must have a head dim D >= 1 (last dim); got {_shapes(q, k, v)}")
     if v.shape[-1] == 0:
@@ -391,16 +387,22 @@ def build_call(
 ) -> AttentionCall:
     """Validate the arguments of :func:`attnlab.attention` and return a 4-D :class:`AttentionCall`.
 
+    The one place the mask is normalised: causal becomes ``causal_offset`` (None when it blocks
+    no key), and a mask mod with causal becomes one mod holding both.
+
     Raises:
-        TypeError: a non-tensor, a non-float dtype, mixed dtypes, an integer mask, a
-            ``generator`` that is not a ``torch.Generator``, a ``score_mod`` that is not one or
-            returns a non-float tensor, ``sinks`` that are not a float tensor.
-        ValueError: wrong rank, mismatched sizes, a head dim D, value dim Dv or head count of
-            0, a mask that does not broadcast, options out of range. Every message names the
-            argument and the shapes seen. Empty batches and sequences (B, Tq or Tk of 0) are
-            legal. ``score_mod`` whose tensors do not match the call (slopes per head, a bias
-            that does not broadcast, a function returning another shape) and ``sinks`` not of
-            shape ``(Hq,)`` or ``(B|1, Hq|1, Tq)`` on q's device are refused naming the argument.
+        TypeError: a non-tensor, a non-float or mixed dtype, an integer mask, a wrong
+            ``generator``, ``score_mod`` or ``sinks``.
+        ValueError: wrong rank, mismatched sizes, a zero head dim, value dim or head count, a
+            mask that does not broadcast, options out of range. Each message names the argument
+            and the shapes seen; empty batches and sequences are legal.
+
+    Example:
+        >>> from attnlab import masks
+        >>> q = torch.randn(2, 5, 8)                              # (B, T, D)
+        >>> call = build_call(q, q, q, mask=masks.sliding_window_mod(5, 5, window=2), causal=True)
+        >>> call.q.shape, call.mask_kind, call.causal_offset
+        (torch.Size([2, 1, 5, 8]), 'mod', 0)
     """
     batch = _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
