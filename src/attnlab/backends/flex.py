@@ -212,8 +212,7 @@ def _symbolic(call: AttentionCall) -> bool:
 
 def _mask_limits(call: AttentionCall) -> list[str]:
     """A mask that needs a gradient: the kernel takes the bias as a constant."""
-    mask = call.mask
-    if isinstance(mask, Tensor) and mask.requires_grad and torch.is_grad_enabled():
+    if call.mask_kind == "float" and call.mask.requires_grad and torch.is_grad_enabled():
         return ["flex cannot differentiate a float mask that requires grad (e.g. a learnable bias)"]
     return []
 
