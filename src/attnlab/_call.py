@@ -1,11 +1,9 @@
 """Validation and normalisation of one attention call, shared by every backend.
 
-``build_call`` checks the user's arguments once and returns an :class:`AttentionCall` whose
-tensors are always 4-D: q ``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``.
-Batch dims that broadcast (keys and values of batch 1 shared by a batch of queries, as
-``F.scaled_dot_product_attention`` allows) are expanded to ``B`` as stride-0 views, never
-copied; rank-5 inputs ``(A, B, H, T, D)`` have their two batch dims flattened into ``B``.
-Backends read this object and never re-validate.
+``build_call`` checks the user's arguments once and returns an :class:`AttentionCall`: q
+``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)`` (broadcast batch dims as
+stride-0 views, rank 5 flattened into ``B``) and the mask as one value. Backends read this
+object and never re-validate.
 """
 
 from __future__ import annotations
@@ -47,24 +45,14 @@ class AttentionCall:
         return_weights: whether the caller also wants the attention weights.
         batch_shape: the broadcast batch dims of the user's inputs (``()`` for rank 2,
             ``(B,)`` for ranks 3 and 4, ``(A, B)`` for rank 5), flattened into ``B``.
-        score_mod: a :class:`attnlab.scores.ScoreMod` applied to the scaled scores before the
-            float mask and the masking, or None.
-        sinks: sink logits (an extra key of value 0 per row), ``(Hq,)`` per query head or
-            ``(B|1, Hq|1, Tq)`` per query (:func:`attnlab.scores.sink_logits` views both as
-            ``(B|1, Hq|1, Tq|1)``), or None.
+        score_mod: a :class:`attnlab.scores.ScoreMod` applied to the scaled scores, or None.
+        sinks: sink logits ``(Hq,)`` or ``(B|1, Hq|1, Tq)`` (one more key of value 0), or None.
 
     The mask is one value, normalised by :func:`build_call`; backends switch on ``mask_kind``:
-
-    ============  ===========================================  ======================
-    mask_kind     mask                                          causal_offset
-    ============  ===========================================  ======================
-    ``none``      None                                          None
-    ``causal``    None                                          int
-    ``bool``      bool tensor ``(B|1, Hq|1, Tq|1, Tk|1)``       None, or int: ANDed
-    ``float``     float tensor, added to the scores             None, or int: ANDed
-    ``mod``       a mask mod, causal already ANDed into it      int if it holds causal
-    ``prepared``  a :class:`~attnlab.masks.PreparedMask`        None (in the mask)
-    ============  ===========================================  ======================
+    ``"none"``; ``"causal"`` (``mask`` None); ``"bool"`` or ``"float"`` (a tensor
+    ``(B|1, Hq|1, Tq|1, Tk|1)``, ANDed with causal when ``causal_offset`` is set); ``"mod"`` (a
+    mask mod with causal already ANDed in; ``causal_offset`` still names it); ``"prepared"`` (a
+    :class:`~attnlab.masks.PreparedMask`, causal inside it).
 
     Derived once, when the call is made (plain fields, read freely): the sizes ``batch``,
     ``q_heads``, ``kv_heads``, ``tq``, ``tk``, ``head_dim``, ``value_dim``; ``dtype``, ``device``;

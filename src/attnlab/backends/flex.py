@@ -18,11 +18,9 @@ in fp16/bf16 on CPU, on CPU a ``Tk`` that is not a multiple of the 128-key block
 and a float mask that requires grad. A user's function Inductor cannot lower raises ``ValueError``
 and is declined from then on, until :func:`attnlab.backends.dispatch.clear_plans`.
 
-Compilation is static (``dynamic=False``): each shape, dtype, mask path and score-mod signature
-compiles once, at most ``_RECOMPILE_LIMIT`` variants, whatever else the process compiled. The cost
-estimate adds the compile time until a variant exists, so ``backend="auto"`` leaves one-off
-shapes to other backends. Set the thread count before the first flex call: Inductor's CPU code
-keeps the count it was compiled under.
+Each shape, dtype, mask path and score-mod signature compiles once (``dynamic=False``), at most
+``_RECOMPILE_LIMIT`` variants; until then the cost estimate adds the compile time. Set the thread
+count before the first flex call: Inductor's CPU code keeps the count it was compiled under.
 
 Example:
     >>> import torch, attnlab

@@ -63,11 +63,8 @@ class SdpaPlan:
     """How one call is handed to SDPA, decided without building any tensor.
 
     Attributes:
-        mask_source: ``"none"`` (no mask), ``"is_causal"`` (SDPA's own top-left causal),
-            ``"user"`` (the user's bool/float mask passed as is) or ``"materialised"``
-            (causal/mask mod/bottom-right folded into one dense mask).
-        kernel: the SDPA kernel PyTorch will pick (``"flash"``, ``"efficient"``, ``"cudnn"``
-            or ``"math"``).
+        mask_source: ``"none"``, ``"is_causal"``, ``"user"`` or ``"materialised"`` (:func:`_mask_source`).
+        kernel: the kernel PyTorch will pick: ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
         memory: ``"linear"`` or ``"quadratic"`` extra memory in the sequence length.
         memory_note: why, in words.
 
