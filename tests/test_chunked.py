@@ -256,7 +256,7 @@ def test_causality_future_tokens_do_not_change_earlier_outputs():
 def _visited(call, q_block, kv_block):
     seen = {"forward": set(), "backward": set()}
     leaves = [t.clone().requires_grad_() for t in (call.q, call.k, call.v)]
-    call = build_call(*leaves, mask=call.mask, causal=call.causal, align=call.align)
+    call = build_call(*leaves, mask=call.mask, causal=call.causal_offset is not None, align=call.align)
     out = chunked_attention(call, q_block=q_block, kv_block=kv_block,
                             tile_hook=lambda stage, qs, ks: seen[stage].add((qs, ks))).out
     out.sum().backward()

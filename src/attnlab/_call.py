@@ -1,11 +1,9 @@
 """Validation and normalisation of one attention call, shared by every backend.
 
-``build_call`` checks the user's arguments once and returns an :class:`AttentionCall` whose
-tensors are always 4-D: q ``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``.
-Batch dims that broadcast (keys and values of batch 1 shared by a batch of queries, as
-``F.scaled_dot_product_attention`` allows) are expanded to ``B`` as stride-0 views, never
-copied; rank-5 inputs ``(A, B, H, T, D)`` have their two batch dims flattened into ``B``.
-Backends read this object and never re-validate.
+``build_call`` checks the user's arguments once and returns an :class:`AttentionCall`: q
+``(B, Hq, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)`` (broadcast batch dims as
+stride-0 views, rank 5 flattened into ``B``) and the mask as one value. Backends read this
+object and never re-validate.
 """
 
 from __future__ import annotations
@@ -36,9 +34,9 @@ class AttentionCall:
         q: queries ``(B, Hq, Tq, D)``.
         k: keys ``(B, Hkv, Tk, D)``; ``Hq`` is a multiple of ``Hkv`` (grouped-query).
         v: values ``(B, Hkv, Tk, Dv)``.
-        mask: ``None``, a bool/float tensor that broadcasts to ``(B, Hq, Tq, Tk)`` (every dim is
-            1 or full size, always 4-D), or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
-        causal: whether the causal mask is ANDed with ``mask``.
+        mask: the call's mask as one value, of the kind ``mask_kind`` names (see below).
+        causal_offset: None, or the causal part of the mask: query ``i`` sees keys
+            ``j <= i + causal_offset`` (the alignment folded in).
         align: ``"top_left"`` or ``"bottom_right"`` causal alignment.
         scale: multiplier of ``q @ k^T``.
         dropout_p: probability of dropping an attention weight.
@@ -47,26 +45,25 @@ class AttentionCall:
         return_weights: whether the caller also wants the attention weights.
         batch_shape: the broadcast batch dims of the user's inputs (``()`` for rank 2,
             ``(B,)`` for ranks 3 and 4, ``(A, B)`` for rank 5), flattened into ``B``.
-        score_mod: a :class:`attnlab.scores.ScoreMod` applied to the scaled scores before the
-            float mask and the masking, or None.
-        sinks: sink logits (an extra key of value 0 per row), ``(Hq,)`` per query head or
-            ``(B|1, Hq|1, Tq)`` per query (:func:`attnlab.scores.sink_logits` views both as
-            ``(B|1, Hq|1, Tq|1)``), or None.
+        score_mod: a :class:`attnlab.scores.ScoreMod` applied to the scaled scores, or None.
+        sinks: sink logits ``(Hq,)`` or ``(B|1, Hq|1, Tq)`` (one more key of value 0), or None.
+
+    The mask is one value, normalised by :func:`build_call`; backends switch on ``mask_kind``:
+    ``"none"``; ``"causal"`` (``mask`` None); ``"bool"`` or ``"float"`` (a tensor
+    ``(B|1, Hq|1, Tq|1, Tk|1)``, ANDed with causal when ``causal_offset`` is set); ``"mod"`` (a
+    mask mod with causal already ANDed in; ``causal_offset`` still names it); ``"prepared"`` (a
+    :class:`~attnlab.masks.PreparedMask`, causal inside it).
 
     Derived once, when the call is made (plain fields, read freely): the sizes ``batch``,
     ``q_heads``, ``kv_heads``, ``tq``, ``tk``, ``head_dim``, ``value_dim``; ``dtype``, ``device``;
-    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); and the
-    call's mask as one value that backends switch on: ``mask_kind`` (``"none"``, ``"bool"``,
-    ``"float"`` or ``"mod"``: a mask mod or a :class:`~attnlab.masks.PreparedMask`), ``mask``,
-    ``causal`` and ``causal_offset`` (query ``i`` sees keys ``j <= i + causal_offset``: the
-    alignment folded in).
+    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); ``mask_kind``.
     """
 
     q: Tensor
     k: Tensor
     v: Tensor
     mask: Tensor | Callable | None
-    causal: bool
+    causal_offset: int | None
     align: str
     scale: float
     dropout_p: float
@@ -90,12 +87,10 @@ class AttentionCall:
     device: torch.device = field(init=False)
     requires_grad: bool = field(init=False)
     mask_kind: str = field(init=False)
-    causal_offset: int = field(init=False)
 
     def __post_init__(self) -> None:
         q, k, v, mask, mod, sinks = self.q, self.k, self.v, self.mask, self.score_mod, self.sinks
-        kind = "none" if mask is None else ("mod" if not isinstance(mask, Tensor)
-                                            else "bool" if mask.dtype == torch.bool else "float")
+        kind = _mask_kind(mask, self.causal_offset)
         # A backward pass may follow when grad mode is on and an input of the call wants one.
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
@@ -104,8 +99,7 @@ class AttentionCall:
         tq, tk = q.shape[2], k.shape[2]
         values = dict(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], tq=tq, tk=tk,
                       head_dim=q.shape[3], value_dim=v.shape[3], dtype=q.dtype, device=q.device,
-                      requires_grad=grad, mask_kind=kind,
-                      causal_offset=tk - tq if self.align == "bottom_right" else 0)
+                      requires_grad=grad, mask_kind=kind)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -125,13 +119,10 @@ class AttentionCall:
         return self._memo[key]
 
     def mask_mod(self) -> Callable | None:
-        """The causal mask and a mask mod (if any) as one mask mod; None when neither is set."""
-        parts = []
-        if self.causal:
-            parts.append(_masks.CausalMod(self.causal_offset))
-        if self.mask_kind == "mod":
-            parts.append(self.mask)
-        return _masks.and_masks(*parts)
+        """Every mask of the call but a dense tensor, as one mask mod; None when there is none."""
+        if self.mask_kind in ("mod", "prepared"):
+            return self.mask
+        return None if self.causal_offset is None else _masks.CausalMod(self.causal_offset)
 
     def allowed(self) -> Tensor | None:
         """Dense bool mask of attendable positions, broadcastable to ``(B, Hq, Tq, Tk)``.
@@ -158,6 +149,15 @@ class AttentionCall:
     def bias(self) -> Tensor | None:
         """The float (additive) mask, broadcastable to ``(B, Hq, Tq, Tk)``, or None."""
         return self.mask if self.mask_kind == "float" else None
+
+
+def _mask_kind(mask: object, causal_offset: int | None) -> str:
+    """The kind of a normalised mask value (the table of :class:`AttentionCall`)."""
+    if mask is None:
+        return "none" if causal_offset is None else "causal"
+    if isinstance(mask, Tensor):
+        return "bool" if mask.dtype == torch.bool else "float"
+    return "prepared" if type(mask) is _masks.PreparedMask else "mod"
 
 
 def _check_tensor(name: str, value: object) -> Tensor:
@@ -252,12 +252,8 @@ def batch_shape(q: Tensor, k: Tensor, v: Tensor) -> tuple | None:
 
 
 def _check_sizes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Refuse the empty sizes that have no meaning; empty batches and sequences are legal.
-
-    B, Tq or Tk of 0 give an empty (or zero) output. D of 0 would make the default scale
-    ``1/sqrt(D)`` a division by zero, and a head count or Dv of 0 is always a slicing mistake
-    (no backend can produce anything from it), so they are errors.
-    """
+    """Refuse a head dim, value dim or head count of 0 (a slicing mistake; ``1/sqrt(0)``);
+    B, Tq or Tk of 0 are legal and give an empty (or zero) output."""
     if q.shape[-1] == 0 or k.shape[-1] == 0:
         raise ValueError(f"q and k must have a head dim D >= 1 (last dim); got {_shapes(q, k, v)}")
     if v.shape[-1] == 0:
@@ -355,6 +351,13 @@ def _check_generator(generator: object, device: torch.device) -> None:
         )
 
 
+def _causal_offset(causal: bool, align: str, tq: int, tk: int) -> int | None:
+    """The causal part's offset (query ``i`` sees keys ``j <= i + offset``), or None when
+    ``causal`` is off or blocks no key (e.g. one new token over a KV cache)."""
+    offset = tk - tq if align == "bottom_right" else 0
+    return offset if causal and offset < tk - 1 else None
+
+
 def build_call(
     q: Tensor,
     k: Tensor,
@@ -372,24 +375,30 @@ def build_call(
 ) -> AttentionCall:
     """Validate the arguments of :func:`attnlab.attention` and return a 4-D :class:`AttentionCall`.
 
+    The one place the mask is normalised: causal becomes ``causal_offset`` (None when it blocks
+    no key), and a mask mod with causal becomes one mod holding both.
+
     Raises:
-        TypeError: a non-tensor, a non-float dtype, mixed dtypes, an integer mask, a
-            ``generator`` that is not a ``torch.Generator``, a ``score_mod`` that is not one or
-            returns a non-float tensor, ``sinks`` that are not a float tensor.
-        ValueError: wrong rank, mismatched sizes, a head dim D, value dim Dv or head count of
-            0, a mask that does not broadcast, options out of range. Every message names the
-            argument and the shapes seen. Empty batches and sequences (B, Tq or Tk of 0) are
-            legal. ``score_mod`` whose tensors do not match the call (slopes per head, a bias
-            that does not broadcast, a function returning another shape) and ``sinks`` not of
-            shape ``(Hq,)`` or ``(B|1, Hq|1, Tq)`` on q's device are refused naming the argument.
+        TypeError: a non-tensor, a non-float or mixed dtype, an integer mask, a wrong
+            ``generator``, ``score_mod`` or ``sinks``.
+        ValueError: wrong rank, mismatched sizes, a zero head dim, value dim or head count, a
+            mask that does not broadcast, options out of range. Each message names the argument
+            and the shapes seen; empty batches and sequences are legal.
+
+    Example:
+        >>> from attnlab import masks
+        >>> q = torch.randn(2, 5, 8)                              # (B, T, D)
+        >>> call = build_call(q, q, q, mask=masks.sliding_window_mod(5, 5, window=2), causal=True)
+        >>> call.q.shape, call.mask_kind, call.causal_offset
+        (torch.Size([2, 1, 5, 8]), 'mod', 0)
     """
     batch = _check_qkv(q, k, v)
     _check_options(causal, align, scale, dropout_p)
     _check_generator(generator, q.device)
     norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
-    tq, tk = q.shape[-2], k.shape[-2]
-    if causal and (tk - tq if align == "bottom_right" else 0) >= tk - 1:
-        causal = False  # the causal mask blocks no key (e.g. one new token over a KV cache)
+    offset = _causal_offset(causal, align, q.shape[-2], k.shape[-2])
+    if offset is not None and norm_mask is not None and not isinstance(norm_mask, Tensor):
+        norm_mask = _masks.and_masks(_masks.CausalMod(offset), norm_mask)  # one mod: its bounds hold both
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q4 = _to_4d(q, batch)
     mod = _check_score_mod(score_mod, q4, k.shape[-2])
@@ -399,7 +408,7 @@ def build_call(
         k=_to_4d(k, batch),
         v=_to_4d(v, batch),
         mask=norm_mask,
-        causal=causal,
+        causal_offset=offset,
         align=align,
         scale=scale,
         dropout_p=float(dropout_p),

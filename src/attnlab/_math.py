@@ -1,9 +1,6 @@
-"""The math every backend and the weight views share: GQA head repetition, masked scores,
-a softmax that keeps fully masked rows at zero, dead-key zeroing, and dropout.
-
-These are the textbook steps; the reference backend is built from them, and
-:func:`attnlab.attention_weights` and :mod:`attnlab.explain` reuse them so that every view of
-the weights agrees with the oracle.
+"""The textbook steps the reference backend is built from, shared with every view of the
+weights so that they agree with the oracle: GQA head repetition, masked scores, a softmax that
+keeps fully masked rows at zero, dead-key zeroing, dropout and the fused kernels' scale rule.
 
 Example:
     >>> import torch
@@ -64,9 +61,7 @@ def sum_kv_groups(t: Tensor, kv_heads: int) -> Tensor:
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype scores and softmax are computed in: fp32 for fp16/bf16 inputs, else ``dtype``.
 
-    Half-precision scores lose a float mask's precision (a bias near -130 has a bf16 step of
-    1) and overflow fp16 (``q @ k^T`` beyond 65504 before scaling), so they are formed in fp32,
-    as fused kernels do.
+    Half-precision scores would round a float mask and overflow fp16; fused kernels use fp32 too.
 
     Example:
         >>> score_dtype(torch.bfloat16), score_dtype(torch.float64)
@@ -78,8 +73,7 @@ def score_dtype(dtype: torch.dtype) -> torch.dtype:
 def blocked_positions(call: AttentionCall) -> Tensor | None:
     """Dense bool mask of blocked positions (``~allowed`` or a ``-inf`` bias), or None.
 
-    Broadcastable to ``(B, Hq, Tq, Tk)``; O(Tq*Tk) when the masks are, so it serves the
-    quadratic paths (the reference and the weight views).
+    Broadcastable to ``(B, Hq, Tq, Tk)``, for the quadratic paths (reference, weight views).
 
     Example:
         >>> from attnlab._call import build_call
@@ -99,10 +93,8 @@ def blocked_positions(call: AttentionCall) -> Tensor | None:
 def live(reached: Tensor) -> Tensor:
     """Reached flags ``(B|1, H|1, T|1)`` as ``(B|1, H|1, T|1, 1)`` for :func:`zero_dead`.
 
-    ``reached`` says, per key, whether some query may attend it (an ``any`` over the query
-    axis of the allowed mask), or, per query, whether it may attend some key. No value is
-    read: whether every flag is set is left to ``torch.where`` (a Python branch on it would
-    stop ``torch.compile`` and ``torch.func`` at a data-dependent guard).
+    ``reached`` says per key whether some query may attend it, or per query whether it may
+    attend some key. No value is read (a branch on it would stop ``torch.compile``).
 
     Example:
         >>> allowed = torch.tensor([[[[True, False], [True, False]]]])        # (1, 1, Tq, Tk)
@@ -115,9 +107,8 @@ def live(reached: Tensor) -> Tensor:
 def keep_nan_rows(q: Tensor, out: Tensor) -> Tensor:
     """``out`` ``(B, Hq, Tq, Dv)`` with NaN in every row whose query ``(B, Hq, Tq, D)`` holds a NaN.
 
-    For kernels that return a finite (zero) row for a NaN query, which would pass for a fully
-    masked row. Value-free: one ``isnan``/``any`` over q and one ``where`` over the output,
-    O(Tq * D) against the kernel's O(Tq * Tk * D).
+    For kernels that return a zero row for a NaN query, which would pass for a fully masked
+    row. Value-free, O(Tq * D).
 
     Example:
         >>> q = torch.tensor([[[[1.0], [float("nan")]]]])
@@ -130,11 +121,9 @@ def keep_nan_rows(q: Tensor, out: Tensor) -> Tensor:
 def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:
     """``t`` ``(B, H, T, X)`` with the positions that are not ``live`` set to 0.
 
-    Blocked keys (or queries with nothing to attend) still enter ``weights @ v`` and the
-    gradients' matrix products with a factor 0; ``0 * NaN`` is NaN, so NaN/inf stored there
-    (padding, unused cache slots) would leak. Zeroing them first keeps them without influence,
-    and ``torch.where`` gives them zero gradient. ``live`` may have ``Hq`` heads while ``t``
-    has ``Hkv`` (grouped-query): a key/value head is live where any of its query heads is.
+    Blocked keys enter ``weights @ v`` with a factor 0, and ``0 * NaN`` is NaN: zeroing them
+    keeps NaN/inf stored there (padding, unused cache slots) out, with zero gradient. With
+    grouped-query heads a key/value head is live where any of its query heads is.
 
     Args:
         t: ``(B, H, T, X)`` keys, values or queries.
@@ -156,9 +145,8 @@ def zero_dead(t: Tensor, live: Tensor | None) -> Tensor:
 def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
     """Scaled scores with every mask applied; blocked positions are ``-inf``.
 
-    Computed in :func:`score_dtype` (fp32 for half inputs), so a float mask is added at full
-    precision and large scores do not overflow. A NaN score at an allowed position stays NaN.
-    The call's score mod changes the scaled scores first; the float mask is added after it.
+    In :func:`score_dtype`; the score mod applies first, then the float mask, then the
+    blocking. A NaN score at an allowed position stays NaN.
 
     Args:
         call: the call (for scale, masks and causal alignment).
@@ -190,15 +178,10 @@ def masked_scores(call: AttentionCall, q: Tensor, k: Tensor) -> Tensor:
 def softmax_rows(attn_scores: Tensor, sinks: Tensor | None = None) -> Tensor:
     """Softmax over keys that gives all-zero rows (and zero gradient) where every key is blocked.
 
-    A plain softmax of a row of ``-inf`` is NaN. Such rows are replaced by zeros before the
-    softmax (so the backward pass sees finite numbers) and multiplied by 0 afterwards. A row
-    holding a NaN score is not such a row: its NaN propagates (it is not hidden as zeros).
-
-    With ``sinks`` ``(H,)`` or ``(B|1, H|1, Tq)`` (scores ``(B, H, Tq, Tk)``), each row has one
-    more key whose logit is its sink (``sinks[h]``, or ``sinks[b, h, i]``), which takes part in
-    the normalisation and is dropped from the result: rows sum to ``1 - `` the sink's share, and
-    a row with every key blocked gives the sink all the mass (zeros here), as does a sink of
-    ``+inf``; one of ``-inf`` is no sink (:func:`attnlab.scores.sink_logits`).
+    A row of ``-inf`` (a plain softmax gives NaN) is computed on zeros and multiplied by 0; a
+    NaN score propagates. ``sinks`` ``(H,)`` or ``(B|1, H|1, Tq)`` add one key per row of that
+    logit, normalised with the others and dropped from the result
+    (:func:`attnlab.scores.sink_logits`).
 
     Example:
         >>> softmax_rows(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
@@ -219,9 +202,7 @@ def softmax_rows(attn_scores: Tensor, sinks: Tensor | None = None) -> Tensor:
 def apply_dropout(attn_weights: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
     """Zero each weight with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
-    Draws the keep-mask with ``bernoulli_`` on ``generator`` (PyTorch's default generator when
-    None), which consumes random numbers exactly as ``torch.nn.Dropout`` does on CPU, so the
-    seed documents' dropout outputs are reproduced.
+    ``bernoulli_`` on ``generator`` draws as ``torch.nn.Dropout`` does on CPU.
 
     Example:
         >>> kept = apply_dropout(torch.ones(1000), 0.5, torch.Generator().manual_seed(0))
@@ -237,17 +218,10 @@ def apply_dropout(attn_weights: Tensor, p: float, generator: torch.Generator | N
 def kernel_scales(call: AttentionCall) -> tuple[float, float]:
     """``(factor, scale)``: a fused kernel gets ``q * factor`` and ``scale`` (factor 1: q as it is).
 
-    PyTorch's CPU flash kernel (behind ``sdpa`` and ``blocks``) fills causally blocked scores
-    with ``-inf`` before it multiplies by the scale: a scale of 0 makes them ``-inf * 0 = NaN``
-    and a negative one ``+inf``. Its backward recomputes the scores as one ``scale * q @ k^T``
-    product where its forward rounded ``q @ k^T`` and then scaled it, so at scores of 1e5 and
-    beyond ``exp(scores - lse)`` is off by ``e**ulp(scores)`` (value gradients 1e27 off at 1e8).
-    So fp32/fp64 calls fold the whole scale into q (scale 1) where it matters: scale <= 0, or
-    a backward pass ahead. fp16/bf16 calls never round ``q * scale`` to their own dtype: it
-    overflows fp16 past 65504 and moves large scores enough to change which key wins, which
-    would make the output depend on grad mode; they fold only what is exact (a sign, or 0)
-    and pass ``|scale|``, the kernel scaling in fp32. Decided from the Python float, the dtype
-    and grad mode, never from tensor values.
+    PyTorch's CPU flash kernel scales its causal ``-inf`` fill (scale 0 gives NaN) and its
+    backward rounds the scores another way than its forward: fp32/fp64 calls fold the whole
+    scale into q when it is <= 0 or a backward will run. fp16/bf16 fold only what is exact (a
+    sign, or 0). Decided from the float, the dtype and grad mode (docs/contract.md, "Scale").
 
     Example:
         >>> from attnlab._call import build_call

@@ -302,7 +302,7 @@ def _dense_at(call: AttentionCall, idx: Tensor) -> tuple[Tensor, Tensor | None]:
     allowed = listed if allowed is None else allowed & listed  # (B|1, Hq|1, Tq, Tk)
     bias = call.bias()
     mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
-    dense = dataclasses.replace(call, mask=mask, causal=False, _memo={})
+    dense = dataclasses.replace(call, mask=mask, causal_offset=None, _memo={})
     result = get("reference").forward(dense)
     return result.out, result.weights
 

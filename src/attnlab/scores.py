@@ -1,13 +1,11 @@
 """Score mods: how each score is changed before the softmax (``attnlab.attention(score_mod=...)``).
 
-A score mod has FlexAttention's signature ``(score, b, h, q_idx, kv_idx) -> score``: ``score`` is
-the scaled score ``q·k * scale`` of query ``q_idx`` and key ``kv_idx`` in batch ``b`` and query
-head ``h``, and the mod returns the score the softmax sees. The float mask is added after it,
-then blocked positions are set to ``-inf``. Masks say *which* keys a query may see; a score mod
-says *how much*. The structured mods here are written with broadcasting tensor ops, so they are
-evaluated on whole tiles at once (``b`` ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``, ``q_idx``
-``(1, 1, bq, 1)``, ``kv_idx`` ``(1, 1, 1, bk)``, ``score`` ``(B, H, bq, bk)``) as well as on 0-d
-indices:
+A score mod has FlexAttention's signature ``(score, b, h, q_idx, kv_idx) -> score``: it maps the
+scaled score of query ``q_idx`` and key ``kv_idx`` (batch ``b``, query head ``h``) to the score
+the softmax sees, before the float mask and the masking. Masks say *which* keys a query sees; a
+score mod says *how much*. The mods here broadcast, so they run on whole tiles (``score``
+``(B, H, bq, bk)``, indices ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``, ``(1, 1, bq, 1)``,
+``(1, 1, 1, bk)``) as well as on 0-d indices:
 
 * :func:`softcap` ``cap * tanh(score / cap)`` (Gemma 2);
 * :func:`alibi` ``score - slope_h * (i - j)`` (causal) or ``- slope_h * |i - j|`` (symmetric);
@@ -16,10 +14,9 @@ indices:
 * :func:`compose` (or ``a + b``) applies mods left to right; :func:`function` wraps a user's own
   function and declares the tensors it learns.
 
-An *additive* mod (alibi, relative_bias, bias and their compositions) changes a score by a term
-that does not depend on it (:meth:`ScoreMod.bias`), which is what a kernel taking a float mask
-can apply. Every tensor a mod holds is in :meth:`ScoreMod.params`, so a tiled backend can
-differentiate the mod tile by tile (:meth:`ScoreMod.with_params`).
+An *additive* mod (alibi, relative_bias, bias, their sums) adds a term independent of the score
+(:meth:`ScoreMod.bias`), which a kernel taking a float mask can apply. :meth:`ScoreMod.params`
+lists a mod's tensors, so tiled backends differentiate it tile by tile.
 
 Example:
     >>> import torch, attnlab
@@ -99,10 +96,8 @@ class ScoreMod:
         additive: whether the mod adds a term that does not depend on the score.
         relative: whether that term depends only on ``kv_idx - q_idx`` and ``h`` (ALiBi, T5's
             bias), so that tiles of equal query and key offsets share it.
-        in_place: whether the mod is a function of the score alone, holding no tensor, with an
-            in-place form (:meth:`apply_in_place`) and a derivative read from its output
-            (:meth:`derivative`): the tiled backend then allocates one tile per tile backward
-            and none forward, and evaluates nothing twice.
+        in_place: whether the mod is a tensor-free function of the score with an in-place
+            form (:meth:`apply_in_place`) and a derivative from its output (:meth:`derivative`).
         user_function: whether the mod is, or composes, a function of the user's own
             (:class:`FunctionMod`): code attnlab has not verified on every kernel.
 
@@ -809,11 +804,9 @@ def apply_tile(mod: ScoreMod, score: Tensor, *, q_start: int, kv_start: int) -> 
     """``mod`` on a tile of scores ``(B, H, bq, bk)`` whose first query is ``q_start`` and first
     key ``kv_start``; the result has the tile's shape.
 
-    Structured mods and functions written with broadcasting ops are called once on the tile's
-    index grid. A function that cannot be called that way (it raises, or returns a shape that
-    is not the tile's: written for 0-d indices, as under FlexAttention, e.g. ``bias[b][q_idx]``)
-    is mapped position by position with ``torch.vmap``, indexing as FlexAttention does. A
-    composition applies its parts one by one, each evaluated as it would be alone.
+    Called once on the tile's index grid; a function written for 0-d indices (it raises or
+    returns another shape there) is mapped per position with ``torch.vmap``, as FlexAttention
+    does. A composition applies its parts one by one.
 
     Raises:
         ValueError: the mod returned a shape that does not broadcast to the tile's (names
@@ -920,12 +913,8 @@ def sink_logits(sinks: Tensor, dtype: torch.dtype) -> Tensor:
     """Checked ``sinks`` as logits ``(B|1, Hq|1, Tq|1)`` in ``dtype`` (a view of ``(Hq,)`` ones),
     with ``±inf`` replaced by ``±`` a quarter of the dtype's largest finite value.
 
-    That replacement is the one rule every backend keeps for infinite sinks: a sink of ``+inf``
-    takes all the mass (the row's output is 0, and every gradient through it, the sink's own
-    included, is 0: the limit of a growing sink), and one of ``-inf`` is no sink. With a finite
-    stand-in, ``logaddexp``, ``exp(s - lse)`` and a softmax column never form ``inf - inf``; a
-    quarter leaves room for a kernel that multiplies its logits (by ``log2(e)``, for ``exp2``)
-    or adds a score to them. NaN stays NaN. Backends compute sinks in fp32 or fp64.
+    Every backend's rule for infinite sinks: ``+inf`` takes all the mass (zero row, zero
+    gradients), ``-inf`` is no sink, and no step forms ``inf - inf``. NaN stays NaN.
 
     Example:
         >>> logits = sink_logits(torch.tensor([float("inf"), 0.0, float("-inf")]), torch.float32)

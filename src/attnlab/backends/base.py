@@ -204,7 +204,7 @@ def call_flops(call: AttentionCall, *, causal: bool | None = None) -> float:
     Args:
         call: the call.
         causal: whether to halve the count for a causal mask the kernel really skips; defaults
-            to ``call.causal``.
+            to whether the call has a causal part.
 
     Example:
         >>> from attnlab._call import build_call
@@ -214,6 +214,6 @@ def call_flops(call: AttentionCall, *, causal: bool | None = None) -> float:
     """
     return attention_flops(
         call.batch, call.q_heads, call.tq, call.tk, call.head_dim, call.value_dim,
-        causal=call.causal if causal is None else causal,
+        causal=call.causal_offset is not None if causal is None else causal,
         mode="fwd+bwd" if call.requires_grad else "fwd",
     )

@@ -1,51 +1,20 @@
 """The ``blocks`` backend: masked attention at the fused dense kernel's speed.
 
-For a call whose mask mod declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, sliding
-window, documents, prefix-LM, chunked-local and their combinations), the queries are cut into
-blocks (64, 128 or 256 queries, whichever the cost model expects to be fastest) and each block
-attends only the keys it can reach, with PyTorch's fused CPU flash kernel (the one behind
-``scaled_dot_product_attention``). A block's keys become pieces: a fully visible run (no mask),
-a causal diagonal (the kernel's own ``is_causal``) or a partly visible part (a small additive
-mask). The work is the visited tiles, not ``Tq * Tk``.
+For a mask mod that declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, windows,
+documents, prefix-LM, chunked-local, ANDs of them), queries are cut into blocks of 64, 128 or
+256 (:func:`choose_block`) and each block attends only the keys it can reach, on PyTorch's fused
+CPU flash kernel. A block's keys become pieces: a fully visible run, a causal diagonal (the
+kernel's ``is_causal``) or a partly visible part (a small additive mask). Pieces of one shape
+run as one kernel call over strided views stacked along the batch axis ``(n, B*Hq, bq, D)``,
+and a block's pieces merge by their log-sum-exp (:mod:`attnlab.backends._lse`). The backward
+pass is the kernel's own, once per group. The work is the visited tiles, not ``Tq * Tk``.
 
-Pieces of different blocks with the same query length, key length and mask (every interior
-block of a sliding window, every causal diagonal) run as ONE kernel call: their query blocks
-and key spans are strided views of q, k and v stacked along the batch axis ``(n, B*Hq, bq, D)``
-(overlapping key windows are only read, never copied), so a sliding window makes a handful of
-calls at any length. Outputs of a block's pieces are merged by their log-sum-exp in place.
-
-Forward and backward both call the fused kernel (its ``_for_cpu`` op and that op's backward),
-so the backward pass is the kernel's own, once per group, with the key gradients of the
-overlapping spans added back into ``dk``/``dv``. The kernel's row log-sum-exp comes for free
-and is returned (``-inf`` on rows with nothing to attend). Plans (the evaluated mask, grouped)
-are cached per mask and sizes for attnlab's own mods.
-
-The contract (``docs/design.md``) is kept exactly, or the call is declined:
-
-* a query row with no attendable key gets zeros and zero gradient: it runs with a harmless
-  all-visible mask row, its output is zeroed and its output gradient is zeroed before the
-  kernel's backward (so it adds nothing to ``dk``/``dv``);
-* keys outside a block's span are never read, keys inside it that are masked get weight 0;
-* a query row holding NaN gives a NaN row (one value-free ``where``; the merged pieces would
-  give zeros, which would pass for a fully masked row); dropout, dense masks and bounds-less
-  mods are declined;
-* grouped-query attention uses the kernel's own grouping (query head ``b*Hq + h`` of the
-  stacked view reads key/value head ``b*Hkv + h // G``), so keys and values are never repeated;
-* ``Dv != D`` (which the kernel refuses) pads the shorter of q/k or v with zeros: exact;
-* a scale <= 0, or any scale when a backward pass will run, is folded into q (the kernel
-  scales its causal ``-inf`` fill, and its backward recomputes the scores with a different
-  rounding; fp16/bf16 fold only a sign or 0, exactly; see :func:`attnlab._math.kernel_scales`);
-* an additive score mod (ALiBi, T5's relative bias, a bias tensor and their sums) enters each
-  run's mask as the mod's term on the run's tile, evaluated on every call from the mod's
-  tensors (the plan holds no value of them): one tile for the whole run when the term depends
-  only on ``kv_idx - q_idx`` and the pieces step queries and keys alike, else one per piece,
-  so memory stays one run's visited scores. Its tensors' gradients come from each run's
-  ``dS = P * (dP - D)`` (two more matmuls per run, only when they require grad). Softcap and a
-  user's function are not additive and are declined;
-* sinks (per head or per query) join after the merge: ``lse' = logaddexp(lse, sink)``,
-  ``out' = out * exp(lse - lse')``; the kernel's backward with ``out'`` and ``lse'`` is exact for
-  the real keys, and a row's sink gradient is ``-exp(sink - lse') * rowsum(dO * out')``, summed
-  over what the sinks broadcast over.
+The contract (docs/contract.md) is kept exactly, or the call is declined: empty rows are zeros
+with zero gradient, keys outside a block's span are never read, NaN query rows stay NaN,
+grouped-query heads use the kernel's grouping (nothing repeated), ``Dv != D`` is zero-padded,
+the scale is folded into q as :func:`attnlab._math.kernel_scales` says, an additive score mod
+enters each run's mask (its gradient from ``dS``), and sinks fold in after the merge. Dropout,
+dense masks, bounds-less mods and non-additive score mods are declined.
 
 Example:
     >>> import torch, attnlab
@@ -80,10 +49,8 @@ from attnlab.scores import ScoreMod, additive_term, sink_logits
 __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
            "BLOCK_SIZES"]
 
-# Queries per block that the cost model chooses from (:func:`choose_block`). Smaller blocks
-# visit fewer masked-out keys but the kernel runs slower on them: at T=8192 (B=1 H=8 D=64 fp32,
-# 2 threads) a 256-key window's forward took 58/67/78 ms with 64/128/256 and its forward+backward
-# 292/272/288 ms; 8 packed documents 104/-/93 ms and 571/416/376 ms.
+# Queries per block that the cost model chooses from (:func:`choose_block`): smaller blocks
+# visit fewer masked-out keys, larger ones run the kernel faster.
 BLOCK_SIZES = (64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -154,12 +121,9 @@ class _Run:
     both are strided views of q/k/v, so nothing is copied (:func:`_blocks`).
 
     mask: additive 0/-inf ``(1, B*Hq|1, bq, keys)`` shared by the n pieces, or None.
-    causal: the kernel's own causal masking (``keys == bq``, key ``c`` seen by row ``r`` iff
-        ``c <= r``): no mask tensor to build or add (at these sizes the kernel still visits
-        the whole square; 256 x 256 ran as fast causal as unmasked).
-    dead: ``(1, B*Hq|1, bq)`` rows that see no key of the piece, or None. They run with a
-        harmless all-visible mask row; their output and lse are dropped from the merge and
-        their output gradient is zeroed (so they add nothing to dq/dk/dv).
+    causal: the kernel's own causal masking (``keys == bq``): no mask tensor to build.
+    dead: ``(1, B*Hq|1, bq)`` rows that see no key of the piece, or None: run all-visible,
+        dropped from the merge, their output gradient zeroed.
     first: no earlier run wrote these query blocks, so the merge is a copy.
     """
 
@@ -194,10 +158,8 @@ def _rows(t: Tensor, call: AttentionCall) -> Tensor:
 
 
 # A run of at least this many keys that every query of a block sees is given its own, unmasked
-# piece. A masked score costs the kernel only ~10% more than an unmasked one (256 x 512 and
-# 8192 x 8192, fp32), while a split adds a kernel call and an lse merge: at T=8192 a 256-key
-# window forward with 64-query blocks took 102 ms split at 32 keys vs 58 ms unsplit, 8 packed
-# documents 104 ms split at 512 vs 93 ms unsplit (blocks of 256).
+# piece: a masked score costs the kernel little more than an unmasked one, while a split adds a
+# kernel call and an lse merge.
 _MIN_FULL_RUN = 1024
 
 
@@ -531,20 +493,11 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     """dq, dk, dv of the Function's inputs q, k, v from the output gradient ``d_out``, then the
     sinks' gradient and each score-mod tensor's (None where not needed).
 
-    ``out`` and ``lse`` include the sinks, so the kernel's backward with them is exact for the
-    real keys. The sink's own gradient is ``-p_sink * D_i`` per row, summed to the sinks' shape, with
-    ``D_i = rowsum(dO * O)`` (its value is 0); a score-mod tensor's is the scores' gradient
-    ``dS = P * (dP - D_i)`` of each run (:func:`_score_gradient`) carried back through the
-    run's tile of the mod's term (:func:`_bias_tile`) by autograd. With fp16/bf16 inputs the
-    kernel's out is rounded to their dtype, and ``D_i`` from it would carry each row's rounding
-    into every score's gradient (ALiBi's slope multiplies it by the distance): there ``D_i``
-    is summed as ``rowsum(P * dP)`` over the runs first (:func:`_consistent_delta`), one more
-    pass over the scores, taken only for those gradients.
-
-    The gradients are written into buffers made from ``d_out`` and cut with ``narrow`` (indexing
-    a whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
-    maps this function with over a batch of output gradients, has no rule for ``alias`` and none
-    for writing a batched tensor into one that is not.
+    ``out`` and ``lse`` include the sinks, so the kernel's backward is exact for the real keys;
+    the sinks' gradient is ``-p_sink * D_i`` per row, a score-mod tensor's comes from each run's
+    ``dS = P * (dP - D_i)`` through its tile of the mod's term. With fp16/bf16 inputs ``D_i`` is
+    summed from the scores (:func:`_consistent_delta`), not from the rounded ``out``. Buffers are
+    cut with ``narrow`` (not indexing, ``aten::alias``) so that batched gradcheck's vmap applies.
     """
     q, k, v = _kernel_inputs(plan, *inputs)
     D, Dv, W = inputs[0].shape[-1], inputs[2].shape[-1], k.shape[-1]
@@ -674,9 +627,8 @@ def blocks_gradients(call: AttentionCall, *, out: Tensor, lse: Tensor, d_out: Te
     """Gradients of ``call.q``, ``call.k``, ``call.v`` from ``d_out``, given ``out`` and ``lse``
     (the twin of :func:`attnlab.backends.chunked.chunked_gradients`).
 
-    ``out`` and ``lse`` may be those of a larger computation this call is one piece of (a ring
-    step's global rows), as long as they cover the call's queries. For calls without a score
-    mod or sinks.
+    ``out`` and ``lse`` may be a larger computation's (a ring step's global rows). For calls
+    without a score mod or sinks.
 
     Shapes:
         out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out like out -> dq, dk, dv like q, k, v.
@@ -765,10 +717,9 @@ class BlocksBackend(Backend):
         if call.mask_kind in ("bool", "float"):
             return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
                     "mask declares none (pass a mask mod from attnlab.masks)"]
-        mod = call.mask_mod()
-        if mod is None:
+        if call.mask_kind == "none":
             return ["blocks has nothing to skip without a mask mod or causal (sdpa runs it densely)"]
-        if _bounds_missing(mod, call.tq):
+        if _bounds_missing(call.mask_mod(), call.tq):
             return ["blocks cannot skip: the mask mod declares no kv_bounds (a plain function, or "
                     "an or-combination with such a part), so every key block is reachable"]
         return []

@@ -1,30 +1,16 @@
 """The chunked backend: FlashAttention's algorithm written in PyTorch, O(T) memory, any mask.
 
-Queries and keys are cut into tiles. For each block of queries the tiles of keys are visited
-one at a time with an *online softmax*: a running row maximum ``m``, a running sum of
-exponentials ``l`` and a running weighted sum of values ``acc``, rescaled whenever the maximum
-grows. The score matrix never exists at full size; forward keeps ``O(T·D)`` plus one tile.
-
-The backward pass is FlashAttention-2's: the forward pass saves only q, k, v, the output and
-the row log-sum-exp ``lse`` (kept as the row's max and the log of its sum: ``max + log(sum)``
-rounds to the max when the max is huge, e.g. a float mask row at ``finfo.min``); backward
-recomputes each tile's probabilities ``P = exp(S - lse)`` and accumulates, with
-``D_i = rowsum(dO * O)``::
+Query blocks visit key tiles one at a time with an *online softmax* (a running row max, sum
+and weighted sum of values), so the score matrix never exists at full size: O(T·D) plus one
+tile. The backward pass is FlashAttention-2's, from q, k, v, the output and the row
+log-sum-exp (kept as max and log-sum, exact at a row held at ``finfo.min``)::
 
     dV += P^T dO        dS = P * (dO V^T - D_i)        dQ += dS K * scale      dK += dS^T Q * scale
 
-Tiles that no query may attend are skipped, both ways: whole key ranges from the mask mod's
-``kv_bounds`` (causal, sliding window and their combinations) and, tile by tile, any tile whose
-combined mask (mask mod, bool mask, ``-inf`` entries of a float mask) allows nothing.
-
-Dropout draws one seed per call from the call's generator and derives every kept/dropped bit
-from a hash of ``(seed, batch*head, query, key)``, so the mask does not depend on the tiling
-and the backward pass regenerates exactly the forward pass's mask (see :func:`dropout_keep`).
-
-Performance note: each tile is a few dozen small PyTorch ops, each a parallel region of the
-intra-op thread pool. On an oversubscribed CPU (more busy threads than cores) every region waits
-for a descheduled thread and the backend can slow down ten-fold or more; there,
-``torch.set_num_threads(1)`` is faster. Fused kernels (``sdpa``) do not have this problem.
+Tiles no query may attend are skipped both ways: key ranges from the mask mod's ``kv_bounds``
+and any tile whose combined mask allows nothing. Dropout bits are a hash of
+``(seed, batch*head, query, key)``, independent of the tiling (:func:`dropout_keep`). Each tile
+is a few dozen small ops: on an oversubscribed CPU set ``torch.set_num_threads(1)``.
 
 Example:
     >>> import torch
@@ -110,11 +96,8 @@ def dropout_keep(
 ) -> Tensor:
     """Which attention weights dropout keeps, as a pure function of the seed and the indices.
 
-    Rows ``(b, h, i)`` and columns ``j`` get independent 32-bit hashes (of the seed, ``b * heads
-    + h`` and ``i``; of ``j``); the bit for ``(b, h, i, j)`` mixes the two once more and compares
-    the result with ``p * 2**32``. It is kept with probability ``1 - p``, independently of how
-    the score matrix is tiled, so ``q_idx = arange(Tq)`` and ``kv_idx = arange(Tk)`` give the
-    full mask a chunked call with that seed uses.
+    A 32-bit hash of ``(seed, b * heads + h, i)`` mixed with one of ``j``, compared with
+    ``p * 2**32``: independent of the tiling, so full index ranges give the call's whole mask.
 
     Args:
         seed: the call's seed from :func:`draw_dropout_seed`.
@@ -323,16 +306,9 @@ def _backward_tiles(plan: _Plan, saved: tuple, masks: _TensorMasks, d_out: Tenso
     """FlashAttention-2 backward by recomputation; grads in the accumulation dtype.
 
     Returns dq, dk, dv, the float mask's gradient, the sinks' gradient per row ``(B, Hq, Tq)``
-    and a list with the gradient of each score-mod tensor (None where not needed). With sinks,
-    ``lse`` includes them, so ``P = exp(S - lse)`` is already each key's share; a row's sink
-    gradient is ``-p_sink * D_i`` (its value is 0), summed to the sinks' shape by the caller. A score mod is differentiated tile by
-    tile (:func:`_through_mod`).
-
-    The gradients accumulate in place into buffers made from ``d_out``, every in-place update
-    writes into a tensor computed from ``d_out``, and rows are cut with ``narrow`` (indexing a
-    whole dim is ``aten::alias``): torch's older vmap, which ``gradcheck(check_batched_grad=True)``
-    maps this function with over a batch of output gradients, has no rule for ``alias`` and none
-    for writing a batched tensor into one that is not.
+    (``-p_sink * D_i``; ``lse`` includes the sinks) and each score-mod tensor's gradient (None
+    where not needed; tile by tile, :func:`_through_mod`). Buffers come from ``d_out`` and rows
+    are cut with ``narrow``, so that batched gradcheck's vmap applies.
     """
     q, k, v, out, lse = saved
     bias = masks.bias
@@ -488,10 +464,8 @@ def chunked_gradients(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``call.q``, ``call.k``, ``call.v`` from ``d_out``, given ``out`` and ``lse``.
 
-    The FlashAttention-2 backward, tile by tile. ``out`` and ``lse`` may be those of a larger
-    attention that ``call`` is one key block of (ring attention): with the global ``out`` and
-    ``lse`` of the query rows, the result is exactly this key block's share of the gradient
-    (``dq`` summed over blocks, ``dk``/``dv`` of this block's keys).
+    The FlashAttention-2 backward, tile by tile. With a larger attention's ``out`` and ``lse``
+    (ring attention's global rows) it gives this key block's share of the gradients.
 
     Shapes:
         out ``(B, Hq, Tq, Dv)``, lse ``(B, Hq, Tq)``, d_out ``(B, Hq, Tq, Dv)`` ->
@@ -599,8 +573,6 @@ def _estimated_seconds(call: AttentionCall) -> float:
     flops = 2 * call.batch * call.q_heads * keys * (call.head_dim + call.value_dim)
     seconds = flops / rates["forward_flops_per_s"] + tiles * rates["seconds_per_tile"]
     seconds *= rates["mask_factor"][call.mask_kind]
-    if call.causal and call.mask_kind == "none":
-        seconds *= rates["causal_factor"]
     if call.dropout_p > 0.0:
         seconds *= rates["dropout_factor"]
     return seconds * (rates["forward_backward_factor"] if call.requires_grad else 1.0)

@@ -69,8 +69,9 @@ class Route:
         backend: the backend that serves it.
         run: sdpa's prepared run (:meth:`SdpaBackend.prepare`) with every decision bound, or None.
         mask: for a backend that plans from masks (``Backend.plans_masks``), the call's mask
-            mod (one keyed by value) and ``causal`` as one :class:`~attnlab.masks.PreparedMask`
-            that later calls pass instead (with ``causal=False``), so its plans are made once.
+            mod (one keyed by value, causal folded in) or causal alone as one
+            :class:`~attnlab.masks.PreparedMask` that later calls pass instead (with
+            ``causal=False``), so its plans are made once.
 
     Example:
         >>> Route(backend=get("reference"), run=None).backend.name
@@ -316,7 +317,7 @@ def prepared_run(backend: Backend, call: AttentionCall) -> Callable | None:
         >>> prepared_run(get("reference"), build_call(q, q, q)) is None
         True
     """
-    if not isinstance(backend, SdpaBackend) or call.mask_kind == "mod" or call.score_mod is not None:
+    if not isinstance(backend, SdpaBackend) or call.mask_kind in ("mod", "prepared") or call.score_mod is not None:
         return None
     return backend.prepare(call)
 
@@ -335,7 +336,7 @@ def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask 
     if not backend.plans_masks or call.batch == 0:
         return None
     by_value = call.mask_kind == "mod" and _masks.value_only_key(call.mask) is not None
-    if not (by_value or (call.mask_kind == "none" and call.causal)):
+    if not (by_value or call.mask_kind == "causal"):
         return None
     mod = call.mask_mod()  # an OR has no interval form: planned per call
     return _masks.prepare(mod, tq=call.tq, tk=call.tk, device=call.device) if _masks.has_row_ranges(mod) else None

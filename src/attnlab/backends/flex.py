@@ -1,75 +1,26 @@
 """The ``flex`` backend: ``torch.nn.attention.flex_attention``, compiled, with block-sparse masks.
 
-FlexAttention takes the mask as a *mask mod* and skips whole blocks that no query of a block
-may attend (a ``BlockMask``). GQA uses ``enable_gqa=True``. Masks take one of two paths:
+The call's mask reaches the kernel by one of two paths (:func:`_mask_path`, from ``call.mask_kind``):
 
-* **Direct, O(T) memory**: causal (either alignment), attnlab's own mask mods
-  (:class:`~attnlab.masks.CausalMod`, ``SlidingWindowMod``, ``PrefixLMMod``, ``ChunkedLocalMod``,
-  ``DocumentMod``, ``VarlenCausalMod``, ``PaddingMod``, ANDs of them; exact types) and
-  :class:`~attnlab.masks.PreparedMask` reach the kernel as a prepared mask
-  (:func:`attnlab.masks.prepare`: per query row one key interval and a segment per position,
-  the rule each mod states once in :meth:`~attnlab.masks.MaskMod.row_ranges`), and the block
-  mask is built from it one 128-query block at a time over the key blocks its bounds reach --
-  never a dense ``(Tq, Tk)`` mask. torch's ``create_block_mask`` is not used: eager, it
-  materialises ``(B, H, Tq, Tk)`` (715 MiB at T=8192 H=1, 4.7 GiB at H=8, on CPU); compiled, it
-  costs a compilation per mod and shape. torch.compile guards on the mod's class and on every
-  int it reads (``mask_mod.window == 64`` recompiles for 32), so handing over attnlab's mods
-  themselves would compile once per mod structure and per window, prefix, chunk or offset
-  value; a :class:`~attnlab.masks.PreparedMask` holds tensors only, so every direct mod of one
-  call shape shares one compilation.
-* **Dense, O(Tq*Tk) memory**: bool and float tensor masks, ORs of mods (not one interval), and
-  mask mods of the user's own (any other callable: each new function, and each int a closure
-  holds, would recompile, and arbitrary Python need not trace) are folded into one dense
-  additive ``(B, Hq, Tq, Tk)`` bias read by one score mod class (:class:`BiasScoreMod`), so the
-  compiled kernel is reused.
+* ``"rows"``, O(T) memory: causal, attnlab's own mask mods and ANDs of them, and a
+  :class:`~attnlab.masks.PreparedMask` go in as a prepared mask (one key interval per query row,
+  :func:`attnlab.masks.prepare`). The ``BlockMask`` is built from it one 128-query block at a
+  time, never as a dense ``(Tq, Tk)`` mask, and kept on the prepared mask (``PreparedMask.memo``).
+  A prepared mask holds tensors only, so every such mask of one shape shares one compilation.
+* ``"dense"``, O(Tq*Tk) memory: tensor masks, ORs of mods and a user's own mask mods are folded
+  into one additive ``(B, Hq, Tq, Tk)`` bias read by one score mod class (:class:`BiasScoreMod`),
+  so the compiled kernel is reused.
 
-:meth:`FlexBackend.memory_for` reports the class per call; ``memory_note`` says which path.
-The block mask of a direct mod is kept on its prepared mask (``PreparedMask.memo``): dispatch
-prepares a mod that holds no tensor once per shape and keeps it with its route, and a caller
-prepares a mod with tensors once per batch (:func:`attnlab.masks.prepare`); an unprepared mod
-with tensors, and a dense mask, are built afresh on each call (nothing process-wide is kept).
+Score mods are FlexAttention's own ``score_mod`` (:class:`ScoreThenBias`), so a window with ALiBi
+still skips whole blocks. Declined: sinks and dropout (the kernel has neither), gradients on CPU
+(no backward there), a score mod whose tensors need a gradient or are float64, a user's function
+in fp16/bf16 on CPU, on CPU a ``Tk`` that is not a multiple of the 128-key block, empty sequences,
+and a float mask that requires grad. A user's function Inductor cannot lower raises ``ValueError``
+and is declined from then on, until :func:`attnlab.backends.dispatch.clear_plans`.
 
-Score mods (:mod:`attnlab.scores`: softcap, ALiBi, T5's relative bias, a bias tensor, their
-compositions and a user's ``(score, b, h, q_idx, kv_idx)`` function) are FlexAttention's own
-``score_mod``: the kernel calls the mod on each score it computes (:class:`ScoreThenBias`,
-before a dense mask's bias when there is one), so a window with ALiBi or softcap still skips
-whole blocks. torch.compile guards on the mod's kind and Python settings (a softcap of 30
-compiles again for 50; a new function compiles again), not on its tensors' values, so the mod's
-signature is part of the compiled variant. Sinks are declined: the compiled CPU kernel returns
-no log-sum-exp to fold them in (sdpa, blocks and chunked serve them); so is a score mod whose
-tensors need a gradient, or that holds float64 tensors (the kernel's scores are float32), and,
-on CPU in fp16/bf16, a user's own function: torch's compiled kernel computed
-``(score + t[h]).to(score.dtype)`` with errors of 3.6 (bf16) and 5.2 (fp16) where fp32 was exact,
-and a function may be written that way (attnlab's structured mods are not, and are verified).
-A user's function Inductor cannot lower (``torch.sort(t).values[q_idx]``) makes that call raise
-``ValueError`` with the reason, and flex declines that function from then on; other calls are
-still served (a compile failure without a user's function is taken as the compiler's and
-declines every call on the device). These failures are the only history flex's limits read:
-at most ``_RECOMPILE_LIMIT`` of them, keyed without keeping a user's function alive, and
-forgotten by :func:`attnlab.backends.dispatch.clear_plans`.
-
-Declined, because the result would not be exact: on CPU, any ``Tk`` that is not a multiple of
-the 128-key block (torch's compiled CPU kernel, built for AVX2, returns wrong values or NaN
-on some partial blocks, e.g. ``Tk = 8, 24, 136``); empty sequences (the kernel divides by
-zero); and a float mask that requires grad while gradients are on.
-
-``flex_attention`` is compiled once with ``torch.compile``. Limits found on this
-installation (torch 2.13, CPU): the compiled CPU kernel is inference only and cannot return
-the log-sum-exp, so on CPU this backend declines calls that need gradients ("FlexAttention
-has no backward on CPU") and returns no ``lse`` (``return_weights`` recomputes the weights).
-Compilation is static (``dynamic=False``): with dynamic shapes, Inductor's CPU code for a
-score/mask mod that reads a captured tensor fails to build here (``cur_kvSplitSize`` not
-declared), so each variant -- shape, dtype and mask path (none, dense bias, row ranges) --
-compiles once. The variants flex holds are bounded by Dynamo's recompile limit, raised for
-flex's kernel alone to ``_RECOMPILE_LIMIT``; a call past it drops flex's compiled variants
-(flex's code only, nothing else the process compiled) and compiles its own, so flex serves a
-call whatever ran before. Inductor's CPU code is also fixed to the thread count at compile time (compiled
-under ``torch.set_num_threads(1)`` it has no OpenMP loop, and stays serial after the count is
-raised in the same process), so set the thread count before the first flex call. Compiling
-takes seconds (the measured times are in :mod:`attnlab.backends.rates`); the cost estimate adds
-them until a variant has been compiled, so ``backend="auto"`` does not pick flex for one-off
-shapes on CPU. FlexAttention has no dropout, so calls with ``dropout_p > 0`` are declined. On
-CUDA forward and backward run and the ``lse`` is returned.
+Each shape, dtype, mask path and score-mod signature compiles once (``dynamic=False``), at most
+``_RECOMPILE_LIMIT`` variants; until then the cost estimate adds the compile time. Set the thread
+count before the first flex call: Inductor's CPU code keeps the count it was compiled under.
 
 Example:
     >>> import torch, attnlab
@@ -168,10 +119,10 @@ class ScoreThenBias:
 def _direct_mod(call: AttentionCall):
     """The call's mask as a mod flex takes directly (causal folded in), or None: no mask, a
     tensor mask, or a mod of the user's own (those go through the dense bias, see the module doc)."""
-    if call.mask_kind not in ("none", "mod"):
+    if call.mask_kind not in ("causal", "mod", "prepared"):
         return None
     mod = call.mask_mod()
-    return mod if mod is not None and _masks.has_row_ranges(mod) else None
+    return mod if _masks.has_row_ranges(mod) else None
 
 
 def _mask_path(call: AttentionCall) -> str | None:
@@ -179,16 +130,16 @@ def _mask_path(call: AttentionCall) -> str | None:
     O(T)), ``"dense"`` (:class:`BiasScoreMod`, O(Tq*Tk)) or None (nothing is masked)."""
     if _direct_mod(call) is not None:
         return "rows"
-    return "dense" if call.mask_kind != "none" or call.causal else None
+    return None if call.mask_kind == "none" else "dense"
 
 
 def _block_mask_of(prepared: _masks.PreparedMask, call: AttentionCall):
     """FlexAttention's ``BlockMask`` for a prepared mask with the call's batch rows, evaluated
     one 128-query block at a time.
 
-    The prepared mask (the kernel's mask mod) is evaluated over only the key blocks its bounds reach, so memory is O(B * 128 * Tk) at most and never a dense ``(Tq, Tk)``
-    mask (torch's eager ``create_block_mask`` materialises ``(B, H, Tq, Tk)``: 4.7 GiB at
-    T=8192, H=8). Positions past ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``,
+    Only the key blocks the mask's bounds reach are evaluated: O(B * 128 * Tk) memory at most,
+    never a dense ``(Tq, Tk)`` mask as torch's eager ``create_block_mask`` builds. Positions past
+    ``Tq`` or ``Tk`` count as masked, as in ``create_block_mask``,
     so a block holding them is partial, never full.
     """
     size, device, kernel_mod = _KV_BLOCK, call.device, prepared
@@ -259,8 +210,7 @@ def _symbolic(call: AttentionCall) -> bool:
 
 def _mask_limits(call: AttentionCall) -> list[str]:
     """A mask that needs a gradient: the kernel takes the bias as a constant."""
-    mask = call.mask
-    if isinstance(mask, Tensor) and mask.requires_grad and torch.is_grad_enabled():
+    if call.mask_kind == "float" and call.mask.requires_grad and torch.is_grad_enabled():
         return ["flex cannot differentiate a float mask that requires grad (e.g. a learnable bias)"]
     return []
 
@@ -317,19 +267,12 @@ def _standard_strides(t: Tensor) -> Tensor:
 # neither dispatch nor a torch.compile'd caller ever traces the lookup.
 _HAS_CPP_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 
-# Dynamo compiles at most `recompile_limit` (default 8) variants of one function per process and
-# then silently runs flex_attention unfused, materialising the O(T^2) scores. The kernel call
-# raises that limit for flex alone and fails past it; flex then drops its compiled variants
-# (flex_attention's code only) and compiles the call's. Also the bound of flex's bookkeeping.
+# Past Dynamo's recompile limit flex_attention would run unfused (O(T^2)): the kernel call raises
+# the limit for flex alone, and past it flex drops its own compiled variants and compiles anew.
 _RECOMPILE_LIMIT = 64
 
-# FlexAttention's block: the block mask and the CPU kernel work on 128-key blocks. The compiled
-# CPU kernel of torch 2.13 and 2.14, built for AVX2 (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2),
-# returns wrong values or NaN, nondeterministically, whenever the last key block is partial with
-# a length of 8 mod 16 (Tk = 8, 24, 40, 72, 88, 104, 120, 136; D = 8 or 16), whatever the mask
-# and Tq; built for AVX-512 the same shapes are exact. A partial block holds a vector tail whose
-# failing length depends on the vector width, and the ISA Inductor builds for depends on the
-# machine, so only full blocks are trusted on CPU (Tk = 128, 256, ... were exact in every trial).
+# FlexAttention's 128-key block. On CPU only full key blocks are trusted: the compiled kernel
+# returned wrong values on some partial last blocks, depending on the ISA Inductor builds for.
 _KV_BLOCK = 128
 
 

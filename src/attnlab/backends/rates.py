@@ -33,8 +33,8 @@ RATES: dict = {
         "forward_flops_per_s": 22e9,
         "forward_backward_factor": 2.7,  # forward+backward time over forward time
         "seconds_per_tile": 30e-6,
-        "mask_factor": {"none": 1.0, "float": 1.2, "bool": 1.75, "mod": 1.5},  # per-tile extra work
-        "causal_factor": 1.2,  # diagonal tiles
+        # Per-tile extra work by call.mask_kind (causal: its diagonal tiles).
+        "mask_factor": {"none": 1.0, "causal": 1.2, "float": 1.2, "bool": 1.75, "mod": 1.5, "prepared": 1.5},
         "dropout_factor": 1.85,  # hashing the dropout bits
     },
     "blocks": {

@@ -1,55 +1,23 @@
 """The ``sdpa`` backend: PyTorch's fused ``scaled_dot_product_attention`` kernels.
 
-On CPU PyTorch runs a flash-attention kernel (O(T) memory) for unmasked and top-left causal
-calls and for calls with an explicit ``attn_mask``, and falls back to its "math" path (the
-full score matrix, O(T^2)) for dropout and for ``Dv != D``. On CUDA it chooses between
-flash, memory-efficient, cuDNN and math kernels. This module translates an attnlab call into
-SDPA's arguments faithfully:
+An attnlab call becomes SDPA's arguments without reading a tensor value or copying one:
 
-* bool masks keep their polarity (SDPA's bool ``attn_mask`` also means True = attend);
-  float masks are passed as additive biases in the query dtype, except that fp16/bf16 calls
-  on CPU get them in fp32 (a bias near -130 has a bf16 step of 1; PyTorch's CPU kernels take
-  an fp32 mask with half inputs);
-* ``causal`` with ``align="top_left"`` (or any alignment when ``Tq == Tk``) and no other mask
-  uses ``is_causal=True``; bottom-right causal with ``Tq != Tk``, causal together with a mask,
-  and mask mods are materialised into one dense mask -- O(Tq*Tk) memory, and
-  :meth:`SdpaBackend.memory_for` says so for that call;
-* grouped-query attention uses ``enable_gqa=True`` (heads are repeated on PyTorch < 2.5);
-* an additive score mod (alibi, relative_bias, bias and their sums) is materialised into the
-  float mask, exactly what adding it to the scores means (O(Tq*Tk) memory); softcap and a
-  user's function are not additive and are declined;
-* sinks, on CPU (PyTorch 2.13+, no dropout, ``Dv == D``, no other learnable mask), go through
-  the flash kernel's log-sum-exp: the kernel runs as without sinks (top-left causal stays
-  ``is_causal``, O(T) memory) and returns ``out`` and ``lse`` per row, into which the sinks are
-  folded (:mod:`attnlab.backends._lse`); its backward is the kernel's own given the folded ``out``
-  and ``lse``, plus a closed-form sink gradient (:data:`_SinksThroughLse`). Elsewhere sinks
-  become one more key per head with key and value 0 and the float mask's column holding
-  ``sinks[h]``: its score is ``0 * scale + sinks[h]``, exactly the sink's logit, and the
-  kernel's own normalisation includes it (causal is then materialised: O(Tq*Tk)). That sinks'
-  gradient is the float mask's, which PyTorch computes on its math kernel;
-* a float mask row held entirely at ``finfo.min`` gets the fused kernel's backward, as
-  ``F.scaled_dot_product_attention`` gives it: the kernel recomputes the weights from an fp32
-  lse that cannot hold ``finfo.min + log(Tk)`` (each key's weight is taken as 1, not 1/Tk);
-  exactness there would take SDPA's math kernel on every float-masked training call, about 3x
-  slower (docs/design.md, "Fully masked rows");
-* a scale <= 0, and any scale when a backward pass will run, is folded into q (``q * scale``
-  with scale 1 passed; fp16/bf16 fold only a sign or 0, exactly): the CPU kernel scales
-  causally blocked ``-inf`` scores (``-inf * 0`` is NaN) and its backward recomputes the
-  scores with different rounding (see :func:`attnlab._math.kernel_scales`);
-* no tensor value is read and nothing is copied for the contract's sake: on CPU with PyTorch
-  2.13+ the kernels themselves give a row with no attendable key zeros and zero gradient, and a
-  query row holding NaN a NaN row; elsewhere two value-free ``torch.where`` passes mend the rows
-  (:func:`kernel_keeps_rows`). Keys that top-left causal masking hides from every query (Tq < Tk)
-  are sliced off, never read. Other blocked keys are read by the kernel with weight exactly 0:
-  finite values there have no influence, NaN/inf may (docs/design.md, "Non-finite values");
-* dropout: SDPA draws from PyTorch's global RNG. With a ``generator`` the call draws one seed
-  from it and runs SDPA under a forked, freshly seeded global RNG, so the same generator seed
-  gives bitwise the same output and the caller's global RNG is untouched. Without one, SDPA
-  uses the global RNG as usual. (SDPA's dropout mask differs from the reference's; both keep
-  each weight with probability ``1 - p`` and scale by ``1 / (1 - p)``.)
+* the mask (:func:`_mask_source`, from ``call.mask_kind``): none, or top-left causal alone, is
+  SDPA's own ``is_causal``; a bool or float tensor alone is passed as the caller holds it; any
+  other mask (bottom-right causal, causal with a tensor, a mask mod, an additive score mod) is
+  materialised into one dense mask, O(Tq*Tk), which :meth:`SdpaBackend.memory_for` reports.
+  Float masks of fp16/bf16 calls reach the CPU kernels in fp32;
+* grouped-query attention uses ``enable_gqa=True`` (heads repeated on PyTorch < 2.5);
+* sinks fold into the CPU flash kernel's log-sum-exp where it allows (:func:`sinks_through_lse`),
+  else they are one more key of value 0 whose logit is a float mask column;
+* a scale <= 0, or any scale when a backward will run, is folded into q
+  (:func:`attnlab._math.kernel_scales`);
+* rows with no key to attend are zeros from the kernel itself on CPU with PyTorch 2.13+, else
+  mended by two value-free ``torch.where`` (:func:`kernel_keeps_rows`); keys that top-left causal
+  hides from every query are sliced off;
+* dropout with a ``generator`` runs under the global RNG forked and seeded from it.
 
-SDPA does not expose the row log-sum-exp, so ``return_weights`` recomputes the weights with
-:func:`attnlab.attention_weights`; ``out`` is computed exactly as without weights.
+``return_weights`` recomputes the weights (:func:`attnlab.attention_weights`); ``out`` is the same.
 
 Example:
     >>> import torch, attnlab
@@ -95,11 +63,8 @@ class SdpaPlan:
     """How one call is handed to SDPA, decided without building any tensor.
 
     Attributes:
-        mask_source: ``"none"`` (no mask), ``"is_causal"`` (SDPA's own top-left causal),
-            ``"user"`` (the user's bool/float mask passed as is) or ``"materialised"``
-            (causal/mask mod/bottom-right folded into one dense mask).
-        kernel: the SDPA kernel PyTorch will pick (``"flash"``, ``"efficient"``, ``"cudnn"``
-            or ``"math"``).
+        mask_source: ``"none"``, ``"is_causal"``, ``"user"`` or ``"materialised"`` (:func:`_mask_source`).
+        kernel: the kernel PyTorch will pick: ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
         memory: ``"linear"`` or ``"quadratic"`` extra memory in the sequence length.
         memory_note: why, in words.
 
@@ -152,19 +117,17 @@ def _sink_key(call: AttentionCall) -> bool:
 
 
 def _mask_source(call: AttentionCall) -> str:
-    if call.score_mod is not None:
-        # A bias tensor the caller holds reaches SDPA as it is (added to their mask, if any).
-        held = isinstance(call.score_mod, _scores.Bias) and not call.causal and call.mask_kind != "mod"
+    """How the call's mask reaches SDPA: ``"none"``, ``"is_causal"``, ``"user"`` (the caller's
+    tensor as it is) or ``"materialised"`` (a dense mask built per call)."""
+    kind, alone = call.mask_kind, call.causal_offset is None
+    if call.score_mod is not None:  # a bias tensor the caller holds reaches SDPA as it is
+        held = isinstance(call.score_mod, _scores.Bias) and alone and kind in ("none", "bool", "float")
         return "user" if held else "materialised"
-    if _sink_key(call) and call.causal:
-        return "materialised"  # is_causal takes no attn_mask, and the sink's column needs one
-    if call.mask_kind == "none":
-        if not call.causal:
-            return "none"
-        return "is_causal" if call.causal_offset == 0 else "materialised"
-    if call.mask_kind in ("bool", "float") and not call.causal:
-        return "user"
-    return "materialised"
+    if kind == "none":
+        return "none"
+    if kind == "causal":  # is_causal takes no attn_mask, which the sinks' column needs
+        return "is_causal" if call.causal_offset == 0 and not _sink_key(call) else "materialised"
+    return "user" if kind in ("bool", "float") and alone else "materialised"
 
 
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:

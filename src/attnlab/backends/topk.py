@@ -126,7 +126,7 @@ def refusal(call: AttentionCall, backend: str) -> str | None:
     if backend == "auto" and call.score_mod is not None:
         return ("score_mod is not supported with indices on backend='auto' (the top-k kernel has no score "
                 "mod); backend='reference' applies it on the dense scores")
-    if backend == "auto" and isinstance(call.mask, Tensor) and call.mask.requires_grad:
+    if backend == "auto" and call.mask_kind == "float" and call.mask.requires_grad:
         return "mask requires grad: the top-k kernel does not differentiate a float mask (pass mask.detach())"
     return None
 

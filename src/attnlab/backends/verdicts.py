@@ -131,15 +131,20 @@ def why(q, k, v, *, backend: str = "auto", echo: bool = False, **options) -> str
     return text
 
 
+# The mask argument's kind as why() names it: causal alone is "no mask" and "causal (align)".
+_MASK_WORD = {"causal": "none"}
+
+
 def _describe(call: AttentionCall) -> str:
     """One line naming the call's sizes and options."""
     parts = [
         f"B={call.batch} Hq={call.q_heads} Hkv={call.kv_heads} Tq={call.tq} Tk={call.tk} "
         f"D={call.head_dim} Dv={call.value_dim} {str(call.dtype).replace('torch.', '')} "
         f"on {call.device.type}",
-        f"mask={call.mask_kind}" + (f" {tuple(call.mask.shape)}" if call.mask_kind in ("bool", "float") else ""),
+        f"mask={_MASK_WORD.get(call.mask_kind, call.mask_kind)}"
+        + (f" {tuple(call.mask.shape)}" if call.mask_kind in ("bool", "float") else ""),
     ]
-    if call.causal:
+    if call.causal_offset is not None:
         parts.append(f"causal ({call.align})")
     if call.score_mod is not None:
         parts.append(f"score_mod={call.score_mod!r}")
