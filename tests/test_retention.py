@@ -51,13 +51,22 @@ def test_no_user_object_outlives_its_calls():
     assert 0 < len(dispatch._ROUTES) <= dispatch.PLAN_CACHE_SIZE
 
 
-def test_a_tensor_holding_mod_is_not_remembered_but_a_value_mod_is():
+def test_a_tensor_holding_mod_is_remembered_by_weak_identity_and_a_value_mod_by_value():
     dispatch.clear_plans()
     q = torch.randn(1, 2, 16, 8)
-    attnlab.attention(q, q, q, mask=masks.document_mod(torch.tensor([0] * 8 + [1] * 8)))
-    assert not dispatch._ROUTES  # a mod keyed by id would keep the mod and its ids alive
+    documents = masks.document_mod(torch.tensor([0] * 8 + [1] * 8))
+    attnlab.attention(q, q, q, mask=documents)
+    key = dispatch.argument_key(q, q, q, mask=documents, causal=False, align="top_left", scale=None, dropout_p=0.0,
+                                generator=None, backend="auto", return_weights=False)
+    assert dispatch.remembered(key) is not None  # a held mod (or PreparedMask) skips dispatch
+    ref = weakref.ref(documents)
+    del documents
+    gc.collect()
+    assert ref() is None  # the key held it by weak reference only
+    assert dispatch.remembered(key) is None  # and a dead mod matches nothing
     attnlab.attention(q, q, q, mask=masks.sliding_window_mod(16, 16, 4))
-    assert len(dispatch._ROUTES) == 1
+    attnlab.attention(q, q, q, mask=masks.sliding_window_mod(16, 16, 4))  # a new object, the same value
+    assert len(dispatch._ROUTES) == 2
 
 
 def test_a_remembered_score_function_is_found_while_it_lives():

@@ -34,7 +34,7 @@ from attnlab._checks import one_of
 from attnlab.backends.base import MEMORY_CLASSES, Backend
 from attnlab.backends.registry import generation, get, registry
 from attnlab.backends.sdpa import SdpaBackend
-from attnlab.scores import ScoreMod, as_score_mod
+from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
            "PREFERENCE", "claimed", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
@@ -218,8 +218,10 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
     ``sliding_window_mod(T, T, 256)`` per step finds its route), a score mod's
     :meth:`~attnlab.scores.ScoreMod.signature` (a user's function through a weak reference),
     the options, grad mode and the registry's generation. A key never holds a user's tensor or
-    keeps a user's object alive. None (nothing remembered) for a mask mod that holds tensors
-    (``document_mod(ids)``: hold an :func:`attnlab.plan` instead), arguments of unusual types
+    keeps a user's object alive: any other mask mod (one that holds tensors, a held
+    ``PreparedMask``, a function) is keyed by weak identity, so a dead one matches nothing and a
+    per-batch ``document_mod(ids)`` leaves only dead keys, dropped as the cache turns over.
+    None (nothing remembered) for arguments of unusual types
     (tensor subclasses, ``causal=1``: validation must see them each time) and a dropout
     generator (its device is part of what is checked).
 
@@ -244,10 +246,10 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
         mask_key = None
     elif type(mask) is Tensor:
         mask_key = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
+    elif callable(mask):  # by value, else by weak identity (a held PreparedMask, a reused mod)
+        mask_key = _masks.value_only_key(mask) or _Identity(mask)
     else:
-        mask_key = _masks.value_only_key(mask) if callable(mask) else None
-        if mask_key is None:
-            return None
+        return None
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
