@@ -337,3 +337,8 @@ def test_value_only_key_is_the_masks_identity_by_value():
     unkeyed = [masks.padding_mod(torch.tensor([2])), window & masks.padding_mod(torch.tensor([2])),
                masks.prepare(window, tq=8, tk=8), Shifted(2), lambda b, h, q, kv: kv <= q, window | (lambda *i: True)]
     assert [masks.value_only_key(mod) for mod in unkeyed] == [None] * len(unkeyed)
+
+
+def test_document_mod_refuses_a_non_tensor_naming_the_argument():
+    with pytest.raises(TypeError, match="document_ids must be an integer tensor"):
+        masks.document_mod("abc")

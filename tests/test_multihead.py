@@ -326,3 +326,11 @@ def test_rope_window_and_cached_forwards_call_the_part_from_forward(monkeypatch)
         assert module_frames == 1, (mha, depth)
         if mha.window is not None:
             assert depth <= 2, depth
+
+
+def test_load_tutorial_state_dict_refuses_what_is_not_a_state_dict():
+    mha = MultiHeadAttention(4, 4, num_heads=2)
+    before = {k: v.clone() for k, v in mha.state_dict().items()}
+    with pytest.raises(TypeError, match="state_dict must be a mapping"):
+        load_tutorial_state_dict(mha, 5)
+    assert all(torch.equal(before[k], v) for k, v in mha.state_dict().items())  # nothing changed

@@ -30,6 +30,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -513,6 +514,8 @@ def load_tutorial_state_dict(module: nn.Module, state_dict: dict, *, strict: boo
         >>> torch.equal(mha.in_proj_weight, torch.cat(list(state.values())))
         True
     """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     state = dict(state_dict)
     for name, layer in module.named_modules():
         if isinstance(layer, MultiHeadAttention):

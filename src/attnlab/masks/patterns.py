@@ -419,6 +419,8 @@ def varlen_causal_mod(q_lengths: Tensor, k_lengths: Tensor, *,
 def _document_rows(document_ids: Tensor) -> Tensor:
     """``document_ids`` checked and made 2-D ``(B|1, T)`` int64 (ids are only compared, so
     unsigned ids are converted, not refused; a bool or float dtype is a ``TypeError``)."""
+    if not isinstance(document_ids, (Tensor, list, tuple)):
+        raise TypeError(f"document_ids must be an integer tensor (T,) or (B, T), got {type(document_ids).__name__}")
     ids = integer_dtype("document_ids", torch.as_tensor(document_ids), unsigned=True)
     if ids.ndim not in (1, 2):
         raise ValueError(
