@@ -14,7 +14,7 @@ import attnlab
 from attnlab import backends, verify
 
 N_CONFIGS = 220
-FLEX_HALF_CONFIGS = 88
+FLEX_CONFIGS = 88
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -25,10 +25,10 @@ def _backend_params():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("name", _backend_params())
 def test_backend_matches_fp64_reference(name, dtype):
-    # flex compiles a kernel per variant (about 11 s each on a cold CPU): bf16 takes the first 88 of
+    # flex compiles a kernel per variant (about 11 s each on a cold CPU): it takes the first 88 of
     # the draw, the fewest whose served configurations still hold every mask kind and every score
-    # kind flex serves in half precision (tested below).
-    flex_n = FLEX_HALF_CONFIGS if dtype != torch.float32 else None
+    # kind flex serves in each dtype (tested below); the other backends, and flex on CUDA, take 220.
+    flex_n = None if torch.cuda.is_available() else FLEX_CONFIGS
     results = verify.sweep([name], [dtype], n=N_CONFIGS, seed=1, flex_n=flex_n)
     served = [r for r in results if r.served]
     failures = [r for r in served if not r.passed]
@@ -37,7 +37,7 @@ def test_backend_matches_fp64_reference(name, dtype):
     )
     flex_on_cpu = name == "flex" and not torch.cuda.is_available()
     # 2 of the 5 flex shapes are whole key blocks: about 40 % of flex's draw is served on CPU
-    wanted = (80 if flex_n is None else FLEX_HALF_CONFIGS // 3) if flex_on_cpu else 200
+    wanted = FLEX_CONFIGS // 3 if flex_on_cpu else 200
     assert len(served) >= wanted, f"{name} served only {len(served)} of {len(results)} configurations"
     if flex_on_cpu:
         assert all("128-key block" in r.note for r in results if not r.served and not r.grad_mode)
@@ -278,8 +278,10 @@ def test_return_weights_keeps_the_fast_path(name, mask_kind):
     torch.testing.assert_close(weights.double(), want, atol=1e-6, rtol=1e-5)
 
 
-def test_the_half_precision_flex_draw_covers_every_mask_and_score_kind():
-    draw = verify.configs(FLEX_HALF_CONFIGS, seed=1, shapes=verify.FLEX_SHAPES, scores=verify.FLEX_HALF_SCORE_KINDS)
+@pytest.mark.parametrize("kinds", [verify.FLEX_SCORE_KINDS, verify.FLEX_HALF_SCORE_KINDS], ids=["fp32", "half"])
+def test_the_flex_draw_covers_every_mask_score_and_causal_kind(kinds):
+    draw = verify.configs(FLEX_CONFIGS, seed=1, shapes=verify.FLEX_SHAPES, scores=kinds)
     whole_blocks = [c for c in draw if c.tk % 128 == 0]  # what flex serves on CPU
-    assert {c.score for c in whole_blocks} >= set(verify.FLEX_HALF_SCORE_KINDS)
+    assert {c.score for c in whole_blocks} >= set(kinds)
     assert {c.mask for c in whole_blocks} == set(verify._MASKS)
+    assert {(c.causal, c.align) for c in whole_blocks} == set(verify._CAUSAL)
