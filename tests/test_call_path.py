@@ -92,7 +92,7 @@ def test_backends_decide_from_the_mask_kind():
         (("causal", True),): ("is_causal", "rows"),
         (("causal", True), ("align", "bottom_right")): ("materialised", "rows"),
         (("mask", pad),): ("user", "dense"),
-        (("mask", pad), ("causal", True)): ("materialised", "dense"),
+        (("mask", pad), ("causal", True)): ("segments", "dense"),  # a padded batch: calls on its real keys
         (("mask", window),): ("materialised", "rows"),
         (("mask", window), ("causal", True)): ("materialised", "rows"),
         (("mask", lambda b, h, i, j: i >= j),): ("materialised", "dense"),

@@ -41,27 +41,81 @@ _CALLS = {
 }
 
 
+@pytest.fixture
+def budget():
+    """Set the memory budget for one test (restored after)."""
+    previous = dispatch.set_memory_budget(None)
+    yield dispatch.set_memory_budget
+    dispatch.set_memory_budget(previous)
+
+
+@pytest.mark.parametrize("limit", [0, None], ids=["budget0", "default_budget"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("case", sorted(_CALLS))
-def test_auto_never_picks_quadratic_when_linear_serves(case, grad):
+def test_auto_chooses_within_the_memory_budget_then_by_time(case, grad, limit, budget):
+    budget(limit)
     q, k, v = _qkv(requires_grad=grad)
     q = torch.cat([q, q[:, :, :1]], dim=2) if case == "bottom_right" else q  # Tq != Tk
     with torch.set_grad_enabled(grad):
         call = build_call(q, k, v, **_CALLS[case])
         chosen = backends.select(call, "auto")
         serving = [backends.get(n) for n, why in backends.reasons(call).items() if not why]
-    classes = {backends.memory_class(b, call) for b in serving}
-    if "linear" in classes:
-        assert backends.memory_class(chosen, call) == "linear"
-    same_class = [b for b in serving if backends.memory_class(b, call) == backends.memory_class(chosen, call)]
-    preferred = [b for b in same_class if dispatch.claimed(b, call)]
+    allowed = dispatch.memory_budget(call)
+    assert allowed == (0 if limit == 0 else dispatch.default_memory_budget(call))
+    fits = [b for b in serving if b.memory_bytes(call) <= allowed]
+    if fits:
+        assert chosen in fits
+    if limit == 0 and any(backends.memory_class(b, call) == "linear" for b in serving):
+        assert backends.memory_class(chosen, call) == "linear"  # no O(T^2) path when an O(T) one serves
+    preferred = [b for b in fits if dispatch.claimed(b, call)]
     if preferred:  # a fixed rule wins over the cost estimates (sdpa on the mask the caller holds)
         assert chosen is preferred[0]
     else:
-        assert chosen.cost(call) == min(b.cost(call) for b in same_class)
-    # sdpa takes every call whose mask reaches it as the caller holds it, on every machine
-    assert (chosen.name == "sdpa") == (case in ("plain", "causal", "padding", "dense_bool", "causal_padding")
-                                       and backends.memory_class(backends.get("sdpa"), call) == "linear")
+        linear = [b for b in serving if backends.memory_class(b, call) == "linear"]
+        assert chosen.cost(call) == min(b.cost(call) for b in (fits or linear or serving))
+    # sdpa takes every call whose mask reaches it as the caller holds it, and padded causal
+    # batches (one call per run of real keys), on every machine
+    if case in ("plain", "causal", "padding", "dense_bool", "causal_padding"):
+        assert chosen.name == "sdpa" and backends.memory_class(chosen, call) == "linear"
+
+
+def test_a_materialised_mask_is_taken_only_within_the_budget_and_when_faster(budget):
+    """At T=64 a sliding window's dense mask (4 KiB) costs less than blocks' per-block calls:
+    auto builds it; with a budget below those 4 KiB it keeps to an O(T) path."""
+    q, k, v = _qkv()
+    call = build_call(q, k, v, **_CALLS["mask_mod"])
+    sdpa = backends.get("sdpa")
+    assert sdpa.memory_bytes(call) == 64 * 64  # one bool (1, 1, 64, 64) mask
+    cheapest = min((backends.get(n) for n, why in backends.reasons(call).items() if not why), key=lambda b: b.cost(call))
+    assert backends.select(call, "auto") is cheapest
+    budget(64 * 64 - 1)
+    assert backends.memory_class(backends.select(call, "auto"), call) == "linear"
+    text = backends.why(q, k, v, **_CALLS["mask_mod"])
+    assert "memory budget 0.0 MiB (set by attnlab.backends.set_memory_budget)" in text
+    assert "  sdpa: over the memory budget: O(T^2) memory, 4.0 KiB" in text
+
+
+def test_set_memory_budget_refuses_bad_values_and_forgets_routes(budget):
+    with pytest.raises(ValueError, match="nbytes must be a non-negative int, got -1"):
+        budget(-1)
+    with pytest.raises(TypeError, match="nbytes must be a non-negative int, got 1.5"):
+        budget(1.5)
+    q = torch.randn(1, 2, 64, 8)
+    attnlab.attention(q, q, q, mask=attnlab.masks.sliding_window_mod(64, 64, 8))
+    assert dispatch._ROUTES
+    budget(0)
+    assert not dispatch._ROUTES
+
+
+def test_the_default_budget_grows_with_the_tensors_and_stays_under_an_eighth_of_memory():
+    small, large = torch.randn(1, 1, 8, 4), torch.empty(64, 32, 4096, 128, device="meta")
+    assert dispatch.default_memory_budget(build_call(small, small, small)) == 64 * 2**20
+    large_call = build_call(large, large, large)
+    total = dispatch._device_memory(torch.device("cpu"))
+    expected = 4 * backends.base.io_bytes(large_call)
+    assert dispatch.default_memory_budget(large_call) == expected  # meta: no device memory to cap by
+    if total is not None:
+        assert dispatch.default_memory_budget(build_call(large.to("cpu") if False else small, small, small)) <= max(total // 8, 64 * 2**20)
 
 
 def test_sdpa_memory_class_follows_the_call():
@@ -84,7 +138,7 @@ def test_why_names_the_chosen_backend_and_every_other_reason():
     for name in others:
         assert f"  {name}: " in text
     assert "no backward on CPU" in text or "no dropout" in text  # flex's reasons
-    assert "O(T^2) memory where an O(T) path serves" in text  # the reference
+    assert any(word in text for word in ("slower", "over the memory budget", "passed over"))  # the reference
 
 
 def test_why_reports_slower_backends_with_costs():
@@ -94,7 +148,7 @@ def test_why_reports_slower_backends_with_costs():
     slower = [v for v in table if v.reason.startswith("slower")]
     for verdict in slower:
         assert verdict.cost_s >= chosen.cost_s
-        assert verdict.memory == chosen.memory
+        assert verdict.memory_bytes <= dispatch.memory_budget(build_call(q, k, v, causal=True))
 
 
 def test_why_for_a_named_backend_and_echo(capsys):

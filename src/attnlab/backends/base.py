@@ -26,7 +26,7 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab._flops import attention_flops
 
-__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES"]
+__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES", "io_bytes", "scores_bytes"]
 
 MEMORY_CLASSES = ("linear", "quadratic")  # extra memory in the sequence length: O(T), O(T^2)
 
@@ -156,6 +156,22 @@ class Backend:
         """
         return self.memory
 
+    def memory_bytes(self, call: AttentionCall) -> int:
+        """Estimated bytes this backend allocates for ``call`` beyond its inputs and output:
+        per-row statistics for an O(T) path, the scores and weights for an O(T^2) one
+        (:func:`scores_bytes`). Auto compares it with the memory budget
+        (:func:`attnlab.backends.dispatch.memory_budget`).
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().memory_bytes(build_call(q, q, q))  # 2 score matrices of 3 x 3 fp32
+            72
+        """
+        if self.memory_for(call) == "linear":
+            return 8 * call.batch * call.q_heads * call.tq  # a row max and sum (or lse) in fp32
+        return scores_bytes(call)
+
     def memory_note(self, call: AttentionCall) -> str:
         """Why ``call`` has its memory class, in a few words ("" when there is nothing to add).
 
@@ -190,6 +206,35 @@ class Backend:
     def forward(self, call: AttentionCall) -> AttentionResult:
         """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
+
+
+def io_bytes(call: AttentionCall) -> int:
+    """Bytes of ``call``'s q, k, v and output (what the caller holds whatever the backend).
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> io_bytes(build_call(q, q, q))
+        192
+    """
+    size = torch.empty((), dtype=call.dtype).element_size()
+    rows = call.batch * (call.q_heads * call.tq * (call.head_dim + call.value_dim)
+                         + call.kv_heads * call.tk * (call.head_dim + call.value_dim))
+    return size * rows
+
+
+def scores_bytes(call: AttentionCall, copies: int = 2) -> int:
+    """Bytes of ``copies`` ``(B, Hq, Tq, Tk)`` score matrices in fp32 (fp64 for fp64 calls):
+    the scores and the weights an unfused path keeps, the autograd graph holding them.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(2, 4, 8, 16)
+        >>> scores_bytes(build_call(q, q, q), copies=1)
+        2048
+    """
+    size = 8 if call.dtype == torch.float64 else 4
+    return copies * size * call.batch * call.q_heads * call.tq * call.tk
 
 
 def _device_word(device_type: str) -> str:

@@ -4,10 +4,11 @@
          |                                                  |
     PREFERENCE, in order: ("sdpa", its rule)           that backend's reasons only:
          | the rule claims the call, the backend           none -> it runs
-         | serves it (no reasons) in O(T) memory?          some -> ValueError listing them
+         | serves it (no reasons) within the budget?       some -> ValueError listing them
     yes -> it runs (no other backend is asked)
-    no  -> every backend's reasons; the best memory class among those that serve;
-           a claim there, else the lowest estimated cost (mask mods: blocks, chunked, flex)
+    no  -> every backend's reasons; among those that serve, the ones whose extra memory fits
+           the memory budget (:func:`memory_budget`; none fits: the O(T) ones);
+           a claim there, else the lowest estimated cost
 
 Routes are remembered per argument signature (:func:`argument_key`), holding no user object.
 
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,14 +33,16 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._checks import one_of
-from attnlab.backends.base import MEMORY_CLASSES, Backend
+from attnlab._checks import non_negative_int
+from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes
 from attnlab.backends.registry import generation, get, registry
 from attnlab.backends.sdpa import SdpaBackend
 from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PREFERENCE", "claimed", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
-           "prepared_run", "prepared_mask"]
+           "PREFERENCE", "claimed", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
+           "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
+           "budget_words"]
 
 
 def _sdpa_claims(backend: Backend, call: AttentionCall) -> bool:
@@ -59,6 +63,10 @@ PREFERENCE: tuple[tuple[str, Callable[[Backend, AttentionCall], bool]], ...] = (
 PLAN_CACHE_SIZE = 512
 _ROUTES: dict = {}
 _LOCK = threading.Lock()
+
+# The memory budget set by set_memory_budget (one int of bytes), or None for the default.
+_BUDGET: list = [None]
+_MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,94 @@ class Route:
     backend: Backend
     run: Callable | None
     mask: _masks.PreparedMask | None = None
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes (the machine's RAM for CPU), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system
+            return None
+    return None
+
+
+def default_memory_budget(call: AttentionCall) -> int:
+    """The budget auto uses unless one is set: 4x the call's own tensors (q, k, v and the
+    output), at least 64 MiB, at most 1/8 of the device's memory.
+
+    So a mask or score matrix comparable to what the caller already holds may be built where it
+    is faster, and never one that could exhaust the machine.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> default_memory_budget(build_call(q, q, q)) >= 64 * 2**20
+        True
+    """
+    budget = max(64 * _MIB, 4 * io_bytes(call))
+    total = _device_memory(call.device)
+    return budget if total is None else min(budget, max(total // 8, 64 * _MIB))
+
+
+def memory_budget(call: AttentionCall) -> int:
+    """Bytes auto may spend on ``call`` beyond its tensors: the budget set by
+    :func:`set_memory_budget`, else :func:`default_memory_budget`.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> previous = set_memory_budget(0)
+        >>> memory_budget(build_call(q, q, q))
+        0
+        >>> _ = set_memory_budget(previous)
+    """
+    return _BUDGET[0] if _BUDGET[0] is not None else default_memory_budget(call)
+
+
+def set_memory_budget(nbytes: int | None) -> int | None:
+    """Set the bytes ``backend="auto"`` may spend on one call beyond its tensors (a dense mask,
+    a score matrix); None restores the default (:func:`default_memory_budget`). 0 keeps every
+    call on an O(T) path where one serves. Returns the previous setting, to restore it.
+
+    Within the budget the estimated time decides; over it, a path is taken only when nothing
+    else serves. Named backends ignore it. Process-wide: every path (modules, caches, context
+    parallelism, transformers) dispatches through here.
+
+    Raises:
+        TypeError: ``nbytes`` is not an int or None.
+        ValueError: ``nbytes`` is negative.
+
+    Example:
+        >>> previous = set_memory_budget(256 * 2**20)
+        >>> set_memory_budget(previous)
+        268435456
+    """
+    if nbytes is not None:
+        non_negative_int("nbytes", nbytes)
+    with _LOCK:
+        previous, _BUDGET[0] = _BUDGET[0], nbytes
+        _ROUTES.clear()  # routes chosen under the old budget
+    return previous
+
+
+def budget_words(call: AttentionCall) -> str:
+    """The call's memory budget in words, as :func:`attnlab.backends.why` shows it.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> budget_words(build_call(q, q, q)).startswith("memory budget 64.0 MiB")
+        True
+    """
+    how = ("set by attnlab.backends.set_memory_budget" if _BUDGET[0] is not None else
+           "default: 4x the call's tensors, at least 64 MiB, at most 1/8 of the device's memory")
+    return f"memory budget {memory_budget(call) / _MIB:.1f} MiB ({how})"
 
 
 def check_backend_name(name: object) -> str:
@@ -137,9 +233,10 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     """The backend that will run ``call``: a named one if it serves, else auto's choice.
 
     Auto walks :data:`PREFERENCE`: the first backend whose rule claims the call and that serves
-    it in O(T) memory wins, and no other backend is asked. Otherwise every backend's reasons
-    are read: among those serving the call in the best memory class (never an O(T^2) path
-    when an O(T) one serves), a claimed one, else the lowest estimated time (:meth:`Backend.cost`).
+    it within the memory budget (:func:`memory_budget`) wins, and no other backend is asked.
+    Otherwise every backend's reasons are read: among those serving the call whose extra
+    memory (:meth:`Backend.memory_bytes`) fits the budget (none fits: those of the best memory class),
+    a claimed one, else the lowest estimated time (:meth:`Backend.cost`).
 
     Args:
         call: a validated call from :func:`attnlab._call.build_call`.
@@ -162,22 +259,42 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         if why_not:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(why_not))
         return backend
+    compiling = torch.compiler.is_compiling()  # sizes may be symbolic: memory by class, not bytes
+    budget = None if compiling else memory_budget(call)
     for preferred_name, claims in PREFERENCE:
         backend = registry().get(preferred_name)
         if (backend is not None and claims(backend, call) and not reasons_of(backend, call)
-                and backend.memory_for(call) == MEMORY_CLASSES[0]):
+                and (backend.memory_for(call) == MEMORY_CLASSES[0] if compiling
+                     else backend.memory_bytes(call) <= budget)):
             return backend
-    return _by_memory_and_cost(call)
+    return _by_memory_and_cost(call, budget)
 
 
-def _by_memory_and_cost(call: AttentionCall) -> Backend:
-    """Auto's choice when no preferred backend claims ``call`` in O(T) memory."""
+def within_budget(serving: list[Backend], call: AttentionCall, budget: int | None) -> list[Backend]:
+    """The backends of ``serving`` whose extra memory fits ``budget``; where none fits, or with
+    ``budget`` None (compiling: sizes may be symbolic), those of the best memory class.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> [b.name for b in within_budget([get("reference"), get("chunked")], build_call(q, q, q), 0)]
+        ['chunked']
+    """
+    fits = [] if budget is None else [b for b in serving if b.memory_bytes(call) <= budget]
+    if fits:
+        return fits
+    # Plain loops, not min(key=...): torch.compile traces them (it refuses min with a key).
+    classes = [MEMORY_CLASSES.index(memory_class(b, call)) for b in serving]
+    return [b for b, c in zip(serving, classes) if c == min(classes)]
+
+
+def _by_memory_and_cost(call: AttentionCall, budget: int | None) -> Backend:
+    """Auto's choice when no preferred backend claims ``call`` within the budget."""
     serving = [registry()[n] for n, why_not in reasons(call).items() if not why_not]
     if not serving:  # the reference serves every valid call; this is a programming error
         raise RuntimeError("no attention backend can serve this call")
-    # Plain loops, not min(key=...): torch.compile traces them (it refuses min with a key).
-    classes = [MEMORY_CLASSES.index(memory_class(b, call)) for b in serving]
-    candidates = [b for b, c in zip(serving, classes) if c == min(classes)]
+    candidates = within_budget(serving, call, budget)
     for backend in candidates:
         if claimed(backend, call):
             return backend
@@ -253,7 +370,7 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
-           dropout_p, backend, return_weights, torch.is_grad_enabled(), generation())
+           dropout_p, backend, return_weights, torch.is_grad_enabled(), generation(), _BUDGET[0])
     if score_mod is None and sinks is None:
         return key
     return _with_scores(key, score_mod, sinks)

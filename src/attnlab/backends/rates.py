@@ -21,6 +21,7 @@ RATES: dict = {
     "reference": {
         "cpu": 15e9,  # unfused matmul + softmax + matmul: every score, no causal saving
         "cuda": 5e12,
+        "call_overhead_s": 50e-6,  # a guess: masking, softmax and two matmuls, a kernel each
     },
     "sdpa": {
         # The CPU flash kernel by how the mask reaches it (causal halves the FLOPs counted).
@@ -28,6 +29,7 @@ RATES: dict = {
         "cpu_math": 15e9,
         "cuda": {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12},
         "call_overhead_s": {"cpu": 30e-6, "cuda": 15e-6},
+        "mask_build_s_per_element": 1.2e-9,  # a (B, 1, Tq, Tk) bool mask built per call
     },
     "chunked": {
         "forward_flops_per_s": 22e9,

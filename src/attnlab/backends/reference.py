@@ -50,7 +50,7 @@ class ReferenceBackend(Backend):
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: every score is computed (no causal saving) at an unfused rate."""
         rate = RATES["reference"]["cuda" if call.device.type == "cuda" else "cpu"]
-        return call_flops(call, causal=False) / rate
+        return RATES["reference"]["call_overhead_s"] + call_flops(call, causal=False) / rate
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         blocked = blocked_positions(call)

@@ -41,8 +41,10 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab import scores as _scores
 from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
+from attnlab import masks as _masks
+from attnlab.backends import _segments
 from attnlab.backends._lse import fold_sinks, row_delta, sinks_gradient
-from attnlab.backends.base import AttentionResult, Backend, call_flops
+from attnlab.backends.base import AttentionResult, Backend, call_flops, scores_bytes
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
@@ -118,8 +120,11 @@ def _sink_key(call: AttentionCall) -> bool:
 
 def _mask_source(call: AttentionCall) -> str:
     """How the call's mask reaches SDPA: ``"none"``, ``"is_causal"``, ``"user"`` (the caller's
-    tensor as it is) or ``"materialised"`` (a dense mask built per call)."""
+    tensor as it is), ``"segments"`` (a padded batch, as calls on the real keys:
+    :mod:`attnlab.backends._segments`) or ``"materialised"`` (a dense mask built per call)."""
     kind, alone = call.mask_kind, call.causal_offset is None
+    if _segments_kind(call) is not None:
+        return "segments"
     if call.score_mod is not None:  # a bias tensor the caller holds reaches SDPA as it is
         held = isinstance(call.score_mod, _scores.Bias) and alone and kind in ("none", "bool", "float")
         return "user" if held else "materialised"
@@ -130,11 +135,49 @@ def _mask_source(call: AttentionCall) -> str:
     return "user" if kind in ("bool", "float") and alone else "materialised"
 
 
+def _padding_lengths(mod: object) -> tuple[Tensor, bool] | None:
+    """``(lengths, causal)`` of a :class:`~attnlab.masks.PaddingMod`, alone or ANDed with
+    top-left causal (``CausalMod(0)``, then ``causal``); None for any other mask mod."""
+    parts = mod.mods if isinstance(mod, _masks.CombinedMod) and mod.op == "and" else (mod,)
+    padding = [part for part in parts if type(part) is _masks.PaddingMod]
+    others = [part for part in parts if type(part) is not _masks.PaddingMod]
+    if len(padding) != 1 or not all(type(part) is _masks.CausalMod and part.offset == 0 for part in others):
+        return None
+    return padding[0].lengths, bool(others)
+
+
+def _segments_kind(call: AttentionCall) -> str | None:
+    """Which padded-batch form ``call``'s mask has (:mod:`attnlab.backends._segments`), by its
+    signature: ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` with top-left causal),
+    ``"padding"`` (a :class:`~attnlab.masks.PaddingMod`, with or without it), ``"causal_4d"``
+    (a bool ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key mask); None otherwise.
+
+    CPU only, where the kernel zeroes rows with no key (PyTorch 2.13+), its values can be read
+    (not traced, fake or meta) and nothing rides on the mask (score mod, sinks, dropout).
+    """
+    if call.mask_kind not in ("bool", "mod"):
+        return None
+    if (call.device.type != "cpu" or not _CPU_KERNEL_KEEPS_ROWS or call.score_mod is not None
+            or call.sinks is not None or call.dropout_p > 0.0 or min(call.batch, call.tq, call.tk) == 0
+            or (call.q_heads != call.kv_heads and not _HAS_GQA)
+            or torch.compiler.is_compiling() or _is_fake(call.q)):
+        return None
+    kind, mask = call.mask_kind, call.mask
+    if kind == "bool" and mask.shape[1] == 1:
+        if call.causal_offset == 0 and mask.shape[2] == 1 and mask.shape[3] == call.tk:
+            return "keys"
+        if call.causal_offset is None and mask.shape[2] == call.tq == call.tk == mask.shape[3] and call.tq > 1:
+            return "causal_4d"
+    if kind == "mod" and call.causal_offset in (None, 0) and _padding_lengths(mask) is not None:
+        return "padding"
+    return None
+
+
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
     """A zero-stride tensor with the shape/dtype of the mask SDPA will see (for kernel choice)."""
     sinks = _sink_key(call)
-    if source in ("none", "is_causal") and not sinks:
-        return None
+    if source in ("none", "is_causal", "segments") and not sinks:
+        return None  # (the segments' calls take no mask)
     if call.score_mod is not None:
         shape, dtype = (call.batch, call.q_heads, call.tq, call.tk), _mask_dtype(call)
     elif source == "user":
@@ -145,7 +188,7 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
         dtype = _mask_dtype(call)
     else:
         shape = (call.batch, call.q_heads, call.tq, call.tk)
-        dtype = _mask_dtype(call) if _float_mask(call) else torch.bool
+        dtype = _materialised_dtype(call)
     if sinks:
         per_query = call.sinks.ndim == 3  # they fill the query dim, and the batch dim if theirs is full
         batch = call.batch if per_query and call.sinks.shape[0] != 1 else shape[0]
@@ -153,6 +196,18 @@ def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
         shape, dtype = (batch, call.q_heads, rows, shape[3] + 1), _mask_dtype(call)
     grad = torch.is_grad_enabled() and _mask_needs_grad(call)  # SDPA runs math to differentiate a mask
     return torch.zeros((), dtype=dtype, device=call.device, requires_grad=grad).expand(shape)
+
+
+def _mask_elements(call: AttentionCall) -> int:
+    """Elements of the dense mask a materialised call builds: ``(B, 1, Tq, Tk)``, per head
+    with a score mod's bias."""
+    heads = call.q_heads if call.score_mod is not None else 1
+    return call.batch * heads * call.tq * (call.tk + (1 if _sink_key(call) else 0))
+
+
+def _materialised_dtype(call: AttentionCall) -> torch.dtype:
+    """The dtype of a materialised mask: bool, or float for a bias or the sinks' column."""
+    return _mask_dtype(call) if _float_mask(call) else torch.bool
 
 
 def _float_mask(call: AttentionCall) -> bool:
@@ -236,6 +291,9 @@ def _plan(call: AttentionCall) -> SdpaPlan:
     if source == "materialised":
         return SdpaPlan(source, kernel, "quadratic",
                         "the causal/mask-mod mask is materialised as a dense (Tq, Tk) mask")
+    if source == "segments":
+        return SdpaPlan(source, kernel, "linear",
+                        f"a padded batch: SDPA's {kernel} kernel on each row's real keys, no (Tq, Tk) mask built")
     if source == "user":
         # The caller already holds the mask; SDPA's additive copy of a bool one is the same
         # O(Tq*Tk) order, so the mask does not make this call's memory class worse.
@@ -324,6 +382,9 @@ def _keys_mask(call: AttentionCall, source: str) -> Tensor | None:
     """The mask over the keys alone (see :func:`_attn_mask`)."""
     if source in ("none", "is_causal"):
         return None
+    if source == "segments" and call.mask_kind == "mod":  # the padding's real keys (B, 1, 1, Tk)
+        lengths = _padding_lengths(call.mask)[0].to(call.device, torch.int64)
+        return (torch.arange(call.tk, device=call.device) < lengths.view(-1, 1))[:, None, None, :]
     allowed = call.allowed() if source == "materialised" else None  # bool (B|1, H|1, Tq, Tk)
     bias = call.bias()
     if bias is None:
@@ -394,6 +455,8 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     gqa = call.q_heads != call.kv_heads
     if gqa and _HAS_GQA:
         options["enable_gqa"] = True
+    if source == "segments":
+        return _segments_runner(call, factor, options)
     repeat = call.q_heads if gqa and not _HAS_GQA else None
     float_dtype = _mask_dtype(call) if _float_mask(call) else None
     sink_key = _sink_key(call)  # one more key of zeros, its logit in the mask's last column
@@ -444,6 +507,31 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             if row_alive is not None:
                 out = torch.where(row_alive, out, 0.0)  # zeros, zero gradient
         return out
+
+    return run
+
+
+def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -> Callable[..., Tensor]:
+    """``run(q, k, v, mask)`` for a padded batch (:mod:`attnlab.backends._segments`): the bands'
+    calls when each row's real keys are one run and the estimate favours them, else SDPA with
+    the dense mask (the caller's 4-D one, or causal AND the key mask, built)."""
+    form = _segments_kind(call)
+    causal = form in ("keys", "causal_4d") or _padding_lengths(call.mask)[1]
+    sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim)
+    options = {name: value for name, value in options.items() if name not in ("is_causal", "dropout_p")}
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: None = None) -> Tensor:
+        if factor is not None:
+            q = q * factor
+        valid = _segments.causal_key_mask(mask) if form == "causal_4d" else mask[:, 0, 0, :]  # (B|1, Tk)
+        spans = None if valid is None else _segments.key_spans(valid)
+        groups = None if spans is None else _segments.plan_bands(spans, causal=causal, tq=q.shape[2])
+        if groups is not None and _segments.cheaper_than_dense(groups, build_mask=form != "causal_4d", **sizes):
+            return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
+        if form != "causal_4d":  # the dense mask: causal AND the key mask, (B|1, 1, Tq, Tk)
+            dense = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+            mask = (dense.tril() if causal else dense) & mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
 
     return run
 
@@ -537,6 +625,15 @@ class SdpaBackend(Backend):
         """Why the call has its memory class, in words."""
         return sdpa_plan(call).memory_note
 
+    def memory_bytes(self, call: AttentionCall) -> int:
+        """The math kernel's scores, else a materialised mask's bytes, else the kernel's O(T)."""
+        plan = sdpa_plan(call)
+        if plan.kernel == "math":
+            return scores_bytes(call)
+        if plan.mask_source == "materialised":
+            return _mask_elements(call) * torch.empty((), dtype=_materialised_dtype(call)).element_size()
+        return super().memory_bytes(call)
+
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
         plan = sdpa_plan(call)
@@ -545,11 +642,12 @@ class SdpaBackend(Backend):
         if on_cuda:
             rate = rates["cuda"].get(plan.kernel, rates["cuda"]["math"])
         elif plan.kernel == "flash":
-            rate = rates["cpu_flash"][plan.mask_source]
+            rate = rates["cpu_flash"]["is_causal" if plan.mask_source == "segments" else plan.mask_source]
         else:
             rate = rates["cpu_math"]
-        flops = call_flops(call, causal=plan.mask_source == "is_causal")
-        return rates["call_overhead_s"]["cuda" if on_cuda else "cpu"] + flops / rate
+        flops = call_flops(call, causal=plan.mask_source in ("is_causal", "segments"))
+        build = _mask_elements(call) * rates["mask_build_s_per_element"] if plan.mask_source == "materialised" else 0.0
+        return rates["call_overhead_s"]["cuda" if on_cuda else "cpu"] + flops / rate + build
 
     def limits(self, call: AttentionCall) -> list[str]:
         """Score mods SDPA's float mask cannot carry exactly."""

@@ -3,7 +3,7 @@
 Example:
     >>> import torch
     >>> q = torch.randn(1, 2, 6, 4)
-    >>> why(q, q, q).splitlines()[1].startswith("runs on ")
+    >>> why(q, q, q).splitlines()[2].startswith("runs on ")
     True
 """
 
@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch  # noqa: F401  (the doctest examples use it)
 
 from attnlab._call import AttentionCall, build_call
-from attnlab.backends.base import MEMORY_CLASSES
-from attnlab.backends.dispatch import claimed, memory_class, reasons, select
+from attnlab.backends.dispatch import budget_words, claimed, memory_budget, memory_class, reasons, select
 from attnlab.backends.registry import registry
 
 __all__ = ["Verdict", "verdicts", "why"]
@@ -32,6 +31,7 @@ class Verdict:
         chosen: whether this backend runs the call.
         serves: whether it could serve the call at all.
         memory: ``"linear"``/``"quadratic"`` for this call (``""`` when it cannot serve).
+        memory_bytes: estimated bytes beyond the call's tensors (None when it cannot serve).
         cost_s: estimated seconds (None when it cannot serve).
         reason: one line: why chosen, or why passed over.
 
@@ -45,6 +45,7 @@ class Verdict:
     chosen: bool
     serves: bool
     memory: str
+    memory_bytes: int | None
     cost_s: float | None
     reason: str
 
@@ -55,6 +56,13 @@ def _format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.0f} us"
+
+
+def _format_bytes(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
@@ -69,33 +77,35 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
         'reference'
     """
     chosen = select(call, name)
-    chosen_memory, chosen_cost = memory_class(chosen, call), chosen.cost(call)
+    chosen_cost, budget = chosen.cost(call), memory_budget(call)
+    fits = chosen.memory_bytes(call) <= budget
     result = []
     for backend_name, why_not in reasons(call).items():
         backend = registry()[backend_name]
         if why_not:
-            result.append(Verdict(backend_name, False, False, "", None,
+            result.append(Verdict(backend_name, False, False, "", None, None,
                                   "cannot serve: " + "; ".join(why_not)))
             continue
-        memory, cost = memory_class(backend, call), backend.cost(call)
+        memory, size, cost = memory_class(backend, call), backend.memory_bytes(call), backend.cost(call)
         note = f" ({backend.memory_note(call)})" if backend.memory_note(call) else ""
+        needs = f"{_MEMORY_WORDS[memory]} memory, {_format_bytes(size)}{note}"
         if backend is chosen:
             if name != "auto":
                 how = "named explicitly"
             elif claimed(backend, call):
                 how = "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
             else:
-                how = "fastest of the best memory class"
-            reason = f"chosen ({how}): {_MEMORY_WORDS[memory]} memory{note}, est. {_format_seconds(cost)}"
+                how = "fastest within the memory budget" if fits else "fastest O(T) path: none fits the memory budget"
+            reason = f"chosen ({how}): {needs}, est. {_format_seconds(cost)}"
         elif name != "auto":
             reason = f"not asked for (backend={name!r})"
-        elif MEMORY_CLASSES.index(memory) > MEMORY_CLASSES.index(chosen_memory):
-            reason = f"O(T^2) memory where an O(T) path serves{note}"
+        elif size > budget and (fits or memory_class(backend, call) != memory_class(chosen, call)):
+            reason = f"over the memory budget: {needs}"
         elif claimed(chosen, call):
             reason = f"passed over for {chosen.name!r}, which takes this mask as given (est. {_format_seconds(cost)})"
         else:
             reason = f"slower: cost {_format_seconds(cost)} vs {_format_seconds(chosen_cost)}"
-        result.append(Verdict(backend_name, backend is chosen, True, memory, cost, reason))
+        result.append(Verdict(backend_name, backend is chosen, True, memory, size, cost, reason))
     return result
 
 
@@ -110,17 +120,17 @@ def why(q, k, v, *, backend: str = "auto", echo: bool = False, **options) -> str
             scale, dropout_p, generator, return_weights, score_mod, sinks).
 
     Returns:
-        A few lines: the call's shape, the backend that runs, and one line per other backend
-        (cannot serve: reasons / O(T^2) memory where an O(T) path serves / slower: cost).
+        A few lines: the call's shape, the memory budget, the backend that runs, and one line
+        per other backend (cannot serve: reasons / over the memory budget / slower: cost).
 
     Example:
         >>> q = torch.randn(1, 8, 256, 64)
         >>> text = why(q, q, q, causal=True)
-        >>> text.splitlines()[1].startswith("runs on ")
+        >>> text.splitlines()[2].startswith("runs on ")
         True
     """
     call = build_call(q, k, v, **options)
-    lines = [_describe(call)]
+    lines = [_describe(call), budget_words(call)]
     table = verdicts(call, backend)
     chosen = next(verdict for verdict in table if verdict.chosen)
     lines.append(f"runs on {chosen.name!r}: {chosen.reason}")
