@@ -133,6 +133,8 @@ ALLOWED = {
     "attnlab.backends.registry._REGISTRY": "the registered backends, by name; changed by register()",
     "attnlab.backends.registry._GENERATION": "one int, bumped by each registry change",
     "attnlab.backends.dispatch._ROUTES": "remembered routes, at most PLAN_CACHE_SIZE; clear_plans()",
+    "attnlab.backends.dispatch._BUDGET": "the memory budget a user set (one int or None): a setting, "
+                                         "not a cache; set_memory_budget(None) restores the default",
     "attnlab.distributed.hybrid._SUBGROUPS": "process groups, one per Ulysses size per parent group, "
                                              "weakly keyed: destroying the parent clears them",
     "backend flex._compile_error": "a reason per device type; clear_plans()",

@@ -159,7 +159,8 @@ def set_memory_budget(nbytes: int | None) -> int | None:
     if nbytes is not None:
         non_negative_int("nbytes", nbytes)
     with _LOCK:
-        previous, _BUDGET[0] = _BUDGET[0], nbytes
+        previous = _BUDGET[0]
+        _BUDGET[0] = nbytes
         _ROUTES.clear()  # routes chosen under the old budget
     return previous
 
