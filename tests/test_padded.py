@@ -206,3 +206,22 @@ def test_the_budget_is_part_of_the_route(monkeypatch):
         assert backends.memory_class(tight.backend, build_call(q, q, q, mask=window)) == "linear"
     finally:
         dispatch.set_memory_budget(previous)
+
+
+def test_gpt_takes_a_padding_mask_and_a_right_padded_row_gives_what_it_gives_alone():
+    from attnlab.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=20, max_len=16, d_model=32, num_layers=2, num_heads=4).eval()
+    ids = torch.randint(0, 20, (2, 12))
+    real = torch.arange(12) < torch.tensor([7, 12])[:, None]
+    with torch.no_grad():
+        padded = model(ids, padding_mask=real)
+        alone = model(ids[:1, :7])
+    torch.testing.assert_close(padded[0, :7], alone[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"padding_mask must be \(B, T\) = \(2, 12\)"):
+        model(ids, padding_mask=real[:, :5])
+    with pytest.raises(TypeError, match="padding_mask must be a bool tensor"):
+        model(ids, padding_mask=real.long())
+    with pytest.raises(ValueError, match="padding_mask is for a padded batch without caches or documents"):
+        model(ids, padding_mask=real, document_ids=torch.zeros(12, dtype=torch.long))

@@ -22,12 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import masks
+
 try:  # FlexAttention appeared in PyTorch 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - depends on the installed torch
     create_block_mask = flex_attention = None
 
-__all__ = ["SeedMultiHeadAttention", "NanoGPTAttention", "CompiledFlex", "flex_mask_mods"]
+__all__ = ["SeedMultiHeadAttention", "NanoGPTAttention", "CompiledFlex", "flex_mask_mods", "sparse_cases"]
 
 
 class SeedMultiHeadAttention(nn.Module):
@@ -67,10 +69,12 @@ class SeedMultiHeadAttention(nn.Module):
 
 
 class NanoGPTAttention(nn.Module):
-    """nanoGPT's CausalSelfAttention: fused ``c_attn``, SDPA with ``is_causal=True``, ``c_proj``.
+    """nanoGPT's CausalSelfAttention: fused ``c_attn``, SDPA with ``is_causal=True``, ``c_proj``;
+    given ``attn_mask`` (a padded batch's causal AND padding mask, as its user builds it), SDPA
+    takes that mask instead.
 
     Shapes:
-        x: ``(B, T, C)`` -> ``(B, T, C)``.
+        x: ``(B, T, C)``, attn_mask: bool ``(B, 1, T, T)`` -> ``(B, T, C)``.
 
     Example:
         >>> NanoGPTAttention(8, 2)(torch.randn(1, 5, 8)).shape
@@ -83,17 +87,36 @@ class NanoGPTAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         heads = (B, T, self.n_head, C // self.n_head)
         q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))  # (B, T, C)
 
 
+def sparse_cases(t: int) -> dict[str, object]:
+    """The structured masks the sparse suite times, as mask mods with bounds (causal inside).
+
+    The document ids are prepared once (:func:`attnlab.masks.prepare`), as a model prepares a
+    batch's layout once for all its layers and as FlexAttention's users build a ``BlockMask``
+    once; the tensor-free mods need no preparing (dispatch does it once per shape).
+
+    Example:
+        >>> sorted(sparse_cases(64))
+        ['chunked-local 1024', 'packed 8 docs', 'prefix-LM T/4', 'window 256']
+    """
+    return {
+        "window 256": masks.sliding_window_mod(t, t, 256),
+        "packed 8 docs": masks.prepare(masks.document_mod(torch.arange(t) // max(1, t // 8)), tq=t, tk=t),
+        "prefix-LM T/4": masks.prefix_lm_mod(t, t, t // 4),
+        "chunked-local 1024": masks.chunked_local_mod(t, t, 1024),
+    }
+
+
 def flex_mask_mods(t: int) -> dict:
-    """The masks of :func:`attnlab.bench.suites.sparse_cases` as a FlexAttention user writes them:
+    """The masks of :func:`sparse_cases` as a FlexAttention user writes them:
     plain functions closing over their parameters (attention-gym's style), causal inside.
 
     Example:

@@ -36,9 +36,9 @@ from attnlab import backends, masks
 from attnlab._checks import positive_int
 from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
-from attnlab.bench.competitors import CompiledFlex, flex_mask_mods
+from attnlab.bench.competitors import CompiledFlex, flex_mask_mods, sparse_cases
 from attnlab.bench.modules import run_modules_suite
-from attnlab.bench import overhead, variants
+from attnlab.bench import overhead, padded, variants
 from attnlab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
 from attnlab.models import GPT
@@ -46,7 +46,7 @@ from attnlab.models import GPT
 __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
            "sparse_cases", "sparse_suite", "decode_suite", "GenerationTiming", "decode_model_suite"]
 
-SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model", "overhead", "variants")
+SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model", "overhead", "variants", "padded")
 
 
 def _attention_inputs(b, h, t, d, dtype, device, seed=0):
@@ -150,25 +150,6 @@ def memory_suite(*, quick: bool = False) -> list[BenchRow]:
             rows.append(BenchRow("memory", f"causal fwd+bwd T={t}", name, None,
                                  note=f"peak {meter.peak_bytes / 2**20:.1f} MiB", t=t))
     return rows
-
-
-def sparse_cases(t: int) -> dict[str, object]:
-    """The structured masks the sparse suite times, as mask mods with bounds (causal inside).
-
-    The document ids are prepared once (:func:`attnlab.masks.prepare`), as a model prepares a
-    batch's layout once for all its layers and as FlexAttention's users build a ``BlockMask``
-    once; the tensor-free mods need no preparing (dispatch does it once per shape).
-
-    Example:
-        >>> sorted(sparse_cases(64))
-        ['chunked-local 1024', 'packed 8 docs', 'prefix-LM T/4', 'window 256']
-    """
-    return {
-        "window 256": masks.sliding_window_mod(t, t, 256),
-        "packed 8 docs": masks.prepare(masks.document_mod(torch.arange(t) // max(1, t // 8)), tq=t, tk=t),
-        "prefix-LM T/4": masks.prefix_lm_mod(t, t, t // 4),
-        "chunked-local 1024": masks.chunked_local_mod(t, t, 1024),
-    }
 
 
 def _run_once(mask, q, k, v, backend: str, grad: bool) -> Callable[[], None]:
@@ -399,7 +380,7 @@ def report_generation(timing: GenerationTiming, *, console=None) -> None:
 
 def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool = False) -> list[BenchRow]:
     """Run one suite (``backends``, ``memory``, ``modules``, ``sparse``, ``decode``, ``decode-model``,
-    ``overhead``, ``variants``) or ``all``.
+    ``overhead``, ``variants``, ``padded``) or ``all``.
 
     ``with_flex`` adds FlexAttention's rows to the sparse suite (see :func:`sparse_suite`).
 
@@ -407,7 +388,7 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
         >>> run_suite("nope")
         Traceback (most recent call last):
         ...
-        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'decode-model', 'overhead', 'variants', 'all'), got 'nope'
+        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'decode-model', 'overhead', 'variants', 'padded', 'all'), got 'nope'
     """
     if name not in SUITES + ("all",):
         raise ValueError(f"suite must be one of {SUITES + ('all',)}, got {name!r}")
@@ -443,6 +424,11 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
             rows += [row for case in found for row in case.bench_rows()]
             overhead.print_overhead(found, title="overhead: attnlab vs plain PyTorch (ratio = attnlab / plain; "
                                         "compile: compiled / eager)", sizes=sizes, console=console)
+        elif suite == "padded":
+            rows += (found := padded.padded_suite(quick=quick))
+            print_rows(found, title="padded batches and structured masks, B=4 H=8 D=64 fp32 (ratio = time over the "
+                       "case's baseline: SDPA + combined mask / nanoGPT-style / compiled flex / SDPA + dense mask)",
+                       console=console)
         elif suite == "variants":
             found = variants.variants_suite(sizes=(sizes := variants.VariantSizes.for_run(quick=quick)))
             rows += [row.bench_row() for row in found]

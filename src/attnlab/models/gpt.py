@@ -40,7 +40,7 @@ from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.cache import Cache, _restore_on_error, new_positions
 from attnlab.nn.latent import LatentAttention
-from attnlab.nn.multihead import _check_documents
+from attnlab.nn.multihead import _check_documents, _check_padding_type
 from attnlab.nn.positional import LearnedPositionalEmbedding
 
 __all__ = ["GPT"]
@@ -207,8 +207,8 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Tensor, *, caches: list[Cache] | None = None,
-                return_weights: bool = False,
-                document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
+                return_weights: bool = False, document_ids: Tensor | None = None,
+                padding_mask: Tensor | None = None) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         """Logits ``(B, T, vocab_size)`` for every position (and the per-layer attention weights).
 
         Args:
@@ -219,6 +219,13 @@ class GPT(nn.Module):
             document_ids: ``(T,)`` or ``(B, T)`` ids of the documents packed into each row
                 (no cache): attention stays inside each document and positions restart at 0 at
                 each document start, so a packed row gives what each document gives alone.
+            padding_mask: ``(B, T)`` bool, True at real tokens (no cache, no documents): no
+                query attends a padded key. Right padding keeps every real token's logits as
+                the row alone gives them (positions count from the row's start).
+
+        Raises:
+            ValueError: ``padding_mask`` with ``caches`` or ``document_ids``, or not ``(B, T)``.
+            TypeError: ``padding_mask`` is not a bool tensor.
 
         Example:
             >>> GPT(vocab_size=5, max_len=4, d_model=8, num_layers=1, num_heads=2)(
@@ -226,6 +233,8 @@ class GPT(nn.Module):
             torch.Size([1, 2, 5])
         """
         positions = self._check_ids(input_ids, caches)
+        if padding_mask is not None:
+            _check_padding(padding_mask, input_ids, caches, document_ids)
         x = self.tok_emb(input_ids)  # (B, T, d_model)
         if document_ids is not None:
             documents = _check_documents(document_ids, x, None, caches)
@@ -242,7 +251,8 @@ class GPT(nn.Module):
         # A block failing after earlier blocks wrote their caches puts every cache back.
         with _restore_on_error(caches or [], input_ids.shape[1]):
             for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
-                x = block(x, cache=cache, return_weights=return_weights, document_ids=document_ids)
+                x = block(x, cache=cache, return_weights=return_weights, document_ids=document_ids,
+                          padding_mask=padding_mask)
                 if return_weights:
                     x, layer_weights = x
                     weights.append(layer_weights)
@@ -631,3 +641,15 @@ def _from_gpt2_names(state: dict[str, Tensor], table: dict[str, tuple[str, bool]
     if tied:
         mapped["lm_head.weight"] = mapped["tok_emb.weight"]
     return mapped
+
+
+def _check_padding(padding_mask: object, input_ids: Tensor, caches: object, document_ids: object) -> None:
+    """A GPT's ``padding_mask``: a bool ``(B, T)`` tensor, without caches or documents."""
+    if caches is not None or document_ids is not None:
+        given = "caches" if caches is not None else "document_ids"
+        raise ValueError(f"padding_mask is for a padded batch without caches or documents; got it with {given} "
+                         "(a cache holds each row's own length; documents mask their own boundaries)")
+    _check_padding_type(padding_mask)
+    if tuple(padding_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"padding_mask must be (B, T) = {tuple(input_ids.shape)} like input_ids, "
+                         f"got {tuple(padding_mask.shape)}")
