@@ -225,3 +225,24 @@ def test_gpt_takes_a_padding_mask_and_a_right_padded_row_gives_what_it_gives_alo
         model(ids, padding_mask=real.long())
     with pytest.raises(ValueError, match="padding_mask is for a padded batch without caches or documents"):
         model(ids, padding_mask=real, document_ids=torch.zeros(12, dtype=torch.long))
+
+
+def test_varlen_rows_run_as_segments_with_bottom_right_diagonals(counted):
+    """varlen_causal_mod: fewer, as many and more queries than keys, and empty rows; padded
+    queries are zeros; a row with more keys than queries aligns its diagonal bottom-right."""
+    tq, tk = 150, 170
+    q_lengths, k_lengths = torch.tensor([150, 40, 0, 120, 90]), torch.tensor([170, 100, 50, 120, 0])
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(5, 2, tq, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(5, 2, tk, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mod = masks.varlen_causal_mod(q_lengths, k_lengths)
+    assert sdpa_plan(build_call(q, k, v, mask=mod)).mask_source == "segments"
+    out = attnlab.attention(q, k, v, mask=mod)
+    allowed = masks.materialize(mod, tq=tq, tk=tk, batch=5)  # (B, 1, Tq, Tk)
+    want = _fp64(q, k, v, allowed)
+    torch.testing.assert_close(out, want)
+    grad_out = torch.randn_like(out)
+    for got, expected in zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(want, (q, k, v), grad_out)):
+        torch.testing.assert_close(got, expected)
+    assert counted == [1]
+    assert out[1, :, 40:].abs().max() == 0 and out[2].abs().max() == 0  # padded queries, no keys

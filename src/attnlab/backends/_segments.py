@@ -8,8 +8,11 @@ fall into three bands, each an ordinary SDPA call on slices (views, nothing copi
     queries  [s, e)        a causal triangle of [s, e) -> SDPA is_causal on q[s:e], k[s:e]
     queries  [e, Tq)       every real key             -> SDPA, no mask, on q[e:], k[s:e]
 
-(top-left causal, ``j <= i``; without causal, one band sees ``[s, e)``). Rows with the same span
-run as one call. No ``(Tq, Tk)`` mask is built, no padded key is read, and the causal band
+(top-left causal, ``j <= i``; without causal, one band sees ``[s, e)``). A varlen row
+(:func:`~attnlab.masks.varlen_causal_mod`: ``q_len`` real queries on ``k_len`` real keys, the
+last real query seeing them all) is the same with padded queries as zeros and, where it has
+more keys than queries, the diagonal band aligned bottom-right (a ``(q_len, k_len)`` mask of
+that row's own sizes). Rows with the same span run as one call. No ``(Tq, Tk)`` mask is built, no padded key is read, and the causal band
 skips the upper triangle as SDPA's ``is_causal`` does, where a dense mask makes the kernel
 visit every pair. Outputs and gradients are SDPA's own on the slices, so exact under the
 contract.
@@ -103,7 +106,8 @@ class Group:
     Attributes:
         rows: the batch rows, ascending.
         bands: ``(kind, q0, q1, k0, k1)`` with kind ``"zero"``, ``"causal"`` (top-left on a
-            square slice) or ``"full"``; the query ranges tile ``[0, Tq)`` in order.
+            square slice), ``"bottom_right"`` (causal, more keys than queries) or ``"full"``;
+            the query ranges tile ``[0, Tq)`` in order.
 
     Example:
         >>> Group(rows=(0,), bands=(("full", 0, 4, 0, 2),)).rows
@@ -114,29 +118,57 @@ class Group:
     bands: tuple[tuple[str, int, int, int, int], ...]
 
 
-def _bands(start: int, end: int, *, causal: bool, tq: int) -> tuple[tuple[str, int, int, int, int], ...]:
-    """One row's bands for the real keys ``[start, end)`` (see the module's table)."""
-    if end <= start:
+def _bands(span: tuple[int, int, int, int], *, causal: bool, tq: int) -> tuple[tuple[str, int, int, int, int], ...]:
+    """One row's bands for ``span = (q_len, start, end, offset)``: queries ``[0, q_len)`` are real
+    and see the real keys ``[start, end)``, with causal ``j <= i + offset``; later queries see
+    nothing (see the module's table)."""
+    q_len, start, end, offset = span
+    if end <= start or q_len == 0:
         return (("zero", 0, tq, 0, 0),)
     if not causal:
-        return (("full", 0, tq, start, end),)
-    cut_a, cut_b = min(start, tq), min(end, tq)
-    bands = [("zero", 0, cut_a, 0, 0), ("causal", cut_a, cut_b, start, start + cut_b - cut_a),
-             ("full", cut_b, tq, start, end)]
-    return tuple(band for band in bands if band[2] > band[1])
+        bands = [("full", 0, q_len, start, end)]
+    else:
+        cut_a = min(max(start - offset, 0), q_len)  # the first query that sees a key
+        cut_b = min(max(end - offset, 0), q_len)  # the first query that sees them all
+        keys = min(end, cut_b + offset) - start  # the keys the diagonal band reaches
+        diagonal = "causal" if cut_b - cut_a == keys else "bottom_right"
+        if cut_b - cut_a == 1:
+            diagonal = "full"  # one query: every key it reaches
+        bands = [("zero", 0, cut_a, 0, 0), (diagonal, cut_a, cut_b, start, start + keys), ("full", cut_b, q_len, start, end)]
+    bands.append(("zero", q_len, tq, 0, 0))
+    merged: list[tuple[str, int, int, int, int]] = []
+    for band in bands:
+        if band[2] <= band[1]:
+            continue
+        if merged and band[0] == merged[-1][0] == "zero":
+            merged[-1] = ("zero", merged[-1][1], band[2], 0, 0)
+        else:
+            merged.append(band)
+    return tuple(merged)
 
 
-def plan_bands(spans: list[tuple[int, int]], *, causal: bool, tq: int) -> list[Group]:
+def plan_bands(spans: list[tuple[int, int]] | list[tuple[int, int, int, int]], *, causal: bool,
+               tq: int) -> list[Group]:
     """The rows grouped by span, with their bands (top-left causal when ``causal``).
+
+    Args:
+        spans: per batch row ``(start, end)`` of its real keys (every query real, causal
+            ``j <= i``), or ``(q_len, start, end, offset)``: real queries ``[0, q_len)``, causal
+            ``j <= i + offset`` (a varlen row: ``(q_len, 0, k_len, k_len - q_len)``).
+        causal: whether a causal diagonal applies.
+        tq: the number of queries.
 
     Example:
         >>> [g.rows for g in plan_bands([(0, 2), (0, 3), (0, 2)], causal=False, tq=3)]
         [(0, 2), (1,)]
+        >>> plan_bands([(2, 0, 4, 2)], causal=True, tq=3)[0].bands  # 2 real queries on 4 keys
+        (('bottom_right', 0, 2, 0, 4), ('zero', 2, 3, 0, 0))
     """
-    groups: dict[tuple[int, int], list[int]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}
     for row, span in enumerate(spans):
-        groups.setdefault(span, []).append(row)
-    return [Group(tuple(rows), _bands(*span, causal=causal, tq=tq)) for span, rows in groups.items()]
+        full = span if len(span) == 4 else (tq, *span, 0)
+        groups.setdefault(tuple(full), []).append(row)
+    return [Group(tuple(rows), _bands(span, causal=causal, tq=tq)) for span, rows in groups.items()]
 
 
 def _band_seconds(kind: str, rows: int, q_len: int, k_len: int, heads: int, dims: int) -> float:
@@ -145,7 +177,7 @@ def _band_seconds(kind: str, rows: int, q_len: int, k_len: int, heads: int, dims
     if kind == "zero":
         return 0.0
     pairs = q_len * k_len / (2 if kind == "causal" else 1)
-    rate = rates["cpu_flash"]["is_causal" if kind == "causal" else "none"]
+    rate = rates["cpu_flash"][{"causal": "is_causal", "full": "none", "bottom_right": "user"}[kind]]
     return rates["call_overhead_s"]["cpu"] + 4.0 * rows * heads * pairs * dims / rate
 
 
@@ -184,9 +216,13 @@ def _group_out(q: Tensor, k: Tensor, v: Tensor, group: Group, options: dict) -> 
     for kind, q0, q1, k0, k1 in group.bands:
         if kind == "zero":
             pieces.append(q.new_zeros(q.shape[0], q.shape[1], q1 - q0, v.shape[3]))  # (g, Hq, n, Dv)
-        else:
-            pieces.append(F.scaled_dot_product_attention(
-                q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], is_causal=kind == "causal", **options))
+            continue
+        diagonal = None
+        if kind == "bottom_right":  # more keys than queries: the last query sees every key
+            diagonal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril(k1 - k0 - (q1 - q0))
+        pieces.append(F.scaled_dot_product_attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=diagonal, is_causal=kind == "causal",
+            **options))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)  # (g, Hq, Tq, Dv)
 
 

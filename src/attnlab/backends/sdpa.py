@@ -149,8 +149,9 @@ def _padding_lengths(mod: object) -> tuple[Tensor, bool] | None:
 def _segments_kind(call: AttentionCall) -> str | None:
     """Which padded-batch form ``call``'s mask has (:mod:`attnlab.backends._segments`), by its
     signature: ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` with top-left causal),
-    ``"padding"`` (a :class:`~attnlab.masks.PaddingMod`, with or without it), ``"causal_4d"``
-    (a bool ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key mask); None otherwise.
+    ``"padding"`` (a :class:`~attnlab.masks.PaddingMod`, with or without it), ``"varlen"`` (a
+    :class:`~attnlab.masks.VarlenCausalMod` without a window), ``"causal_4d"`` (a bool
+    ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key mask); None otherwise.
 
     CPU only, where the kernel zeroes rows with no key (PyTorch 2.13+), its values can be read
     (not traced, fake or meta) and nothing rides on the mask (score mod, sinks, dropout).
@@ -170,6 +171,8 @@ def _segments_kind(call: AttentionCall) -> str | None:
             return "causal_4d"
     if kind == "mod" and call.causal_offset in (None, 0) and _padding_lengths(mask) is not None:
         return "padding"
+    if kind == "mod" and call.causal_offset is None and type(mask) is _masks.VarlenCausalMod and mask.window is None:
+        return "varlen"
     return None
 
 
@@ -382,9 +385,8 @@ def _keys_mask(call: AttentionCall, source: str) -> Tensor | None:
     """The mask over the keys alone (see :func:`_attn_mask`)."""
     if source in ("none", "is_causal"):
         return None
-    if source == "segments" and call.mask_kind == "mod":  # the padding's real keys (B, 1, 1, Tk)
-        lengths = _padding_lengths(call.mask)[0].to(call.device, torch.int64)
-        return (torch.arange(call.tk, device=call.device) < lengths.view(-1, 1))[:, None, None, :]
+    if source == "segments" and call.mask_kind == "mod":  # the runner reads the mod's lengths
+        return None
     allowed = call.allowed() if source == "materialised" else None  # bool (B|1, H|1, Tq, Tk)
     bias = call.bias()
     if bias is None:
@@ -514,26 +516,44 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
 def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -> Callable[..., Tensor]:
     """``run(q, k, v, mask)`` for a padded batch (:mod:`attnlab.backends._segments`): the bands'
     calls when each row's real keys are one run and the estimate favours them, else SDPA with
-    the dense mask (the caller's 4-D one, or causal AND the key mask, built)."""
+    the dense mask (the caller's 4-D one, or the call's mask built).
+
+    A bool form reads its spans from the ``mask`` handed to ``run`` (a prepared run holds no
+    tensor of the call); a mask mod's are read from the mod, whose runs are made per call."""
     form = _segments_kind(call)
-    causal = form in ("keys", "causal_4d") or _padding_lengths(call.mask)[1]
+    spans_of_mod = _mod_spans(call) if form in ("padding", "varlen") else None
+    causal = form in ("keys", "causal_4d", "varlen") or (form == "padding" and _padding_lengths(call.mask)[1])
     sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim)
+    dense_of_mod = call.allowed if spans_of_mod is not None else None
     options = {name: value for name, value in options.items() if name not in ("is_causal", "dropout_p")}
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: None = None) -> Tensor:
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: None = None) -> Tensor:
         if factor is not None:
             q = q * factor
-        valid = _segments.causal_key_mask(mask) if form == "causal_4d" else mask[:, 0, 0, :]  # (B|1, Tk)
-        spans = None if valid is None else _segments.key_spans(valid)
+        if spans_of_mod is not None:
+            spans = spans_of_mod
+        else:
+            valid = _segments.causal_key_mask(mask) if form == "causal_4d" else mask[:, 0, 0, :]  # (B|1, Tk)
+            spans = None if valid is None else _segments.key_spans(valid)
         groups = None if spans is None else _segments.plan_bands(spans, causal=causal, tq=q.shape[2])
         if groups is not None and _segments.cheaper_than_dense(groups, build_mask=form != "causal_4d", **sizes):
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
-        if form != "causal_4d":  # the dense mask: causal AND the key mask, (B|1, 1, Tq, Tk)
-            dense = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-            mask = (dense.tril() if causal else dense) & mask
+        if dense_of_mod is not None:
+            mask = dense_of_mod()  # (B|1, H|1, Tq, Tk)
+        elif form == "keys":  # causal AND the key mask, (B|1, 1, Tq, Tk)
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() & mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
 
     return run
+
+
+def _mod_spans(call: AttentionCall) -> list[tuple[int, int, int, int]]:
+    """Each batch row's ``(q_len, start, end, offset)`` from a padding or varlen mask mod."""
+    if type(call.mask) is _masks.VarlenCausalMod:
+        q_lengths, k_lengths = call.mask.q_lengths.tolist(), call.mask.k_lengths.tolist()
+        return [(q_len, 0, k_len, k_len - q_len) for q_len, k_len in zip(q_lengths, k_lengths)]
+    lengths = _padding_lengths(call.mask)[0].tolist()
+    return [(call.tq, 0, min(length, call.tk), 0) for length in lengths]
 
 
 def _sinks_by_lse(plan: tuple, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor,
