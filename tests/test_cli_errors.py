@@ -53,6 +53,10 @@ def assert_one_error_line(result, *words: str, code: int = 2) -> str:
     (["--align", "sideways"], "--align"),
     (["--heads", "x"], "--heads"),
     (["--bogus"], "--bogus"),
+    (["--memory-budget", "-1"], "--memory-budget"),
+    (["--memory-budget", "nan"], "--memory-budget"),
+    (["--memory-budget", "inf"], "--memory-budget"),
+    (["--memory-budget", "lots"], "--memory-budget"),
 ])
 def test_backends_refuses_bad_options(args, option):
     assert_one_error_line(runner.invoke(app, ["backends", *args]), option)
@@ -223,3 +227,15 @@ def test_real_entry_point_prints_one_line():
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: "), \
         done.stderr
     assert "frobnicate" in done.stderr
+
+
+def test_backends_memory_budget_changes_the_choice_and_is_restored():
+    from attnlab import backends
+
+    before = backends.dispatch._BUDGET[0]
+    roomy = runner.invoke(app, ["backends", "--tq", "64", "--window", "8"])
+    tight = runner.invoke(app, ["backends", "--tq", "64", "--window", "8", "--memory-budget", "0"])
+    assert roomy.exit_code == tight.exit_code == 0, (roomy.output, tight.output)
+    assert "memory budget 64.0 MiB (default" in roomy.output
+    assert "memory budget 0.0 MiB (set by" in tight.output and "sdpa: over the memory budget" in tight.output
+    assert backends.dispatch._BUDGET[0] == before

@@ -34,7 +34,8 @@ from attnlab.backends.sdpa import SdpaBackend
 from attnlab.backends.chunked import ChunkedBackend
 from attnlab.backends.blocks import BlocksBackend
 from attnlab.backends.flex import FlexBackend
-from attnlab.backends.dispatch import check_backend_name, memory_class, reasons, select
+from attnlab.backends.dispatch import (check_backend_name, memory_budget, memory_class, reasons, select,
+                                       set_memory_budget)
 from attnlab.backends.verdicts import Verdict, verdicts, why
 
 __all__ = [
@@ -52,6 +53,8 @@ __all__ = [
     "select",
     "reasons",
     "memory_class",
+    "memory_budget",
+    "set_memory_budget",
     "Verdict",
     "verdicts",
     "why",

@@ -39,9 +39,12 @@ def backends_command(
                               help="A chunked-local mask mod with chunks of this many keys (1 to --tk)."),
     plain_mod: bool = typer.Option(False, "--plain-mod",
                                    help="A plain mask function (i >= j) that declares no key bounds."),
+    memory_budget: float = typer.Option(None, "--memory-budget", metavar="MIB", show_default=False,
+                                        help="MiB auto may spend beyond the call's tensors (a dense mask, "
+                                             "scores) [default: 4x the tensors, 64 MiB to 1/8 of memory]."),
 ) -> None:
     """Explain which backend attnlab.attention runs for a call of this shape, and why each other
-    backend was passed over (cannot serve / O(T^2) memory where O(T) serves / slower)."""
+    backend was passed over (cannot serve / over the memory budget / slower)."""
     from attnlab import backends
 
     tk, kv_heads = _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device)
@@ -59,12 +62,27 @@ def backends_command(
     mask = structured if structured is not None else mask
     if mask is not None:
         options["mask"] = mask
-    with option_errors():  # anything dispatch still refuses is a bad combination of options
-        text = backends.why(q, k, v, **options)
+    budget = _budget_bytes(memory_budget)
+    previous = backends.set_memory_budget(budget) if budget is not None else None
+    try:
+        with option_errors():  # anything dispatch still refuses is a bad combination of options
+            text = backends.why(q, k, v, **options)
+    finally:
+        if budget is not None:
+            backends.set_memory_budget(previous)
     typer.echo(f"backends available here: {', '.join(backends.available())}")
     if described:
         typer.echo(f"mask: {described}")
     typer.echo(text)
+
+
+def _budget_bytes(mib: float | None) -> int | None:
+    """``--memory-budget`` in bytes (None: the default); refused unless a finite number >= 0."""
+    if mib is None:
+        return None
+    if not mib >= 0 or mib == float("inf"):
+        fail(f"--memory-budget must be a finite number of MiB >= 0, got {mib}")
+    return int(mib * 2**20)
 
 
 def _check_options(dtype, align, tq, tk, d, heads, kv_heads, batch, dropout, device) -> tuple[int, int]:
