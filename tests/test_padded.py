@@ -246,3 +246,16 @@ def test_varlen_rows_run_as_segments_with_bottom_right_diagonals(counted):
         torch.testing.assert_close(got, expected)
     assert counted == [1]
     assert out[1, :, 40:].abs().max() == 0 and out[2].abs().max() == 0  # padded queries, no keys
+
+
+def test_a_mask_of_batch_one_holds_for_every_row(counted):
+    """A key mask or 4-D mask of batch 1 broadcasts over the batch: every row gets its bands
+    (a regression: the spans once covered row 0 only and the output lost the other rows)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 2, T, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    keys = _real_keys(torch.tensor([90]), T, left=False)  # (1, T)
+    allowed = (masks.causal_mask(T, T) & keys[:, None, :])[:, None]  # (1, 1, T, T)
+    for options in (dict(mask=keys[:, None, None, :], causal=True), dict(mask=allowed)):
+        out = attnlab.attention(q, k, v, **options)
+        torch.testing.assert_close(out, _fp64(q, k, v, allowed))
+    assert len(counted) == 2

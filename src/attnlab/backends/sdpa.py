@@ -535,6 +535,8 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
         else:
             valid = _segments.causal_key_mask(mask) if form == "causal_4d" else mask[:, 0, 0, :]  # (B|1, Tk)
             spans = None if valid is None else _segments.key_spans(valid)
+        if spans is not None and len(spans) == 1 < q.shape[0]:
+            spans = spans * q.shape[0]  # a mask of batch 1 holds for every row
         groups = None if spans is None else _segments.plan_bands(spans, causal=causal, tq=q.shape[2])
         if groups is not None and _segments.cheaper_than_dense(groups, build_mask=form != "causal_4d", **sizes):
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
