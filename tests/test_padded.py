@@ -259,3 +259,13 @@ def test_a_mask_of_batch_one_holds_for_every_row(counted):
         out = attnlab.attention(q, k, v, **options)
         torch.testing.assert_close(out, _fp64(q, k, v, allowed))
     assert len(counted) == 2
+
+
+def test_under_vmap_a_batched_key_mask_keeps_the_dense_mask():
+    """torch.func's wrappers hold no values to read spans from: a vmapped mask takes SDPA's mask."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 2, T, 8, generator=gen, dtype=torch.float64)
+    keys = _real_keys(torch.tensor([40, 100, T]), T, left=False)  # (3, T), one per vmapped call
+    out = torch.func.vmap(lambda qq, kk: attnlab.attention(qq[None], qq[None], qq[None], mask=kk[None, None, None],
+                                                           causal=True)[0])(q, keys)
+    torch.testing.assert_close(out, _fp64(q, q, q, (masks.causal_mask(T, T) & keys[:, None, :])[:, None]))

@@ -154,14 +154,16 @@ def _segments_kind(call: AttentionCall) -> str | None:
     ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key mask); None otherwise.
 
     CPU only, where the kernel zeroes rows with no key (PyTorch 2.13+), its values can be read
-    (not traced, fake or meta) and nothing rides on the mask (score mod, sinks, dropout).
+    (not traced, fake, meta or under a ``torch.func`` transform) and nothing rides on the mask
+    (score mod, sinks, dropout).
     """
     if call.mask_kind not in ("bool", "mod"):
         return None
     if (call.device.type != "cpu" or not _CPU_KERNEL_KEEPS_ROWS or call.score_mod is not None
             or call.sinks is not None or call.dropout_p > 0.0 or min(call.batch, call.tq, call.tk) == 0
             or (call.q_heads != call.kv_heads and not _HAS_GQA)
-            or torch.compiler.is_compiling() or _is_fake(call.q)):
+            or torch.compiler.is_compiling() or _is_fake(call.q)
+            or torch._C._functorch.maybe_current_level() is not None):  # under torch.func: values may be batched
         return None
     kind, mask = call.mask_kind, call.mask
     if kind == "bool" and mask.shape[1] == 1:
