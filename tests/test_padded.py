@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import attnlab
 from attnlab import backends, masks
 from attnlab.backends import _segments, build_call, dispatch
+from attnlab.backends.rates import RATES
 from attnlab.backends.sdpa import sdpa_plan
 
 
@@ -31,7 +32,9 @@ def _real_keys(lengths, t, *, left):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """How many calls ran as segments (not the dense fallback)."""
+    """How many calls ran as segments (not the dense fallback); segments from 64 queries, so
+    that small fp64-checked batches take them (the default starts at 512)."""
+    monkeypatch.setitem(RATES["sdpa"], "segments_min_queries", 64)
     seen = []
     real = _segments.run_groups
     monkeypatch.setattr(_segments, "run_groups", lambda *args: seen.append(1) or real(*args))
@@ -180,10 +183,12 @@ def test_transformers_padded_prefill_takes_the_segments(counted):
     assert len(counted) == 2  # one layer, two batches
 
 
-def test_the_estimate_prefers_one_dense_call_for_tiny_batches_and_segments_for_long_ones():
+def test_the_estimate_prefers_one_dense_call_for_short_batches_and_segments_for_long_ones():
     sizes = dict(heads=8, dims=64)
     tiny = _segments.plan_bands([(0, 5), (0, 16)], causal=True, tq=16)
     assert not _segments.cheaper_than_dense(tiny, batch=2, tq=16, tk=16, build_mask=False, **sizes)
+    short = _segments.plan_bands([(0, 50), (0, 256)], causal=True, tq=256)  # one 512-key block: no skipping
+    assert not _segments.cheaper_than_dense(short, batch=2, tq=256, tk=256, build_mask=True, **sizes)
     long = _segments.plan_bands([(0, 400), (0, 2048)], causal=True, tq=2048)
     assert _segments.cheaper_than_dense(long, batch=2, tq=2048, tk=2048, build_mask=False, **sizes)
 
@@ -269,3 +274,9 @@ def test_under_vmap_a_batched_key_mask_keeps_the_dense_mask():
     out = torch.func.vmap(lambda qq, kk: attnlab.attention(qq[None], qq[None], qq[None], mask=kk[None, None, None],
                                                            causal=True)[0])(q, keys)
     torch.testing.assert_close(out, _fp64(q, q, q, (masks.causal_mask(T, T) & keys[:, None, :])[:, None]))
+
+
+def test_flash_pairs_counts_whole_key_blocks_up_to_the_diagonal():
+    assert _segments.flash_pairs(256, 256, causal=True) == 256 * 256  # one block of keys: no skipping
+    assert _segments.flash_pairs(1024, 1024, causal=True) == 256 * (512 + 512 + 1024 + 1024)
+    assert _segments.flash_pairs(100, 40, causal=False) == 4000

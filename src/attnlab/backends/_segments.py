@@ -43,7 +43,7 @@ from torch import Tensor
 
 from attnlab.backends.rates import RATES
 
-__all__ = ["key_spans", "causal_key_mask", "Group", "plan_bands", "cheaper_than_dense", "run_groups"]
+__all__ = ["key_spans", "causal_key_mask", "Group", "plan_bands", "flash_pairs", "cheaper_than_dense", "run_groups"]
 
 
 def key_spans(valid: Tensor) -> list[tuple[int, int]] | None:
@@ -171,13 +171,34 @@ def plan_bands(spans: list[tuple[int, int]] | list[tuple[int, int, int, int]], *
     return [Group(tuple(rows), _bands(span, causal=causal, tq=tq)) for span, rows in groups.items()]
 
 
+def flash_pairs(q_len: int, k_len: int, *, causal: bool) -> int:
+    """The (query, key) pairs PyTorch's CPU flash kernel visits: per block of queries (32, 64 or
+    256 by ``q_len``), whole blocks of 512 keys (all keys when fewer) up to the diagonal when
+    causal, every key otherwise (a mask skips nothing).
+
+    Example:
+        >>> flash_pairs(1024, 1024, causal=True) / (1024 * 1024)  # not the ideal half
+        0.75
+    """
+    if not causal:
+        return q_len * k_len
+    q_split = 256 if q_len >= 768 else (64 if q_len >= 192 else 32)
+    kv_split = min(512, k_len) or 1
+    pairs = 0
+    for first in range(0, q_len, q_split):
+        rows = min(q_split, q_len - first)
+        reach = min(first + rows, k_len)
+        pairs += rows * min(k_len, -(-reach // kv_split) * kv_split)
+    return pairs
+
+
 def _band_seconds(kind: str, rows: int, q_len: int, k_len: int, heads: int, dims: int) -> float:
     """The cost model's estimate for one band's SDPA call."""
-    rates = RATES["sdpa"]
     if kind == "zero":
         return 0.0
-    pairs = q_len * k_len / (2 if kind == "causal" else 1)
-    rate = rates["cpu_flash"][{"causal": "is_causal", "full": "none", "bottom_right": "user"}[kind]]
+    rates = RATES["sdpa"]
+    pairs = flash_pairs(q_len, k_len, causal=kind == "causal")
+    rate = rates["cpu_flash"]["user" if kind == "bottom_right" else "none"]
     return rates["call_overhead_s"]["cpu"] + 4.0 * rows * heads * pairs * dims / rate
 
 
@@ -186,12 +207,17 @@ def cheaper_than_dense(groups: list[Group], *, batch: int, heads: int, tq: int, 
     """Whether the bands' calls beat one SDPA call with a dense mask (``build_mask``: one
     that must first be built), by the cost model of :mod:`attnlab.backends.rates`.
 
+    Below ``segments_min_queries`` queries the kernel visits every key of a causal band
+    anyway (one block of keys) and small bands run below its rate: one dense call wins.
+
     Example:
         >>> cheaper_than_dense(plan_bands([(0, 64)], causal=True, tq=1024), batch=1, heads=8,
         ...                    tq=1024, tk=1024, dims=64, build_mask=False)
         True
     """
     rates = RATES["sdpa"]
+    if tq < rates["segments_min_queries"]:
+        return False
     dense = rates["call_overhead_s"]["cpu"] + 4.0 * batch * heads * tq * tk * dims / rates["cpu_flash"]["user"]
     if build_mask:
         dense += batch * tq * tk * rates["mask_build_s_per_element"]

@@ -30,6 +30,9 @@ RATES: dict = {
         "cuda": {"flash": 300e12, "efficient": 150e12, "cudnn": 300e12, "math": 20e12},
         "call_overhead_s": {"cpu": 30e-6, "cuda": 15e-6},
         "mask_build_s_per_element": 1.2e-9,  # a (B, 1, Tq, Tk) bool mask built per call
+        # A padded batch runs as calls on each row's real keys from this many queries; below it
+        # the kernel visits a causal band's every key (one 512-key block) and one dense call wins.
+        "segments_min_queries": 512,
     },
     "chunked": {
         "forward_flops_per_s": 22e9,

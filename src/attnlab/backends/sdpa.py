@@ -526,7 +526,7 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
     spans_of_mod = _mod_spans(call) if form in ("padding", "varlen") else None
     causal = form in ("keys", "causal_4d", "varlen") or (form == "padding" and _padding_lengths(call.mask)[1])
     sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim)
-    dense_of_mod = call.allowed if spans_of_mod is not None else None
+    dense_of_mod = _dense_of_mod(call, causal) if spans_of_mod is not None else None
     options = {name: value for name, value in options.items() if name not in ("is_causal", "dropout_p")}
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: None = None) -> Tensor:
@@ -543,12 +543,28 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
         if groups is not None and _segments.cheaper_than_dense(groups, build_mask=form != "causal_4d", **sizes):
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
         if dense_of_mod is not None:
-            mask = dense_of_mod()  # (B|1, H|1, Tq, Tk)
+            mask = dense_of_mod()  # (B|1, 1, Tq, Tk)
         elif form == "keys":  # causal AND the key mask, (B|1, 1, Tq, Tk)
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() & mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
 
     return run
+
+
+def _dense_of_mod(call: AttentionCall, causal: bool) -> Callable[[], Tensor]:
+    """Builds a padding or varlen mod's dense mask ``(B, 1, Tq, Tk)``: a padding mod's directly
+    from its lengths (``(tril &) keys < length``), a varlen mod's by evaluating it."""
+    if type(call.mask) is _masks.VarlenCausalMod:
+        return call.allowed
+    lengths = _padding_lengths(call.mask)[0]
+
+    def dense() -> Tensor:
+        keys = torch.arange(call.tk, device=call.device) < lengths.to(call.device).view(-1, 1, 1, 1)  # (B, 1, 1, Tk)
+        if not causal:
+            return keys
+        return torch.ones(call.tq, call.tk, dtype=torch.bool, device=call.device).tril() & keys  # (B, 1, Tq, Tk)
+
+    return dense
 
 
 def _mod_spans(call: AttentionCall) -> list[tuple[int, int, int, int]]:
