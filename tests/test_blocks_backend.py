@@ -278,7 +278,8 @@ def test_batched_calls_equal_one_call_per_piece_and_the_fp64_reference(name, mon
     counts.update(forward=0, backward=0)
     per_piece, _ = _run(cfg, "blocks", seed=7)
     want, _ = _run(cfg, "reference", seed=7)
-    assert batched_calls["forward"] < counts["forward"], (batched_calls, counts)  # it did batch
+    # it did batch (causal alone is one causal square: one call either way)
+    assert batched_calls["forward"] < counts["forward"] or counts["forward"] == 1, (batched_calls, counts)
     assert batched_calls["backward"] == batched_calls["forward"]
     for label, w, p, h in zip(("out", "dq", "dk", "dv"), want, per_piece, batched):
         assert torch.allclose(h, p, atol=1e-12, rtol=0), (name, label)

@@ -43,6 +43,7 @@ from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
+from attnlab.backends.sdpa import kernel_keeps_rows
 from attnlab.backends.transforms import outside_transforms
 from attnlab.scores import ScoreMod, additive_term, sink_logits
 
@@ -221,6 +222,49 @@ def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, 
     return [_Piece(qs, qe, lo + tail, hi, None, causal=True), *_split(qs, qe, lo, allowed[..., :tail])]
 
 
+def _staircase(block: list[_Piece]) -> tuple[int, int] | None:
+    """``(s, d)`` for a block whose row ``q`` sees exactly keys ``[s, q + d]``: its pieces are a
+    causal diagonal (keys shifted by ``d``) after a fully visible run ``[s, qs + d)``, or the
+    diagonal alone (``s = qs + d``); else None."""
+    diagonal = [p for p in block if p.causal]
+    rest = [p for p in block if not p.causal]
+    if len(diagonal) != 1 or len(rest) > 1:
+        return None
+    d = diagonal[0].ks - diagonal[0].qs
+    if rest and (rest[0].allowed is not None or rest[0].ke != diagonal[0].ks):
+        return None
+    return (rest[0].ks if rest else diagonal[0].ks), d
+
+
+def _causal_squares(pieces: list[_Piece]) -> list[_Piece]:
+    """Consecutive query blocks ``[a, b)`` whose rows all see keys ``[s, q + d]`` (a document, a
+    chunk, the first rows of a window, the rows after a prefix) become at most two pieces: one
+    causal square of queries ``[a, b)`` over keys ``[a + d, b + d)`` (the kernel's own causal
+    masking) and, when ``s < a + d``, one fully visible run ``[s, a + d)`` for all their rows.
+    A few long kernel calls instead of one per block: the kernel is faster on long query blocks,
+    and nothing is merged between blocks. ``pieces``: block by block in query order
+    (:func:`_tile_pieces`).
+    """
+    by_block: dict[tuple[int, int], list[_Piece]] = {}
+    for piece in pieces:
+        by_block.setdefault((piece.qs, piece.qe), []).append(piece)
+    out: list[_Piece] = []
+    stair = None  # ((s, d), first query a, end query b) of the staircase being grown
+    for (qs, qe), block in [*by_block.items(), ((-1, -1), [])]:
+        shape = _staircase(block) if block else None
+        if stair is not None and shape == stair[0] and qs == stair[2]:
+            stair = (shape, stair[1], qe)
+            continue
+        if stair is not None:
+            (s, d), a, b = stair
+            out += [_Piece(a, b, s, a + d, None)] if s < a + d else []
+            out.append(_Piece(a, b, a + d, b + d, None, causal=True))
+        stair = (shape, qs, qe) if shape is not None else None
+        if stair is None:
+            out += block
+    return out
+
+
 def _progressions(pieces: list[_Piece]) -> list[list[_Piece]]:
     """Split same-signature pieces (sorted by position) into runs with constant query and key
     steps, queries never overlapping and keys never stepping back: each run is a strided view
@@ -251,9 +295,8 @@ def _mask_of(call: AttentionCall, allowed: Tensor | None) -> tuple:
 def _plan_runs(call: AttentionCall, mod: Callable, spans: list) -> tuple:
     """Every query block's pieces, grouped by signature into as few kernel calls as possible."""
     groups: dict[tuple, list[_Piece]] = {}
-    for span in spans:
-        for piece in _tile_pieces(call, mod, span):
-            groups.setdefault(piece.signature(), []).append(piece)
+    for piece in _causal_squares([p for span in spans for p in _tile_pieces(call, mod, span)]):
+        groups.setdefault(piece.signature(), []).append(piece)
     runs, written = [], set()
     for (bq, keys, pattern), pieces in groups.items():
         mask, dead = _mask_of(call, pieces[0].allowed)
@@ -676,7 +719,9 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     params = call.score_mod.params() if call.score_mod is not None else ()
     out, lse = _BlocksFunction.apply(_Plan(call, runs, *kernel_scales(call)), call.q, call.k, call.v, call.sinks,
                                      *params)
-    return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
+    # A NaN query row is NaN in every run that reads it, and merges keep it NaN; only a kernel
+    # that zeroes such rows needs the output pass that restores them.
+    return AttentionResult(out=out if kernel_keeps_rows(call.device) else keep_nan_rows(call.q, out), lse=lse)
 
 
 class BlocksBackend(Backend):
