@@ -1,13 +1,15 @@
 """The ``blocks`` backend: masked attention at the fused dense kernel's speed.
 
 For a mask mod that declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, windows,
-documents, prefix-LM, chunked-local, ANDs of them), queries are cut into blocks of 64, 128 or
-256 (:func:`choose_block`) and each block attends only the keys it can reach, on PyTorch's fused
+documents, prefix-LM, chunked-local, ANDs of them), queries are cut into blocks of 32 to 256
+(:func:`choose_block`) and each block attends only the keys it can reach, on PyTorch's fused
 CPU flash kernel. A block's keys become pieces: a fully visible run, a causal diagonal (the
-kernel's ``is_causal``) or a partly visible part (a small additive mask). Pieces of one shape
-run as one kernel call over strided views stacked along the batch axis ``(n, B*Hq, bq, D)``,
-and a block's pieces merge by their log-sum-exp (:mod:`attnlab.backends._lse`). The backward
-pass is the kernel's own, once per group. The work is the visited tiles, not ``Tq * Tk``.
+kernel's ``is_causal``) or a partly visible part (a small additive mask). Consecutive blocks
+whose rows see keys from one start to the diagonal (a document, a chunk) become one causal
+square. Pieces of one shape run as one kernel call over strided views stacked along the batch
+axis ``(n, B*Hq, bq, D)`` (8 equal documents: one call), and a row's pieces merge by their
+log-sum-exp (:mod:`attnlab.backends._lse`). The backward pass is the kernel's own, once per
+call. The work is the visited tiles, not ``Tq * Tk``.
 
 The contract (docs/contract.md) is kept exactly, or the call is declined: empty rows are zeros
 with zero gradient, keys outside a block's span are never read, NaN query rows stay NaN,
@@ -52,7 +54,7 @@ __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans
 
 # Queries per block that the cost model chooses from (:func:`choose_block`): smaller blocks
 # visit fewer masked-out keys, larger ones run the kernel faster.
-BLOCK_SIZES = (64, 128, 256)
+BLOCK_SIZES = (32, 64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -799,7 +801,7 @@ def choose_block(call: AttentionCall) -> int:
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 8, 8192, 64)
         >>> choose_block(build_call(q, q, q, mask=_masks.sliding_window_mod(8192, 8192, 256)))
-        64
+        32
         >>> choose_block(build_call(q, q, q, causal=True))
         256
     """
