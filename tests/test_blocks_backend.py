@@ -378,13 +378,17 @@ SQUARE_CASES = {
 }
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
 @pytest.mark.parametrize("name", sorted(SQUARE_CASES))
-def test_query_blocks_that_see_keys_from_one_start_to_the_diagonal_run_as_one_causal_call(name, monkeypatch):
+def test_query_blocks_that_see_keys_from_one_start_to_the_diagonal_run_as_one_causal_call(name, kv_heads,
+                                                                                          monkeypatch):
     """A document, a chunk, the rows after a prefix or a window's first rows: one causal square
-    (and at most one fully visible run before it), the same shapes stacked, exact in fp64."""
+    (and at most one fully visible run before it), the same shapes stacked, exact in fp64, with
+    grouped heads (blocks on the kernel's batch axis) and without (on its head axis; one run
+    over every row is the output and the gradients as the kernel wrote them)."""
     t, make_mod, align, calls = SQUARE_CASES[name]
     tk = t + 64 if align == "bottom_right" else t
-    cfg = dict(shape=(2, 4, 2, t, tk, 8, 8), mask=make_mod(t), causal=False, align=align, block=16)
+    cfg = dict(shape=(2, 4, kv_heads, t, tk, 8, 8), mask=make_mod(t), causal=False, align=align, block=16)
     counts = _counting(monkeypatch)
     have, _ = _run(cfg, "blocks", seed=11)
     want, _ = _run(cfg, "reference", seed=11)

@@ -434,24 +434,70 @@ def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     return run.query_blocks(q), run.key_blocks(k), run.key_blocks(v)
 
 
+def _flash(views: tuple, *, causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """The kernel on a run's q ``(n, B*Hq, bq, W)``, k and v ``(n, B*Hkv, keys, W)``: out
+    ``(n, B*Hq, bq, W)`` and lse ``(n, B*Hq, bq)``.
+
+    Without grouped heads the n blocks go on the kernel's head axis ``(B*H, n, ...)``: its
+    output then holds each head's rows in query order, so a run over every row is the output
+    itself (:func:`_rows_of`). Grouped heads must stay on the head axis.
+    """
+    swap = views[0].shape[1] == views[1].shape[1]
+    if swap:
+        views = tuple(t.transpose(0, 1) for t in views)
+        mask = None if mask is None else mask.transpose(0, 1)
+    o, l = _FLASH(*views, is_causal=causal, attn_mask=mask, scale=scale)
+    return (o.transpose(0, 1), l.transpose(0, 1)) if swap else (o, l)
+
+
+def _flash_backward(d_out: Tensor, views: tuple, out: Tensor, lse: Tensor, *, causal: bool,
+                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward on a run (shapes as in :func:`_flash`): dq, dk, dv like the views."""
+    swap = views[0].shape[1] == views[1].shape[1]
+    tensors = (d_out, *views, out, lse)
+    if swap:
+        tensors = tuple(t.transpose(0, 1) for t in tensors)
+        mask = None if mask is None else mask.transpose(0, 1)
+    grads = _FLASH_BACKWARD(*tensors[:5], tensors[5], 0.0, causal, attn_mask=mask, scale=scale)
+    return tuple(g.transpose(0, 1) for g in grads) if swap else grads
+
+
+def _in_order(start: int, step: int, length: int, n: int, total: int) -> bool:
+    """Whether ``n`` blocks of ``length`` rows from ``start`` every ``step`` are rows
+    ``[0, total)`` once each, in order."""
+    return start == 0 and step == length and n * length == total
+
+
+def _rows_of(t: Tensor, shape: tuple) -> Tensor:
+    """A run's blocks ``(n, B*H, length, *X)`` covering every row in order, as ``shape``
+    ``(B, H, T, *X)``: a view of what :func:`_flash` returns, a copy otherwise."""
+    return t.transpose(0, 1).reshape(shape)
+
+
 def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
                    mod: ScoreMod | None) -> tuple[Tensor, Tensor]:
     """One kernel call per run, the score mod's term in its mask, then the sinks. Returns out
-    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)`` (the sinks included)."""
+    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)`` (the sinks included). A run over every row
+    is the output as the kernel wrote it: no copy."""
     B, Hq, Tq, W = q.shape
     acc_dtype = score_dtype(q.dtype)
-    out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
-    lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
+    first = plan.runs[0] if plan.runs else None
+    whole = len(plan.runs) == 1 and _in_order(first.qs, first.q_step, first.bq, first.n, Tq)
+    if not whole:
+        out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
+        lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
     for run in plan.runs:
         mask = run.mask if mod is None else _with_mask(_bias_tile(plan.call, mod, run), run)
-        o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=mask,
-                      scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
+        o, l = _flash(_run_views(run, q, k, v), causal=run.causal, mask=mask,
+                      scale=plan.kernel_scale)  # (n, B*Hq, bq, W), (n, B*Hq, bq)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
         if mod is not None:  # the kernel gives a row whose mask is all -inf lse 0: it is empty
             empty = _empty_rows(mask, run)
             o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, float("-inf"))
-        if run.first:  # nothing merged into these query blocks yet
+        if whole:
+            out, lse = _rows_of(o, (B, Hq, Tq, W)).to(acc_dtype), _rows_of(l, (B, Hq, Tq)).to(acc_dtype)
+        elif run.first:  # nothing merged into these query blocks yet
             run.query_blocks(out).copy_(o)
             run.query_blocks(lse).copy_(l)
         else:
@@ -558,8 +604,12 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     if (need_sinks or any(learn)) and acc_dtype != q.dtype:
         delta = _consistent_delta(plan, (q, k, v), d_out, lse, mod)
     # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
-    dq = _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
-    dk, dv = d_out.new_zeros(k.shape), d_out.new_zeros(v.shape)
+    # A run over every query (every key) in order gives dq (dk, dv) as the kernel wrote them.
+    first = plan.runs[0] if plan.runs else None
+    whole_q = len(plan.runs) == 1 and _in_order(first.qs, first.q_step, first.bq, first.n, q.shape[2])
+    whole_k = len(plan.runs) == 1 and _in_order(first.ks, first.k_step, first.keys, first.n, k.shape[2])
+    dq = None if whole_q else _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
+    dk, dv = (None, None) if whole_k else (d_out.new_zeros(k.shape), d_out.new_zeros(v.shape))
     for run in plan.runs:
         do_r, lse_r = _run_rows(run, d_out, lse)  # (n, B*Hq, bq, W), (n, B*Hq, bq)
         q_r, k_r, v_r = _run_views(run, q, k, v)
@@ -569,17 +619,22 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
                 leaves = [p.detach().requires_grad_(want) for p, want in zip(params, learn)]
                 tile = _bias_tile(plan.call, mod.with_params(leaves), run)
             mask = _with_mask(tile.detach(), run)
-        gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
-                                     attn_mask=mask, scale=plan.kernel_scale)
+        gq, gk, gv = _flash_backward(do_r, (q_r, k_r, v_r), run.query_blocks(out), lse_r, causal=run.causal,
+                                     mask=mask, scale=plan.kernel_scale)
         if tile is not None and tile.requires_grad:
             d_scores = _score_gradient(plan, run, (q_r, k_r, v_r), do_r, run.query_blocks(delta), lse_r, mask)
             _add_tile_gradients(tile, leaves, d_scores, d_params)
-        if run.first:  # the same order as the forward: nothing added to these rows yet
+        if whole_q:
+            dq = _rows_of(gq, q.shape).to(d_out.dtype)
+        elif run.first:  # the same order as the forward: nothing added to these rows yet
             run.query_blocks(dq).copy_(gq)
         else:
             _add_blocks(dq, gq, run.qs, run.q_step)
-        _add_blocks(dk, gk, run.ks, run.k_step)
-        _add_blocks(dv, gv, run.ks, run.k_step)
+        if whole_k:
+            dk, dv = _rows_of(gk, k.shape).to(d_out.dtype), _rows_of(gv, v.shape).to(d_out.dtype)
+        else:
+            _add_blocks(dk, gk, run.ks, run.k_step)
+            _add_blocks(dv, gv, run.ks, run.k_step)
     if plan.factor != 1.0:
         dq.mul_(plan.factor)  # the kernel differentiated by q * factor
     d_sinks = None
