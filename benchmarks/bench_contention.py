@@ -55,7 +55,8 @@ def bench(t):
             print(f"{name} T={t} (auto -> {chosen}):")
             for label, times in (("idle", idle), ("busy core", busy)):
                 cells = ", ".join(f"{c} {times[c] * 1e3:.1f} ms" for c in cands)
-                print(f"  {label}: {cells}; auto's speed vs compiled flex {times['compiled flex'] / times['auto']:.2f}x")
+                speed = times["compiled flex"] / times["auto"]
+                print(f"  {label}: {cells}; auto's speed vs compiled flex {speed:.2f}x")
 
 
 print(machine_line())
