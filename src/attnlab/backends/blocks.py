@@ -1,13 +1,15 @@
 """The ``blocks`` backend: masked attention at the fused dense kernel's speed.
 
 For a mask mod that declares :meth:`~attnlab.masks.MaskMod.kv_bounds` (causal, windows,
-documents, prefix-LM, chunked-local, ANDs of them), queries are cut into blocks of 64, 128 or
-256 (:func:`choose_block`) and each block attends only the keys it can reach, on PyTorch's fused
+documents, prefix-LM, chunked-local, ANDs of them), queries are cut into blocks of 32 to 256
+(:func:`choose_block`) and each block attends only the keys it can reach, on PyTorch's fused
 CPU flash kernel. A block's keys become pieces: a fully visible run, a causal diagonal (the
-kernel's ``is_causal``) or a partly visible part (a small additive mask). Pieces of one shape
-run as one kernel call over strided views stacked along the batch axis ``(n, B*Hq, bq, D)``,
-and a block's pieces merge by their log-sum-exp (:mod:`attnlab.backends._lse`). The backward
-pass is the kernel's own, once per group. The work is the visited tiles, not ``Tq * Tk``.
+kernel's ``is_causal``) or a partly visible part (a small additive mask). Consecutive blocks
+whose rows see keys from one start to the diagonal (a document, a chunk) become one causal
+square. Pieces of one shape run as one kernel call over strided views stacked along the batch
+axis ``(n, B*Hq, bq, D)`` (8 equal documents: one call), and a row's pieces merge by their
+log-sum-exp (:mod:`attnlab.backends._lse`). The backward pass is the kernel's own, once per
+call. The work is the visited tiles, not ``Tq * Tk``.
 
 The contract (docs/contract.md) is kept exactly, or the call is declined: empty rows are zeros
 with zero gradient, keys outside a block's span are never read, NaN query rows stay NaN,
@@ -43,6 +45,7 @@ from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta
 from attnlab.backends.base import AttentionResult, Backend
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
+from attnlab.backends.sdpa import kernel_keeps_rows
 from attnlab.backends.transforms import outside_transforms
 from attnlab.scores import ScoreMod, additive_term, sink_logits
 
@@ -51,7 +54,7 @@ __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans
 
 # Queries per block that the cost model chooses from (:func:`choose_block`): smaller blocks
 # visit fewer masked-out keys, larger ones run the kernel faster.
-BLOCK_SIZES = (64, 128, 256)
+BLOCK_SIZES = (32, 64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -221,6 +224,49 @@ def _tile_pieces(call: AttentionCall, mod: Callable, span: tuple[int, int, int, 
     return [_Piece(qs, qe, lo + tail, hi, None, causal=True), *_split(qs, qe, lo, allowed[..., :tail])]
 
 
+def _staircase(block: list[_Piece]) -> tuple[int, int] | None:
+    """``(s, d)`` for a block whose row ``q`` sees exactly keys ``[s, q + d]``: its pieces are a
+    causal diagonal (keys shifted by ``d``) after a fully visible run ``[s, qs + d)``, or the
+    diagonal alone (``s = qs + d``); else None."""
+    diagonal = [p for p in block if p.causal]
+    rest = [p for p in block if not p.causal]
+    if len(diagonal) != 1 or len(rest) > 1:
+        return None
+    d = diagonal[0].ks - diagonal[0].qs
+    if rest and (rest[0].allowed is not None or rest[0].ke != diagonal[0].ks):
+        return None
+    return (rest[0].ks if rest else diagonal[0].ks), d
+
+
+def _causal_squares(pieces: list[_Piece]) -> list[_Piece]:
+    """Consecutive query blocks ``[a, b)`` whose rows all see keys ``[s, q + d]`` (a document, a
+    chunk, the first rows of a window, the rows after a prefix) become at most two pieces: one
+    causal square of queries ``[a, b)`` over keys ``[a + d, b + d)`` (the kernel's own causal
+    masking) and, when ``s < a + d``, one fully visible run ``[s, a + d)`` for all their rows.
+    A few long kernel calls instead of one per block: the kernel is faster on long query blocks,
+    and nothing is merged between blocks. ``pieces``: block by block in query order
+    (:func:`_tile_pieces`).
+    """
+    by_block: dict[tuple[int, int], list[_Piece]] = {}
+    for piece in pieces:
+        by_block.setdefault((piece.qs, piece.qe), []).append(piece)
+    out: list[_Piece] = []
+    stair = None  # ((s, d), first query a, end query b) of the staircase being grown
+    for (qs, qe), block in [*by_block.items(), ((-1, -1), [])]:
+        shape = _staircase(block) if block else None
+        if stair is not None and shape == stair[0] and qs == stair[2]:
+            stair = (shape, stair[1], qe)
+            continue
+        if stair is not None:
+            (s, d), a, b = stair
+            out += [_Piece(a, b, s, a + d, None)] if s < a + d else []
+            out.append(_Piece(a, b, a + d, b + d, None, causal=True))
+        stair = (shape, qs, qe) if shape is not None else None
+        if stair is None:
+            out += block
+    return out
+
+
 def _progressions(pieces: list[_Piece]) -> list[list[_Piece]]:
     """Split same-signature pieces (sorted by position) into runs with constant query and key
     steps, queries never overlapping and keys never stepping back: each run is a strided view
@@ -251,9 +297,8 @@ def _mask_of(call: AttentionCall, allowed: Tensor | None) -> tuple:
 def _plan_runs(call: AttentionCall, mod: Callable, spans: list) -> tuple:
     """Every query block's pieces, grouped by signature into as few kernel calls as possible."""
     groups: dict[tuple, list[_Piece]] = {}
-    for span in spans:
-        for piece in _tile_pieces(call, mod, span):
-            groups.setdefault(piece.signature(), []).append(piece)
+    for piece in _causal_squares([p for span in spans for p in _tile_pieces(call, mod, span)]):
+        groups.setdefault(piece.signature(), []).append(piece)
     runs, written = [], set()
     for (bq, keys, pattern), pieces in groups.items():
         mask, dead = _mask_of(call, pieces[0].allowed)
@@ -389,24 +434,70 @@ def _run_views(run: _Run, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     return run.query_blocks(q), run.key_blocks(k), run.key_blocks(v)
 
 
+def _flash(views: tuple, *, causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """The kernel on a run's q ``(n, B*Hq, bq, W)``, k and v ``(n, B*Hkv, keys, W)``: out
+    ``(n, B*Hq, bq, W)`` and lse ``(n, B*Hq, bq)``.
+
+    Without grouped heads the n blocks go on the kernel's head axis ``(B*H, n, ...)``: its
+    output then holds each head's rows in query order, so a run over every row is the output
+    itself (:func:`_rows_of`). Grouped heads must stay on the head axis.
+    """
+    swap = views[0].shape[1] == views[1].shape[1]
+    if swap:
+        views = tuple(t.transpose(0, 1) for t in views)
+        mask = None if mask is None else mask.transpose(0, 1)
+    o, l = _FLASH(*views, is_causal=causal, attn_mask=mask, scale=scale)
+    return (o.transpose(0, 1), l.transpose(0, 1)) if swap else (o, l)
+
+
+def _flash_backward(d_out: Tensor, views: tuple, out: Tensor, lse: Tensor, *, causal: bool,
+                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward on a run (shapes as in :func:`_flash`): dq, dk, dv like the views."""
+    swap = views[0].shape[1] == views[1].shape[1]
+    tensors = (d_out, *views, out, lse)
+    if swap:
+        tensors = tuple(t.transpose(0, 1) for t in tensors)
+        mask = None if mask is None else mask.transpose(0, 1)
+    grads = _FLASH_BACKWARD(*tensors[:5], tensors[5], 0.0, causal, attn_mask=mask, scale=scale)
+    return tuple(g.transpose(0, 1) for g in grads) if swap else grads
+
+
+def _in_order(start: int, step: int, length: int, n: int, total: int) -> bool:
+    """Whether ``n`` blocks of ``length`` rows from ``start`` every ``step`` are rows
+    ``[0, total)`` once each, in order."""
+    return start == 0 and step == length and n * length == total
+
+
+def _rows_of(t: Tensor, shape: tuple) -> Tensor:
+    """A run's blocks ``(n, B*H, length, *X)`` covering every row in order, as ``shape``
+    ``(B, H, T, *X)``: a view of what :func:`_flash` returns, a copy otherwise."""
+    return t.transpose(0, 1).reshape(shape)
+
+
 def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
                    mod: ScoreMod | None) -> tuple[Tensor, Tensor]:
     """One kernel call per run, the score mod's term in its mask, then the sinks. Returns out
-    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)`` (the sinks included)."""
+    ``(B, Hq, Tq, W)`` and lse ``(B, Hq, Tq)`` (the sinks included). A run over every row
+    is the output as the kernel wrote it: no copy."""
     B, Hq, Tq, W = q.shape
     acc_dtype = score_dtype(q.dtype)
-    out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
-    lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
+    first = plan.runs[0] if plan.runs else None
+    whole = len(plan.runs) == 1 and _in_order(first.qs, first.q_step, first.bq, first.n, Tq)
+    if not whole:
+        out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
+        lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
     for run in plan.runs:
         mask = run.mask if mod is None else _with_mask(_bias_tile(plan.call, mod, run), run)
-        o, l = _FLASH(*_run_views(run, q, k, v), is_causal=run.causal, attn_mask=mask,
-                      scale=plan.kernel_scale)  # (n, B*Hq, bq, W|)
+        o, l = _flash(_run_views(run, q, k, v), causal=run.causal, mask=mask,
+                      scale=plan.kernel_scale)  # (n, B*Hq, bq, W), (n, B*Hq, bq)
         if run.dead is not None:
             o, l = o.masked_fill(run.dead.unsqueeze(-1), 0.0), l.masked_fill(run.dead, float("-inf"))
         if mod is not None:  # the kernel gives a row whose mask is all -inf lse 0: it is empty
             empty = _empty_rows(mask, run)
             o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, float("-inf"))
-        if run.first:  # nothing merged into these query blocks yet
+        if whole:
+            out, lse = _rows_of(o, (B, Hq, Tq, W)).to(acc_dtype), _rows_of(l, (B, Hq, Tq)).to(acc_dtype)
+        elif run.first:  # nothing merged into these query blocks yet
             run.query_blocks(out).copy_(o)
             run.query_blocks(lse).copy_(l)
         else:
@@ -513,8 +604,12 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
     if (need_sinks or any(learn)) and acc_dtype != q.dtype:
         delta = _consistent_delta(plan, (q, k, v), d_out, lse, mod)
     # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
-    dq = _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
-    dk, dv = d_out.new_zeros(k.shape), d_out.new_zeros(v.shape)
+    # A run over every query (every key) in order gives dq (dk, dv) as the kernel wrote them.
+    first = plan.runs[0] if plan.runs else None
+    whole_q = len(plan.runs) == 1 and _in_order(first.qs, first.q_step, first.bq, first.n, q.shape[2])
+    whole_k = len(plan.runs) == 1 and _in_order(first.ks, first.k_step, first.keys, first.n, k.shape[2])
+    dq = None if whole_q else _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
+    dk, dv = (None, None) if whole_k else (d_out.new_zeros(k.shape), d_out.new_zeros(v.shape))
     for run in plan.runs:
         do_r, lse_r = _run_rows(run, d_out, lse)  # (n, B*Hq, bq, W), (n, B*Hq, bq)
         q_r, k_r, v_r = _run_views(run, q, k, v)
@@ -524,17 +619,22 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
                 leaves = [p.detach().requires_grad_(want) for p, want in zip(params, learn)]
                 tile = _bias_tile(plan.call, mod.with_params(leaves), run)
             mask = _with_mask(tile.detach(), run)
-        gq, gk, gv = _FLASH_BACKWARD(do_r, q_r, k_r, v_r, run.query_blocks(out), lse_r, 0.0, run.causal,
-                                     attn_mask=mask, scale=plan.kernel_scale)
+        gq, gk, gv = _flash_backward(do_r, (q_r, k_r, v_r), run.query_blocks(out), lse_r, causal=run.causal,
+                                     mask=mask, scale=plan.kernel_scale)
         if tile is not None and tile.requires_grad:
             d_scores = _score_gradient(plan, run, (q_r, k_r, v_r), do_r, run.query_blocks(delta), lse_r, mask)
             _add_tile_gradients(tile, leaves, d_scores, d_params)
-        if run.first:  # the same order as the forward: nothing added to these rows yet
+        if whole_q:
+            dq = _rows_of(gq, q.shape).to(d_out.dtype)
+        elif run.first:  # the same order as the forward: nothing added to these rows yet
             run.query_blocks(dq).copy_(gq)
         else:
             _add_blocks(dq, gq, run.qs, run.q_step)
-        _add_blocks(dk, gk, run.ks, run.k_step)
-        _add_blocks(dv, gv, run.ks, run.k_step)
+        if whole_k:
+            dk, dv = _rows_of(gk, k.shape).to(d_out.dtype), _rows_of(gv, v.shape).to(d_out.dtype)
+        else:
+            _add_blocks(dk, gk, run.ks, run.k_step)
+            _add_blocks(dv, gv, run.ks, run.k_step)
     if plan.factor != 1.0:
         dq.mul_(plan.factor)  # the kernel differentiated by q * factor
     d_sinks = None
@@ -676,7 +776,9 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     params = call.score_mod.params() if call.score_mod is not None else ()
     out, lse = _BlocksFunction.apply(_Plan(call, runs, *kernel_scales(call)), call.q, call.k, call.v, call.sinks,
                                      *params)
-    return AttentionResult(out=keep_nan_rows(call.q, out), lse=lse)
+    # A NaN query row is NaN in every run that reads it, and merges keep it NaN; only a kernel
+    # that zeroes such rows needs the output pass that restores them.
+    return AttentionResult(out=out if kernel_keeps_rows(call.device) else keep_nan_rows(call.q, out), lse=lse)
 
 
 class BlocksBackend(Backend):
@@ -754,7 +856,7 @@ def choose_block(call: AttentionCall) -> int:
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 8, 8192, 64)
         >>> choose_block(build_call(q, q, q, mask=_masks.sliding_window_mod(8192, 8192, 256)))
-        64
+        32
         >>> choose_block(build_call(q, q, q, causal=True))
         256
     """

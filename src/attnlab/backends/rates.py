@@ -44,12 +44,12 @@ RATES: dict = {
     },
     "blocks": {
         # FLOPs are the visited (query block x key span) pairs; rates by queries per block.
-        "flops_per_s": {64: 90e9, 128: 96e9, 256: 112e9},
+        "flops_per_s": {32: 85e9, 64: 90e9, 128: 96e9, 256: 112e9},
         "short_span_keys": 1024,
         # Longer spans (causal, prefix-LM, long documents) are charged at this share of those
         # rates, so that auto keeps plain causal on sdpa's is_causal.
         "long_span_factor": 0.5,
-        "forward_backward_factor": {64: 5.2, 128: 4.2, 256: 3.8},  # key gradients are per piece
+        "forward_backward_factor": {32: 6.0, 64: 5.2, 128: 4.2, 256: 3.8},  # key gradients are per piece
         "seconds_per_block": 10e-6,  # a guess: views and the lse merge per block
         "call_overhead_s": 60e-6,  # a guess: planning is cached, Python per call remains
     },
