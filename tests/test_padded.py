@@ -12,6 +12,7 @@ import attnlab
 from attnlab import backends, masks
 from attnlab.backends import _segments, build_call, dispatch
 from attnlab.backends.rates import RATES
+from attnlab.backends import sdpa as sdpa_module
 from attnlab.backends.sdpa import sdpa_plan
 
 
@@ -105,7 +106,39 @@ def test_rows_are_returned_in_batch_order_when_groups_interleave():
     torch.testing.assert_close(out, _fp64(q, q, q, allowed[:, None]))
 
 
-def test_a_key_mask_with_holes_or_a_small_batch_takes_the_dense_mask_and_stays_exact(counted):
+@pytest.fixture
+def beside(monkeypatch):
+    """How many calls ran as one fused op with the key mask beside is_causal."""
+    seen = []
+    real = sdpa_module._keys_beside_causal
+    monkeypatch.setattr(sdpa_module, "_keys_beside_causal", lambda *args: seen.append(1) or real(*args))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_key_mask_beside_causal_is_one_fused_call_without_a_square_mask(beside, counted, dtype):
+    """Holes in the keys (no spans), grouped heads, transposed views (MultiHeadAttention's
+    layout), more keys than queries (top-left), an empty row: one call of the CPU flash op
+    with its own is_causal and the keys as a (B, 1, 1, Tk) additive mask, exact with zero rows."""
+    gen = torch.Generator().manual_seed(3)
+    tq, tk = 48, 64
+    q = torch.randn(3, tq, 4, 8, generator=gen).to(dtype).transpose(1, 2).requires_grad_(True)  # (B, H, T, D) view
+    k, v = (torch.randn(3, 2, tk, 8, generator=gen).to(dtype).requires_grad_(True) for _ in range(2))
+    holes = torch.rand(3, tk, generator=gen) > 0.3
+    holes[2] = False  # a row with no key
+    out = attnlab.attention(q, k, v, mask=holes[:, None, None, :], causal=True)
+    allowed = (masks.causal_mask(tq, tk) & holes[:, None, :])[:, None]
+    want = _fp64(q, k, v, allowed)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out.double(), want, **tolerance)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for got, expected in zip(grads, torch.autograd.grad(want, (q, k, v), torch.ones_like(want))):
+        torch.testing.assert_close(got.double(), expected.double(), **tolerance)
+    assert out[2].abs().max() == 0 and grads[0][2].abs().max() == 0
+    assert len(beside) == 1 and counted == []
+
+
+def test_a_key_mask_with_holes_or_a_small_batch_takes_one_fused_call_and_stays_exact(counted, beside):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, T, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     holes = torch.rand(2, T, generator=gen) > 0.3
@@ -115,7 +148,7 @@ def test_a_key_mask_with_holes_or_a_small_batch_takes_the_dense_mask_and_stays_e
     out = attnlab.attention(q[..., :8, :], k[..., :8, :], v[..., :8, :], mask=small[:, None, None, :], causal=True)
     torch.testing.assert_close(out, _fp64(q[..., :8, :], k[..., :8, :], v[..., :8, :],
                                           (masks.causal_mask(8, 8) & small[:, None, :])[:, None]))
-    assert counted == []  # both went to one SDPA call with the dense mask
+    assert counted == [] and len(beside) == 2  # both went to one fused call
 
 
 def test_a_4d_mask_of_another_shape_is_passed_as_given(counted):
@@ -135,8 +168,9 @@ def test_an_all_empty_batch_gives_zeros_and_a_backward_that_runs():
     assert out.abs().max() == 0 and q.grad.abs().max() == 0
 
 
-def test_padded_keys_are_never_read(counted):
+def test_padded_keys_are_never_read(counted, monkeypatch):
     """The segments see only real keys: a NaN in a padded key cannot reach any output."""
+    monkeypatch.setattr(_segments, "cheaper_than_dense", lambda groups, **sizes: True)
     q, k, v = (torch.randn(2, 2, T, 8) for _ in range(3))
     k[1, :, 100:] = float("nan")
     v[1, :, 100:] = float("nan")
@@ -186,11 +220,11 @@ def test_transformers_padded_prefill_takes_the_segments(counted):
 def test_the_estimate_prefers_one_dense_call_for_short_batches_and_segments_for_long_ones():
     sizes = dict(heads=8, dims=64)
     tiny = _segments.plan_bands([(0, 5), (0, 16)], causal=True, tq=16)
-    assert not _segments.cheaper_than_dense(tiny, batch=2, tq=16, tk=16, build_mask=False, **sizes)
+    assert not _segments.cheaper_than_dense(tiny, batch=2, tq=16, tk=16, dense_causal=True, **sizes)
     short = _segments.plan_bands([(0, 50), (0, 256)], causal=True, tq=256)  # one 512-key block: no skipping
-    assert not _segments.cheaper_than_dense(short, batch=2, tq=256, tk=256, build_mask=True, **sizes)
+    assert not _segments.cheaper_than_dense(short, batch=2, tq=256, tk=256, dense_causal=True, **sizes)
     long = _segments.plan_bands([(0, 400), (0, 2048)], causal=True, tq=2048)
-    assert _segments.cheaper_than_dense(long, batch=2, tq=2048, tk=2048, build_mask=False, **sizes)
+    assert _segments.cheaper_than_dense(long, batch=2, tq=2048, tk=2048, dense_causal=True, **sizes)
 
 
 def test_the_budget_is_part_of_the_route(monkeypatch):

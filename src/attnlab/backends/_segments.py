@@ -43,7 +43,8 @@ from torch import Tensor
 
 from attnlab.backends.rates import RATES
 
-__all__ = ["key_spans", "causal_key_mask", "Group", "plan_bands", "flash_pairs", "cheaper_than_dense", "run_groups"]
+__all__ = ["key_spans", "causal_key_mask", "Group", "plan_bands", "flash_pairs", "long_enough", "cheaper_than_dense",
+           "run_groups"]
 
 
 def key_spans(valid: Tensor) -> list[tuple[int, int]] | None:
@@ -202,25 +203,34 @@ def _band_seconds(kind: str, rows: int, q_len: int, k_len: int, heads: int, dims
     return rates["call_overhead_s"]["cpu"] + 4.0 * rows * heads * pairs * dims / rate
 
 
-def cheaper_than_dense(groups: list[Group], *, batch: int, heads: int, tq: int, tk: int, dims: int,
-                       build_mask: bool) -> bool:
-    """Whether the bands' calls beat one SDPA call with a dense mask (``build_mask``: one
-    that must first be built), by the cost model of :mod:`attnlab.backends.rates`.
+def long_enough(tq: int) -> bool:
+    """Whether ``tq`` queries are enough for bands to pay (``segments_min_queries``): below it
+    the kernel visits a causal band's every key (one block of keys), small bands run under its
+    rate, and one dense call wins, so the spans need not even be read.
 
-    Below ``segments_min_queries`` queries the kernel visits every key of a causal band
-    anyway (one block of keys) and small bands run below its rate: one dense call wins.
+    Example:
+        >>> long_enough(256), long_enough(1024)
+        (False, True)
+    """
+    return tq >= RATES["sdpa"]["segments_min_queries"]
+
+
+def cheaper_than_dense(groups: list[Group], *, batch: int, heads: int, tq: int, tk: int, dims: int,
+                       dense_causal: bool) -> bool:
+    """Whether the bands' calls beat one fused call over every key with a mask (causal by the
+    kernel when ``dense_causal``), by the cost model of :mod:`attnlab.backends.rates`. Never
+    below :func:`long_enough`.
 
     Example:
         >>> cheaper_than_dense(plan_bands([(0, 64)], causal=True, tq=1024), batch=1, heads=8,
-        ...                    tq=1024, tk=1024, dims=64, build_mask=False)
+        ...                    tq=1024, tk=1024, dims=64, dense_causal=True)
         True
     """
     rates = RATES["sdpa"]
-    if tq < rates["segments_min_queries"]:
+    if not long_enough(tq):
         return False
-    dense = rates["call_overhead_s"]["cpu"] + 4.0 * batch * heads * tq * tk * dims / rates["cpu_flash"]["user"]
-    if build_mask:
-        dense += batch * tq * tk * rates["mask_build_s_per_element"]
+    pairs = batch * flash_pairs(tq, tk, causal=dense_causal)
+    dense = rates["call_overhead_s"]["cpu"] + 4.0 * heads * pairs * dims / rates["cpu_flash"]["user"]
     bands = sum(_band_seconds(kind, len(g.rows), q1 - q0, k1 - k0, heads, dims)
                 for g in groups for kind, q0, q1, k0, k1 in g.bands)
     return bands < dense

@@ -517,22 +517,31 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
 
 def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -> Callable[..., Tensor]:
     """``run(q, k, v, mask)`` for a padded batch (:mod:`attnlab.backends._segments`): the bands'
-    calls when each row's real keys are one run and the estimate favours them, else SDPA with
-    the dense mask (the caller's 4-D one, or the call's mask built).
+    calls when each row's real keys are one run and the estimate favours them; else one fused
+    call: a key mask (bool or a padding mod's) reaches the CPU flash kernel as a ``(B|1, 1, 1,
+    Tk)`` additive mask beside its own ``is_causal`` (no ``(Tq, Tk)`` mask, causal blocks still
+    skipped), a 4-D mask as given, a varlen mod as its dense mask.
 
     A bool form reads its spans from the ``mask`` handed to ``run`` (a prepared run holds no
     tensor of the call); a mask mod's are read from the mod, whose runs are made per call."""
     form = _segments_kind(call)
-    spans_of_mod = _mod_spans(call) if form in ("padding", "varlen") else None
+    long_enough = _segments.long_enough(call.tq)
+    spans_of_mod = _mod_spans(call) if form in ("padding", "varlen") and long_enough else None
     causal = form in ("keys", "causal_4d", "varlen") or (form == "padding" and _padding_lengths(call.mask)[1])
-    sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim)
-    dense_of_mod = _dense_of_mod(call, causal) if spans_of_mod is not None else None
+    keys_of_mod = _padding_keys(call) if form == "padding" else None
+    by_keys = form in ("keys", "padding") and call.value_dim == call.head_dim and _CPU_FLASH is not None
+    sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim,
+                 dense_causal=causal and by_keys)
     options = {name: value for name, value in options.items() if name not in ("is_causal", "dropout_p")}
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: None = None) -> Tensor:
         if factor is not None:
             q = q * factor
-        if spans_of_mod is not None:
+        if keys_of_mod is not None:
+            mask = keys_of_mod()  # (B, 1, 1, Tk)
+        if not long_enough:
+            spans = None  # one fused call wins: the spans are not even read
+        elif spans_of_mod is not None:
             spans = spans_of_mod
         else:
             valid = _segments.causal_key_mask(mask) if form == "causal_4d" else mask[:, 0, 0, :]  # (B|1, Tk)
@@ -540,31 +549,37 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
         if spans is not None and len(spans) == 1 < q.shape[0]:
             spans = spans * q.shape[0]  # a mask of batch 1 holds for every row
         groups = None if spans is None else _segments.plan_bands(spans, causal=causal, tq=q.shape[2])
-        if groups is not None and _segments.cheaper_than_dense(groups, build_mask=form != "causal_4d", **sizes):
+        if groups is not None and _segments.cheaper_than_dense(groups, **sizes):
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
-        if dense_of_mod is not None:
-            mask = dense_of_mod()  # (B|1, 1, Tq, Tk)
-        elif form == "keys":  # causal AND the key mask, (B|1, 1, Tq, Tk)
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() & mask
+        if by_keys:
+            return _keys_beside_causal(q, k, v, mask, causal, options["scale"])
+        if form == "varlen":
+            mask = call.allowed()  # (B, 1, Tq, Tk)
+        elif form in ("keys", "padding"):  # no fused op for this call: causal AND the keys, (B|1, 1, Tq, Tk)
+            mask = (torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() if causal
+                    else torch.ones((), dtype=torch.bool, device=q.device)) & mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
 
     return run
 
 
-def _dense_of_mod(call: AttentionCall, causal: bool) -> Callable[[], Tensor]:
-    """Builds a padding or varlen mod's dense mask ``(B, 1, Tq, Tk)``: a padding mod's directly
-    from its lengths (``(tril &) keys < length``), a varlen mod's by evaluating it."""
-    if type(call.mask) is _masks.VarlenCausalMod:
-        return call.allowed
+def _keys_beside_causal(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, causal: bool, scale: float | None) -> Tensor:
+    """``(B, Hq, Tq, Dv)``: PyTorch's CPU flash op with its own top-left ``is_causal`` and the key
+    mask ``(B|1, 1, 1, Tk)`` as an additive one beside it (SDPA's front end refuses the two
+    together; the op takes both, broadcasts the mask, and handles grouped heads itself)."""
+    additive = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~keys, float("-inf"))  # (B|1, 1, 1, Tk)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the op needs a dense last dim
+    return _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)[0]
+
+
+def _padding_keys(call: AttentionCall) -> Callable[[], Tensor]:
+    """Builds a padding mod's key mask ``(B, 1, 1, Tk)`` from its lengths (read at each call)."""
     lengths = _padding_lengths(call.mask)[0]
 
-    def dense() -> Tensor:
-        keys = torch.arange(call.tk, device=call.device) < lengths.to(call.device).view(-1, 1, 1, 1)  # (B, 1, 1, Tk)
-        if not causal:
-            return keys
-        return torch.ones(call.tq, call.tk, dtype=torch.bool, device=call.device).tril() & keys  # (B, 1, Tq, Tk)
+    def keys() -> Tensor:
+        return torch.arange(call.tk, device=call.device) < lengths.to(call.device).view(-1, 1, 1, 1)  # (B, 1, 1, Tk)
 
-    return dense
+    return keys
 
 
 def _mod_spans(call: AttentionCall) -> list[tuple[int, int, int, int]]:
