@@ -314,3 +314,13 @@ def test_flash_pairs_counts_whole_key_blocks_up_to_the_diagonal():
     assert _segments.flash_pairs(256, 256, causal=True) == 256 * 256  # one block of keys: no skipping
     assert _segments.flash_pairs(1024, 1024, causal=True) == 256 * (512 + 512 + 1024 + 1024)
     assert _segments.flash_pairs(100, 40, causal=False) == 4000
+
+
+def test_a_4d_causal_mask_over_keys_with_holes_runs_as_the_keys_beside_causal(counted, beside):
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, T, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    holes = torch.rand(2, T, generator=gen) > 0.4
+    allowed = (masks.causal_mask(T, T) & holes[:, None, :])[:, None]  # (B, 1, T, T): no one run of keys
+    out = attnlab.attention(q, k, v, mask=allowed)
+    torch.testing.assert_close(out, _fp64(q, k, v, allowed))
+    assert counted == [] and beside == [1]

@@ -518,9 +518,10 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
 def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -> Callable[..., Tensor]:
     """``run(q, k, v, mask)`` for a padded batch (:mod:`attnlab.backends._segments`): the bands'
     calls when each row's real keys are one run and the estimate favours them; else one fused
-    call: a key mask (bool or a padding mod's) reaches the CPU flash kernel as a ``(B|1, 1, 1,
-    Tk)`` additive mask beside its own ``is_causal`` (no ``(Tq, Tk)`` mask, causal blocks still
-    skipped), a 4-D mask as given, a varlen mod as its dense mask.
+    call: a key mask (bool, a padding mod's, or the one a 4-D mask was found to be) reaches the
+    CPU flash kernel as a ``(B|1, 1, 1, Tk)`` additive mask beside its own ``is_causal`` (no
+    ``(Tq, Tk)`` mask, causal blocks still skipped), any other 4-D mask as given, a varlen mod
+    as its dense mask.
 
     A bool form reads its spans from the ``mask`` handed to ``run`` (a prepared run holds no
     tensor of the call); a mask mod's are read from the mod, whose runs are made per call."""
@@ -529,9 +530,8 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
     spans_of_mod = _mod_spans(call) if form in ("padding", "varlen") and long_enough else None
     causal = form in ("keys", "causal_4d", "varlen") or (form == "padding" and _padding_lengths(call.mask)[1])
     keys_of_mod = _padding_keys(call) if form == "padding" else None
-    by_keys = form in ("keys", "padding") and call.value_dim == call.head_dim and _CPU_FLASH is not None
-    sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim,
-                 dense_causal=causal and by_keys)
+    fused = call.value_dim == call.head_dim and _CPU_FLASH is not None  # the op takes keys beside causal
+    sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim)
     options = {name: value for name, value in options.items() if name not in ("is_causal", "dropout_p")}
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: None = None) -> Tensor:
@@ -539,20 +539,22 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
             q = q * factor
         if keys_of_mod is not None:
             mask = keys_of_mod()  # (B, 1, 1, Tk)
-        if not long_enough:
-            spans = None  # one fused call wins: the spans are not even read
-        elif spans_of_mod is not None:
+        keys = mask if form in ("keys", "padding") else None  # (B|1, 1, 1, Tk)
+        spans = None  # below long_enough one fused call wins: the spans are not even read
+        if long_enough and spans_of_mod is not None:
             spans = spans_of_mod
-        else:
+        elif long_enough:
             valid = _segments.causal_key_mask(mask) if form == "causal_4d" else mask[:, 0, 0, :]  # (B|1, Tk)
+            keys = keys if valid is None or form != "causal_4d" else valid[:, None, None, :]
             spans = None if valid is None else _segments.key_spans(valid)
         if spans is not None and len(spans) == 1 < q.shape[0]:
             spans = spans * q.shape[0]  # a mask of batch 1 holds for every row
+        by_keys = fused and keys is not None
         groups = None if spans is None else _segments.plan_bands(spans, causal=causal, tq=q.shape[2])
-        if groups is not None and _segments.cheaper_than_dense(groups, **sizes):
+        if groups is not None and _segments.cheaper_than_dense(groups, dense_causal=causal and by_keys, **sizes):
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
         if by_keys:
-            return _keys_beside_causal(q, k, v, mask, causal, options["scale"])
+            return _keys_beside_causal(q, k, v, keys, causal, options["scale"])
         if form == "varlen":
             mask = call.allowed()  # (B, 1, Tq, Tk)
         elif form in ("keys", "padding"):  # no fused op for this call: causal AND the keys, (B|1, 1, Tq, Tk)
