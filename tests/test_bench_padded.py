@@ -85,8 +85,9 @@ def test_bad_parts_are_refused():
 def test_the_cli_runs_the_suite_and_writes_json(monkeypatch, tmp_path, quick_timing):
     asked = {}
 
-    def shrunk(**kw):
+    def shrunk(progress, **kw):
         asked.update(kw)
+        progress("padded: tiny")
         return padded.attention_rows(32, rounds=1)
 
     monkeypatch.setattr(padded, "padded_suite", shrunk)
@@ -99,3 +100,12 @@ def test_the_cli_runs_the_suite_and_writes_json(monkeypatch, tmp_path, quick_tim
     assert document["header"]["suite"] == "padded"
     assert {row["implementation"] for row in document["rows"]} == {
         "SDPA, combined mask", "attnlab, padding_mask + causal", "attnlab, padding_mod + causal"}
+
+
+def test_the_suite_says_what_it_times_before_each_part(quick_timing):
+    said = []
+    rows = padded.padded_suite(parts=("attention", "training"), attention_lengths=(32,), training_lengths=(16,),
+                               progress=said.append)
+    assert said == ["padded: causal+padding attention, T=32", "padded: MultiHeadAttention and GPT training steps, T=16"]
+    assert {row.case for row in rows} == {"causal+padding fwd T=32", "causal+padding fwd+bwd T=32",
+                                          "MultiHeadAttention step T=16", "GPT step T=16"}

@@ -256,8 +256,8 @@ def structured_rows(lengths: tuple[int, ...], backward_t: int, *, rounds: int) -
 
 def padded_suite(*, quick: bool = False, parts: tuple[str, ...] = PARTS, rounds: int | None = None,
                  attention_lengths: tuple[int, ...] | None = None, training_lengths: tuple[int, ...] | None = None,
-                 structured_lengths: tuple[int, ...] | None = None, backward_length: int | None = None
-                 ) -> list[BenchRow]:
+                 structured_lengths: tuple[int, ...] | None = None, backward_length: int | None = None,
+                 progress: Callable[[str], object] | None = None) -> list[BenchRow]:
     """The padded suite's rows (see the module docstring); ``parts`` picks among :data:`PARTS`.
 
     Args:
@@ -266,6 +266,8 @@ def padded_suite(*, quick: bool = False, parts: tuple[str, ...] = PARTS, rounds:
         rounds: interleaved rounds per comparison (default 5, quick 3).
         attention_lengths, training_lengths, structured_lengths, backward_length: the sequence
             lengths of each part (default: the module docstring's).
+        progress: called with one line before each group of timings (the whole suite takes
+            about 15 minutes on 2 cores, most of it compiling and timing FlexAttention at 32k).
 
     Returns:
         :class:`attnlab.bench.BenchRow` s; ``ratio`` is each row's median over its case's baseline.
@@ -279,14 +281,18 @@ def padded_suite(*, quick: bool = False, parts: tuple[str, ...] = PARTS, rounds:
     if not parts or any(part not in PARTS for part in parts):
         raise ValueError(f"parts must be among {PARTS}, got {parts!r}")
     rounds = (3 if quick else 5) if rounds is None else rounds
+    say = progress or (lambda line: None)
     rows: list[BenchRow] = []
     if "attention" in parts:
         for t in attention_lengths or ((256, 1024) if quick else (256, 1024, 4096)):
+            say(f"padded: causal+padding attention, T={t}")
             rows += attention_rows(t, rounds=rounds)
     if "training" in parts:
         for t in training_lengths or ((256,) if quick else (256, 1024)):
+            say(f"padded: MultiHeadAttention and GPT training steps, T={t}")
             rows += training_rows(t, rounds=rounds)
     if "structured" in parts:
-        rows += structured_rows(structured_lengths or ((2048,) if quick else (2048, 8192, 32768)),
-                                backward_length or (2048 if quick else 8192), rounds=rounds)
+        lengths = structured_lengths or ((2048,) if quick else (2048, 8192, 32768))
+        say(f"padded: documents and windows vs compiled FlexAttention (compiling), T={', '.join(map(str, lengths))}")
+        rows += structured_rows(lengths, backward_length or (2048 if quick else 8192), rounds=rounds)
     return rows

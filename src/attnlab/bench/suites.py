@@ -425,7 +425,9 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
             overhead.print_overhead(found, title="overhead: attnlab vs plain PyTorch (ratio = attnlab / plain; "
                                         "compile: compiled / eager)", sizes=sizes, console=console)
         elif suite == "padded":
-            rows += (found := padded.padded_suite(quick=quick))
+            with console.status("padded suite") as status:
+                found = padded.padded_suite(quick=quick, progress=status.update)
+            rows += found
             print_rows(found, title="padded batches and structured masks, B=4 H=8 D=64 fp32 (ratio = time over the "
                        "case's baseline: SDPA + combined mask / nanoGPT-style / compiled flex / SDPA + dense mask)",
                        console=console)
