@@ -324,3 +324,19 @@ def test_a_4d_causal_mask_over_keys_with_holes_runs_as_the_keys_beside_causal(co
     out = attnlab.attention(q, k, v, mask=allowed)
     torch.testing.assert_close(out, _fp64(q, k, v, allowed))
     assert counted == [] and beside == [1]
+
+
+def test_a_remembered_padded_route_keeps_none_of_the_callers_tensors():
+    """The route of a bool key mask with causal holds sdpa's prepared run for later calls: it must
+    not hold the call (and so the first caller's q, k, v and mask)."""
+    import gc
+    import weakref
+
+    dispatch.clear_plans()
+    q = torch.randn(2, 2, 600, 8)
+    keys = _real_keys(torch.tensor([300, 600]), 600, left=False)[:, None, None, :]
+    attnlab.attention(q, q, q, mask=keys, causal=True)
+    refs = [weakref.ref(q), weakref.ref(keys)]
+    del q, keys
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]

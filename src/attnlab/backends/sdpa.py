@@ -531,6 +531,7 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
     causal = form in ("keys", "causal_4d", "varlen") or (form == "padding" and _padding_lengths(call.mask)[1])
     keys_of_mod = _padding_keys(call) if form == "padding" else None
     fused = call.value_dim == call.head_dim and _CPU_FLASH is not None  # the op takes keys beside causal
+    varlen_dense = call.allowed if form == "varlen" else None  # (run must not hold a bool form's call)
     sizes = dict(batch=call.batch, heads=call.q_heads, tq=call.tq, tk=call.tk, dims=call.head_dim)
     options = {name: value for name, value in options.items() if name not in ("is_causal", "dropout_p")}
 
@@ -555,8 +556,8 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
         if by_keys:
             return _keys_beside_causal(q, k, v, keys, causal, options["scale"])
-        if form == "varlen":
-            mask = call.allowed()  # (B, 1, Tq, Tk)
+        if varlen_dense is not None:
+            mask = varlen_dense()  # (B, 1, Tq, Tk)
         elif form in ("keys", "padding"):  # no fused op for this call: causal AND the keys, (B|1, 1, Tq, Tk)
             mask = (torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() if causal
                     else torch.ones((), dtype=torch.bool, device=q.device)) & mask
