@@ -69,6 +69,7 @@ def test_every_padded_form_runs_as_segments_and_equals_fp64(left, counted):
     for name, options in forms.items():
         call = build_call(q, k, v, scale=0.3, **options)
         assert sdpa_plan(call).mask_source == "segments" and backends.select(call).name == "sdpa", name
+        assert "chosen (sdpa's rule claims padded batches)" in backends.why(q, k, v, scale=0.3, **options)
         before = len(counted)
         out = attnlab.attention(q, k, v, scale=0.3, **options)
         assert len(counted) == before + 1, name

@@ -93,7 +93,9 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
             if name != "auto":
                 how = "named explicitly"
             elif claimed(backend, call):
-                how = "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+                how = ("sdpa's rule claims padded batches"
+                       if backend.memory_note(call).startswith("a padded batch") else
+                       "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel")
             else:
                 how = "fastest within the memory budget" if fits else "fastest O(T) path: none fits the memory budget"
             reason = f"chosen ({how}): {needs}, est. {_format_seconds(cost)}"
