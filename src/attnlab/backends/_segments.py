@@ -12,17 +12,17 @@ fall into three bands, each an ordinary SDPA call on slices (views, nothing copi
 (:func:`~attnlab.masks.varlen_causal_mod`: ``q_len`` real queries on ``k_len`` real keys, the
 last real query seeing them all) is the same with padded queries as zeros and, where it has
 more keys than queries, the diagonal band aligned bottom-right (a ``(q_len, k_len)`` mask of
-that row's own sizes). Rows with the same span run as one call. No ``(Tq, Tk)`` mask is built, no padded key is read, and the causal band
-skips the upper triangle as SDPA's ``is_causal`` does, where a dense mask makes the kernel
-visit every pair. Outputs and gradients are SDPA's own on the slices, so exact under the
-contract.
+that row's own sizes). Rows with the same span run as one call. No ``(Tq, Tk)`` mask is
+built, no padded key is read, and the causal band skips the upper triangle as SDPA's
+``is_causal`` does, where a dense mask makes the kernel visit every pair. Outputs and
+gradients are SDPA's own on the slices, so exact under the contract.
 
 The spans are read from the mask's values (:func:`key_spans`): a key mask ``(B|1, 1, 1, Tk)``,
 a :class:`~attnlab.masks.PaddingMod`, or a ``(B|1, 1, T, T)`` bool mask equal to causal AND
-one key mask (what transformers builds for a padded batch; :func:`causal_key_mask`). A key
-mask whose real keys are not one run, or a 4-D mask of another shape, leaves the call to the
-dense mask (:func:`plan_bands` returns None), as does a batch where the estimate
-(:func:`cheaper_than_dense`) says the fixed cost of the extra calls outweighs the skipped work.
+one key mask (what transformers builds for a padded batch; :func:`causal_key_mask`). Where the
+real keys are not one run per row, the batch is short (:func:`long_enough`) or the estimate
+(:func:`cheaper_than_dense`) says the extra calls' fixed cost outweighs the skipped work, sdpa
+runs one fused call instead (:func:`attnlab.backends.sdpa` ``_segments_runner``).
 
 Example:
     >>> import torch

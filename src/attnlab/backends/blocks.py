@@ -462,10 +462,14 @@ def _flash_backward(d_out: Tensor, views: tuple, out: Tensor, lse: Tensor, *, ca
     return tuple(g.transpose(0, 1) for g in grads) if swap else grads
 
 
-def _in_order(start: int, step: int, length: int, n: int, total: int) -> bool:
-    """Whether ``n`` blocks of ``length`` rows from ``start`` every ``step`` are rows
-    ``[0, total)`` once each, in order."""
-    return start == 0 and step == length and n * length == total
+def _one_run_in_order(plan: _Plan, total: int, *, keys: bool = False) -> bool:
+    """Whether the plan is one run whose blocks are the queries (``keys``: the keys)
+    ``[0, total)`` once each, in order: the kernel's output (gradients) is then the result."""
+    if len(plan.runs) != 1:
+        return False
+    run = plan.runs[0]
+    start, step, length = (run.ks, run.k_step, run.keys) if keys else (run.qs, run.q_step, run.bq)
+    return start == 0 and step == length and run.n * length == total
 
 
 def _rows_of(t: Tensor, shape: tuple) -> Tensor:
@@ -481,8 +485,7 @@ def _block_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor |
     is the output as the kernel wrote it: no copy."""
     B, Hq, Tq, W = q.shape
     acc_dtype = score_dtype(q.dtype)
-    first = plan.runs[0] if plan.runs else None
-    whole = len(plan.runs) == 1 and _in_order(first.qs, first.q_step, first.bq, first.n, Tq)
+    whole = _one_run_in_order(plan, Tq)
     if not whole:
         out = _init(q.new_empty(B, Hq, Tq, W, dtype=acc_dtype), plan.runs, fill=0.0)
         lse = _init(q.new_empty(B, Hq, Tq, dtype=acc_dtype), plan.runs, fill=float("-inf"))
@@ -605,9 +608,7 @@ def _block_backward(plan: _Plan, d_out: Tensor, inputs: tuple, out: Tensor, lse:
         delta = _consistent_delta(plan, (q, k, v), d_out, lse, mod)
     # Gradients in the standard layout, whatever the inputs' (an expanded k is not writable).
     # A run over every query (every key) in order gives dq (dk, dv) as the kernel wrote them.
-    first = plan.runs[0] if plan.runs else None
-    whole_q = len(plan.runs) == 1 and _in_order(first.qs, first.q_step, first.bq, first.n, q.shape[2])
-    whole_k = len(plan.runs) == 1 and _in_order(first.ks, first.k_step, first.keys, first.n, k.shape[2])
+    whole_q, whole_k = _one_run_in_order(plan, q.shape[2]), _one_run_in_order(plan, k.shape[2], keys=True)
     dq = None if whole_q else _init(d_out.new_empty(q.shape), plan.runs, fill=0.0)
     dk, dv = (None, None) if whole_k else (d_out.new_zeros(k.shape), d_out.new_zeros(v.shape))
     for run in plan.runs:

@@ -40,15 +40,31 @@ from attnlab.backends.sdpa import SdpaBackend
 from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PREFERENCE", "claimed", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
+           "PREFERENCE", "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
            "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
            "budget_words"]
 
 
 def _sdpa_claims(backend: Backend, call: AttentionCall) -> bool:
     """SDPA takes every mask as the caller holds it (none, top-left causal, a bool or float
-    tensor): no other backend can skip work there (:meth:`SdpaBackend.preferred`)."""
+    tensor), where no other backend can skip work, and padded batches, which it runs on each
+    row's real keys (:meth:`SdpaBackend.preferred`)."""
     return isinstance(backend, SdpaBackend) and backend.preferred(call)
+
+
+def claim_words(backend: Backend, call: AttentionCall) -> str:
+    """Why :data:`PREFERENCE`'s rule claims ``call`` for ``backend``, in words (for :func:`why`).
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> claim_words(get("sdpa"), build_call(q, q, q, causal=True))
+        "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+    """
+    if isinstance(backend, SdpaBackend) and backend.runs_padded(call):
+        return "sdpa's rule claims padded batches"
+    return "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
 
 
 # The backends that claim calls by a rule that holds on every machine, most preferred first.

@@ -734,6 +734,17 @@ class SdpaBackend(Backend):
         """
         return _mask_source(call) != "materialised"
 
+    def runs_padded(self, call: AttentionCall) -> bool:
+        """Whether ``call`` is a padded batch run on each row's real keys (``"segments"``).
+
+        Example:
+            >>> from attnlab.backends import build_call
+            >>> q = torch.randn(1, 2, 8, 4)
+            >>> SdpaBackend().runs_padded(build_call(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool), causal=True))
+            True
+        """
+        return _mask_source(call) == "segments"
+
     def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
         """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every call with ``call``'s signature whose
         mask reaches SDPA as the caller holds it (none, top-left causal, a bool or float tensor),

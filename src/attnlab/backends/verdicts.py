@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch  # noqa: F401  (the doctest examples use it)
 
 from attnlab._call import AttentionCall, build_call
-from attnlab.backends.dispatch import budget_words, claimed, memory_budget, memory_class, reasons, select
+from attnlab.backends.dispatch import (budget_words, claim_words, claimed, memory_budget, memory_class, reasons,
+                                       select)
 from attnlab.backends.registry import registry
 
 __all__ = ["Verdict", "verdicts", "why"]
@@ -93,9 +94,7 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
             if name != "auto":
                 how = "named explicitly"
             elif claimed(backend, call):
-                how = ("sdpa's rule claims padded batches"
-                       if backend.memory_note(call).startswith("a padded batch") else
-                       "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel")
+                how = claim_words(backend, call)
             else:
                 how = "fastest within the memory budget" if fits else "fastest O(T) path: none fits the memory budget"
             reason = f"chosen ({how}): {needs}, est. {_format_seconds(cost)}"
