@@ -26,8 +26,9 @@ import json
 import math
 import secrets
 from importlib import resources
+from pathlib import Path
 
-__all__ = ["asset", "escape", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
+__all__ = ["View", "asset", "escape", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
 
 _VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
 _SESSION = secrets.token_hex(3)  # views of two kernels pasted into one page still differ
@@ -148,3 +149,34 @@ def document(title: str, body: str, *, roles=(), scripts: str = "") -> str:
         f"<title>{escape(title)}</title><style>{asset('report.css')}</style></head>\n"
         f'<body class="attnlab" data-prefix=""{marks}>\n{body}\n{scripts}</body></html>\n'
     )
+
+
+class View:
+    """One rendered view: shown inline by a notebook, or saved as a self-contained page.
+
+    Attributes:
+        title: what the page is called when saved.
+
+    Example:
+        >>> import tempfile, torch
+        >>> view = View(lambda: fragment("<p>hi</p>", prefix=new_prefix()), title="toy")
+        >>> page = view.save(Path(tempfile.mkdtemp()) / "toy.html").read_text()
+        >>> page.startswith("<!DOCTYPE html>"), page.count('data-prefix="attnlab-')
+        (True, 1)
+    """
+
+    def __init__(self, render, *, title: str):
+        self._render = render
+        self.title = title
+
+    def _repr_html_(self) -> str:
+        return self._render()  # rendered at each display: every copy gets ids of its own
+
+    def save(self, path: str | Path) -> Path:
+        """Write the view as one offline HTML page (UTF-8) and return its path."""
+        path = Path(path)
+        path.write_text(document(self.title, self._render()), encoding="utf-8")
+        return path
+
+    def __repr__(self) -> str:
+        return f"<attnlab view: {self.title}>"

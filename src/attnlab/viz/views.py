@@ -29,15 +29,15 @@ Example:
 from __future__ import annotations
 
 import base64
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from attnlab.trained import WordAttention, count_heads
 from attnlab.viz import html
+from attnlab.viz import maskview
 from attnlab.viz.heatmap import aggregate_blocks
-from attnlab.viz.page import asset, document, escape, fragment, new_prefix, to_json
+from attnlab.viz.page import View, asset, escape, fragment, new_prefix, to_json
 
 __all__ = ["View", "show", "model_view", "generation_view", "encode_weights", "GRID", "WALK_TOKENS"]
 
@@ -45,44 +45,15 @@ GRID = 256  # the most cells per axis a head is drawn with; longer inputs are dr
 WALK_TOKENS = 64  # up to this many tokens, (H, T, T) weights get the walk's cards (SVG cells, labels)
 
 
-class View:
-    """One rendered view: shown inline by a notebook, or saved as a self-contained page.
-
-    Attributes:
-        title: what the page is called when saved.
-
-    Example:
-        >>> import tempfile, torch
-        >>> view = show(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), ["a", "b"], title="toy")
-        >>> page = view.save(Path(tempfile.mkdtemp()) / "toy.html").read_text()
-        >>> page.startswith("<!DOCTYPE html>"), page.count('data-prefix="attnlab-')
-        (True, 1)
-    """
-
-    def __init__(self, render, *, title: str):
-        self._render = render
-        self.title = title
-
-    def _repr_html_(self) -> str:
-        return self._render()  # rendered at each display: every copy gets ids of its own
-
-    def save(self, path: str | Path) -> Path:
-        """Write the view as one offline HTML page (UTF-8) and return its path."""
-        path = Path(path)
-        path.write_text(document(self.title, self._render()), encoding="utf-8")
-        return path
-
-    def __repr__(self) -> str:
-        return f"<attnlab view: {self.title}>"
-
-
-def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int = 0, title: str | None = None) -> View:
+def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int = 0, title: str | None = None,
+         **options) -> View:
     """Show any attention weights with their tokens, inline in a notebook.
 
     Shapes:
         weights: ``(Tq, Tk)`` or ``(H, Tq, Tk)`` (one layer) or ``(L, H, T, T)`` (a model; a layer
         with fewer heads holds NaN for the heads it lacks, as :func:`attnlab.trained.pad_heads`);
-        or an :class:`attnlab.explain.Trace`, or a :class:`attnlab.trained.WordAttention`.
+        or an :class:`attnlab.explain.Trace`, or a :class:`attnlab.trained.WordAttention`; a bool
+        mask, mask mod or score mod (and ``options``) goes to :func:`attnlab.viz.maskview.show`.
 
     Args:
         tokens: ``Tq`` labels (default: positions); context_tokens: ``Tk`` labels when the keys are
@@ -100,6 +71,8 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         >>> "data-attnlab-walk" in show(w, ["the", "cat", "sat", "down"])._repr_html_()
         True
     """
+    if maskview.shows(weights) or options:  # a mask (two: their difference) or a score mod; options are theirs
+        return maskview.show(weights, tokens, title=title, head=head, **options)
     if isinstance(weights, WordAttention):
         section = html.TrainedSection(title or "model", weights, focus=len(weights.words) - 1)
         return View(lambda: html.trained_view(section), title=title or "head view")
