@@ -27,6 +27,7 @@ from attnlab.cli import _lens_walk as lens_walk
 from attnlab.cli import _trained_walk as trained_walk
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors, removed_on_failure
 from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
+from attnlab.viz import maskview
 
 FORMATS = ("png", "svg", "html", "all")
 TUTORIAL = "tutorial"
@@ -36,6 +37,7 @@ TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
 MAX_SIZE = 1024
 MAX_HEADS = 16
 MAX_GENERATE = 256
+MAX_MASK_SIZE = 131072  # --mask: the map is 1024 blocks a side at most
 _DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the home of the defaults
 
 
@@ -84,6 +86,9 @@ def explain(
     generate: int = typer.Option(None, "--generate",
                                  help="A decoder checkpoint (transformers): generate N tokens and write "
                                       "generation.html, where each head looked for each of them."),
+    mask: str = typer.Option(None, "--mask", help="Draw a mask's block map instead: causal, window:N, chunk:N, "
+                                                  "prefix:N or document:L1,L2,... (joined by &); writes mask.html."),
+    size: int = typer.Option(4096, "--size", help=f"With --mask: queries and keys (at most {MAX_MASK_SIZE})."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
     fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
@@ -96,6 +101,9 @@ def explain(
             if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
                 fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
             sentence = sentence_option
+        if mask is not None:
+            _explain_mask(mask, size=size, out=out)
+            return
         if fmt not in FORMATS:
             fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
         if generate is not None:
@@ -130,6 +138,25 @@ def explain(
         except OSError as err:
             fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
         _print_written(console, written, out)
+
+
+def _explain_mask(spec: str, *, size: int, out: Path) -> None:
+    """``--mask SPEC``: the mask's block map as ``mask.html`` and its counts on one line each."""
+    with option_errors():
+        positive_int("--size", size)
+    at_most("--size", size, MAX_MASK_SIZE, "the block map draws at most 1024 blocks a side")
+    with option_errors():
+        bmap = maskview.block_map(maskview.parse_mask(spec, size=size), size=(size, size))
+    _make_out(out)
+    try:
+        path = maskview.map_view(bmap, title=f"--mask {spec} at {size} x {size}").save(out / "mask.html")
+    except OSError as err:
+        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
+    counts = bmap.counts()
+    print(f"mask {spec} at {size} x {size}, blocks of {bmap.block}: {counts['full']} full, {counts['partial']} partial, "
+          f"{counts['empty']} empty")
+    print(f"a block-sparse kernel visits {bmap.visited:.1%} of the blocks; {bmap.density:.1%} of the cells are allowed")
+    print(f"wrote {path}")
 
 
 def _print_written(console, written: list[Path], out: Path) -> None:

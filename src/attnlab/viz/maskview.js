@@ -88,6 +88,8 @@
       cellInfo.textContent = "query " + q + ", key " + k + ": " + describe(q, k);
     });
 
+    root.attnlabCell = describe;  // what a hover says of one cell (the browser test reads it)
+
     function describe(q, k) {
       var x = allowed(a, q, k);
       if (!b) return x === null ? "not stored (the page's byte budget)" : (x ? "allowed" : "masked");

@@ -39,8 +39,8 @@ from attnlab import scores as _scores
 from attnlab.backends.blocks import block_spans
 from attnlab.viz.page import View, asset, escape, fragment, new_prefix, to_json, viridis
 
-__all__ = ["mask_view", "mask_diff_view", "score_mod_view", "show", "shows", "parse_mask",
-           "BlockMap", "block_map", "DEFAULT_BLOCK", "TILE_BUDGET", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["mask_view", "map_view", "mask_diff_view", "score_mod_view", "show", "shows", "parse_mask",
+           "BlockMap", "block_map", "score_mod_values", "DEFAULT_BLOCK", "TILE_BUDGET", "EMPTY", "PARTIAL", "FULL"]
 
 DEFAULT_BLOCK = 128  # FlexAttention's block (attnlab.backends.flex) and blocks' middle size
 TILE_BUDGET = 1 << 20  # bytes of partial blocks' bit tiles one mask may put in a page
@@ -405,7 +405,17 @@ def mask_view(mask, *, size=None, block: int = DEFAULT_BLOCK, batch: int = 0, he
         >>> '"n":[4,4]' in page
         True
     """
-    bmap = block_map(mask, size=size, block=block, batch=batch, head=head, budget=budget)
+    return map_view(block_map(mask, size=size, block=block, batch=batch, head=head, budget=budget), title=title)
+
+
+def map_view(bmap: BlockMap, *, title: str | None = None) -> View:
+    """The view of a :class:`BlockMap` already built (what :func:`mask_view` draws).
+
+    Example:
+        >>> from attnlab import masks
+        >>> map_view(block_map(masks.causal_mod(8, 8), size=(8, 8), block=4)).title
+        'mask: CausalMod(offset=0)'
+    """
     title = title or f"mask: {bmap.source.label}"
     data = {"kind": "mask", "n": list(bmap.states.shape), "block": bmap.block, "size": [bmap.source.tq, bmap.source.tk],
             "a": _side(bmap), "summary": _summary(bmap), "skips": _skipping(bmap.source, bmap)}
