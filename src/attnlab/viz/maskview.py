@@ -457,6 +457,7 @@ def mask_diff_view(mask_a, mask_b, *, size=None, block: int = DEFAULT_BLOCK, bat
         >>> '"only_a":15' in view._repr_html_()
         True
     """
+    size = size if size is not None else (_known_size(mask_a) or _known_size(mask_b))  # one states it for both
     src_a = _source(mask_a, size=size, batch=batch, head=head, name="mask_a")
     src_b = _source(mask_b, size=size if size is not None else (src_a.tq, src_a.tk), batch=batch, head=head,
                     name="mask_b")
