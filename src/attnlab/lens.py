@@ -7,7 +7,11 @@
 (``return_weights=True`` recomputes them next to the kernel's output; it never changes the output).
 
 * :meth:`ModelLens.attention` -- one text's tokens and weights ``(L, H, T, T)``;
-* :meth:`ModelLens.view` -- the model view of a text (every layer x head, click to enlarge);
+* :meth:`ModelLens.record` -- one text's queries, keys and masks as the fast path received them
+  (:class:`~attnlab.viz.recompute.LazyWeights`): any weight recomputed on demand, nothing ``T x T``
+  kept, so a text of 32k tokens can be looked at;
+* :meth:`ModelLens.view` -- the model view of a text (every layer x head, click to enlarge, click
+  again to zoom), built from :meth:`ModelLens.record` at any length;
 * :meth:`ModelLens.generate` -- for a decoder, generate tokens greedily and show, per generated
   token, where each head looked (the generation view).
 
@@ -36,12 +40,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnlab.integrations.transformers import DEFAULT_NAME, REFUSAL, register
-from attnlab.viz.views import View, generation_view, model_view
+from attnlab.integrations.transformers import DEFAULT_NAME, REFUSAL, recording, register
+from attnlab.viz.recompute import LazyWeights, record
+from attnlab.viz.views import ZOOM_MB, View, generation_view, model_view
 
-__all__ = ["ModelLens", "Attention", "open_model", "TOKENIZER_FILES"]
+__all__ = ["ModelLens", "Attention", "open_model", "TOKENIZER_FILES", "DENSE_BYTES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+DENSE_BYTES = 1 << 30  # the most (L, H, T, T) float32 weights attention() builds; record() has no such limit
 _DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _SPACE_MARKS = ("\u0120", "\u2581")  # GPT-2's byte-level space, SentencePiece's word start
 
@@ -118,9 +124,48 @@ class ModelLens:
         return [p if p.strip() else repr(p) for p in pieces]
 
     def attention(self, text: str, *, truncate: bool = False) -> Attention:
-        """Run ``text`` once and return its tokens and weights ``(L, H, T, T)``."""
+        """Run ``text`` once and return its tokens and weights ``(L, H, T, T)``.
+
+        Raises:
+            ValueError: the weights would pass :data:`DENSE_BYTES` (use :meth:`record`).
+        """
         ids = self.ids(text, truncate=truncate)
+        self._check_dense(len(ids))
         return Attention(self.labels(ids), ids, self._weights(torch.tensor([ids])))
+
+    def _check_dense(self, n_tokens: int) -> None:
+        layers = int(getattr(self.config, "num_hidden_layers", 0) or getattr(self.config, "n_layer", 0) or 1)
+        heads = int(getattr(self.config, "num_attention_heads", 0) or getattr(self.config, "n_head", 0) or 1)
+        size = 4 * layers * heads * n_tokens ** 2
+        if size > DENSE_BYTES:
+            raise ValueError(f"{n_tokens} tokens' weights take {size / 2 ** 30:.1f} GiB ({layers} layers x {heads} "
+                             f"heads x T^2): use record() (or view()), which recomputes weights on demand")
+
+    def record(self, text: str, *, truncate: bool = False) -> LazyWeights:
+        """Run ``text`` once, keeping each layer's queries, keys and mask rule: weights on demand.
+
+        Example:
+            >>> lazy = open_model("path/to/a/gpt2").record(open("book.txt").read(), truncate=True)  # doctest: +SKIP
+            >>> lazy.tile(0, 3, rows=(1000, 1010), cols=(0, 1010)).shape                          # doctest: +SKIP
+            torch.Size([10, 1010])
+        """
+        ids = self.ids(text, truncate=truncate)
+        return self._record(torch.tensor([ids]), self.labels(ids))
+
+    def _record(self, input_ids: Tensor, labels: list[str]) -> LazyWeights:
+        layers = []
+
+        def keep(module, query, key, **options):
+            try:
+                layers.append(record(query, key, **options))
+            except ValueError as err:
+                raise ValueError(f"{self.name}, {type(module).__name__} {len(layers)}: {err}") from None
+
+        with self._on_attnlab(), recording(keep):
+            self.model(input_ids=input_ids)
+        if not layers:
+            raise ValueError(f"{self.name}: no layer called attnlab.attention, so there are no weights to show")
+        return LazyWeights(labels, layers)
 
     @contextmanager
     def _on_attnlab(self):
@@ -141,10 +186,12 @@ class ModelLens:
             raise ValueError(f"{self.name} returned no attention weights through attn_implementation='attnlab'")
         return torch.stack([w[0].float() for w in layers])  # (L, H, T, T)
 
-    def view(self, text: str, *, truncate: bool = False, title: str | None = None) -> View:
-        """The model view of ``text``: every layer x head, click to enlarge."""
-        result = self.attention(text, truncate=truncate)
-        return model_view(result.weights, result.tokens, title=title or f"{self.name}: every layer and head")
+    def view(self, text: str, *, truncate: bool = False, title: str | None = None, layer: int = 0, head: int = 0,
+             reduce: str = "mean", zoom_mb: float = ZOOM_MB) -> View:
+        """The model view of ``text`` at any length: every layer x head, click to enlarge, click the
+        enlarged head to zoom (:func:`attnlab.viz.views.model_view` on :meth:`record`)."""
+        return model_view(self.record(text, truncate=truncate), layer=layer, head=head, reduce=reduce,
+                          zoom_mb=zoom_mb, title=title or f"{self.name}: every layer and head")
 
     def generate(self, text: str, max_new_tokens: int, *, truncate: bool = False) -> tuple[Attention, int]:
         """Greedy generation, then the weights of the whole sequence: ``(attention, prompt_length)``.

@@ -59,6 +59,9 @@ import importlib
 import inspect
 import re
 import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor, nn
@@ -67,7 +70,7 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
 
-__all__ = ["register", "attention_forward", "DEFAULT_NAME", "TESTED_VERSIONS", "HONOURED_KEYWORDS",
+__all__ = ["register", "attention_forward", "recording", "DEFAULT_NAME", "TESTED_VERSIONS", "HONOURED_KEYWORDS",
            "IGNORED_KEYWORDS", "REFUSAL"]
 
 DEFAULT_NAME = "attnlab"
@@ -148,13 +151,46 @@ def attention_forward(
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
     want_weights = _wants_weights(module, kwargs)
-    result = attention(
-        query, key, value, mask=mask, causal=causal, align="top_left", scale=scaling,
-        dropout_p=dropout if module.training else 0.0, return_weights=want_weights,
-        score_mod=_score_mod(kwargs, tk), sinks=_sinks(kwargs), indices=_indices(kwargs),
-    )
+    options = dict(mask=mask, causal=causal, align="top_left", scale=scaling, score_mod=_score_mod(kwargs, tk),
+                   sinks=_sinks(kwargs), indices=_indices(kwargs))
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        recorder(module, query, key, **options)
+    result = attention(query, key, value, dropout_p=dropout if module.training else 0.0,
+                       return_weights=want_weights, **options)
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+_RECORDER: ContextVar[Callable | None] = ContextVar("attnlab_transformers_recorder", default=None)
+
+
+@contextmanager
+def recording(recorder: Callable):
+    """While active, every layer's call is shown to ``recorder`` before it runs (what a lens records).
+
+    ``recorder(module, query, key, *, mask, causal, align, scale, score_mod, sinks, indices)`` gets
+    exactly what :func:`attention_forward` passes to :func:`attnlab.attention`, so the queries and
+    keys a view keeps (after rotary embeddings, before grouped-query repetition) and the rules it
+    recomputes weights with are the fast path's own. Scoped to this context (and thread); the
+    output is unchanged.
+
+    Example:
+        >>> seen = []
+        >>> layer = nn.Module(); layer.is_causal = True
+        >>> with recording(lambda module, q, k, **options: seen.append((q.shape, options["causal"]))):
+        ...     _ = attention_forward(layer, torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4),
+        ...                           torch.randn(1, 2, 3, 4), None)
+        >>> seen
+        [(torch.Size([1, 2, 3, 4]), True)]
+    """
+    if not callable(recorder):
+        raise TypeError(f"recorder must be callable, got {type(recorder).__name__}")
+    token = _RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDER.reset(token)
 
 
 def _sinks(kwargs: dict) -> Tensor | None:

@@ -58,7 +58,13 @@ def _block_size(n: int, max_tokens: int, target: int) -> int:
     return 1 if n <= max_tokens else math.ceil(n / target)
 
 
-def _block_labels(labels, size: int) -> tuple[str, ...]:
+def block_labels(labels, size: int) -> tuple[str, ...]:
+    """Labels of blocks of ``size`` consecutive tokens: the tokens themselves when ``size`` is 1.
+
+    Example:
+        >>> block_labels(list("abcde"), 2)
+        ('0–1', '2–3', '4–4')
+    """
     if size == 1:
         return tuple(labels)
     return tuple(f"{i}\u2013{min(i + size, len(labels)) - 1}" for i in range(0, len(labels), size))
@@ -100,7 +106,7 @@ def aggregate_blocks(weights: Tensor, *, rows, cols, allowed: Tensor | None = No
     blocked_allowed = None
     if allowed is not None:
         blocked_allowed = _block_sum(allowed[None].to(weights.dtype), q_index, k_index, nq, nk)[0] > 0
-    return Blocks(blocked, blocked_allowed, _block_labels(rows, bq), _block_labels(cols, bk), (bq, bk))
+    return Blocks(blocked, blocked_allowed, block_labels(rows, bq), block_labels(cols, bk), (bq, bk))
 
 
 def _block_sum(t: Tensor, q_index: Tensor, k_index: Tensor, nq: int, nk: int) -> Tensor:

@@ -6,6 +6,8 @@
   "use strict";
   var ANCHORS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"];
   var LUT = lut();
+  var CHIPS = 2048;  // the most token chips drawn at once
+  var HALF = null;   // fp16 -> float32 table, built on the first zoom
 
   document.querySelectorAll("[data-attnlab-model]").forEach(function (root) {
     if (root.dataset.modelReady) return;
@@ -60,10 +62,19 @@
       paint(thumb, values, offset(layer, head), n, n);
       thumb.addEventListener("click", function () { select(layer, head); });
     });
-    var chips = tokenChips(tokenBox, data.tokens, null);
+    var long = data.tokens.length > CHIPS;  // past CHIPS tokens, chips show the focused block's tokens only
+    var chips = long ? [] : tokenChips(tokenBox, data.tokens, null);
     chips.forEach(function (chip, i) {
       chip.addEventListener("mouseenter", function () { focusRow(Math.floor(i / data.block)); });
     });
+    var zoom = data.zoom ? zoomer(root, byId, data, state) : null;
+    if (zoom) {
+      big.addEventListener("click", function (event) {
+        var box = big.getBoundingClientRect();
+        var cell = function (x, size) { return Math.min(n - 1, Math.max(0, Math.floor(x / size * n))); };
+        zoom.show(cell(event.clientY - box.top, box.height), cell(event.clientX - box.left, box.width));
+      });
+    }
     big.addEventListener("mousemove", function (event) {
       var box = big.getBoundingClientRect();
       focusRow(Math.min(n - 1, Math.max(0, Math.floor((event.clientY - box.top) / box.height * n))));
@@ -82,6 +93,17 @@
       summary.textContent = "Layer " + state.layer + ", head " + state.head + ": " + label(r) + " looks most at " +
         keys.slice(0, 3).map(function (j) { return label(j) + " (" + w(j).toFixed(4) + ")"; }).join(", ") + ".";
       var max = w(keys[0]) || 1;
+      if (long) {  // the focused block's tokens, then the block it looks at most
+        tokenBox.textContent = "";
+        var top = keys[0], shown = [r * data.block, top * data.block];
+        tokenChips(tokenBox, data.tokens.slice(shown[0], shown[0] + data.block), null)
+          .forEach(function (chip) { chip.classList.add("focus"); });
+        if (top !== r) {
+          var gap = document.createElement("span"); gap.className = "muted"; gap.textContent = " \u2192 ";
+          tokenBox.appendChild(gap);
+          tokenChips(tokenBox, data.tokens.slice(shown[1], shown[1] + data.block), null);
+        }
+      }
       chips.forEach(function (chip, i) {
         var w = weight(state.layer, state.head, r, Math.floor(i / data.block));
         chip.style.background = "rgba(79, 70, 229, " + (0.04 + 0.66 * Math.min(1, w / max)).toFixed(3) + ")";
@@ -108,9 +130,102 @@
       paint(big, values, offset(layer, head), n, n);
       root.dataset.layer = String(layer); root.dataset.head = String(head);
       if (state.row !== null) focusRow(state.row);
+      if (zoom && zoom.cells) zoom.show(zoom.cells[0], zoom.cells[1]);  // the same region of the new head
     }
     select(state.layer, state.head);
     if (data.prompt !== undefined) generation(root, byId, data, weight);
+  }
+
+  function bytesOf(text) {
+    var raw = atob(text), out = new Uint8Array(raw.length);
+    for (var i = 0; i < raw.length; i++) out[i] = raw.charCodeAt(i);
+    return out.buffer;
+  }
+
+  function halves(text) {  // base64 little-endian fp16 -> Float32Array
+    if (!HALF) {
+      HALF = new Float32Array(65536);
+      for (var h = 0; h < 65536; h++) {
+        var sign = h & 0x8000 ? -1 : 1, exponent = (h >> 10) & 0x1f, fraction = h & 0x3ff;
+        HALF[h] = exponent === 0 ? sign * fraction * Math.pow(2, -24)
+          : exponent === 31 ? (fraction ? NaN : sign * Infinity)
+          : sign * (1 + fraction / 1024) * Math.pow(2, exponent - 15);
+      }
+    }
+    var bits = new Uint16Array(bytesOf(text)), out = new Float32Array(bits.length);
+    for (var i = 0; i < bits.length; i++) out[i] = HALF[bits[i]];
+    return out;
+  }
+
+  // A long view's zoom: a region of one head at full resolution, each weight recomputed from the
+  // page's fp16 queries and keys and the row's log-sum-exp: exp(score - lse) inside the row's keys.
+  function zoomer(root, byId, data, state) {
+    var z = data.zoom, T = data.tokens.length, D = z.dim, cache = {};
+    var canvas = byId("mv-zoom"), summary = byId("mv-zoom-summary"), region = null;
+    var intervals = z.intervals.map(function (text) { return new Int32Array(bytesOf(text)); });
+    function head(layer, h) {
+      var id = layer + ":" + h;
+      if (!(id in cache)) {
+        var held = z.heads[id];
+        cache[id] = held ? { q: halves(held.q), lse: new Float32Array(bytesOf(held.lse)),
+                             k: halves(z.keys[layer + ":" + Math.floor(h / z.layers[layer].group)]) } : null;
+      }
+      return cache[id];
+    }
+    function span(cell) {  // one overview cell, widened to at least z.tokens tokens, within [0, T)
+      var size = Math.min(T, Math.max(data.block, z.tokens));
+      var start = Math.max(0, Math.min(T - size, cell * data.block + Math.floor((data.block - size) / 2)));
+      return [start, start + size];
+    }
+    var api = { show: show, cells: null };
+    function show(rowCell, colCell) {
+      api.cells = [rowCell, colCell];
+      var started = performance.now(), layer = state.layer, h = state.head, held = head(layer, h);
+      if (!held) {
+        var why = z.skipped[String(layer)] || "over the page's zoom budget of " + z.budget_mb + " MiB";
+        summary.textContent = "Layer " + layer + ", head " + h + " cannot be zoomed in this page: " + why +
+          ". Enlarge another head, or make the view again with this head first (layer=, head=) or a larger zoom_mb.";
+        region = null; root.attnlabZoom = null; return;
+      }
+      var rows = span(rowCell), cols = span(colCell), info = z.layers[layer], bounds = intervals[info.bounds];
+      var nr = rows[1] - rows[0], nc = cols[1] - cols[0], weights = new Float32Array(nr * nc), max = 0;
+      for (var i = 0; i < nr; i++) {
+        var qi = (rows[0] + i) * D, lo = bounds[2 * (rows[0] + i)], hi = bounds[2 * (rows[0] + i) + 1];
+        var lse = held.lse[rows[0] + i];
+        for (var j = 0; j < nc; j++) {
+          var key = cols[0] + j;
+          if (key < lo || key >= hi || lse === -Infinity) continue;
+          var s = 0, kj = key * D;
+          for (var d = 0; d < D; d++) s += held.q[qi + d] * held.k[kj + d];
+          s *= info.scale;
+          if (info.softcap !== null) s = info.softcap * Math.tanh(s / info.softcap);
+          var w = Math.exp(s - lse);
+          weights[i * nc + j] = w;
+          if (w > max) max = w;
+        }
+      }
+      canvas.width = nc; canvas.height = nr;
+      var scaled = new Float32Array(nr * nc);
+      for (var c = 0; c < nr * nc; c++) scaled[c] = max > 0 ? weights[c] / max : 0;
+      paint(canvas, scaled, 0, nr, nc);
+      region = { layer: layer, head: h, rows: rows, cols: cols, weights: weights };
+      root.attnlabZoom = region;
+      summary.textContent = "Layer " + layer + ", head " + h + ": queries " + rows[0] + "\u2013" + (rows[1] - 1) +
+        " x keys " + cols[0] + "\u2013" + (cols[1] - 1) + " at full resolution (colour relative to the largest weight here, " +
+        max.toFixed(4) + "). Hover a cell to read it.";
+      root.dataset.zoomMs = (performance.now() - started).toFixed(1);
+    }
+    canvas.addEventListener("mousemove", function (event) {
+      if (!region) return;
+      var box = canvas.getBoundingClientRect(), nr = region.rows[1] - region.rows[0], nc = region.cols[1] - region.cols[0];
+      var i = Math.min(nr - 1, Math.max(0, Math.floor((event.clientY - box.top) / box.height * nr)));
+      var j = Math.min(nc - 1, Math.max(0, Math.floor((event.clientX - box.left) / box.width * nc)));
+      var qi = region.rows[0] + i, kj = region.cols[0] + j;
+      summary.textContent = "Layer " + region.layer + ", head " + region.head + ": query " + qi + " \u2018" +
+        data.tokens[qi] + "\u2019 gives key " + kj + " \u2018" + data.tokens[kj] + "\u2019 the weight " +
+        region.weights[i * nc + j].toFixed(5) + ".";
+    });
+    return api;
   }
 
   function tokenChips(box, tokens, prompt) {

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import base64
+import math
 
 import torch
 from torch import Tensor
@@ -36,12 +37,16 @@ from torch import Tensor
 from attnlab.trained import WordAttention, count_heads
 from attnlab.viz import html
 from attnlab.viz import maskview
-from attnlab.viz.heatmap import aggregate_blocks
+from attnlab.viz.heatmap import block_labels
 from attnlab.viz.page import View, asset, escape, fragment, new_prefix, to_json
+from attnlab.viz.recompute import REDUCTIONS, LazyWeights, reduce_blocks
 
 __all__ = ["View", "show", "model_view", "generation_view", "encode_weights", "GRID", "WALK_TOKENS"]
 
 GRID = 256  # the most cells per axis a head is drawn with; longer inputs are drawn in blocks
+OVERVIEW_BYTES = 4 << 20  # every head's overview together; a model of many heads draws fewer cells
+ZOOM_TOKENS = 64  # a zoomed region is at least this many tokens a side (one overview cell when larger)
+ZOOM_MB = 3.0  # a long view's queries, keys and log-sum-exps for zooming, in MiB (before base64)
 WALK_TOKENS = 64  # up to this many tokens, (H, T, T) weights get the walk's cards (SVG cells, labels)
 
 
@@ -71,6 +76,8 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         >>> "data-attnlab-walk" in show(w, ["the", "cat", "sat", "down"])._repr_html_()
         True
     """
+    if isinstance(weights, LazyWeights):
+        return model_view(weights, tokens, layer=layer, head=head, title=title, **options)
     if maskview.shows(weights) or options:  # a mask (two: their difference) or a score mod; options are theirs
         return maskview.show(weights, tokens, title=title, head=head, **options)
     if isinstance(weights, WordAttention):
@@ -125,44 +132,166 @@ def encode_weights(weights: Tensor) -> str:
     return base64.b64encode(fixed.to(torch.int16).numpy().astype("<u2").tobytes()).decode("ascii")
 
 
-def _model_data(weights: Tensor, tokens) -> dict:
-    """The model view's data: every real head's weights in blocks of at most GRID per axis."""
+def cells_per_axis(heads: int) -> int:
+    """Cells per axis of each head's overview: :data:`GRID`, fewer when ``heads`` overviews of
+    16-bit cells would pass :data:`OVERVIEW_BYTES` (at least 64).
+
+    Example:
+        >>> cells_per_axis(8), cells_per_axis(72)
+        (256, 170)
+    """
+    return max(64, min(GRID, math.isqrt(OVERVIEW_BYTES // (2 * max(1, heads)))))
+
+
+def _model_data(weights, tokens, *, reduce: str = "mean", zoom_mb: float = ZOOM_MB, focus=(0, 0),
+                progress=None) -> dict:
+    """The model view's data: every real head's overview in blocks of at most GRID cells per axis;
+    for :class:`LazyWeights`, also the queries and keys the page zooms with."""
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if isinstance(weights, LazyWeights):
+        if tokens is not None:
+            raise ValueError("tokens come with the LazyWeights (its .tokens); pass tokens=None")
+        return _lazy_data(weights, reduce=reduce, zoom_mb=zoom_mb, focus=focus, progress=progress)
     if not isinstance(weights, Tensor) or weights.ndim != 4 or weights.shape[-1] != weights.shape[-2]:
         shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
-        raise ValueError(f"weights must be a (L, H, T, T) tensor, got {shape}")
+        raise ValueError(f"weights must be a (L, H, T, T) tensor or LazyWeights, got {shape}")
     _check_not_empty(weights)
     n_tokens = weights.shape[-1]
+    tokens = _labels(tokens, n_tokens)
+    weights = weights.detach().float().cpu()
+    counts = count_heads(weights)
+    block = _block(n_tokens, sum(counts))
+    maps = [reduce_blocks(weights[layer, :count], block, reduce) for layer, count in enumerate(counts)]
+    return _overview(tokens, counts, block, maps, reduce)
+
+
+def _labels(tokens, n_tokens: int) -> list[str]:
     tokens = [str(i) for i in range(n_tokens)] if tokens is None else [str(t) for t in tokens]
     if len(tokens) != n_tokens:
         raise ValueError(f"tokens must have one label per position ({n_tokens}), got {len(tokens)}")
-    weights = weights.detach().float().cpu()
-    counts = count_heads(weights)
-    per_layer = [aggregate_blocks(weights[layer, :count], rows=tokens, cols=tokens, max_tokens=GRID, target=GRID)
-                 for layer, count in enumerate(counts)]
-    blocks = per_layer[0]
-    cells = torch.cat([b.weights.reshape(-1) for b in per_layer])  # layer by layer, head by head
-    return {"tokens": tokens, "heads": list(counts), "n": len(blocks.rows), "block": blocks.size[0],
-            "rows": list(blocks.rows), "data": encode_weights(cells)}
+    return tokens
 
 
-def model_view(weights: Tensor, tokens=None, *, layer: int = 0, head: int = 0, title: str | None = None) -> View:
+def _block(n_tokens: int, heads: int) -> int:
+    """Tokens per overview cell: 1 while the input fits the cells, else ``ceil(T / cells)``."""
+    cells = cells_per_axis(heads)
+    return 1 if n_tokens <= cells else math.ceil(n_tokens / cells)
+
+
+def _overview(tokens: list[str], counts, block: int, maps: list[Tensor], reduce: str) -> dict:
+    cells = torch.cat([m.reshape(-1) for m in maps])  # layer by layer, head by head
+    return {"tokens": tokens, "heads": list(counts), "n": maps[0].shape[-1], "block": block, "reduce": reduce,
+            "rows": list(block_labels(tokens, block)), "data": encode_weights(cells)}
+
+
+def _lazy_data(lazy: LazyWeights, *, reduce: str, zoom_mb: float, focus, progress) -> dict:
+    counts, n_tokens = lazy.heads, len(lazy.tokens)
+    block = _block(n_tokens, sum(counts))
+    maps = []
+    for layer in range(len(counts)):
+        maps.append(lazy.block_map(layer, cells=math.ceil(n_tokens / block), reduce=reduce))
+        if progress is not None:
+            progress(layer + 1, len(counts))
+    data = _overview(lazy.tokens, counts, block, maps, reduce)
+    data["zoom"] = _zoom_data(lazy, budget=_budget(zoom_mb), focus=focus)
+    return data
+
+
+def _budget(zoom_mb) -> int:
+    if isinstance(zoom_mb, bool) or not isinstance(zoom_mb, (int, float)) or not 0 <= zoom_mb < 1e6:
+        raise ValueError(f"zoom_mb must be a number of MiB >= 0, got {zoom_mb!r}")
+    return int(zoom_mb * (1 << 20))
+
+
+def _b64(t: Tensor, kind: str) -> str:
+    """A tensor's values as base64 little-endian ``kind`` (``<f2``, ``<f4``, ``<i4``), what the script decodes."""
+    return base64.b64encode(t.contiguous().numpy().astype(kind).tobytes()).decode("ascii")
+
+
+def _zoom_data(lazy: LazyWeights, *, budget: int, focus) -> dict:
+    """What a page zooms with: per layer its scale, soft-cap and key intervals; per head, within
+    ``budget`` bytes (the focused head first), its fp16 queries and fp32 row log-sum-exps; the
+    fp16 keys of each key head a kept head reads."""
+    n_tokens = len(lazy.tokens)
+    intervals, layers, skipped = [], [], {}
+    for layer, recorded in enumerate(lazy.layers):
+        packed = _b64(recorded.bounds.to(torch.int32).reshape(-1), "<i4")
+        if packed not in intervals:
+            intervals.append(packed)
+        layers.append({"scale": recorded.scale, "softcap": recorded.softcap(), "bounds": intervals.index(packed),
+                       "group": recorded.heads // recorded.k.shape[0]})
+        if recorded.score_mod is not None and recorded.softcap() is None:
+            skipped[layer] = f"its score mod {recorded.score_mod!r} is recomputed in Python only (LazyWeights.tile)"
+        elif max(float(recorded.q.abs().max()), float(recorded.k.abs().max())) > 6e4:
+            skipped[layer] = "its queries or keys pass fp16's range"
+    order = [(layer, head) for layer, count in enumerate(lazy.heads) for head in range(count)]
+    order.sort(key=lambda lh: lh != tuple(focus))
+    heads, keys, used = {}, {}, 0
+    for layer, head in order:
+        recorded = lazy.layers[layer]
+        if layer in skipped:
+            continue
+        group = head // layers[layer]["group"]
+        cost = n_tokens * (2 * recorded.q.shape[-1] + 4) + (0 if f"{layer}:{group}" in keys else
+                                                            2 * n_tokens * recorded.k.shape[-1])
+        if used + cost > budget:
+            break
+        used += cost
+        heads[f"{layer}:{head}"] = {"q": _b64(recorded.q[head].half(), "<f2"), "lse": _b64(lazy.lse(layer)[head], "<f4")}
+        keys.setdefault(f"{layer}:{group}", _b64(recorded.k[group].half(), "<f2"))
+    return {"dim": lazy.layers[0].q.shape[-1], "tokens": ZOOM_TOKENS, "layers": layers, "intervals": intervals,
+            "heads": heads, "keys": keys, "budget_mb": budget / (1 << 20),
+            "skipped": {str(layer): reason for layer, reason in skipped.items()}}
+
+
+def model_view(weights: Tensor | LazyWeights, tokens=None, *, layer: int = 0, head: int = 0,
+               title: str | None = None, reduce: str = "mean", zoom_mb: float = ZOOM_MB, progress=None) -> View:
     """Every layer x head of a model as a thumbnail; click one to enlarge it (bertviz's model view).
 
+    A long input is drawn as a block map (a cell per block of tokens: ``reduce="mean"``, the
+    block's total weight averaged over its queries, or ``"max"``, its largest weight). Given
+    :class:`~attnlab.viz.recompute.LazyWeights`, the page holds no ``T x T`` weights: the
+    overview is computed a band of rows at a time, and clicking the enlarged head zooms into that
+    region at full resolution, recomputed in the page from the fp16 queries and keys and each
+    row's log-sum-exp of the heads that fit ``zoom_mb`` MiB (the enlarged head first).
+
     Shapes:
-        weights: ``(L, H, T, T)``, rows are queries; NaN heads (:func:`attnlab.trained.pad_heads`) are left out.
+        weights: ``(L, H, T, T)``, rows are queries; NaN heads (:func:`attnlab.trained.pad_heads`) are
+        left out. Or :class:`~attnlab.viz.recompute.LazyWeights` (its own tokens).
+
+    Args:
+        progress: called as ``progress(layers_done, layers)`` while a LazyWeights overview is computed.
 
     Example:
         >>> import torch
         >>> page = model_view(torch.softmax(torch.randn(2, 2, 300, 300), dim=-1))._repr_html_()
         >>> page.count('class="mv-thumb'), '"n":150' in page          # 300 tokens in blocks of 2
         (4, True)
+        >>> from attnlab.viz.recompute import LazyWeights
+        >>> q = torch.randn(2, 2, 1000, 8)                                 # (L, H, T, D)
+        >>> page = model_view(LazyWeights.from_qk(q, q, causal=True))._repr_html_()
+        >>> '"zoom":' in page and '"block":4' in page
+        True
     """
-    data = _model_data(weights, tokens)
-    if not 0 <= layer < len(data["heads"]) or not 0 <= head < data["heads"][layer]:
-        raise ValueError(f"layer and head must name a head of the model {data['heads']}, got ({layer}, {head})")
+    _check_focus(weights, layer, head)
+    data = _model_data(weights, tokens, reduce=reduce, zoom_mb=zoom_mb, focus=(layer, head), progress=progress)
     data.update(layer=layer, head=head)
     title = title or f"{len(data['heads'])} layers x {max(data['heads'])} heads, {len(data['tokens'])} tokens"
     return View(lambda: _model_fragment(data, title, roles=("model",)), title=title)
+
+
+def _check_focus(weights, layer: int, head: int) -> None:
+    """``layer`` and ``head`` must name a head of the model (checked before any work)."""
+    heads = weights.heads if isinstance(weights, LazyWeights) else \
+        count_heads(weights) if isinstance(weights, Tensor) and weights.ndim == 4 and weights.numel() else None
+    if heads is None:
+        return  # _model_data names what is wrong with weights
+    for name, value in (("layer", layer), ("head", head)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if not 0 <= layer < len(heads) or not 0 <= head < heads[layer]:
+        raise ValueError(f"layer and head must name a head of the model {list(heads)}, got ({layer}, {head})")
 
 
 def generation_view(weights: Tensor, tokens, *, prompt_length: int, title: str | None = None) -> View:
@@ -191,6 +320,21 @@ def generation_view(weights: Tensor, tokens, *, prompt_length: int, title: str |
     return View(lambda: _model_fragment(data, title, roles=("model", "generation")), title=title)
 
 
+def _zoom_box(data: dict, prefix: str) -> str:
+    """The zoom panel of a long view: a canvas for one region at full resolution and its reading."""
+    if "zoom" not in data:
+        return ""
+    zoom = data["zoom"]
+    kept = len(zoom["heads"])
+    total = sum(data["heads"])
+    held = "every head" if kept == total else f"{kept} of {total} heads (zoom_mb={zoom['budget_mb']:g} MiB)"
+    return (f'<div class="mv-zoom-box"><h3>Zoom</h3><p class="muted">Click the enlarged head to see that region '
+            f"at full resolution: each weight recomputed here as exp(score - the row's log-sum-exp) from fp16 "
+            f"queries and keys ({held}). Hover a cell to read it.</p>"
+            f'<canvas class="mv-zoom" id="{prefix}mv-zoom" width="1" height="1"></canvas>'
+            f'<p class="summary" id="{prefix}mv-zoom-summary">Nothing zoomed yet.</p></div>')
+
+
 def _model_fragment(data: dict, title: str, *, roles) -> str:
     prefix = new_prefix()
     layers = len(data["heads"])
@@ -207,8 +351,10 @@ def _model_fragment(data: dict, title: str, *, roles) -> str:
     grid.append("</div>")
     note = ""
     if data["block"] > 1:
+        cell = ("block's total weight, averaged over its queries" if data["reduce"] == "mean"
+                else "block's largest weight")
         note = (f'<p class="note">{len(data["tokens"])} tokens are drawn in blocks of {data["block"]}: a cell is a '
-                "block's total weight, averaged over its queries. Hover a row of the enlarged head to read it.</p>")
+                f"{cell}. Hover a row of the enlarged head to read it.</p>")
     generation = ""
     if "generation" in roles:
         generation = (
@@ -227,7 +373,7 @@ def _model_fragment(data: dict, title: str, *, roles) -> str:
         f'<div><label for="{prefix}mv-layer">Layer</label><select id="{prefix}mv-layer">{options}</select></div>'
         f'<div><label for="{prefix}mv-head">Head</label><select id="{prefix}mv-head">{heads}</select></div></div>'
         f'<p class="summary" id="{prefix}mv-summary">Hover the enlarged head or a token.</p>'
-        f'<div class="mv-tokens" id="{prefix}mv-tokens"></div></div></div>{note}</section>'
+        f'<div class="mv-tokens" id="{prefix}mv-tokens"></div></div></div>{note}{_zoom_box(data, prefix)}</section>'
     )
     scripts = (f'<script id="{prefix}attnlab-model" type="application/json">{to_json(data)}</script>'
                f"<script>{asset('modelview.js')}</script>")
