@@ -142,3 +142,48 @@ def test_under_compile_no_range_is_kept_and_a_profiler_causes_no_recompile():
     assert counter.frame_count == 1  # the profiler flag is not read while compiling: no guard on it
     assert ran.backend is None and ran.sdpa_kernel == "flash" and ran.lines()[0].startswith("ran outside any")
     assert observed.mismatch(ran, "sdpa", "flash") is None  # nothing labelled: nothing to compare
+
+
+# ------------------------------------------------------------------ the commands
+def test_explain_prints_the_walks_kernel_beside_the_prediction(tmp_path):
+    from typer.testing import CliRunner
+
+    from attnlab.cli import app
+
+    result = CliRunner().invoke(app, ["explain", "--mode", "multihead", "--heads", "2", "--causal", "--d-kq", "4",
+                                      "--d-v", "4", "--format", "png", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    section = result.output.split("Which kernel ran")[1].splitlines()[1:4]
+    assert section[0].startswith("predicted: 'sdpa', chosen")
+    assert section[1] == f"ran 'sdpa' (1 call): SDPA's flash kernel for CPU x1 [{FLASH_CPU}]"  # D == Dv: flash
+    assert section[2] == "matches the prediction: 'sdpa', SDPA's flash kernel"
+
+
+def test_the_walks_call_is_the_walks_computation_and_a_mismatch_warns(monkeypatch):
+    from attnlab.cli import _kernel
+    from attnlab.explain import trace
+
+    result = trace("The chef made a meal", mode="multihead", heads=2, causal=True, sinks=0.5)
+    q, k, v, options = _kernel.walk_call(result)
+    out = attnlab.attention(q, k, v, backend="reference", **options)  # (1, H, T, Dv)
+    torch.testing.assert_close(out[0].transpose(0, 1).flatten(1), result.output)  # the heads side by side
+    chunked = [verdicts.Verdict("chunked", True, True, "linear", 0, 0.0, "stand-in")]
+    monkeypatch.setattr(_kernel, "verdicts", lambda call: chunked)
+    with pytest.warns(RuntimeWarning, match="predicted backend 'chunked', but 'sdpa' ran"):
+        lines = _kernel.kernel_lines(q, k, v, options)
+    assert lines[-1].startswith("DIFFERS from the prediction")
+
+
+def test_backends_run_adds_what_ran_and_nothing_of_the_profiler_reaches_the_terminal():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("KINETO_LOG_LEVEL", None)
+    done = subprocess.run([sys.executable, "-m", "attnlab", "backends", "--tq", "64", "--causal", "--run"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == [f"ran 'sdpa' (1 call): SDPA's flash kernel for CPU x1 [{FLASH_CPU}]",
+                                             "matches the prediction: 'sdpa', SDPA's flash kernel"]
+    assert "profiler" not in done.stderr and "USDT" not in done.stderr, done.stderr
