@@ -7,12 +7,14 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.autograd import profiler as _profiler
 
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
 from attnlab.backends import topk
 from attnlab.backends.base import Backend
 from attnlab.backends.dispatch import Route, argument_key, prepared_mask, prepared_run, remembered, route, select
+from attnlab.backends.observed import labelled
 from attnlab.backends.registry import get
 from attnlab.scores import ScoreMod
 
@@ -114,6 +116,8 @@ def attention(
                        score_mod=score_mod, sinks=sinks)
     known = remembered(key)
     if known is not None and known.run is not None:  # validated before: nothing reads values
+        if _profiler._is_profiler_enabled:  # a profiler is on: the backend as a range (observed.py)
+            return labelled(known.backend.name, known.run, q, k, v, mask, *(() if sinks is None else (sinks,)))
         return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)  # (B, Hq, Tq, Dv)
     if known is not None and known.mask is not None:  # the same mask, prepared: plans made once
         mask, causal = known.mask, False
@@ -133,7 +137,12 @@ def attention(
 
 def _run(backend: Backend, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     """``backend`` on a validated call; the output (and weights) in the user's layout."""
-    result = backend.forward(call)
+    # A profiler is on: the backend as a range. Compiling, the flag is not read (a guard on it
+    # would recompile the graph whenever a profiler starts or stops).
+    if not torch.compiler.is_compiling() and _profiler._is_profiler_enabled:
+        result = labelled(backend.name, backend.forward, call)
+    else:
+        result = backend.forward(call)
     out = _restore_rank(result.out, call)
     if not call.return_weights:
         return out
@@ -235,6 +244,8 @@ class AttentionPlan:
         grads = _grads(q, k, v, mask, sinks)
         known = self._routes.get(grads)
         if known is not None and known.run is not None:  # sdpa, bound: nothing to decide
+            if not torch.compiler.is_compiling() and _profiler._is_profiler_enabled:  # as in _run
+                return labelled(known.backend.name, known.run, q, k, v, mask, *(() if sinks is None else (sinks,)))
             return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)
         prepared = known.mask if known is not None and mask is self._mask else None
         call = build_call(q, k, v, mask=mask if prepared is None else prepared, sinks=sinks,

@@ -9,14 +9,17 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch  # noqa: F401  (the doctest examples use it)
 
 from attnlab._call import AttentionCall, build_call
-from attnlab.backends.dispatch import (budget_words, claim_words, claimed, memory_budget, memory_class, reasons,
-                                       select)
+from attnlab.backends.dispatch import (argument_key, budget_words, claim_words, claimed, memory_budget, memory_class,
+                                       reasons, remembered, route, select)
+from attnlab.backends.observed import labelled, mismatch, observe
 from attnlab.backends.registry import registry
+from attnlab.backends.sdpa import sdpa_plan
 
 __all__ = ["Verdict", "verdicts", "why"]
 
@@ -110,25 +113,31 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
     return result
 
 
-def why(q, k, v, *, backend: str = "auto", echo: bool = False, **options) -> str:
+def why(q, k, v, *, backend: str = "auto", echo: bool = False, run: bool = False, **options) -> str:
     """Explain which backend :func:`attnlab.attention` would run for these arguments, and why.
 
     Args:
         q, k, v: the tensors you would pass to :func:`attnlab.attention`.
         backend: ``"auto"`` or a backend name, as in :func:`attnlab.attention`.
         echo: also print the explanation.
+        run: also run the call once under torch.profiler and say which backend and kernels
+            actually ran (:mod:`~attnlab.backends.observed`), warning (``RuntimeWarning``) where
+            that differs from the prediction.
         **options: any keyword option of :func:`attnlab.attention` (mask, causal, align,
             scale, dropout_p, generator, return_weights, score_mod, sinks).
 
     Returns:
         A few lines: the call's shape, the memory budget, the backend that runs, and one line
-        per other backend (cannot serve: reasons / over the memory budget / slower: cost).
+        per other backend (cannot serve: reasons / over the memory budget / slower: cost);
+        with ``run``, what ran and whether it matches.
 
     Example:
         >>> q = torch.randn(1, 8, 256, 64)
         >>> text = why(q, q, q, causal=True)
         >>> text.splitlines()[2].startswith("runs on ")
         True
+        >>> print(why(q, q, q, causal=True, run=True).splitlines()[-2])
+        ran 'sdpa' (1 call): SDPA's flash kernel for CPU x1 [aten::_scaled_dot_product_flash_attention_for_cpu]
     """
     call = build_call(q, k, v, **options)
     lines = [_describe(call), budget_words(call)]
@@ -136,6 +145,8 @@ def why(q, k, v, *, backend: str = "auto", echo: bool = False, **options) -> str
     chosen = next(verdict for verdict in table if verdict.chosen)
     lines.append(f"runs on {chosen.name!r}: {chosen.reason}")
     lines += [f"  {verdict.name}: {verdict.reason}" for verdict in table if not verdict.chosen]
+    if run:
+        lines += ran_lines(*observe(_dispatched, q, k, v, call, backend, options)[1:], chosen.name, call)
     text = "\n".join(lines)
     if echo:
         print(text)
@@ -167,3 +178,48 @@ def _describe(call: AttentionCall) -> str:
         parts.append("needs grad")
     return "call: " + ", ".join(parts)
 
+
+
+def ran_lines(ran, backend: str, call: AttentionCall) -> list[str]:
+    """What ran (:class:`~attnlab.backends.observed.Ran`) beside the prediction for ``call``
+    (``backend``, and SDPA's kernel when it is sdpa), in lines; warns when they differ.
+
+    Example:
+        >>> import attnlab
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> _, ran = observe(attnlab.attention, q, q, q, backend="reference")
+        >>> ran_lines(ran, "reference", build_call(q, q, q))[-1]
+        "matches the prediction: 'reference'"
+    """
+    kernel = sdpa_plan(call).kernel if backend == "sdpa" else None
+    differs = mismatch(ran, backend, kernel)
+    if differs is not None:
+        warnings.warn(f"attnlab: what ran differs from the prediction: {differs}", RuntimeWarning, stacklevel=3)
+        return [*ran.lines(), f"DIFFERS from the prediction: {differs}"]
+    if ran.backend is None:
+        return [*ran.lines(), "not compared: no attnlab range was seen (a compiled graph keeps none)"]
+    predicted = f"{backend!r}" + (f", SDPA's {kernel} kernel" if kernel is not None and ran.sdpa_kernel else "")
+    return [*ran.lines(), f"matches the prediction: {predicted}"]
+
+
+# attnlab.attention's defaults, for the signature a route is remembered under.
+_DEFAULTS = dict(mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0, generator=None,
+                 return_weights=False, score_mod=None, sinks=None)
+
+
+def _dispatched(q, k, v, call: AttentionCall, name: str, options: dict):
+    """``call`` run as :func:`attnlab.attention` runs it: its remembered route or a fresh one
+    (dispatch's own), then sdpa's prepared run or the backend's forward, labelled as there.
+    (why sits below ``attnlab.functional`` in the layers, so it walks the same steps itself;
+    the tests check that both report the same backend and kernels.)"""
+    key = argument_key(q, k, v, backend=name, **{**_DEFAULTS, **options})
+    known = remembered(key)
+    if known is None:
+        direct = call.q is q and call.k is k and call.v is v and call.mask is options.get("mask")
+        known = route(key, call, name, direct=direct)
+    if known.run is not None:
+        sinks = () if call.sinks is None else (call.sinks,)
+        return labelled(known.backend.name, known.run, call.q, call.k, call.v, call.mask, *sinks)
+    if known.mask is not None:  # the mask as the route prepared it
+        call = build_call(q, k, v, **{**options, "mask": known.mask, "causal": False})
+    return labelled(known.backend.name, known.backend.forward, call)

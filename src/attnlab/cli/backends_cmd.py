@@ -42,6 +42,8 @@ def backends_command(
     memory_budget: float = typer.Option(None, "--memory-budget", metavar="MIB", show_default=False,
                                         help="MiB auto may spend beyond the call's tensors (a dense mask, "
                                              "scores) [default: 4x the tensors, 64 MiB to 1/8 of memory]."),
+    run: bool = typer.Option(False, "--run", help="Also run the call once under torch.profiler and say which "
+                                                  "backend and kernel actually ran (warning on a mismatch)."),
 ) -> None:
     """Explain which backend attnlab.attention runs for a call of this shape, and why each other
     backend was passed over (cannot serve / over the memory budget / slower)."""
@@ -66,7 +68,7 @@ def backends_command(
     previous = backends.set_memory_budget(budget) if budget is not None else None
     try:
         with option_errors():  # anything dispatch still refuses is a bad combination of options
-            text = backends.why(q, k, v, **options)
+            text = backends.why(q, k, v, run=run, **options)
     finally:
         if budget is not None:
             backends.set_memory_budget(previous)

@@ -23,6 +23,7 @@ import typer
 
 from attnlab import scores
 from attnlab._checks import finite_number, positive_int, positive_number, probability
+from attnlab.cli import _kernel as kernel
 from attnlab.cli import _lens_walk as lens_walk
 from attnlab.cli import _trained_walk as trained_walk
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors, removed_on_failure
@@ -132,6 +133,7 @@ def explain(
         _make_out(out)
         console = Console(no_color=no_color, highlight=False, soft_wrap=False)
         _narrate(console, result, focus)
+        kernel.narrate(console, result)  # the walk's call under the profiler, beside the prediction
         section = _trained_ending(console, result, focus)
         try:
             written = _write_files(result, focus, out, fmt, section)
