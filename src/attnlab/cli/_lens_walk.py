@@ -12,13 +12,20 @@ adds the layers x heads grid as ``heads.png``.
 from __future__ import annotations
 
 import json
+import math
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from safetensors import SafetensorError
 
 from attnlab.cli._errors import fail
 from attnlab.lens import ModelLens, open_model
-from attnlab.trained import best_head
+from attnlab.trained import best_head, pad_heads
+from attnlab.viz.heatmap import block_labels
+from attnlab.viz.recompute import LazyWeights
+from attnlab.viz.views import overview_block
 
 OWN_MODEL_TYPES = ("bert", "attnlab-gpt")  # read by attnlab.models (the word-level walk)
 
@@ -69,30 +76,54 @@ def walk(console, lens: ModelLens, text: str, *, query: str | None, truncate: bo
     if generate is not None and not lens.decoder:
         fail(f"--generate: {lens.name} is an encoder ({type(lens.model).__name__}); only a decoder generates")
     try:
-        result, prompt = lens.generate(text, generate, truncate=truncate) if generate else \
-            (lens.attention(text, truncate=truncate), None)
+        if generate:
+            result, prompt = lens.generate(text, generate, truncate=truncate)
+            weights = result.weights  # (L, H, T, T)
+        else:
+            with console.status(f"running {lens.name} on the text"):
+                weights, prompt = lens.record(text, truncate=truncate), None  # LazyWeights: any length
     except ValueError as err:
         _refuse(err)
-    tokens, weights = result.tokens, result.weights  # (L, H, T, T)
+    tokens = weights.tokens if prompt is None else result.tokens
     focus = _focus(tokens[:prompt], query)
-    layers, heads = weights.shape[:2]
-    console.rule(f"[bold]attnlab explain[/bold]: {lens.name}, {layers} layers x {heads} heads")
+    heads = weights.heads if prompt is None else [weights.shape[1]] * weights.shape[0]
+    console.rule(f"[bold]attnlab explain[/bold]: {lens.name}, {len(heads)} layers x {max(heads)} heads")
     console.print(f"{type(lens.model).__name__} with attn_implementation='attnlab': every weight below comes from "
                   "attnlab.attention.", markup=False, soft_wrap=True)
-    console.print(f"Tokens ({len(tokens[:prompt])}): " + " | ".join(tokens[:prompt]), markup=False, soft_wrap=True)
+    console.print(f"Tokens ({len(tokens[:prompt])}): " + _listed(tokens[:prompt]), markup=False, soft_wrap=True)
     console.print(f"Where '{tokens[focus]}' looks, per layer (the head with the strongest link to another token):",
                   markup=False)
-    for layer in range(layers):
-        row = weights[layer, :, focus].clone()  # (H, T)
+    for layer in range(len(heads)):
+        row = _row(weights, layer, focus)  # (H, T)
         if row.shape[-1] > 1:
             row[:, focus] = -1  # itself does not count
         head, key = best_head(row)
-        weight = float(weights[layer, head, focus, key])
-        console.print(f"  layer {layer}: head {head} -> '{tokens[key]}' ({weight:.3f})", markup=False)
-    written = _write(lens, result, prompt, out, fmt)
+        console.print(f"  layer {layer}: head {head} -> '{tokens[key]}' ({float(_row(weights, layer, focus)[head, key]):.3f})",
+                      markup=False)
+    written = _write(console, lens, weights, tokens, prompt, out, fmt)
     if prompt is not None:
         console.print(f"Generated ({generate}): " + " | ".join(tokens[prompt:]), markup=False, soft_wrap=True)
     return written
+
+
+SHOWN_TOKENS = 48  # a longer input prints its first and last SHOWN_TOKENS // 2 tokens
+
+
+def _listed(tokens: list[str]) -> str:
+    """The tokens joined with `` | ``, the middle of a long input left out and counted."""
+    if len(tokens) <= SHOWN_TOKENS:
+        return " | ".join(tokens)
+    half = SHOWN_TOKENS // 2
+    return " | ".join(tokens[:half]) + f" | ... {len(tokens) - 2 * half} more ... | " + " | ".join(tokens[-half:])
+
+
+def _row(weights, layer: int, query: int):
+    """Every head's weights of one query ``(H, T)``, from dense weights or recomputed."""
+    if isinstance(weights, LazyWeights):
+        n = len(weights.tokens)
+        return torch.stack([weights.tile(layer, h, rows=(query, query + 1), cols=(0, n))[0]
+                            for h in range(weights.heads[layer])])
+    return weights[layer, :, query].clone()
 
 
 def _focus(tokens: list[str], query: str | None) -> int:
@@ -107,24 +138,59 @@ def _focus(tokens: list[str], query: str | None) -> int:
     fail(f"--query {query!r} is not a token of the input; tokens are {tokens}")
 
 
-def _write(lens: ModelLens, result, prompt: int | None, out: Path, fmt: str) -> list[Path]:
+def _write(console, lens: ModelLens, weights, tokens: list[str], prompt: int | None, out: Path, fmt: str) -> list[Path]:
     from attnlab.viz.views import generation_view, model_view
 
+    title = f"{lens.name}: every layer and head"
     written = []
     try:
         if fmt in ("html", "all"):
-            written.append(model_view(result.weights, result.tokens, title=f"{lens.name}: every layer and head")
-                           .save(out / "model.html"))
+            with _progress(console, weights) as progress:
+                view = model_view(weights, None if prompt is None else tokens, title=title, progress=progress)
+            written.append(view.save(out / "model.html"))
             if prompt is not None:
-                view = generation_view(result.weights, result.tokens, prompt_length=prompt,
-                                       title=f"{lens.name}: {len(result.tokens) - prompt} generated tokens")
+                view = generation_view(weights, tokens, prompt_length=prompt,
+                                       title=f"{lens.name}: {len(tokens) - prompt} generated tokens")
                 written.append(view.save(out / "generation.html"))
         if fmt != "html":  # png, svg or all: the grid as a PNG
             from attnlab.viz.headview import head_grid
             from attnlab.viz.heatmap import save_figure
 
-            figure = head_grid(result.weights, result.tokens, title=f"{lens.name}: every layer and head")
+            figure = head_grid(_dense_or_overview(weights), _grid_labels(weights, tokens), title=title)
             written += save_figure(figure, out / "heads", formats=("png",))
     except OSError as err:
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     return written
+
+
+@contextmanager
+def _progress(console, weights):
+    """A progress bar over the layers while a long input's overview is computed (nothing for dense weights)."""
+    if not isinstance(weights, LazyWeights) or len(weights.tokens) < PROGRESS_TOKENS:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("recomputing every head's overview"), BarColumn(), TextColumn("layer {task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("overview", total=len(weights.layers))
+        yield lambda done, total: bar.update(task, completed=done)
+
+
+PROGRESS_TOKENS = 2048  # inputs this long show a progress bar while their overview is computed
+
+
+def _dense_or_overview(weights):
+    """``(L, H, n, n)`` for the PNG grid: dense weights, or a long input's overview (the view's cached maps)."""
+    if not isinstance(weights, LazyWeights):
+        return weights
+    cells = math.ceil(len(weights.tokens) / overview_block(weights))
+    maps = [weights.block_map(layer, cells=cells) for layer in range(len(weights.layers))]
+    return pad_heads(maps)
+
+
+def _grid_labels(weights, tokens: list[str]) -> list[str]:
+    if not isinstance(weights, LazyWeights):
+        return tokens
+    return list(block_labels(tokens, overview_block(weights)))

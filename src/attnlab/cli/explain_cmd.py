@@ -38,6 +38,7 @@ TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
 MAX_SIZE = 1024
 MAX_HEADS = 16
 MAX_GENERATE = 256
+MAX_TEXT_MB = 10  # --text-file: a few hundred thousand tokens, more than any view is useful for
 MAX_MASK_SIZE = 131072  # --mask: the map is 1024 blocks a side at most
 _DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the home of the defaults
 
@@ -51,6 +52,9 @@ def explain(
     sentence: str = typer.Argument(DEFAULT_SENTENCE, help="The sentence to walk through."),
     sentence_option: str = typer.Option(None, "--sentence",
                                         help="The sentence, as an option (same as SENTENCE)."),
+    text_file: Path = typer.Option(None, "--text-file",
+                                   help="Read the text from this UTF-8 file instead (a long document for --model "
+                                        f"DIR: views of any length; at most {MAX_TEXT_MB} MB)."),
     mode: str = typer.Option(_default("mode"), "--mode", help=f"{', '.join(MODES[:-1])} or {MODES[-1]}."),
     context: str = typer.Option(None, "--context",
                                 help="cross mode: the sentence keys and values come from "
@@ -102,6 +106,10 @@ def explain(
             if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
                 fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
             sentence = sentence_option
+        if text_file is not None:
+            if sentence != DEFAULT_SENTENCE:
+                fail("give the text once: as SENTENCE (or --sentence) or with --text-file, not both")
+            sentence = read_text_file(text_file)
         if mask is not None:
             _explain_mask(mask, size=size, out=out)
             return
@@ -140,6 +148,26 @@ def explain(
         except OSError as err:
             fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
         _print_written(console, written, out)
+
+
+def read_text_file(path: Path) -> str:
+    """The text of ``--text-file``: UTF-8, not empty, at most :data:`MAX_TEXT_MB` MB; else one ``error:`` line."""
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            fail(f"--text-file {str(path)!r} is not a file")
+        if size > MAX_TEXT_MB * 1_000_000:
+            fail(f"--text-file {str(path)!r} has {size / 1e6:.1f} MB; at most {MAX_TEXT_MB} MB is read")
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        fail(f"--text-file {str(path)!r} does not exist")
+    except UnicodeDecodeError as err:
+        fail(f"--text-file {str(path)!r} is not UTF-8 text (byte {err.start})")
+    except OSError as err:
+        fail(f"--text-file {str(path)!r} cannot be read: {err.strerror or err}")
+    if not text.strip():
+        fail(f"--text-file {str(path)!r} holds no text")
+    return text.removeprefix("\ufeff").strip()
 
 
 def _explain_mask(spec: str, *, size: int, out: Path) -> None:

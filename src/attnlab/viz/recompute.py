@@ -168,6 +168,7 @@ class LazyWeights:
     tokens: list[str]
     layers: list[RecordedLayer]
     _lse: dict = field(default_factory=dict, repr=False)
+    _maps: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not self.layers:
@@ -274,13 +275,19 @@ class LazyWeights:
 
         ``"mean"``: the total weight a block of queries gives a block of keys, averaged over its
         queries (rows sum to 1); ``"max"``: the block's largest weight. A band of ``block`` rows
-        is computed at a time, over the keys its rows attend: ``O(H * T * block)`` memory.
-        ``progress(rows_done)`` is called after each band.
+        is computed at a time, over the keys its rows attend: ``O(H * T * block)`` memory; the
+        result is kept for the next call. ``progress(rows_done)`` is called after each band.
         """
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
         if isinstance(cells, bool) or not isinstance(cells, int) or cells < 1:
             raise ValueError(f"cells must be a positive int, got {cells!r}")
+        key = (layer, cells, reduce)
+        if key not in self._maps:
+            self._maps[key] = self._block_map(layer, cells, reduce, progress)
+        return self._maps[key]
+
+    def _block_map(self, layer: int, cells: int, reduce: str, progress) -> Tensor:
         recorded, lse = self._layer(layer), self.lse(layer)
         block = math.ceil(recorded.tk / cells)
         n = math.ceil(recorded.tk / block)

@@ -179,6 +179,16 @@ def _block(n_tokens: int, heads: int) -> int:
     return 1 if n_tokens <= cells else math.ceil(n_tokens / cells)
 
 
+def overview_block(lazy: LazyWeights) -> int:
+    """Tokens per cell of a long input's overview in the model view (its cached block maps use it).
+
+    Example:
+        >>> overview_block(LazyWeights.from_qk(torch.randn(2, 1000, 4), torch.randn(2, 1000, 4)))
+        4
+    """
+    return _block(len(lazy.tokens), sum(lazy.heads))
+
+
 def _overview(tokens: list[str], counts, block: int, maps: list[Tensor], reduce: str) -> dict:
     cells = torch.cat([m.reshape(-1) for m in maps])  # layer by layer, head by head
     return {"tokens": tokens, "heads": list(counts), "n": maps[0].shape[-1], "block": block, "reduce": reduce,
@@ -187,7 +197,7 @@ def _overview(tokens: list[str], counts, block: int, maps: list[Tensor], reduce:
 
 def _lazy_data(lazy: LazyWeights, *, reduce: str, zoom_mb: float, focus, progress) -> dict:
     counts, n_tokens = lazy.heads, len(lazy.tokens)
-    block = _block(n_tokens, sum(counts))
+    block = overview_block(lazy)
     maps = []
     for layer in range(len(counts)):
         maps.append(lazy.block_map(layer, cells=math.ceil(n_tokens / block), reduce=reduce))
@@ -241,7 +251,7 @@ def _zoom_data(lazy: LazyWeights, *, budget: int, focus) -> dict:
         heads[f"{layer}:{head}"] = {"q": _b64(recorded.q[head].half(), "<f2"), "lse": _b64(lazy.lse(layer)[head], "<f4")}
         keys.setdefault(f"{layer}:{group}", _b64(recorded.k[group].half(), "<f2"))
     return {"dim": lazy.layers[0].q.shape[-1], "tokens": ZOOM_TOKENS, "layers": layers, "intervals": intervals,
-            "heads": heads, "keys": keys, "budget_mb": budget / (1 << 20),
+            "heads": heads, "keys": keys, "budget_mb": round(budget / (1 << 20), 3),
             "skipped": {str(layer): reason for layer, reason in skipped.items()}}
 
 
