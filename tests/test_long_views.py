@@ -294,6 +294,7 @@ def test_explain_reads_a_long_text_file(tiny, tmp_path):
                                       "--out", str(out), "--format", "html", "--query", "chef"])
     assert result.exit_code == 0, result.output
     assert "Tokens (3000):" in result.output and "... 2952 more ..." in result.output
+    assert "Which kernel ran" in result.output and "matches the prediction: 'sdpa'" in result.output
     data = _data((out / "model.html").read_text(encoding="utf-8"))
     assert len(data["tokens"]) == 3000 and data["block"] == 12 and data["zoom"]["heads"]
 

@@ -141,8 +141,11 @@ class ModelLens:
             raise ValueError(f"{n_tokens} tokens' weights take {size / 2 ** 30:.1f} GiB ({layers} layers x {heads} "
                              f"heads x T^2): use record() (or view()), which recomputes weights on demand")
 
-    def record(self, text: str, *, truncate: bool = False) -> LazyWeights:
+    def record(self, text: str, *, truncate: bool = False, calls: list | None = None) -> LazyWeights:
         """Run ``text`` once, keeping each layer's queries, keys and mask rule: weights on demand.
+
+        ``calls``, a list, receives the first layer's call ``(q, k, v, options)`` as
+        :func:`attnlab.attention` got it (``attnlab explain`` runs it again under the profiler).
 
         Example:
             >>> lazy = open_model("path/to/a/gpt2").record(open("book.txt").read(), truncate=True)  # doctest: +SKIP
@@ -150,12 +153,14 @@ class ModelLens:
             torch.Size([10, 1010])
         """
         ids = self.ids(text, truncate=truncate)
-        return self._record(torch.tensor([ids]), self.labels(ids))
+        return self._record(torch.tensor([ids]), self.labels(ids), calls)
 
-    def _record(self, input_ids: Tensor, labels: list[str]) -> LazyWeights:
+    def _record(self, input_ids: Tensor, labels: list[str], calls: list | None) -> LazyWeights:
         layers = []
 
-        def keep(module, query, key, **options):
+        def keep(module, query, key, value, **options):
+            if calls is not None and not layers:  # the first layer's call as attnlab.attention got it
+                calls.append((query, key, value, options))
             try:
                 layers.append(record(query, key, **options))
             except ValueError as err:

@@ -20,6 +20,7 @@ import torch
 
 from safetensors import SafetensorError
 
+from attnlab.cli import _kernel as kernel
 from attnlab.cli._errors import fail
 from attnlab.lens import ModelLens, open_model
 from attnlab.trained import best_head, pad_heads
@@ -80,8 +81,9 @@ def walk(console, lens: ModelLens, text: str, *, query: str | None, truncate: bo
             result, prompt = lens.generate(text, generate, truncate=truncate)
             weights = result.weights  # (L, H, T, T)
         else:
+            calls = []
             with console.status(f"running {lens.name} on the text"):
-                weights, prompt = lens.record(text, truncate=truncate), None  # LazyWeights: any length
+                weights, prompt = lens.record(text, truncate=truncate, calls=calls), None  # LazyWeights: any length
     except ValueError as err:
         _refuse(err)
     tokens = weights.tokens if prompt is None else result.tokens
@@ -100,6 +102,11 @@ def walk(console, lens: ModelLens, text: str, *, query: str | None, truncate: bo
         head, key = best_head(row)
         console.print(f"  layer {layer}: head {head} -> '{tokens[key]}' ({float(_row(weights, layer, focus)[head, key]):.3f})",
                       markup=False)
+    if prompt is None and calls and calls[0][3].get("indices") is None:  # top-k calls open no backend range
+        q, k, v, options = calls[0]
+        console.rule("[bold]Which kernel ran[/bold] (layer 0's attnlab.attention call, again under the profiler)")
+        for line in kernel.kernel_lines(q, k, v, {name: value for name, value in options.items() if name != "indices"}):
+            console.print(line, markup=False, soft_wrap=True)
     written = _write(console, lens, weights, tokens, prompt, out, fmt)
     if prompt is not None:
         console.print(f"Generated ({generate}): " + " | ".join(tokens[prompt:]), markup=False, soft_wrap=True)

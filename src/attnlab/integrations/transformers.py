@@ -155,7 +155,7 @@ def attention_forward(
                    sinks=_sinks(kwargs), indices=_indices(kwargs))
     recorder = _RECORDER.get()
     if recorder is not None:
-        recorder(module, query, key, **options)
+        recorder(module, query, key, value, **options)
     result = attention(query, key, value, dropout_p=dropout if module.training else 0.0,
                        return_weights=want_weights, **options)
     out, weights = result if want_weights else (result, None)
@@ -169,16 +169,16 @@ _RECORDER: ContextVar[Callable | None] = ContextVar("attnlab_transformers_record
 def recording(recorder: Callable):
     """While active, every layer's call is shown to ``recorder`` before it runs (what a lens records).
 
-    ``recorder(module, query, key, *, mask, causal, align, scale, score_mod, sinks, indices)`` gets
-    exactly what :func:`attention_forward` passes to :func:`attnlab.attention`, so the queries and
-    keys a view keeps (after rotary embeddings, before grouped-query repetition) and the rules it
+    ``recorder(module, query, key, value, *, mask, causal, align, scale, score_mod, sinks, indices)``
+    gets exactly what :func:`attention_forward` passes to :func:`attnlab.attention`, so the queries
+    and keys a view keeps (after rotary embeddings, before grouped-query repetition) and the rules it
     recomputes weights with are the fast path's own. Scoped to this context (and thread); the
     output is unchanged.
 
     Example:
         >>> seen = []
         >>> layer = nn.Module(); layer.is_causal = True
-        >>> with recording(lambda module, q, k, **options: seen.append((q.shape, options["causal"]))):
+        >>> with recording(lambda module, q, k, v, **options: seen.append((q.shape, options["causal"]))):
         ...     _ = attention_forward(layer, torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4),
         ...                           torch.randn(1, 2, 3, 4), None)
         >>> seen

@@ -16,7 +16,7 @@ recomputes exactly what a view shows::
 
 Example:
     >>> import torch
-    >>> q, k = torch.randn(2, 1, 3, 50, 8).unbind(0)               # (H, T, D) each: one layer
+    >>> q, k = torch.randn(2, 3, 50, 8).unbind(0)                  # (H, T, D) each: one layer
     >>> lazy = LazyWeights.from_qk(q, k, causal=True)
     >>> dense = torch.softmax((q @ k.mT / 8 ** 0.5).masked_fill(torch.ones(50, 50).triu(1).bool(), -torch.inf), -1)
     >>> bool(torch.allclose(lazy.tile(0, 2, rows=(10, 20), cols=(0, 50)), dense[2, 10:20], atol=1e-6))
