@@ -105,6 +105,21 @@ def test_the_fused_log_sum_exp_equals_the_band_pass():
     torch.testing.assert_close(fused.lse(0), banded.lse(0), atol=1e-5, rtol=1e-6)
 
 
+def test_nan_rows_stay_nan_as_the_oracle_gives_them_and_empty_input_is_refused():
+    from attnlab import attention_weights
+
+    q, k = torch.randn(1, 10, 4), torch.randn(1, 10, 4)
+    q[0, 3, 1] = float("nan")
+    lazy = LazyWeights.from_qk(q, k, causal=True)
+    oracle = attention_weights(q[None], k[None], causal=True)[0, 0]
+    tile = lazy.tile(0, 0, rows=(0, 10), cols=(0, 10))
+    assert torch.equal(tile.isnan(), oracle.isnan()) and bool(tile[3].isnan().all())
+    torch.testing.assert_close(tile[4:], oracle[4:])
+    assert bool(lazy.block_map(0, cells=5).isfinite().all())  # the overview draws such a row as 0
+    with pytest.raises(ValueError, match="at least one token"):
+        LazyWeights.from_qk(torch.randn(1, 0, 4), torch.randn(1, 0, 4))
+
+
 def test_interval_bounds_accept_eager_masks_and_refuse_what_is_not_one_interval():
     eager = torch.zeros(1, 1, 4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
     assert interval_bounds(tq=4, tk=4, mask=eager).tolist() == [[0, 1], [0, 2], [0, 3], [0, 4]]

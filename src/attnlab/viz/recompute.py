@@ -171,6 +171,8 @@ class LazyWeights:
     _maps: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if not self.tokens:
+            raise ValueError("tokens must hold at least one token, got none: a view needs one query and key")
         if not self.layers:
             raise ValueError("layers must hold at least one layer, got none")
         sizes = {layer.tq for layer in self.layers} | {layer.tk for layer in self.layers}
@@ -424,6 +426,8 @@ def _fused_lse(recorded: RecordedLayer) -> Tensor | None:
 
 
 def _weights(scores: Tensor, lse: Tensor) -> Tensor:
-    """``exp(scores - lse)``, 0 where a key is blocked or a row has nothing to attend."""
+    """``exp(scores - lse)``, 0 where a key is blocked or a row has nothing to attend; a row with a
+    NaN score is NaN, as :func:`attnlab.attention_weights` gives it."""
     weights = torch.exp(scores - lse)
-    return weights.masked_fill(~torch.isfinite(lse).expand_as(weights) | torch.isinf(scores), 0.0)
+    empty = torch.isneginf(lse).expand_as(weights)
+    return weights.masked_fill(empty | (torch.isneginf(scores) & ~torch.isnan(lse)), 0.0)
