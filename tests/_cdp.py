@@ -197,3 +197,28 @@ class Browser:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_page(browser: Browser, path) -> float:
+    """Load the file ``path`` with the Runtime, Log, Network and Page events on and wait for its
+    first frame; returns the seconds it took (navigation to painted). Events start empty."""
+    for domain in ("Runtime", "Log", "Network", "Page"):
+        browser.send(f"{domain}.enable")
+    browser.events.clear()
+    started = time.perf_counter()
+    browser.send("Page.navigate", url=path.as_uri())
+    browser.wait_for("Page.loadEventFired")
+    browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
+    return time.perf_counter() - started
+
+
+def page_errors(events: list[dict]) -> list[dict]:
+    """Exceptions, console errors and assertions, and error log entries among the events."""
+    return [e for e in events if e.get("method") == "Runtime.exceptionThrown"
+            or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
+            or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+
+
+def requested_urls(events: list[dict]) -> list[str]:
+    """Every URL the page asked for, in order (the page itself first)."""
+    return [e["params"]["request"]["url"] for e in events if e.get("method") == "Network.requestWillBeSent"]

@@ -10,13 +10,11 @@ switching heads re-zooms the same region, a head past the zoom budget says so; a
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
 
-from _cdp import Browser, find_browser
+from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
 from attnlab.viz.recompute import LazyWeights
 from attnlab.viz.views import model_view
 
@@ -38,14 +36,7 @@ def page(tmp_path_factory):
     path = model_view(lazy, zoom_mb=1.1).save(tmp_path_factory.mktemp("long") / "long.html")
     browser = Browser(BROWSER, timeout=60.0)
     try:
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            browser.send(f"{domain}.enable")
-        browser.events.clear()
-        started = time.perf_counter()
-        browser.send("Page.navigate", url=path.as_uri())
-        browser.wait_for("Page.loadEventFired")
-        browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
-        browser.page_seconds = time.perf_counter() - started
+        browser.page_seconds = open_page(browser, path)
         yield browser, path, lazy
     finally:
         browser.close()
@@ -68,12 +59,8 @@ def _click(browser, x, y):
 
 def test_the_long_view_loads_offline_without_errors(page):
     browser, path, _ = page
-    errors = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
-    assert errors == []
-    requested = [e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"]
-    assert requested == [path.as_uri()]
+    assert page_errors(browser.events) == []
+    assert requested_urls(browser.events) == [path.as_uri()]
     assert path.stat().st_size < 4_000_000
     painted = browser.evaluate("""(() => { const c = document.querySelector('canvas.mv-big');
       const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let lit = 0;

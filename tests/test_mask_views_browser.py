@@ -7,12 +7,10 @@ machine as tests/test_views_browser.py). Skips without a chromium.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from _cdp import Browser, find_browser
+from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
 from attnlab import masks, scores
 from attnlab.viz import maskview
 from attnlab.viz.page import document
@@ -36,14 +34,7 @@ def page(tmp_path_factory):
     path.write_text(document("masks", "".join(v._repr_html_() for v in views)), encoding="utf-8")
     browser = Browser(BROWSER, timeout=30.0)
     try:
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            browser.send(f"{domain}.enable")
-        browser.events.clear()
-        started = time.perf_counter()
-        browser.send("Page.navigate", url=path.as_uri())
-        browser.wait_for("Page.loadEventFired")
-        browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
-        browser.page_seconds = time.perf_counter() - started
+        browser.page_seconds = open_page(browser, path)
         yield browser, path
     finally:
         browser.close()
@@ -51,12 +42,8 @@ def page(tmp_path_factory):
 
 def test_the_mask_views_load_offline_without_errors(page):
     browser, path = page
-    errors = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
-    assert errors == []
-    requested = [e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"]
-    assert requested == [path.as_uri()]
+    assert page_errors(browser.events) == []
+    assert requested_urls(browser.events) == [path.as_uri()]
     ready = browser.evaluate("[...document.querySelectorAll('[data-attnlab-mask]')].map(r => r.dataset.maskReady)")
     assert ready == ["1", "1", "1"]
     assert browser.evaluate("document.querySelectorAll('[data-attnlab-scoremod] table').length") == 6

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from _cdp import Browser, find_browser
+from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
 from attnlab.explain import trace
 from attnlab.viz.html import write_report
 
@@ -39,12 +39,7 @@ def _open(path):
     if BROWSER is None:
         pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
     browser = Browser(BROWSER, timeout=20.0)
-    for domain in ("Runtime", "Log", "Network", "Page"):
-        browser.send(f"{domain}.enable")
-    browser.events.clear()
-    browser.send("Page.navigate", url=path.as_uri())
-    browser.wait_for("Page.loadEventFired")
-    browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
+    open_page(browser, path)
     return browser
 
 
@@ -65,12 +60,8 @@ def _check_cells(t, head, cells):
 
 def test_page_loads_offline_without_errors(page, report):
     _, path = report
-    errors = [e for e in page.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
-    assert errors == []
-    requested = [e["params"]["request"]["url"] for e in page.events if e.get("method") == "Network.requestWillBeSent"]
-    assert requested == [path.as_uri()]
+    assert page_errors(page.events) == []
+    assert requested_urls(page.events) == [path.as_uri()]
 
 
 def test_first_head_is_shown_with_the_trace_values(page, report):
@@ -147,12 +138,8 @@ def _check_lines(section, head_color, lines, *, layer, heads, query):
 
 def test_trained_section_loads_offline_without_errors(trained_page, trained_report):
     _, path, _ = trained_report
-    errors = [e for e in trained_page.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))]
-    assert errors == []
-    requested = [e["params"]["request"]["url"] for e in trained_page.events
-                 if e.get("method") == "Network.requestWillBeSent"]
-    assert requested == [path.as_uri()]
+    assert page_errors(trained_page.events) == []
+    assert requested_urls(trained_page.events) == [path.as_uri()]
 
 
 def test_head_view_draws_the_selected_layer_and_heads(trained_page, trained_report):

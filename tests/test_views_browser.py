@@ -9,11 +9,9 @@ view rendered within 2 s and switched within 0.5 s (measured in the page). Skips
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from _cdp import Browser, find_browser
+from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
 
 pytestmark = pytest.mark.browser
 
@@ -43,14 +41,7 @@ def page(tmp_path_factory):
     path.write_text(export_html(execute(node, timeout=120)), encoding="utf-8")
     browser = Browser(BROWSER, timeout=30.0)
     try:
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            browser.send(f"{domain}.enable")
-        browser.events.clear()
-        started = time.perf_counter()
-        browser.send("Page.navigate", url=path.as_uri())
-        browser.wait_for("Page.loadEventFired")
-        browser.evaluate("new Promise(r => requestAnimationFrame(() => r(true)))")
-        browser.page_seconds = time.perf_counter() - started  # the whole page: six views, 2048 tokens in one
+        browser.page_seconds = open_page(browser, path)  # the whole page: six views, 2048 tokens in one
         yield browser, path
     finally:
         browser.close()
@@ -62,12 +53,8 @@ def _roots(page, role):
 
 def test_the_views_load_offline_without_errors(page):
     browser, path = page
-    errors = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
-    assert errors == []
-    requested = [e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"]
-    assert requested == [path.as_uri()]
+    assert page_errors(browser.events) == []
+    assert requested_urls(browser.events) == [path.as_uri()]
     assert (_roots(browser, "walk"), _roots(browser, "model"), _roots(browser, "generation")) == (3, 2, 1)
     assert browser.evaluate("[...document.querySelectorAll('[data-attnlab-walk]')].every(r => r.dataset.walkReady)")
 
