@@ -113,3 +113,42 @@ def test_without_ipython_each_frame_prints_one_line(monkeypatch, capsys):
 def test_a_bad_interval_is_refused_by_name(interval):
     with pytest.raises(ValueError, match="interval"):
         LiveProgress(_run(), interval=interval)
+
+
+@pytest.mark.browser
+def test_the_frame_renders_offline_in_chromium(fake_ipython, tmp_path):
+    """The last frame in a real headless chromium: no console error, no request but the page, both
+    panels drawn with their curves inside their frames, the bar full."""
+    from _cdp import Browser, find_browser
+
+    browser_path = find_browser()
+    if browser_path is None:
+        pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
+    run, clock = _run(steps=30, eval_every=10), _Clock(0.1)
+    live = LiveProgress(run, clock=clock)
+    _train(run, live, clock)
+    path = tmp_path / "frame.html"
+    path.write_text("<!DOCTYPE html><html><head><meta charset=\"utf-8\"></head><body>"
+                    + fake_ipython.updates[-1]._repr_html_() + "</body></html>", encoding="utf-8")
+    with Browser(browser_path, timeout=30.0) as browser:
+        for domain in ("Runtime", "Log", "Network", "Page"):
+            browser.send(f"{domain}.enable")
+        browser.events.clear()
+        browser.send("Page.navigate", url=path.as_uri())
+        browser.wait_for("Page.loadEventFired")
+        drawn = browser.evaluate("""(() => {
+          const svg = document.querySelector('.attnlab-train-progress svg').getBoundingClientRect();
+          const inside = [...document.querySelectorAll('polyline')].map(p => {
+            const r = p.getBoundingClientRect();
+            return r.width > 0 && r.left >= svg.left && r.right <= svg.right + 1 && r.bottom <= svg.bottom; });
+          const bar = document.querySelectorAll('.attnlab-train-progress > div')[1];
+          return {inside, bar: bar.firstChild.getBoundingClientRect().width / bar.getBoundingClientRect().width};
+        })()""")
+        events = list(browser.events)
+    errors = [e for e in events if e.get("method") == "Runtime.exceptionThrown"
+              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
+              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+    assert errors == []
+    assert [e["params"]["request"]["url"] for e in events if e.get("method") == "Network.requestWillBeSent"] \
+        == [path.as_uri()]
+    assert drawn == {"inside": [True] * 4, "bar": 1.0}

@@ -1206,7 +1206,7 @@ class LiveProgress:
         seconds = 0.0 if self._started is None else self.clock() - self._started
         status = f"{c.task}: step {t.step} / {c.steps}, {seconds:.1f} s"
         if h["train_loss"]:
-            status += f", training loss {h['train_loss'][-1]:.3f}"
+            status += f", training loss {h['train_loss'][-1]:.3g}"
         if h["eval_accuracy"]:
             status += f", held-out accuracy {100 * h['eval_accuracy'][-1]:.1f} % (step {h['eval_step'][-1]})"
         width = 2 * _PANEL["width"]
