@@ -49,6 +49,15 @@ def test_notebooks_are_stored_without_outputs(path):
     assert code and all(cell.outputs == [] and cell.execution_count is None for cell in code)
 
 
+def test_the_learner_gets_the_full_run():
+    """The stored real-model notebook trains its full run: one "parameters" cell, ``steps = None``, and no
+    environment variable that could choose another."""
+    node = nbformat.read(next(path for path in NOTEBOOKS if path.stem.endswith("real model")), as_version=4)
+    tagged = [cell.source for cell in node.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert tagged == ["steps = None  # None: the full run"]
+    assert not any("environ" in cell.source or "ATTNLAB_" in cell.source for cell in node.cells)
+
+
 def _with_steps(path: Path, steps: int | None):
     """The notebook at ``path``, its cell tagged "parameters" (if any) set to ``steps = <steps>``."""
     node = nbformat.read(path, as_version=4)
