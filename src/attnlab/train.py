@@ -17,6 +17,7 @@ batch of step ``s`` is drawn from a generator seeded by ``(seed, s)``, so a run 
 checkpoint at step ``s`` sees the same data and gives the same losses as an uninterrupted one.
 Held-out data comes from a separate stream that training never draws from.
 
+:class:`LiveProgress` draws the progress bar and the curves in a notebook while a model trains.
 After training, :func:`head_scores` measures each head's previous-token and induction scores,
 :func:`ablate_heads` re-evaluates with one head's output zeroed at a time, and
 :func:`summarize` names the heads that do the task, with the numbers.
@@ -1154,7 +1155,7 @@ class LiveProgress:
     Args:
         trainer: the run drawn: its ``config.steps`` and its ``history`` (held-out points included).
         interval: the fewest seconds between two frames.
-        clock: the time in seconds (default ``time.monotonic``; a test passes its own).
+        clock: the time in seconds, for the interval (default ``time.monotonic``; a test passes its own).
 
     Example:
         >>> run = Trainer(TrainConfig(steps=3, batch_size=2, d_model=8, heads=2, eval_sequences=4))
@@ -1173,13 +1174,10 @@ class LiveProgress:
         self.frames = 0
         self._handle = None
         self._last: float | None = None
-        self._started: float | None = None
         self._batch_accuracy: list[tuple[int, float]] = []
 
     def __call__(self, step: int, loss: float, accuracy: float, tokens_per_second: float) -> None:
         now = self.clock()
-        if self._started is None:
-            self._started = now
         self._batch_accuracy.append((step, accuracy))
         last = step >= self.trainer.config.steps
         if self._last is None or last or now - self._last >= self.interval:
@@ -1203,8 +1201,7 @@ class LiveProgress:
     def frame(self) -> "_Frame":
         """The frame for the run as it stands: HTML for a notebook, one line of text otherwise."""
         t, c, h = self.trainer, self.trainer.config, self.trainer.history
-        seconds = 0.0 if self._started is None else self.clock() - self._started
-        status = f"{c.task}: step {t.step} / {c.steps}, {seconds:.1f} s"
+        status = f"{c.task}: step {t.step} / {c.steps}, {t.seconds:.1f} s"  # training time, as metrics()
         if h["train_loss"]:
             status += f", training loss {h['train_loss'][-1]:.3g}"
         if h["eval_accuracy"]:
