@@ -244,6 +244,20 @@ def _max_positions(model) -> int | None:
     return limit
 
 
+@contextmanager
+def _no_progress_bars():
+    """transformers' loading bars (written to stderr) off for the block, then as they were."""
+    from transformers.utils import logging
+
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()
+
+
 def open_model(directory: str | Path, *, name: str | None = None) -> ModelLens:
     """Open a transformers checkpoint directory with its attention on attnlab.
 
@@ -274,7 +288,8 @@ def open_model(directory: str | Path, *, name: str | None = None) -> ModelLens:
         config = AutoConfig.from_pretrained(directory)
         architectures = getattr(config, "architectures", None) or []
         loader = AutoModelForCausalLM if any(a.endswith(_DECODER_SUFFIXES) for a in architectures) else AutoModel
-        model = loader.from_pretrained(directory, attn_implementation=DEFAULT_NAME).eval()
+        with _no_progress_bars():
+            model = loader.from_pretrained(directory, attn_implementation=DEFAULT_NAME).eval()
     except (OSError, ValueError, KeyError) as err:
         if REFUSAL in str(err):  # the integration's own refusal, one wording
             raise ValueError(f"{name or directory.name}: {err}") from None

@@ -59,6 +59,7 @@ import importlib
 import inspect
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -456,8 +457,10 @@ def register(name: str = DEFAULT_NAME) -> str:
     if not name or name in _RESERVED:
         raise ValueError(f"name must be a non-empty string other than {', '.join(_RESERVED)}; got {name!r}")
     try:  # imported here: attnlab itself never needs transformers
-        from transformers import AttentionInterface, PreTrainedModel
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+        with warnings.catch_warnings():  # its tqdm.auto warns on stderr in a notebook without ipywidgets
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            from transformers import AttentionInterface, PreTrainedModel
+            from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
     except ImportError as exc:
         raise ImportError(
             f"register needs transformers 5.x (tested {', '.join(TESTED_VERSIONS)}): "
