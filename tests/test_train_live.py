@@ -119,7 +119,7 @@ def test_a_bad_interval_is_refused_by_name(interval):
 def test_the_frame_renders_offline_in_chromium(fake_ipython, tmp_path):
     """The last frame in a real headless chromium: no console error, no request but the page, both
     panels drawn with their curves inside their frames, the bar full."""
-    from _cdp import Browser, find_browser
+    from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
 
     browser_path = find_browser()
     if browser_path is None:
@@ -131,11 +131,7 @@ def test_the_frame_renders_offline_in_chromium(fake_ipython, tmp_path):
     path.write_text("<!DOCTYPE html><html><head><meta charset=\"utf-8\"></head><body>"
                     + fake_ipython.updates[-1]._repr_html_() + "</body></html>", encoding="utf-8")
     with Browser(browser_path, timeout=30.0) as browser:
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            browser.send(f"{domain}.enable")
-        browser.events.clear()
-        browser.send("Page.navigate", url=path.as_uri())
-        browser.wait_for("Page.loadEventFired")
+        open_page(browser, path)
         drawn = browser.evaluate("""(() => {
           const svg = document.querySelector('.attnlab-train-progress svg').getBoundingClientRect();
           const inside = [...document.querySelectorAll('polyline')].map(p => {
@@ -145,10 +141,6 @@ def test_the_frame_renders_offline_in_chromium(fake_ipython, tmp_path):
           return {inside, bar: bar.firstChild.getBoundingClientRect().width / bar.getBoundingClientRect().width};
         })()""")
         events = list(browser.events)
-    errors = [e for e in events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
-    assert errors == []
-    assert [e["params"]["request"]["url"] for e in events if e.get("method") == "Network.requestWillBeSent"] \
-        == [path.as_uri()]
+    assert page_errors(events) == []
+    assert requested_urls(events) == [path.as_uri()]
     assert drawn == {"inside": [True] * 4, "bar": 1.0}
