@@ -333,3 +333,11 @@ def test_text_file_and_a_sentence_are_refused_together(tmp_path):
     path.write_text("the cat", encoding="utf-8")
     result = CliRunner().invoke(app, ["explain", "a dog", "--text-file", str(path), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_the_step_by_step_walk_refuses_a_long_text_and_points_to_model_dir(tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text(" ".join(["word"] * 600), encoding="utf-8")
+    result = CliRunner().invoke(app, ["explain", "--text-file", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "at most 512" in result.output and "--model DIR" in result.output
+    assert not (tmp_path / "o").exists()

@@ -38,6 +38,7 @@ TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
 MAX_SIZE = 1024
 MAX_HEADS = 16
 MAX_GENERATE = 256
+MAX_WALK_TOKENS = 512  # the step-by-step walk's words (its report holds every T x T table)
 MAX_TEXT_MB = 10  # --text-file: a few hundred thousand tokens, more than any view is useful for
 MAX_MASK_SIZE = 131072  # --mask: the map is 1024 blocks a side at most
 _DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the home of the defaults
@@ -136,6 +137,9 @@ def explain(
             result = trace(sentence, mode=mode, context=context, heads=heads, d_model=d_model, d_kq=d_kq,
                            d_v=d_v, seed=seed, causal=causal, dropout_p=dropout, score_mod=score_mod, sinks=sink_value)
             focus = result.query_index(query)
+        longest = max(len(result.tokens), len(result.context_tokens))
+        at_most("the sentence's words", longest, MAX_WALK_TOKENS,
+                "the walk prints and reports every number; --model DIR views a text of any length")
         from rich.console import Console
 
         _make_out(out)
