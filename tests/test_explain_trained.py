@@ -124,6 +124,8 @@ def test_truncate_cuts_a_sentence_longer_than_the_model(tmp_path):
     # 510 pieces of "word" fit; the final "it" is cut, so the query falls back to the last word.
     assert "The word 'word' attends to most" in result.output
     assert len(re.findall(r"^ word\s+2773\s+word", result.output, flags=re.M)) == 510
+    # the head view holds the links it may draw, not 72 x 512 x 512 weights (that page was 122 MB)
+    assert (tmp_path / "report.html").stat().st_size < 8_000_000
 
 
 def test_model_directory_that_is_broken_is_one_line(tmp_path):

@@ -133,3 +133,23 @@ def test_grid_panels_titles_and_colour_bar_do_not_overlap():
 
 def test_colours_are_distinct_for_twelve_heads():
     assert len(set(HEAD_COLORS)) == 12 and head_color(12) == head_color(0)
+
+
+def test_the_head_view_stores_the_links_it_draws_and_each_rows_strongest():
+    from attnlab.viz.headview import MIN_ALPHA
+    from attnlab.viz.html import drawn_links
+
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.softmax(torch.randn(60, 60, generator=gen) * 3, dim=-1)
+    hidden = torch.zeros(60, dtype=torch.bool)
+    hidden[0] = True  # a special word, hidden: never the strongest link
+    rows = drawn_links(weights, hidden)
+    for q, row in enumerate(rows):
+        stored = dict(zip(row[::2], row[1::2]))
+        drawable = {k for k in range(60) if weights[q, k] >= MIN_ALPHA}
+        others = weights[q].clone()
+        others[q], others[0] = -1, -1
+        strongest = int(others.argmax())
+        assert set(stored) == drawable | {strongest}
+        assert all(abs(w - float(weights[q, k])) <= 5e-5 for k, w in stored.items())
+    assert sum(len(row) for row in rows) < 60 * 60  # far fewer than every weight

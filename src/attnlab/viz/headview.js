@@ -25,6 +25,10 @@
         .filter(function (h) { return h < data.weights[state.layer].length; });
     }
     function hidden(i) { return data.hide_special && data.special[i]; }
+    function links(h, q, fn) {  // a query's drawable links, stored as [key, weight, key, weight, ...]
+      var row = data.weights[state.layer][h][q];
+      for (var i = 0; i < row.length; i += 2) fn(row[i + 1], row[i]);
+    }
     function y(i) { return data.top + i * data.row; }
 
     function draw() {
@@ -34,7 +38,7 @@
       var scale = 1 / Math.sqrt(Math.max(1, shown.length));
       shown.forEach(function (h) {
         if (hidden(q)) return;
-        data.weights[state.layer][h][q].forEach(function (w, k) {
+        links(h, q, function (w, k) {
           if (hidden(k) || w * scale < data.min_alpha) return;
           var line = document.createElementNS(NS, "line");
           line.setAttribute("x1", data.left); line.setAttribute("x2", data.right);
@@ -58,7 +62,7 @@
     function describe(q, shown) {
       var top = null;
       shown.forEach(function (h) {
-        data.weights[state.layer][h][q].forEach(function (w, k) {
+        links(h, q, function (w, k) {
           if (k === q || hidden(k)) return;
           if (!top || w > top.w) top = { h: h, k: k, w: w };
         });

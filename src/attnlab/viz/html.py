@@ -270,13 +270,39 @@ _HV = {"left": 160, "right": 420, "top": 24, "row": 24, "width": 580}
 
 def _trained_data(section: TrainedSection) -> dict:
     view = section.view
+    hidden = torch.tensor(view.special, dtype=torch.bool) if section.hide_special else torch.zeros(len(view.words),
+                                                                                                    dtype=torch.bool)
     return {
         "words": view.words, "special": view.special, "hide_special": section.hide_special,
-        "weights": [[[[round(float(w), 4) for w in row] for row in head] for head in layer.tolist()]
-                    for layer in unpad_heads(view.weights)],  # no NaN heads
+        "weights": [[drawn_links(head, hidden) for head in layer] for layer in unpad_heads(view.weights)],
         "layer": section.layer, "focus": section.focus, "colors": list(HEAD_COLORS), "min_alpha": MIN_ALPHA,
         **{key: _HV[key] for key in ("left", "right", "top", "row")},
     }
+
+
+def drawn_links(weights: Tensor, hidden: Tensor) -> list[list[float]]:
+    """What the head view reads of one head ``(T, T)``: per query, ``[key, weight, key, weight, ...]``
+    for the weights it may draw (at least :data:`MIN_ALPHA`) and the query's strongest link to
+    another shown word, weights rounded to 4 decimals. A page holds these, not ``T x T`` numbers:
+    a row's weights sum to 1, so at most ``1 / MIN_ALPHA`` of them are drawn.
+
+    Example:
+        >>> drawn_links(torch.tensor([[0.99, 0.01], [0.015, 0.985]]), torch.tensor([False, False]))
+        [[0, 0.99, 1, 0.01], [0, 0.015, 1, 0.985]]
+    """
+    n = weights.shape[-1]
+    eligible = ~hidden[None, :] & ~torch.eye(n, dtype=torch.bool)  # (T, T): another word, shown
+    strongest = torch.where(eligible, weights, -1.0).argmax(-1)  # (T,)
+    keep = weights >= MIN_ALPHA
+    keep[torch.arange(n), strongest] |= eligible[torch.arange(n), strongest]
+    rows, keys = keep.nonzero(as_tuple=True)
+    values = (weights[rows, keys].double() * 1e4).round() / 1e4  # fp64: 0.99 prints as 0.99
+    pairs = torch.stack([keys.to(values.dtype), values], dim=-1)  # (kept, 2), row by row
+    counts = torch.bincount(rows, minlength=n).tolist()
+    return [[int(x) if i % 2 == 0 else x for i, x in enumerate(part.reshape(-1).tolist())]
+            for part in pairs.split(counts)]
+
+
 
 
 def _model_header(section: TrainedSection) -> str:
