@@ -11,8 +11,9 @@ page), and :meth:`View.save` writes it as a page of its own.
 * :func:`model_view` -- every layer x head as a thumbnail; click one to enlarge it, hover a row of
   the enlarged one (or a token) to read where that query looks. Inputs longer than
   :data:`GRID` tokens are drawn in blocks of consecutive tokens (a cell is the block's total weight
-  averaged over its queries, as :func:`attnlab.viz.heatmap.aggregate_blocks`), so 2048 tokens draw
-  as 256 x 256 cells on a canvas.
+  averaged over its queries, or its largest weight), so 2048 tokens draw as 256 x 256 cells on a
+  canvas. Given :class:`~attnlab.viz.recompute.LazyWeights` (any length: no ``T x T`` anywhere),
+  a click on the enlarged head zooms into a region at full resolution, recomputed in the page.
 * :func:`generation_view` -- for each generated token, where every head of every layer looked
   when the model produced it.
 
@@ -58,7 +59,9 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         weights: ``(Tq, Tk)`` or ``(H, Tq, Tk)`` (one layer) or ``(L, H, T, T)`` (a model; a layer
         with fewer heads holds NaN for the heads it lacks, as :func:`attnlab.trained.pad_heads`);
         or an :class:`attnlab.explain.Trace`, or a :class:`attnlab.trained.WordAttention`; a bool
-        mask, mask mod or score mod (and ``options``) goes to :func:`attnlab.viz.maskview.show`.
+        mask, mask mod or score mod (and ``options``) goes to :func:`attnlab.viz.maskview.show`;
+        :class:`~attnlab.viz.recompute.LazyWeights` of any length (``options``: ``reduce``,
+        ``zoom_mb``, ``progress``) to :func:`model_view`.
 
     Args:
         tokens: ``Tq`` labels (default: positions); context_tokens: ``Tk`` labels when the keys are
