@@ -48,7 +48,40 @@ def test_kv_cache_bytes_of_local_global_layers():
         == local + glob
 
 
+def test_kv_cache_bytes_of_chunked_nope_dsa_and_nsa_caches():
+    per_token = 2 * 8 * 128 * 2  # a key and a value per KV head, bf16
+    # Llama 4's pattern: three chunked-local layers hold their chunk, the NoPE layer the context
+    assert kv_cache_bytes(context=131072, layers=48, kv_heads=8, head_dim=128, pattern="CCCN", chunk=8192) \
+        == 12 * (3 * 8192 + 131072) * per_token
+    # DSA: MLA's 576 numbers a token a layer, plus 128 fp8 index numbers
+    assert kv_cache_bytes(context=4096, layers=61, pattern="M", latent_dim=512, rope_dim=64, index_dim=128) \
+        == 61 * 4096 * (576 * 2 + 128)
+    # NSA: every key and value, plus one compressed pair per 16 tokens (the last block partial)
+    assert kv_cache_bytes(context=1000, layers=2, kv_heads=8, head_dim=128, compress_stride=16) \
+        == 2 * (1000 + 63) * per_token
+    with pytest.raises(ValueError, match="chunk must be given"):
+        kv_cache_bytes(context=10, layers=1, pattern="C")
+
+
+def test_kv_memory_prints_the_2026_variants():
+    result = runner.invoke(app, ["kv-memory", "--layers", "61", "--heads", "128", "--head-dim", "128", "--context",
+                                 "131072", "--latent-dim", "512", "--latent-rope-dim", "64", "--index-dim", "128",
+                                 "--kv-heads", "8", "--compress-stride", "16"])
+    assert result.exit_code == 0, result.output
+    figures = _figures(result.output)
+    assert figures["DSA: MLA + 128 fp8 index numbers"] == "10.23 GB"
+    assert figures["NSA: GQA (8 KV heads) + compressed every 16"] == "34.80 GB"
+    result = runner.invoke(app, ["kv-memory", "--layers", "48", "--heads", "40", "--kv-heads", "8", "--head-dim",
+                                 "128", "--context", "131072", "--layer-pattern", "CCCN", "--chunk", "8192"])
+    assert _figures(result.output)["chunk 8192, pattern CCCN, 8 KV heads"] == "7.65 GB"
+
+
 @pytest.mark.parametrize("args, option", [
+    (["--chunk", "8"], "--chunk 8 is for chunked-local layers"),
+    (["--layer-pattern", "CN"], "give --chunk"),
+    (["--chunk", "0", "--layer-pattern", "CN"], "--chunk"),
+    (["--index-dim", "0"], "--index-dim"),
+    (["--compress-stride", "-2"], "--compress-stride"),
     (["--layers", "0"], "--layers"),
     (["--kv-heads", "3"], "--kv-heads"),
     (["--dtype", "fp64"], "--dtype"),

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import random
 import time
 from dataclasses import dataclass
@@ -47,30 +49,60 @@ def layer_bytes_per_token(kind: str, *, kv_heads: int = 1, head_dim: int = 1, la
 
 def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2,
                    batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
-                   rope_dim: int = 0, kv_layers: int | None = None) -> int:
+                   rope_dim: int = 0, kv_layers: int | None = None, chunk: int | None = None, index_dim: int = 0,
+                   index_bytes: int = 1, compress_stride: int | None = None) -> int:
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
 
     ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
-    a ``G`` layer holds ``context`` tokens, an ``L`` layer ``min(window, context)``, an ``M`` layer
-    ``context`` latents. ``kv_layers`` counts the layers that produce (and cache) keys and values
-    when later layers reuse an earlier layer's (cross-layer KV sharing); the first ``kv_layers``
-    layers of the pattern are those.
+    a ``G`` or ``N`` (global, NoPE) layer holds ``context`` tokens, an ``L`` layer
+    ``min(window, context)``, a ``C`` (chunked-local, Llama 4) layer its current chunk,
+    ``min(chunk, context)``, an ``M`` layer ``context`` latents. ``kv_layers`` counts the layers that
+    produce (and cache) keys and values when later layers reuse an earlier layer's (cross-layer KV
+    sharing); the first ``kv_layers`` layers of the pattern are those. Sparse attention adds:
+    ``index_dim`` numbers of ``index_bytes`` a token a layer (DeepSeek-V3.2's lightning-indexer keys,
+    fp8 there), and with ``compress_stride`` one compressed key and value per ``compress_stride``
+    tokens beside the full ones (NSA's compressed branch).
 
     Example:
         >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
         0.805306368
         >>> kv_cache_bytes(context=4096, layers=6, kv_heads=1, head_dim=64, pattern="LLLLLG", window=1024)
         2359296
+        >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="CCCN", chunk=1024)
+        1835008
     """
     for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
         positive_int(name, value)
+    if set(pattern) - set(LAYER_HELD):
+        raise ValueError(f"pattern must be letters of {''.join(LAYER_HELD)}, got {pattern!r}")
     kinds = [pattern[layer % len(pattern)] for layer in range(layers)][: layers if kv_layers is None else kv_layers]
     total = 0
     for kind in kinds:
-        held = min(window, context) if kind == "L" else context
+        held = LAYER_HELD[kind](context, window=window, chunk=chunk)
         total += held * layer_bytes_per_token(kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim,
                                               rope_dim=rope_dim, dtype_bytes=dtype_bytes)
+        total += held * index_dim * index_bytes
+        if compress_stride is not None:
+            total += math.ceil(held / compress_stride) * layer_bytes_per_token(
+                kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim, rope_dim=rope_dim,
+                dtype_bytes=dtype_bytes)
     return batch * total
+
+
+def _needs(name: str, value: int | None) -> int:
+    if value is None:
+        raise ValueError(f"{name} must be given for this layer pattern, got None")
+    return value
+
+
+# Tokens a layer of each kind holds at ``context``.
+LAYER_HELD = {
+    "G": lambda context, **_: context,
+    "N": lambda context, **_: context,
+    "M": lambda context, **_: context,
+    "L": lambda context, *, window, **_: min(_needs("window", window), context),
+    "C": lambda context, *, chunk, **_: min(_needs("chunk", chunk), context),
+}
 
 
 @dataclass

@@ -3,8 +3,11 @@
 Prints one line per variant the options describe: multi-head attention (every head cached),
 grouped-query attention (``--kv-heads``), each again with cross-layer KV sharing
 (``--kv-layers``: only that many layers produce and cache keys/values), multi-head latent
-attention (``--latent-dim`` [+ ``--latent-rope-dim``] numbers a token a layer), and sliding-window
-layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G`` layers). GB are
+attention (``--latent-dim`` [+ ``--latent-rope-dim``] numbers a token a layer), sliding-window
+layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G`` layers), Llama 4's
+chunked-local ``C`` and NoPE global ``N`` layers (``--chunk``), DSA (``--index-dim``: the lightning
+indexer's fp8 keys beside the model's cache) and NSA (``--compress-stride``: compressed keys and
+values beside the full cache). GB are
 10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
 (docs/variants.md).
 """
@@ -37,9 +40,16 @@ def kv_memory(
                                              "the latent (default 0)."),
     window: int = typer.Option(None, "--window", help="Sliding window of the local layers (tokens)."),
     layer_pattern: str = typer.Option("L", "--layer-pattern", help="With --window: local (L) and global (G) "
-                                                                   "layers, repeated over --layers."),
+                                                                   "layers; with --chunk: chunked-local (C) and "
+                                                                   "NoPE global (N) layers (Llama 4), repeated "
+                                                                   "over --layers."),
+    chunk: int = typer.Option(None, "--chunk", help="Chunk of the chunked-local C layers (tokens)."),
+    index_dim: int = typer.Option(None, "--index-dim", help="DSA: lightning-indexer key numbers cached per token "
+                                                            "and layer, in fp8 (DeepSeek-V3.2: 128)."),
+    compress_stride: int = typer.Option(None, "--compress-stride", help="NSA: one compressed key and value per "
+                                                                        "this many tokens, beside the full cache."),
 ) -> None:
-    """Print the KV-cache size of MHA, GQA, KV sharing, MLA and sliding-window layers at --context."""
+    """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA and NSA at --context."""
     from attnlab.bench.variants import DTYPE_BYTES, kv_cache_bytes
 
     with option_errors():
@@ -57,15 +67,22 @@ def kv_memory(
             fail(f"--latent-rope-dim must be >= 0, got {latent_rope_dim}")
         if latent_rope_dim is not None:
             at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
-        if window is not None:
-            at_most("--window", positive_int("--window", window), _MAX_SIZE, "a size this large is a typo")
+        for option, value in (("--window", window), ("--chunk", chunk), ("--index-dim", index_dim),
+                              ("--compress-stride", compress_stride)):
+            if value is not None:
+                at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
-    if not layer_pattern or set(layer_pattern) - set("LG"):
-        fail(f"--layer-pattern must be letters L (local) and G (global), got {layer_pattern!r}")
-    if layer_pattern != "L" and window is None:
-        fail("--layer-pattern describes sliding-window layers: give --window")
+    if not layer_pattern or set(layer_pattern) - set("LGCN"):
+        fail(f"--layer-pattern must be letters L (local), G (global), C (chunked-local) and N (NoPE global), "
+             f"got {layer_pattern!r}")
+    if "L" in layer_pattern and layer_pattern != "L" and window is None:
+        fail("--layer-pattern has sliding-window L layers: give --window")
+    if "C" in layer_pattern and chunk is None:
+        fail("--layer-pattern has chunked-local C layers: give --chunk")
+    if chunk is not None and "C" not in layer_pattern:
+        fail(f"--chunk {chunk} is for chunked-local layers: give --layer-pattern with C (e.g. CCCN)")
     sizes = dict(context=context, layers=layers, head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype], batch=batch)
     rows = [("MHA", kv_cache_bytes(kv_heads=heads, **sizes))]
     if kv_heads is not None:
@@ -77,9 +94,21 @@ def kv_memory(
     if latent_dim is not None:
         rows.append((f"MLA (latent {latent_dim} + rope {latent_rope_dim})", kv_cache_bytes(
             pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim, **sizes)))
-    if window is not None:
-        rows.append((f"window {window}, pattern {layer_pattern}" + (f", {kv_heads} KV heads" if kv_heads else ""),
-                     kv_cache_bytes(kv_heads=kv_heads or heads, pattern=layer_pattern, window=window, **sizes)))
+    if window is not None or chunk is not None:
+        spans = ", ".join(f"{name} {value}" for name, value in (("window", window), ("chunk", chunk)) if value)
+        rows.append((f"{spans}, pattern {layer_pattern}" + (f", {kv_heads} KV heads" if kv_heads else ""),
+                     kv_cache_bytes(kv_heads=kv_heads or heads, pattern=layer_pattern, window=window, chunk=chunk,
+                                    **sizes)))
+    if index_dim is not None:  # DSA: the model's own cache (MLA when given) plus fp8 index keys
+        base = dict(pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim) if latent_dim else \
+            dict(kv_heads=kv_heads or heads)
+        name = "MLA" if latent_dim else (f"GQA ({kv_heads} KV heads)" if kv_heads else "MHA")
+        rows.append((f"DSA: {name} + {index_dim} fp8 index numbers", kv_cache_bytes(index_dim=index_dim, **base,
+                                                                                     **sizes)))
+    if compress_stride is not None:  # NSA keeps every key and value and adds the compressed ones
+        name = f"GQA ({kv_heads} KV heads)" if kv_heads else "MHA"
+        rows.append((f"NSA: {name} + compressed every {compress_stride}", kv_cache_bytes(
+            kv_heads=kv_heads or heads, compress_stride=compress_stride, **sizes)))
     _print(rows, sizes, heads, dtype)
 
 
