@@ -43,7 +43,7 @@ class _OffsetRMSNorm(nn.Module):
     """RMSNorm over the last axis scaled by ``1 + weight`` (weight starts at 0), as Qwen3-Next's.
 
     Example:
-        >>> _OffsetRMSNorm(4)(torch.tensor([[2.0, 2.0, 2.0, 2.0]]))
+        >>> _OffsetRMSNorm(4, 1e-6)(torch.tensor([[2.0, 2.0, 2.0, 2.0]]))
         tensor([[1., 1., 1., 1.]])
     """
 
@@ -53,8 +53,10 @@ class _OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        work = torch.promote_types(x.dtype, torch.float32)  # half precision computes in fp32, as Qwen3-Next
+        x32 = x.to(work)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(work))).type_as(x)
 
 
 class _ProjectedAttention(nn.Module):
