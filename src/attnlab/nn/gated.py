@@ -43,8 +43,8 @@ class _OffsetRMSNorm(nn.Module):
     """RMSNorm over the last axis scaled by ``1 + weight`` (weight starts at 0), as Qwen3-Next's.
 
     Example:
-        >>> _OffsetRMSNorm(4, 1e-6)(torch.tensor([[2.0, 2.0, 2.0, 2.0]]))
-        tensor([[1., 1., 1., 1.]])
+        >>> _OffsetRMSNorm(4, 0.0)(torch.tensor([[2.0, -2.0, 2.0, 2.0]])).tolist()   # weight 0: scale 1
+        [[1.0, -1.0, 1.0, 1.0]]
     """
 
     def __init__(self, dim: int, eps: float):
