@@ -1,6 +1,7 @@
 """Production attention modules built on :func:`attnlab.attention`.
 
 Multi-head (grouped-query, cross, sliding-window) attention, multi-head latent attention (MLA),
+differential (DiffLlama) and gated (Qwen3-Next) attention,
 the KV caches (contiguous, windowed ring buffer, paged), positional encodings and transformer
 blocks. The tutorials' small teaching modules live in :mod:`attnlab.tutorial`.
 
@@ -14,6 +15,8 @@ Example:
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
+from attnlab.nn.gated import GatedAttention
+from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
@@ -30,6 +33,8 @@ __all__ = [
     "from_torch",
     "to_torch",
     "LatentAttention",
+    "DifferentialAttention",
+    "GatedAttention",
     "Cache",
     "KVCache",
     "WindowedKVCache",
