@@ -1,10 +1,11 @@
 """DiffLlama, Qwen3-Next and Llama 4 (text) on attnlab equal eager (issue 34), tiny random models, nothing downloaded.
 
 Each family runs ``attn_implementation="attnlab"`` against ``"eager"`` with the same weights: logits of
-un-, right- and left-padded batches at the real tokens (also against eager in fp64), gradients, greedy
-generation from a left-padded prompt. Each call a model makes is also checked against plain fp64
-attention written here (eager itself is no fp64 reference: DiffLlama's takes its softmax in fp32, whose
-fully masked rows of a double model become NaN, and Qwen3-Next's experts refuse fp64). The attention each family asks of attnlab:
+un-, right- and left-padded batches at the real tokens, gradients, greedy generation from a left-padded
+prompt with each step's logits, all within 1e-4. Each attention call a model makes is also checked against
+plain fp64 attention written here (eager itself is no fp64 reference: DiffLlama's takes its softmax in
+fp32, so a double model's fully masked rows become NaN, and Qwen3-Next's experts refuse fp64). The
+attention each family asks of attnlab:
 
 - DiffLlama: two calls per layer sharing q and k, one per half of the value heads (the difference of
   the two softmaxes is taken by the model).
