@@ -137,6 +137,13 @@ def test_tiny_config_shrinks_sizes_and_keeps_every_layer_type():
     assert max(config.pad_token_id, config.eos_token_id, config.bos_token_id) < config.vocab_size
 
 
+def test_tiny_llama4_keeps_a_chunked_and_a_nope_layer_with_a_short_chunk():
+    """Regression: the cut model had a chunk of 8192 (no chunking at 7 tokens) and no NoPE layer."""
+    config = zoo.tiny_config("llama4_text")
+    assert config.attention_chunk_size == 4 and config.num_hidden_layers == 2
+    assert sorted(config.no_rope_layers) == [0, 1]  # one NoPE layer (0) beside one rotary, chunked layer (1)
+
+
 def test_difference_masks_padding_and_flags_one_sided_nan():
     a = torch.zeros(2, 3, 4)
     b = a.clone()

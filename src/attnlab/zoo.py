@@ -89,7 +89,11 @@ _SMALL = {
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 128),
     "vocab_size": 128, "image_size": 32, "patch_size": 8, "sliding_window": 4, "max_source_positions": 16,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "attention_chunk_size": 4,  # Llama 4's chunked layers: a chunk shorter than the test's inputs
 }
+# Per-layer lists cut as layer_types is (each distinct value first), so a cut model keeps every kind:
+# Llama 4's no_rope_layers marks its NoPE layers, which must stay beside its chunked ones.
+_PER_LAYER_KINDS = ("layer_types", "no_rope_layers")
 _WIDE_OUTPUT = ("past_key_values", "cache")  # output fields never compared (they hold padded slots)
 
 
@@ -201,7 +205,7 @@ def _small_fields(config) -> dict:
         old, new = layers
         for key, value in values.items():
             if isinstance(value, list) and len(value) == old > new:
-                changed[key] = _cut_layers(value, new) if key == "layer_types" else value[:new]
+                changed[key] = _cut_layers(value, new) if key in _PER_LAYER_KINDS else value[:new]
     for key in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
