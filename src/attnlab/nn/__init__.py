@@ -15,6 +15,7 @@ from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder,
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.native_sparse import NativeSparseAttention
 from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
     ALiBi,
@@ -30,6 +31,7 @@ __all__ = [
     "from_torch",
     "to_torch",
     "LatentAttention",
+    "NativeSparseAttention",
     "Cache",
     "KVCache",
     "WindowedKVCache",
