@@ -145,6 +145,18 @@ def test_gradients_of_input_and_every_parameter_match(case):
     assert got["kv_proj.weight"].abs().sum() > 0 and got["gate_proj.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 5), (2, 1)])
+def test_empty_and_one_token_inputs(shape):
+    """T=0 and B=0 give empty outputs; T=1 attends only itself (window and selected branch)."""
+    m = _module("mlp")
+    x = torch.randn(*shape, m.d_model, dtype=torch.float64, requires_grad=True)
+    out = m(x)
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape
+    if x.numel():
+        torch.testing.assert_close(out, reference(m, x)[4], rtol=1e-10, atol=1e-12)
+
+
 def test_float32_matches_fp64():
     m = _module("mlp")
     x = torch.randn(2, 21, m.d_model, dtype=torch.float64)

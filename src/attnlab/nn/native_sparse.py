@@ -14,7 +14,8 @@ each branch with its own key and value projections, and mixes the three results 
 * **Selected.** The compressed branch's probabilities ``p_cmp`` score the selection blocks of
   ``l' = select_block`` tokens: the paper's equation (9), read as "each compressed block adds its
   probability once for every stride chunk ``[c d, c d + d)`` of block ``j`` it covers",
-  ``p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p_cmp[(l'/d) j + m - n]``, summed over the query
+  ``p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p_cmp[(l'/d) j + m - n]`` (the paper prints ``- m``;
+  ``+ m`` walks the chunks inside block ``j``; both agree when ``l = l' = d``), summed over the query
   heads of a GQA group so the group shares one choice. The ``n = select_count`` best blocks that
   started at or before ``t`` are kept; block 0 and the ``select_local`` newest blocks always are
   (ties: the earlier block). Their tokens are attended causally at full resolution through
@@ -232,6 +233,8 @@ class NativeSparseAttention(nn.Module):
         num_blocks = -(-length // self.select_block)
         chunks = num_blocks * chunks_per_block
         grouped = p_cmp.unflatten(1, (self.num_kv_heads, -1)).sum(2)  # (B, Hkv, T, Nc)
+        if num_blocks == 0:  # an empty sequence
+            return grouped.new_zeros(*grouped.shape[:-1], 0)  # (B, Hkv, 0, 0)
         padded = F.pad(grouped, (per_chunk - 1, chunks - nc))  # chunk c: compressed blocks c-l/d+1 .. c
         covered = padded.unfold(-1, per_chunk, 1).sum(-1)  # (B, Hkv, T, chunks)
         return covered.unflatten(-1, (num_blocks, chunks_per_block)).sum(-1)  # (B, Hkv, T, Ns)
