@@ -18,6 +18,7 @@ from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.native_sparse import NativeSparseAttention
 from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
     ALiBi,
@@ -35,6 +36,7 @@ __all__ = [
     "LatentAttention",
     "DifferentialAttention",
     "GatedAttention",
+    "NativeSparseAttention",
     "Cache",
     "KVCache",
     "WindowedKVCache",
