@@ -12,7 +12,7 @@ Example:
 """
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
-from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.cache import Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.convert import from_torch, to_torch
@@ -33,6 +33,7 @@ __all__ = [
     "Cache",
     "KVCache",
     "WindowedKVCache",
+    "ChunkedKVCache",
     "PagedKVCache",
     "RotaryEmbedding",
     "ALiBi",
