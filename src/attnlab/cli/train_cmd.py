@@ -299,8 +299,8 @@ def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | N
 
 
 def _check_variant(task: str, given: dict) -> None:
-    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window for its L
-    layers and --latent-dim for its M layers, neither without them (over --layers)."""
+    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim
+    and --chunk for its L, M and C layers, none without them (over --layers)."""
     layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
     pattern = given.get("layer_pattern")
     if pattern is not None:

@@ -316,8 +316,9 @@ class GPT(nn.Module):
         """One empty cache per layer, on the model's device and dtype.
 
         A :class:`~attnlab.nn.KVCache` of ``max_len`` slots per global or latent layer and a
-        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer (a
-        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window is wider); with
+        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer and a
+        :class:`~attnlab.nn.ChunkedKVCache` of ``chunk`` slots per chunked layer (a
+        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window or chunk is wider); with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
         ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows.
 
