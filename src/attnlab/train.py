@@ -332,9 +332,9 @@ def default_heads(task: str, layers: int) -> int | tuple[int, ...]:
 class TrainConfig:
     """What to train and how; None means the task's default (see :meth:`resolved`).
 
-    ``kv_heads``, ``layer_pattern``, ``window`` and ``latent_dim`` choose the attention variant
-    (grouped-query heads, local/global/latent layers; see :class:`~attnlab.models.GPT`); None
-    trains plain multi-head attention.
+    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim`` and ``chunk`` choose the attention
+    variant (grouped-query heads, local/global/latent/chunked/NoPE layers; see
+    :class:`~attnlab.models.GPT`); None trains plain multi-head attention.
 
     ``softcap`` caps every attention score with ``softcap * tanh(score / softcap)`` (Gemma 2) and
     ``sinks`` gives every head a learnable sink logit (gpt-oss); :func:`analyze` then reports each
@@ -374,6 +374,7 @@ class TrainConfig:
     latent_dim: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    chunk: int | None = None
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
@@ -486,7 +487,7 @@ class Trainer:
                              num_layers=c.layers, num_heads=c.heads, attention_only=c.attention_only,
                              positions=c.positions, num_kv_heads=c.kv_heads, layer_pattern=c.layer_pattern,
                              window=c.window, latent_dim=c.latent_dim, softcap=c.softcap,
-                             sinks=c.sinks).to(c.device)
+                             sinks=c.sinks, chunk=c.chunk).to(c.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.step = 0
         self.seconds = 0.0

@@ -8,11 +8,11 @@ for the device's memory (named by the option that makes it so, before anything i
 Ctrl-C finishes the current step, saves a checkpoint and prints the command that resumes it
 (exit 130); a second Ctrl-C stops at once.
 
-``--kv-heads``, ``--layer-pattern``, ``--window`` and ``--latent-dim`` train an attention variant
-(grouped-query heads; local, global and latent layers, see :class:`attnlab.models.GPT`): a
-``--kv-heads`` that does not divide every layer's heads, a pattern with letters other than G, L
-and M, a ``--window`` or ``--latent-dim`` missing for the pattern's L or M layers, or given
-without them, is one ``error:`` line naming the option.
+``--kv-heads``, ``--layer-pattern``, ``--window``, ``--latent-dim`` and ``--chunk`` train an
+attention variant (grouped-query heads; global, local, latent, chunked-local and NoPE layers, see
+:class:`attnlab.models.GPT`): a ``--kv-heads`` that does not divide every layer's heads, a pattern
+with letters other than G, L, M, C and N, a ``--window``, ``--latent-dim`` or ``--chunk`` missing
+for the pattern's L, M or C layers, or given without them, is one ``error:`` line naming the option.
 
 ``--context-parallel P`` shards every sequence over P ranks; each layer keeps its whole
 attention (L layers their ``--window``, ``--softcap``, ``--sinks``, positions), and what cannot
@@ -46,7 +46,7 @@ from attnlab.cli._memory import refuse_if_too_big
 from attnlab.distributed import METHODS, sequence_layout
 from attnlab.distributed.launch import run_local
 from attnlab.distributed.layout import check_length
-from attnlab.models.gpt import LAYER_KINDS
+from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
 from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
@@ -94,12 +94,15 @@ def train(
                                       "(default: one per head)."),
     layer_pattern: str = typer.Option(None, "--layer-pattern", show_default=False,
                                       help="Each layer's attention, tiled over --layers: G global, L local "
-                                           "(sliding --window), M latent (MLA, --latent-dim); e.g. LLG "
+                                           "(sliding --window), M latent (MLA, --latent-dim), C chunked local "
+                                           "(--chunk), N global without positions (NoPE); e.g. LLG or CCCN "
                                            "(default: all G)."),
     window: int = typer.Option(None, "--window", show_default=False,
                                help="Keys per query of the L layers' sliding window."),
     latent_dim: int = typer.Option(None, "--latent-dim", show_default=False,
                                    help="Width of the M layers' key/value latent."),
+    chunk: int = typer.Option(None, "--chunk", show_default=False,
+                              help="Tokens per chunk of the C layers (a query sees its chunk's earlier keys)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -110,7 +113,7 @@ def train(
     given = {name: value for name, value in dict(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
-        layer_pattern=layer_pattern, window=window, latent_dim=latent_dim).items() if value is not None}
+        layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk).items() if value is not None}
     _check_options(given, steps, threads)
     sharding = _check_sharding(context_parallel, cp_method, cp_ulysses, device)
     _check_device(device)
@@ -154,7 +157,7 @@ FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": 
          "attention_only": "--attention-only/--mlp", "steps": "--steps", "batch_size": "--batch-size", "lr": "--lr",
          "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks",
          "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
-         "latent_dim": "--latent-dim"}
+         "latent_dim": "--latent-dim", "chunk": "--chunk"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -181,7 +184,7 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
         if "task" in given:
             one_of("--task", given["task"], _train.TASKS)
         for name, value in (*given.items(), ("steps", steps)):
-            if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim") \
+            if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim", "chunk") \
                     and value is not None:
                 positive_int(FLAGS[name], value)
         if "lr" in given:
@@ -296,8 +299,8 @@ def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | N
 
 
 def _check_variant(task: str, given: dict) -> None:
-    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window for its L
-    layers and --latent-dim for its M layers, neither without them (over --layers)."""
+    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim
+    and --chunk for its L, M and C layers, none without them (over --layers)."""
     layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
     pattern = given.get("layer_pattern")
     if pattern is not None:
@@ -307,7 +310,7 @@ def _check_variant(task: str, given: dict) -> None:
                  f"got {pattern!r}" + (f" with unknown {unknown!r}" if unknown else ""))
     kinds = set((pattern or "G")[:layers])  # the letters the tiled pattern uses (--layers may be huge)
     shown = f"--layer-pattern {pattern}" if pattern is not None else "no --layer-pattern (every layer G)"
-    for letter, name in (("L", "window"), ("M", "latent_dim")):
+    for letter, name in ((letter, kind.option) for letter, kind in LAYER_TABLE.items() if kind.option):
         if letter in kinds and name not in given:
             fail(f"{shown} has {LAYER_KINDS[letter]} layers: give {FLAGS[name]}")
         if letter not in kinds and name in given:
@@ -332,17 +335,18 @@ def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
     if used and "M" in kinds:
         fail(f"{', '.join(used)}: not available on {LAYER_KINDS['M']} layers, and {shown} has some; "
              "use a --layer-pattern without M")
-    if alibi and "L" in kinds:
-        fail(f"--positions alibi: not available on {LAYER_KINDS['L']} layers (their windowed cache does not keep "
-             f"keys in position order), and {shown} has some; use --positions rope or learned")
+    for letter in ("L", "C"):
+        if alibi and letter in kinds:
+            fail(f"--positions alibi: not available on {LAYER_KINDS[letter]} layers (their cache does not keep "
+                 f"keys from position 0), and {shown} has some; use --positions rope or learned")
 
 
 def _variant_banner(config: _train.TrainConfig) -> str:
     """``, GQA 2 kv heads, layers LLG (window 8)`` for a variant; empty for plain multi-head attention."""
     parts = [f"{config.kv_heads} kv heads"] if config.kv_heads is not None else []
     if config.layer_pattern is not None:
-        sizes = [f"{name} {value}" for name, value in (("window", config.window), ("latent", config.latent_dim))
-                 if value is not None]
+        sizes = [f"{name} {value}" for name, value in (("window", config.window), ("latent", config.latent_dim),
+                                                        ("chunk", config.chunk)) if value is not None]
         parts.append(f"layers {config.layer_pattern}" + (f" ({', '.join(sizes)})" if sizes else ""))
     return "".join(f", {part}" for part in parts)
 

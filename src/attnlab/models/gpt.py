@@ -26,7 +26,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,26 @@ __all__ = ["GPT"]
 
 MODEL_TYPE = "attnlab-gpt"  # config.json's model_type for attnlab's own layout
 POSITIONS = ("learned", "rope", "alibi")
-# layer_pattern letters: full causal (multi-head or grouped-query) attention, a causal sliding
-# window, multi-head latent attention.
-LAYER_KINDS = {"G": "global", "L": "local (sliding window)", "M": "latent (MLA)"}
+
+
+class LayerKind(NamedTuple):
+    """One ``layer_pattern`` letter: its name, the GPT option its layers need (and only they take),
+    and whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE)."""
+
+    name: str
+    option: str | None = None
+    positions: bool = True
+
+
+# layer_pattern letters, the one table every letter goes through (a new letter is a new row).
+LAYER_TABLE = {
+    "G": LayerKind("global"),
+    "L": LayerKind("local (sliding window)", "window"),
+    "M": LayerKind("latent (MLA)", "latent_dim"),
+    "C": LayerKind("chunked local", "chunk"),
+    "N": LayerKind("global without positions (NoPE)", positions=False),
+}
+LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                    "relu": "relu", "silu": "silu"}
@@ -98,9 +115,14 @@ class GPT(nn.Module):
             (``"LLLLLG"``: five local layers to one global, Gemma 3's pattern): ``G`` global
             (``num_heads``/``num_kv_heads`` causal attention), ``L`` local (the same with a causal
             sliding ``window``; its cache is a :class:`~attnlab.nn.WindowedKVCache`), ``M``
-            multi-head latent attention (:class:`~attnlab.nn.LatentAttention` of ``latent_dim``).
-            Default: every layer ``G``.
+            multi-head latent attention (:class:`~attnlab.nn.LatentAttention` of ``latent_dim``),
+            ``C`` chunked local (causal within blocks of ``chunk`` tokens, Llama 4's local layers;
+            its cache is a :class:`~attnlab.nn.ChunkedKVCache` of ``chunk`` slots), ``N`` global
+            without positions (NoPE: ``positions="rope"``/``"alibi"`` act in the other layers, not
+            in these; learned positions, added to the input, reach every layer). Llama 4's text
+            model is ``"CCCN"``. Default: every layer ``G``.
         window: the local layers' sliding window (keys per query, the query's own included).
+        chunk: the ``C`` layers' chunk (tokens per block; a query sees its block's earlier keys).
         latent_dim: the ``M`` layers' latent width.
         latent_rope_dim: the ``M`` layers' decoupled rotary width (default: half a head, even).
 
@@ -121,6 +143,10 @@ class GPT(nn.Module):
         ...             layer_pattern="LGM", window=2, latent_dim=4)
         >>> [type(c).__name__ for c in mixed.new_cache(1)]
         ['WindowedKVCache', 'KVCache', 'KVCache']
+        >>> llama4 = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=4, num_heads=2,
+        ...              positions="rope", layer_pattern="CCCN", chunk=4)
+        >>> [type(c).__name__ for c in llama4.new_cache(1)], llama4.blocks[3].attn.rope
+        (['ChunkedKVCache', 'ChunkedKVCache', 'ChunkedKVCache', 'KVCache'], None)
     """
 
     def __init__(
@@ -131,6 +157,7 @@ class GPT(nn.Module):
         backend: str = "auto",
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
         latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
+        chunk: int | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -149,10 +176,13 @@ class GPT(nn.Module):
             activation=activation, tie_embeddings=tie_embeddings, layer_pattern=layer_pattern, window=window,
             latent_dim=latent_dim, latent_rope_dim=latent_rope_dim,
         )
-        kinds = _layer_kinds(layer_pattern, num_layers, window, latent_dim, latent_rope_dim)
+        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk}
+        kinds = _layer_kinds(layer_pattern, num_layers, sizes, latent_rope_dim)
         _check_score_options(kinds, positions, softcap, sinks)
         if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
             self.config.update(softcap=softcap, sinks=sinks)
+        if chunk is not None:
+            self.config.update(chunk=chunk)
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -161,11 +191,11 @@ class GPT(nn.Module):
             TransformerBlock(d_model, layer_heads, d_ff=d_ff, dropout_p=dropout_p, causal=True,
                              num_kv_heads=num_kv_heads, bias=bias,
                              norm_eps=norm_eps, activation=activation, backend=backend,
-                             mlp=not attention_only, window=window if kind == "L" else None,
+                             mlp=not attention_only,
                              attn=LatentAttention(d_model, layer_heads, latent_dim=latent_dim,
                                                   rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
                                                   backend=backend) if kind == "M" else None,
-                             positions=positions if positions in ("rope", "alibi") else None, softcap=softcap, sinks=sinks)
+                             softcap=softcap, sinks=sinks, **_layer_options(kind, sizes, positions))
             for layer_heads, kind in zip(heads, kinds)
         )
         self.layer_kinds = kinds
@@ -286,8 +316,9 @@ class GPT(nn.Module):
         """One empty cache per layer, on the model's device and dtype.
 
         A :class:`~attnlab.nn.KVCache` of ``max_len`` slots per global or latent layer and a
-        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer (a
-        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window is wider); with
+        :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer and a
+        :class:`~attnlab.nn.ChunkedKVCache` of ``chunk`` slots per chunked layer (a
+        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window or chunk is wider); with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
         ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows.
 
@@ -506,22 +537,32 @@ def _check_prompts(prompts: object) -> list[Tensor]:
     return list(prompts)
 
 
+def _layer_options(letter: str, sizes: dict, positions: str) -> dict:
+    """A layer's :class:`~attnlab.nn.TransformerBlock` options from its :data:`LAYER_TABLE` row:
+    its ``window``/``chunk`` (None unless the row names it) and its positions part."""
+    kind = LAYER_TABLE[letter]
+    rotates = kind.positions and positions in ("rope", "alibi")
+    return {**{name: sizes[name] if kind.option == name else None for name in ("window", "chunk")},
+            "positions": positions if rotates else None}
+
+
 def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool) -> None:
     """ALiBi, softcap and sinks are options of the multi-head layers: latent (MLA) layers take
-    none, and ALiBi's distances need the contiguous cache local layers do not use."""
+    none, and ALiBi's distances need the contiguous cache local and chunked layers do not use."""
     used = [name for name, on in (("positions='alibi'", positions == "alibi"), ("softcap", softcap is not None),
                                   ("sinks", sinks)) if on]
     if used and "M" in kinds:
         raise ValueError(f"{', '.join(used)}: not available on latent (MLA) layers; use a layer_pattern "
                          f"without 'M'")
-    if positions == "alibi" and "L" in kinds:
-        raise ValueError("positions='alibi' with local layers: their windowed cache does not keep keys in "
-                         "position order; use rope or learned positions with a layer_pattern")
+    for letter in ("L", "C"):
+        if positions == "alibi" and letter in kinds:
+            raise ValueError(f"positions='alibi' with {LAYER_KINDS[letter]} layers: their cache does not keep "
+                             "keys from position 0; use rope or learned positions with a layer_pattern")
 
 
-def _layer_kinds(pattern: object, num_layers: int, window: object, latent_dim: object,
-                 latent_rope_dim: object) -> tuple[str, ...]:
-    """Each layer's letter of :data:`LAYER_KINDS`; ``window``/``latent_dim`` checked against them."""
+def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim: object) -> tuple[str, ...]:
+    """Each layer's letter of :data:`LAYER_TABLE`; ``sizes`` (``window``, ``latent_dim``, ``chunk``)
+    checked against the letters that need them."""
     if pattern is None:
         pattern = "G"
     instance_of("layer_pattern", pattern, str, f"a string of the letters {''.join(LAYER_KINDS)}")
@@ -531,7 +572,8 @@ def _layer_kinds(pattern: object, num_layers: int, window: object, latent_dim: o
                          f"{', '.join(f'{k} ({v})' for k, v in LAYER_KINDS.items())}; got {pattern!r}"
                          + (f" with unknown {''.join(unknown)!r}" if unknown else ""))
     kinds = tuple(pattern[layer % len(pattern)] for layer in range(num_layers))
-    for letter, name, value in (("L", "window", window), ("M", "latent_dim", latent_dim)):
+    for letter, name in ((letter, kind.option) for letter, kind in LAYER_TABLE.items() if kind.option):
+        value = sizes[name]
         if letter in kinds and value is None:
             raise ValueError(f"layer_pattern {pattern!r} has {letter} layers: give {name}")
         if letter not in kinds and value is not None:

@@ -13,7 +13,7 @@ Example:
 """
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
-from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.cache import Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.differential import DifferentialAttention
@@ -40,6 +40,7 @@ __all__ = [
     "Cache",
     "KVCache",
     "WindowedKVCache",
+    "ChunkedKVCache",
     "PagedKVCache",
     "RotaryEmbedding",
     "ALiBi",

@@ -106,6 +106,8 @@ class TransformerBlock(nn.Module):
             (``norm_mlp`` and ``mlp`` are None), the setting of circuit studies, where every
             path from input to output goes through attention heads.
         window: a causal sliding window for the self-attention (local layers).
+        chunk: chunked-local self-attention, each query within its ``chunk``-sized block (Llama 4's
+            local layers; see :class:`~attnlab.nn.MultiHeadAttention`).
         attn: a self-attention module to use instead of the ``MultiHeadAttention`` the block
             would build (e.g. a :class:`~attnlab.nn.LatentAttention`); it takes the keyword
             arguments ``mask``, ``padding_mask``, ``cache``, ``return_weights``, ``document_ids``.
@@ -132,7 +134,7 @@ class TransformerBlock(nn.Module):
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
         mlp: bool = True, window: int | None = None,
         attn: nn.Module | None = None, positions: str | nn.Module | None = None, softcap: float | None = None,
-        sinks: bool = False,
+        sinks: bool = False, chunk: int | None = None,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -146,7 +148,7 @@ class TransformerBlock(nn.Module):
             self.attn = MultiHeadAttention(
                 d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
                 window=window, positions=positions,
-                softcap=softcap, sinks=sinks, **common,
+                softcap=softcap, sinks=sinks, chunk=chunk, **common,
             )
         self.norm_cross = self.cross_attn = None
         if cross_attention:

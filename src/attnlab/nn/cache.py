@@ -3,6 +3,8 @@
 * :class:`KVCache` -- one preallocated contiguous buffer per batch row (``max_len`` slots each);
 * :class:`WindowedKVCache` -- a ring buffer of the last ``window`` positions, exact for a
   causal sliding-window layer at any generated length, its memory flat in that length;
+* :class:`ChunkedKVCache` -- the current chunk of a chunked-local layer (Llama 4's local layers),
+  ``chunk`` slots at any generated length;
 * :class:`PagedKVCache` -- a pool of fixed-size pages shared by the rows, each row owning a block
   table (its list of pages); rows of different lengths hold only the pages they fill, and a
   finished row's pages go back to the pool for the next sequence (vLLM's paged attention).
@@ -30,7 +32,7 @@ from torch import Tensor
 
 from attnlab._checks import instance_of, non_negative_int, positive_int
 
-__all__ = ["Cache", "KVCache", "WindowedKVCache", "PagedKVCache", "new_positions"]
+__all__ = ["Cache", "KVCache", "WindowedKVCache", "ChunkedKVCache", "PagedKVCache", "new_positions"]
 
 # attend(q, keys, values) -> out; a ragged paged batch adds key_lengths= (see Cache.attend).
 Attend = Callable[..., Tensor]
@@ -445,6 +447,92 @@ class WindowedKVCache(_BufferCache):
     def __repr__(self) -> str:
         return (f"WindowedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"length={self.length}, window={self.window}, head_dim={self.head_dim}, dtype={self.dtype})")
+
+
+class ChunkedKVCache(_BufferCache):
+    """The current chunk's keys/values: a chunked-local layer's whole cache (Llama 4's local layers).
+
+    A chunked-local layer lets the query at position ``p`` see keys ``p - p % chunk .. p`` only
+    (its own chunk, causally), so a key is never read once its chunk is over: position ``p`` lives
+    in slot ``p % chunk`` and each chunk starts over at slot 0. Memory stays ``chunk`` slots however
+    many tokens are generated.
+
+    :meth:`update` returns the keys the new queries may reach, in order: from the start of the
+    first new position's chunk to the newest position. They start on a chunk boundary, as the
+    module's rule (:func:`attnlab.nn.multihead.causal_rule` with ``chunk``) expects; a decoding
+    step gets a view of the held slots, copying nothing.
+
+    Shapes:
+        keys: ``(B, Hkv, chunk, D)``; values: ``(B, Hkv, chunk, Dv)``. :meth:`update` takes
+        ``(B, Hkv, T_new, D)`` / ``(B, Hkv, T_new, Dv)`` and returns ``(B, Hkv, length % chunk +
+        T_new, D)`` / ``(..., Dv)`` (``length`` before the update).
+
+    Args:
+        batch_size, num_kv_heads, head_dim: ``B``, ``Hkv``, ``D``.
+        chunk: the chunk of the layer it serves.
+        value_dim: ``Dv`` (defaults to ``head_dim``).
+        dtype, device: of the buffers.
+
+    Example:
+        >>> cache = ChunkedKVCache(batch_size=1, num_kv_heads=1, chunk=3, head_dim=1)
+        >>> k, _ = cache.update(torch.arange(5.0).view(1, 1, 5, 1), torch.zeros(1, 1, 5, 1))
+        >>> k.flatten().tolist(), cache.keys.flatten()[:2].tolist()   # positions 3, 4: chunk 1
+        ([0.0, 1.0, 2.0, 3.0, 4.0], [3.0, 4.0])
+        >>> cache.update(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1))[0].flatten().tolist()
+        [3.0, 4.0, 1.0]
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, chunk: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        self._allocate(batch_size, num_kv_heads, chunk, head_dim, value_dim, dtype, device, chunk=chunk)
+        self.chunk = chunk  # positions per chunk; ``length`` counts every position seen
+
+    def check_room(self, num_new: int) -> None:
+        """Never full: a new chunk starts over at slot 0."""
+
+    def _written_slots(self, num_new: int) -> slice:
+        """Slots the new positions of the last chunk they reach go to."""
+        held = self.length % self.chunk
+        if held + num_new <= self.chunk:
+            return slice(held, held + num_new)
+        return slice(0, (self.length + num_new) % self.chunk)
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions of the last chunk they reach; return every key they may see."""
+        self._check_new(k_new, v_new)
+        num_new, held = k_new.shape[2], self.length % self.chunk
+        slots = self._written_slots(num_new)
+        if held + num_new <= self.chunk:  # one chunk: the held slots and the new ones, in place
+            self.keys[:, :, slots].copy_(k_new)
+            self.values[:, :, slots].copy_(v_new)
+            self.length += num_new
+            return self.keys[:, :, : held + num_new], self.values[:, :, : held + num_new]
+        keys = torch.cat([self.keys[:, :, :held], k_new], dim=2)  # (B, Hkv, held + T_new, D)
+        values = torch.cat([self.values[:, :, :held], v_new], dim=2)  # (B, Hkv, held + T_new, Dv)
+        tail = slots.stop  # the new positions of the last chunk
+        self.keys[:, :, slots].copy_(k_new[:, :, num_new - tail:])
+        self.values[:, :, slots].copy_(v_new[:, :, num_new - tail:])
+        self.length += num_new
+        return keys, values
+
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, None]:
+        return (*self.update(k_new, v_new), None)
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        length, slots = self.length, self._written_slots(max(0, num_new))
+        keys, values = self.keys[:, :, slots].clone(), self.values[:, :, slots].clone()
+
+        def restore() -> None:
+            with torch.no_grad():
+                self.keys[:, :, slots] = keys
+                self.values[:, :, slots] = values
+            self.length = length
+        return restore
+
+    def __repr__(self) -> str:
+        return (f"ChunkedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                f"length={self.length}, chunk={self.chunk}, head_dim={self.head_dim}, dtype={self.dtype})")
 
 
 class _Pool:

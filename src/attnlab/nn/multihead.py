@@ -26,7 +26,8 @@ from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
-from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error, new_positions
+from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error,
+                               new_positions)
 from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
 
 __all__ = ["MultiHeadAttention"]
@@ -112,6 +113,10 @@ class MultiHeadAttention(nn.Module):
             serves by skipping the blocks outside the band); a
             :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots is then the whole cache it
             needs (:meth:`new_cache` with ``windowed=True``). Needs ``causal=True``.
+        chunk: chunked-local self-attention (Llama 4's local layers): query ``i`` sees keys from
+            the start of its ``chunk``-sized block (``i - i % chunk``) to ``i`` only
+            (:func:`attnlab.masks.chunked_local_mod`); a :class:`~attnlab.nn.ChunkedKVCache` of
+            ``chunk`` slots is its whole cache. Needs ``causal=True``, no ``window``.
         positions: the positions part of self-attention, or None. ``"rope"`` (or a
             :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``) rotates queries and
             keys; ``"alibi"`` (or an :class:`~attnlab.nn.positional.ALiBi` of ``num_heads``) adds
@@ -160,6 +165,7 @@ class MultiHeadAttention(nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         attention: Callable = attention,
+        chunk: int | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -169,6 +175,7 @@ class MultiHeadAttention(nn.Module):
         instance_of("causal", causal, bool, "a bool")
         check_backend_name(backend)
         self.window = _check_window(window, causal)
+        self.chunk = _check_chunk(chunk, causal, window)
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
@@ -379,7 +386,7 @@ class MultiHeadAttention(nn.Module):
         self._check_inputs(x, context, value_input)
         if (context is None and mask is None and padding_mask is None and cache is None and document_ids is None
                 and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
-                and self.window is None and self.softcap is None
+                and self.window is None and self.chunk is None and self.softcap is None
                 and (self.context_length is None or x.shape[1] <= self.context_length)
                 and not getattr(self.attention, "shards", False)):
             B, T, _ = x.shape
@@ -397,8 +404,11 @@ class MultiHeadAttention(nn.Module):
             out, weights = self._attend_shards(x, context, mask, padding_mask, cache, return_weights, document_ids)
         else:
             documents = _check_documents(document_ids, x, context, cache)
+            if documents is not None and self.chunk is not None:
+                raise ValueError(f"document_ids with chunk={self.chunk}: chunks count from each row's start, "
+                                 "not each document's; run the documents as rows of their own")
             if cache is not None:
-                _check_cache(cache, x, context, self.num_kv_heads, self.window)
+                _check_cache(cache, x, context, self.num_kv_heads, self.window, self.chunk)
                 _check_cache_options(cache, mask, padding_mask, return_weights, self.alibi_slopes is not None)
             # Everything that can be checked is checked before the cache is written; the guard
             # puts the cache back if attention itself fails afterwards.
@@ -433,7 +443,8 @@ class MultiHeadAttention(nn.Module):
             k, v, lengths = cache.extend(k, v)  # every key the new queries may see
         own = context is None
         k, v, rule = causal_rule(q, k, v, mask=mask, causal=self.causal and own, window=self.window if own else None,
-                                 key_lengths=lengths, keep_keys=return_weights or score_mod is not None)
+                                 chunk=self.chunk if own else None, key_lengths=lengths,
+                                 keep_keys=return_weights or score_mod is not None)
         return q, k, v, dict(rule, dropout_p=self.dropout_p if self.training else 0.0, backend=self.backend,
                              return_weights=return_weights, score_mod=score_mod, sinks=self.sinks)
 
@@ -461,7 +472,7 @@ class MultiHeadAttention(nn.Module):
             True
         """
         return attend_causal(q, k, v, mask=mask, causal=self.causal and self_attention, window=self.window
-                             if self_attention else None, scale=scale, backend=self.backend,
+                             if self_attention else None, chunk=self.chunk if self_attention else None, scale=scale, backend=self.backend,
                              dropout_p=self.dropout_p if self.training else 0.0, return_weights=return_weights,
                              score_mod=score_mod, sinks=self.sinks, key_lengths=key_lengths, attend=self.attention)
 
@@ -484,6 +495,8 @@ class MultiHeadAttention(nn.Module):
         # A window is a mask mod over global positions: with top-left alignment and Tq == Tk its
         # offset is 0, whatever the length, so the part evaluates it at global positions.
         window = None if self.window is None else _masks.sliding_window_mod(T, T, self.window)
+        if self.chunk is not None:  # chunks of global positions too
+            window = _masks.chunked_local_mod(T, T, self.chunk)
         out = self.attention(q, k, v, causal=self.causal, mask=window, score_mod=self._score_mod(0, False),
                              sinks=self.sinks)  # (B, H, T_local, hd)
         out = out.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T_local, d_out)
@@ -569,7 +582,7 @@ class MultiHeadAttention(nn.Module):
         """
         weight = self.out_proj.weight
         return make_cache(batch_size, self.num_kv_heads, max_len, self.head_dim,
-                          window=self.window, windowed=windowed, page_size=page_size,
+                          window=self.window, chunk=self.chunk, windowed=windowed, page_size=page_size,
                           dtype=weight.dtype if dtype is None else dtype,
                           device=weight.device if device is None else device)
 
@@ -579,6 +592,7 @@ class MultiHeadAttention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
             f"causal={self.causal}, dropout_p={self.dropout_p}, backend={self.backend!r}"
             + (f", window={self.window}" if self.window is not None else "")
+            + (f", chunk={self.chunk}" if self.chunk is not None else "")
         )
 
 
@@ -605,7 +619,7 @@ def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
 
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
-                  scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
+                  chunk: int | None = None, scale: float | None = None, backend: str = "auto", dropout_p: float = 0.0,
                   return_weights: bool = False, score_mod=None, sinks: Tensor | None = None,
                   key_lengths: Tensor | None = None, attend: Callable = attention):
     """:func:`attnlab.attention` with the queries aligned bottom-right on the keys (the last
@@ -630,19 +644,21 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = 
         >>> torch.allclose(padded, attend_causal(q, k[:, :, 1:3], k[:, :, 1:3]), atol=1e-6)
         True
     """
-    k, v, rule = causal_rule(q, k, v, mask=mask, causal=causal, window=window, key_lengths=key_lengths,
+    k, v, rule = causal_rule(q, k, v, mask=mask, causal=causal, window=window, chunk=chunk, key_lengths=key_lengths,
                              keep_keys=return_weights or score_mod is not None)
     return attend(q, k, v, **rule, scale=scale, dropout_p=dropout_p, backend=backend,
                   return_weights=return_weights, score_mod=score_mod, sinks=sinks)
 
 
 def causal_rule(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = True, window: int | None = None,
-                key_lengths: Tensor | None = None, keep_keys: bool = False) -> tuple[Tensor, Tensor, dict]:
+                chunk: int | None = None, key_lengths: Tensor | None = None, keep_keys: bool = False) -> tuple[Tensor, Tensor, dict]:
     """The rule of :func:`attend_causal` as ``(k, v, options)`` for the attention call (``mask``,
     ``causal``, ``align``): a module computes it, then calls its attention part itself.
 
     A window drops the keys no query sees unless ``keep_keys`` (weights or a score mod index
-    every key); with ``key_lengths`` the options hold one ``(B, 1, Tq, Tk)`` bool mask.
+    every key); with ``key_lengths`` the options hold one ``(B, 1, Tq, Tk)`` bool mask. With ``chunk``
+    (causal) each query sees its own chunk only, counted from the first key: the keys must start
+    on a chunk boundary (position 0, or a :class:`~attnlab.nn.ChunkedKVCache`'s chunk start).
 
     Example:
         >>> q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4)
@@ -652,14 +668,19 @@ def causal_rule(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal: bool = Tr
     """
     tq, tk = q.shape[-2], k.shape[-2]
     if key_lengths is not None:
-        rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window)  # (B, 1, Tq, Tk)
+        rows = lengths_mask(key_lengths, tq=tq, tk=tk, causal=causal, window=window, chunk=chunk)  # (B, 1, Tq, Tk)
         return k, v, {"mask": _masks.and_masks(mask, rows)}
+    if chunk is not None and causal:
+        k, v, mask, chunk = _within_chunk(q, k, v, mask, chunk, keep_keys=keep_keys)
+        tk = k.shape[-2]
     if window is not None and causal:
         q, k, v, mask, window = _within_window(q, k, v, mask, window, keep_keys=keep_keys)
         tk = k.shape[-2]
     align = "bottom_right" if causal and tk != tq else "top_left"
-    if window is not None:
-        band = _masks.sliding_window_mod(tq, tk, window, align=align)
+    band = None if window is None else _masks.sliding_window_mod(tq, tk, window, align=align)
+    if chunk is not None and causal:
+        band = _masks.chunked_local_mod(tq, tk, chunk, align=align)
+    if band is not None:
         if isinstance(mask, Tensor):
             band = _masks.materialize(band, tq=tq, tk=tk, batch=1, device=q.device)  # (1, 1, Tq, Tk)
         mask, causal = _masks.and_masks(mask, band), False  # the band is causal itself
@@ -683,7 +704,23 @@ def _within_window(q, k, v, mask, window: int, *, keep_keys: bool):
     return q, k, v, mask, (None if tk <= window else window)
 
 
-def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, window: int | None = None) -> Tensor:
+def _within_chunk(q, k, v, mask, chunk: int, *, keep_keys: bool):
+    """A causal chunked rule on the bottom-right diagonal, cut to what it needs: keys before the
+    first query's chunk are dropped (the cut is on a chunk boundary, so chunks keep their places;
+    kept with ``keep_keys`` or a mask mod, as in :func:`_within_window`), and queries that all lie in
+    one chunk with every key need no mask beyond the causal one (None)."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    first = ((tk - tq) // chunk) * chunk  # the first query's chunk starts here
+    if first > 0 and not keep_keys and (mask is None or isinstance(mask, Tensor)):
+        k, v = k[..., first:, :], v[..., first:, :]  # (B, Hkv, Tk - first, D)
+        if isinstance(mask, Tensor) and mask.shape[-1] == tk:
+            mask = mask[..., first:]
+        tk -= first
+    return k, v, mask, (None if tk <= chunk else chunk)
+
+
+def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, window: int | None = None,
+                 chunk: int | None = None) -> Tensor:
     """Bool ``(B, 1, Tq, Tk)`` mask of a batch whose row ``b`` holds ``key_lengths[b]`` real keys,
     its ``Tq`` queries the newest of them: :func:`attnlab.masks.varlen_causal_mod`'s rule with
     ``q_lengths = Tq`` (every query real), built directly (a decoding step pays for it in every
@@ -700,6 +737,8 @@ def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, 
         return keys < key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, Tk)
     own = key_lengths.view(-1, 1, 1, 1) - tq + torch.arange(tq, device=device).view(1, 1, tq, 1)  # (B, 1, Tq, 1)
     allowed = keys <= own  # (B, 1, Tq, Tk)
+    if chunk is not None:
+        allowed = allowed & (keys >= own - own % chunk)  # the query's own chunk
     return allowed if window is None else allowed & (keys > own - window)
 
 
@@ -714,7 +753,7 @@ def _check_window(window: object, causal: bool) -> int | None:
 
 
 def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *, window: int | None = None,
-               windowed: bool | None = None, page_size: int | None = None, value_dim: int | None = None,
+               chunk: int | None = None, windowed: bool | None = None, page_size: int | None = None, value_dim: int | None = None,
                dtype=None, device=None) -> Cache:
     """The cache a layer of this shape takes: contiguous, windowed ring buffer, or paged.
 
@@ -738,6 +777,9 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
         pages = -(-max_len // page_size) * positive_int("batch_size", batch_size)
         return PagedKVCache(batch_size, num_kv_heads, pages * page_size, head_dim, page_size=page_size,
                             value_dim=value_dim, dtype=dtype, device=device)
+    if chunk is not None and windowed is not False and chunk <= max_len:  # a longer chunk never restarts
+        return ChunkedKVCache(batch_size, num_kv_heads, chunk, head_dim, value_dim=value_dim, dtype=dtype,
+                              device=device)
     if windowed and window is None:
         raise ValueError("windowed=True needs a module with a window")
     if window is not None and (windowed or (windowed is None and window <= max_len)):
@@ -748,7 +790,7 @@ def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, 
 
 
 def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads: int,
-                 window: int | None = None) -> None:
+                 window: int | None = None, chunk: int | None = None) -> None:
     """The cache fits a self-attention call on ``x`` ``(B, T, d_in)``; the rest is update's."""
     instance_of("cache", cache, Cache, "a KVCache, WindowedKVCache or PagedKVCache (from module.new_cache)")
     if context is not None:
@@ -764,7 +806,25 @@ def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads:
             f"a WindowedKVCache of window {cache.window} holds too few keys for a layer with "
             f"window={window} (None: every earlier key); use a KVCache or a PagedKVCache"
         )
+    if isinstance(cache, WindowedKVCache) and chunk is not None:
+        raise ValueError(f"a WindowedKVCache keeps the last keys, not chunk={chunk}'s own chunk in order; "
+                         "use a ChunkedKVCache (module.new_cache), a KVCache or a PagedKVCache")
+    if isinstance(cache, ChunkedKVCache) and cache.chunk != chunk:
+        raise ValueError(f"a ChunkedKVCache of chunk {cache.chunk} serves a layer with chunk={cache.chunk}; "
+                         f"this layer has chunk={chunk} (None: every earlier key)")
     cache.check_room(x.shape[1])
+
+
+def _check_chunk(chunk: object, causal: bool, window: object) -> int | None:
+    """``chunk`` checked: None, or a positive int on a causal module without a window."""
+    if chunk is None:
+        return None
+    positive_int("chunk", chunk)
+    if not causal:
+        raise ValueError(f"chunk={chunk} is causal chunked-local attention; it needs causal=True")
+    if window is not None:
+        raise ValueError(f"chunk={chunk} with window={window}: a layer is chunked or sliding, not both")
+    return chunk
 
 
 def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool, alibi: bool = False) -> None:
