@@ -1011,6 +1011,8 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
     (``induction_heads_ablated``): several heads can share one job, and then zeroing any single
     one of them costs little; the summary then says so, with both figures. A model trained with
     sinks also gets ``heads["sink_share"]``, each head's mean sink share, and a sentence on it.
+    A model with differential or gated layers (they return no weights) gets empty ``heads`` and a
+    summary saying why (and :func:`write_figures` draws its curves only).
 
     Example:
         >>> run = Trainer(TrainConfig(d_model=8, heads=2, eval_sequences=4))
@@ -1018,6 +1020,12 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
         ['ablation_accuracy', 'induction', 'previous_token']
     """
     inputs, targets = trainer.eval_set()
+    silent = [name for name in trainer.model.layer_kinds if name in ("D", "Q")]
+    if silent:  # differential and gated layers return no weight matrix to score
+        accuracy = trainer.history["eval_accuracy"][-1] if trainer.history["eval_accuracy"] else trainer.evaluate()[1]
+        return {"heads": {}, "example": inputs[0], "summary": (
+            f"Held-out accuracy {100 * accuracy:.1f} %. No head scores or ablation: the layer_pattern's "
+            f"{', '.join(sorted(set(silent)))} layers (differential, gated) return no single weight matrix.")}
     scores = head_scores(trainer.model, inputs[:sequences])
     ablated = ablate_heads(trainer.model, inputs, targets)
     accuracy = trainer.history["eval_accuracy"][-1] if trainer.history["eval_accuracy"] else trainer.evaluate()[1]
@@ -1091,6 +1099,8 @@ def write_figures(trainer: Trainer, analysis: dict, directory: str | os.PathLike
     """
     directory = Path(directory)
     written = save_figure(_curves(trainer), directory / "curves", formats=("png",))
+    if "weights" not in analysis:  # a model whose layers return no weights: the curves only
+        return written
     labels = trainer.task.labels(analysis["example"])
     weights = analysis["weights"]  # (L, H, T, T)
     name = f"{trainer.config.task}, step {trainer.step}"

@@ -553,12 +553,14 @@ def _finish(trainer: _train.Trainer, result: _train.TrainResult, out: Path, cons
     console.print(f"Held-out: loss {m['loss']:.4f}, accuracy {100 * m['accuracy']:.2f} % after {m['steps']} steps "
                   f"({m['seconds']:.1f} s of training, {m['tokens_per_second'] or 0:,.0f} tokens/s).",
                   markup=False, soft_wrap=True)
-    _print_heads(console, analysis["heads"])
+    if analysis["heads"]:
+        _print_heads(console, analysis["heads"])
     console.print(analysis["summary"], markup=False, soft_wrap=True)
     console.print("Files written:")
     for path in [out / "model.safetensors", out / "config.json", out / _train.METRICS_FILE, *written]:
         console.print(f"  {path}", markup=False, soft_wrap=True)
-    console.print(f"See the heads with: attnlab explain --model {out}", markup=False, soft_wrap=True)
+    if analysis["heads"]:
+        console.print(f"See the heads with: attnlab explain --model {out}", markup=False, soft_wrap=True)
 
 
 def _print_heads(console, heads: dict) -> None:

@@ -39,6 +39,8 @@ from attnlab.models import _hub, _inputs
 from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.cache import Cache, _restore_on_error, new_positions
+from attnlab.nn.differential import DifferentialAttention
+from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import _check_documents, _check_padding_type
 from attnlab.nn.positional import LearnedPositionalEmbedding
@@ -51,20 +53,24 @@ POSITIONS = ("learned", "rope", "alibi")
 
 class LayerKind(NamedTuple):
     """One ``layer_pattern`` letter: its name, the GPT option its layers need (and only they take),
-    and whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE)."""
+    whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE), and the attention
+    module its layers are built with (None: the block's own multi-head attention)."""
 
     name: str
     option: str | None = None
     positions: bool = True
+    module: str | None = None
 
 
 # layer_pattern letters, the one table every letter goes through (a new letter is a new row).
 LAYER_TABLE = {
     "G": LayerKind("global"),
     "L": LayerKind("local (sliding window)", "window"),
-    "M": LayerKind("latent (MLA)", "latent_dim"),
+    "M": LayerKind("latent (MLA)", "latent_dim", module="latent"),
     "C": LayerKind("chunked local", "chunk"),
     "N": LayerKind("global without positions (NoPE)", positions=False),
+    "D": LayerKind("differential (DiffLlama)", module="differential"),
+    "Q": LayerKind("gated output (Qwen3-Next)", module="gated"),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -178,7 +184,7 @@ class GPT(nn.Module):
         )
         sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk}
         kinds = _layer_kinds(layer_pattern, num_layers, sizes, latent_rope_dim)
-        _check_score_options(kinds, positions, softcap, sinks)
+        _check_score_options(kinds, positions, softcap, sinks, dropout_p)
         if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
             self.config.update(softcap=softcap, sinks=sinks)
         if chunk is not None:
@@ -192,11 +198,12 @@ class GPT(nn.Module):
                              num_kv_heads=num_kv_heads, bias=bias,
                              norm_eps=norm_eps, activation=activation, backend=backend,
                              mlp=not attention_only,
-                             attn=LatentAttention(d_model, layer_heads, latent_dim=latent_dim,
-                                                  rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
-                                                  backend=backend) if kind == "M" else None,
+                             attn=_attention_module(kind, d_model, layer_heads, layer=layer, num_kv_heads=num_kv_heads,
+                                                    positions=positions, latent_dim=latent_dim,
+                                                    latent_rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
+                                                    backend=backend),
                              softcap=softcap, sinks=sinks, **_layer_options(kind, sizes, positions))
-            for layer_heads, kind in zip(heads, kinds)
+            for layer, (layer_heads, kind) in enumerate(zip(heads, kinds))
         )
         self.layer_kinds = kinds
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
@@ -254,7 +261,8 @@ class GPT(nn.Module):
                 the row alone gives them (positions count from the row's start).
 
         Raises:
-            ValueError: ``padding_mask`` with ``caches`` or ``document_ids``, or not ``(B, T)``.
+            ValueError: ``padding_mask`` with ``caches`` or ``document_ids``, or not ``(B, T)``;
+                ``return_weights`` with differential or gated layers (they return none).
             TypeError: ``padding_mask`` is not a bool tensor.
 
         Example:
@@ -265,6 +273,8 @@ class GPT(nn.Module):
         positions = self._check_ids(input_ids, caches)
         if padding_mask is not None:
             _check_padding(padding_mask, input_ids, caches, document_ids)
+        if return_weights:
+            _check_weights(self.layer_kinds)
         x = self.tok_emb(input_ids)  # (B, T, d_model)
         if document_ids is not None:
             documents = _check_documents(document_ids, x, None, caches)
@@ -546,14 +556,49 @@ def _layer_options(letter: str, sizes: dict, positions: str) -> dict:
             "positions": positions if rotates else None}
 
 
-def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool) -> None:
-    """ALiBi, softcap and sinks are options of the multi-head layers: latent (MLA) layers take
-    none, and ALiBi's distances need the contiguous cache local and chunked layers do not use."""
+def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_kv_heads, positions: str,
+                      latent_dim, latent_rope_dim, dropout_p: float, bias: bool, backend: str) -> nn.Module | None:
+    """The attention module of a layer whose :data:`LAYER_TABLE` row names one (None: the block's
+    multi-head attention). The differential and gated modules rotate their own queries and keys."""
+    module = LAYER_TABLE[letter].module
+    rope = "rope" if positions == "rope" else None
+    if module == "latent":
+        return LatentAttention(d_model, heads, latent_dim=latent_dim, rope_dim=latent_rope_dim, dropout_p=dropout_p,
+                               bias=bias, backend=backend)
+    if module == "differential":
+        return DifferentialAttention(d_model, heads, num_kv_heads=num_kv_heads, layer_idx=layer, positions=rope,
+                                     bias=bias, backend=backend)
+    if module == "gated":
+        return GatedAttention(d_model, heads, num_kv_heads=num_kv_heads, positions=rope, dropout_p=dropout_p,
+                              bias=bias, backend=backend)
+    return None
+
+
+_NO_WEIGHTS = ("differential", "gated")  # modules that return no attention weights
+
+
+def _check_weights(kinds: tuple[str, ...]) -> None:
+    """``return_weights`` needs every layer to return its weights."""
+    lacking = sorted({k for k in kinds if LAYER_TABLE[k].module in _NO_WEIGHTS})
+    if lacking:
+        raise ValueError(f"return_weights: {', '.join(LAYER_KINDS[k] for k in lacking)} layers return no single "
+                         "weight matrix (a differential layer has two softmaxes); use a layer_pattern without "
+                         f"{', '.join(repr(k) for k in lacking)} to read weights")
+
+
+def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool, dropout_p: float = 0.0) -> None:
+    """ALiBi, softcap and sinks are options of the multi-head layers: the layers built with their
+    own module (latent, differential, gated) take none, a differential layer no dropout (DiffLlama
+    defines none), and ALiBi's distances need the contiguous cache local and chunked layers do not use."""
     used = [name for name, on in (("positions='alibi'", positions == "alibi"), ("softcap", softcap is not None),
                                   ("sinks", sinks)) if on]
-    if used and "M" in kinds:
-        raise ValueError(f"{', '.join(used)}: not available on latent (MLA) layers; use a layer_pattern "
-                         f"without 'M'")
+    own = sorted({letter for letter in kinds if LAYER_TABLE[letter].module})
+    if used and own:
+        raise ValueError(f"{', '.join(used)}: not available on {', '.join(LAYER_KINDS[k] for k in own)} layers; "
+                         f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
+    if dropout_p and "D" in kinds:
+        raise ValueError(f"dropout_p={dropout_p}: differential (D) layers define no attention dropout "
+                         "(as DiffLlama); use dropout_p=0 or a layer_pattern without 'D'")
     for letter in ("L", "C"):
         if positions == "alibi" and letter in kinds:
             raise ValueError(f"positions='alibi' with {LAYER_KINDS[letter]} layers: their cache does not keep "

@@ -201,8 +201,9 @@ class TransformerBlock(nn.Module):
 
         def self_attention(h: Tensor) -> Tensor:
             nonlocal weights
-            result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache,
-                               return_weights=return_weights, document_ids=document_ids)
+            weights_asked = {"return_weights": True} if return_weights else {}  # modules without weights
+            result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache, document_ids=document_ids,
+                               **weights_asked)
             if not return_weights:
                 return result
             result, weights = result
