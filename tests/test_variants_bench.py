@@ -136,6 +136,11 @@ def test_variants_suite_tiny_measures_what_the_formula_says():
     assert rows["MHA"].kv_bytes_formula == 2 * 2 * 4 * 4 * 4
     assert rows["MLA"].kv_bytes_formula == 2 * 6 * 4
     assert rows["window"].kv_bytes_formula == rows["MHA"].kv_bytes_formula * 4 / 16
+    # a chunked layer holds its chunk of 4, the NoPE layer every token; differential and gated layers
+    # hold what their grouped-query layer holds
+    mha_layer = rows["MHA"].kv_bytes_formula / 2
+    assert rows["chunked/NoPE"].kv_bytes_formula == mha_layer * 4 / 16 + mha_layer
+    assert rows["differential"].kv_bytes_formula == rows["gated"].kv_bytes_formula == rows["GQA"].kv_bytes_formula
 
 
 def test_tiny_corpus_is_deterministic_and_repeats_its_names():

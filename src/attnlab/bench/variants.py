@@ -99,6 +99,8 @@ def _needs(name: str, value: int | None) -> int:
 LAYER_HELD = {
     "G": lambda context, **_: context,
     "N": lambda context, **_: context,
+    "D": lambda context, **_: context,  # differential: the grouped-query layer's cache
+    "Q": lambda context, **_: context,  # gated: likewise
     "M": lambda context, **_: context,
     "L": lambda context, *, window, **_: min(_needs("window", window), context),
     "C": lambda context, *, chunk, **_: min(_needs("chunk", chunk), context),
@@ -144,12 +146,15 @@ VARIANTS = {
     "MLA": lambda s: dict(layer_pattern="M", latent_dim=s.latent_dim, latent_rope_dim=s.rope_dim),
     "window": lambda s: dict(layer_pattern="L", window=s.window),
     "local/global": lambda s: dict(layer_pattern="L" * max(1, min(3, s.layers - 1)) + "G", window=s.window),
+    "chunked/NoPE": lambda s: dict(layer_pattern="C" * max(1, min(3, s.layers - 1)) + "N", chunk=s.window),
+    "differential": lambda s: dict(layer_pattern="D", num_kv_heads=s.gqa_heads),
+    "gated": lambda s: dict(layer_pattern="Q", num_kv_heads=s.gqa_heads),
 }
 
 
 def _train_options(options: dict) -> dict:
     names = {"num_kv_heads": "kv_heads", "layer_pattern": "layer_pattern", "window": "window",
-             "latent_dim": "latent_dim"}
+             "latent_dim": "latent_dim", "chunk": "chunk"}
     return {names[k]: v for k, v in options.items() if k in names}
 
 
@@ -238,7 +243,8 @@ def _one_variant(name: str, sizes: VariantSizes, corpus: TextTask, seed: int) ->
     head_dim = sizes.d_model // sizes.heads
     formula = kv_cache_bytes(context=total, layers=sizes.layers, kv_heads=options.get("num_kv_heads", sizes.heads),
                              head_dim=head_dim, dtype_bytes=4, pattern=options.get("layer_pattern", "G"),
-                             window=options.get("window"), latent_dim=sizes.latent_dim, rope_dim=sizes.rope_dim)
+                             window=options.get("window"), chunk=options.get("chunk"), latent_dim=sizes.latent_dim,
+                             rope_dim=sizes.rope_dim)
     measured = _measured_kv(model, prompt, sizes.new_tokens)
     model.generate(prompt[:, :8], 2)  # warm-up
     rate = _decode_rate(model, prompt, sizes.new_tokens)
