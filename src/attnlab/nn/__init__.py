@@ -13,6 +13,7 @@ Example:
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
 from attnlab.nn.cache import Cache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.convert import from_torch, to_torch
@@ -30,6 +31,7 @@ __all__ = [
     "from_torch",
     "to_torch",
     "LatentAttention",
+    "LightningIndexer",
     "Cache",
     "KVCache",
     "WindowedKVCache",
