@@ -14,6 +14,7 @@ Example:
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
 from attnlab.nn.cache import Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.differential import DifferentialAttention
@@ -37,6 +38,7 @@ __all__ = [
     "DifferentialAttention",
     "GatedAttention",
     "NativeSparseAttention",
+    "LightningIndexer",
     "Cache",
     "KVCache",
     "WindowedKVCache",
