@@ -350,7 +350,29 @@ class KVCache(_BufferCache):
         )
 
 
-class WindowedKVCache(_BufferCache):
+class _SlotCache(_BufferCache):
+    """A buffer cache that overwrites slots (a window's ring, a chunk's restart): a failed call
+    puts back only the slots ``_written_slots(num_new)`` it would overwrite, and the length."""
+
+    def _written_slots(self, num_new: int) -> slice | Tensor:
+        raise NotImplementedError
+
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, None]:
+        return (*self.update(k_new, v_new), None)
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        length, slots = self.length, self._written_slots(max(0, num_new))
+        keys, values = self.keys[:, :, slots].clone(), self.values[:, :, slots].clone()
+
+        def restore() -> None:
+            with torch.no_grad():
+                self.keys[:, :, slots] = keys
+                self.values[:, :, slots] = values
+            self.length = length
+        return restore
+
+
+class WindowedKVCache(_SlotCache):
     """A ring buffer of the last ``window`` keys/values: a sliding-window layer's whole cache.
 
     A causal sliding-window layer lets the query at position ``p`` see keys ``p - window + 1 ..
@@ -430,26 +452,12 @@ class WindowedKVCache(_BufferCache):
         self.length += num_new
         return keys, values
 
-    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, None]:
-        return (*self.update(k_new, v_new), None)
-
-    def _snapshot(self, num_new: int) -> Callable[[], None]:
-        length, slots = self.length, self._written_slots(max(0, num_new))
-        keys, values = self.keys[:, :, slots].clone(), self.values[:, :, slots].clone()
-
-        def restore() -> None:
-            with torch.no_grad():
-                self.keys[:, :, slots] = keys
-                self.values[:, :, slots] = values
-            self.length = length
-        return restore
-
     def __repr__(self) -> str:
         return (f"WindowedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"length={self.length}, window={self.window}, head_dim={self.head_dim}, dtype={self.dtype})")
 
 
-class ChunkedKVCache(_BufferCache):
+class ChunkedKVCache(_SlotCache):
     """The current chunk's keys/values: a chunked-local layer's whole cache (Llama 4's local layers).
 
     A chunked-local layer lets the query at position ``p`` see keys ``p - p % chunk .. p`` only
@@ -515,20 +523,6 @@ class ChunkedKVCache(_BufferCache):
         self.values[:, :, slots].copy_(v_new[:, :, num_new - tail:])
         self.length += num_new
         return keys, values
-
-    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, None]:
-        return (*self.update(k_new, v_new), None)
-
-    def _snapshot(self, num_new: int) -> Callable[[], None]:
-        length, slots = self.length, self._written_slots(max(0, num_new))
-        keys, values = self.keys[:, :, slots].clone(), self.values[:, :, slots].clone()
-
-        def restore() -> None:
-            with torch.no_grad():
-                self.keys[:, :, slots] = keys
-                self.values[:, :, slots] = values
-            self.length = length
-        return restore
 
     def __repr__(self) -> str:
         return (f"ChunkedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
