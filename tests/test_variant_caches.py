@@ -10,7 +10,8 @@ import torch
 import attnlab
 import attnlab.nn.multihead as multihead
 from attnlab.models import GPT
-from attnlab.nn import KVCache, MultiHeadAttention, PagedKVCache, WindowedKVCache
+from attnlab.nn import BranchCache, KVCache, MultiHeadAttention, PagedKVCache, WindowedKVCache
+from attnlab.nn.cache import _restore_on_error
 
 F64 = torch.float64
 
@@ -321,3 +322,47 @@ def test_alibi_with_a_window_decodes_over_a_kv_cache_as_the_full_forward():
     cache = mha.new_cache(1, 16, windowed=False)
     steps = [mha(x[:, :5], cache=cache)] + [mha(x[:, t:t + 1], cache=cache) for t in range(5, 9)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-12)
+
+
+# ------------------------------------------------------------------ BranchCache
+def test_branch_cache_counts_positions_by_its_first_part_and_sums_bytes():
+    keys, index = KVCache(2, 2, 6, 4), KVCache(2, 1, 6, 3, value_dim=0)
+    cache = BranchCache(keys=keys, index=index)
+    keys.update(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))
+    assert cache.row_lengths == (3, 3) and cache.length == 3
+    assert (cache.batch_size, cache.num_kv_heads, cache.head_dim) == (2, 2, 4)
+    assert cache.nbytes == keys.nbytes + index.nbytes == 2 * 2 * 6 * 4 * 4 * 2 + 2 * 6 * 3 * 4
+    with pytest.raises(ValueError, match="overflow"):
+        cache.check_room(4)
+    cache.reset()
+    assert keys.length == index.length == 0
+
+
+def test_branch_cache_restores_every_part_after_a_failing_call():
+    keys, window = KVCache(1, 1, 8, 2), WindowedKVCache(1, 1, 2, 2)
+    cache = BranchCache(keys=keys, window=window)
+    for part in (keys, window):
+        part.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    before = [t.clone() for t in (keys.keys, window.keys, window.values)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with _restore_on_error([cache], 2):
+            for part in (keys, window):
+                part.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+            raise RuntimeError("boom")
+    assert (keys.length, window.length) == (3, 3)
+    for old, new in zip(before, (keys.keys, window.keys, window.values)):
+        assert torch.equal(old, new)
+
+
+def test_branch_cache_refuses_bad_parts_and_direct_writes():
+    with pytest.raises(ValueError, match="at least one part"):
+        BranchCache()
+    with pytest.raises(TypeError, match="index"):
+        BranchCache(keys=KVCache(1, 1, 4, 2), index="not a cache")
+    with pytest.raises(ValueError, match="part 'index'"):
+        BranchCache(keys=KVCache(1, 1, 4, 2), index=KVCache(2, 1, 4, 2))
+    cache = BranchCache(keys=KVCache(1, 1, 4, 2))
+    with pytest.raises(TypeError, match=r"cache\[name\]\.update"):
+        cache.extend(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    with pytest.raises(KeyError, match="no part 'values'"):
+        cache["values"]

@@ -13,7 +13,7 @@ Example:
 """
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
-from attnlab.nn.cache import Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.cache import BranchCache, Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache
 from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
@@ -43,6 +43,7 @@ __all__ = [
     "KVCache",
     "WindowedKVCache",
     "ChunkedKVCache",
+    "BranchCache",
     "PagedKVCache",
     "RotaryEmbedding",
     "ALiBi",

@@ -5,6 +5,8 @@
   causal sliding-window layer at any generated length, its memory flat in that length;
 * :class:`ChunkedKVCache` -- the current chunk of a chunked-local layer (Llama 4's local layers),
   ``chunk`` slots at any generated length;
+* :class:`BranchCache` -- named caches that advance together, one per part of a layer that keeps
+  more than one set of keys (a top-k layer's index keys, NSA's three branches);
 * :class:`PagedKVCache` -- a pool of fixed-size pages shared by the rows, each row owning a block
   table (its list of pages); rows of different lengths hold only the pages they fill, and a
   finished row's pages go back to the pool for the next sequence (vLLM's paged attention).
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from attnlab._checks import instance_of, non_negative_int, positive_int
 
-__all__ = ["Cache", "KVCache", "WindowedKVCache", "ChunkedKVCache", "PagedKVCache", "new_positions"]
+__all__ = ["Cache", "KVCache", "WindowedKVCache", "ChunkedKVCache", "BranchCache", "PagedKVCache", "new_positions"]
 
 # attend(q, keys, values) -> out; a ragged paged batch adds key_lengths= (see Cache.attend).
 Attend = Callable[..., Tensor]
@@ -527,6 +529,87 @@ class ChunkedKVCache(_SlotCache):
     def __repr__(self) -> str:
         return (f"ChunkedKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"length={self.length}, chunk={self.chunk}, head_dim={self.head_dim}, dtype={self.dtype})")
+
+
+class BranchCache(Cache):
+    """Named caches that advance together: a layer that keeps more than one set of keys per token
+    (a DSA layer's keys and index keys; NSA's compressed, selected and window branches) holds one
+    part per set and writes each itself through the part's own ``update``.
+
+    The first part counts the positions (:attr:`row_lengths`, :meth:`check_room`, ``dtype``,
+    ``device``, ``batch_size``, ``num_kv_heads``, ``head_dim``, ``value_dim``); a part that holds
+    fewer entries than positions (compressed blocks) is sized by its module. :attr:`nbytes` sums the
+    parts, :meth:`reset` empties them all, and a failing call puts every part back.
+
+    Args:
+        parts: name -> a :class:`KVCache`, :class:`WindowedKVCache` or :class:`ChunkedKVCache`, at
+            least one; all of one batch size, dtype and device.
+
+    Example:
+        >>> cache = BranchCache(keys=KVCache(1, 2, 8, 4), index=KVCache(1, 1, 8, 3, value_dim=0))
+        >>> _ = cache["index"].update(torch.ones(1, 1, 2, 3), torch.ones(1, 1, 2, 0))
+        >>> _ = cache["keys"].update(torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4))
+        >>> cache.length, cache.names, cache.nbytes    # 2 x 2 x 8 x 4 x 4 bytes + 8 x 3 x 4 bytes
+        (2, ('keys', 'index'), 608)
+    """
+
+    def __init__(self, **parts: Cache):
+        if not parts:
+            raise ValueError("BranchCache needs at least one part (name=cache)")
+        for name, part in parts.items():
+            instance_of(name, part, _BufferCache, "a KVCache, WindowedKVCache or ChunkedKVCache")
+        first = next(iter(parts.values()))
+        for name, part in parts.items():
+            if (part.batch_size, part.dtype, part.device) != (first.batch_size, first.dtype, first.device):
+                raise ValueError(f"part {name!r} holds batch {part.batch_size}, {part.dtype} on {part.device}; "
+                                 f"the first part holds batch {first.batch_size}, {first.dtype} on {first.device}")
+        self._parts = dict(parts)
+        self._first = first
+
+    def __getitem__(self, name: str) -> Cache:
+        if name not in self._parts:
+            raise KeyError(f"this BranchCache has no part {name!r}; its parts are {self.names}")
+        return self._parts[name]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parts' names, the position-counting one first."""
+        return tuple(self._parts)
+
+    def __getattr__(self, name: str):
+        if name in ("dtype", "device", "batch_size", "num_kv_heads", "head_dim", "value_dim"):
+            return getattr(self._first, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return self._first.row_lengths
+
+    def check_room(self, num_new: int) -> None:
+        self._first.check_room(num_new)
+
+    def extend(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        raise TypeError(f"a BranchCache holds parts {self.names}; write each part (cache[name].update)")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self._parts.values())
+
+    def reset(self) -> None:
+        """Empty every part."""
+        for part in self._parts.values():
+            part.reset()
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        restores = [part._snapshot(num_new) for part in self._parts.values()]
+
+        def restore() -> None:
+            for undo in restores:
+                undo()
+        return restore
+
+    def __repr__(self) -> str:
+        return f"BranchCache({', '.join(f'{name}={part!r}' for name, part in self._parts.items())})"
 
 
 class _Pool:
