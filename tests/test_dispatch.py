@@ -7,6 +7,7 @@ import torch
 import attnlab
 from attnlab import backends
 from attnlab.backends import build_call, dispatch
+from attnlab.backends.sdpa import kernel_for as sdpa_kernel_for
 
 
 def _qkv(t=64, d=16, heads=2, requires_grad=False):
@@ -173,3 +174,18 @@ def test_auto_asks_only_the_preferred_backend_when_its_rule_claims_the_call(monk
     asked.clear()
     backends.select(build_call(q, q, q, mask=attnlab.masks.sliding_window_mod(64, 64, 8)), "auto")
     assert sorted(asked) == sorted(backends.names())  # a mask mod: every backend, then the cost model
+
+
+def test_auto_leaves_sdpa_when_its_math_kernel_would_run():
+    """Value features unlike the keys' (MLA, differential attention) send CPU SDPA to its math
+    kernel, which builds the (Tq, Tk) scores: auto must pick an O(T) backend instead, exactly."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 512, 8), torch.randn(1, 2, 512, 8), torch.randn(1, 2, 512, 16)
+    call = build_call(q, k, v, causal=True)
+    assert sdpa_kernel_for(call) == "math"
+    chosen = dispatch.select(call)
+    assert chosen.name != "sdpa" and chosen.memory_for(call) == "linear"
+    expected = attnlab.attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
+    torch.testing.assert_close(attnlab.attention(q, k, v, causal=True).double(), expected, atol=1e-5, rtol=1e-5)
+    same = build_call(q, k, v[..., :8], causal=True)  # equal features: SDPA's fused kernel, still preferred
+    assert dispatch.select(same).name == "sdpa"

@@ -722,9 +722,11 @@ class SdpaBackend(Backend):
 
     def preferred(self, call: AttentionCall) -> bool:
         """SDPA wins whenever the mask reaches it as the caller holds it (none, top-left causal,
-        a bool or float tensor): no other backend can skip work there, and PyTorch's own
-        kernel is the fastest on every machine measured. Mask mods and bottom-right causal,
-        which SDPA would materialise, are left to the memory class and the cost model.
+        a bool or float tensor) and PyTorch runs a fused kernel: no other backend can skip work
+        there, and PyTorch's own kernel is the fastest on every machine measured. Mask mods and
+        bottom-right causal, which SDPA would materialise, and calls its math kernel would run
+        (on CPU: value features unlike the keys', as MLA and differential attention have) are
+        left to the memory class and the cost model.
 
         Example:
             >>> from attnlab.backends import build_call
@@ -732,7 +734,7 @@ class SdpaBackend(Backend):
             >>> SdpaBackend().preferred(build_call(q, q, q, causal=True))
             True
         """
-        return _mask_source(call) != "materialised"
+        return _mask_source(call) != "materialised" and kernel_for(call) != "math"
 
     def runs_padded(self, call: AttentionCall) -> bool:
         """Whether ``call`` is a padded batch run on each row's real keys (``"segments"``).

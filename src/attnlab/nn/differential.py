@@ -104,7 +104,7 @@ class DifferentialAttention(_ProjectedAttention):
             >>> with torch.no_grad():
             ...     diff.lambda_q1.zero_(); diff.lambda_q2.zero_()   # doctest: +ELLIPSIS
             Parameter...
-            >>> round(float(diff.lambda_full()), 6)     # exp(0) - exp(0) + lambda_init
+            >>> round(float(diff.lambda_full().detach()), 6)     # exp(0) - exp(0) + lambda_init
             0.3
         """
         first = torch.exp(torch.dot(self.lambda_q1, self.lambda_k1))
