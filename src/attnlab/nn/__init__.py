@@ -20,6 +20,7 @@ from attnlab.nn.gated import GatedAttention
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.native_sparse import NativeSparseAttention
+from attnlab.nn.topk_attention import TopkAttention
 from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
     ALiBi,
@@ -38,6 +39,7 @@ __all__ = [
     "DifferentialAttention",
     "GatedAttention",
     "NativeSparseAttention",
+    "TopkAttention",
     "LightningIndexer",
     "Cache",
     "KVCache",

@@ -150,20 +150,30 @@ class _ProjectedAttention(nn.Module):
         if documents is not None:
             mask = _with_documents(mask, documents, tq=T)
         mask = _combine_masks(mask, padding_mask, batch=B, tk=Tk)
-        q, extra = self._split_query(self.q_proj(x).view(B, T, self.num_heads, -1))  # (B, T, H, D)
+        q, k, v, extra = self._project(x, documents, cache)
         extra = extra if gate is None else gate
+        out = self._attend_all(x, q, k, v, mask=mask, cache=cache)  # (B, H', T, D')
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H * D)
+        return self.o_proj(self._finish(out, extra))
+
+    def _project(self, x: Tensor, documents: Tensor | None, cache: Cache | None):
+        """Queries ``(B, H, T, D)``, keys and values in the cache layout, and ``q_proj``'s rest, of ``x``."""
+        B, T, _ = x.shape
+        q, extra = self._split_query(self.q_proj(x).view(B, T, self.num_heads, -1))  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = self._norm_qk(q, k)
         q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), documents, cache)  # (B, H|Hkv, T, D)
-        k, v = self._cache_layout(k, v)
+        return (q, *self._cache_layout(k, v), extra)
+
+    def _attend_all(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, mask, cache: Cache | None) -> Tensor:
+        """Every head's output ``(B, H', T, D')``: :meth:`_heads` over the new keys and a cache's earlier
+        ones (``x``, the layer's input ``(B, T, d_model)``, is for heads that read it: a top-k layer's indexer)."""
 
         def heads(q: Tensor, keys: Tensor, values: Tensor, *, key_lengths: Tensor | None = None) -> Tensor:
             return self._heads(q, keys, values, mask=mask, key_lengths=key_lengths)
 
-        out = heads(q, k, v) if cache is None else cache.attend(q, k, v, heads)  # (B, H', T, D')
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H * D)
-        return self.o_proj(self._finish(out, extra))
+        return heads(q, k, v) if cache is None else cache.attend(q, k, v, heads)  # (B, H', T, D')
 
     def _rotate(self, q: Tensor, k: Tensor, documents: Tensor | None, cache: Cache | None):
         """Rotary positions on the first ``rotary_dim`` features of ``q`` and ``k`` ``(B, H, T, D)``."""
