@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 import attnlab.nn.native_sparse as nsa_module
 from attnlab._memory import PeakMemory
-from attnlab.nn import BranchCache, KVCache, NativeSparseAttention
+from attnlab.nn import BranchCache, KVCache, NativeSparseAttention, TransformerBlock
 
 CASES = {  # sizes, heads, T: overlapping MLP blocks; mean pooling with l' > l; l' < l; T < l; rotary positions
     "mlp": dict(sizes=dict(compress_block=4, compress_stride=2, select_block=4, select_count=3, select_local=1,
@@ -420,3 +420,16 @@ def test_positions_must_be_rope_or_none():
                               window=4, positions="alibi")
     plain = NativeSparseAttention(16, 2, compress_block=4, compress_stride=2, select_block=4, select_count=3, window=4)
     assert plain.rope is None and not any("rope" in key for key in plain.state_dict())
+
+
+def test_a_transformer_block_decodes_with_nsa_as_its_attention():
+    """The block passes mask=None, padding_mask=None, cache=, document_ids=None: NSA serves it."""
+    torch.manual_seed(6)
+    nsa = NativeSparseAttention(16, 2, compress_block=4, compress_stride=2, select_block=4, select_count=3,
+                                window=4, positions="rope")
+    block = TransformerBlock(16, 2, attn=nsa).double().eval()
+    x = torch.randn(1, 13, 16, dtype=torch.float64)
+    cache = nsa.new_cache(1, 13, dtype=torch.float64)
+    with torch.no_grad():
+        steps = [block(x[:, :6], cache=cache)] + [block(x[:, t:t + 1], cache=cache) for t in range(6, 13)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), block(x), rtol=1e-10, atol=1e-12)
