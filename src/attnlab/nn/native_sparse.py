@@ -23,14 +23,24 @@ each branch with its own key and value projections, and mixes the three results 
   not differentiable: gradients reach the selected keys through the attention and the gates.
 * **Window.** The causal sliding window of the last ``w = window`` tokens.
 
-The module adds no positions (add them to ``x``, e.g. a learned embedding) and has no KV cache.
+Positions: none by default (add them to ``x``), or ``positions="rope"``: the queries and every
+branch's keys rotated at their positions, the compressed branch's before compression.
+
+**Decoding.** :meth:`NativeSparseAttention.new_cache` gives a :class:`~attnlab.nn.BranchCache`;
+each call then computes its new queries only: their compressed probabilities over the blocks
+cached so far (a block is compressed once, when its last token arrives), their selection and the
+two other branches over the cached keys, O(T / d + n * l' + w) per decoded token.
 
 Example:
     >>> import torch
     >>> nsa = NativeSparseAttention(32, 4, num_kv_heads=2, compress_block=4, compress_stride=2,
     ...                             select_block=4, select_count=3, window=8)
-    >>> nsa(torch.randn(2, 20, 32)).shape
-    torch.Size([2, 20, 32])
+    >>> x = torch.randn(2, 20, 32)
+    >>> cache = nsa.new_cache(2, 20)
+    >>> with torch.no_grad():
+    ...     steps = [nsa(x[:, :12], cache=cache)] + [nsa(x[:, t:t + 1], cache=cache) for t in range(12, 20)]
+    >>> torch.allclose(torch.cat(steps, dim=1), nsa(x), atol=1e-5), cache.length
+    (True, 20)
 """
 
 from __future__ import annotations
@@ -42,10 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import divisible, non_negative_int, one_of, positive_int
+from attnlab._checks import divisible, instance_of, non_negative_int, one_of, positive_int
 from attnlab.functional import attention
+from attnlab.nn.cache import BranchCache, KVCache, WindowedKVCache, _restore_on_error
 from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import attend_causal
+from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["NativeSparseAttention", "NSABranches"]
 
@@ -118,6 +130,9 @@ class NativeSparseAttention(nn.Module):
         window: ``w``, the sliding window's tokens.
         compress: ``"mlp"`` or ``"mean"`` (mean pooling and a linear map).
         bias: biases in ``q_proj``, ``kv_proj`` and ``out_proj``.
+        positions: None (no positions) or ``"rope"``: rotary positions on the queries and on every
+            branch's keys (before compression), counted from the cache's length.
+        rope_base: the rotary wavelength base.
 
     Example:
         >>> nsa = NativeSparseAttention(16, 2, compress_block=4, compress_stride=4, select_block=4,
@@ -130,7 +145,8 @@ class NativeSparseAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, compress_block: int = 32, compress_stride: int = 16,
                  select_block: int = 64, select_count: int = 16, select_local: int = 2,
-                 window: int = 512, compress: str = "mlp", bias: bool = False):
+                 window: int = 512, compress: str = "mlp", bias: bool = False, positions: str | None = None,
+                 rope_base: float = 10000.0):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, size in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
@@ -145,10 +161,13 @@ class NativeSparseAttention(nn.Module):
             raise ValueError(f"select_count ({select_count}) must hold block 0 and the select_local "
                              f"({select_local}) newest blocks")
         one_of("compress", compress, ("mlp", "mean"))
+        if positions is not None:
+            one_of("positions", positions, ("rope",))
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.compress_block, self.compress_stride = compress_block, compress_stride
         self.select_block, self.select_count, self.select_local = select_block, select_count, select_local
-        self.window = window
+        self.window, self.positions = window, positions
+        self.rope = None if positions is None else RotaryEmbedding(head_dim, base=rope_base)
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
         self.kv_proj = nn.Linear(d_model, 3 * 2 * num_kv_heads * head_dim, bias=bias)
         self.compress_k = _Compressor(compress_block, head_dim, compress)
@@ -156,24 +175,37 @@ class NativeSparseAttention(nn.Module):
         self.gate_proj = nn.Linear(d_model, num_heads * 3)
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, mask: object = None, padding_mask: object = None,
+                cache: BranchCache | None = None, document_ids: object = None) -> Tensor:
         """The gated sum of the three branches, projected out: ``(B, T, d_model)``.
+
+        Args:
+            x: ``(B, T, d_model)``, the tokens after the cache's (if any).
+            mask, padding_mask, document_ids: must be None (a ``TransformerBlock`` passes them):
+                compression and selection are defined on one unpadded causal sequence.
+            cache: a cache from :meth:`new_cache`; the new tokens' keys are appended.
 
         Example:
             >>> NativeSparseAttention(8, 2, compress_block=2, compress_stride=2, select_block=2,
             ...                       select_count=2, select_local=1, window=2)(torch.randn(1, 5, 8)).shape
             torch.Size([1, 5, 8])
         """
-        parts = self.branches(x)
+        for name, value in (("mask", mask), ("padding_mask", padding_mask), ("document_ids", document_ids)):
+            if value is not None:
+                raise ValueError(f"{name} must be None for NativeSparseAttention (compression and selection are "
+                                 f"defined on one unpadded causal sequence), got {type(value).__name__}")
+        parts = self.branches(x, cache=cache)
         stacked = torch.stack(parts[:3], dim=-1)  # (B, Hq, T, D, 3)
         out = (stacked * parts.gates.unsqueeze(-2)).sum(-1)  # (B, Hq, T, D)
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, T, Hq * D)
 
-    def branches(self, x: Tensor) -> NSABranches:
-        """Each branch's output, the gates and the chosen blocks (see :class:`NSABranches`).
+    def branches(self, x: Tensor, *, cache: BranchCache | None = None) -> NSABranches:
+        """Each branch's output, the gates and the chosen blocks of the tokens ``x`` (see
+        :class:`NSABranches`), after the cache's tokens when one is given.
 
         Raises:
-            TypeError, ValueError: ``x`` not a floating ``(B, T, d_model)`` tensor like the weights.
+            TypeError, ValueError: ``x`` not a floating ``(B, T, d_model)`` tensor like the weights;
+                ``cache`` not this module's, of another dtype, or full (it is left as it was).
 
         Example:
             >>> nsa = NativeSparseAttention(8, 2, compress_block=2, compress_stride=1, select_block=2,
@@ -182,14 +214,23 @@ class NativeSparseAttention(nn.Module):
             torch.Size([1, 2, 6, 3])
         """
         _check_x(x, self.q_proj.weight, self.d_model)
+        if cache is not None:
+            self._check_cache(cache, x)
+        with _restore_on_error([cache], x.shape[1]):
+            return self._branches(x, cache)
+
+    def _branches(self, x: Tensor, cache: BranchCache | None) -> NSABranches:
         B, T, _ = x.shape
+        start = 0 if cache is None else cache.length  # the first new token's position
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         kv = self.kv_proj(x).view(B, T, 3, 2, self.num_kv_heads, self.head_dim)
         (kc, vc), (ks, vs), (kw, vw) = kv.permute(2, 3, 0, 4, 1, 5)  # each (B, Hkv, T, D)
-        o_cmp, p_cmp = self._compressed(q, kc, vc)
-        blocks = self.select(self.block_scores(p_cmp.detach(), T))
-        o_slc = self._selected(q, ks, vs, blocks)
-        o_win = attend_causal(q, kw, vw, window=self.window)  # (B, Hq, T, D)
+        if self.rope is not None:
+            q, kc, ks, kw = (self.rope.at(t, start) for t in (q, kc, ks, kw))
+        o_cmp, p_cmp = self._compressed(q, kc, vc, start, cache)
+        blocks = self.select(self.block_scores(p_cmp.detach(), start + T), start=start)
+        o_slc = self._selected(q, *_stored(cache, "selected", ks, vs), blocks)
+        o_win = attend_causal(q, *_stored(cache, "window", kw, vw), window=self.window)  # (B, Hq, T, D)
         gates = torch.sigmoid(self.gate_proj(x)).view(B, T, self.num_heads, 3).transpose(1, 2)  # (B, Hq, T, 3)
         return NSABranches(o_cmp, o_slc, o_win, gates, blocks)
 
@@ -208,13 +249,32 @@ class NativeSparseAttention(nn.Module):
             return phi(k.new_zeros(*k.shape[:2], 0, l, k.shape[-1]))  # (B, Hkv, 0, D)
         return phi(k.unfold(2, l, d).transpose(-1, -2))  # (B, Hkv, Nc, l, D) -> (B, Hkv, Nc, D)
 
-    def _compressed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Attention over the compressed blocks that ended at or before each query, and its
-        probabilities ``(B, Hq, T, Nc)``."""
-        kc, vc = self.compress(k, self.compress_k), self.compress(v, self.compress_v)
+    def _compressed(self, q: Tensor, k: Tensor, v: Tensor, start: int,
+                    cache: BranchCache | None) -> tuple[Tensor, Tensor]:
+        """Attention of the queries at ``start ..`` over the compressed blocks that ended at or
+        before each, and its probabilities ``(B, Hq, T, Nc)``; with a cache, only the blocks the
+        new keys complete are compressed, and all are read from the cache."""
+        if cache is None:
+            kc, vc = self.compress(k, self.compress_k), self.compress(v, self.compress_v)
+        else:
+            kc, vc = self._compress_new(k, v, start, cache)  # (B, Hkv, Nc, D) each
         ends = torch.arange(kc.shape[2], device=q.device) * self.compress_stride + self.compress_block - 1
-        visible = ends <= torch.arange(q.shape[2], device=q.device)[:, None]  # (T, Nc)
+        visible = ends <= torch.arange(start, start + q.shape[2], device=q.device)[:, None]  # (T, Nc)
         return attention(q, kc, vc, mask=visible, return_weights=True)
+
+    def _compress_new(self, k: Tensor, v: Tensor, start: int, cache: BranchCache) -> tuple[Tensor, Tensor]:
+        """Append the raw keys/values ``(B, Hkv, T, D)`` at ``start ..``, compress the blocks they
+        complete, and return every compressed key and value so far."""
+        l, d = self.compress_block, self.compress_stride
+        raw_k, raw_v = cache["raw"].update(k, v)  # positions first .. start + T - 1 (one step: ring order)
+        if k.shape[2] == 1:
+            raw_k, raw_v = _chronological(raw_k, cache["raw"]), _chronological(raw_v, cache["raw"])
+        first = start - min(start, l - 1)
+        done = (start - l) // d + 1 if start >= l else 0  # blocks ended before the new tokens
+        begin = done * d - first
+        new_k = self.compress(raw_k[:, :, begin:], self.compress_k)  # (B, Hkv, new blocks, D)
+        new_v = self.compress(raw_v[:, :, begin:], self.compress_v)
+        return cache["compressed"].update(new_k, new_v)  # (B, Hkv, Nc, D) each
 
     def block_scores(self, p_cmp: Tensor, length: int) -> Tensor:
         """Selection block importance ``(B, Hkv, T, Ns)``, ``Ns = ceil(T / l')``, from the
@@ -239,10 +299,10 @@ class NativeSparseAttention(nn.Module):
         covered = padded.unfold(-1, per_chunk, 1).sum(-1)  # (B, Hkv, T, chunks)
         return covered.unflatten(-1, (num_blocks, chunks_per_block)).sum(-1)  # (B, Hkv, T, Ns)
 
-    def select(self, scores: Tensor) -> Tensor:
+    def select(self, scores: Tensor, *, start: int = 0) -> Tensor:
         """The ``select_count`` best blocks per query ``(B, Hkv, T, n)`` from ``scores``
-        ``(B, Hkv, T, Ns)``: block 0 and the local blocks first, never one starting after the query
-        while another remains (ties: the earlier block).
+        ``(B, Hkv, T, Ns)`` of the queries at positions ``start ..``: block 0 and the local blocks
+        first, never one starting after the query while another remains (ties: the earlier block).
 
         Example:
             >>> nsa = NativeSparseAttention(8, 2, compress_block=2, compress_stride=2, select_block=2,
@@ -252,7 +312,7 @@ class NativeSparseAttention(nn.Module):
             [0, 2, 1]
         """
         T, num_blocks = scores.shape[-2:]
-        query = torch.arange(T, device=scores.device)[:, None]
+        query = torch.arange(start, start + T, device=scores.device)[:, None]
         block = torch.arange(num_blocks, device=scores.device)
         current = query // self.select_block  # (T, 1)
         forced = (block == 0) | ((block <= current) & (block > current - self.select_local))  # (T, Ns)
@@ -261,10 +321,88 @@ class NativeSparseAttention(nn.Module):
         return order[..., :min(self.select_count, num_blocks)]  # (B, Hkv, T, n)
 
     def _selected(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor) -> Tensor:
-        """Causal attention over the chosen blocks' tokens, as top-k ``indices`` (B, Hkv, T, n * l')."""
-        T, size = k.shape[2], self.select_block
+        """Causal attention of the newest queries over the chosen blocks' tokens of ``k`` ``(B, Hkv,
+        N, D)``, as top-k ``indices`` (B, Hkv, T, n * l'); a token past the last key is -1 (none)."""
+        N, size = k.shape[2], self.select_block
         offsets = torch.arange(size, device=k.device)
         indices = (blocks.unsqueeze(-1) * size + offsets).flatten(-2)  # (B, Hkv, T, n * l')
-        pad = -(-T // size) * size - T  # the last block's missing tokens: keys past every query
-        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))  # (B, Hkv, Ns * l', D)
-        return attention(q, k, v, indices=indices, causal=True)
+        indices = indices.masked_fill(indices >= N, -1)  # the last block's missing tokens
+        if indices.shape[-1] > N:  # more slots than keys: at most N are listed, the -1s sort last
+            indices = indices.sort(dim=-1, descending=True).values[..., :N]  # (B, Hkv, T, N)
+        return attention(q, k, v, indices=indices, causal=True, align="bottom_right")
+
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None, windowed: bool | None = None,
+                  page_size: int | None = None) -> BranchCache:
+        """An empty cache for ``max_len`` positions: a :class:`~attnlab.nn.BranchCache` of
+        ``selected`` (KVCache, ``max_len``; it counts the positions), ``window`` (a ring of
+        ``window`` slots; a KVCache of ``max_len`` when ``window >= max_len`` or ``windowed=False``),
+        ``raw`` (the compressed branch's keys of the newest ``compress_block`` tokens) and
+        ``compressed`` (KVCache of ``max_len // compress_stride + 1`` blocks). Not paged.
+
+        Raises:
+            ValueError: ``page_size`` is not None (paged NSA is not built); bad sizes.
+
+        Example:
+            >>> nsa = NativeSparseAttention(16, 2, compress_block=4, compress_stride=2, select_block=4,
+            ...                             select_count=2, select_local=1, window=8)
+            >>> nsa.new_cache(1, 64).names
+            ('selected', 'window', 'raw', 'compressed')
+        """
+        if page_size is not None:
+            raise ValueError(f"page_size must be None for NativeSparseAttention (a paged NSA cache is not "
+                             f"built), got {page_size}")
+        if windowed is not None:
+            instance_of("windowed", windowed, bool, "a bool or None")
+        positive_int("max_len", max_len)
+        weight = self.q_proj.weight
+        sizes = dict(dtype=weight.dtype if dtype is None else dtype,
+                     device=weight.device if device is None else device)
+        B, H, D = batch_size, self.num_kv_heads, self.head_dim
+        ring = windowed or (windowed is None and self.window < max_len)
+        return BranchCache(
+            selected=KVCache(B, H, max_len, D, **sizes),
+            window=WindowedKVCache(B, H, self.window, D, **sizes) if ring else KVCache(B, H, max_len, D, **sizes),
+            raw=WindowedKVCache(B, H, self.compress_block, D, **sizes),
+            compressed=KVCache(B, H, max_len // self.compress_stride + 1, D, **sizes))
+
+    def _check_cache(self, cache: object, x: Tensor) -> None:
+        """``cache`` is one :meth:`new_cache` made for this module's sizes, ``x``'s batch and
+        dtype, with room for ``x``'s tokens (nothing is written)."""
+        instance_of("cache", cache, BranchCache, "a BranchCache (from NativeSparseAttention.new_cache)")
+        if cache.names != ("selected", "window", "raw", "compressed") or not self._fits(cache):
+            raise ValueError(f"cache must come from this module's new_cache (parts selected, window, raw, "
+                             f"compressed with {self.num_kv_heads} kv heads of {self.head_dim} features, "
+                             f"window {self.window}, compress_block {self.compress_block}); got {cache!r}")
+        if cache.batch_size != x.shape[0]:
+            raise ValueError(f"cache holds batch {cache.batch_size}; x has batch {x.shape[0]}")
+        if cache.dtype != x.dtype or cache.device != x.device:
+            raise TypeError(f"cache holds {cache.dtype} on {cache.device} but x is {x.dtype} on {x.device}; "
+                            "create it with new_cache(dtype=..., device=...) like the module")
+        cache.check_room(x.shape[1])
+
+    def _fits(self, cache: BranchCache) -> bool:
+        """Every part has this module's heads and features, and enough slots."""
+        max_len = cache["selected"].max_len
+        window, raw, compressed = cache["window"], cache["raw"], cache["compressed"]
+        return (all((p.num_kv_heads, p.head_dim, p.value_dim) == (self.num_kv_heads, self.head_dim, self.head_dim)
+                    for p in (cache[name] for name in cache.names))
+                and isinstance(cache["selected"], KVCache) and isinstance(compressed, KVCache)
+                and type(raw) is WindowedKVCache and raw.window == self.compress_block
+                and compressed.max_len > max_len // self.compress_stride
+                and (window.window >= self.window if isinstance(window, WindowedKVCache)
+                     else isinstance(window, KVCache) and window.max_len >= max_len))
+
+
+def _stored(cache: BranchCache | None, name: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys/values the new queries read: ``k``, ``v`` themselves, or the cache part ``name``
+    after appending them."""
+    return (k, v) if cache is None else cache[name].update(k, v)
+
+
+def _chronological(ring: Tensor, part: WindowedKVCache) -> Tensor:
+    """A ring's view after a one-token update ``(B, Hkv, slots, D)`` in position order
+    (position ``p`` lives in slot ``p % window``)."""
+    if part.length <= part.window:
+        return ring
+    return torch.roll(ring, shifts=-(part.length % part.window), dims=2)  # (B, Hkv, window, D)
