@@ -12,7 +12,8 @@ features of both rotated (half-split pairs as DeepSeek-V3.2; ``interleaved`` pai
 Scores are fp32 (or fp64 for fp64 inputs). A query only indexes keys at or before it (``causal``)
 and that ``mask`` allows; ``k = min(topk, Tk)``, as transformers clamps it; where a query has fewer
 allowed keys than ``k``, the extra entries are ``-1`` ("no key"), which ``attention`` skips
-(transformers lists masked keys there and relies on its mask; the attention is the same).
+(transformers lists masked keys there and relies on its mask; the attention is the same). Equal
+scores keep the earlier key, so a prefill and a decoding step pick the same keys.
 
 Example:
     >>> import torch, attnlab
@@ -82,8 +83,11 @@ def select_topk(scores: Tensor, topk: int, *, mask: Tensor | None = None, causal
         allowed = allowed.tril(Tk - Tq)  # (1, Tq, Tk)
     if mask is not None:
         allowed = allowed & _check_mask(mask, B, Tq, Tk)
-    ranked = scores.detach().masked_fill(~allowed, float("-inf")).topk(min(topk, Tk), dim=-1)
-    return ranked.indices.masked_fill(ranked.values == float("-inf"), -1).unsqueeze(1)  # (B, 1, Tq, k)
+    # A stable sort, not topk: equal scores (ReLU heads give many zeros) keep the earlier key, so a
+    # query picks the same keys whether its row is a prefill's (masked past its position) or a decoding step's.
+    values, order = scores.detach().masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    k = min(topk, Tk)
+    return order[..., :k].masked_fill(values[..., :k] == float("-inf"), -1).unsqueeze(1)  # (B, 1, Tq, k)
 
 
 def _check_mask(mask: object, B: int, Tq: int, Tk: int) -> Tensor:
