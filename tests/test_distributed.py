@@ -432,6 +432,20 @@ def test_context_parallel_wraps_every_self_attention_and_undoes_itself():
         context_parallel(torch.nn.Linear(2, 2), setting)
 
 
+@pytest.mark.parametrize("pattern, sizes, name", [
+    ("GD", {}, "DifferentialAttention"), ("QG", {}, "GatedAttention"),
+    ("GT", {"topk": 2}, "TopkAttention"), ("SG", {"nsa_block": 4}, "NativeSparseAttention")])
+def test_context_parallel_refuses_layers_that_would_attend_over_their_shard_only(pattern, sizes, name):
+    """A layer that is not a MultiHeadAttention has no sharded part: left alone, it would attend
+    over each rank's shard only, silently wrong. It is refused by name, and nothing is changed."""
+    from attnlab.models import GPT
+
+    gpt = GPT(vocab_size=5, max_len=8, d_model=8, num_layers=2, num_heads=2, layer_pattern=pattern, **sizes)
+    with pytest.raises(ValueError, match=f"{name} does not run context-parallel"):
+        context_parallel(gpt, ContextParallel(method="ring"))
+    assert not any(isinstance(m, ShardedAttention) for m in gpt.modules())
+
+
 # ----------------------------------------------------------------------------- command line
 @pytest.mark.parametrize("args, option", [
     (["--nproc", "0"], "--nproc"),

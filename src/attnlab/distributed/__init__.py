@@ -49,8 +49,14 @@ from attnlab.distributed.layout import (LAYOUTS, ChunkLayout, check_layout, chec
                                         shard, unshard)
 from attnlab.distributed.ring import RingPlan, ring_attention, ring_plan
 from attnlab.distributed.ulysses import ulysses_attention
+from attnlab.nn.gated import _ProjectedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.native_sparse import NativeSparseAttention
+
+# Attention modules that hold their own attention path, not a MultiHeadAttention's part: left
+# alone, each rank would attend over its own shard only (differential, gated, top-k come from _ProjectedAttention).
+_NOT_SHARDED = (LatentAttention, _ProjectedAttention, NativeSparseAttention)
 
 __all__ = ["context_parallel_attention", "context_parallel", "ContextParallel", "ShardedAttention", "CommStats", "METHODS", "LAYOUTS",
            "ChunkLayout", "RingPlan", "ring_plan", "hybrid_layout", "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
@@ -368,8 +374,8 @@ def context_parallel(module: torch.nn.Module, setting: ContextParallel | None) -
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``setting`` not a ContextParallel/None.
-        ValueError: ``module`` holds a ``LatentAttention`` (not context-parallel) or no
-            ``MultiHeadAttention``.
+        ValueError: ``module`` holds an attention module that does not run context-parallel
+            (latent, differential, gated, top-k or native sparse attention) or no ``MultiHeadAttention``.
 
     Example (under torchrun)::
 
@@ -382,8 +388,10 @@ def context_parallel(module: torch.nn.Module, setting: ContextParallel | None) -
         instance_of("setting", setting, ContextParallel, "a ContextParallel or None")
     layers = [m for name, m in module.named_modules()
               if isinstance(m, MultiHeadAttention) and not name.endswith("cross_attn")]
-    if setting is not None and any(isinstance(m, LatentAttention) for m in module.modules()):
-        raise ValueError("LatentAttention does not run context-parallel; use MultiHeadAttention layers")
+    unsharded = sorted({type(m).__name__ for m in module.modules() if isinstance(m, _NOT_SHARDED)})
+    if setting is not None and unsharded:
+        raise ValueError(f"{', '.join(unsharded)} does not run context-parallel (each rank would attend over its own "
+                         "shard only); use MultiHeadAttention layers (GPT layer_pattern letters G, L, C, N)")
     if setting is not None and not layers:
         raise ValueError(f"module ({type(module).__name__}) holds no MultiHeadAttention to run over shards")
     for layer in layers:
