@@ -1,5 +1,6 @@
-"""GPT's differential (D) and gated (Q) layers: built with nn.DifferentialAttention / nn.GatedAttention,
-decoding with their caches equals the full forward, options they cannot honour are refused, and
+"""GPT's differential (D), gated (Q), sparse top-k (T) and native sparse (S) layers: built with
+nn.DifferentialAttention / nn.GatedAttention / nn.TopkAttention / nn.NativeSparseAttention, decoding
+with their caches equals the full forward, options they cannot honour are refused, and
 `attnlab train` trains and resumes such a model."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typer.testing import CliRunner
 
 from attnlab.cli import app
 from attnlab.models import GPT
-from attnlab.nn import DifferentialAttention, GatedAttention
+from attnlab.models.gpt import INDEX_LOSS_WEIGHT
+from attnlab.nn import BranchCache, DifferentialAttention, GatedAttention, NativeSparseAttention, TopkAttention
 from attnlab.nn.differential import lambda_init_for
 
 
@@ -30,9 +32,24 @@ def test_layers_are_the_differential_and_gated_modules_with_the_layers_lambda():
     assert abs(float(getattr(layer, "lambda_init")) - expected) < 1e-12
 
 
-@pytest.mark.parametrize("pattern", ["DG", "QN", "DQCN"])
+def test_sparse_layers_are_topk_and_native_sparse_modules_in_the_papers_proportions():
+    model = _gpt("TSGN", topk=3, nsa_block=8)
+    topk, nsa = model.blocks[0].attn, model.blocks[1].attn
+    assert type(topk) is TopkAttention and type(nsa) is NativeSparseAttention
+    assert topk.indexer.topk == 3 and topk.index_loss_weight == INDEX_LOSS_WEIGHT > 0
+    sizes = (nsa.compress_block, nsa.compress_stride, nsa.select_block, nsa.select_count, nsa.select_local, nsa.window)
+    assert sizes == (4, 2, 8, 16, 2, 64)  # nsa_block=64 would give the paper's 32, 16, 64, 16, 2, 512
+    assert all(isinstance(c, BranchCache) for c in model.new_cache(1)[:2])
+
+
+def _sizes(pattern: str) -> dict:
+    return {name: value for name, letter, value in (("chunk", "C", 4), ("topk", "T", 3), ("nsa_block", "S", 4))
+            if letter in pattern}
+
+
+@pytest.mark.parametrize("pattern", ["DG", "QN", "DQCN", "TG", "SN", "TSCN"])
 def test_cached_decoding_equals_the_full_forward(pattern):
-    model = _gpt(pattern, chunk=4 if "C" in pattern else None)
+    model = _gpt(pattern, **_sizes(pattern))
     x = torch.randint(0, 23, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(x)
@@ -51,24 +68,76 @@ def test_options_these_layers_cannot_honour_are_refused():
         _gpt("DG", sinks=True)
     with pytest.raises(ValueError, match="^return_weights: differential"):
         _gpt("DG")(torch.tensor([[1, 2, 3]]), return_weights=True)
+    with pytest.raises(ValueError, match="dropout_p=0.1: native sparse .NSA., sparse top-k"):
+        _gpt("TS", topk=2, nsa_block=4, dropout_p=0.1)
+    with pytest.raises(ValueError, match="positions='alibi': not available on sparse top-k"):
+        GPT(vocab_size=5, max_len=8, d_model=8, num_layers=1, num_heads=2, positions="alibi", layer_pattern="T",
+            topk=2)
+    with pytest.raises(ValueError, match="^return_weights: native sparse"):
+        _gpt("S", nsa_block=4)(torch.tensor([[1, 2, 3]]), return_weights=True)
+    with pytest.raises(ValueError, match="nsa_block must be a multiple of 4"):
+        _gpt("S", nsa_block=6)
+    with pytest.raises(ValueError, match="give topk"):
+        _gpt("T")
+    with pytest.raises(ValueError, match="topk=3 is for T layers"):
+        _gpt("G", topk=3)
+    with pytest.raises(ValueError, match="page_size"):
+        _gpt("T", topk=2).new_cache(1, page_size=4)
+    ragged = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    with pytest.raises(ValueError, match="page_size"):  # prompts of different lengths need paged caches
+        _gpt("S", nsa_block=4).generate(ragged, 2)
+
+
+def test_training_a_topk_layer_teaches_its_indexer():
+    """The language-model loss cannot reach the T layers' indexer (its indices are integers): in
+    training, its gradient is exactly INDEX_LOSS_WEIGHT times that of its KL loss on the layer's
+    input, the other weights get the language-model gradient alone, and the logits are unchanged."""
+    model = _gpt("TG", topk=3)
+    ids = torch.randint(0, 23, (2, 16), generator=torch.Generator().manual_seed(2))
+    layer = model.blocks[0].attn
+    indexer = list(layer.indexer.parameters())
+
+    def lm_loss() -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    model.eval()
+    eval_logits = model(ids).detach()
+    lm_loss().backward()
+    lm_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert all(p.grad is None for p in indexer)
+    model.zero_grad(set_to_none=True)
+    layer.indexer_loss(model.blocks[0].norm_attn(model.tok_emb(ids))).backward()
+    kl_grads = [p.grad.clone() for p in indexer]
+    model.zero_grad(set_to_none=True)
+    assert layer.index_loss_weight == INDEX_LOSS_WEIGHT > 0
+    layer.index_loss_weight = 0.25  # any weight scales the indexer's gradient, and nothing else
+    model.train()
+    torch.testing.assert_close(model(ids), eval_logits, rtol=0, atol=0)
+    lm_loss().backward()
+    for p, kl in zip(indexer, kl_grads):
+        torch.testing.assert_close(p.grad, 0.25 * kl)
+    for name, grad in lm_grads.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad)
 
 
 def test_config_round_trips(tmp_path):
-    model = _gpt("DQ")
+    model = _gpt("DQTS", topk=2, nsa_block=4)
     model.save_pretrained(tmp_path / "m")
     loaded = GPT.from_pretrained(tmp_path / "m").eval()
-    x = torch.tensor([[1, 2, 3, 4, 5]])
-    assert json.loads((tmp_path / "m" / "config.json").read_text())["layer_pattern"] == "DQ"
+    x = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["layer_pattern"], config["topk"], config["nsa_block"]) == ("DQTS", 2, 4)
     torch.testing.assert_close(loaded(x), model(x))
 
 
-def test_train_cli_trains_a_differential_and_gated_model(tmp_path):
+@pytest.mark.parametrize("pattern", [["DQ"], ["TS", "--topk", "4", "--nsa-block", "4"]])
+def test_train_cli_trains_the_2026_layers(tmp_path, pattern):
     from attnlab.bench.variants import tiny_corpus
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(tiny_corpus(200), encoding="utf-8")
     args = ["train", "--task", "text", "--text", str(corpus), "--steps", "4", "--layers", "2", "--d-model", "16",
-            "--heads", "2", "--positions", "rope", "--layer-pattern", "DQ", "--out", str(tmp_path / "run")]
+            "--heads", "2", "--positions", "rope", "--layer-pattern", *pattern, "--out", str(tmp_path / "run")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "No head scores or ablation" in result.output and (tmp_path / "run" / "curves.png").is_file()

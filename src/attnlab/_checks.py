@@ -141,6 +141,18 @@ def positive_number(name: str, value: object) -> float:
     return float(value)
 
 
+def non_negative_number(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite real number ``>= 0``; ``ValueError`` otherwise.
+
+    Example:
+        >>> non_negative_number("weight", 0)
+        0.0
+    """
+    if finite_number(name, value) < 0:
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+    return float(value)
+
+
 def instance_of(name: str, value: object, kind: type | tuple[type, ...], what: str) -> object:
     """``value`` if it is an instance of ``kind``; ``TypeError`` naming ``name`` and ``what`` otherwise.
 

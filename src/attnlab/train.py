@@ -55,7 +55,7 @@ from attnlab.distributed.layout import check_length
 from attnlab._checks import divisible, instance_of, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
-from attnlab.models.gpt import POSITIONS
+from attnlab.models.gpt import _NO_WEIGHTS, LAYER_KINDS, LAYER_TABLE, POSITIONS
 from attnlab.trained import ROLE_THRESHOLD, best_head, count_heads, head_roles, pad_heads, sink_shares, unpad_heads
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
@@ -332,9 +332,10 @@ def default_heads(task: str, layers: int) -> int | tuple[int, ...]:
 class TrainConfig:
     """What to train and how; None means the task's default (see :meth:`resolved`).
 
-    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim`` and ``chunk`` choose the attention
-    variant (grouped-query heads, local/global/latent/chunked/NoPE layers; see
-    :class:`~attnlab.models.GPT`); None trains plain multi-head attention.
+    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk`` and
+    ``nsa_block`` choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
+    differential, gated, sparse top-k and native sparse layers; see :class:`~attnlab.models.GPT`);
+    None trains plain multi-head attention.
 
     ``softcap`` caps every attention score with ``softcap * tanh(score / softcap)`` (Gemma 2) and
     ``sinks`` gives every head a learnable sink logit (gpt-oss); :func:`analyze` then reports each
@@ -375,6 +376,8 @@ class TrainConfig:
     softcap: float | None = None
     sinks: bool = False
     chunk: int | None = None
+    topk: int | None = None
+    nsa_block: int | None = None
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
@@ -487,7 +490,7 @@ class Trainer:
                              num_layers=c.layers, num_heads=c.heads, attention_only=c.attention_only,
                              positions=c.positions, num_kv_heads=c.kv_heads, layer_pattern=c.layer_pattern,
                              window=c.window, latent_dim=c.latent_dim, softcap=c.softcap,
-                             sinks=c.sinks, chunk=c.chunk).to(c.device)
+                             sinks=c.sinks, chunk=c.chunk, topk=c.topk, nsa_block=c.nsa_block).to(c.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.step = 0
         self.seconds = 0.0
@@ -1011,7 +1014,7 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
     (``induction_heads_ablated``): several heads can share one job, and then zeroing any single
     one of them costs little; the summary then says so, with both figures. A model trained with
     sinks also gets ``heads["sink_share"]``, each head's mean sink share, and a sentence on it.
-    A model with differential or gated layers (they return no weights) gets empty ``heads`` and a
+    A model with differential, gated or sparse layers (they return no weights) gets empty ``heads`` and a
     summary saying why (and :func:`write_figures` draws its curves only).
 
     Example:
@@ -1020,12 +1023,13 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
         ['ablation_accuracy', 'induction', 'previous_token']
     """
     inputs, targets = trainer.eval_set()
-    silent = [name for name in trainer.model.layer_kinds if name in ("D", "Q")]
-    if silent:  # differential and gated layers return no weight matrix to score
+    silent = [name for name in trainer.model.layer_kinds if LAYER_TABLE[name].module in _NO_WEIGHTS]
+    if silent:  # differential, gated and sparse layers return no weight matrix to score
         accuracy = trainer.history["eval_accuracy"][-1] if trainer.history["eval_accuracy"] else trainer.evaluate()[1]
         return {"heads": {}, "example": inputs[0], "summary": (
             f"Held-out accuracy {100 * accuracy:.1f} %. No head scores or ablation: the layer_pattern's "
-            f"{', '.join(sorted(set(silent)))} layers (differential, gated) return no single weight matrix.")}
+            f"{', '.join(sorted(set(silent)))} layers ({', '.join(LAYER_KINDS[k] for k in sorted(set(silent)))}) "
+            "return no single weight matrix.")}
     scores = head_scores(trainer.model, inputs[:sequences])
     ablated = ablate_heads(trainer.model, inputs, targets)
     accuracy = trainer.history["eval_accuracy"][-1] if trainer.history["eval_accuracy"] else trainer.evaluate()[1]

@@ -8,11 +8,13 @@ for the device's memory (named by the option that makes it so, before anything i
 Ctrl-C finishes the current step, saves a checkpoint and prints the command that resumes it
 (exit 130); a second Ctrl-C stops at once.
 
-``--kv-heads``, ``--layer-pattern``, ``--window``, ``--latent-dim`` and ``--chunk`` train an
-attention variant (grouped-query heads; global, local, latent, chunked-local and NoPE layers, see
+``--kv-heads``, ``--layer-pattern``, ``--window``, ``--latent-dim``, ``--chunk``, ``--topk`` and
+``--nsa-block`` train an attention variant (grouped-query heads; global, local, latent,
+chunked-local, NoPE, differential, gated, sparse top-k and native sparse layers, see
 :class:`attnlab.models.GPT`): a ``--kv-heads`` that does not divide every layer's heads, a pattern
-with letters other than G, L, M, C and N, a ``--window``, ``--latent-dim`` or ``--chunk`` missing
-for the pattern's L, M or C layers, or given without them, is one ``error:`` line naming the option.
+with letters other than G, L, M, C, N, D, Q, T and S, a ``--window``, ``--latent-dim``, ``--chunk``,
+``--topk`` or ``--nsa-block`` missing for the pattern's L, M, C, T or S layers, or given without
+them, is one ``error:`` line naming the option.
 
 ``--context-parallel P`` shards every sequence over P ranks; each layer keeps its whole
 attention (L layers their ``--window``, ``--softcap``, ``--sinks``, positions), and what cannot
@@ -95,14 +97,20 @@ def train(
     layer_pattern: str = typer.Option(None, "--layer-pattern", show_default=False,
                                       help="Each layer's attention, tiled over --layers: G global, L local "
                                            "(sliding --window), M latent (MLA, --latent-dim), C chunked local "
-                                           "(--chunk), N global without positions (NoPE); e.g. LLG or CCCN "
-                                           "(default: all G)."),
+                                           "(--chunk), N global without positions (NoPE), D differential, "
+                                           "Q gated, T sparse top-k (DSA, --topk), S native sparse (NSA, "
+                                           "--nsa-block); e.g. LLG or CCCN (default: all G)."),
     window: int = typer.Option(None, "--window", show_default=False,
                                help="Keys per query of the L layers' sliding window."),
     latent_dim: int = typer.Option(None, "--latent-dim", show_default=False,
                                    help="Width of the M layers' key/value latent."),
     chunk: int = typer.Option(None, "--chunk", show_default=False,
                               help="Tokens per chunk of the C layers (a query sees its chunk's earlier keys)."),
+    topk: int = typer.Option(None, "--topk", show_default=False,
+                             help="Keys per query of the T layers (their lightning indexer picks them)."),
+    nsa_block: int = typer.Option(None, "--nsa-block", show_default=False,
+                                  help="Selection block of the S layers (a multiple of 4; the rest in the NSA "
+                                       "paper's proportions)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -113,7 +121,8 @@ def train(
     given = {name: value for name, value in dict(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
-        layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk).items() if value is not None}
+        layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk, topk=topk,
+        nsa_block=nsa_block).items() if value is not None}
     _check_options(given, steps, threads)
     sharding = _check_sharding(context_parallel, cp_method, cp_ulysses, device)
     _check_device(device)
@@ -157,7 +166,7 @@ FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": 
          "attention_only": "--attention-only/--mlp", "steps": "--steps", "batch_size": "--batch-size", "lr": "--lr",
          "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks",
          "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
-         "latent_dim": "--latent-dim", "chunk": "--chunk"}
+         "latent_dim": "--latent-dim", "chunk": "--chunk", "topk": "--topk", "nsa_block": "--nsa-block"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -184,7 +193,8 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
         if "task" in given:
             one_of("--task", given["task"], _train.TASKS)
         for name, value in (*given.items(), ("steps", steps)):
-            if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim", "chunk") \
+            if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim", "chunk",
+                        "topk", "nsa_block") \
                     and value is not None:
                 positive_int(FLAGS[name], value)
         if "lr" in given:
@@ -299,8 +309,8 @@ def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | N
 
 
 def _check_variant(task: str, given: dict) -> None:
-    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim
-    and --chunk for its L, M and C layers, none without them (over --layers)."""
+    """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim,
+    --chunk, --topk and --nsa-block for its L, M, C, T and S layers, none without them (over --layers)."""
     layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
     pattern = given.get("layer_pattern")
     if pattern is not None:
@@ -327,14 +337,19 @@ def _check_variant(task: str, given: dict) -> None:
 
 
 def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
-    """--sinks, --softcap and --positions alibi are options of the multi-head layers: latent
-    layers take none, and local layers' windowed cache does not keep keys in ALiBi's order."""
+    """--sinks, --softcap and --positions alibi are options of the multi-head layers: the layers
+    built with their own module (latent, differential, gated, sparse) take none, and local layers'
+    windowed cache does not keep keys in ALiBi's order; --nsa-block is a multiple of 4."""
     alibi = given.get("positions") == "alibi"
     used = [flag for flag, on in (("--positions alibi", alibi), ("--softcap", "softcap" in given),
                                   ("--sinks", given.get("sinks", False))) if on]
-    if used and "M" in kinds:
-        fail(f"{', '.join(used)}: not available on {LAYER_KINDS['M']} layers, and {shown} has some; "
-             "use a --layer-pattern without M")
+    own = sorted(letter for letter in kinds if LAYER_TABLE[letter].module)
+    if used and own:
+        fail(f"{', '.join(used)}: not available on {', '.join(LAYER_KINDS[k] for k in own)} layers, and {shown} "
+             f"has some; use a --layer-pattern without {', '.join(own)}")
+    if given.get("nsa_block", 4) % 4:
+        fail(f"--nsa-block must be a multiple of 4 (compressed blocks of half of it every quarter), "
+             f"got {given['nsa_block']}")
     for letter in ("L", "C"):
         if alibi and letter in kinds:
             fail(f"--positions alibi: not available on {LAYER_KINDS[letter]} layers (their cache does not keep "
@@ -346,7 +361,8 @@ def _variant_banner(config: _train.TrainConfig) -> str:
     parts = [f"{config.kv_heads} kv heads"] if config.kv_heads is not None else []
     if config.layer_pattern is not None:
         sizes = [f"{name} {value}" for name, value in (("window", config.window), ("latent", config.latent_dim),
-                                                        ("chunk", config.chunk)) if value is not None]
+                                                        ("chunk", config.chunk), ("topk", config.topk),
+                                                        ("nsa block", config.nsa_block)) if value is not None]
         parts.append(f"layers {config.layer_pattern}" + (f" ({', '.join(sizes)})" if sizes else ""))
     return "".join(f", {part}" for part in parts)
 

@@ -43,7 +43,9 @@ from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import _check_documents, _check_padding_type
+from attnlab.nn.native_sparse import NativeSparseAttention
 from attnlab.nn.positional import LearnedPositionalEmbedding
+from attnlab.nn.topk_attention import TopkAttention
 
 __all__ = ["GPT"]
 
@@ -71,6 +73,8 @@ LAYER_TABLE = {
     "N": LayerKind("global without positions (NoPE)", positions=False),
     "D": LayerKind("differential (DiffLlama)", module="differential"),
     "Q": LayerKind("gated output (Qwen3-Next)", module="gated"),
+    "T": LayerKind("sparse top-k (DSA)", "topk", module="topk"),
+    "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse"),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -125,12 +129,22 @@ class GPT(nn.Module):
             ``C`` chunked local (causal within blocks of ``chunk`` tokens, Llama 4's local layers;
             its cache is a :class:`~attnlab.nn.ChunkedKVCache` of ``chunk`` slots), ``N`` global
             without positions (NoPE: ``positions="rope"``/``"alibi"`` act in the other layers, not
-            in these; learned positions, added to the input, reach every layer). Llama 4's text
-            model is ``"CCCN"``. Default: every layer ``G``.
+            in these; learned positions, added to the input, reach every layer), ``D`` differential
+            (:class:`~attnlab.nn.DifferentialAttention`), ``Q`` gated output
+            (:class:`~attnlab.nn.GatedAttention`), ``T`` sparse top-k (:class:`~attnlab.nn.TopkAttention`,
+            DeepSeek-V3.2's DSA: each query attends to the ``topk`` keys a lightning indexer picks; in
+            training the indexer learns from its KL loss, added to the model's loss) and ``S`` native
+            sparse attention (:class:`~attnlab.nn.NativeSparseAttention` sized by ``nsa_block``).
+            Llama 4's text model is ``"CCCN"``. Default: every layer ``G``.
         window: the local layers' sliding window (keys per query, the query's own included).
         chunk: the ``C`` layers' chunk (tokens per block; a query sees its block's earlier keys).
         latent_dim: the ``M`` layers' latent width.
         latent_rope_dim: the ``M`` layers' decoupled rotary width (default: half a head, even).
+        topk: the ``T`` layers' keys per query.
+        nsa_block: the ``S`` layers' selection block ``l'`` (a multiple of 4); the rest keeps the
+            NSA paper's proportions: compressed blocks of ``l'/2`` tokens every ``l'/4``, 16 selected
+            blocks (block 0 and the 2 newest among them) and a window of ``8 l'`` tokens
+            (``nsa_block=64`` is the paper's 32, 16, 64, 16, 512).
 
     Attributes:
         config: the constructor's arguments, as saved in ``config.json``.
@@ -163,7 +177,7 @@ class GPT(nn.Module):
         backend: str = "auto",
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
         latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
-        chunk: int | None = None,
+        chunk: int | None = None, topk: int | None = None, nsa_block: int | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -182,13 +196,13 @@ class GPT(nn.Module):
             activation=activation, tie_embeddings=tie_embeddings, layer_pattern=layer_pattern, window=window,
             latent_dim=latent_dim, latent_rope_dim=latent_rope_dim,
         )
-        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk}
+        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk, "topk": topk, "nsa_block": nsa_block}
         kinds = _layer_kinds(layer_pattern, num_layers, sizes, latent_rope_dim)
         _check_score_options(kinds, positions, softcap, sinks, dropout_p)
         if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
             self.config.update(softcap=softcap, sinks=sinks)
-        if chunk is not None:
-            self.config.update(chunk=chunk)
+        # only when given: configs saved before these options stay as they were
+        self.config.update({name: sizes[name] for name in ("chunk", "topk", "nsa_block") if sizes[name] is not None})
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -199,7 +213,7 @@ class GPT(nn.Module):
                              norm_eps=norm_eps, activation=activation, backend=backend,
                              mlp=not attention_only,
                              attn=_attention_module(kind, d_model, layer_heads, layer=layer, num_kv_heads=num_kv_heads,
-                                                    positions=positions, latent_dim=latent_dim,
+                                                    positions=positions, sizes=sizes,
                                                     latent_rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
                                                     backend=backend),
                              softcap=softcap, sinks=sinks, **_layer_options(kind, sizes, positions))
@@ -557,14 +571,22 @@ def _layer_options(letter: str, sizes: dict, positions: str) -> dict:
 
 
 def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_kv_heads, positions: str,
-                      latent_dim, latent_rope_dim, dropout_p: float, bias: bool, backend: str) -> nn.Module | None:
+                      sizes: dict, latent_rope_dim, dropout_p: float, bias: bool, backend: str) -> nn.Module | None:
     """The attention module of a layer whose :data:`LAYER_TABLE` row names one (None: the block's
-    multi-head attention). The differential and gated modules rotate their own queries and keys."""
+    multi-head attention). The modules other than the latent one rotate their own queries and keys."""
     module = LAYER_TABLE[letter].module
     rope = "rope" if positions == "rope" else None
     if module == "latent":
-        return LatentAttention(d_model, heads, latent_dim=latent_dim, rope_dim=latent_rope_dim, dropout_p=dropout_p,
-                               bias=bias, backend=backend)
+        return LatentAttention(d_model, heads, latent_dim=sizes["latent_dim"], rope_dim=latent_rope_dim,
+                               dropout_p=dropout_p, bias=bias, backend=backend)
+    if module == "topk":
+        return TopkAttention(d_model, heads, num_kv_heads=num_kv_heads, topk=sizes["topk"], positions=rope, bias=bias,
+                             backend=backend, index_loss_weight=INDEX_LOSS_WEIGHT)
+    if module == "native_sparse":
+        block = sizes["nsa_block"]
+        return NativeSparseAttention(d_model, heads, num_kv_heads=num_kv_heads, compress_block=block // 2,
+                                     compress_stride=block // 4, select_block=block, select_count=16, select_local=2,
+                                     window=8 * block, positions=rope, bias=bias)
     if module == "differential":
         return DifferentialAttention(d_model, heads, num_kv_heads=num_kv_heads, layer_idx=layer, positions=rope,
                                      bias=bias, backend=backend)
@@ -574,7 +596,8 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
     return None
 
 
-_NO_WEIGHTS = ("differential", "gated")  # modules that return no attention weights
+_NO_WEIGHTS = ("differential", "gated", "topk", "native_sparse")  # modules that return no attention weights
+INDEX_LOSS_WEIGHT = 1.0  # the T layers' indexer KL, added to the training loss with this weight
 
 
 def _check_weights(kinds: tuple[str, ...]) -> None:
@@ -582,8 +605,12 @@ def _check_weights(kinds: tuple[str, ...]) -> None:
     lacking = sorted({k for k in kinds if LAYER_TABLE[k].module in _NO_WEIGHTS})
     if lacking:
         raise ValueError(f"return_weights: {', '.join(LAYER_KINDS[k] for k in lacking)} layers return no single "
-                         "weight matrix (a differential layer has two softmaxes); use a layer_pattern without "
+                         "weight matrix (a differential layer has two softmaxes, a sparse one reads a few keys per "
+                         "query, NSA mixes three branches); use a layer_pattern without "
                          f"{', '.join(repr(k) for k in lacking)} to read weights")
+
+
+_NO_DROPOUT = ("differential", "topk", "native_sparse")  # modules without attention dropout
 
 
 def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool, dropout_p: float = 0.0) -> None:
@@ -596,9 +623,11 @@ def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool,
     if used and own:
         raise ValueError(f"{', '.join(used)}: not available on {', '.join(LAYER_KINDS[k] for k in own)} layers; "
                          f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
-    if dropout_p and "D" in kinds:
-        raise ValueError(f"dropout_p={dropout_p}: differential (D) layers define no attention dropout "
-                         "(as DiffLlama); use dropout_p=0 or a layer_pattern without 'D'")
+    undropped = sorted({letter for letter in kinds if LAYER_TABLE[letter].module in _NO_DROPOUT})
+    if dropout_p and undropped:
+        raise ValueError(f"dropout_p={dropout_p}: {', '.join(LAYER_KINDS[k] for k in undropped)} layers define no "
+                         f"attention dropout (as DiffLlama, DeepSeek-V3.2, NSA); use dropout_p=0 or a layer_pattern "
+                         f"without {', '.join(repr(k) for k in undropped)}")
     for letter in ("L", "C"):
         if positions == "alibi" and letter in kinds:
             raise ValueError(f"positions='alibi' with {LAYER_KINDS[letter]} layers: their cache does not keep "
@@ -626,6 +655,9 @@ def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim:
                              f"over {num_layers} layers")
         if value is not None:
             positive_int(name, value)
+    if sizes.get("nsa_block") is not None and sizes["nsa_block"] % 4:
+        raise ValueError(f"nsa_block must be a multiple of 4 (compressed blocks of nsa_block/2 every nsa_block/4), "
+                         f"got {sizes['nsa_block']}")
     if latent_rope_dim is not None and "M" not in kinds:
         raise ValueError(f"latent_rope_dim={latent_rope_dim!r} is for M layers, and layer_pattern {pattern!r} has none")
     if latent_rope_dim is not None and positive_int("latent_rope_dim", latent_rope_dim) % 2:

@@ -6,7 +6,10 @@ grouped-query, rotary positions: :class:`~attnlab.nn.gated._ProjectedAttention`'
 those only, through ``attnlab.attention(q, k, v, indices=..., causal=True)`` (O(T*k)). With
 ``T <= topk`` every earlier key is kept: plain causal attention. The indices are integers, so the
 language-model loss never reaches the indexer; :meth:`TopkAttention.indexer_loss` is its own
-training signal (DeepSeek-V3.2's KL to the main attention).
+training signal (DeepSeek-V3.2's KL to the main attention). With ``index_loss_weight`` the module
+adds it itself: in training, the forward computes the loss and its backward adds ``weight`` times
+the loss's gradient, as if the loss had been added to whatever loss the output reaches (the way
+DeepSeek's own model code adds its MoE balance loss); the output's value is unchanged.
 
 A decoder's cache is a :class:`~attnlab.nn.BranchCache` of two parts: ``keys`` (the heads'
 keys and values) and ``index`` (one index key per token, :meth:`LightningIndexer.keys`).
@@ -27,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import instance_of, non_negative_int, positive_int
+from attnlab._checks import instance_of, non_negative_int, non_negative_number, positive_int
 from attnlab.backends.topk import indices_mask
 from attnlab.functional import attention, attention_weights
 from attnlab.nn.cache import BranchCache, Cache, KVCache
@@ -64,6 +67,8 @@ class TopkAttention(_ProjectedAttention):
         rotary_dim: the heads' rotated features (default all of ``head_dim``).
         rope_base: the rotary wavelength base (heads and indexer).
         bias: biases in the q/k/v/o projections.
+        index_loss_weight: in training (grad enabled, no cache), the dense :meth:`indexer_loss` times
+            this is added to the loss through the output's backward (module docstring); 0: never.
         backend: ``"auto"`` (the top-k kernel) or ``"reference"`` (the dense fp64 oracle).
 
     Example:
@@ -76,7 +81,8 @@ class TopkAttention(_ProjectedAttention):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, topk: int = 64, index_heads: int = 4, index_dim: int | None = None,
                  index_rope_dim: int | None = None, positions: str | None = "rope", rotary_dim: int | None = None,
-                 rope_base: float = 10000.0, bias: bool = False, backend: str = "auto"):
+                 rope_base: float = 10000.0, bias: bool = False, backend: str = "auto",
+                 index_loss_weight: float = 0.0):
         if backend not in ("auto", "reference"):
             raise ValueError(f"backend must be 'auto' (the top-k kernel) or 'reference' for TopkAttention, "
                              f"got {backend!r}")
@@ -87,6 +93,7 @@ class TopkAttention(_ProjectedAttention):
         self.indexer = LightningIndexer(d_model, heads=positive_int("index_heads", index_heads), head_dim=index_dim,
                                         topk=positive_int("topk", topk), rope_base=rope_base,
                                         rope_dim=_index_rope_dim(index_rope_dim, index_dim, positions))
+        self.index_loss_weight = non_negative_number("index_loss_weight", index_loss_weight)
 
     # ------------------------------------------------------------------ the path
     def forward(self, x: Tensor, *, mask: Tensor | None = None, padding_mask: Tensor | None = None,
@@ -110,7 +117,14 @@ class TopkAttention(_ProjectedAttention):
                              f"per query for all heads; got shape {tuple(mask.shape)}")
         if cache is not None:
             self._check_branches(cache, x)
-        return self._run(x, mask, padding_mask, cache, document_ids, None)
+        out = self._run(x, mask, padding_mask, cache, document_ids, None)
+        if self.training and self.index_loss_weight and cache is None and torch.is_grad_enabled():
+            if mask is not None or document_ids is not None:
+                raise ValueError("index_loss_weight: the indexer's loss is built for causal (padded) sequences; "
+                                 "train without mask/document_ids or with index_loss_weight=0")
+            loss = self.indexer_loss(x, padding_mask=padding_mask)
+            out = _WithLoss.apply(out, loss, self.index_loss_weight)
+        return out
 
     def _attend_all(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, mask, cache: Cache | None) -> Tensor:
         """The indexer's top-k keys of each query, then one top-k attention call ``(B, H, T, D)``."""
@@ -217,7 +231,22 @@ class TopkAttention(_ProjectedAttention):
             raise TypeError(f"cache holds {cache.dtype} but x is {x.dtype}; create it with new_cache(dtype={x.dtype})")
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, topk={self.indexer.topk}"
+        return f"{super().extra_repr()}, topk={self.indexer.topk}, index_loss_weight={self.index_loss_weight:g}"
+
+
+class _WithLoss(torch.autograd.Function):
+    """``out`` unchanged; the backward gives ``loss`` the gradient ``weight``: ``weight * loss``
+    joins whatever loss ``out`` reaches."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor, weight: float) -> Tensor:
+        ctx.weight = weight
+        ctx.loss_shape = loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad.new_full(ctx.loss_shape, ctx.weight), None
 
 
 def _index_rope_dim(index_rope_dim: int | None, index_dim: int, positions: str | None) -> int:
