@@ -56,9 +56,12 @@ def test_kv_cache_bytes_of_chunked_nope_dsa_and_nsa_caches():
     # DSA: MLA's 576 numbers a token a layer, plus 128 fp8 index numbers
     assert kv_cache_bytes(context=4096, layers=61, pattern="M", latent_dim=512, rope_dim=64, index_dim=128) \
         == 61 * 4096 * (576 * 2 + 128)
-    # NSA: every key and value, plus one compressed pair per 16 tokens (the last block partial)
-    assert kv_cache_bytes(context=1000, layers=2, kv_heads=8, head_dim=128, compress_stride=16) \
-        == 2 * (1000 + 63) * per_token
+    # NSA of block 64 (compressed blocks of 32 every 16, window 512): every key and value (selected),
+    # the window's, the 32 of the block being compressed, and the 61 complete compressed blocks
+    assert kv_cache_bytes(context=1000, layers=2, kv_heads=8, head_dim=128, pattern="S", nsa_block=64) \
+        == 2 * (1000 + 512 + 32 + (1000 - 32) // 16 + 1) * per_token
+    with pytest.raises(ValueError, match="nsa_block must be given"):
+        kv_cache_bytes(context=10, layers=1, pattern="S")
     with pytest.raises(ValueError, match="chunk must be given"):
         kv_cache_bytes(context=10, layers=1, pattern="C")
 
@@ -66,11 +69,12 @@ def test_kv_cache_bytes_of_chunked_nope_dsa_and_nsa_caches():
 def test_kv_memory_prints_the_2026_variants():
     result = runner.invoke(app, ["kv-memory", "--layers", "61", "--heads", "128", "--head-dim", "128", "--context",
                                  "131072", "--latent-dim", "512", "--latent-rope-dim", "64", "--index-dim", "128",
-                                 "--kv-heads", "8", "--compress-stride", "16"])
+                                 "--kv-heads", "8", "--nsa-block", "64"])
     assert result.exit_code == 0, result.output
     figures = _figures(result.output)
     assert figures["DSA: MLA + 128 fp8 index numbers"] == "10.23 GB"
-    assert figures["NSA: GQA (8 KV heads) + compressed every 16"] == "34.80 GB"
+    nsa = 61 * (131072 + 512 + 32 + (131072 - 32) // 16 + 1) * 2 * 8 * 128 * 2  # block 64, 8 KV heads, bf16
+    assert figures["NSA (block 64, 8 KV heads)"] == f"{nsa / 1e9:.2f} GB"
     result = runner.invoke(app, ["kv-memory", "--layers", "48", "--heads", "40", "--kv-heads", "8", "--head-dim",
                                  "128", "--context", "131072", "--layer-pattern", "CCCN", "--chunk", "8192"])
     assert _figures(result.output)["chunk 8192, pattern CCCN, 8 KV heads"] == "7.65 GB"
@@ -81,7 +85,8 @@ def test_kv_memory_prints_the_2026_variants():
     (["--layer-pattern", "CN"], "give --chunk"),
     (["--chunk", "0", "--layer-pattern", "CN"], "--chunk"),
     (["--index-dim", "0"], "--index-dim"),
-    (["--compress-stride", "-2"], "--compress-stride"),
+    (["--nsa-block", "-2"], "--nsa-block"),
+    (["--nsa-block", "6"], "--nsa-block must be a multiple of 4"),
     (["--layers", "0"], "--layers"),
     (["--kv-heads", "3"], "--kv-heads"),
     (["--dtype", "fp64"], "--dtype"),
@@ -141,6 +146,11 @@ def test_variants_suite_tiny_measures_what_the_formula_says():
     mha_layer = rows["MHA"].kv_bytes_formula / 2
     assert rows["chunked/NoPE"].kv_bytes_formula == mha_layer * 4 / 16 + mha_layer
     assert rows["differential"].kv_bytes_formula == rows["gated"].kv_bytes_formula == rows["GQA"].kv_bytes_formula
+    # a top-k layer holds the grouped-query layer's keys and values plus one index key of head_dim
+    # (4) a token; NSA (block 4: window 32 > 16 tokens, compressed blocks of 2 every 1) holds each
+    # branch's pairs: 16 selected + 16 window + 2 tail + 15 compressed, per 16 tokens
+    assert rows["DSA top-k"].kv_bytes_formula == rows["GQA"].kv_bytes_formula + 2 * 4 * 4
+    assert rows["NSA"].kv_bytes_formula == rows["GQA"].kv_bytes_formula * (16 + 16 + 2 + 15) / 16
 
 
 def test_tiny_corpus_is_deterministic_and_repeats_its_names():

@@ -2,7 +2,8 @@
 
 :func:`kv_cache_bytes` is the formula: what a layer's cache holds per token, times the tokens it
 holds, summed over the layers. :func:`variants_suite` builds the same small GPT with each
-attention variant (MHA, GQA, MQA, MLA, sliding window, local/global) and measures, side by side:
+attention variant (MHA, GQA, MQA, MLA, sliding window, local/global, chunked/NoPE, differential, gated,
+sparse top-k, native sparse) and measures, side by side:
 KV-cache bytes per token (what the caches hold after decoding, and the formula), peak tensor
 memory and tokens/s while decoding after a long prompt, and the held-out loss after the same
 short training run on :func:`tiny_corpus`, a text the suite writes itself.
@@ -26,6 +27,7 @@ from attnlab._checks import non_negative_int, positive_int
 from attnlab._memory import PeakMemory
 from attnlab.bench.timing import BenchRow, machine_line
 from attnlab.models import GPT
+from attnlab.nn.native_sparse import paper_sizes
 from attnlab.train import TextTask, TrainConfig, Trainer
 
 __all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token", "VariantSizes", "VARIANTS", "VariantRow",
@@ -50,7 +52,7 @@ def layer_bytes_per_token(kind: str, *, kv_heads: int = 1, head_dim: int = 1, la
 def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2,
                    batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
                    rope_dim: int = 0, kv_layers: int | None = None, chunk: int | None = None, index_dim: int = 0,
-                   index_bytes: int = 1, compress_stride: int | None = None) -> int:
+                   index_bytes: int = 1, nsa_block: int | None = None) -> int:
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
 
     ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
@@ -58,10 +60,12 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
     ``min(window, context)``, a ``C`` (chunked-local, Llama 4) layer its current chunk,
     ``min(chunk, context)``, an ``M`` layer ``context`` latents. ``kv_layers`` counts the layers that
     produce (and cache) keys and values when later layers reuse an earlier layer's (cross-layer KV
-    sharing); the first ``kv_layers`` layers of the pattern are those. Sparse attention adds:
-    ``index_dim`` numbers of ``index_bytes`` a token a layer (DeepSeek-V3.2's lightning-indexer keys,
-    fp8 there), and with ``compress_stride`` one compressed key and value per ``compress_stride``
-    tokens beside the full ones (NSA's compressed branch).
+    sharing); the first ``kv_layers`` layers of the pattern are those. A ``T`` (sparse top-k) layer
+    holds every token, as a global one; ``index_dim`` adds that many numbers of ``index_bytes`` a token
+    a layer (DeepSeek-V3.2's lightning-indexer keys, fp8 there). An ``S`` (native sparse) layer of
+    ``nsa_block`` (sizes as :func:`attnlab.nn.native_sparse.paper_sizes`) holds keys and values for
+    each branch: every token (selected), the last ``8 nsa_block`` (window), the newest ``nsa_block/2``
+    (the block being compressed) and one per complete compressed block (every ``nsa_block/4`` tokens).
 
     Example:
         >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
@@ -70,6 +74,8 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         2359296
         >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="CCCN", chunk=1024)
         1835008
+        >>> kv_cache_bytes(context=4096, layers=1, head_dim=64, pattern="S", nsa_block=64) // (2 * 64 * 2)  # pairs held
+        4896
     """
     for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
         positive_int(name, value)
@@ -78,14 +84,10 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
     kinds = [pattern[layer % len(pattern)] for layer in range(layers)][: layers if kv_layers is None else kv_layers]
     total = 0
     for kind in kinds:
-        held = LAYER_HELD[kind](context, window=window, chunk=chunk)
+        held = LAYER_HELD[kind](context, window=window, chunk=chunk, nsa_block=nsa_block)
         total += held * layer_bytes_per_token(kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim,
                                               rope_dim=rope_dim, dtype_bytes=dtype_bytes)
-        total += held * index_dim * index_bytes
-        if compress_stride is not None:
-            total += math.ceil(held / compress_stride) * layer_bytes_per_token(
-                kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim, rope_dim=rope_dim,
-                dtype_bytes=dtype_bytes)
+        total += min(held, context) * index_dim * index_bytes
     return batch * total
 
 
@@ -104,7 +106,16 @@ LAYER_HELD = {
     "M": lambda context, **_: context,
     "L": lambda context, *, window, **_: min(_needs("window", window), context),
     "C": lambda context, *, chunk, **_: min(_needs("chunk", chunk), context),
+    "T": lambda context, **_: context,  # sparse top-k: any earlier key may be picked later
+    "S": lambda context, *, nsa_block, **_: _nsa_held(context, _needs("nsa_block", nsa_block)),
 }
+
+
+def _nsa_held(context: int, block: int) -> int:
+    """Key/value pairs an NSA layer holds: selected (every token), window, compression tail, compressed."""
+    sizes = paper_sizes(block)
+    blocks = max(0, (context - sizes["compress_block"]) // sizes["compress_stride"] + 1)
+    return context + min(sizes["window"], context) + min(sizes["compress_block"], context) + blocks
 
 
 @dataclass
@@ -149,12 +160,14 @@ VARIANTS = {
     "chunked/NoPE": lambda s: dict(layer_pattern="C" * max(1, min(3, s.layers - 1)) + "N", chunk=s.window),
     "differential": lambda s: dict(layer_pattern="D", num_kv_heads=s.gqa_heads),
     "gated": lambda s: dict(layer_pattern="Q", num_kv_heads=s.gqa_heads),
+    "DSA top-k": lambda s: dict(layer_pattern="T", num_kv_heads=s.gqa_heads, topk=s.window),
+    "NSA": lambda s: dict(layer_pattern="S", num_kv_heads=s.gqa_heads, nsa_block=max(4, s.window // 16 * 4)),
 }
 
 
 def _train_options(options: dict) -> dict:
     names = {"num_kv_heads": "kv_heads", "layer_pattern": "layer_pattern", "window": "window",
-             "latent_dim": "latent_dim", "chunk": "chunk"}
+             "latent_dim": "latent_dim", "chunk": "chunk", "topk": "topk", "nsa_block": "nsa_block"}
     return {names[k]: v for k, v in options.items() if k in names}
 
 
@@ -244,7 +257,8 @@ def _one_variant(name: str, sizes: VariantSizes, corpus: TextTask, seed: int) ->
     formula = kv_cache_bytes(context=total, layers=sizes.layers, kv_heads=options.get("num_kv_heads", sizes.heads),
                              head_dim=head_dim, dtype_bytes=4, pattern=options.get("layer_pattern", "G"),
                              window=options.get("window"), chunk=options.get("chunk"), latent_dim=sizes.latent_dim,
-                             rope_dim=sizes.rope_dim)
+                             rope_dim=sizes.rope_dim, nsa_block=options.get("nsa_block"), index_bytes=4,
+                             index_dim=head_dim if "topk" in options else 0)  # TopkAttention's index keys: head_dim
     measured = _measured_kv(model, prompt, sizes.new_tokens)
     model.generate(prompt[:, :8], 2)  # warm-up
     rate = _decode_rate(model, prompt, sizes.new_tokens)

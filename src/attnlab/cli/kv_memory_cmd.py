@@ -6,8 +6,8 @@ grouped-query attention (``--kv-heads``), each again with cross-layer KV sharing
 attention (``--latent-dim`` [+ ``--latent-rope-dim``] numbers a token a layer), sliding-window
 layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G`` layers), Llama 4's
 chunked-local ``C`` and NoPE global ``N`` layers (``--chunk``), DSA (``--index-dim``: the lightning
-indexer's fp8 keys beside the model's cache) and NSA (``--compress-stride``: compressed keys and
-values beside the full cache). GB are
+indexer's fp8 keys beside the model's cache) and NSA (``--nsa-block``: its three branches' keys and
+values, sized in the paper's proportions). GB are
 10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
 (docs/variants.md).
 """
@@ -46,8 +46,9 @@ def kv_memory(
     chunk: int = typer.Option(None, "--chunk", help="Chunk of the chunked-local C layers (tokens)."),
     index_dim: int = typer.Option(None, "--index-dim", help="DSA: lightning-indexer key numbers cached per token "
                                                             "and layer, in fp8 (DeepSeek-V3.2: 128)."),
-    compress_stride: int = typer.Option(None, "--compress-stride", help="NSA: one compressed key and value per "
-                                                                        "this many tokens, beside the full cache."),
+    nsa_block: int = typer.Option(None, "--nsa-block", help="NSA: the selection block (a multiple of 4; the "
+                                                            "paper's 64): each branch's keys and values (every "
+                                                            "token, a window of 8 blocks, compressed ones)."),
 ) -> None:
     """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA and NSA at --context."""
     from attnlab.bench.variants import DTYPE_BYTES, kv_cache_bytes
@@ -68,7 +69,7 @@ def kv_memory(
         if latent_rope_dim is not None:
             at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
         for option, value in (("--window", window), ("--chunk", chunk), ("--index-dim", index_dim),
-                              ("--compress-stride", compress_stride)):
+                              ("--nsa-block", nsa_block)):
             if value is not None:
                 at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
     if latent_rope_dim is not None and latent_dim is None:
@@ -105,10 +106,11 @@ def kv_memory(
         name = "MLA" if latent_dim else (f"GQA ({kv_heads} KV heads)" if kv_heads else "MHA")
         rows.append((f"DSA: {name} + {index_dim} fp8 index numbers", kv_cache_bytes(index_dim=index_dim, **base,
                                                                                      **sizes)))
-    if compress_stride is not None:  # NSA keeps every key and value and adds the compressed ones
-        name = f"GQA ({kv_heads} KV heads)" if kv_heads else "MHA"
-        rows.append((f"NSA: {name} + compressed every {compress_stride}", kv_cache_bytes(
-            kv_heads=kv_heads or heads, compress_stride=compress_stride, **sizes)))
+    if nsa_block is not None:  # NSA: its three branches' keys and values
+        if nsa_block % 4:
+            fail(f"--nsa-block must be a multiple of 4 (compressed blocks of half of it every quarter), got {nsa_block}")
+        rows.append((f"NSA (block {nsa_block}, {kv_heads or heads} KV heads)", kv_cache_bytes(
+            kv_heads=kv_heads or heads, pattern="S", nsa_block=nsa_block, **sizes)))
     _print(rows, sizes, heads, dtype)
 
 

@@ -43,7 +43,7 @@ from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import _check_documents, _check_padding_type
-from attnlab.nn.native_sparse import NativeSparseAttention
+from attnlab.nn.native_sparse import NativeSparseAttention, paper_sizes
 from attnlab.nn.positional import LearnedPositionalEmbedding
 from attnlab.nn.topk_attention import TopkAttention
 
@@ -583,10 +583,8 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
         return TopkAttention(d_model, heads, num_kv_heads=num_kv_heads, topk=sizes["topk"], positions=rope, bias=bias,
                              backend=backend, index_loss_weight=INDEX_LOSS_WEIGHT)
     if module == "native_sparse":
-        block = sizes["nsa_block"]
-        return NativeSparseAttention(d_model, heads, num_kv_heads=num_kv_heads, compress_block=block // 2,
-                                     compress_stride=block // 4, select_block=block, select_count=16, select_local=2,
-                                     window=8 * block, positions=rope, bias=bias)
+        return NativeSparseAttention(d_model, heads, num_kv_heads=num_kv_heads, positions=rope, bias=bias,
+                                     **paper_sizes(sizes["nsa_block"]))
     if module == "differential":
         return DifferentialAttention(d_model, heads, num_kv_heads=num_kv_heads, layer_idx=layer, positions=rope,
                                      bias=bias, backend=backend)
@@ -656,7 +654,7 @@ def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim:
         if value is not None:
             positive_int(name, value)
     if sizes.get("nsa_block") is not None and sizes["nsa_block"] % 4:
-        raise ValueError(f"nsa_block must be a multiple of 4 (compressed blocks of nsa_block/2 every nsa_block/4), "
+        raise ValueError(f"nsa_block must be a multiple of 4 (compressed blocks of half of it every quarter), "
                          f"got {sizes['nsa_block']}")
     if latent_rope_dim is not None and "M" not in kinds:
         raise ValueError(f"latent_rope_dim={latent_rope_dim!r} is for M layers, and layer_pattern {pattern!r} has none")

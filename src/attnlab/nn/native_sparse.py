@@ -59,7 +59,23 @@ from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import attend_causal
 from attnlab.nn.positional import RotaryEmbedding
 
-__all__ = ["NativeSparseAttention", "NSABranches"]
+__all__ = ["NativeSparseAttention", "NSABranches", "paper_sizes"]
+
+
+def paper_sizes(select_block: int) -> dict[str, int]:
+    """NSA's sizes in the paper's proportions, scaled by the selection block ``l'`` (a multiple of
+    4): compressed blocks of ``l'/2`` tokens every ``l'/4``, 16 selected blocks (block 0 and the 2
+    newest among them) and a window of ``8 l'``; ``l' = 64`` gives the paper's 32, 16, 64, 16, 512.
+
+    Example:
+        >>> paper_sizes(64)
+        {'compress_block': 32, 'compress_stride': 16, 'select_block': 64, 'select_count': 16, 'select_local': 2, 'window': 512}
+    """
+    if positive_int("select_block", select_block) % 4:
+        raise ValueError(f"select_block must be a multiple of 4 (compressed blocks of half of it every quarter), "
+                         f"got {select_block}")
+    return dict(compress_block=select_block // 2, compress_stride=select_block // 4, select_block=select_block,
+                select_count=16, select_local=2, window=8 * select_block)
 
 
 class NSABranches(NamedTuple):
@@ -338,7 +354,8 @@ class NativeSparseAttention(nn.Module):
         ``selected`` (KVCache, ``max_len``; it counts the positions), ``window`` (a ring of
         ``window`` slots; a KVCache of ``max_len`` when ``window >= max_len`` or ``windowed=False``),
         ``raw`` (the compressed branch's keys of the newest ``compress_block`` tokens) and
-        ``compressed`` (KVCache of ``max_len // compress_stride + 1`` blocks). Not paged.
+        ``compressed`` (KVCache of the :meth:`compressed_count` blocks ``max_len`` tokens make, at
+        least 1). Not paged.
 
         Raises:
             ValueError: ``page_size`` is not None (paged NSA is not built); bad sizes.
@@ -364,7 +381,17 @@ class NativeSparseAttention(nn.Module):
             selected=KVCache(B, H, max_len, D, **sizes),
             window=WindowedKVCache(B, H, self.window, D, **sizes) if ring else KVCache(B, H, max_len, D, **sizes),
             raw=WindowedKVCache(B, H, self.compress_block, D, **sizes),
-            compressed=KVCache(B, H, max_len // self.compress_stride + 1, D, **sizes))
+            compressed=KVCache(B, H, max(1, self.compressed_count(max_len)), D, **sizes))
+
+    def compressed_count(self, length: int) -> int:
+        """Compressed blocks that ``length`` tokens complete: ``(length - l) // d + 1`` (0 below ``l``).
+
+        Example:
+            >>> NativeSparseAttention(8, 2, compress_block=4, compress_stride=2, select_block=4,
+            ...                       select_count=2, select_local=1, window=2).compressed_count(9)
+            3
+        """
+        return max(0, (length - self.compress_block) // self.compress_stride + 1)
 
     def _check_cache(self, cache: object, x: Tensor) -> None:
         """``cache`` is one :meth:`new_cache` made for this module's sizes, ``x``'s batch and
@@ -389,7 +416,7 @@ class NativeSparseAttention(nn.Module):
                     for p in (cache[name] for name in cache.names))
                 and isinstance(cache["selected"], KVCache) and isinstance(compressed, KVCache)
                 and type(raw) is WindowedKVCache and raw.window == self.compress_block
-                and compressed.max_len > max_len // self.compress_stride
+                and compressed.max_len >= self.compressed_count(max_len)
                 and (window.window >= self.window if isinstance(window, WindowedKVCache)
                      else isinstance(window, KVCache) and window.max_len >= max_len))
 
