@@ -120,6 +120,38 @@ def test_padding_mask_and_sinks_shared_indices():
     assert_close(results, torch.float32, 9)
 
 
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_list_layout_under_gqa(layout, causal):
+    """Lists shared by the batch and/or the heads or one per (b, kv head), 2 query heads per kv head:
+    the backward's key bags are sorted once per distinct list and summed over every head."""
+    q, k, v, indices = draw(2, 4, 2, 7, 9, 4, 5, seed=10)
+    indices = indices[:layout[0], :layout[1]].clone()  # (B|1, Hkv|1, Tq, k)
+    indices[..., 2, :] = -1  # a query with no key
+    indices[..., 3, :] = 4  # one key listed k times
+    allowed = listed_mask(indices, 9).expand(2, 2, 7, 9).repeat_interleave(2, dim=1)  # (B, Hq, Tq, Tk)
+    if causal:
+        allowed = allowed & masks.causal_mask(7, 9, align="bottom_right")
+    options = dict(causal=True, align="bottom_right") if causal else {}
+    results = run_both(q, k, v, indices, allowed, dtype=torch.float64, options=options)
+    assert_close(results, torch.float64, 9)
+    assert results[0][0][:, :, 2].eq(0).all() and results[0][1][:, :, 2].eq(0).all()
+
+
+def test_expanded_grad_and_unlisted_keys_get_exact_zero():
+    """``out.sum().backward()`` hands a stride-0 gradient; keys no query lists get exactly zero dk, dv."""
+    q, k, v, indices = draw(2, 2, 1, 6, 10, 4, 3, seed=11)
+    indices = indices.clamp(max=7)  # keys 8 and 9 are never listed
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    attnlab.attention(*inputs, indices=indices, causal=True).sum().backward()
+    oracle = [t.clone().requires_grad_() for t in (q, k, v)]
+    allowed = listed_mask(indices, 10) & masks.causal_mask(6, 10)
+    plain(*oracle, allowed.expand(2, 2, 6, 10)).sum().backward()
+    for got, expected in zip(inputs, oracle):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-12, rtol=0)
+    assert inputs[1].grad[..., 8:, :].eq(0).all() and inputs[2].grad[..., 8:, :].eq(0).all()
+
+
 def test_float_mask_is_added_at_the_pairs():
     q, k, v, indices = draw(1, 2, 2, 5, 7, 4, 4, seed=4)
     bias = torch.randn(1, 2, 5, 7, dtype=torch.float64)
