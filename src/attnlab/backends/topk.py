@@ -37,7 +37,7 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 from attnlab._checks import has_values, integer_dtype
-from attnlab._math import repeat_kv, score_dtype, softmax_rows, sum_kv_groups
+from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
 from attnlab.masks import CausalMod, apply_mod
 from attnlab.scores import sink_gradient, sink_logits
 
@@ -202,22 +202,26 @@ def _gather_mask(mask: Tensor, cols: Tensor) -> Tensor:
     return full.gather(-1, cols.long().expand(batch, heads, *cols.shape[2:]))
 
 
-def _csr(cols: Tensor, tk: int, dtype: torch.dtype) -> Tensor:
-    """The pairs as a batched CSR pattern ``(B*Hq, Tq, Tk)`` with k entries per row."""
+def _csr(cols: Tensor) -> tuple[Tensor, Tensor]:
+    """The pairs as a batched CSR pattern's ``crow (B*Hq, Tq+1)`` and ``col (B*Hq, Tq*k)``, k entries per row."""
     B, H, Tq, K = cols.shape
     crow = torch.arange(0, Tq * K + 1, K, dtype=cols.dtype, device=cols.device).expand(B * H, Tq + 1)  # (B*H, Tq+1)
-    col = cols.reshape(B * H, Tq * K)
+    return crow.contiguous(), cols.reshape(B * H, Tq * K)
+
+
+def _sampled(csr: tuple[Tensor, Tensor], a: Tensor, b: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """``alpha * (a @ b^T)`` at the pairs: a ``(B, Hq, Tq, X)``, b ``(B, Hq, Tk, X)`` -> ``(B, Hq, Tq, k)``.
+
+    Written into a fresh zero-valued pattern (``out=``, so the pattern is not copied; its values
+    must be zeros: ``beta=0`` still carries a NaN there)."""
+    B, H, Tq, X = a.shape
+    crow, col = csr
     with warnings.catch_warnings():  # "sparse CSR support is in beta": an implementation detail here
         warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow.contiguous(), col, torch.zeros(B * H, Tq * K, dtype=dtype, device=cols.device),
-                                       size=(B * H, Tq, tk), check_invariants=False)
-
-
-def _sampled(pattern: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``(a @ b^T)`` at the pattern's pairs: a ``(B, Hq, Tq, X)``, b ``(B, Hq, Tk, X)`` -> ``(B, Hq, Tq, k)``."""
-    B, H, Tq, X = a.shape
-    product = torch.sparse.sampled_addmm(pattern, a.reshape(B * H, Tq, X),
-                                         b.reshape(B * H, -1, X).transpose(1, 2), beta=0.0)
+        product = torch.sparse_csr_tensor(crow, col, a.new_zeros(col.shape), size=(B * H, Tq, b.shape[2]),
+                                          check_invariants=False)
+        torch.sparse.sampled_addmm(product, a.reshape(B * H, Tq, X), b.reshape(B * H, -1, X).transpose(1, 2),
+                                   beta=0.0, alpha=alpha, out=product)
     return product.values().view(B, H, Tq, -1)
 
 
@@ -238,11 +242,18 @@ def _softmax(call: AttentionCall, scores: Tensor) -> tuple[Tensor, Tensor | None
     """Weights ``(B, Hq, Tq, k)`` (empty rows zero) and the sinks' share ``(B, Hq, Tq)`` or None
     (sinks per head or per query; infinite ones as :func:`attnlab.scores.sink_logits` says)."""
     if call.sinks is None:
-        return softmax_rows(scores), None
+        return _row_softmax(scores), None
     logits = sink_logits(call.sinks, scores.dtype)  # (B|1, Hq|1, Tq|1)
     column = logits.unsqueeze(-1).expand(*scores.shape[:-1], 1)  # (B, Hq, Tq, 1)
-    both = softmax_rows(torch.cat([scores, column], dim=-1))  # (B, Hq, Tq, k + 1)
+    both = _row_softmax(torch.cat([scores, column], dim=-1))  # (B, Hq, Tq, k + 1)
     return both[..., :-1], both[..., -1]
+
+
+def _row_softmax(scores: Tensor) -> Tensor:
+    """:func:`attnlab._math.softmax_rows` without autograd (the backward here is analytic), so in
+    place: a row of ``-inf`` gives zeros, a NaN propagates."""
+    empty = scores.amax(dim=-1, keepdim=True) == float("-inf")  # (B, Hq, Tq, 1)
+    return torch.softmax(scores, dim=-1).masked_fill_(empty, 0.0)
 
 
 class _TopK(torch.autograd.Function):
@@ -254,11 +265,11 @@ class _TopK(torch.autograd.Function):
         qw, kw, vw = (t.to(work) for t in (q, k, v))
         B, Hq, Tq, _ = q.shape
         Hkv, Tk = k.shape[1], k.shape[2]
-        csr = _csr(pattern.cols, Tk, work)
-        scores = _sampled(csr, qw, repeat_kv(kw, Hq)) * call.scale  # (B, Hq, Tq, k)
+        csr = _csr(pattern.cols)
+        scores = _sampled(csr, qw, repeat_kv(kw, Hq), alpha=call.scale)  # (B, Hq, Tq, k)
         if pattern.bias is not None:
-            scores = scores + pattern.bias.to(work)
-        scores = scores.masked_fill(~pattern.allowed, float("-inf"))
+            scores += pattern.bias.to(work)
+        scores.masked_fill_(~pattern.allowed, float("-inf"))
         weights, sink_share = _softmax(call, scores)
         rows = _bag_rows(pattern.cols, Hkv, Tk)
         out = _weighted_rows(rows, vw.reshape(B * Hkv * Tk, -1), weights).view(B, Hq, Tq, -1)  # (B, Hq, Tq, Dv)
