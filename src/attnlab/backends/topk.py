@@ -285,7 +285,7 @@ class _TopK(torch.autograd.Function):
         B, Hq, Tq, _ = qw.shape
         Hkv, Tk = kw.shape[1], kw.shape[2]
         dout = grad_out.to(qw.dtype).contiguous()  # an expanded grad (out.sum()) reads slowly as a table
-        delta = (dout * out).sum(dim=-1, keepdim=True)  # (B, Hq, Tq, 1)
+        delta = (dout.unsqueeze(-2) @ out.unsqueeze(-1)).squeeze(-1)  # rowsum(dO * O) (B, Hq, Tq, 1), no temporary
         dscores = _sampled(csr, dout, repeat_kv(vw, Hq))  # dP (B, Hq, Tq, k), in place into dS below
         dscores.sub_(delta).mul_(weights).masked_fill_(~(weights > 0), 0.0)  # NaN at a weight-0 pair stays out
         dq = _weighted_rows(rows, kw.reshape(B * Hkv * Tk, -1), dscores).view_as(qw).mul_(scale)
@@ -327,7 +327,7 @@ def _key_bags(lists: Tensor, batch: int, heads: int, tk: int) -> _KeyBags:
     group, pairs = heads // lh, Tq * K
     index = torch.int32 if batch * heads * pairs < 2**31 else torch.int64  # embedding_bag takes either
     flat = lists.reshape(lb, lh, 1, pairs)  # (B|1, Hkv|1, 1, Tq*k)
-    order = flat.argsort(dim=-1)
+    order = flat.argsort(dim=-1, stable=True)  # stable: one order of equal keys, whatever the sort kernel
     counts = torch.zeros(lb, lh, 1, tk, dtype=index, device=lists.device)
     counts.scatter_add_(-1, flat.long(), torch.ones(1, dtype=index, device=lists.device).expand(flat.shape))
     bag = torch.arange(batch * heads, dtype=index, device=lists.device).view(batch, lh, group, 1)  # (b, h)
@@ -340,9 +340,9 @@ def _key_bags(lists: Tensor, batch: int, heads: int, tk: int) -> _KeyBags:
 def _bag_sums(bags: _KeyBags, table: Tensor, pair_values: Tensor, kv_heads: int) -> Tensor:
     """``(B, Hkv, Tk, X)``: per key, the sum of ``pair_values (B, Hq, Tq, k)`` times its queries' rows of ``table``."""
     B, Hq, Tq, K = pair_values.shape
-    lb, lh = bags.order.shape[:2]
+    lh = bags.order.shape[1]
     order = bags.order.expand(B, lh, Hq // lh, Tq * K)
-    chosen = pair_values.reshape(B, lh, Hq // lh, Tq * K).gather(-1, order)  # (B, Hkv|1, G, Tq*K) by key
+    chosen = pair_values.reshape(B, lh, Hq // lh, Tq * K).gather(-1, order)  # (B, Hkv|1, G, Tq*k) by key
     rows = F.embedding_bag(bags.samples, table.reshape(B * Hq * Tq, -1), bags.offsets, mode="sum",
                            per_sample_weights=chosen.reshape(-1), include_last_offset=True)
     return sum_kv_groups(rows.view(B, Hq, -1, table.shape[-1]), kv_heads)  # (B, Hkv, Tk, X)
