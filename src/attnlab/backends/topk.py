@@ -10,8 +10,9 @@ query row. The scores are a sampled matrix product at those pairs (``torch.spars
 the weighted sum of values is an ``F.embedding_bag`` with the weights as per-sample weights, so
 the selected keys are never copied out either; memory is O(B·H·Tq·k) for the scores and
 weights plus O(T·D) for the inputs. The backward is analytic (the softmax gradient at the
-pairs) with the same two primitives; key and value gradients sum each key's bag of queries
-(the pattern sorted by key once per index set). Keys that are not listed are never read;
+pairs) with the same two primitives; key and value gradients sum each key's bag of queries,
+the pairs sorted by key once per distinct list and one ``embedding_bag`` per gradient over every
+(batch, head). The causal rule is evaluated once per distinct list. Keys that are not listed are never read;
 a listed key the mask blocks enters with weight 0 (NaN stored there reaches the output, as
 with the fused kernels, docs/contract.md "Non-finite values").
 
