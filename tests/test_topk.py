@@ -152,6 +152,19 @@ def test_expanded_grad_and_unlisted_keys_get_exact_zero():
     assert inputs[1].grad[..., 8:, :].eq(0).all() and inputs[2].grad[..., 8:, :].eq(0).all()
 
 
+def test_nan_score_propagates_and_a_keyless_row_stays_zero():
+    """The in-place row softmax: a NaN score reaches its row only; a row with no key is zeros."""
+    q, k, v, indices = draw(1, 2, 2, 5, 7, 4, 3, seed=12)
+    q[0, 0, 1, 0] = float("nan")
+    indices[..., 3, :] = -1
+    out = attnlab.attention(q, k, v, indices=indices)
+    expected = plain(q, k, v, listed_mask(indices, 7))  # (its own rule zeroes a NaN row)
+    nan_row = torch.zeros_like(out, dtype=torch.bool)
+    nan_row[0, 0, 1] = True
+    assert torch.equal(out.isnan(), nan_row) and out[0, :, 3].eq(0).all()
+    torch.testing.assert_close(out[~nan_row], expected[~nan_row], atol=1e-12, rtol=0)
+
+
 def test_float_mask_is_added_at_the_pairs():
     q, k, v, indices = draw(1, 2, 2, 5, 7, 4, 4, seed=4)
     bias = torch.randn(1, 2, 5, 7, dtype=torch.float64)
