@@ -10,8 +10,9 @@ query row. The scores are a sampled matrix product at those pairs (``torch.spars
 the weighted sum of values is an ``F.embedding_bag`` with the weights as per-sample weights, so
 the selected keys are never copied out either; memory is O(B·H·Tq·k) for the scores and
 weights plus O(T·D) for the inputs. The backward is analytic (the softmax gradient at the
-pairs) with the same two primitives; key and value gradients sum each key's bag of queries
-(the pattern sorted by key once per index set). Keys that are not listed are never read;
+pairs) with the same two primitives; key and value gradients sum each key's bag of queries,
+the pairs sorted by key once per distinct list and one ``embedding_bag`` per gradient over every
+(batch, head). The causal rule is evaluated once per distinct list. Keys that are not listed are never read;
 a listed key the mask blocks enters with weight 0 (NaN stored there reaches the output, as
 with the fused kernels, docs/contract.md "Non-finite values").
 
@@ -37,8 +38,8 @@ from torch import Tensor
 
 from attnlab._call import AttentionCall
 from attnlab._checks import has_values, integer_dtype
-from attnlab._math import repeat_kv, score_dtype, softmax_rows
-from attnlab.masks import apply_mod
+from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
+from attnlab.masks import CausalMod, apply_mod
 from attnlab.scores import sink_gradient, sink_logits
 
 __all__ = ["check_indices", "indices_mask", "topk_attention", "refusal"]
@@ -148,30 +149,39 @@ def indices_mask(indices: Tensor, tk: int) -> Tensor:
 
 @dataclass(frozen=True)
 class _Pattern:
-    """The pairs of one call: ``cols (B, Hq, Tq, k)`` key positions (0 where none), ``allowed``
-    (broadcasts to it) and the float mask at the pairs (or None)."""
+    """The pairs of one call: ``cols (B, Hq, Tq, k)`` key positions (0 where none), the distinct
+    lists they expand ``lists (B|1, Hkv|1, Tq, k)``, ``allowed`` (broadcasts to cols) and the float
+    mask at the pairs (or None)."""
 
     cols: Tensor
+    lists: Tensor
     allowed: Tensor
     bias: Tensor | None
 
 
 def _pattern(call: AttentionCall, idx: Tensor) -> _Pattern:
-    """Deduplicate the lists (sorted, so a repeat follows its first), then AND the mask at the pairs."""
+    """Deduplicate the lists (sorted, so a repeat follows its first), then AND the mask at the pairs.
+
+    The causal rule reads only positions, so it is evaluated once per distinct list; any other
+    mask mod once per (batch, query head)."""
     listed = idx.sort(dim=-1).values  # (B|1, Hkv|1, Tq, k)
     allowed = listed >= 0
     allowed[..., 1:] &= listed[..., 1:] != listed[..., :-1]  # a repeated key counts once
     # int32 positions where they fit: half the memory per pair, and every primitive here takes them
     small = call.batch * call.kv_heads * call.tk < 2**31
-    cols = listed.clamp(min=0).to(torch.int32 if small else torch.int64)
+    lists = listed.clamp(min=0).to(torch.int32 if small else torch.int64)
     del listed
+    mod = call.mask_mod()  # causal and a mask mod, one mechanism
+    q_idx = torch.arange(call.tq, device=call.device).view(1, 1, -1, 1)
+    if isinstance(mod, CausalMod):
+        allowed &= torch.as_tensor(apply_mod(mod, 0, 0, q_idx, lists), device=call.device)
+        mod = None
+    cols = lists
     if cols.shape[1] > 1:  # per kv head: one list per query head
         cols, allowed = repeat_kv(cols, call.q_heads), repeat_kv(allowed, call.q_heads)  # (B|1, Hq, Tq, k)
-    mod = call.mask_mod()  # causal and a mask mod, one mechanism
     if mod is not None:
         b = torch.arange(call.batch, device=call.device).view(-1, 1, 1, 1)
         h = torch.arange(call.q_heads, device=call.device).view(1, -1, 1, 1)
-        q_idx = torch.arange(call.tq, device=call.device).view(1, 1, -1, 1)
         allowed = allowed & torch.as_tensor(apply_mod(mod, b, h, q_idx, cols), device=call.device)
     bias = None
     if isinstance(call.mask, Tensor):
@@ -181,7 +191,7 @@ def _pattern(call: AttentionCall, idx: Tensor) -> _Pattern:
         else:
             bias = at_pairs
     cols = cols.expand(call.batch, call.q_heads, call.tq, cols.shape[-1])  # (B, Hq, Tq, k)
-    return _Pattern(cols=cols, allowed=allowed, bias=bias)
+    return _Pattern(cols=cols, lists=lists, allowed=allowed, bias=bias)
 
 
 def _gather_mask(mask: Tensor, cols: Tensor) -> Tensor:
@@ -193,22 +203,26 @@ def _gather_mask(mask: Tensor, cols: Tensor) -> Tensor:
     return full.gather(-1, cols.long().expand(batch, heads, *cols.shape[2:]))
 
 
-def _csr(cols: Tensor, tk: int, dtype: torch.dtype) -> Tensor:
-    """The pairs as a batched CSR pattern ``(B*Hq, Tq, Tk)`` with k entries per row."""
+def _csr(cols: Tensor) -> tuple[Tensor, Tensor]:
+    """The pairs as a batched CSR pattern's ``crow (B*Hq, Tq+1)`` and ``col (B*Hq, Tq*k)``, k entries per row."""
     B, H, Tq, K = cols.shape
     crow = torch.arange(0, Tq * K + 1, K, dtype=cols.dtype, device=cols.device).expand(B * H, Tq + 1)  # (B*H, Tq+1)
-    col = cols.reshape(B * H, Tq * K)
+    return crow.contiguous(), cols.reshape(B * H, Tq * K)
+
+
+def _sampled(csr: tuple[Tensor, Tensor], a: Tensor, b: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """``alpha * (a @ b^T)`` at the pairs: a ``(B, Hq, Tq, X)``, b ``(B, Hq, Tk, X)`` -> ``(B, Hq, Tq, k)``.
+
+    Written into a fresh zero-valued pattern (``out=``, so the pattern is not copied; its values
+    must be zeros: ``beta=0`` still carries a NaN there)."""
+    B, H, Tq, X = a.shape
+    crow, col = csr
     with warnings.catch_warnings():  # "sparse CSR support is in beta": an implementation detail here
         warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow.contiguous(), col, torch.zeros(B * H, Tq * K, dtype=dtype, device=cols.device),
-                                       size=(B * H, Tq, tk), check_invariants=False)
-
-
-def _sampled(pattern: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``(a @ b^T)`` at the pattern's pairs: a ``(B, Hq, Tq, X)``, b ``(B, Hq, Tk, X)`` -> ``(B, Hq, Tq, k)``."""
-    B, H, Tq, X = a.shape
-    product = torch.sparse.sampled_addmm(pattern, a.reshape(B * H, Tq, X),
-                                         b.reshape(B * H, -1, X).transpose(1, 2), beta=0.0)
+        product = torch.sparse_csr_tensor(crow, col, a.new_zeros(col.shape), size=(B * H, Tq, b.shape[2]),
+                                          check_invariants=False)
+        torch.sparse.sampled_addmm(product, a.reshape(B * H, Tq, X), b.reshape(B * H, -1, X).transpose(1, 2),
+                                   beta=0.0, alpha=alpha, out=product)
     return product.values().view(B, H, Tq, -1)
 
 
@@ -229,11 +243,18 @@ def _softmax(call: AttentionCall, scores: Tensor) -> tuple[Tensor, Tensor | None
     """Weights ``(B, Hq, Tq, k)`` (empty rows zero) and the sinks' share ``(B, Hq, Tq)`` or None
     (sinks per head or per query; infinite ones as :func:`attnlab.scores.sink_logits` says)."""
     if call.sinks is None:
-        return softmax_rows(scores), None
+        return _row_softmax(scores), None
     logits = sink_logits(call.sinks, scores.dtype)  # (B|1, Hq|1, Tq|1)
     column = logits.unsqueeze(-1).expand(*scores.shape[:-1], 1)  # (B, Hq, Tq, 1)
-    both = softmax_rows(torch.cat([scores, column], dim=-1))  # (B, Hq, Tq, k + 1)
+    both = _row_softmax(torch.cat([scores, column], dim=-1))  # (B, Hq, Tq, k + 1)
     return both[..., :-1], both[..., -1]
+
+
+def _row_softmax(scores: Tensor) -> Tensor:
+    """:func:`attnlab._math.softmax_rows` without autograd (the backward here is analytic), so in
+    place: a row of ``-inf`` gives zeros, a NaN propagates."""
+    empty = scores.amax(dim=-1, keepdim=True) == float("-inf")  # (B, Hq, Tq, 1)
+    return torch.softmax(scores, dim=-1).masked_fill_(empty, 0.0)
 
 
 class _TopK(torch.autograd.Function):
@@ -245,31 +266,34 @@ class _TopK(torch.autograd.Function):
         qw, kw, vw = (t.to(work) for t in (q, k, v))
         B, Hq, Tq, _ = q.shape
         Hkv, Tk = k.shape[1], k.shape[2]
-        csr = _csr(pattern.cols, Tk, work)
-        scores = _sampled(csr, qw, repeat_kv(kw, Hq)) * call.scale  # (B, Hq, Tq, k)
+        csr = _csr(pattern.cols)
+        scores = _sampled(csr, qw, repeat_kv(kw, Hq), alpha=call.scale)  # (B, Hq, Tq, k)
         if pattern.bias is not None:
-            scores = scores + pattern.bias.to(work)
-        scores = scores.masked_fill(~pattern.allowed, float("-inf"))
+            scores += pattern.bias.to(work)
+        scores.masked_fill_(~pattern.allowed, float("-inf"))
         weights, sink_share = _softmax(call, scores)
         rows = _bag_rows(pattern.cols, Hkv, Tk)
         out = _weighted_rows(rows, vw.reshape(B * Hkv * Tk, -1), weights).view(B, Hq, Tq, -1)  # (B, Hq, Tq, Dv)
         ctx.save_for_backward(qw, kw, vw, weights, out, sinks, sink_share)
-        ctx.extra = (call.scale, pattern.cols, csr, rows, q.dtype)
+        ctx.extra = (call.scale, pattern.lists, csr, rows, q.dtype)
         ctx.mark_non_differentiable(weights)
         return out.to(q.dtype), weights
 
     @staticmethod
     def backward(ctx, grad_out, _grad_weights):
         qw, kw, vw, weights, out, sinks, sink_share = ctx.saved_tensors
-        scale, cols, csr, rows, dtype = ctx.extra
+        scale, lists, csr, rows, dtype = ctx.extra
         B, Hq, Tq, _ = qw.shape
         Hkv, Tk = kw.shape[1], kw.shape[2]
-        dout = grad_out.to(qw.dtype)
-        delta = (dout * out).sum(dim=-1, keepdim=True)  # (B, Hq, Tq, 1)
-        dweights = _sampled(csr, dout, repeat_kv(vw, Hq))  # (B, Hq, Tq, k)
-        dscores = torch.where(weights > 0, weights * (dweights - delta), 0.0)
-        dq = _weighted_rows(rows, kw.reshape(B * Hkv * Tk, -1), dscores).view_as(qw) * scale
-        dk, dv = _key_grads(cols, qw, dout, dscores * scale, weights, Hkv, Tk)
+        dout = grad_out.to(qw.dtype).contiguous()  # an expanded grad (out.sum()) reads slowly as a table
+        delta = (dout.unsqueeze(-2) @ out.unsqueeze(-1)).squeeze(-1)  # rowsum(dO * O) (B, Hq, Tq, 1), no temporary
+        dscores = _sampled(csr, dout, repeat_kv(vw, Hq))  # dP (B, Hq, Tq, k), in place into dS below
+        dscores.sub_(delta).mul_(weights).masked_fill_(~(weights > 0), 0.0)  # NaN at a weight-0 pair stays out
+        dq = _weighted_rows(rows, kw.reshape(B * Hkv * Tk, -1), dscores).view_as(qw).mul_(scale)
+        bags = _key_bags(lists, B, Hq, Tk)
+        dk = _bag_sums(bags, qw, dscores, Hkv).mul_(scale)
+        del dscores
+        dv = _bag_sums(bags, dout, weights, Hkv)
         dsinks = None if sinks is None else sink_gradient(-(sink_share * delta[..., 0]), sinks)  # sinks' shape
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks, None, None
 
@@ -287,29 +311,42 @@ class _Nothing(torch.autograd.Function):
         return tuple(None if t is None else torch.zeros_like(t) for t in ctx.saved_tensors)
 
 
-def _key_grads(cols, q, dout, dscores, weights, kv_heads, tk):
-    """dk, dv ``(B, Hkv, Tk, X)``: each key sums its bag of (query, weight), the pairs sorted by key
-    once per distinct list (``cols`` is a stride-0 view where heads or batch share one)."""
-    B, Hq, Tq, K = cols.shape
-    group = Hq // kv_heads
-    dk = q.new_zeros(B, kv_heads, tk, q.shape[-1])
-    dv = q.new_zeros(B, kv_heads, tk, dout.shape[-1])
-    bags = {}
-    for b in range(B):
-        for h in range(Hq):
-            pairs = cols[b, h]  # (Tq, k)
-            key = (pairs.data_ptr(), pairs.stride())
-            if key not in bags:
-                order = pairs.reshape(-1).argsort()
-                keys = torch.arange(tk + 1, dtype=pairs.dtype, device=cols.device)
-                edges = torch.searchsorted(pairs.reshape(-1)[order], keys, out_int32=pairs.dtype == torch.int32)
-                bags[key] = (order, (order // K).to(pairs.dtype), edges)
-            order, query_of, edges = bags[key]
-            dk[b, h // group] += F.embedding_bag(query_of, q[b, h], edges, mode="sum", include_last_offset=True,
-                                                 per_sample_weights=dscores[b, h].reshape(-1)[order])
-            dv[b, h // group] += F.embedding_bag(query_of, dout[b, h], edges, mode="sum", include_last_offset=True,
-                                                 per_sample_weights=weights[b, h].reshape(-1)[order])
-    return dk, dv
+@dataclass(frozen=True)
+class _KeyBags:
+    """The pairs of every (batch, query head) grouped by key, for one ``embedding_bag`` per gradient:
+    ``order (B|1, Hkv|1, 1, Tq*k)`` sorts each distinct list's pairs by key, ``samples`` are their
+    rows in a ``(B*Hq*Tq, X)`` table, ``offsets`` start a bag per (b, h, key), then the end."""
+
+    order: Tensor
+    samples: Tensor
+    offsets: Tensor
+
+
+def _key_bags(lists: Tensor, batch: int, heads: int, tk: int) -> _KeyBags:
+    """Sort once per distinct list ``(B|1, Hkv|1, Tq, k)``; query head h reads list head h // G."""
+    lb, lh, Tq, K = lists.shape
+    group, pairs = heads // lh, Tq * K
+    index = torch.int32 if batch * heads * pairs < 2**31 else torch.int64  # embedding_bag takes either
+    flat = lists.reshape(lb, lh, 1, pairs)  # (B|1, Hkv|1, 1, Tq*k)
+    order = flat.argsort(dim=-1, stable=True)  # stable: one order of equal keys, whatever the sort kernel
+    counts = torch.zeros(lb, lh, 1, tk, dtype=index, device=lists.device)
+    counts.scatter_add_(-1, flat.long(), torch.ones(1, dtype=index, device=lists.device).expand(flat.shape))
+    bag = torch.arange(batch * heads, dtype=index, device=lists.device).view(batch, lh, group, 1)  # (b, h)
+    samples = (order // K).to(index) + bag * Tq  # (B, Hkv|1, G, Tq*k): query rows in (B*Hq*Tq, X)
+    starts = counts.cumsum(-1, dtype=index) - counts + bag * pairs  # (B, Hkv|1, G, Tk)
+    offsets = torch.cat([starts.reshape(-1), starts.new_full((1,), batch * heads * pairs)])
+    return _KeyBags(order=order, samples=samples.reshape(-1), offsets=offsets)
+
+
+def _bag_sums(bags: _KeyBags, table: Tensor, pair_values: Tensor, kv_heads: int) -> Tensor:
+    """``(B, Hkv, Tk, X)``: per key, the sum of ``pair_values (B, Hq, Tq, k)`` times its queries' rows of ``table``."""
+    B, Hq, Tq, K = pair_values.shape
+    lh = bags.order.shape[1]
+    order = bags.order.expand(B, lh, Hq // lh, Tq * K)
+    chosen = pair_values.reshape(B, lh, Hq // lh, Tq * K).gather(-1, order)  # (B, Hkv|1, G, Tq*k) by key
+    rows = F.embedding_bag(bags.samples, table.reshape(B * Hq * Tq, -1), bags.offsets, mode="sum",
+                           per_sample_weights=chosen.reshape(-1), include_last_offset=True)
+    return sum_kv_groups(rows.view(B, Hq, -1, table.shape[-1]), kv_heads)  # (B, Hkv, Tk, X)
 
 
 def topk_attention(call: AttentionCall, indices: Tensor) -> tuple[Tensor, Tensor | None]:
