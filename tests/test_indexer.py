@@ -238,3 +238,24 @@ def test_equal_scores_pick_the_same_keys_in_a_prefill_and_a_decoding_step():
         step = select_topk(scores[:, t:t + 1, :t + 1], 3)  # the last query over its t + 1 keys
         assert step[0, 0, 0].tolist() == [i for i in prefill[0, 0, t].tolist() if i >= 0]
     assert prefill[0, 0, 7].tolist() == [1, 4, 0]
+
+
+@pytest.mark.parametrize("mask_rows", [None, 1, "T"])
+def test_forward_in_query_blocks_picks_what_the_whole_score_matrix_picks(monkeypatch, mask_rows):
+    """The forward scores a few queries at a time (QUERY_BLOCK); blocks of 3 over 11 new queries
+    after 4 cached ones, with the causal rule and a padding mask, pick what one (T, Tk) matrix picks."""
+    import attnlab.nn.indexer as indexer_module
+
+    torch.manual_seed(3)
+    indexer = LightningIndexer(16, heads=3, head_dim=8, topk=4, rope_dim=4)
+    x, past_x = torch.randn(2, 11, 16), torch.randn(2, 4, 16)
+    past = indexer.keys(past_x)
+    mask = None
+    if mask_rows is not None:
+        mask = torch.rand(2, 11 if mask_rows == "T" else 1, 15) > 0.3
+    expected = select_topk(indexer.scores(x, past_keys=past), 4, mask=mask)  # (B, 1, 11, 4)
+    monkeypatch.setattr(indexer_module, "QUERY_BLOCK", 3)
+    got = indexer(x, past_keys=past, mask=mask)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="mask must be"):
+        indexer(x, past_keys=past, mask=torch.ones(2, 5, 15, dtype=torch.bool))

@@ -37,6 +37,8 @@ from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["LightningIndexer", "lightning_scores", "select_topk"]
 
+QUERY_BLOCK = 512  # queries whose (block, Tk) index scores the indexer's forward holds at once
+
 
 def lightning_scores(q: Tensor, k: Tensor, weights: Tensor) -> Tensor:
     """Index scores ``sum_h weights[h] * ReLU(q_h . k / sqrt(D))`` in fp32 (fp64 stays fp64).
@@ -55,18 +57,25 @@ def lightning_scores(q: Tensor, k: Tensor, weights: Tensor) -> Tensor:
         [[[1.0, 1.0, 1.0]]]
     """
     work = torch.promote_types(q.dtype, torch.float32)
-    per_head = torch.einsum("bthd,bsd->bths", q.to(work), k.to(work)) * q.shape[-1] ** -0.5  # (B, Tq, H, Tk)
-    return torch.einsum("bth,bths->bts", weights.to(work), per_head.relu())  # (B, Tq, Tk)
+    q, keys_t, weights = q.to(work) * q.shape[-1] ** -0.5, k.to(work).transpose(1, 2), weights.to(work)
+    total = None
+    for h in range(q.shape[2]):  # one head at a time: (B, Tq, Tk) at once, never (B, Tq, H, Tk)
+        part = torch.matmul(q[:, :, h], keys_t).relu() * weights[:, :, h, None]  # (B, Tq, Tk)
+        total = part if total is None else total + part
+    return total
 
 
-def select_topk(scores: Tensor, topk: int, *, mask: Tensor | None = None, causal: bool = True) -> Tensor:
+def select_topk(scores: Tensor, topk: int, *, mask: Tensor | None = None, causal: bool = True,
+                query_start: int | None = None) -> Tensor:
     """Each query's ``min(topk, Tk)`` best keys ``(B, 1, Tq, k)``; ``-1`` where it has fewer allowed.
 
     Args:
         scores: ``(B, Tq, Tk)``.
         topk: keys kept per query, positive.
         mask: bool ``(B|1, Tq|1, Tk)``, True where a query may read a key (padding), or None.
-        causal: query ``i`` reads keys ``<= i + Tk - Tq`` (the queries are the last ``Tq`` positions).
+        causal: query ``i`` reads keys ``<= query_start + i``.
+        query_start: the first query's position among the keys (default ``Tk - Tq``: the queries
+            are the last ``Tq`` positions).
 
     Raises:
         TypeError: ``mask`` is not a bool tensor.
@@ -80,7 +89,7 @@ def select_topk(scores: Tensor, topk: int, *, mask: Tensor | None = None, causal
     B, Tq, Tk = scores.shape
     allowed = torch.ones(1, Tq, Tk, dtype=torch.bool, device=scores.device)
     if causal:
-        allowed = allowed.tril(Tk - Tq)  # (1, Tq, Tk)
+        allowed = allowed.tril(Tk - Tq if query_start is None else non_negative_int("query_start", query_start))
     if mask is not None:
         allowed = allowed & _check_mask(mask, B, Tq, Tk)
     # A stable sort, not topk: equal scores (ReLU heads give many zeros) keep the earlier key, so a
@@ -102,6 +111,9 @@ def _check_mask(mask: object, B: int, Tq: int, Tk: int) -> Tensor:
 
 class LightningIndexer(nn.Module):
     """DSA's lightning indexer (module docstring): projections, index scores, top-k.
+
+    The forward scores :data:`QUERY_BLOCK` queries at a time, so choosing the keys holds
+    ``(B, QUERY_BLOCK, Tk)`` scores, not ``(B, T, Tk)``; :meth:`scores` returns them all.
 
     **Parameters** (transformers' names): ``wq_b`` ``(H*D, query_dim)``, ``wk`` ``(D, d_model)``,
     ``k_norm`` LayerNorm(D, eps 1e-6), ``weights_proj`` ``(H, d_model)``; no biases.
@@ -173,6 +185,10 @@ class LightningIndexer(nn.Module):
             >>> LightningIndexer(8, heads=2, head_dim=4, topk=2).scores(torch.randn(1, 3, 8)).shape
             torch.Size([1, 3, 3])
         """
+        return lightning_scores(*self._parts(x, query_input, past_keys))
+
+    def _parts(self, x: Tensor, query_input: Tensor | None, past_keys: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Checked inputs -> index queries ``(B, T, H, D)``, keys ``(B, Tp + T, D)``, head weights ``(B, T, H)``."""
         _check_input("x", x, self.wk.in_features)
         B, T, _ = x.shape
         source = x if query_input is None else query_input
@@ -183,7 +199,7 @@ class LightningIndexer(nn.Module):
         if past_keys is not None:
             k = torch.cat([past_keys.to(k.dtype), k], dim=1)  # (B, Tp + T, D)
         weights = self.weights_proj(x).to(torch.promote_types(x.dtype, torch.float32)) * self.heads ** -0.5  # (B, T, H)
-        return lightning_scores(q, k, weights)
+        return q, k, weights
 
     def forward(self, x: Tensor, *, query_input: Tensor | None = None, past_keys: Tensor | None = None,
                 mask: Tensor | None = None, causal: bool = True) -> Tensor:
@@ -201,8 +217,18 @@ class LightningIndexer(nn.Module):
             torch.Size([2, 1, 3, 3])
         """
         with torch.no_grad():
-            scores = self.scores(x, query_input=query_input, past_keys=past_keys)
-        return select_topk(scores, self.topk, mask=mask, causal=causal)
+            q, k, weights = self._parts(x, query_input, past_keys)
+        T, Tk = q.shape[1], k.shape[1]
+        if mask is not None:
+            _check_mask(mask, x.shape[0], T, Tk)
+        chosen = []
+        for start in range(0, T, QUERY_BLOCK):  # the scores of one block of queries at a time: O(block * Tk)
+            rows = slice(start, min(T, start + QUERY_BLOCK))
+            with torch.no_grad():
+                scores = lightning_scores(q[:, rows], k, weights[:, rows])  # (B, block, Tk)
+            block_mask = None if mask is None else mask[:, rows] if mask.shape[1] == T else mask
+            chosen.append(select_topk(scores, self.topk, mask=block_mask, causal=causal, query_start=Tk - T + start))
+        return torch.cat(chosen, dim=2) if chosen else select_topk(q.new_zeros(x.shape[0], 0, Tk), self.topk)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.wk.in_features}, heads={self.heads}, head_dim={self.head_dim}, topk={self.topk}, "
