@@ -734,7 +734,12 @@ class SdpaBackend(Backend):
             >>> SdpaBackend().preferred(build_call(q, q, q, causal=True))
             True
         """
-        return _mask_source(call) != "materialised" and kernel_for(call) != "math"
+        if _mask_source(call) == "materialised":
+            return False
+        # Only value features unlike the keys' or dropout can send PyTorch to its math kernel on
+        # the calls left here; asking its selector for every call would cost the first call's path.
+        unusual = call.v.shape[-1] != call.k.shape[-1] or call.dropout_p > 0
+        return not (unusual and kernel_for(call) == "math")
 
     def runs_padded(self, call: AttentionCall) -> bool:
         """Whether ``call`` is a padded batch run on each row's real keys (``"segments"``).

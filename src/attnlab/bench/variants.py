@@ -75,7 +75,7 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="CCCN", chunk=1024)
         1835008
         >>> kv_cache_bytes(context=4096, layers=1, head_dim=64, pattern="S", nsa_block=64) // (2 * 64 * 2)  # pairs held
-        4896
+        4895
     """
     for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
         positive_int(name, value)
