@@ -144,3 +144,13 @@ def test_train_cli_trains_the_2026_layers(tmp_path, pattern):
     generated = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "run"), "--prompt", "sam gave",
                                          "--max-new-tokens", "3"])
     assert generated.exit_code == 0, generated.output
+
+
+@pytest.mark.parametrize("pattern", ["D", "Q", "T", "S"])
+def test_an_empty_input_gives_empty_logits(pattern):
+    """No token in: (B, 0, vocab) out, with and without a cache (D, Q and T reshaped with -1 and failed)."""
+    model = _gpt(pattern, **_sizes(pattern))
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    assert model(empty).shape == (2, 0, 23)
+    caches = model.new_cache(2)
+    assert model(empty, caches=caches).shape == (2, 0, 23) and caches[0].length == 0

@@ -159,7 +159,7 @@ class _ProjectedAttention(nn.Module):
     def _project(self, x: Tensor, documents: Tensor | None, cache: Cache | None):
         """Queries ``(B, H, T, D)``, keys and values in the cache layout, and ``q_proj``'s rest, of ``x``."""
         B, T, _ = x.shape
-        q, extra = self._split_query(self.q_proj(x).view(B, T, self.num_heads, -1))  # (B, T, H, D)
+        q, extra = self._split_query(self.q_proj(x).unflatten(-1, (self.num_heads, -1)))  # (B, T, H, q_parts * D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = self._norm_qk(q, k)
@@ -317,7 +317,7 @@ class GatedAttention(_ProjectedAttention):
         if not self.gate:
             return q, None
         q, gate = q.chunk(2, dim=-1)  # (B, T, H, D) each: per head, query rows then gate rows
-        return q, gate.reshape(*gate.shape[:2], -1)  # (B, T, H * D)
+        return q, gate.flatten(2)  # (B, T, H * D)
 
     def _norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return (self.q_norm(q), self.k_norm(k)) if self.qk_norm else (q, k)
