@@ -108,6 +108,12 @@ class TopkAttention(_ProjectedAttention):
             padding_mask: ``(B, T)`` bool, True at real key tokens (no cache).
             cache: from :meth:`new_cache`; the new keys, values and index keys are appended.
             document_ids: ``(T,)`` or ``(B, T)`` ids of packed documents (no cache).
+
+        Example:
+            >>> attn = TopkAttention(16, 2, topk=2, index_heads=2, index_dim=4)
+            >>> padded = torch.tensor([[True, True, True, False]])          # row 0's last token is padding
+            >>> attn(torch.randn(1, 4, 16), padding_mask=padded).shape
+            torch.Size([1, 4, 16])
         """
         if mask is not None and not isinstance(mask, Tensor):
             raise ValueError(f"mask must be a bool or float tensor for TopkAttention (its indexer picks keys for "
