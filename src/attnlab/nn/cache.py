@@ -53,6 +53,11 @@ def _dtype_device(dtype, device) -> tuple[torch.dtype, torch.device | None]:
     return dtype, device
 
 
+def _cache_options(weight: Tensor, dtype, device) -> dict:
+    """A module's cache buffers' ``dtype`` and ``device``: the ones given, else its ``weight``'s."""
+    return {"dtype": weight.dtype if dtype is None else dtype, "device": weight.device if device is None else device}
+
+
 def _check_sizes(**sizes: int) -> None:
     """Positive sizes; ``value_dim`` may be 0 (a cache of keys only, as MLA's latent)."""
     for name, size in sizes.items():

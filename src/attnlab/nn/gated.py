@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from attnlab import masks as _masks
 from attnlab._checks import divisible, instance_of, one_of, positive_int, positive_number, probability
 from attnlab.backends import check_backend_name
-from attnlab.nn.cache import Cache, _restore_on_error, new_positions
+from attnlab.nn.cache import Cache, _cache_options, _restore_on_error, new_positions
 from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import (_check_cache, _check_cache_options, _check_documents, _check_window,
                                   _combine_masks, _with_documents, attend_causal, make_cache)
@@ -202,10 +202,8 @@ class _ProjectedAttention(nn.Module):
             KVCache(batch_size=1, num_kv_heads=2, length=0, max_len=8, head_dim=4, dtype=torch.float32)
         """
         heads, key_dim, value_dim = self._cache_shape()
-        weight = self.o_proj.weight
         return make_cache(batch_size, heads, max_len, key_dim, value_dim=value_dim, window=self.window,
-                          windowed=windowed, page_size=page_size, dtype=weight.dtype if dtype is None else dtype,
-                          device=weight.device if device is None else device)
+                          windowed=windowed, page_size=page_size, **_cache_options(self.o_proj.weight, dtype, device))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from attnlab import masks as _masks
 from attnlab._checks import instance_of, positive_int, positive_number, probability
 from attnlab.backends import check_backend_name
-from attnlab.nn.cache import Cache, _restore_on_error, new_positions
+from attnlab.nn.cache import Cache, _cache_options, _restore_on_error, new_positions
 from attnlab.nn.multihead import (_check_cache, _check_cache_options, _check_documents, _check_window,
                                   _combine_masks, _with_documents, attend_causal, make_cache)
 from attnlab.nn.positional import RotaryEmbedding
@@ -261,10 +261,8 @@ class LatentAttention(nn.Module):
             >>> LatentAttention(32, 4, latent_dim=16, rope_dim=4).new_cache(1, 8).nbytes   # 8 x 20 x 4
             640
         """
-        weight = self.out_proj.weight
         return make_cache(batch_size, 1, max_len, self.cache_features, value_dim=0, window=self.window,
-                          windowed=windowed, page_size=page_size, dtype=weight.dtype if dtype is None else dtype,
-                          device=weight.device if device is None else device)
+                          windowed=windowed, page_size=page_size, **_cache_options(self.out_proj.weight, dtype, device))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, latent_dim={self.latent_dim}, "

@@ -26,8 +26,8 @@ from attnlab.backends import check_backend_name
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
-from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache, _restore_on_error,
-                               new_positions)
+from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache, _cache_options,
+                               _restore_on_error, new_positions)
 from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
 
 __all__ = ["MultiHeadAttention"]
@@ -580,11 +580,9 @@ class MultiHeadAttention(nn.Module):
             >>> MultiHeadAttention(8, 8, num_heads=4, window=4).new_cache(1, 32).window
             4
         """
-        weight = self.out_proj.weight
         return make_cache(batch_size, self.num_kv_heads, max_len, self.head_dim,
                           window=self.window, chunk=self.chunk, windowed=windowed, page_size=page_size,
-                          dtype=weight.dtype if dtype is None else dtype,
-                          device=weight.device if device is None else device)
+                          **_cache_options(self.out_proj.weight, dtype, device))
 
     def extra_repr(self) -> str:
         return (

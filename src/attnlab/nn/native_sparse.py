@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import divisible, instance_of, non_negative_int, one_of, positive_int
 from attnlab.functional import attention
-from attnlab.nn.cache import BranchCache, KVCache, WindowedKVCache, _restore_on_error
+from attnlab.nn.cache import BranchCache, KVCache, WindowedKVCache, _cache_options, _restore_on_error
 from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import attend_causal
 from attnlab.nn.positional import RotaryEmbedding
@@ -62,17 +62,18 @@ from attnlab.nn.positional import RotaryEmbedding
 __all__ = ["NativeSparseAttention", "NSABranches", "paper_sizes"]
 
 
-def paper_sizes(select_block: int) -> dict[str, int]:
+def paper_sizes(select_block: int, *, name: str = "select_block") -> dict[str, int]:
     """NSA's sizes in the paper's proportions, scaled by the selection block ``l'`` (a multiple of
     4): compressed blocks of ``l'/2`` tokens every ``l'/4``, 16 selected blocks (block 0 and the 2
     newest among them) and a window of ``8 l'``; ``l' = 64`` gives the paper's 32, 16, 64, 16, 512.
+    ``name`` is the argument a refusal names (``nsa_block``, ``--nsa-block``).
 
     Example:
         >>> paper_sizes(64)
         {'compress_block': 32, 'compress_stride': 16, 'select_block': 64, 'select_count': 16, 'select_local': 2, 'window': 512}
     """
-    if positive_int("select_block", select_block) % 4:
-        raise ValueError(f"select_block must be a multiple of 4 (compressed blocks of half of it every quarter), "
+    if positive_int(name, select_block) % 4:
+        raise ValueError(f"{name} must be a multiple of 4 (compressed blocks of half of it every quarter), "
                          f"got {select_block}")
     return dict(compress_block=select_block // 2, compress_stride=select_block // 4, select_block=select_block,
                 select_count=16, select_local=2, window=8 * select_block)
@@ -372,9 +373,7 @@ class NativeSparseAttention(nn.Module):
         if windowed is not None:
             instance_of("windowed", windowed, bool, "a bool or None")
         positive_int("max_len", max_len)
-        weight = self.q_proj.weight
-        sizes = dict(dtype=weight.dtype if dtype is None else dtype,
-                     device=weight.device if device is None else device)
+        sizes = _cache_options(self.q_proj.weight, dtype, device)
         B, H, D = batch_size, self.num_kv_heads, self.head_dim
         ring = windowed or (windowed is None and self.window < max_len)
         return BranchCache(

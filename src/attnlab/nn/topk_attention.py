@@ -33,7 +33,7 @@ from attnlab import masks as _masks
 from attnlab._checks import instance_of, non_negative_int, non_negative_number, positive_int
 from attnlab.backends.topk import indices_mask
 from attnlab.functional import attention, attention_weights
-from attnlab.nn.cache import BranchCache, Cache, KVCache
+from attnlab.nn.cache import BranchCache, Cache, KVCache, _cache_options
 from attnlab.nn.gated import _ProjectedAttention
 from attnlab.nn.indexer import LightningIndexer, select_topk
 from attnlab.nn.latent import _check_x
@@ -218,8 +218,7 @@ class TopkAttention(_ProjectedAttention):
             instance_of("windowed", windowed, bool, "a bool or None")
         if windowed:
             raise ValueError("windowed=True needs a module with a window; TopkAttention has none")
-        weight = self.o_proj.weight
-        options = dict(dtype=weight.dtype if dtype is None else dtype, device=weight.device if device is None else device)
+        options = _cache_options(self.o_proj.weight, dtype, device)
         return BranchCache(keys=KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, **options),
                            index=KVCache(batch_size, 1, max_len, self.indexer.head_dim, value_dim=0, **options))
 
