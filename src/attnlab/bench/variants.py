@@ -113,7 +113,7 @@ LAYER_HELD = {
 
 def _nsa_held(context: int, block: int) -> int:
     """Key/value pairs an NSA layer holds: selected (every token), window, compression tail, compressed."""
-    sizes = paper_sizes(block)
+    sizes = paper_sizes(block, name="nsa_block")
     blocks = max(0, (context - sizes["compress_block"]) // sizes["compress_stride"] + 1)
     return context + min(sizes["window"], context) + min(sizes["compress_block"], context) + blocks
 

@@ -52,6 +52,7 @@ def kv_memory(
 ) -> None:
     """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA and NSA at --context."""
     from attnlab.bench.variants import DTYPE_BYTES, kv_cache_bytes
+    from attnlab.nn.native_sparse import paper_sizes
 
     with option_errors():
         for option, value in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim),
@@ -72,6 +73,8 @@ def kv_memory(
                               ("--nsa-block", nsa_block)):
             if value is not None:
                 at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
+        if nsa_block is not None:
+            paper_sizes(nsa_block, name="--nsa-block")
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
@@ -107,8 +110,6 @@ def kv_memory(
         rows.append((f"DSA: {name} + {index_dim} fp8 index numbers", kv_cache_bytes(index_dim=index_dim, **base,
                                                                                      **sizes)))
     if nsa_block is not None:  # NSA: its three branches' keys and values
-        if nsa_block % 4:
-            fail(f"--nsa-block must be a multiple of 4 (compressed blocks of half of it every quarter), got {nsa_block}")
         rows.append((f"NSA (block {nsa_block}, {kv_heads or heads} KV heads)", kv_cache_bytes(
             kv_heads=kv_heads or heads, pattern="S", nsa_block=nsa_block, **sizes)))
     _print(rows, sizes, heads, dtype)

@@ -49,6 +49,7 @@ from attnlab.distributed import METHODS, sequence_layout
 from attnlab.distributed.launch import run_local
 from attnlab.distributed.layout import check_length
 from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
+from attnlab.nn.native_sparse import paper_sizes
 from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
@@ -347,9 +348,9 @@ def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
     if used and own:
         fail(f"{', '.join(used)}: not available on {', '.join(LAYER_KINDS[k] for k in own)} layers, and {shown} "
              f"has some; use a --layer-pattern without {', '.join(own)}")
-    if given.get("nsa_block", 4) % 4:
-        fail(f"--nsa-block must be a multiple of 4 (compressed blocks of half of it every quarter), "
-             f"got {given['nsa_block']}")
+    if "nsa_block" in given:
+        with option_errors():
+            paper_sizes(given["nsa_block"], name="--nsa-block")
     for letter in ("L", "C"):
         if alibi and letter in kinds:
             fail(f"--positions alibi: not available on {LAYER_KINDS[letter]} layers (their cache does not keep "

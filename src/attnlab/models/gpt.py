@@ -653,9 +653,8 @@ def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim:
                              f"over {num_layers} layers")
         if value is not None:
             positive_int(name, value)
-    if sizes.get("nsa_block") is not None and sizes["nsa_block"] % 4:
-        raise ValueError(f"nsa_block must be a multiple of 4 (compressed blocks of half of it every quarter), "
-                         f"got {sizes['nsa_block']}")
+    if sizes.get("nsa_block") is not None:
+        paper_sizes(sizes["nsa_block"], name="nsa_block")
     if latent_rope_dim is not None and "M" not in kinds:
         raise ValueError(f"latent_rope_dim={latent_rope_dim!r} is for M layers, and layer_pattern {pattern!r} has none")
     if latent_rope_dim is not None and positive_int("latent_rope_dim", latent_rope_dim) % 2:
