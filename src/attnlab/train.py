@@ -55,7 +55,7 @@ from attnlab.distributed.layout import check_length
 from attnlab._checks import divisible, instance_of, one_of, per_layer, positive_int, positive_number
 from attnlab.models import GPT
 from attnlab.models import _hub
-from attnlab.models.gpt import _NO_WEIGHTS, LAYER_KINDS, LAYER_TABLE, POSITIONS
+from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE, POSITIONS
 from attnlab.trained import ROLE_THRESHOLD, best_head, count_heads, head_roles, pad_heads, sink_shares, unpad_heads
 from attnlab.viz.headview import head_grid
 from attnlab.viz.heatmap import heatmap, save_figure
@@ -1023,7 +1023,7 @@ def analyze(trainer: Trainer, *, sequences: int = 64) -> dict:
         ['ablation_accuracy', 'induction', 'previous_token']
     """
     inputs, targets = trainer.eval_set()
-    silent = [name for name in trainer.model.layer_kinds if LAYER_TABLE[name].module in _NO_WEIGHTS]
+    silent = [name for name in trainer.model.layer_kinds if not LAYER_TABLE[name].weights]
     if silent:  # differential, gated and sparse layers return no weight matrix to score
         accuracy = trainer.history["eval_accuracy"][-1] if trainer.history["eval_accuracy"] else trainer.evaluate()[1]
         return {"heads": {}, "example": inputs[0], "summary": (

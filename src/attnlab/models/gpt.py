@@ -55,13 +55,16 @@ POSITIONS = ("learned", "rope", "alibi")
 
 class LayerKind(NamedTuple):
     """One ``layer_pattern`` letter: its name, the GPT option its layers need (and only they take),
-    whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE), and the attention
-    module its layers are built with (None: the block's own multi-head attention)."""
+    whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE), the attention
+    module its layers are built with (None: the block's own multi-head attention), and whether
+    they return one weight matrix (``return_weights``) and take attention dropout."""
 
     name: str
     option: str | None = None
     positions: bool = True
     module: str | None = None
+    weights: bool = True
+    dropout: bool = True
 
 
 # layer_pattern letters, the one table every letter goes through (a new letter is a new row).
@@ -71,10 +74,10 @@ LAYER_TABLE = {
     "M": LayerKind("latent (MLA)", "latent_dim", module="latent"),
     "C": LayerKind("chunked local", "chunk"),
     "N": LayerKind("global without positions (NoPE)", positions=False),
-    "D": LayerKind("differential (DiffLlama)", module="differential"),
-    "Q": LayerKind("gated output (Qwen3-Next)", module="gated"),
-    "T": LayerKind("sparse top-k (DSA)", "topk", module="topk"),
-    "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse"),
+    "D": LayerKind("differential (DiffLlama)", module="differential", weights=False, dropout=False),
+    "Q": LayerKind("gated output (Qwen3-Next)", module="gated", weights=False),
+    "T": LayerKind("sparse top-k (DSA)", "topk", module="topk", weights=False, dropout=False),
+    "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse", weights=False, dropout=False),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -594,13 +597,12 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
     return None
 
 
-_NO_WEIGHTS = ("differential", "gated", "topk", "native_sparse")  # modules that return no attention weights
 INDEX_LOSS_WEIGHT = 1.0  # the T layers' indexer KL, added to the training loss with this weight
 
 
 def _check_weights(kinds: tuple[str, ...]) -> None:
     """``return_weights`` needs every layer to return its weights."""
-    lacking = sorted({k for k in kinds if LAYER_TABLE[k].module in _NO_WEIGHTS})
+    lacking = sorted({k for k in kinds if not LAYER_TABLE[k].weights})
     if lacking:
         raise ValueError(f"return_weights: {', '.join(LAYER_KINDS[k] for k in lacking)} layers return no single "
                          "weight matrix (a differential layer has two softmaxes, a sparse one reads a few keys per "
@@ -608,20 +610,17 @@ def _check_weights(kinds: tuple[str, ...]) -> None:
                          f"{', '.join(repr(k) for k in lacking)} to read weights")
 
 
-_NO_DROPOUT = ("differential", "topk", "native_sparse")  # modules without attention dropout
-
-
 def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool, dropout_p: float = 0.0) -> None:
     """ALiBi, softcap and sinks are options of the multi-head layers: the layers built with their
-    own module (latent, differential, gated) take none, a differential layer no dropout (DiffLlama
-    defines none), and ALiBi's distances need the contiguous cache local and chunked layers do not use."""
+    own module (latent, differential, gated, sparse) take none, the rows without ``dropout`` no
+    attention dropout, and ALiBi's distances need the contiguous cache local and chunked layers do not use."""
     used = [name for name, on in (("positions='alibi'", positions == "alibi"), ("softcap", softcap is not None),
                                   ("sinks", sinks)) if on]
     own = sorted({letter for letter in kinds if LAYER_TABLE[letter].module})
     if used and own:
         raise ValueError(f"{', '.join(used)}: not available on {', '.join(LAYER_KINDS[k] for k in own)} layers; "
                          f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
-    undropped = sorted({letter for letter in kinds if LAYER_TABLE[letter].module in _NO_DROPOUT})
+    undropped = sorted({letter for letter in kinds if not LAYER_TABLE[letter].dropout})
     if dropout_p and undropped:
         raise ValueError(f"dropout_p={dropout_p}: {', '.join(LAYER_KINDS[k] for k in undropped)} layers define no "
                          f"attention dropout (as DiffLlama, DeepSeek-V3.2, NSA); use dropout_p=0 or a layer_pattern "
