@@ -303,8 +303,6 @@ def drawn_links(weights: Tensor, hidden: Tensor) -> list[list[float]]:
             for part in pairs.split(counts)]
 
 
-
-
 def _model_header(section: TrainedSection) -> str:
     view = section.view
     badges = [section.model, f"{view.layers} layers", f"{format_heads(view.heads_per_layer)} heads per layer",
