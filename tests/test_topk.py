@@ -272,3 +272,16 @@ def test_docs_example_runs():
     section = text.split("## Top-k attention", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "docs/sparse.md", "exec"), {})
+
+
+def test_a_compiled_function_runs_the_topk_call_eagerly():
+    """torch.compile traced into the index checks (data-dependent) and crashed with an IndexError;
+    the top-k call is now left to eager mode (a graph break), with the same result and gradients."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 12, 8, requires_grad=True)
+    idx = torch.randint(-1, 12, (1, 1, 12, 3))
+    compiled = torch.compile(lambda q, i: attnlab.attention(q, q, q, indices=i, causal=True), backend="eager")
+    out, expected = compiled(q, idx), attnlab.attention(q, q, q, indices=idx, causal=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.sum(), q)[0], rtol=0, atol=0)

@@ -291,6 +291,7 @@ def _grads(q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object) -> tupl
             isinstance(mask, Tensor) and mask.requires_grad, isinstance(sinks, Tensor) and sinks.requires_grad)
 
 
+@torch.compiler.disable  # reads the index values and builds sparse tensors: compiled code runs it eagerly
 def _attention_at(q: Tensor, k: Tensor, v: Tensor, indices: object, *, backend: str, **options):
     """:func:`attention` with ``indices``: validated, then the top-k kernel or the dense oracle."""
     call = build_call(q, k, v, **options)
