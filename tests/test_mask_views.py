@@ -275,3 +275,27 @@ def test_explain_mask_refuses_bad_specs_on_one_line(tmp_path, args, message):
     text = result.output.strip()
     assert result.exit_code == 2 and text.startswith("error:") and message in text and "\n" not in text
     assert not out.exists()
+
+
+def test_a_mask_mod_too_large_to_evaluate_is_refused_before_any_work():
+    # Regression: show(fn, size=(100000, 100000)) evaluated 10^10 cells of a plain function, band by
+    # band, for minutes with no progress and no bound.
+    calls = []
+
+    def fn(b, h, q_idx, kv_idx):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("the view evaluated the mod instead of refusing the size")
+        return q_idx >= kv_idx
+
+    limit = f"at most {maskview.MAX_EVALUATED:,}"
+    for make in (lambda: attnlab.show(fn, size=(100000, 100000)),
+                 lambda: attnlab.show(fn, masks.causal_mod(100000, 100000), size=(100000, 100000))):
+        with pytest.raises(ValueError, match=rf"^size \(100000, 100000\): .*{limit}"):
+            make()
+    assert not calls
+    # what the limit counts is the cells the mod's bounds let a band reach: an OR of attnlab mods at
+    # 8192 (test_a_long_mask_builds_in_o_t_times_block_memory) reaches half of them and is drawn
+    src = maskview._source(masks.causal_mod(1, 1) | masks.sliding_window_mod(1, 1, 64), size=(8192, 8192),
+                           batch=0, head=0)
+    assert maskview._evaluated_cells(src, 128) == sum(128 * min(8192, (i + 1) * 128) for i in range(64))

@@ -8,6 +8,7 @@ carries decode to the weights given, and that bad input is refused naming the ar
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 
@@ -125,6 +126,28 @@ def test_token_text_cannot_end_or_hide_the_script_payload(make):
         assert not re.search("[<>&\u2028\u2029]", payload)  # nothing the HTML parser could read as markup
     texts = json.dumps([json.loads(payload) for payload in payloads], ensure_ascii=False)
     assert all(json.dumps(token, ensure_ascii=False)[1:-1] in texts for token in HOSTILE)  # read back unchanged
+
+
+CONTROL = ["nul\x00", "esc\x1b", "del\x7f", "plain"]
+PICTURED = ["nul\u2400", "esc\u241b", "del\u2421"]
+RAW_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@pytest.mark.parametrize("make, labels", [
+    (lambda: show(_softmax(4, 4), CONTROL), PICTURED), (lambda: show(_softmax(2, 2, 4, 4), CONTROL), PICTURED),
+    (lambda: show(WordAttention.from_pieces(_softmax(2, 2, 6, 6), ["[CLS]", *CONTROL, "[SEP]"],
+                                            [None, 0, 1, 2, 3, None])), PICTURED),
+    (lambda: show(torch.ones(4, 4, dtype=torch.bool), title="mask\x00title"), ["mask\u2400title"]),
+], ids=["walk", "model", "trained", "mask-title"])
+def test_control_characters_in_token_text_are_shown_as_their_pictures(make, labels):
+    # Regression: a NUL token went raw into the HTML (a parse error: the browser drops it) and into the
+    # JSON payload as \u0000, which the script wrote into the page as an invisible character.
+    page = make()._repr_html_()
+    assert not RAW_CONTROL.search(page)
+    assert not re.search(r"\\u00(0[0-8bcef]|1[0-9a-f])|\\u007f|\\[bf]", page)  # nor escaped in the JSON
+    payloads = re.findall(r'<script id="[^"]*" type="application/json">(.*?)</script>', page, re.S)
+    texts = html.unescape(page) + json.dumps([json.loads(p) for p in payloads], ensure_ascii=False)
+    assert all(label in texts for label in labels), labels
 
 
 @pytest.mark.parametrize("call, match", [
