@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import attnlab
 from attnlab import masks, scores
 from attnlab.cli import app
 from attnlab.viz import maskview
-from attnlab.viz.page import to_json
+from attnlab.viz.page import asset, to_json
 
 
 def _dense_patterns(tq: int, tk: int) -> dict:
@@ -299,3 +300,14 @@ def test_a_mask_mod_too_large_to_evaluate_is_refused_before_any_work():
     src = maskview._source(masks.causal_mod(1, 1) | masks.sliding_window_mod(1, 1, 64), size=(8192, 8192),
                            batch=0, head=0)
     assert maskview._evaluated_cells(src, 128) == sum(128 * min(8192, (i + 1) * 128) for i in range(64))
+
+
+def test_the_legend_swatches_have_a_size_and_the_map_a_readable_width():
+    # Regression: .mk-key had no CSS rule, so every swatch was 0 px wide; a 4096-token map was 128 px.
+    css = re.search(r"\.attnlab \.mk-key \{([^}]*)\}", asset("report.css"))
+    assert css and re.search(r"width: *1[0-9]px", css.group(1)) and "inline-block" in css.group(1)
+    page = maskview.mask_view(masks.causal_mod(4096, 4096), size=(4096, 4096))._repr_html_()
+    assert page.count('class="mk-key"') == 3 and 'class="mk-mark"' in page
+    width = int(re.search(r'class="mk-map"[^>]*style="width:(\d+)px"', page).group(1))
+    assert width == 512 and width % 32 == 0  # 32 blocks of 16 px
+    assert maskview.map_width(782, 782) == 782 and maskview.map_width(16, 32) == 512  # a pixel a block at least

@@ -14,7 +14,7 @@ intervals alone (a tile is evaluated only where its segments, e.g. documents, ar
 the page carries the intervals, from which the zoom computes any cell. Any other mask (a
 tensor, an OR, a function of the user's) carries a bit tile per PARTIAL block, in block order,
 up to ``budget`` bytes; full and empty blocks need none. The map is a canvas of one pixel per
-block.
+block, shown :data:`MAP_PX` CSS pixels on its longer side; the clicked block is outlined.
 
 Example:
     >>> from attnlab import masks
@@ -40,13 +40,14 @@ from attnlab.backends.blocks import block_spans
 from attnlab.viz.page import View, asset, escape, fragment, new_prefix, to_json, viridis
 
 __all__ = ["mask_view", "map_view", "mask_diff_view", "score_mod_view", "show", "shows", "parse_mask",
-           "BlockMap", "block_map", "score_mod_values", "DEFAULT_BLOCK", "TILE_BUDGET", "MAX_EVALUATED", "EMPTY",
+           "BlockMap", "block_map", "map_width", "score_mod_values", "DEFAULT_BLOCK", "TILE_BUDGET", "MAX_EVALUATED", "EMPTY",
            "PARTIAL", "FULL"]
 
 DEFAULT_BLOCK = 128  # FlexAttention's block (attnlab.backends.flex) and blocks' middle size
 TILE_BUDGET = 1 << 20  # bytes of partial blocks' bit tiles one mask may put in a page
 MAX_BLOCKS = 1024  # blocks per axis the map draws (a canvas pixel each)
 MAX_SCORE_SIZE = 64  # queries and keys a score mod view shows, every cell a number
+MAP_PX = 512  # CSS pixels of the block map's longer side (more when it has more blocks: one pixel each)
 MAX_EVALUATED = 8192 * 8192  # cells of a mask mod evaluated one by one (not intervals): a few seconds on 2 cores
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -514,6 +515,17 @@ def mask_diff_view(mask_a, mask_b, *, size=None, block: int = DEFAULT_BLOCK, bat
     return View(lambda: _fragment(data, title), title=title)
 
 
+def map_width(nq: int, nk: int) -> int:
+    """CSS width of a block map of ``nq x nk`` blocks: its longer side :data:`MAP_PX` pixels (a block
+    at least one), every block the same size, so 32 blocks draw as 16-pixel squares, not 4.
+
+    Example:
+        >>> map_width(32, 32), map_width(64, 32), map_width(1024, 1024)
+        (512, 256, 1024)
+    """
+    return round(nk * max(1.0, MAP_PX / max(nq, nk)))
+
+
 def _fragment(data: dict, title: str) -> str:
     prefix = new_prefix()
     nq, nk = data["n"]
@@ -533,9 +545,10 @@ def _fragment(data: dict, title: str) -> str:
         f'<p class="summary" id="{prefix}mk-summary">{escape(data["summary"])}</p>'
         f'<p class="muted">Row = query block, column = key block. {legend}. Click a block to see its cells.</p>'
         f'{f"<ul class=muted>{skips}</ul>" if skips else ""}'
-        f'<div class="mv-main"><canvas class="mk-map" id="{prefix}mk-map" width="{nk}" height="{nq}" '
-        f'style="width:{min(512, max(128, 4 * nk))}px;image-rendering:pixelated;cursor:pointer;border:1px solid #cbd5e1">'
-        f'</canvas><div class="mv-side"><p class="summary" id="{prefix}mk-zoom-title">No block chosen.</p>'
+        f'<div class="mv-main"><div class="mk-map-box"><canvas class="mk-map" id="{prefix}mk-map" width="{nk}" '
+        f'height="{nq}" style="width:{map_width(nq, nk)}px"></canvas>'
+        f'<div class="mk-mark" id="{prefix}mk-mark" hidden></div></div>'
+        f'<div class="mv-side"><p class="summary" id="{prefix}mk-zoom-title">No block chosen.</p>'
         f'<canvas class="mk-zoom" id="{prefix}mk-zoom" width="1" height="1"></canvas>'
         f'<p class="muted" id="{prefix}mk-cell"></p></div></div></section>'
     )
