@@ -104,7 +104,7 @@ def test_the_2048_token_view_is_responsive(page):
       r.querySelectorAll('.mv-tokens .token')[1000].dispatchEvent(new MouseEvent('mouseenter'));
       return [r.dataset.row, r.querySelector('[id$="mv-summary"]').textContent];
     })()""")
-    assert hovered[0] == str(1000 // 8) and hovered[1].startswith("Layer 1, head 3: tokens 1000–1007 looks most at")
+    assert hovered[0] == str(1000 // 8) and hovered[1].startswith("Layer 1, head 3: tokens 1000–1007 look most at")
 
 
 def test_generation_view_shows_the_generated_tokens(page):

@@ -343,7 +343,7 @@ def _zoom_box(data: dict, prefix: str) -> str:
     held = "every head" if kept == total else f"{kept} of {total} heads (zoom_mb={zoom['budget_mb']:g} MiB)"
     return (f'<div class="mv-zoom-box"><h3>Zoom</h3><p class="muted">Click the enlarged head to see that region '
             f"at full resolution: each weight recomputed here as exp(score - the row's log-sum-exp) from fp16 "
-            f"queries and keys ({held}). Hover a cell to read it.</p>"
+            f"queries and keys ({held}), coloured on the overview's scale (0 dark, 1 bright). Hover a cell to read it.</p>"
             f'<canvas class="mv-zoom" id="{prefix}mv-zoom" width="1" height="1"></canvas>'
             f'<p class="summary" id="{prefix}mv-zoom-summary">Nothing zoomed yet.</p></div>')
 
