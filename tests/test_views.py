@@ -150,6 +150,55 @@ def test_control_characters_in_token_text_are_shown_as_their_pictures(make, labe
     assert all(label in texts for label in labels), labels
 
 
+def _trained_data(page: str) -> dict:
+    return json.loads(re.search(r'attnlab-trained" type="application/json">(.*?)</script>', page, re.S).group(1))
+
+
+def test_the_head_view_opens_on_the_head_whose_words_look_at_other_words():
+    # Regression: show(word_attention) opened on layer 0, head 0 from the last unit, [SEP]: faint lines
+    # of a head parked on the special tokens, whatever the model's heads did.
+    words = ["[CLS]", "the", "chef", "made", "it", "[SEP]"]
+    w = torch.zeros(2, 3, 6, 6)
+    w[0, 0, :, 5] = 1.0  # parks on [SEP]
+    w[0, 1] = torch.eye(6)  # each word on itself
+    w[0, 2, :, 0] = 0.6
+    w[0, 2, torch.arange(6), (torch.arange(6) + 1) % 6] = 0.4  # 0.4 to the next unit
+    w[1, 0, :, 0] = 0.3
+    w[1, 0, :, 2] = 0.7  # every word looks at "chef": the most word-to-word weight
+    w[1, 1] = torch.full((6, 6), 1 / 6)
+    w[1, 2, :, 5] = 1.0
+    view = WordAttention.from_pieces(w, words, [None, 0, 1, 2, 3, None])
+    shares = {}  # plain loops: over the words, their weight on the other words (not specials, not themselves)
+    for layer in range(2):
+        for head in range(3):
+            per_word = [sum(float(w[layer, head, i, j]) for j in range(1, 5) if j != i) for i in range(1, 5)]
+            shares[layer, head] = sum(per_word) / 4
+    best = max(shares, key=shares.get)
+    assert best == (1, 0) and view.informative_head() == best
+    torch.testing.assert_close(view.word_shares(), torch.tensor([[shares[l, h] for h in range(3)] for l in range(2)]))
+    data = _trained_data(show(view)._repr_html_())
+    assert (data["layer"], data["focus"]) == (1, words.index("it"))
+    page = show(view)._repr_html_()
+    assert re.findall(r'class="hv-head" value="(\d)" checked', page) == ["0"]
+    chosen = _trained_data(show(view, layer=0, head=2, row=2)._repr_html_())  # asked for: honoured
+    assert (chosen["layer"], chosen["focus"]) == (0, 2)
+    assert re.findall(r'value="(\d)" checked', show(view, layer=0)._repr_html_()) == ["2"]  # layer 0's best
+    with pytest.raises(ValueError, match="tokens come with the WordAttention"):
+        show(view, words)
+    with pytest.raises(ValueError, match=r"head must be in \[0, 3\) for layer 1, got 3"):
+        show(view, layer=1, head=3)
+
+
+def test_the_model_view_reads_out_the_row_asked_for():
+    page = model_view(_softmax(2, 3, 6, 6), list("abcdef"), layer=1, head=2, row=4)._repr_html_()
+    data = json.loads(re.search(r'attnlab-model" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert (data["layer"], data["head"], data["row"]) == (1, 2, 4)
+    long = model_view(_softmax(1, 1, 600, 600), row=599)._repr_html_()  # 600 tokens in blocks of 3
+    assert '"block":3' in long and '"row":199' in long
+    with pytest.raises(ValueError, match=r"row must be a query position in \[0, 6\), got 6"):
+        model_view(_softmax(1, 1, 6, 6), row=6)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: show([[0.5, 0.5]]), "weights must be a torch.Tensor"),
     (lambda: show(torch.rand(2, 3), ["a"]), "tokens must label"),

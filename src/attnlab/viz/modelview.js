@@ -146,6 +146,7 @@
       if (zoom && zoom.cells) zoom.show(zoom.cells[0], zoom.cells[1]);  // the same region of the new head
     }
     select(state.layer, state.head);
+    if (data.row !== undefined && data.row !== null) focusRow(data.row);  // the row asked for (row=), read out
     if (data.prompt !== undefined) generation(root, byId, data, weight);
   }
 
