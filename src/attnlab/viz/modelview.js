@@ -213,7 +213,7 @@
           for (var d = 0; d < D; d++) s += held.q[qi + d] * held.k[kj + d];
           s *= info.scale;
           if (info.softcap !== null) s = info.softcap * Math.tanh(s / info.softcap);
-          var w = Math.exp(s - lse);
+          var w = Math.min(1, Math.exp(s - lse));  // fp16 q and k can push a near-1 weight past 1
           weights[i * nc + j] = w;
           if (w > max) max = w;
         }
