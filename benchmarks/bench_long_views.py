@@ -4,7 +4,8 @@ Run: ``.venv/bin/python benchmarks/bench_long_views.py [--tokens 12000,32000] [-
 
 For each model and length: a tiny random transformers checkpoint (2 layers x 4 heads, head size 8,
 32768 positions, the suite's word-level tokenizer) saved to a temporary directory, a text of that
-many words, ``lens.record(text)`` (one forward on attnlab, queries and keys kept), then
+many words (:func:`long_text`: sentences of 4 to 12 words drawn by one seeded RNG from the
+tokenizer's 12 words, checked varied by :func:`check_varied`), ``lens.record(text)`` (one forward on attnlab, queries and keys kept), then
 ``model_view(lazy)`` (every head's overview, the zoom data within ``zoom_mb``) saved as a page and
 opened in chromium (tests/_cdp.py): the time to the first painted frame, a click on the enlarged
 head (a zoom recomputed in the page) and a hover over the overview, measured in the page.
@@ -17,6 +18,7 @@ import argparse
 import json
 import random
 import sys
+from collections import Counter
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +32,31 @@ ZOOM = """(() => { const r = document.querySelector('[data-attnlab-model]'), big
   const zoom = performance.now() - t0, t1 = performance.now();
   big.dispatchEvent(new MouseEvent('mousemove', {clientX: box.left + 10, clientY: box.top + box.height * 0.7}));
   return {zoom, hover: performance.now() - t1}; })()"""
+
+
+def long_text(n_words: int, words: list[str], *, seed: int = 0) -> str:
+    """``n_words`` words in sentences of 4 to 12, each word drawn from ``words`` by one RNG.
+
+    One ``random.Random`` for the whole text: seeding a fresh one per word (as this script once did)
+    drew the same word every time, and the figures were measured on "the the the ...".
+    """
+    rng, out = random.Random(seed), []
+    while len(out) < n_words:
+        out += [rng.choice(words) for _ in range(rng.randint(4, 12))]
+    return " ".join(out[:n_words])
+
+
+def check_varied(text: str, words: list[str]) -> None:
+    """Refuse a text that is not varied: every word of ``words`` used, none over twice its fair share,
+    and at least half of the possible word pairs seen (a long text, at least 8 words a word)."""
+    seq = text.split()
+    counts = Counter(seq)
+    pairs = len(set(zip(seq, seq[1:])))
+    fair = len(seq) / len(words)
+    if (set(counts) != set(words) or max(counts.values()) > 2 * fair
+            or (len(seq) >= 8 * len(words) and pairs < len(words) ** 2 // 2)):
+        raise ValueError(f"the benchmark text is not varied: {len(counts)} of {len(words)} words, the commonest "
+                         f"{counts.most_common(1)} of {len(seq)}, {pairs} distinct word pairs")
 
 
 def main() -> None:
@@ -54,7 +81,8 @@ def main() -> None:
         for kind in args.models.split(","):
             lens = open_model(_tiny_models.save_tiny(kind, Path(folder) / kind))
             for n_tokens in map(int, args.tokens.split(",")):
-                text = " ".join(random.Random(n_tokens).choice(_tiny_models.WORDS) for _ in range(n_tokens))
+                text = long_text(n_tokens, _tiny_models.WORDS)
+                check_varied(text, _tiny_models.WORDS)
                 started = time.perf_counter()
                 lazy = lens.record(text)
                 recorded = time.perf_counter()

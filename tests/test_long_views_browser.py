@@ -10,6 +10,8 @@ switching heads re-zooms the same region, a head past the zoom budget says so; a
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -111,6 +113,55 @@ def test_hovering_the_overview_shows_the_focused_blocks_tokens_only(page):
       const big = r.querySelector('canvas.mv-big'), box = big.getBoundingClientRect(), t0 = performance.now();
       big.dispatchEvent(new MouseEvent('mousemove', {clientX: box.left + 5, clientY: box.top + box.height * 0.5 + 1}));
       return {ms: performance.now() - t0, chips: r.querySelectorAll('.mv-tokens .token').length,
-              first: r.querySelector('.mv-tokens .token').textContent, row: r.dataset.row}; })()""")
+              first: r.querySelector('.mv-tokens .token').textContent, row: r.dataset.row,
+              summary: r.querySelector('[id$="mv-summary"]').textContent}; })()""")
     assert result["row"] == "128" and result["first"] == "t4096" and 32 <= result["chips"] <= 64
+    # Regression: "tokens 4096–4127 looks most at": a range of tokens look, one token looks
+    assert ": tokens 4096\u20134127 look most at tokens " in result["summary"], result["summary"]
     assert result["ms"] <= 1000
+
+
+@pytest.fixture(scope="module")
+def flat_and_sharp(tmp_path_factory):
+    """4096 tokens, one layer: head 0 spread evenly (q = 0: every weight 1/4096), head 1 on the diagonal."""
+    if BROWSER is None:
+        pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
+    gen = torch.Generator().manual_seed(1)
+    k = torch.nn.functional.normalize(torch.randn(2, 4096, 64, generator=gen), dim=-1)  # (H, T, D)
+    q = torch.stack([torch.zeros(4096, 64), 400 * k[1]])  # head 1: a score of 50 on itself, under 25 elsewhere
+    lazy = LazyWeights.from_qk(q, k, tokens=[f"w{i}" for i in range(4096)])
+    path = model_view(lazy).save(tmp_path_factory.mktemp("flat") / "flat.html")
+    browser = Browser(BROWSER, timeout=60.0)
+    try:
+        open_page(browser, path)
+        yield browser, lazy
+    finally:
+        browser.close()
+
+
+ZOOMED_PIXELS = """(() => { const c = document.querySelector('canvas.mv-zoom');
+  const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, out = [];
+  for (let i = 0; i < px.length; i += 4) out.push(px[i] + px[i + 1] + px[i + 2]);
+  return out; })()"""
+
+
+def test_a_zoom_colours_weights_on_one_absolute_scale_and_reads_small_ones(flat_and_sharp):
+    # Regression: each zoom was coloured relative to its own largest weight, so a head spreading 1/4096
+    # on every key was painted bright yellow, captioned "largest weight here, 0.0000".
+    browser, lazy = flat_and_sharp
+    flat = _click(browser, 0.5, 0.5)
+    (r0, r1), (c0, c1) = flat["zoom"]["rows"], flat["zoom"]["cols"]
+    largest = float(lazy.tile(0, 0, rows=(r0, r1), cols=(c0, c1)).max())
+    assert largest == pytest.approx(1 / 4096, rel=1e-3)
+    brightness = browser.evaluate(ZOOMED_PIXELS)
+    assert len(brightness) == (r1 - r0) * (c1 - c0) and max(brightness) < 250  # viridis near 0, not yellow (521)
+    shown = re.search(r"Largest weight here: ([0-9.e+-]+)\.", flat["summary"])
+    assert shown and float(shown.group(1)) == pytest.approx(largest, rel=5e-3) and "0.0000" not in flat["summary"]
+    browser.evaluate("document.querySelector('canvas.mv-thumb[data-layer=\"0\"][data-head=\"1\"]')"
+                     ".dispatchEvent(new MouseEvent('click'))")  # the same region of the sharp head
+    sharp = np.array(browser.evaluate(ZOOMED_PIXELS)).reshape(r1 - r0, c1 - c0)
+    itself = np.arange(r0, r1)[:, None] == np.arange(c0, c1)[None, :]  # query i on key i
+    assert itself.sum() >= 32 and (sharp[itself] > 450).all()  # weights near 1: bright
+    assert (sharp[~itself] < 250).all()  # weights near 0: dark, as in the flat head
+    largest = browser.evaluate("Math.max(...document.querySelector('[data-attnlab-model]').attnlabZoom.weights)")
+    assert 0.99 <= largest <= 1.0  # fp16 q and k put it at 1.01 once: a weight is never past 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import attnlab
 from attnlab import masks, scores
 from attnlab.cli import app
 from attnlab.viz import maskview
-from attnlab.viz.page import to_json
+from attnlab.viz.page import asset, to_json
 
 
 def _dense_patterns(tq: int, tk: int) -> dict:
@@ -275,3 +276,38 @@ def test_explain_mask_refuses_bad_specs_on_one_line(tmp_path, args, message):
     text = result.output.strip()
     assert result.exit_code == 2 and text.startswith("error:") and message in text and "\n" not in text
     assert not out.exists()
+
+
+def test_a_mask_mod_too_large_to_evaluate_is_refused_before_any_work():
+    # Regression: show(fn, size=(100000, 100000)) evaluated 10^10 cells of a plain function, band by
+    # band, for minutes with no progress and no bound.
+    calls = []
+
+    def fn(b, h, q_idx, kv_idx):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("the view evaluated the mod instead of refusing the size")
+        return q_idx >= kv_idx
+
+    limit = f"at most {maskview.MAX_EVALUATED:,}"
+    for make in (lambda: attnlab.show(fn, size=(100000, 100000)),
+                 lambda: attnlab.show(fn, masks.causal_mod(100000, 100000), size=(100000, 100000))):
+        with pytest.raises(ValueError, match=rf"^size \(100000, 100000\): .*{limit}"):
+            make()
+    assert not calls
+    # what the limit counts is the cells the mod's bounds let a band reach: an OR of attnlab mods at
+    # 8192 (test_a_long_mask_builds_in_o_t_times_block_memory) reaches half of them and is drawn
+    src = maskview._source(masks.causal_mod(1, 1) | masks.sliding_window_mod(1, 1, 64), size=(8192, 8192),
+                           batch=0, head=0)
+    assert maskview._evaluated_cells(src, 128) == sum(128 * min(8192, (i + 1) * 128) for i in range(64))
+
+
+def test_the_legend_swatches_have_a_size_and_the_map_a_readable_width():
+    # Regression: .mk-key had no CSS rule, so every swatch was 0 px wide; a 4096-token map was 128 px.
+    css = re.search(r"\.attnlab \.mk-key \{([^}]*)\}", asset("report.css"))
+    assert css and re.search(r"width: *1[0-9]px", css.group(1)) and "inline-block" in css.group(1)
+    page = maskview.mask_view(masks.causal_mod(4096, 4096), size=(4096, 4096))._repr_html_()
+    assert page.count('class="mk-key"') == 3 and 'class="mk-mark"' in page
+    width = int(re.search(r'class="mk-map"[^>]*style="width:(\d+)px"', page).group(1))
+    assert width == 512 and width % 32 == 0  # 32 blocks of 16 px
+    assert maskview.map_width(782, 782) == 782 and maskview.map_width(16, 32) == 512  # a pixel a block at least

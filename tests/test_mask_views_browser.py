@@ -29,7 +29,8 @@ def page(tmp_path_factory):
     views = [maskview.mask_view(masks.causal_mod(T, T), size=(T, T)),
              maskview.mask_view(DENSE, block=32),
              maskview.mask_diff_view(masks.causal_mod(96, 96), DENSE, block=32),
-             maskview.score_mod_view(scores.softcap(2.0))]
+             maskview.score_mod_view(scores.softcap(2.0)),
+             maskview.mask_view(masks.causal_mod(4096, 4096), size=(4096, 4096))]
     path = tmp_path_factory.mktemp("masks") / "masks.html"
     path.write_text(document("masks", "".join(v._repr_html_() for v in views)), encoding="utf-8")
     browser = Browser(BROWSER, timeout=30.0)
@@ -45,7 +46,7 @@ def test_the_mask_views_load_offline_without_errors(page):
     assert page_errors(browser.events) == []
     assert requested_urls(browser.events) == [path.as_uri()]
     ready = browser.evaluate("[...document.querySelectorAll('[data-attnlab-mask]')].map(r => r.dataset.maskReady)")
-    assert ready == ["1", "1", "1"]
+    assert ready == ["1", "1", "1", "1"]
     assert browser.evaluate("document.querySelectorAll('[data-attnlab-scoremod] table').length") == 6
 
 
@@ -97,3 +98,30 @@ def test_a_diff_zoom_names_each_cells_side(page):
     want = ["in both" if x and y else "only in a" if x else "only in b" if y else "in neither"
             for x, y in zip(a.flatten().tolist(), b.flatten().tolist())]
     assert browser.evaluate(_cells(2, 64, 32, 32)) == want
+
+
+def test_the_legend_has_colours_the_map_is_readable_and_the_chosen_block_is_marked(page):
+    # Regression: .mk-key had no CSS rule (0 px swatches: the legend read "full partial empty" as plain
+    # words), a 4096-token map was 128 px wide, and nothing showed which block the zoom was of.
+    browser, _ = page
+    keys = browser.evaluate("""[...document.querySelectorAll('[data-attnlab-mask]')].slice(2, 4).map(r =>
+      [...r.querySelectorAll('.mk-key')].map(k => [k.getBoundingClientRect().width, getComputedStyle(k).backgroundColor]))""")
+    assert [len(legend) for legend in keys] == [5, 3]  # the diff's five sides, a mask's full / partial / empty
+    for legend in keys:
+        assert all(width >= 8 for width, _ in legend)
+        assert len({colour for _, colour in legend}) == len(legend)
+    width = browser.evaluate("document.querySelectorAll('[data-attnlab-mask]')[3]"
+                             ".querySelector('canvas.mk-map').getBoundingClientRect().width")
+    assert width >= 400  # 32 blocks a side
+    assert browser.evaluate("document.querySelectorAll('[data-attnlab-mask]')[3].querySelector('.mk-mark').hidden")
+    assert browser.evaluate(_click(3, 20, 7))["block"] == "20,7"
+    mark, block = browser.evaluate("""(() => {
+      const r = document.querySelectorAll('[data-attnlab-mask]')[3], map = r.querySelector('canvas.mk-map');
+      const m = r.querySelector('.mk-mark'), b = map.getBoundingClientRect(), box = m.getBoundingClientRect();
+      const w = b.width / map.width, h = b.height / map.height;
+      return [m.hidden ? null : [box.left, box.top, box.right, box.bottom],
+              [b.left + 7 * w, b.top + 20 * h, b.left + 8 * w, b.top + 21 * h]];
+    })()""")
+    assert mark is not None
+    assert mark[0] <= block[0] and mark[1] <= block[1] and mark[2] >= block[2] and mark[3] >= block[3]  # around it
+    assert mark[2] - mark[0] <= block[2] - block[0] + 8  # and no bigger than the block and its border

@@ -107,6 +107,31 @@ def test_notebook_runs(path, tmp_path):
     assert f"step {SHORT_STEPS} / {SHORT_STEPS}" in progress[0] and "<svg" in progress[0]
     assert any(re.match(rf"{SHORT_STEPS} steps in [\d.]+ s, held-out accuracy [\d.]+ %", text) for text in texts)
     assert any(text.startswith("Held-out accuracy") for text in texts), "the analysis' summary"
+    _check_the_ablation_summary(texts)
+
+
+def _check_the_ablation_summary(texts: list[str]) -> None:
+    """The summary's ablation figures are the printed table's (the accuracy LEFT after ablating a head),
+    set beside the full model's accuracy, and every head it names is said what it does."""
+    # Regression: "Heads whose ablation costs more than 5 points: L0H0 (6.7 %), L0H1 (4.0 %)" gave the
+    # accuracy left as if it were the cost, and never said what L0H1 does.
+    summary = next(text for text in texts if text.startswith("Held-out accuracy"))
+    table = next(text for text in texts if "ablation_accuracy:" in text)
+    row = re.search(r"ablation_accuracy: (.*)", table).group(1)
+    left = {(int(layer), h): float(v) for layer, values in re.findall(r"layer (\d+) ([\d. ]+)", row)
+            for h, v in enumerate(values.split())}
+    accuracy = float(re.match(r"Held-out accuracy ([\d.]+) %", summary).group(1))
+    named = re.findall(r"without L(\d)H(\d) it is ([\d.]+) % \(L\1H\2 is ([^)]*)\)", summary)
+    costly = {key for key, value in left.items() if accuracy - 100 * value > 5 + 0.5}  # the table has 2 decimals
+    assert {(int(l), int(h)) for l, h, _, _ in named} >= costly, summary
+    for layer, head, figure, role in named:
+        assert abs(float(figure) / 100 - left[int(layer), int(head)]) <= 0.0051, (figure, left)
+        assert role.startswith(("an induction head", "a previous-token head", "a current-token head", "none of")), role
+    if named:
+        assert f"against the full model's {accuracy:.1f} %" in summary
+    else:
+        assert f"No single head's ablation costs more than 5 points of the full model's {accuracy:.1f} %" in summary
+    assert "costs more than 5 points:" not in summary
 
 
 def _accuracy(texts: list[str]) -> float:
@@ -127,9 +152,10 @@ def test_the_real_model_notebook_forms_the_induction_head_by_default(tmp_path):
     assert _accuracy(texts) >= 90.0
     summary = next(text for text in texts if text.startswith("Held-out accuracy"))
     assert re.search(r"Layer 0 head \d is a previous-token head", summary), summary
-    induction = re.search(r"Layer 1 head 0 is an induction head \(induction score [\d.]+; ablated: ([\d.]+) %\)",
-                          summary)
+    induction = re.search(r"Layer 1 head 0 is an induction head \(induction score [\d.]+; accuracy left without it: "
+                          r"([\d.]+) %\)", summary)
     assert induction and float(induction.group(1)) < 30.0, summary
+    _check_the_ablation_summary(texts)
 
 
 def test_the_kernel_is_this_python_with_the_attnlab_under_test(tmp_path):

@@ -8,6 +8,7 @@ carries decode to the weights given, and that bad input is refused naming the ar
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 
@@ -125,6 +126,77 @@ def test_token_text_cannot_end_or_hide_the_script_payload(make):
         assert not re.search("[<>&\u2028\u2029]", payload)  # nothing the HTML parser could read as markup
     texts = json.dumps([json.loads(payload) for payload in payloads], ensure_ascii=False)
     assert all(json.dumps(token, ensure_ascii=False)[1:-1] in texts for token in HOSTILE)  # read back unchanged
+
+
+CONTROL = ["nul\x00", "esc\x1b", "del\x7f", "plain"]
+PICTURED = ["nul\u2400", "esc\u241b", "del\u2421"]
+RAW_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@pytest.mark.parametrize("make, labels", [
+    (lambda: show(_softmax(4, 4), CONTROL), PICTURED), (lambda: show(_softmax(2, 2, 4, 4), CONTROL), PICTURED),
+    (lambda: show(WordAttention.from_pieces(_softmax(2, 2, 6, 6), ["[CLS]", *CONTROL, "[SEP]"],
+                                            [None, 0, 1, 2, 3, None])), PICTURED),
+    (lambda: show(torch.ones(4, 4, dtype=torch.bool), title="mask\x00title"), ["mask\u2400title"]),
+], ids=["walk", "model", "trained", "mask-title"])
+def test_control_characters_in_token_text_are_shown_as_their_pictures(make, labels):
+    # Regression: a NUL token went raw into the HTML (a parse error: the browser drops it) and into the
+    # JSON payload as \u0000, which the script wrote into the page as an invisible character.
+    page = make()._repr_html_()
+    assert not RAW_CONTROL.search(page)
+    assert not re.search(r"\\u00(0[0-8bcef]|1[0-9a-f])|\\u007f|\\[bf]", page)  # nor escaped in the JSON
+    payloads = re.findall(r'<script id="[^"]*" type="application/json">(.*?)</script>', page, re.S)
+    texts = html.unescape(page) + json.dumps([json.loads(p) for p in payloads], ensure_ascii=False)
+    assert all(label in texts for label in labels), labels
+
+
+def _trained_data(page: str) -> dict:
+    return json.loads(re.search(r'attnlab-trained" type="application/json">(.*?)</script>', page, re.S).group(1))
+
+
+def test_the_head_view_opens_on_the_head_whose_words_look_at_other_words():
+    # Regression: show(word_attention) opened on layer 0, head 0 from the last unit, [SEP]: faint lines
+    # of a head parked on the special tokens, whatever the model's heads did.
+    words = ["[CLS]", "the", "chef", "made", "it", "[SEP]"]
+    w = torch.zeros(2, 3, 6, 6)
+    w[0, 0, :, 5] = 1.0  # parks on [SEP]
+    w[0, 1] = torch.eye(6)  # each word on itself
+    w[0, 2, :, 0] = 0.6
+    w[0, 2, torch.arange(6), (torch.arange(6) + 1) % 6] = 0.4  # 0.4 to the next unit
+    w[1, 0, :, 0] = 0.3
+    w[1, 0, :, 2] = 0.7  # every word looks at "chef": the most word-to-word weight
+    w[1, 1] = torch.full((6, 6), 1 / 6)
+    w[1, 2, :, 5] = 1.0
+    view = WordAttention.from_pieces(w, words, [None, 0, 1, 2, 3, None])
+    shares = {}  # plain loops: over the words, their weight on the other words (not specials, not themselves)
+    for layer in range(2):
+        for head in range(3):
+            per_word = [sum(float(w[layer, head, i, j]) for j in range(1, 5) if j != i) for i in range(1, 5)]
+            shares[layer, head] = sum(per_word) / 4
+    best = max(shares, key=shares.get)
+    assert best == (1, 0) and view.informative_head() == best
+    torch.testing.assert_close(view.word_shares(), torch.tensor([[shares[l, h] for h in range(3)] for l in range(2)]))
+    data = _trained_data(show(view)._repr_html_())
+    assert (data["layer"], data["focus"]) == (1, words.index("it"))
+    page = show(view)._repr_html_()
+    assert re.findall(r'class="hv-head" value="(\d)" checked', page) == ["0"]
+    chosen = _trained_data(show(view, layer=0, head=2, row=2)._repr_html_())  # asked for: honoured
+    assert (chosen["layer"], chosen["focus"]) == (0, 2)
+    assert re.findall(r'value="(\d)" checked', show(view, layer=0)._repr_html_()) == ["2"]  # layer 0's best
+    with pytest.raises(ValueError, match="tokens come with the WordAttention"):
+        show(view, words)
+    with pytest.raises(ValueError, match=r"head must be in \[0, 3\) for layer 1, got 3"):
+        show(view, layer=1, head=3)
+
+
+def test_the_model_view_reads_out_the_row_asked_for():
+    page = model_view(_softmax(2, 3, 6, 6), list("abcdef"), layer=1, head=2, row=4)._repr_html_()
+    data = json.loads(re.search(r'attnlab-model" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert (data["layer"], data["head"], data["row"]) == (1, 2, 4)
+    long = model_view(_softmax(1, 1, 600, 600), row=599)._repr_html_()  # 600 tokens in blocks of 3
+    assert '"block":3' in long and '"row":199' in long
+    with pytest.raises(ValueError, match=r"row must be a query position in \[0, 6\), got 6"):
+        model_view(_softmax(1, 1, 6, 6), row=6)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -104,7 +104,7 @@ def test_the_2048_token_view_is_responsive(page):
       r.querySelectorAll('.mv-tokens .token')[1000].dispatchEvent(new MouseEvent('mouseenter'));
       return [r.dataset.row, r.querySelector('[id$="mv-summary"]').textContent];
     })()""")
-    assert hovered[0] == str(1000 // 8) and hovered[1].startswith("Layer 1, head 3: tokens 1000–1007 looks most at")
+    assert hovered[0] == str(1000 // 8) and hovered[1].startswith("Layer 1, head 3: tokens 1000–1007 look most at")
 
 
 def test_generation_view_shows_the_generated_tokens(page):
@@ -118,3 +118,22 @@ def test_generation_view_shows_the_generated_tokens(page):
     })()""")
     assert result["generated"] == ["w7", "w8", "w9"] and result["chosen"] == "9" and result["strips"] == 2
     assert result["summary"].startswith("Producing \u2018w9\u2019 (after \u2018w8\u2019)")
+
+
+def test_a_model_view_asked_for_a_row_opens_reading_it_out(tmp_path):
+    # The README's picture: layer 3, head 1 enlarged with the row of "it" read out ("looks most at
+    # 'meal'"): row= opens the page that way, a single token "looks".
+    if BROWSER is None:
+        pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
+    import torch
+
+    from attnlab.viz.views import model_view
+
+    w = torch.full((1, 2, 4, 4), 0.25)
+    w[0, 1] = torch.tensor([0.3, 0.0, 0.7, 0.0])  # head 1: every word on "meal"
+    path = model_view(w, ["the", "chef", "meal", "it"], head=1, row=3).save(tmp_path / "row.html")
+    with Browser(BROWSER, timeout=30.0) as browser:
+        open_page(browser, path)
+        assert page_errors(browser.events) == []
+        text = browser.evaluate("document.querySelector('[id$=\"mv-summary\"]').textContent")
+    assert text.startswith("Layer 0, head 1: \u2018it\u2019 looks most at \u2018meal\u2019 (0.7), \u2018the\u2019 (0.3)"), text

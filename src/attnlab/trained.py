@@ -315,6 +315,37 @@ class WordAttention:
         """
         return sink_shares(self.weights)
 
+    def word_shares(self) -> Tensor:
+        """Each head's mean weight from a word to *other* words: ``(L, H)``, NaN for missing heads.
+
+        Averaged over the sentence's words (special tokens are no query), the weight each puts on
+        the other words, neither itself nor a special token: a head that parks on [CLS] or [SEP], or
+        that each word spends on itself, scores near 0; one that links words scores near 1. A sentence
+        with a single word counts every other unit, specials too.
+
+        Example:
+            >>> w = torch.tensor([[[[.1, .8, .1], [.1, .1, .8], [.8, .1, .1]],     # head 0: to the next unit
+            ...                    [[.1, .1, .8], [.1, .1, .8], [.1, .1, .8]]]])   # head 1: to [SEP]
+            >>> WordAttention.from_pieces(w, ["a", "b", "[SEP]"], [0, 1, None]).word_shares()
+            tensor([[0.4500, 0.1000]])
+        """
+        special = torch.tensor(self.special, dtype=torch.bool)
+        words = ~special if not bool(special.all()) else torch.ones_like(special)
+        keys = words if int(words.sum()) > 1 else torch.ones_like(special)
+        others = keys[None, :] & ~torch.eye(len(self.words), dtype=torch.bool)  # (W, W): another word
+        return (self.weights * others).sum(-1)[..., words].mean(-1)  # (L, H, W) -> (L, H)
+
+    def informative_head(self) -> tuple[int, int]:
+        """``(layer, head)`` with the largest :meth:`word_shares`: the head a view opens on by default.
+
+        Example:
+            >>> w = torch.tensor([[[[.1, .8, .1], [.1, .1, .8], [.8, .1, .1]],
+            ...                    [[.1, .1, .8], [.1, .1, .8], [.1, .1, .8]]]])
+            >>> WordAttention.from_pieces(w, ["a", "b", "[SEP]"], [0, 1, None]).informative_head()
+            (0, 0)
+        """
+        return best_head(self.word_shares())
+
     def _candidates(self, query: int, hide_special: bool) -> list[int]:
         return [j for j in range(len(self.words)) if not (hide_special and self.special[j])]
 

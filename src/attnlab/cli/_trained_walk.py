@@ -264,6 +264,6 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
         section = TrainedSection(display_name(model), view, focus=query, layer=layer, heads=heads,
                                  hide_special=hide_special, sinks=sinks)
         written.append(write_report(None, out / "report.html", trained=section))
-        written.append(model_view(view.weights, view.words, layer=layer, head=heads[0],
+        written.append(model_view(view.weights, view.words, layer=layer, head=heads[0], row=query,
                                   title=f"{display_name(model)}: every layer and head").save(out / "model.html"))
     return written

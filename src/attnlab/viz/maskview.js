@@ -106,6 +106,16 @@
       return x && y ? DIFF.same : x ? DIFF.a : y ? DIFF.b : DIFF.none;
     }
 
+    // The chosen block outlined on the map (a block may be one pixel: the marker is at least 8 px, centred on it).
+    function mark(bi, bj) {
+      var marker = byId("mk-mark"), w = map.clientWidth / nk, h = map.clientHeight / nq;
+      var mw = Math.max(8, w), mh = Math.max(8, h);
+      marker.style.left = (bj * w + w / 2 - mw / 2 - 2) + "px";
+      marker.style.top = (bi * h + h / 2 - mh / 2 - 2) + "px";
+      marker.style.width = (mw + 4) + "px"; marker.style.height = (mh + 4) + "px";
+      marker.hidden = false;
+    }
+
     function choose(bi, bj) {
       var qs = bi * block, ks = bj * block;
       var rows = Math.min(block, data.size[0] - qs), cols = Math.min(block, data.size[1] - ks);
@@ -138,6 +148,7 @@
       }
       zoomTitle.textContent = "Queries " + qs + "\u2013" + (qs + rows - 1) + ", keys " + ks + "\u2013" + (ks + cols - 1) +
         ": " + count + " of " + rows * cols + " cells allowed" + (b ? " in a" : "") + ". Hover a cell.";
+      mark(bi, bj);
       root.dataset.block = bi + "," + bj;
       root.dataset.zoomAllowed = String(count);
     }

@@ -14,7 +14,7 @@ intervals alone (a tile is evaluated only where its segments, e.g. documents, ar
 the page carries the intervals, from which the zoom computes any cell. Any other mask (a
 tensor, an OR, a function of the user's) carries a bit tile per PARTIAL block, in block order,
 up to ``budget`` bytes; full and empty blocks need none. The map is a canvas of one pixel per
-block.
+block, shown :data:`MAP_PX` CSS pixels on its longer side; the clicked block is outlined.
 
 Example:
     >>> from attnlab import masks
@@ -40,12 +40,15 @@ from attnlab.backends.blocks import block_spans
 from attnlab.viz.page import View, asset, escape, fragment, new_prefix, to_json, viridis
 
 __all__ = ["mask_view", "map_view", "mask_diff_view", "score_mod_view", "show", "shows", "parse_mask",
-           "BlockMap", "block_map", "score_mod_values", "DEFAULT_BLOCK", "TILE_BUDGET", "EMPTY", "PARTIAL", "FULL"]
+           "BlockMap", "block_map", "map_width", "score_mod_values", "DEFAULT_BLOCK", "TILE_BUDGET", "MAX_EVALUATED", "EMPTY",
+           "PARTIAL", "FULL"]
 
 DEFAULT_BLOCK = 128  # FlexAttention's block (attnlab.backends.flex) and blocks' middle size
 TILE_BUDGET = 1 << 20  # bytes of partial blocks' bit tiles one mask may put in a page
 MAX_BLOCKS = 1024  # blocks per axis the map draws (a canvas pixel each)
 MAX_SCORE_SIZE = 64  # queries and keys a score mod view shows, every cell a number
+MAP_PX = 512  # CSS pixels of the block map's longer side (more when it has more blocks: one pixel each)
+MAX_EVALUATED = 8192 * 8192  # cells of a mask mod evaluated one by one (not intervals): a few seconds on 2 cores
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
@@ -258,7 +261,33 @@ def block_map(mask, *, size=None, block: int = DEFAULT_BLOCK, batch: int = 0, he
     return _build(src, _check_block(block, src.tq, src.tk), budget)
 
 
+def _evaluated_cells(src: _Source, block: int) -> int:
+    """Cells a mask without interval rows evaluates: per band of ``block`` queries, the key blocks its span reaches."""
+    cells = 0
+    for qs in range(0, src.tq, block):
+        qe = min(qs + block, src.tq)
+        lo, hi = src.span(qs, qe)
+        cells += (qe - qs) * max(0, min(src.tk, -(-hi // block) * block) - lo // block * block)
+    return cells
+
+
+def _check_work(src: _Source, block: int) -> None:
+    """A mask mod evaluated cell by cell is refused at once past :data:`MAX_EVALUATED` cells (it
+    would run for minutes); a bool tensor is only read, and an interval mask's blocks cost O(T) each."""
+    if src.rows is not None or src.mod is None:
+        return
+    cells = _evaluated_cells(src, block)
+    if cells > MAX_EVALUATED:
+        raise ValueError(
+            f"size {(src.tq, src.tk)}: the mask mod {src.label} is not one key interval per query, so each of its "
+            f"{cells:,} reachable cells would be evaluated; a view evaluates at most {MAX_EVALUATED:,} "
+            f"({math.isqrt(MAX_EVALUATED)} x {math.isqrt(MAX_EVALUATED)}). Give a smaller size, or a mask of one "
+            "key interval per query (attnlab.masks' causal_mod, sliding_window_mod, document_mod, ... and their "
+            "&), whose blocks follow from its intervals at any size")
+
+
 def _build(src: _Source, block: int, budget: int) -> BlockMap:
+    _check_work(src, block)
     nq, nk = -(-src.tq // block), -(-src.tk // block)
     states = torch.zeros(nq, nk, dtype=torch.uint8)
     result = BlockMap(src, block, states, 0)
@@ -286,9 +315,8 @@ def _tile_segments(k_segment: Tensor, block: int, nk: int) -> tuple[Tensor, Tens
 def _interval_band(src, result, i, qs, qe, ks, ke, k_seg) -> None:
     """One band of a mask with interval rows: states from the intervals, tiles only where segments mix."""
     lo, hi, qseg, _ = (t[qs:qe] if n < 3 else t for n, t in enumerate(src.rows))
-    live = (hi >= lo)[:, None]
-    reach = (live & (lo[:, None] <= ke - 1) & (hi[:, None] >= ks)).any(dim=0)  # (nk,)
-    cover = ((lo[:, None] <= ks) & (hi[:, None] >= ke - 1)).all(dim=0)
+    reach = _reached_blocks(lo, hi, result.block, ks.numel(), src.tk)  # (nk,)
+    cover = (lo.max() <= ks) & (hi.min() >= ke - 1)  # every row's interval holds the whole key block
     s_lo, s_hi = qseg.min(), qseg.max()
     k_lo, k_hi = k_seg
     same = (s_lo == s_hi) & (k_lo == k_hi) & (k_lo == s_lo)  # every cell of the tile is in one segment
@@ -299,6 +327,17 @@ def _interval_band(src, result, i, qs, qe, ks, ke, k_seg) -> None:
         tile = src.band(qs, qe, int(ks[j]), int(ke[j]))
         states[j] = FULL if bool(tile.all()) else PARTIAL if bool(tile.any()) else EMPTY
     result.states[i] = states
+
+
+def _reached_blocks(lo: Tensor, hi: Tensor, block: int, nk: int, tk: int) -> Tensor:
+    """Key blocks some row's interval ``[lo, hi]`` touches, ``(nk,)`` bool, in O(rows + nk): each
+    live row marks its first and one-past-last block, and a running sum fills the blocks between."""
+    live = (hi >= lo) & (hi >= 0) & (lo < tk)
+    first, last = lo[live].clamp(min=0) // block, hi[live].clamp(max=tk - 1) // block
+    marks = torch.zeros(nk + 1, dtype=torch.int64)
+    marks.index_add_(0, first, torch.ones_like(first))
+    marks.index_add_(0, last + 1, -torch.ones_like(last))
+    return marks.cumsum(0)[:nk] > 0
 
 
 def _interval_count(lo: Tensor, hi: Tensor, qseg: Tensor, kseg: Tensor) -> int:
@@ -476,6 +515,17 @@ def mask_diff_view(mask_a, mask_b, *, size=None, block: int = DEFAULT_BLOCK, bat
     return View(lambda: _fragment(data, title), title=title)
 
 
+def map_width(nq: int, nk: int) -> int:
+    """CSS width of a block map of ``nq x nk`` blocks: its longer side :data:`MAP_PX` pixels (a block
+    at least one), every block the same size, so 32 blocks draw as 16-pixel squares, not 4.
+
+    Example:
+        >>> map_width(32, 32), map_width(64, 32), map_width(1024, 1024)
+        (512, 256, 1024)
+    """
+    return round(nk * max(1.0, MAP_PX / max(nq, nk)))
+
+
 def _fragment(data: dict, title: str) -> str:
     prefix = new_prefix()
     nq, nk = data["n"]
@@ -495,9 +545,10 @@ def _fragment(data: dict, title: str) -> str:
         f'<p class="summary" id="{prefix}mk-summary">{escape(data["summary"])}</p>'
         f'<p class="muted">Row = query block, column = key block. {legend}. Click a block to see its cells.</p>'
         f'{f"<ul class=muted>{skips}</ul>" if skips else ""}'
-        f'<div class="mv-main"><canvas class="mk-map" id="{prefix}mk-map" width="{nk}" height="{nq}" '
-        f'style="width:{min(512, max(128, 4 * nk))}px;image-rendering:pixelated;cursor:pointer;border:1px solid #cbd5e1">'
-        f'</canvas><div class="mv-side"><p class="summary" id="{prefix}mk-zoom-title">No block chosen.</p>'
+        f'<div class="mv-main"><div class="mk-map-box"><canvas class="mk-map" id="{prefix}mk-map" width="{nk}" '
+        f'height="{nq}" style="width:{map_width(nq, nk)}px"></canvas>'
+        f'<div class="mk-mark" id="{prefix}mk-mark" hidden></div></div>'
+        f'<div class="mv-side"><p class="summary" id="{prefix}mk-zoom-title">No block chosen.</p>'
         f'<canvas class="mk-zoom" id="{prefix}mk-zoom" width="1" height="1"></canvas>'
         f'<p class="muted" id="{prefix}mk-cell"></p></div></div></section>'
     )

@@ -29,6 +29,13 @@
     return out;
   }
 
+  // A weight as a learner should read it: 3 significant digits, scientific below 0.001, so that a
+  // small weight reads 2.40e-5, never 0.0000.
+  function number(w) {
+    if (w === 0 || !isFinite(w)) return String(w);
+    return Math.abs(w) >= 1e-3 ? String(Number(w.toPrecision(3))) : w.toExponential(2);
+  }
+
   function decode(text) {
     var bytes = atob(text), n = bytes.length >> 1, out = new Float32Array(n);
     for (var i = 0; i < n; i++) out[i] = (bytes.charCodeAt(2 * i) | (bytes.charCodeAt(2 * i + 1) << 8)) / 65535;
@@ -82,7 +89,13 @@
     layerSelect.addEventListener("change", function () { select(Number(layerSelect.value), state.head); });
     headSelect.addEventListener("change", function () { select(state.layer, Number(headSelect.value)); });
 
-    function label(r) { return data.block === 1 ? "\u2018" + data.tokens[r] + "\u2019" : "tokens " + data.rows[r]; }
+    // Row or column r of the overview: a token, or a block of tokens (a range, or one token at the end).
+    function label(r) {
+      if (data.block === 1) return "\u2018" + data.tokens[r] + "\u2019";
+      var first = r * data.block, last = Math.min(first + data.block, data.tokens.length) - 1;
+      return first === last ? "token " + first + " \u2018" + data.tokens[first] + "\u2019" : "tokens " + data.rows[r];
+    }
+    function looks(r) { return label(r) + (data.block === 1 || r * data.block === data.tokens.length - 1 ? " looks" : " look"); }
 
     function focusRow(r) {
       state.row = r;
@@ -90,8 +103,8 @@
       for (var j = 0; j < n; j++) keys.push(j);
       function w(j) { return weight(state.layer, state.head, r, j); }
       keys.sort(function (a, b) { return w(b) - w(a) || a - b; });
-      summary.textContent = "Layer " + state.layer + ", head " + state.head + ": " + label(r) + " looks most at " +
-        keys.slice(0, 3).map(function (j) { return label(j) + " (" + w(j).toFixed(4) + ")"; }).join(", ") + ".";
+      summary.textContent = "Layer " + state.layer + ", head " + state.head + ": " + looks(r) + " most at " +
+        keys.slice(0, 3).map(function (j) { return label(j) + " (" + number(w(j)) + ")"; }).join(", ") + ".";
       var max = w(keys[0]) || 1;
       if (long) {  // the focused block's tokens, then the block it looks at most
         tokenBox.textContent = "";
@@ -133,6 +146,7 @@
       if (zoom && zoom.cells) zoom.show(zoom.cells[0], zoom.cells[1]);  // the same region of the new head
     }
     select(state.layer, state.head);
+    if (data.row !== undefined && data.row !== null) focusRow(data.row);  // the row asked for (row=), read out
     if (data.prompt !== undefined) generation(root, byId, data, weight);
   }
 
@@ -199,20 +213,18 @@
           for (var d = 0; d < D; d++) s += held.q[qi + d] * held.k[kj + d];
           s *= info.scale;
           if (info.softcap !== null) s = info.softcap * Math.tanh(s / info.softcap);
-          var w = Math.exp(s - lse);
+          var w = Math.min(1, Math.exp(s - lse));  // fp16 q and k can push a near-1 weight past 1
           weights[i * nc + j] = w;
           if (w > max) max = w;
         }
       }
       canvas.width = nc; canvas.height = nr;
-      var scaled = new Float32Array(nr * nc);
-      for (var c = 0; c < nr * nc; c++) scaled[c] = max > 0 ? weights[c] / max : 0;
-      paint(canvas, scaled, 0, nr, nc);
+      paint(canvas, weights, 0, nr, nc);  // the weights themselves, on the overview's scale: 0 dark, 1 bright
       region = { layer: layer, head: h, rows: rows, cols: cols, weights: weights };
       root.attnlabZoom = region;
       summary.textContent = "Layer " + layer + ", head " + h + ": queries " + rows[0] + "\u2013" + (rows[1] - 1) +
-        " x keys " + cols[0] + "\u2013" + (cols[1] - 1) + " at full resolution (colour relative to the largest weight here, " +
-        max.toFixed(4) + "). Hover a cell to read it.";
+        " x keys " + cols[0] + "\u2013" + (cols[1] - 1) + " at full resolution; colour: the weight on the overview's square-root scale (0 dark, 1 bright, the same on " +
+        "every zoom). Largest weight here: " + number(max) + ". Hover a cell to read it.";
       root.dataset.zoomMs = (performance.now() - started).toFixed(1);
     }
     canvas.addEventListener("mousemove", function (event) {
@@ -223,7 +235,7 @@
       var qi = region.rows[0] + i, kj = region.cols[0] + j;
       summary.textContent = "Layer " + region.layer + ", head " + region.head + ": query " + qi + " \u2018" +
         data.tokens[qi] + "\u2019 gives key " + kj + " \u2018" + data.tokens[kj] + "\u2019 the weight " +
-        region.weights[i * nc + j].toFixed(5) + ".";
+        number(region.weights[i * nc + j]) + ".";
     });
     return api;
   }
@@ -274,7 +286,7 @@
       var where = block === 1 ? "\u2018" + data.tokens[best.j] + "\u2019" : "tokens " + data.rows[best.j];
       byId("gv-summary").textContent = "Producing \u2018" + data.tokens[position] + "\u2019 (after \u2018" +
         data.tokens[position - 1] + "\u2019): the strongest look is layer " + best.layer + ", head " + best.head +
-        " at " + where + " (" + best.w.toFixed(4) + ").";
+        " at " + where + " (" + number(best.w) + ").";
       root.dataset.generated = String(position);
     }
     chips.forEach(function (chip, i) {

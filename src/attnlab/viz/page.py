@@ -24,11 +24,12 @@ import html
 import itertools
 import json
 import math
+import re
 import secrets
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["View", "asset", "escape", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
+__all__ = ["View", "asset", "escape", "visible", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
 
 _VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
 _SESSION = secrets.token_hex(3)  # views of two kernels pasted into one page still differ
@@ -45,14 +46,32 @@ def asset(name: str) -> str:
     return resources.files("attnlab.viz").joinpath(name).read_text(encoding="utf-8")
 
 
-def escape(text) -> str:
-    """``text`` as HTML text or an attribute value (quotes escaped).
+# Control characters have no glyph: a NUL in a page is a parse error (the browser drops it or shows
+# U+FFFD) and the others are invisible, so a token made of one would vanish. Each is shown as its
+# Unicode control picture (U+2400 + code, DEL as U+2421). Tab, newline and carriage return stay: they
+# are whitespace, the text's own layout.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_PICTURES = {code: 0x2400 + code for code in (*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20))} | {0x7F: 0x2421}
+
+
+def visible(text: str) -> str:
+    """``text`` with each control character but tab, newline and carriage return as its control picture.
 
     Example:
-        >>> escape('<b a="1">')
-        '&lt;b a=&quot;1&quot;&gt;'
+        >>> visible("a\\x00b\\x1b"), visible("line\\nnext")
+        ('a␀b␛', 'line\\nnext')
     """
-    return html.escape(str(text), quote=True)
+    return text.translate(_PICTURES) if _CONTROL.search(text) else text
+
+
+def escape(text) -> str:
+    """``text`` as HTML text or an attribute value (quotes escaped, control characters :func:`visible`).
+
+    Example:
+        >>> escape('<b a="1">'), escape("\\x00")
+        ('&lt;b a=&quot;1&quot;&gt;', '␀')
+    """
+    return html.escape(visible(str(text)), quote=True)
 
 
 # Characters a <script> element's content must not hold raw: "<!--" then "<script" switches the
@@ -65,13 +84,27 @@ def to_json(data) -> str:
     """``data`` as compact JSON that can sit inside a ``<script>`` element.
 
     ``<``, ``>``, ``&``, U+2028 and U+2029 are written as JSON ``\\u`` escapes, so no text (a
-    token holding ``<!--`` and ``<script``, say) can end or hide the element.
+    token holding ``<!--`` and ``<script``, say) can end or hide the element; every string's
+    control characters arrive as their pictures (:func:`visible`), as the page's HTML shows them.
 
     Example:
         >>> to_json({"a": "<!--<script></script>"})
         '{"a":"\\\\u003c!--\\\\u003cscript\\\\u003e\\\\u003c/script\\\\u003e"}'
+        >>> json.loads(to_json(["a\\x00b"]))
+        ['a␀b']
     """
-    return json.dumps(data, separators=(",", ":")).translate(_SCRIPT_SAFE)
+    return json.dumps(_visible_strings(data), separators=(",", ":")).translate(_SCRIPT_SAFE)
+
+
+def _visible_strings(data):
+    """``data`` (JSON-ready) with :func:`visible` applied to every string, keys included."""
+    if isinstance(data, str):
+        return visible(data)
+    if isinstance(data, dict):
+        return {_visible_strings(key): _visible_strings(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_visible_strings(value) for value in data]
+    return data
 
 
 def viridis(t: float) -> str:

@@ -8,6 +8,8 @@ page), and :meth:`View.save` writes it as a page of its own.
   :data:`WALK_TOKENS` tokens get the walk's cards (head selector, heatmap, where a token attends);
   longer inputs and ``(L, H, T, T)`` get the model view. A trace or a trained model's
   :class:`~attnlab.trained.WordAttention` gets its own view.
+* :func:`word_attention_view` -- a trained model's head view of one sentence, opened on its most
+  informative head (:meth:`~attnlab.trained.WordAttention.informative_head`).
 * :func:`model_view` -- every layer x head as a thumbnail; click one to enlarge it, hover a row of
   the enlarged one (or a token) to read where that query looks. Inputs longer than
   :data:`GRID` tokens are drawn in blocks of consecutive tokens (a cell is the block's total weight
@@ -42,7 +44,7 @@ from attnlab.viz.heatmap import block_labels
 from attnlab.viz.page import View, asset, escape, fragment, new_prefix, to_json
 from attnlab.viz.recompute import REDUCTIONS, LazyWeights, reduce_blocks
 
-__all__ = ["View", "show", "model_view", "generation_view", "encode_weights", "GRID", "WALK_TOKENS"]
+__all__ = ["View", "show", "word_attention_view", "model_view", "generation_view", "encode_weights", "GRID", "WALK_TOKENS"]
 
 GRID = 256  # the most cells per axis a head is drawn with; longer inputs are drawn in blocks
 OVERVIEW_BYTES = 4 << 20  # every head's overview together; a model of many heads draws fewer cells
@@ -51,8 +53,8 @@ ZOOM_MB = 3.0  # a long view's queries, keys and log-sum-exps for zooming, in Mi
 WALK_TOKENS = 64  # up to this many tokens, (H, T, T) weights get the walk's cards (SVG cells, labels)
 
 
-def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int = 0, title: str | None = None,
-         **options) -> View:
+def show(weights, tokens=None, *, context_tokens=None, layer: int | None = None, head: int | None = None,
+         row: int | None = None, title: str | None = None, **options) -> View:
     """Show any attention weights with their tokens, inline in a notebook.
 
     Shapes:
@@ -66,7 +68,12 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
     Args:
         tokens: ``Tq`` labels (default: positions); context_tokens: ``Tk`` labels when the keys are
             another sequence (cross-attention).
-        layer, head: the head enlarged first in the model view.
+        layer, head: the head enlarged first in the model view (default layer 0, head 0), or the
+            head view's layer and head (default :meth:`~attnlab.trained.WordAttention.informative_head`:
+            the head whose words look at other words most, not at [CLS], [SEP] or themselves).
+        row: the query (a token position) whose weights are read out when the view opens: the
+            model view's focused row, the walk's or the head view's focus word (default: none, the
+            last token, and :meth:`~attnlab.trained.WordAttention.index` of None, e.g. "it").
         title: shown above the view and as the saved page's title.
 
     Raises:
@@ -80,12 +87,15 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
         True
     """
     if isinstance(weights, LazyWeights):
-        return model_view(weights, tokens, layer=layer, head=head, title=title, **options)
-    if maskview.shows(weights) or options:  # a mask (two: their difference) or a score mod; options are theirs
-        return maskview.show(weights, tokens, title=title, head=head, **options)
+        return model_view(weights, tokens, layer=layer or 0, head=head or 0, row=row, title=title, **options)
     if isinstance(weights, WordAttention):
-        section = html.TrainedSection(title or "model", weights, focus=len(weights.words) - 1)
-        return View(lambda: html.trained_view(section), title=title or "head view")
+        if tokens is not None:
+            raise ValueError("tokens come with the WordAttention (its .words); pass tokens=None")
+        return word_attention_view(weights, layer=layer, head=head, row=row, title=title)
+    if row is not None and (maskview.shows(weights) or options or hasattr(weights, "steps")):
+        raise ValueError(f"row is for weights, a WordAttention or LazyWeights, not {type(weights).__name__}")
+    if maskview.shows(weights) or options:  # a mask (two: their difference) or a score mod; options are theirs
+        return maskview.show(weights, tokens, title=title, head=head or 0, **options)
     if hasattr(weights, "steps") and hasattr(weights, "_repr_html_"):  # an explain trace
         return View(weights._repr_html_, title=title or f"attnlab explain: {weights.sentence}")
     if not isinstance(weights, Tensor):
@@ -94,8 +104,9 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
     for name, labels in (("tokens", tokens), ("context_tokens", context_tokens)):
         if labels is not None and not (hasattr(labels, "__len__") and hasattr(labels, "__iter__")):
             raise TypeError(f"{name} must be a list of labels, got {type(labels).__name__}")
+    layer, head = layer or 0, head or 0
     if weights.ndim == 4:
-        return model_view(weights, tokens, layer=layer, head=head, title=title)
+        return model_view(weights, tokens, layer=layer, head=head, row=row, title=title)
     rows_labelled = tokens is None or len(tokens) == weights.shape[-2]  # else Weights.of names tokens
     if weights.ndim in (2, 3) and context_tokens is None and weights.shape[-2] != weights.shape[-1] and rows_labelled:
         raise ValueError(f"weights of shape {tuple(weights.shape)} have {weights.shape[-2]} queries and "
@@ -105,12 +116,50 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int = 0, head: int
     n_tokens = weights.shape[-2] if weights.ndim >= 2 else 0
     tokens = [str(i) for i in range(n_tokens)] if tokens is None else tokens
     view = html.Weights.of(weights, tokens, context_tokens=context_tokens)
+    if row is not None and not (isinstance(row, int) and not isinstance(row, bool) and 0 <= row < len(view.tokens)):
+        raise ValueError(f"row must be a query position in [0, {len(view.tokens)}), got {row!r}")
     if max(len(view.tokens), len(view.context_tokens)) <= WALK_TOKENS:
-        return View(lambda: _titled(title, html.heads_view(view)), title=title or "attention weights")
+        return View(lambda: _titled(title, html.heads_view(view, focus=row)), title=title or "attention weights")
     if view.mode == "cross":
         raise ValueError(f"cross-attention weights are shown up to {WALK_TOKENS} tokens a side, "
                          f"got {tuple(view.weights.shape[1:])}")
-    return model_view(view.weights[None], view.tokens, layer=0, head=head, title=title)
+    return model_view(view.weights[None], view.tokens, layer=0, head=head, row=row, title=title)
+
+
+def word_attention_view(words: WordAttention, *, layer: int | None = None, head: int | None = None, row: int | None = None,
+              title: str | None = None) -> View:
+    """A trained model's head view, opened on ``layer``/``head`` and the query word ``row``.
+
+    By default it opens on :meth:`~attnlab.trained.WordAttention.informative_head` (the head
+    whose words look at other words most: not one parked on [CLS]/[SEP] or on each word itself; the
+    best head of ``layer`` when only the layer is given), from the word
+    :meth:`~attnlab.trained.WordAttention.index` picks ("it" when present, else the last word).
+
+    Example:
+        >>> import torch
+        >>> w = torch.tensor([[[[.1, .8, .1], [.1, .1, .8], [.8, .1, .1]],     # head 0: to the next unit
+        ...                    [[.1, .1, .8], [.1, .1, .8], [.1, .1, .8]]]])   # head 1: to [SEP]
+        >>> page = word_attention_view(WordAttention.from_pieces(w, ["a", "b", "[SEP]"], [0, 1, None]))._repr_html_()
+        >>> '"layer":0' in page and 'value="0" checked' in page and '"focus":1' in page
+        True
+    """
+    counts = words.heads_per_layer
+    for name, value in (("layer", layer), ("head", head), ("row", row)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if layer is not None and not 0 <= layer < len(counts):
+        raise ValueError(f"layer must be in [0, {len(counts)}), got {layer}")
+    if layer is None:
+        layer = words.informative_head()[0] if head is None else 0
+    if head is None:
+        head = int(words.word_shares()[layer, :counts[layer]].argmax())
+    if not 0 <= head < counts[layer]:
+        raise ValueError(f"head must be in [0, {counts[layer]}) for layer {layer}, got {head}")
+    focus = words.index(None) if row is None else row
+    if not 0 <= focus < len(words.words):
+        raise ValueError(f"row must be a word position in [0, {len(words.words)}), got {focus}")
+    section = html.TrainedSection(title or "model", words, focus=focus, layer=layer, heads=(head,))
+    return View(lambda: html.trained_view(section), title=title or "head view")
 
 
 def _check_not_empty(weights: Tensor) -> None:
@@ -258,7 +307,7 @@ def _zoom_data(lazy: LazyWeights, *, budget: int, focus) -> dict:
             "skipped": {str(layer): reason for layer, reason in skipped.items()}}
 
 
-def model_view(weights: Tensor | LazyWeights, tokens=None, *, layer: int = 0, head: int = 0,
+def model_view(weights: Tensor | LazyWeights, tokens=None, *, layer: int = 0, head: int = 0, row: int | None = None,
                title: str | None = None, reduce: str = "mean", zoom_mb: float = ZOOM_MB, progress=None) -> View:
     """Every layer x head of a model as a thumbnail; click one to enlarge it (bertviz's model view).
 
@@ -274,6 +323,8 @@ def model_view(weights: Tensor | LazyWeights, tokens=None, *, layer: int = 0, he
         left out. Or :class:`~attnlab.viz.recompute.LazyWeights` (its own tokens).
 
     Args:
+        row: the query position whose row is read out when the page opens (its block past
+            :data:`GRID` tokens), as a hover would: "Layer 3, head 1: 'it' looks most at 'meal'".
         progress: called as ``progress(layers_done, layers)`` while a LazyWeights overview is computed.
 
     Example:
@@ -289,7 +340,9 @@ def model_view(weights: Tensor | LazyWeights, tokens=None, *, layer: int = 0, he
     """
     _check_focus(weights, layer, head)
     data = _model_data(weights, tokens, reduce=reduce, zoom_mb=zoom_mb, focus=(layer, head), progress=progress)
-    data.update(layer=layer, head=head)
+    if row is not None and (isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(data["tokens"])):
+        raise ValueError(f"row must be a query position in [0, {len(data['tokens'])}), got {row!r}")
+    data.update(layer=layer, head=head, row=None if row is None else row // data["block"])
     title = title or f"{len(data['heads'])} layers x {max(data['heads'])} heads, {len(data['tokens'])} tokens"
     return View(lambda: _model_fragment(data, title, roles=("model",)), title=title)
 
@@ -343,7 +396,7 @@ def _zoom_box(data: dict, prefix: str) -> str:
     held = "every head" if kept == total else f"{kept} of {total} heads (zoom_mb={zoom['budget_mb']:g} MiB)"
     return (f'<div class="mv-zoom-box"><h3>Zoom</h3><p class="muted">Click the enlarged head to see that region '
             f"at full resolution: each weight recomputed here as exp(score - the row's log-sum-exp) from fp16 "
-            f"queries and keys ({held}). Hover a cell to read it.</p>"
+            f"queries and keys ({held}), coloured on the overview's scale (0 dark, 1 bright). Hover a cell to read it.</p>"
             f'<canvas class="mv-zoom" id="{prefix}mv-zoom" width="1" height="1"></canvas>'
             f'<p class="summary" id="{prefix}mv-zoom-summary">Nothing zoomed yet.</p></div>')
 
