@@ -85,14 +85,15 @@ REFUSAL = "cannot run on attnlab"
 # Keywords attention_forward applies, each as transformers' eager/sdpa paths do.
 HONOURED_KEYWORDS = (
     "is_causal", "sliding_window", "softcap", "s_aux", "position_bias", "output_attentions",
-    "cu_seq_lens_q", "cu_seq_lens_k",  # packed sequences: the mask holds them (refused without one)
+    "cu_seq_lens_q", "cu_seq_lens_k",  # packed documents, kept apart (docs/models.md, "Packed training")
+    "position_ids",  # packed documents where they restart inside a row (Tq == Tk)
     "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
     "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
 )
 # Keywords that change nothing in transformers' eager and sdpa attention: positions (already
 # rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
 IGNORED_KEYWORDS = (
-    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
+    "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
     "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
     "do_sample", "input_ids",  # a generation option (DiffusionGemma), token ids (GLM-5-Next) let through to layers
@@ -141,7 +142,7 @@ def attention_forward(
         ValueError: Module cannot run on attnlab: it passes the keyword block_indices, which attnlab does not apply ...
     """
     _check_kinds(module, query, key, value, attention_mask)
-    _check_keywords(module, kwargs, attention_mask)
+    _check_keywords(module, kwargs)
     tq, tk = query.shape[2], key.shape[2]
     mask = attention_mask
     if mask is not None and mask.shape[-1] > tk:
@@ -151,6 +152,9 @@ def attention_forward(
         mask, causal = _sdpa_rule(module, kwargs, tq, tk)
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
+    documents = _document_ids(module, kwargs, batch=query.shape[0], tq=tq, tk=tk)
+    if documents is not None:
+        mask, causal = _keep_apart(mask, causal, documents)
     want_weights = _wants_weights(module, kwargs)
     options = dict(mask=mask, causal=causal, align="top_left", scale=scaling, score_mod=_score_mod(kwargs, tk),
                    sinks=_sinks(kwargs), indices=_indices(kwargs))
@@ -236,12 +240,74 @@ def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_mask
     return None, causal
 
 
+def _document_ids(module: nn.Module, kwargs: dict, *, batch: int, tq: int, tk: int) -> Tensor | None:
+    """The document of each token of a packed call, ``(B|1, T)`` int64, or None when it packs none.
+
+    From ``cu_seq_lens_q``/``cu_seq_lens_k`` (the boundaries flash paths receive; they index the
+    ``B * T`` tokens flattened, and tokens past the last boundary form one more document), else
+    from ``position_ids`` ``(B|1, T)``: a document starts where a position is not above the one
+    before (a restart at 0, as DataCollatorWithFlattening writes them; a step of more than one,
+    as in a grid of image patches, is not a restart). Positions are read only when queries and
+    keys are the same tokens (``Tq == Tk``): with a cache, the cached keys' documents are unknown
+    and the model's mask alone applies, as in transformers' eager and sdpa paths.
+
+    Raises:
+        ValueError: boundaries that are not a 1-D ascending integer tensor from 0 within the
+            ``B * T`` tokens, or that cannot keep documents apart (queries and keys of
+            different lengths or with different boundaries), naming the module's class.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        return _ids_from_boundaries(type(module).__name__, cu_q, cu_k, batch=batch, tq=tq, tk=tk)
+    positions = kwargs.get("position_ids")
+    if tq != tk or tq < 2 or not isinstance(positions, Tensor) or positions.ndim != 2 \
+            or positions.shape[-1] != tq or positions.is_floating_point():
+        return None
+    restarts = positions[:, 1:] <= positions[:, :-1]  # (B|1, T - 1)
+    if not bool(restarts.any()):
+        return None
+    return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1)  # (B|1, T)
+
+
+def _ids_from_boundaries(owner: str, cu_q: object, cu_k: object, *, batch: int, tq: int, tk: int) -> Tensor:
+    """Document ids ``(B, T)`` from ``cu_seq_lens`` (see :func:`_document_ids`)."""
+    for name, value in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if not isinstance(value, Tensor) or value.ndim != 1 or value.numel() < 2 or value.is_floating_point():
+            raise ValueError(f"{name} must be a 1-D integer tensor of document boundaries, got {_describe(value)}")
+    if tq != tk or cu_q.shape != cu_k.shape or not torch.equal(cu_q.to(torch.int64), cu_k.to(torch.int64)):
+        raise _refusal(owner, "its packed documents cannot be kept apart: cu_seq_lens_q and cu_seq_lens_k "
+                              f"differ (or queries {tq} and keys {tk} differ in length), so a query's own "
+                              "document among the keys is unknown")
+    bounds = cu_q.to(torch.int64)
+    if bounds[0].item() != 0 or bool((bounds.diff() < 0).any()) or bounds[-1].item() > batch * tq:
+        raise ValueError(f"cu_seq_lens_q must ascend from 0 to at most the {batch * tq} tokens of the call, "
+                         f"got {bounds.tolist()}")
+    flat = torch.arange(batch * tq, device=bounds.device)
+    return torch.searchsorted(bounds[1:], flat, right=True).view(batch, tq)  # (B, T)
+
+
+def _keep_apart(mask: Tensor | _masks.MaskMod | None, causal: bool, documents: Tensor):
+    """``(mask, causal)`` ANDed with "a query sees only keys of its own document".
+
+    A dense mask the model built stays dense (the other documents' keys become False, or
+    ``-inf`` in a float mask) beside ``causal``; otherwise the rule is attnlab's document mask
+    mod, causal as the call is, ANDed with a window mod, so the fast paths skip other documents.
+    """
+    if isinstance(mask, Tensor):
+        same = documents[:, None, :, None] == documents[:, None, None, :]  # (B|1, 1, T, T)
+        if mask.dtype == torch.bool:
+            return mask & same, causal
+        return mask.masked_fill(~same, float("-inf")), causal
+    apart = _masks.document_mod(documents, causal=causal)
+    return (apart if mask is None else apart & mask), False
+
+
 def _refusal(subject: str, reason: str) -> ValueError:
     """The one wording of a refused model or keyword."""
     return ValueError(f"{subject} {REFUSAL}: {reason}")
 
 
-def _check_keywords(module: nn.Module, kwargs: dict, mask: Tensor | None) -> None:
+def _check_keywords(module: nn.Module, kwargs: dict) -> None:
     """Refuse, rather than drop, a keyword attnlab does not apply (one whose value is not None)."""
     for name, value in kwargs.items():
         if value is None or name in IGNORED_KEYWORDS:
@@ -250,10 +316,6 @@ def _check_keywords(module: nn.Module, kwargs: dict, mask: Tensor | None) -> Non
             raise _refusal(type(module).__name__,
                            f"it passes the keyword {name}, which attnlab does not apply (its value: "
                            f"{_describe(value)}); computing without it would give another attention")
-        if name.startswith("cu_seq_lens") and mask is None and isinstance(value, Tensor) and value.shape[0] > 2:
-            raise _refusal(type(module).__name__,
-                           f"it passes {name} of {value.shape[0] - 1} packed sequences and no mask that "
-                           "separates them; pass position_ids so that transformers builds that mask")
 
 
 def _describe(value: object) -> str:
