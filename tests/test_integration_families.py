@@ -212,3 +212,21 @@ def test_granite_swa_outputs_equal_eager_and_weights_differ_by_the_sinks_share()
     rescaled = [w / w.sum(-1, keepdim=True).clamp_min(1e-30) for w in got.attentions]
     assert _weights_at_real_queries(rescaled, want.attentions, real) <= 1e-5
     assert _weights_at_real_queries(got.attentions, want.attentions, real) > 1e-2  # the sink does take a share
+
+
+# ------------------------------------------------------------------ Falcon (output_attentions kept by its layer)
+def test_falcon_returns_eager_attentions_when_asked_and_none_otherwise():
+    """Falcon's attention layer takes ``output_attentions`` itself and calls the attention function
+    without it; its model still returns each layer's weights when asked."""
+    config = transformers.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       new_decoder_architecture=True, num_kv_heads=2)
+    eager, ours = _pair(transformers.FalconForCausalLM, config)
+    mask = _padding("left")
+    real = mask.bool()
+    with torch.no_grad():
+        want, got = (m(IDS, attention_mask=mask, output_attentions=True) for m in (eager, ours))
+        plain = ours(IDS, attention_mask=mask)
+    assert _largest(want.logits, got.logits, real) <= 1e-4
+    assert len(got.attentions) == len(want.attentions) == 2
+    assert _weights_at_real_queries(got.attentions, want.attentions, real) <= 1e-5
+    assert plain.attentions is None and _largest(plain.logits, got.logits, real) <= 1e-6

@@ -379,15 +379,42 @@ def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
     layer returns through forward hooks while its output collector holds an ``...attentions``
     entry, whatever keyword the layer passes (GPT-2 pops it; Voxtral's encoder layers pass
     ``output_attentions=False`` themselves): the collector is what transformers consults, so it
-    decides first. Then an ``output_attentions`` keyword; outside both, ``config.output_attentions``.
+    decides first. Then an ``output_attentions`` keyword; then the layer's own ``output_attentions``
+    parameter where it keeps it from the attention function (:func:`_layer_parameter`, Falcon);
+    outside all of them, ``config.output_attentions``.
     """
     asked = kwargs.get("output_attentions")
     recording = _recorded_outputs()
     if recording is not None and any(key.endswith("attentions") for key in recording):
         return True
+    if asked is None and recording is None:
+        asked = _layer_parameter(module, "output_attentions")
     if asked is not None or recording is not None:
         return bool(asked)
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
+def _layer_parameter(module: nn.Module, name: str, *, depth: int = 8) -> object:
+    """The value of parameter ``name`` of ``module``'s own ``forward`` in the call running now, or None.
+
+    Falcon's attention layer takes ``output_attentions`` as a parameter of its ``forward`` and
+    calls the attention function without it, while its model returns each layer's weights when
+    it is True: the layer's frame is the only place that says so. Only a frame running
+    ``type(module).forward``'s own code (decorators unwrapped) among the ``depth`` nearest
+    callers is read, and only a name that ``forward`` declares.
+    """
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    if code is None or name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None
 
 
 def _recorded_outputs() -> dict | None:
