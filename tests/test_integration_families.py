@@ -230,3 +230,30 @@ def test_falcon_returns_eager_attentions_when_asked_and_none_otherwise():
     assert len(got.attentions) == len(want.attentions) == 2
     assert _weights_at_real_queries(got.attentions, want.attentions, real) <= 1e-5
     assert plain.attentions is None and _largest(plain.logits, got.logits, real) <= 1e-6
+
+
+# ------------------------------------------------------------------ keywords let through to the layers
+def _llava_onevision():
+    text = dict(model_type="qwen2", vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.LlavaOnevisionConfig(text_config=text, vision_config=vision, image_token_id=99,
+                                               video_token_id=98)
+    return _pair(transformers.LlavaOnevisionForConditionalGeneration, config), dict(input_ids=IDS, logits_to_keep=1)
+
+
+def _whisper_decoder():
+    config = transformers.WhisperConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+                                        decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=16,
+                                        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0)
+    return _pair(transformers.WhisperForCausalLM, config), dict(input_ids=IDS[:, :5], decoder_input_ids=IDS[:, :5])
+
+
+@pytest.mark.parametrize("make", [_llava_onevision, _whisper_decoder], ids=["logits_to_keep", "decoder_input_ids"])
+def test_keywords_that_reach_the_layers_but_are_no_attention_option_are_ignored_like_eager(make):
+    (eager, ours), inputs = make()
+    with torch.no_grad():
+        want, got = (m(**inputs).logits for m in (eager, ours))
+    assert got.shape == want.shape and _largest(want, got) <= 1e-4

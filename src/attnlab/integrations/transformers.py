@@ -97,6 +97,7 @@ IGNORED_KEYWORDS = (
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
     "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
     "do_sample", "input_ids",  # a generation option (DiffusionGemma), token ids (GLM-5-Next) let through to layers
+    "logits_to_keep", "decoder_input_ids",  # what to return (LLaVA-OneVision), token ids (Whisper's decoder)
 )
 # Any other keyword with a value other than None is refused, naming the module and the keyword.
 # Among them ``block_indices`` (MiniMax-M3's top-k key blocks per query).
