@@ -257,3 +257,39 @@ def test_keywords_that_reach_the_layers_but_are_no_attention_option_are_ignored_
     with torch.no_grad():
         want, got = (m(**inputs).logits for m in (eager, ours))
     assert got.shape == want.shape and _largest(want, got) <= 1e-4
+
+
+# ------------------------------------------------------------------ MiniMax-M3 (top-k key blocks)
+def _minimax_m3(top_k_blocks: int):
+    config = transformers.MiniMaxM3VLTextConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=2,
+        num_experts_per_tok=1, index_n_heads=2, index_head_dim=8, index_block_size=2,
+        index_topk_blocks=top_k_blocks, index_local_blocks=1, layer_types=["minimax_m3_sparse", "full_attention"])
+    return _pair(transformers.MiniMaxM3VLForCausalLM, config)
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_minimax_m3_block_indices_select_keys_like_eager_with_gradients(side):
+    """Each query attends to the keys of its top-k blocks (2 keys each) per key head, as eager's
+    mask built from the same ``block_indices``; 3 blocks of 2 keys exceed a 5-token prefix."""
+    eager, ours = _minimax_m3(3)
+    mask = _padding(side)
+    real = mask.bool()
+    want, got = (m(IDS, attention_mask=mask, output_attentions=True) for m in (eager, ours))
+    assert _largest(want.logits, got.logits, real) <= 1e-4
+    assert _weights_at_real_queries(got.attentions, want.attentions, real) <= 1e-5
+    projection = torch.randn(want.logits.shape, generator=torch.Generator().manual_seed(0)) * real[..., None]
+    for out in (want, got):
+        (out.logits * projection).sum().backward()
+    _gradients_agree(eager, ours)
+    with torch.no_grad():  # the selection matters here: all blocks kept gives other logits
+        everything = _minimax_m3(16)[1](IDS, attention_mask=mask).logits
+    assert _largest(everything, got.logits, real) > 1e-3
+
+
+def test_minimax_m3_greedy_generation_equals_eager():
+    eager, ours = _minimax_m3(2)
+    with torch.no_grad():
+        want, got = (m.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False) for m in (eager, ours))
+    assert torch.equal(want, got)

@@ -80,7 +80,7 @@ HONOURED_CASES = {
 
 def test_every_honoured_keyword_has_a_case():
     packed = {"cu_seq_lens_q", "cu_seq_lens_k", "position_ids"}  # test_integration_packed.py
-    packed.add("output_attentions")  # tested on its own below
+    packed |= {"output_attentions", "block_indices"}  # tested on their own below, on MiniMax-M3
     assert set(HONOURED_KEYWORDS) == set(HONOURED_CASES) | packed
     assert not set(HONOURED_KEYWORDS) & set(IGNORED_KEYWORDS)
 
@@ -112,7 +112,7 @@ def test_output_attentions_returns_the_weights_only_when_asked():
     assert (weights.double() - _eager(q, k, v, allowed=_causal(5, 5))[1]).abs().max().item() <= 1e-6
 
 
-@pytest.mark.parametrize("keyword", ["block_indices", "band_mask", "anything_else"])
+@pytest.mark.parametrize("keyword", ["band_mask", "anything_else"])
 def test_an_unknown_keyword_is_refused_naming_module_and_keyword(keyword):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=f"^Layer {REFUSAL}: it passes the keyword {keyword}, which attnlab"):

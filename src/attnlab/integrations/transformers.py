@@ -88,6 +88,7 @@ HONOURED_KEYWORDS = (
     "cu_seq_lens_q", "cu_seq_lens_k",  # packed documents, kept apart (docs/models.md, "Packed training")
     "position_ids",  # packed documents where they restart inside a row (Tq == Tk)
     "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
+    "block_indices",  # top-k key blocks per query and key head (MiniMax-M3), (B, Hkv, Tq, k)
     "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
 )
 # Keywords that change nothing in transformers' eager and sdpa attention: positions (already
@@ -100,7 +101,6 @@ IGNORED_KEYWORDS = (
     "logits_to_keep", "decoder_input_ids",  # what to return (LLaVA-OneVision), token ids (Whisper's decoder)
 )
 # Any other keyword with a value other than None is refused, naming the module and the keyword.
-# Among them ``block_indices`` (MiniMax-M3's top-k key blocks per query).
 
 
 def attention_forward(
@@ -124,7 +124,10 @@ def attention_forward(
             keys a query sees, ending at its own position; applied when there is no prepared
             mask), ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits), ``sinks`` (``(B, H, Tq, 1)``, one per query), ``position_bias``
             (an additive tensor broadcasting to ``(B, H, Tq, Tk)``), ``indices`` (``(B, Tq, k)``
-            top-k keys per query, intersected with the mask), ``output_attentions``;
+            top-k keys per query, intersected with the mask), ``block_indices`` (``(B, Hkv, Tq, k)``
+            top-k blocks of ``config.index_block_size`` keys, ``-1`` for none: MiniMax-M3),
+            ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``position_ids`` (packed documents, kept
+            apart: :func:`_document_ids`), ``output_attentions``;
             :data:`IGNORED_KEYWORDS` change nothing, as in transformers' eager path.
 
     Raises:
@@ -137,10 +140,10 @@ def attention_forward(
         >>> out, weights = attention_forward(layer, q, kv, kv, None)
         >>> out.shape, weights is None
         (torch.Size([1, 5, 4, 8]), True)
-        >>> attention_forward(layer, q, kv, kv, None, block_indices=torch.zeros(1, 4, 5, 2))
+        >>> attention_forward(layer, q, kv, kv, None, band_mask=torch.zeros(1, 4, 5, 2))
         Traceback (most recent call last):
         ...
-        ValueError: Module cannot run on attnlab: it passes the keyword block_indices, which attnlab does not apply ...
+        ValueError: Module cannot run on attnlab: it passes the keyword band_mask, which attnlab does not apply ...
     """
     _check_kinds(module, query, key, value, attention_mask)
     _check_keywords(module, kwargs)
@@ -158,7 +161,7 @@ def attention_forward(
         mask, causal = _keep_apart(mask, causal, documents)
     want_weights = _wants_weights(module, kwargs)
     options = dict(mask=mask, causal=causal, align="top_left", scale=scaling, score_mod=_score_mod(kwargs, tk),
-                   sinks=_sinks(kwargs), indices=_indices(kwargs))
+                   sinks=_sinks(kwargs), indices=_indices(module, kwargs, tk))
     recorder = _RECORDER.get()
     if recorder is not None:
         recorder(module, query, key, value, **options)
@@ -212,15 +215,41 @@ def _sinks(kwargs: dict) -> Tensor | None:
     return per_query.squeeze(-1)  # (B, H, Tq)
 
 
-def _indices(kwargs: dict) -> Tensor | None:
-    """Sparse attention's top-k keys ``(B, Tq, k)`` as :func:`attnlab.attention` takes them,
-    ``(B, 1, Tq, k)``: one list per query, shared by the heads; its keys meet the mask."""
-    indices = kwargs.get("indices")
+def _indices(module: nn.Module, kwargs: dict, tk: int) -> Tensor | None:
+    """Sparse attention's selected keys as :func:`attnlab.attention` takes them, ``(B, 1|Hkv, Tq, k)``,
+    ``-1`` for none; the call's mask still applies to them.
+
+    DeepSeek-V3.2's ``indices`` ``(B, Tq, k)`` list keys, one list per query shared by the heads.
+    MiniMax-M3's ``block_indices`` ``(B, Hkv, Tq, k)`` list blocks of ``config.index_block_size``
+    keys per key head (``-1``: none), which its eager code expands to every key of each block:
+    so are they here, the slots past the last key dropped.
+    """
+    indices, blocks = kwargs.get("indices"), kwargs.get("block_indices")
+    if indices is not None and blocks is not None:
+        raise ValueError("indices and block_indices were both passed; a layer selects keys one way")
+    if blocks is not None:
+        return _keys_of_blocks(module, blocks, tk)
     if indices is None:
         return None
     if not isinstance(indices, Tensor) or indices.ndim != 3:
         raise ValueError(f"indices must be a (B, Tq, k) tensor of key positions, got {_describe(indices)}")
     return indices.unsqueeze(1)  # (B, 1, Tq, k)
+
+
+def _keys_of_blocks(module: nn.Module, blocks: object, tk: int) -> Tensor:
+    """``block_indices`` ``(B, Hkv, Tq, kb)`` as the keys of those blocks ``(B, Hkv, Tq, min(kb * size, Tk))``."""
+    size = getattr(getattr(module, "config", None), "index_block_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise _refusal(type(module).__name__, "it passes block_indices but its config has no positive "
+                                              f"index_block_size (got {size!r}), so its blocks' keys are unknown")
+    if not isinstance(blocks, Tensor) or blocks.ndim != 4 or blocks.is_floating_point():
+        raise ValueError(f"block_indices must be a (B, Hkv, Tq, k) integer tensor of key blocks, got {_describe(blocks)}")
+    offsets = torch.arange(size, device=blocks.device)
+    keys = blocks.long()[..., None] * size + offsets  # (B, Hkv, Tq, kb, size)
+    keys = keys.masked_fill((blocks[..., None] < 0) | (keys >= tk), -1).flatten(-2)  # (B, Hkv, Tq, kb * size)
+    if keys.shape[-1] > tk:  # a last block cut short: at most tk keys are listed, -1 sorted last
+        keys = keys.sort(dim=-1, descending=True).values[..., :tk]
+    return keys
 
 
 def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_masks.MaskMod | None, bool]:
