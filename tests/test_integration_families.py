@@ -20,6 +20,8 @@ import pytest
 import torch
 from test_integration_keywords import IDS, NAME, _pair, _padding
 
+from attnlab.integrations.transformers import recording
+
 transformers = pytest.importorskip("transformers", reason="pip install 'attnlab[hf]'")
 
 SIDES = ["none", "right", "left"]
@@ -293,3 +295,26 @@ def test_minimax_m3_greedy_generation_equals_eager():
     with torch.no_grad():
         want, got = (m.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False) for m in (eager, ours))
     assert torch.equal(want, got)
+
+
+def test_granite_swa_weights_plus_the_sinks_share_sum_to_one():
+    """The sink's share of each row, ``sigmoid(sink - logsumexp(scores))`` computed here in fp64 from
+    the queries and keys each layer received and the keys eager let it see, is what the returned
+    weights leave out."""
+    config = transformers.GraniteSWAConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention"])
+    eager, ours = _pair(transformers.GraniteSWAForCausalLM, config)
+    for layer in ours.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)  # zeros by default: a share, but a plain one
+    eager.load_state_dict(ours.state_dict())
+    seen = []
+    with torch.no_grad(), recording(lambda module, q, k, v, **options: seen.append((q, k, options))):
+        want, got = (m(IDS, output_attentions=True) for m in (eager, ours))
+    for (q, k, options), theirs, mine in zip(seen, want.attentions, got.attentions):
+        k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, Tk, D)
+        scores = (q.double() @ k.transpose(-1, -2) * options["scale"]).masked_fill(theirs == 0, float("-inf"))
+        share = torch.sigmoid(options["sinks"].double().view(1, -1, 1) - scores.logsumexp(-1))  # (B, H, Tq)
+        assert (mine.double().sum(-1) + share - 1).abs().max().item() <= 1e-5
+        assert share.min().item() > 1e-3  # the sink does take a share

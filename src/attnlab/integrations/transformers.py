@@ -114,6 +114,12 @@ def attention_forward(
         attention_mask broadcastable to ``(B, H, Tq, Tk)`` (bool, True = attend; or float,
         added) or None -> ``(out (B, Tq, H, D), weights (B, H, Tq, Tk) or None)``.
 
+    Returns:
+        The output and, when asked for, the weights: the softmax over the keys and, with sinks
+        (``s_aux``, ``sinks``), the sink's column dropped, so each row sums to 1 minus the sink's
+        share. gpt-oss's and Inkling2's eager code return the same; Granite-SWA's eager returns
+        the softmax over the keys alone (rows sum to 1), which is these divided by their row sums.
+
     Args:
         module: the calling attention layer (``is_causal``, ``training``, ``config`` are read).
         query, key, value: projected heads.
