@@ -162,7 +162,7 @@ def attention_forward(
         mask, causal = _sdpa_rule(module, kwargs, tq, tk)
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
-    documents = _document_ids(module, kwargs, batch=query.shape[0], tq=tq, tk=tk)
+    documents = _document_ids(module, kwargs, mask, batch=query.shape[0], tq=tq, tk=tk)
     if documents is not None:
         mask, causal = _keep_apart(mask, causal, documents)
     want_weights = _wants_weights(module, kwargs)
@@ -276,16 +276,19 @@ def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_mask
     return None, causal
 
 
-def _document_ids(module: nn.Module, kwargs: dict, *, batch: int, tq: int, tk: int) -> Tensor | None:
+def _document_ids(module: nn.Module, kwargs: dict, mask: object, *, batch: int, tq: int, tk: int) -> Tensor | None:
     """The document of each token of a packed call, ``(B|1, T)`` int64, or None when it packs none.
 
     From ``cu_seq_lens_q``/``cu_seq_lens_k`` (the boundaries flash paths receive; they index the
     ``B * T`` tokens flattened, and tokens past the last boundary form one more document), else
-    from ``position_ids`` ``(B|1, T)``: a document starts where a position is not above the one
-    before (a restart at 0, as DataCollatorWithFlattening writes them; a step of more than one,
-    as in a grid of image patches, is not a restart). Positions are read only when queries and
-    keys are the same tokens (``Tq == Tk``): with a cache, the cached keys' documents are unknown
-    and the model's mask alone applies, as in transformers' eager and sdpa paths.
+    from ``position_ids`` ``(B|1, T)``: a document starts at each real token of position 0 inside a
+    row, as DataCollatorWithFlattening writes them. A padded token (a key the model's dense
+    ``mask`` shows to no query) starts none: ``generate`` gives padded tokens position 0 or 1,
+    and a right-padded row's last, padded query must still see the real keys, as in eager. A
+    step up by more than one (a grid of image patches) starts none either. Positions are read
+    only when queries and keys are the same tokens (``Tq == Tk``): with a cache, the cached
+    keys' documents are unknown and the model's mask alone applies, as in transformers' eager
+    and sdpa paths.
 
     Raises:
         ValueError: boundaries that are not a 1-D ascending integer tensor from 0 within the
@@ -299,7 +302,10 @@ def _document_ids(module: nn.Module, kwargs: dict, *, batch: int, tq: int, tk: i
     if tq != tk or tq < 2 or not isinstance(positions, Tensor) or positions.ndim != 2 \
             or positions.shape[-1] != tq or positions.is_floating_point():
         return None
-    restarts = positions[:, 1:] <= positions[:, :-1]  # (B|1, T - 1)
+    restarts = positions[:, 1:] == 0  # (B|1, T - 1)
+    if isinstance(mask, Tensor) and mask.ndim == 4:
+        seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        restarts = restarts & seen.any(dim=-2).any(dim=1)[:, 1:]  # real keys only, (B|1, T - 1)
     if not bool(restarts.any()):
         return None
     return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1)  # (B|1, T)
