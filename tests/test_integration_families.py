@@ -318,3 +318,23 @@ def test_granite_swa_weights_plus_the_sinks_share_sum_to_one():
         share = torch.sigmoid(options["sinks"].double().view(1, -1, 1) - scores.logsumexp(-1))  # (B, H, Tq)
         assert (mine.double().sum(-1) + share - 1).abs().max().item() <= 1e-5
         assert share.min().item() > 1e-3  # the sink does take a share
+
+
+# ------------------------------------------------------------------ nothing of attnlab's in a checkpoint
+def test_a_saved_config_holds_nothing_of_attnlabs_and_reloads_equal_to_eager(tmp_path):
+    """Gemma 2 gets eager's masks on attnlab; that choice was an attribute on its config, which
+    save_pretrained wrote into config.json."""
+    import json
+
+    config = transformers.Gemma2Config(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                       attn_logit_softcapping=5.0, max_position_embeddings=64)
+    eager, ours = _pair(transformers.Gemma2ForCausalLM, config)
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not [key for key in saved if "attnlab" in key.lower()]
+    reloaded = transformers.Gemma2ForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME).eval()
+    mask = _padding("left")
+    with torch.no_grad():
+        want, got = (m(IDS, attention_mask=mask).logits for m in (eager, reloaded))
+    assert _largest(want, got, mask.bool()) <= 1e-4

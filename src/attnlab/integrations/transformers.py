@@ -60,6 +60,7 @@ import inspect
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -472,9 +473,11 @@ def _recorded_outputs() -> dict | None:
     return None
 
 
-# The config attribute that marks a model transformers has not validated with sdpa: it gets
-# eager's masks. Set on the model's own config at build time, so nothing process-wide remembers it.
-_EAGER_MASKS = "_attnlab_eager_masks"
+# The configs of models transformers has not validated with sdpa: they get eager's masks. Kept
+# here, by the config's id with a weak reference to it, never on the config itself: an attribute
+# there was written into config.json by save_pretrained (a config is unhashable, so no
+# WeakKeyDictionary). An entry goes with its config.
+_EAGER_CONFIGS: dict[int, weakref.ref] = {}
 # A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
 _CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
 _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
@@ -482,16 +485,24 @@ _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILI
 
 def _eager_masks(config: object) -> bool:
     """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`)."""
-    return getattr(config, _EAGER_MASKS, False) is True
+    ref = _EAGER_CONFIGS.get(id(config))
+    return ref is not None and ref() is config
 
 
 def _remember_masks(config: object, *, eager: bool) -> None:
-    """Mark ``config`` with its model's mask convention (a mark only where eager's, so that a
-    config of an sdpa model is left as it was)."""
-    if eager:
-        setattr(config, _EAGER_MASKS, True)
-    elif _EAGER_MASKS in vars(config):
-        delattr(config, _EAGER_MASKS)
+    """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it)."""
+    key = id(config)
+    if not eager:
+        _EAGER_CONFIGS.pop(key, None)
+        return
+    if not _eager_masks(config):
+        _EAGER_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(key, dead))
+
+
+def _forget(key: int, dead: weakref.ref) -> None:
+    """Drop a dead config's entry (unless its id already serves a newer config)."""
+    if _EAGER_CONFIGS.get(key) is dead:
+        del _EAGER_CONFIGS[key]
 
 
 def _attention_outside_interface(model_class: type) -> str | None:
