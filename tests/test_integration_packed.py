@@ -147,7 +147,8 @@ def test_increasing_positions_one_document_and_decoding_positions_change_nothing
     for positions in ([[0, 1, 2, 3, 4]], [[0, 1, 4, 5, 8]]):
         assert torch.equal(attention_forward(Layer(), q, k, v, None, position_ids=torch.tensor(positions))[0], plain)
     one = torch.tensor([0, 10], dtype=torch.int32)  # one document per row of the two
-    assert (attention_forward(Layer(), q, k, v, None, cu_seq_lens_q=one, cu_seq_lens_k=one)[0] - plain).abs().max() <= 1e-6
+    out = attention_forward(Layer(), q, k, v, None, cu_seq_lens_q=one, cu_seq_lens_k=one)[0]
+    assert (out - plain).abs().max().item() <= 1e-6
     q2, k2, v2 = _qkv(tq=2, tk=5)
     assert torch.equal(attention_forward(Layer(), q2, k2, v2, None, position_ids=torch.tensor([[1, 0]]))[0],
                        attention_forward(Layer(), q2, k2, v2, None)[0])

@@ -1,7 +1,7 @@
 """Run Hugging Face transformers models on :func:`attnlab.attention`: ``register()``.
 
-Tested with transformers 5.23.0 and 5.24.0 (torch 2.13 CPU); it needs transformers 5.x, whose attention
-layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose mask builders
+Tested with transformers 5.23.0, 5.24.0 and 5.25.0 (torch 2.13 CPU); it needs transformers 5.x, whose
+attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose mask builders
 (``masking_utils.create_causal_mask`` / ``create_bidirectional_mask`` / the sliding-window one)
 call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
 
@@ -34,6 +34,12 @@ Weights returned with sinks are attnlab's: the softmax over the keys and the sin
 column dropped (rows sum to less than 1), as gpt-oss's eager code returns them. Granite-SWA's eager
 code returns the softmax over the keys alone and applies the sink to the output afterwards: the
 outputs agree, its returned weights are these divided by their row sums.
+
+Packed documents (``cu_seq_lens_q/k``, or ``position_ids`` restarting at 0 inside a row) are kept
+apart: each token's document ANDs "same document" with the call's mask, causality and window, as
+attnlab's ``document_mod`` where the model built no dense mask, so logits and gradients equal each
+document run alone (docs/models.md, "Packed training"). MiniMax-M3's ``block_indices`` become the
+keys of each selected block on :func:`attnlab.attention`'s top-k path (``indices=``).
 
 Where transformers' sdpa path differs from its eager path, attnlab (on sdpa's masks) follows sdpa:
 a padded query with no key to attend gets a zero row (eager spreads it over every key, so padded
@@ -76,7 +82,7 @@ __all__ = ["register", "attention_forward", "recording", "DEFAULT_NAME", "TESTED
            "IGNORED_KEYWORDS", "REFUSAL"]
 
 DEFAULT_NAME = "attnlab"
-TESTED_VERSIONS = ("5.23.0", "5.24.0")
+TESTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
@@ -250,7 +256,8 @@ def _keys_of_blocks(module: nn.Module, blocks: object, tk: int) -> Tensor:
         raise _refusal(type(module).__name__, "it passes block_indices but its config has no positive "
                                               f"index_block_size (got {size!r}), so its blocks' keys are unknown")
     if not isinstance(blocks, Tensor) or blocks.ndim != 4 or blocks.is_floating_point():
-        raise ValueError(f"block_indices must be a (B, Hkv, Tq, k) integer tensor of key blocks, got {_describe(blocks)}")
+        raise ValueError(f"block_indices must be a (B, Hkv, Tq, k) integer tensor of key blocks, "
+                         f"got {_describe(blocks)}")
     offsets = torch.arange(size, device=blocks.device)
     keys = blocks.long()[..., None] * size + offsets  # (B, Hkv, Tq, kb, size)
     keys = keys.masked_fill((blocks[..., None] < 0) | (keys >= tk), -1).flatten(-2)  # (B, Hkv, Tq, kb * size)
