@@ -338,3 +338,18 @@ def test_a_saved_config_holds_nothing_of_attnlabs_and_reloads_equal_to_eager(tmp
     with torch.no_grad():
         want, got = (m(IDS, attention_mask=mask).logits for m in (eager, reloaded))
     assert _largest(want, got, mask.bool()) <= 1e-4
+
+
+# ------------------------------------------------------------------ SAM3-Lite text (RepMixer blocks first and last)
+@pytest.mark.parametrize("layers, calls", [(2, 0), (4, 2)])
+def test_sam3_lite_text_reaches_attnlab_in_its_middle_layers_and_equals_eager(layers, calls):
+    """Its first and last layers are convolutional RepMixer blocks: a 2-layer model (the zoo's tiny
+    size) has no attention to run, while every deeper one (12 layers by default) calls attnlab in
+    the layers between. So the family is not refused while it is built."""
+    config = transformers.Sam3LiteTextTextConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+                                                 intermediate_size=32, projection_dim=16, vocab_size=100)
+    eager, ours = _pair(transformers.Sam3LiteTextTextModel, config)
+    seen = []
+    with torch.no_grad(), recording(lambda module, q, k, v, **options: seen.append(type(module).__name__)):
+        want, got = (m(input_ids=IDS).last_hidden_state for m in (eager, ours))
+    assert len(seen) == calls and _largest(want, got) <= 1e-4
