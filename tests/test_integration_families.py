@@ -20,6 +20,8 @@ import pytest
 import torch
 from test_integration_keywords import IDS, NAME, _pair, _padding
 
+from attnlab.integrations.transformers import recording
+
 transformers = pytest.importorskip("transformers", reason="pip install 'attnlab[hf]'")
 
 SIDES = ["none", "right", "left"]
@@ -212,3 +214,142 @@ def test_granite_swa_outputs_equal_eager_and_weights_differ_by_the_sinks_share()
     rescaled = [w / w.sum(-1, keepdim=True).clamp_min(1e-30) for w in got.attentions]
     assert _weights_at_real_queries(rescaled, want.attentions, real) <= 1e-5
     assert _weights_at_real_queries(got.attentions, want.attentions, real) > 1e-2  # the sink does take a share
+
+
+# ------------------------------------------------------------------ Falcon (output_attentions kept by its layer)
+def test_falcon_returns_eager_attentions_when_asked_and_none_otherwise():
+    """Falcon's attention layer takes ``output_attentions`` itself and calls the attention function
+    without it; its model still returns each layer's weights when asked."""
+    config = transformers.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       new_decoder_architecture=True, num_kv_heads=2)
+    eager, ours = _pair(transformers.FalconForCausalLM, config)
+    mask = _padding("left")
+    real = mask.bool()
+    with torch.no_grad():
+        want, got = (m(IDS, attention_mask=mask, output_attentions=True) for m in (eager, ours))
+        plain = ours(IDS, attention_mask=mask)
+    assert _largest(want.logits, got.logits, real) <= 1e-4
+    assert len(got.attentions) == len(want.attentions) == 2
+    assert _weights_at_real_queries(got.attentions, want.attentions, real) <= 1e-5
+    assert plain.attentions is None and _largest(plain.logits, got.logits, real) <= 1e-6
+
+
+# ------------------------------------------------------------------ keywords let through to the layers
+def _llava_onevision():
+    text = dict(model_type="qwen2", vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.LlavaOnevisionConfig(text_config=text, vision_config=vision, image_token_id=99,
+                                               video_token_id=98)
+    return _pair(transformers.LlavaOnevisionForConditionalGeneration, config), dict(input_ids=IDS, logits_to_keep=1)
+
+
+def _whisper_decoder():
+    config = transformers.WhisperConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+                                        decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=16,
+                                        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0)
+    return _pair(transformers.WhisperForCausalLM, config), dict(input_ids=IDS[:, :5], decoder_input_ids=IDS[:, :5])
+
+
+@pytest.mark.parametrize("make", [_llava_onevision, _whisper_decoder], ids=["logits_to_keep", "decoder_input_ids"])
+def test_keywords_that_reach_the_layers_but_are_no_attention_option_are_ignored_like_eager(make):
+    (eager, ours), inputs = make()
+    with torch.no_grad():
+        want, got = (m(**inputs).logits for m in (eager, ours))
+    assert got.shape == want.shape and _largest(want, got) <= 1e-4
+
+
+# ------------------------------------------------------------------ MiniMax-M3 (top-k key blocks)
+def _minimax_m3(top_k_blocks: int):
+    config = transformers.MiniMaxM3VLTextConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=2,
+        num_experts_per_tok=1, index_n_heads=2, index_head_dim=8, index_block_size=2,
+        index_topk_blocks=top_k_blocks, index_local_blocks=1, layer_types=["minimax_m3_sparse", "full_attention"])
+    return _pair(transformers.MiniMaxM3VLForCausalLM, config)
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_minimax_m3_block_indices_select_keys_like_eager_with_gradients(side):
+    """Each query attends to the keys of its top-k blocks (2 keys each) per key head, as eager's
+    mask built from the same ``block_indices``; 3 blocks of 2 keys exceed a 5-token prefix."""
+    eager, ours = _minimax_m3(3)
+    mask = _padding(side)
+    real = mask.bool()
+    want, got = (m(IDS, attention_mask=mask, output_attentions=True) for m in (eager, ours))
+    assert _largest(want.logits, got.logits, real) <= 1e-4
+    assert _weights_at_real_queries(got.attentions, want.attentions, real) <= 1e-5
+    projection = torch.randn(want.logits.shape, generator=torch.Generator().manual_seed(0)) * real[..., None]
+    for out in (want, got):
+        (out.logits * projection).sum().backward()
+    _gradients_agree(eager, ours)
+    with torch.no_grad():  # the selection matters here: all blocks kept gives other logits
+        everything = _minimax_m3(16)[1](IDS, attention_mask=mask).logits
+    assert _largest(everything, got.logits, real) > 1e-3
+
+
+def test_minimax_m3_greedy_generation_equals_eager():
+    eager, ours = _minimax_m3(2)
+    with torch.no_grad():
+        want, got = (m.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False) for m in (eager, ours))
+    assert torch.equal(want, got)
+
+
+def test_granite_swa_weights_plus_the_sinks_share_sum_to_one():
+    """The sink's share of each row, ``sigmoid(sink - logsumexp(scores))`` computed here in fp64 from
+    the queries and keys each layer received and the keys eager let it see, is what the returned
+    weights leave out."""
+    config = transformers.GraniteSWAConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention"])
+    eager, ours = _pair(transformers.GraniteSWAForCausalLM, config)
+    for layer in ours.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)  # zeros by default: a share, but a plain one
+    eager.load_state_dict(ours.state_dict())
+    seen = []
+    with torch.no_grad(), recording(lambda module, q, k, v, **options: seen.append((q, k, options))):
+        want, got = (m(IDS, output_attentions=True) for m in (eager, ours))
+    for (q, k, options), theirs, mine in zip(seen, want.attentions, got.attentions):
+        k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, Tk, D)
+        scores = (q.double() @ k.transpose(-1, -2) * options["scale"]).masked_fill(theirs == 0, float("-inf"))
+        share = torch.sigmoid(options["sinks"].double().view(1, -1, 1) - scores.logsumexp(-1))  # (B, H, Tq)
+        assert (mine.double().sum(-1) + share - 1).abs().max().item() <= 1e-5
+        assert share.min().item() > 1e-3  # the sink does take a share
+
+
+# ------------------------------------------------------------------ nothing of attnlab's in a checkpoint
+def test_a_saved_config_holds_nothing_of_attnlabs_and_reloads_equal_to_eager(tmp_path):
+    """Gemma 2 gets eager's masks on attnlab; that choice was an attribute on its config, which
+    save_pretrained wrote into config.json."""
+    import json
+
+    config = transformers.Gemma2Config(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                       attn_logit_softcapping=5.0, max_position_embeddings=64)
+    eager, ours = _pair(transformers.Gemma2ForCausalLM, config)
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not [key for key in saved if "attnlab" in key.lower()]
+    reloaded = transformers.Gemma2ForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME).eval()
+    mask = _padding("left")
+    with torch.no_grad():
+        want, got = (m(IDS, attention_mask=mask).logits for m in (eager, reloaded))
+    assert _largest(want, got, mask.bool()) <= 1e-4
+
+
+# ------------------------------------------------------------------ SAM3-Lite text (RepMixer blocks first and last)
+@pytest.mark.parametrize("layers, calls", [(2, 0), (4, 2)])
+def test_sam3_lite_text_reaches_attnlab_in_its_middle_layers_and_equals_eager(layers, calls):
+    """Its first and last layers are convolutional RepMixer blocks: a 2-layer model (the zoo's tiny
+    size) has no attention to run, while every deeper one (12 layers by default) calls attnlab in
+    the layers between. So the family is not refused while it is built."""
+    config = transformers.Sam3LiteTextTextConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+                                                 intermediate_size=32, projection_dim=16, vocab_size=100)
+    eager, ours = _pair(transformers.Sam3LiteTextTextModel, config)
+    seen = []
+    with torch.no_grad(), recording(lambda module, q, k, v, **options: seen.append(type(module).__name__)):
+        want, got = (m(input_ids=IDS).last_hidden_state for m in (eager, ours))
+    assert len(seen) == calls and _largest(want, got) <= 1e-4

@@ -79,7 +79,8 @@ HONOURED_CASES = {
 
 
 def test_every_honoured_keyword_has_a_case():
-    packed = {"cu_seq_lens_q", "cu_seq_lens_k", "output_attentions"}  # tested on their own below
+    packed = {"cu_seq_lens_q", "cu_seq_lens_k", "position_ids"}  # test_integration_packed.py
+    packed |= {"output_attentions", "block_indices"}  # tested on their own below, on MiniMax-M3
     assert set(HONOURED_KEYWORDS) == set(HONOURED_CASES) | packed
     assert not set(HONOURED_KEYWORDS) & set(IGNORED_KEYWORDS)
 
@@ -111,28 +112,13 @@ def test_output_attentions_returns_the_weights_only_when_asked():
     assert (weights.double() - _eager(q, k, v, allowed=_causal(5, 5))[1]).abs().max().item() <= 1e-6
 
 
-@pytest.mark.parametrize("keyword", ["block_indices", "band_mask", "anything_else"])
+@pytest.mark.parametrize("keyword", ["band_mask", "anything_else"])
 def test_an_unknown_keyword_is_refused_naming_module_and_keyword(keyword):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=f"^Layer {REFUSAL}: it passes the keyword {keyword}, which attnlab"):
         attention_forward(Layer(), q, k, v, None, **{keyword: torch.zeros(2, 4, 5, 1)})
     out, _ = attention_forward(Layer(), q, k, v, None, **{keyword: None})  # a None changes nothing
     assert torch.equal(out, attention_forward(Layer(), q, k, v, None)[0])
-
-
-def test_packed_sequences_need_the_mask_that_separates_them():
-    q, k, v = _qkv()
-    one = torch.tensor([0, 5], dtype=torch.int32)
-    two = torch.tensor([0, 2, 5], dtype=torch.int32)
-    assert torch.equal(attention_forward(Layer(), q, k, v, None, cu_seq_lens_q=one, cu_seq_lens_k=one)[0],
-                       attention_forward(Layer(), q, k, v, None)[0])
-    with pytest.raises(ValueError, match=f"Layer {REFUSAL}: it passes cu_seq_lens_q of 2 packed sequences"):
-        attention_forward(Layer(), q, k, v, None, cu_seq_lens_q=two, cu_seq_lens_k=two)
-    blocks = torch.zeros(5, 5, dtype=torch.bool)
-    blocks[:2, :2], blocks[2:, 2:] = True, True
-    mask = (blocks & _causal(5, 5))[None, None]  # what transformers builds from packed position_ids
-    out, _ = attention_forward(Layer(), q, k, v, mask, scaling=0.3, cu_seq_lens_q=two, cu_seq_lens_k=two)
-    assert (out.double() - _eager(q, k, v, allowed=mask)[0]).abs().max().item() <= 1e-5
 
 
 # ------------------------------------------------------------------ models, against eager

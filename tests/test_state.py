@@ -137,6 +137,9 @@ ALLOWED = {
                                          "not a cache; set_memory_budget(None) restores the default",
     "attnlab.distributed.hybrid._SUBGROUPS": "process groups, one per Ulysses size per parent group, "
                                              "weakly keyed: destroying the parent clears them",
+    "attnlab.integrations.transformers._EAGER_CONFIGS": "one weak reference per live config of a model "
+                                                        "built on attnlab with eager's masks, by id; an "
+                                                        "entry goes with its config",
     "backend flex._compile_error": "a reason per device type; clear_plans()",
     "backend flex._mod_errors": "at most _RECOMPILE_LIMIT reasons, weak keys; clear_plans()",
     "backend flex._variants": "at most _RECOMPILE_LIMIT keys, weak keys; clear_plans()",

@@ -1,7 +1,7 @@
 """Run Hugging Face transformers models on :func:`attnlab.attention`: ``register()``.
 
-Tested with transformers 5.23.0 and 5.24.0 (torch 2.13 CPU); it needs transformers 5.x, whose attention
-layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose mask builders
+Tested with transformers 5.23.0, 5.24.0 and 5.25.0 (torch 2.13 CPU); it needs transformers 5.x, whose
+attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and whose mask builders
 (``masking_utils.create_causal_mask`` / ``create_bidirectional_mask`` / the sliding-window one)
 call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
 
@@ -35,6 +35,12 @@ column dropped (rows sum to less than 1), as gpt-oss's eager code returns them. 
 code returns the softmax over the keys alone and applies the sink to the output afterwards: the
 outputs agree, its returned weights are these divided by their row sums.
 
+Packed documents (``cu_seq_lens_q/k``, or ``position_ids`` restarting at 0 inside a row) are kept
+apart: each token's document ANDs "same document" with the call's mask, causality and window, as
+attnlab's ``document_mod`` where the model built no dense mask, so logits and gradients equal each
+document run alone (docs/models.md, "Packed training"). MiniMax-M3's ``block_indices`` become the
+keys of each selected block on :func:`attnlab.attention`'s top-k path (``indices=``).
+
 Where transformers' sdpa path differs from its eager path, attnlab (on sdpa's masks) follows sdpa:
 a padded query with no key to attend gets a zero row (eager spreads it over every key, so padded
 positions differ), and AIMv2's text layers, which declare ``is_causal=False`` and take a causal mask,
@@ -60,6 +66,7 @@ import inspect
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -75,7 +82,7 @@ __all__ = ["register", "attention_forward", "recording", "DEFAULT_NAME", "TESTED
            "IGNORED_KEYWORDS", "REFUSAL"]
 
 DEFAULT_NAME = "attnlab"
-TESTED_VERSIONS = ("5.23.0", "5.24.0")
+TESTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
@@ -85,20 +92,22 @@ REFUSAL = "cannot run on attnlab"
 # Keywords attention_forward applies, each as transformers' eager/sdpa paths do.
 HONOURED_KEYWORDS = (
     "is_causal", "sliding_window", "softcap", "s_aux", "position_bias", "output_attentions",
-    "cu_seq_lens_q", "cu_seq_lens_k",  # packed sequences: the mask holds them (refused without one)
+    "cu_seq_lens_q", "cu_seq_lens_k",  # packed documents, kept apart (docs/models.md, "Packed training")
+    "position_ids",  # packed documents where they restart inside a row (Tq == Tk)
     "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
+    "block_indices",  # top-k key blocks per query and key head (MiniMax-M3), (B, Hkv, Tq, k)
     "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
 )
 # Keywords that change nothing in transformers' eager and sdpa attention: positions (already
 # rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
 IGNORED_KEYWORDS = (
-    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
+    "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
     "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
     "do_sample", "input_ids",  # a generation option (DiffusionGemma), token ids (GLM-5-Next) let through to layers
+    "logits_to_keep", "decoder_input_ids",  # what to return (LLaVA-OneVision), token ids (Whisper's decoder)
 )
 # Any other keyword with a value other than None is refused, naming the module and the keyword.
-# Among them ``block_indices`` (MiniMax-M3's top-k key blocks per query).
 
 
 def attention_forward(
@@ -112,6 +121,12 @@ def attention_forward(
         attention_mask broadcastable to ``(B, H, Tq, Tk)`` (bool, True = attend; or float,
         added) or None -> ``(out (B, Tq, H, D), weights (B, H, Tq, Tk) or None)``.
 
+    Returns:
+        The output and, when asked for, the weights: the softmax over the keys and, with sinks
+        (``s_aux``, ``sinks``), the sink's column dropped, so each row sums to 1 minus the sink's
+        share. gpt-oss's and Inkling2's eager code return the same; Granite-SWA's eager returns
+        the softmax over the keys alone (rows sum to 1), which is these divided by their row sums.
+
     Args:
         module: the calling attention layer (``is_causal``, ``training``, ``config`` are read).
         query, key, value: projected heads.
@@ -122,7 +137,10 @@ def attention_forward(
             keys a query sees, ending at its own position; applied when there is no prepared
             mask), ``softcap`` (a float), ``s_aux`` (``(H,)`` sink logits), ``sinks`` (``(B, H, Tq, 1)``, one per query), ``position_bias``
             (an additive tensor broadcasting to ``(B, H, Tq, Tk)``), ``indices`` (``(B, Tq, k)``
-            top-k keys per query, intersected with the mask), ``output_attentions``;
+            top-k keys per query, intersected with the mask), ``block_indices`` (``(B, Hkv, Tq, k)``
+            top-k blocks of ``config.index_block_size`` keys, ``-1`` for none: MiniMax-M3),
+            ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``position_ids`` (packed documents, kept
+            apart: :func:`_document_ids`), ``output_attentions``;
             :data:`IGNORED_KEYWORDS` change nothing, as in transformers' eager path.
 
     Raises:
@@ -135,13 +153,13 @@ def attention_forward(
         >>> out, weights = attention_forward(layer, q, kv, kv, None)
         >>> out.shape, weights is None
         (torch.Size([1, 5, 4, 8]), True)
-        >>> attention_forward(layer, q, kv, kv, None, block_indices=torch.zeros(1, 4, 5, 2))
+        >>> attention_forward(layer, q, kv, kv, None, band_mask=torch.zeros(1, 4, 5, 2))
         Traceback (most recent call last):
         ...
-        ValueError: Module cannot run on attnlab: it passes the keyword block_indices, which attnlab does not apply ...
+        ValueError: Module cannot run on attnlab: it passes the keyword band_mask, which attnlab does not apply ...
     """
     _check_kinds(module, query, key, value, attention_mask)
-    _check_keywords(module, kwargs, attention_mask)
+    _check_keywords(module, kwargs)
     tq, tk = query.shape[2], key.shape[2]
     mask = attention_mask
     if mask is not None and mask.shape[-1] > tk:
@@ -151,9 +169,12 @@ def attention_forward(
         mask, causal = _sdpa_rule(module, kwargs, tq, tk)
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)
+    documents = _document_ids(module, kwargs, mask, batch=query.shape[0], tq=tq, tk=tk)
+    if documents is not None:
+        mask, causal = _keep_apart(mask, causal, documents)
     want_weights = _wants_weights(module, kwargs)
     options = dict(mask=mask, causal=causal, align="top_left", scale=scaling, score_mod=_score_mod(kwargs, tk),
-                   sinks=_sinks(kwargs), indices=_indices(kwargs))
+                   sinks=_sinks(kwargs), indices=_indices(module, kwargs, tk))
     recorder = _RECORDER.get()
     if recorder is not None:
         recorder(module, query, key, value, **options)
@@ -207,15 +228,42 @@ def _sinks(kwargs: dict) -> Tensor | None:
     return per_query.squeeze(-1)  # (B, H, Tq)
 
 
-def _indices(kwargs: dict) -> Tensor | None:
-    """Sparse attention's top-k keys ``(B, Tq, k)`` as :func:`attnlab.attention` takes them,
-    ``(B, 1, Tq, k)``: one list per query, shared by the heads; its keys meet the mask."""
-    indices = kwargs.get("indices")
+def _indices(module: nn.Module, kwargs: dict, tk: int) -> Tensor | None:
+    """Sparse attention's selected keys as :func:`attnlab.attention` takes them, ``(B, 1|Hkv, Tq, k)``,
+    ``-1`` for none; the call's mask still applies to them.
+
+    DeepSeek-V3.2's ``indices`` ``(B, Tq, k)`` list keys, one list per query shared by the heads.
+    MiniMax-M3's ``block_indices`` ``(B, Hkv, Tq, k)`` list blocks of ``config.index_block_size``
+    keys per key head (``-1``: none), which its eager code expands to every key of each block:
+    so are they here, the slots past the last key dropped.
+    """
+    indices, blocks = kwargs.get("indices"), kwargs.get("block_indices")
+    if indices is not None and blocks is not None:
+        raise ValueError("indices and block_indices were both passed; a layer selects keys one way")
+    if blocks is not None:
+        return _keys_of_blocks(module, blocks, tk)
     if indices is None:
         return None
     if not isinstance(indices, Tensor) or indices.ndim != 3:
         raise ValueError(f"indices must be a (B, Tq, k) tensor of key positions, got {_describe(indices)}")
     return indices.unsqueeze(1)  # (B, 1, Tq, k)
+
+
+def _keys_of_blocks(module: nn.Module, blocks: object, tk: int) -> Tensor:
+    """``block_indices`` ``(B, Hkv, Tq, kb)`` as the keys of those blocks ``(B, Hkv, Tq, min(kb * size, Tk))``."""
+    size = getattr(getattr(module, "config", None), "index_block_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise _refusal(type(module).__name__, "it passes block_indices but its config has no positive "
+                                              f"index_block_size (got {size!r}), so its blocks' keys are unknown")
+    if not isinstance(blocks, Tensor) or blocks.ndim != 4 or blocks.is_floating_point():
+        raise ValueError(f"block_indices must be a (B, Hkv, Tq, k) integer tensor of key blocks, "
+                         f"got {_describe(blocks)}")
+    offsets = torch.arange(size, device=blocks.device)
+    keys = blocks.long()[..., None] * size + offsets  # (B, Hkv, Tq, kb, size)
+    keys = keys.masked_fill((blocks[..., None] < 0) | (keys >= tk), -1).flatten(-2)  # (B, Hkv, Tq, kb * size)
+    if keys.shape[-1] > tk:  # a last block cut short: at most tk keys are listed, -1 sorted last
+        keys = keys.sort(dim=-1, descending=True).values[..., :tk]
+    return keys
 
 
 def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_masks.MaskMod | None, bool]:
@@ -236,12 +284,80 @@ def _sdpa_rule(module: nn.Module, kwargs: dict, tq: int, tk: int) -> tuple[_mask
     return None, causal
 
 
+def _document_ids(module: nn.Module, kwargs: dict, mask: object, *, batch: int, tq: int, tk: int) -> Tensor | None:
+    """The document of each token of a packed call, ``(B|1, T)`` int64, or None when it packs none.
+
+    From ``cu_seq_lens_q``/``cu_seq_lens_k`` (the boundaries flash paths receive; they index the
+    ``B * T`` tokens flattened, and tokens past the last boundary form one more document), else
+    from ``position_ids`` ``(B|1, T)``: a document starts at each real token of position 0 inside a
+    row, as DataCollatorWithFlattening writes them. A padded token (a key the model's dense
+    ``mask`` shows to no query) starts none: ``generate`` gives padded tokens position 0 or 1,
+    and a right-padded row's last, padded query must still see the real keys, as in eager. A
+    step up by more than one (a grid of image patches) starts none either. Positions are read
+    only when queries and keys are the same tokens (``Tq == Tk``): with a cache, the cached
+    keys' documents are unknown and the model's mask alone applies, as in transformers' eager
+    and sdpa paths.
+
+    Raises:
+        ValueError: boundaries that are not a 1-D ascending integer tensor from 0 within the
+            ``B * T`` tokens, or that cannot keep documents apart (queries and keys of
+            different lengths or with different boundaries), naming the module's class.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        return _ids_from_boundaries(type(module).__name__, cu_q, cu_k, batch=batch, tq=tq, tk=tk)
+    positions = kwargs.get("position_ids")
+    if tq != tk or tq < 2 or not isinstance(positions, Tensor) or positions.ndim != 2 \
+            or positions.shape[-1] != tq or positions.is_floating_point():
+        return None
+    restarts = positions[:, 1:] == 0  # (B|1, T - 1)
+    if isinstance(mask, Tensor) and mask.ndim == 4:
+        seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        restarts = restarts & seen.any(dim=-2).any(dim=1)[:, 1:]  # real keys only, (B|1, T - 1)
+    if not bool(restarts.any()):
+        return None
+    return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1)  # (B|1, T)
+
+
+def _ids_from_boundaries(owner: str, cu_q: object, cu_k: object, *, batch: int, tq: int, tk: int) -> Tensor:
+    """Document ids ``(B, T)`` from ``cu_seq_lens`` (see :func:`_document_ids`)."""
+    for name, value in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if not isinstance(value, Tensor) or value.ndim != 1 or value.numel() < 2 or value.is_floating_point():
+            raise ValueError(f"{name} must be a 1-D integer tensor of document boundaries, got {_describe(value)}")
+    if tq != tk or cu_q.shape != cu_k.shape or not torch.equal(cu_q.to(torch.int64), cu_k.to(torch.int64)):
+        raise _refusal(owner, "its packed documents cannot be kept apart: cu_seq_lens_q and cu_seq_lens_k "
+                              f"differ (or queries {tq} and keys {tk} differ in length), so a query's own "
+                              "document among the keys is unknown")
+    bounds = cu_q.to(torch.int64)
+    if bounds[0].item() != 0 or bool((bounds.diff() < 0).any()) or bounds[-1].item() > batch * tq:
+        raise ValueError(f"cu_seq_lens_q must ascend from 0 to at most the {batch * tq} tokens of the call, "
+                         f"got {bounds.tolist()}")
+    flat = torch.arange(batch * tq, device=bounds.device)
+    return torch.searchsorted(bounds[1:], flat, right=True).view(batch, tq)  # (B, T)
+
+
+def _keep_apart(mask: Tensor | _masks.MaskMod | None, causal: bool, documents: Tensor):
+    """``(mask, causal)`` ANDed with "a query sees only keys of its own document".
+
+    A dense mask the model built stays dense (the other documents' keys become False, or
+    ``-inf`` in a float mask) beside ``causal``; otherwise the rule is attnlab's document mask
+    mod, causal as the call is, ANDed with a window mod, so the fast paths skip other documents.
+    """
+    if isinstance(mask, Tensor):
+        same = documents[:, None, :, None] == documents[:, None, None, :]  # (B|1, 1, T, T)
+        if mask.dtype == torch.bool:
+            return mask & same, causal
+        return mask.masked_fill(~same, float("-inf")), causal
+    apart = _masks.document_mod(documents, causal=causal)
+    return (apart if mask is None else apart & mask), False
+
+
 def _refusal(subject: str, reason: str) -> ValueError:
     """The one wording of a refused model or keyword."""
     return ValueError(f"{subject} {REFUSAL}: {reason}")
 
 
-def _check_keywords(module: nn.Module, kwargs: dict, mask: Tensor | None) -> None:
+def _check_keywords(module: nn.Module, kwargs: dict) -> None:
     """Refuse, rather than drop, a keyword attnlab does not apply (one whose value is not None)."""
     for name, value in kwargs.items():
         if value is None or name in IGNORED_KEYWORDS:
@@ -250,10 +366,6 @@ def _check_keywords(module: nn.Module, kwargs: dict, mask: Tensor | None) -> Non
             raise _refusal(type(module).__name__,
                            f"it passes the keyword {name}, which attnlab does not apply (its value: "
                            f"{_describe(value)}); computing without it would give another attention")
-        if name.startswith("cu_seq_lens") and mask is None and isinstance(value, Tensor) and value.shape[0] > 2:
-            raise _refusal(type(module).__name__,
-                           f"it passes {name} of {value.shape[0] - 1} packed sequences and no mask that "
-                           "separates them; pass position_ids so that transformers builds that mask")
 
 
 def _describe(value: object) -> str:
@@ -317,15 +429,42 @@ def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
     layer returns through forward hooks while its output collector holds an ``...attentions``
     entry, whatever keyword the layer passes (GPT-2 pops it; Voxtral's encoder layers pass
     ``output_attentions=False`` themselves): the collector is what transformers consults, so it
-    decides first. Then an ``output_attentions`` keyword; outside both, ``config.output_attentions``.
+    decides first. Then an ``output_attentions`` keyword; then the layer's own ``output_attentions``
+    parameter where it keeps it from the attention function (:func:`_layer_parameter`, Falcon);
+    outside all of them, ``config.output_attentions``.
     """
     asked = kwargs.get("output_attentions")
     recording = _recorded_outputs()
     if recording is not None and any(key.endswith("attentions") for key in recording):
         return True
+    if asked is None and recording is None:
+        asked = _layer_parameter(module, "output_attentions")
     if asked is not None or recording is not None:
         return bool(asked)
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
+def _layer_parameter(module: nn.Module, name: str, *, depth: int = 8) -> object:
+    """The value of parameter ``name`` of ``module``'s own ``forward`` in the call running now, or None.
+
+    Falcon's attention layer takes ``output_attentions`` as a parameter of its ``forward`` and
+    calls the attention function without it, while its model returns each layer's weights when
+    it is True: the layer's frame is the only place that says so. Only a frame running
+    ``type(module).forward``'s own code (decorators unwrapped) among the ``depth`` nearest
+    callers is read, and only a name that ``forward`` declares.
+    """
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    if code is None or name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None
 
 
 def _recorded_outputs() -> dict | None:
@@ -341,9 +480,11 @@ def _recorded_outputs() -> dict | None:
     return None
 
 
-# The config attribute that marks a model transformers has not validated with sdpa: it gets
-# eager's masks. Set on the model's own config at build time, so nothing process-wide remembers it.
-_EAGER_MASKS = "_attnlab_eager_masks"
+# The configs of models transformers has not validated with sdpa: they get eager's masks. Kept
+# here, by the config's id with a weak reference to it, never on the config itself: an attribute
+# there was written into config.json by save_pretrained (a config is unhashable, so no
+# WeakKeyDictionary). An entry goes with its config.
+_EAGER_CONFIGS: dict[int, weakref.ref] = {}
 # A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
 _CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
 _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
@@ -351,16 +492,24 @@ _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILI
 
 def _eager_masks(config: object) -> bool:
     """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`)."""
-    return getattr(config, _EAGER_MASKS, False) is True
+    ref = _EAGER_CONFIGS.get(id(config))
+    return ref is not None and ref() is config
 
 
 def _remember_masks(config: object, *, eager: bool) -> None:
-    """Mark ``config`` with its model's mask convention (a mark only where eager's, so that a
-    config of an sdpa model is left as it was)."""
-    if eager:
-        setattr(config, _EAGER_MASKS, True)
-    elif _EAGER_MASKS in vars(config):
-        delattr(config, _EAGER_MASKS)
+    """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it)."""
+    key = id(config)
+    if not eager:
+        _EAGER_CONFIGS.pop(key, None)
+        return
+    if not _eager_masks(config):
+        _EAGER_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(key, dead))
+
+
+def _forget(key: int, dead: weakref.ref) -> None:
+    """Drop a dead config's entry (unless its id already serves a newer config)."""
+    if _EAGER_CONFIGS.get(key) is dead:
+        del _EAGER_CONFIGS[key]
 
 
 def _attention_outside_interface(model_class: type) -> str | None:
