@@ -50,8 +50,6 @@ def _oracle(q, k, v, make, tensors):
 @pytest.mark.parametrize("backend", ["auto", "blocks", "chunked", "reference", "plan"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_an_in_place_edit_of_a_held_mods_tensors_is_seen(case, backend, dtype):
-    if backend == "blocks" and case == "padding":
-        pytest.skip("blocks declines a mod without kv_bounds")
     tensors, make, edit = CASES[case](dtype)
     mod = make(*tensors)
     q, k, v = _inputs()
