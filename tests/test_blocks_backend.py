@@ -157,20 +157,36 @@ def test_skips_blocks_outside_the_bounds():
 @pytest.mark.parametrize(
     "options, words",
     [
-        (dict(mask=torch.ones(6, 6, dtype=torch.bool)), "dense bool mask"),
         (dict(mask=torch.zeros(6, 6)), "dense float mask"),
-        (dict(), "nothing to skip"),
-        (dict(mask=lambda b, h, i, j: i >= j), "declares no kv_bounds"),
-        (dict(mask=masks.or_masks(masks.causal_mod(6, 6), lambda b, h, i, j: i == j)), "declares no kv_bounds"),
         (dict(causal=True, dropout_p=0.1), "no dropout"),
     ],
 )
-def test_declines_what_it_cannot_skip_or_keep_exact(options, words):
+def test_declines_what_it_cannot_keep_exact(options, words):
     q = torch.randn(1, 1, 6, 4)
     why_not = reasons(build_call(q, q, q, **options))["blocks"]
     assert any(words in reason for reason in why_not), why_not
     with pytest.raises(ValueError, match="cannot serve"):
         attnlab.attention(q, q, q, backend="blocks", **options)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (dict(mask=torch.tensor([[True, False, True, True, False, True]] * 6)), "dense bool mask"),
+        (dict(), "nothing to skip"),
+        (dict(mask=lambda b, h, i, j: i >= j), "declares no kv_bounds"),
+        (dict(mask=masks.or_masks(masks.causal_mod(6, 6), lambda b, h, i, j: i == j)), "declares no kv_bounds"),
+    ],
+)
+def test_auto_passes_over_what_it_cannot_skip_but_named_it_serves_it(options, words):
+    """Nothing to skip is a reason auto prefers another backend, not a refusal: named, blocks
+    computes the call exactly (a module's decoding step; tests/test_module_backends.py)."""
+    q, k, v, _ = _inputs(1, 2, 2, 6, 6, 4, 4, seed=3)
+    why_not = reasons(build_call(q, k, v, **options))["blocks"]
+    assert any(words in reason for reason in why_not), why_not
+    got = attnlab.attention(q, k, v, backend="blocks", **options)
+    want = attnlab.attention(q, k, v, backend="reference", **options)
+    assert torch.allclose(got, want, atol=1e-10)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
@@ -330,8 +346,7 @@ def test_a_prepared_mask_is_planned_once_and_is_a_snapshot(monkeypatch):
     assert len(plans) == 1 and torch.equal(first, again)
     want = get("reference").forward(build_call(q, k, v, mask=masks.document_mod(ids.clone()))).out
     assert torch.allclose(first, want, atol=1e-10)
-    mod.ids[0, 15:] = 9  # documents 1-3 become one document
-    mod._first, mod._end = (t.tolist() for t in masks._occurrence_bounds(mod.ids))
+    ids[15:] = 9  # documents 1-3 become one document: the mod's bounds follow the edit
     assert torch.equal(blocks_attention(build_call(q, k, v, mask=prepared), block=8).out, first)  # a snapshot
     have = blocks_attention(build_call(q, k, v, mask=mod), block=8).out
     edited = get("reference").forward(build_call(q, k, v, mask=mod)).out

@@ -162,7 +162,7 @@ def test_why_for_a_named_backend_and_echo(capsys):
 def test_auto_asks_only_the_preferred_backend_when_its_rule_claims_the_call(monkeypatch):
     asked = []
     real = dispatch.reasons_of
-    monkeypatch.setattr(dispatch, "reasons_of", lambda backend, call: asked.append(backend.name) or real(backend, call))
+    monkeypatch.setattr(dispatch, "reasons_of", lambda backend, call, **named: asked.append(backend.name) or real(backend, call, **named))
     q = torch.randn(1, 2, 64, 8)
     for options in (dict(), dict(causal=True), dict(mask=torch.rand(64, 64) > 0.5), dict(mask=torch.zeros(64, 64))):
         asked.clear()

@@ -8,11 +8,13 @@ gradients, plus verify's fp32 floor.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
 
+import attnlab
 from attnlab import masks, verify
 from attnlab.nn import MultiHeadAttention, from_torch, to_torch
 
@@ -145,3 +147,47 @@ def test_torch_compile_matches_eager_causal_and_padded():
         torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(compiled(x, padding_mask=real), module(x, padding_mask=real),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("option, words", [
+    (dict(sinks=True), "sinks (learned)"),
+    (dict(window=3), "window=3"),
+    (dict(softcap=5.0), "softcap=5.0"),
+    (dict(chunk=4), "chunk=4"),
+    (dict(positions="alibi"), "positions=ALiBi"),
+    (dict(positions="rope"), "positions=RotaryEmbedding"),
+    (dict(num_kv_heads=1), "num_kv_heads=1"),
+    (dict(attention=lambda q, k, v, **options: attnlab.attention(q, k, v, **options)), "attention="),
+])
+def test_to_torch_refuses_what_torch_cannot_express_naming_it(option, words):
+    """Each of these changes the output (sinks, window, softcap, chunk were dropped without a
+    word, 0.40, 0.27, 0.0018, 0.60 off): refused, never converted to a different module."""
+    ours = MultiHeadAttention(E, E, num_heads=H, causal=True, **option)
+    with pytest.raises(ValueError, match="torch.nn.MultiheadAttention cannot express .*" + re.escape(words)):
+        to_torch(ours)
+
+
+@pytest.mark.parametrize("option", [dict(), dict(context_length=64), dict(dropout_p=0.25),
+                                    dict(kdim=10, vdim=7), dict(qkv_bias=False, out_bias=False),
+                                    dict(backend="chunked")])
+def test_to_torch_converts_every_other_setting_to_equal_outputs(option):
+    """What converts computes the same: outputs and weights equal torch's module on the same
+    weights (causal through torch's attn_mask), and dropout is carried as torch's."""
+    torch.manual_seed(5)
+    ours = MultiHeadAttention(E, E, num_heads=H, causal=True, **{"qkv_bias": True, **option}).eval()
+    ref = to_torch(ours).eval()
+    assert ref.dropout == ours.dropout_p
+    query, key, value = _inputs(2, 2, 9, 9, ours.kdim, ours.vdim)
+    cross = ours.kdim != E
+    mask = None if cross else masks.causal_mask(9)
+    got, w_got = ours(query, context=key if cross else None, value_input=value if cross else None,
+                      mask=mask, return_weights=True)
+    want, w_want = ref(query, key if cross else query, value if cross else query,
+                       attn_mask=None if cross else ~mask, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w_got, w_want, atol=1e-5, rtol=0)
+
+
+def test_from_torch_refuses_add_zero_attn():
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        from_torch(nn.MultiheadAttention(E, H, add_zero_attn=True))

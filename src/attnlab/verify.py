@@ -77,7 +77,7 @@ from attnlab._checks import positive_int
 from attnlab.functional import attention
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
-           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS",
+           "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS", "flash_backward_bound",
            "FLEX_SCORE_KINDS", "FLEX_HALF_SCORE_KINDS"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
@@ -412,7 +412,7 @@ class _Memo:
     """
 
     def __init__(self, size: int = 1024):
-        self.size, self._inputs, self._oracles = size, {}, {}
+        self.size, self._inputs, self._oracles, self._weights = size, {}, {}, {}
 
     def inputs(self, config: Config) -> tuple:
         """:func:`_inputs` of ``config``."""
@@ -423,6 +423,15 @@ class _Memo:
         return self._kept(self._oracles, (config, dtype, with_grad), lambda: (
             _run(config, torch.float64, "reference", with_grad, self, laid_out=False, oracle_of=dtype),
             _run(config, dtype, "reference", with_grad, self, laid_out=False)))
+
+    def weights(self, config: Config) -> Tensor:
+        """The fp64 reference's weights ``(B, Hq, Tq, Tk)`` of ``config`` (sinks excluded)."""
+        def make() -> Tensor:
+            q, k, v, _ = _laid_out(config, torch.float64, False, False, self)
+            options, _ = _options(config, torch.float64, False, self)
+            with torch.no_grad():
+                return attention(q, k, v, backend="reference", return_weights=True, **options)[1]
+        return self._kept(self._weights, config, make)
 
     def _kept(self, store: dict, key, make):
         if key not in store:
@@ -670,7 +679,7 @@ def _compare(config: Config, dtype: torch.dtype, memo: _Memo, oracle: tuple, got
     # (dq, dk are exactly 0 with one key, yet a fused kernel's rounding is not).
     magnitude = max((float(t.abs().max()) for t in exact[:4] if t.numel()), default=0.0)
     reduction = max(config.head_dim, config.value_dim, config.tk)
-    bound = _flash_backward_bound(memo.inputs(config)[:4], config, dtype, reduction)
+    bound = _flash_backward_bound(config, dtype, memo, reduction) if len(got) > 1 else {}
     errors, allowed = [], []
     for i, have in zip(which, got):
         size, terms, held = magnitude, reduction, dtype
@@ -689,18 +698,64 @@ def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
     return dtype if other is None or _FLOORS[dtype] >= _FLOORS[other] else other
 
 
-def _flash_backward_bound(inputs: tuple, config: Config, dtype: torch.dtype, reduction: int) -> dict[int, float]:
-    """The documented extra error of dq (1) and dk (2) in a FlashAttention-2 backward
-    (docs/contract.md, "Scale"): ``D = rowsum(dO * O)`` is rounded another way than ``dP``, about
-    ``u * max|dO| * max|v| * sqrt(K)`` per score, times ``|scale| * max|k|`` in dq (``max|q|``
-    in dk); ``u`` the unit roundoff of the fp32 (fp64) arithmetic."""
-    q, k, v, d_out = inputs
+def _flash_backward_bound(config: Config, dtype: torch.dtype, memo: _Memo, reduction: int) -> dict[int, float]:
+    """:func:`flash_backward_bound` of ``config``'s inputs (dq, dk)."""
+    q, k, v, d_out = memo.inputs(config)[:4]
     if min(t.numel() for t in (q, k, v)) == 0:
         return {}
     scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
+    return flash_backward_bound(q, k, v, d_out, memo.weights(config), scale=scale, dtype=dtype, reduction=reduction)
+
+
+def flash_backward_bound(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, weights: Tensor, *, scale: float,
+                         dtype: torch.dtype, reduction: int | None = None) -> dict[int, float]:
+    """The extra error a FlashAttention-2 backward may add to dq (1) and dk (2) in
+    ``dtype``'s arithmetic (fp32 for half inputs), beyond the testing rule (docs/contract.md,
+    "Scale"), from the exact problem (``u`` the unit roundoff, ``K = max(D, Dv, Tk)``):
+
+    * ``D = rowsum(dO * O)`` is rounded another way than ``dP``: ``u * max|dO| * max|v| * sqrt(K)``
+      per score;
+    * each weight is recomputed as ``exp(s - lse)`` from rounded scores and a rounded lse, a
+      relative error of up to ``delta = u * (max|s| + max|lse|)`` (over attended pairs):
+      ``dS = P (dP - D)`` then errs by ``delta`` times ``A = P * |dP - D|``, which row ``i``
+      sums for dq and the rows reading key ``j`` (every query head of its group) sum for dk.
+
+    dq adds ``|scale| * max|k|`` times the per-row sum, dk ``|scale| * max|q|`` times the
+    per-key one. At moderate logits ``delta`` is a few ``u``; it grows with the logits, where
+    the textbook backward's own error does not.
+
+    Args:
+        q, k, v, d_out: the call's fp64 tensors ``(B, Hq, Tq, D)``, ``(B, Hkv, Tk, D|Dv)``,
+            ``(B, Hq, Tq, Dv)``.
+        weights: the exact weights ``(B, Hq, Tq, Tk)`` (fp64 reference, sinks excluded); the
+            scores are recomputed from q and k, so a score mod's terms are not counted in ``s``.
+        scale: the call's scale; dtype: the compared dtype; reduction: ``K`` (default from the shapes).
+
+    Example:
+        >>> q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(3))
+        >>> w = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        >>> bound = flash_backward_bound(q, k, v, torch.ones_like(q), w, scale=1.0, dtype=torch.float32)
+        >>> sorted(bound), all(0 < b < 1e-3 for b in bound.values())
+        ([1, 2], True)
+    """
     unit = 2.0**-53 if dtype == torch.float64 else 2.0**-24
-    per_score = unit * float(d_out.abs().max() * v.abs().max()) * math.sqrt(reduction) * abs(scale)
-    return {1: per_score * float(k.abs().max()), 2: per_score * float(q.abs().max())}
+    groups = q.shape[1] // k.shape[1]
+    keys, values = (t.repeat_interleave(groups, 1) for t in (k, v))  # (B, Hq, Tk, D|Dv)
+    tk = k.shape[-2]
+    reduction = max(q.shape[-1], v.shape[-1], tk) if reduction is None else reduction
+    d_probs = d_out @ values.transpose(-2, -1)  # dP (B, Hq, Tq, Tk)
+    delta_row = (weights * d_probs).sum(-1, keepdim=True)  # D (B, Hq, Tq, 1)
+    spread = weights * (d_probs - delta_row).abs()  # A (B, Hq, Tq, Tk)
+    scores = scale * (q @ keys.transpose(-2, -1))  # s (B, Hq, Tq, Tk), score mods left out
+    top = weights.argmax(-1, keepdim=True)  # each row's heaviest key: lse = s - log P there
+    heaviest = weights.gather(-1, top)
+    lse = torch.where(heaviest > 0, scores.gather(-1, top) - heaviest.clamp_min(1e-300).log(), 0.0)
+    visible = torch.where(weights > 0, scores.abs(), 0.0)
+    rel = unit * (float(visible.max()) + float(lse.abs().max()))  # delta = u (max|s| + max|lse|)
+    per_key = (lambda t: t.unflatten(1, (k.shape[1], groups)).sum(dim=(2, 3)))  # (B, Hkv, Tk)
+    rounding = unit * float(d_out.abs().max() * v.abs().max()) * math.sqrt(reduction)
+    return {1: abs(scale) * float(k.abs().max()) * (rounding + rel * float(spread.sum(-1).max())),
+            2: abs(scale) * float(q.abs().max()) * (rounding + rel * float(per_key(spread).max()))}
 
 
 # Grad mode crossed with the inputs that require grad, as (grad enabled, inputs): a backend

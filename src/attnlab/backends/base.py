@@ -145,6 +145,19 @@ class Backend:
         """
         return []
 
+    def passed_over(self, call: AttentionCall) -> list[str]:
+        """Why ``backend="auto"`` passes this backend over for ``call`` although it computes
+        the call exactly (default none): a cost, not a correctness limit, so a caller who
+        names the backend is served (a module's decoding step with nothing to skip).
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 3, 4)
+            >>> Backend().passed_over(build_call(q, q, q))
+            []
+        """
+        return []
+
     def memory_for(self, call: AttentionCall) -> str:
         """``"linear"`` or ``"quadratic"``: the extra memory this backend needs for ``call``.
 

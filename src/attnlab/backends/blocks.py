@@ -332,6 +332,28 @@ def _planned_runs(call: AttentionCall, mod: Callable, block: int | None) -> tupl
     return mod.remember(key, plan)
 
 
+class _DenseMod(_masks.MaskMod):
+    """A call's bool mask ``(B|1, H|1, Tq|1, Tk|1)`` as a mask mod, so that blocks plans from
+    it as from a mod without bounds (every key block reachable)."""
+
+    def __init__(self, allowed: Tensor):
+        self.allowed = allowed
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        index = (i if size > 1 else i * 0 for i, size in zip((b, h, q_idx, kv_idx), self.allowed.shape))
+        return self.allowed[tuple(index)]
+
+
+def _planned_mod(call: AttentionCall) -> Callable:
+    """The call's whole mask as one mask mod for planning: its mask mod (with causal), a bool
+    mask ANDed in, and every key (``CausalMod(Tk)``) when nothing is masked."""
+    mod = call.mask_mod()
+    if call.mask_kind == "bool":
+        dense = _DenseMod(call.mask)
+        return dense if mod is None else _masks.and_masks(mod, dense)
+    return _masks.CausalMod(call.tk) if mod is None else mod
+
+
 def _merged_stride(t: Tensor) -> int | None:
     """The one stride that steps through the batch and head axes of ``(B, H, ...)`` ``t`` as
     a single axis ``b*H + h``, or None when there is none.
@@ -747,7 +769,7 @@ def blocks_gradients(call: AttentionCall, *, out: Tensor, lse: Tensor, d_out: Te
     if call.score_mod is not None or call.sinks is not None:
         raise ValueError("blocks_gradients: a call with a score mod or sinks differentiates through "
                          "blocks_attention itself")
-    runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), None)
+    runs = () if call.batch == 0 else _planned_runs(call, _planned_mod(call), None)
     return _block_backward(_Plan(call, runs, 1.0, call.scale), d_out, (call.q, call.k, call.v), out, lse, None, False,
                            frozenset(), ())[:3]
 
@@ -773,7 +795,7 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block must be a positive int or None, got {block!r}")
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
-    runs = () if call.batch == 0 else _planned_runs(call, call.mask_mod(), block)
+    runs = () if call.batch == 0 else _planned_runs(call, _planned_mod(call), block)
     params = call.score_mod.params() if call.score_mod is not None else ()
     out, lse = _BlocksFunction.apply(_Plan(call, runs, *kernel_scales(call)), call.q, call.k, call.v, call.sinks,
                                      *params)
@@ -812,14 +834,23 @@ class BlocksBackend(Backend):
         return None
 
     def limits(self, call: AttentionCall) -> list[str]:
-        """Only mask mods with bounds are worth it; only additive score mods (the kernel's mask)."""
+        """What blocks cannot compute: a score mod that is not additive (the kernel's mask
+        carries it), a dense float mask."""
         mod = call.score_mod
         if mod is not None and not mod.additive:
             return [f"blocks adds a score mod only through the kernel's float mask; {mod!r} is not "
                     "additive (chunked serves it in O(T) memory)"]
-        if call.mask_kind in ("bool", "float"):
-            return [f"blocks skips key blocks by a mask mod's kv_bounds; a dense {call.mask_kind} "
-                    "mask declares none (pass a mask mod from attnlab.masks)"]
+        if call.mask_kind == "float":
+            return ["blocks plans from a mask mod or a bool mask; a dense float mask is neither "
+                    "(sdpa and chunked serve it)"]
+        return []
+
+    def passed_over(self, call: AttentionCall) -> list[str]:
+        """Only mask mods with bounds are worth it; named, blocks serves the rest exactly (a
+        decoding step, a padding mask) as one span of every key."""
+        if call.mask_kind == "bool":
+            return ["blocks skips key blocks by a mask mod's kv_bounds; a dense bool mask declares "
+                    "none (pass a mask mod from attnlab.masks)"]
         if call.mask_kind == "none":
             return ["blocks has nothing to skip without a mask mod or causal (sdpa runs it densely)"]
         if _bounds_missing(call.mask_mod(), call.tq):

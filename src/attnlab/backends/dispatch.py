@@ -206,8 +206,10 @@ def check_backend_name(name: object) -> str:
     return one_of("backend", name, ("auto", *registry()))
 
 
-def reasons_of(backend: Backend, call: AttentionCall) -> list[str]:
-    """Why ``backend`` cannot serve ``call`` (empty list: it can).
+def reasons_of(backend: Backend, call: AttentionCall, *, named: bool = False) -> list[str]:
+    """Why ``backend`` cannot serve ``call`` (empty list: it can): for ``backend="auto"``
+    (the default) what it cannot compute exactly and what auto passes it over for
+    (:meth:`Backend.passed_over`), for a caller who ``named`` it the first only.
 
     Example:
         >>> import torch
@@ -215,9 +217,14 @@ def reasons_of(backend: Backend, call: AttentionCall) -> list[str]:
         >>> q = torch.randn(1, 1, 3, 4)
         >>> reasons_of(get("reference"), build_call(q, q, q))
         []
+        >>> reasons_of(get("blocks"), build_call(q, q, q)), reasons_of(get("blocks"), build_call(q, q, q), named=True)
+        (['blocks has nothing to skip without a mask mod or causal (sdpa runs it densely)'], [])
     """
     unavailable = backend.unavailable_reason()
-    return [unavailable] if unavailable else backend.not_supported_reasons(call)
+    if unavailable:
+        return [unavailable]
+    found = backend.not_supported_reasons(call)
+    return found if named else found + backend.passed_over(call)
 
 
 def reasons(call: AttentionCall) -> dict[str, list[str]]:
@@ -272,7 +279,7 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     """
     if name != "auto":
         backend = get(check_backend_name(name))
-        why_not = reasons_of(backend, call)  # only the named backend's, not every one's
+        why_not = reasons_of(backend, call, named=True)  # only the named backend's, not every one's
         if why_not:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(why_not))
         return backend

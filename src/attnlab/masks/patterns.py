@@ -427,7 +427,7 @@ def _document_rows(document_ids: Tensor) -> Tensor:
             f"document_ids must be a (T,) or (B, T) integer tensor, got shape "
             f"{tuple(ids.shape)} dtype {ids.dtype}"
         )
-    return (ids if ids.ndim == 2 else ids[None]).to(torch.int64)  # (B|1, T)
+    return ids if ids.ndim == 2 else ids[None]  # (B|1, T), a view: an in-place edit reaches it
 
 
 def _occurrence_bounds(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -438,7 +438,8 @@ def _occurrence_bounds(ids: Tensor) -> tuple[Tensor, Tensor]:
     """
     rows, length = ids.shape
     pos = torch.arange(length, device=ids.device)
-    first, end = torch.empty_like(ids), torch.empty_like(ids)
+    first = torch.empty(rows, length, dtype=torch.int64, device=ids.device)
+    end = torch.empty_like(first)
     for r in range(rows):
         _, inverse = torch.unique(ids[r], return_inverse=True)
         slots = int(inverse.max()) + 1 if length else 0
@@ -462,13 +463,27 @@ class DocumentMod(MaskMod):
     def __init__(self, document_ids: Tensor, *, causal: bool = True, offset: int = 0):
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        self.ids = _document_rows(document_ids)  # (B|1, T)
+        self.ids = _document_rows(document_ids)  # (B|1, T), the caller's tensor (a view of it)
         self.causal = causal
         self.offset = non_negative_int("offset", offset)
-        # (B|1, T) each, read once here as Python lists: kv_bounds then reads no tensor values
-        # (dispatch asks it, and dispatch must trace); meta ids have no values to bound by
-        bounds = _occurrence_bounds(self.ids) if has_values(self.ids) else None
-        self._first, self._end = (bounds[0].tolist(), bounds[1].tolist()) if bounds else (None, None)
+        self._seen: int | None = None  # the ids' version the bounds below were read at
+        self._first: list | None = None
+        self._end: list | None = None
+        self._occurrences()
+
+    def _occurrences(self) -> tuple[list | None, list | None]:
+        """Per position, the first occurrence of its id and one past the last, ``(B|1, T)``
+        Python lists (None for meta ids), read again whenever the ids were edited in place
+        (``Tensor._version``): one integer compared per call, so kv_bounds reads no tensor
+        value (dispatch asks it, and dispatch must trace) and is never stale. While tracing,
+        the bounds read before are kept (the backends that skip by them decline then)."""
+        if not has_values(self.ids) or torch.compiler.is_compiling():
+            return self._first, self._end
+        version = self.ids._version
+        if version != self._seen:
+            first, end = _occurrence_bounds(self.ids)
+            self._first, self._end, self._seen = first.tolist(), end.tolist(), version
+        return self._first, self._end
 
     def __call__(self, b, h, q_idx, kv_idx):
         pos = q_idx + self.offset
@@ -482,16 +497,17 @@ class DocumentMod(MaskMod):
     def kv_bounds(self, q_start, q_end):
         start = max(0, q_start + self.offset)
         stop = min(self.ids.shape[1], q_end + self.offset)
-        if self._first is None:
+        first, end = self._occurrences()
+        if first is None:
             return None
         if stop <= start or self.ids.shape[0] == 0:  # no positions, or ids for an empty batch
             return 0, 0
-        lo = min(min(row[start:stop]) for row in self._first)
-        hi = max(max(row[start:stop]) for row in self._end)
+        lo = min(min(row[start:stop]) for row in first)
+        hi = max(max(row[start:stop]) for row in end)
         return lo, max(lo, min(hi, stop) if self.causal else hi)
 
     def row_ranges(self, q, tk):
-        ids = self.ids.to(q.device)  # (B|1, L)
+        ids = self.ids.to(q.device, torch.int64)  # (B|1, L)
         pos = q[0] + self.offset
         return 0, (q + self.offset) if self.causal else tk - 1, (ids[:, pos], ids[:, :tk])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnlab.functional import attention
 from attnlab.nn.multihead import MultiHeadAttention
 
 __all__ = ["from_torch", "to_torch"]
@@ -56,8 +57,11 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
 
     Raises:
         TypeError: ``mha`` is not a :class:`~attnlab.nn.MultiHeadAttention`.
-        ValueError: ``d_in != d_out``, grouped-query heads, or a positions part (torch's
-            module cannot express them).
+        ValueError: a setting torch's module cannot express, each named with its value:
+            ``d_in != d_out``, grouped-query heads, a positions part (RoPE, ALiBi), a
+            ``window``, a ``chunk``, a ``softcap``, learned ``sinks``, or an attention part
+            other than :func:`attnlab.attention` (context parallelism's). ``context_length``
+            (a length check) and ``backend`` do not change outputs and are not carried.
 
     Example:
         >>> mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).eval()
@@ -68,12 +72,11 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     """
     if not isinstance(mha, MultiHeadAttention):
         raise TypeError(f"mha must be an attnlab MultiHeadAttention, got {type(mha).__name__}")
-    if mha.d_in != mha.d_out or mha.num_kv_heads != mha.num_heads or mha.positions is not None:
-        raise ValueError(
-            "torch.nn.MultiheadAttention needs d_in == d_out, num_kv_heads == num_heads and no "
-            f"positions part; got d_in={mha.d_in}, d_out={mha.d_out}, num_kv_heads={mha.num_kv_heads}, "
-            f"positions={mha.positions!r}"
-        )
+    inexpressible = _inexpressible(mha)
+    if inexpressible:
+        raise ValueError(f"torch.nn.MultiheadAttention cannot express {', '.join(inexpressible)} "
+                         f"of this module (it needs d_in == d_out, num_kv_heads == num_heads, no positions, "
+                         "window, chunk, softcap or sinks, and attnlab.attention as the attention part)")
     weight = mha.out_proj.weight
     has_bias = mha.in_proj_bias is not None or mha.out_proj.bias is not None
     module = nn.MultiheadAttention(
@@ -82,6 +85,25 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     )
     _copy_projections(mha, module, to_torch=True)
     return module.train(mha.training)
+
+
+def _inexpressible(mha: MultiHeadAttention) -> list[str]:
+    """``name=value`` of each of ``mha``'s settings that torch's module has no counterpart for.
+
+    Every other attribute is carried: the projections and biases, ``kdim``/``vdim``, dropout,
+    dtype, device and training mode; the scale is ``1/sqrt(head_dim)`` on both. ``causal`` is
+    an argument of torch's call (``attn_mask``), ``context_length`` a length check only, and
+    ``backend`` where attnlab computes, none of them a change of the output."""
+    found = [] if mha.d_in == mha.d_out else [f"d_in={mha.d_in} != d_out={mha.d_out}"]
+    if mha.num_kv_heads != mha.num_heads:
+        found.append(f"num_kv_heads={mha.num_kv_heads} (grouped heads)")
+    for name in ("positions", "window", "chunk", "softcap", "sinks"):
+        value = getattr(mha, name)
+        if value is not None:
+            found.append("sinks (learned)" if name == "sinks" else f"{name}={value!r}")
+    if mha.attention is not attention:
+        found.append(f"attention={getattr(mha.attention, '__qualname__', mha.attention)!r}")
+    return found
 
 
 def _copy_projections(ours: MultiHeadAttention, theirs: nn.MultiheadAttention, *, to_torch: bool) -> None:

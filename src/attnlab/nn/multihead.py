@@ -22,7 +22,9 @@ from torch import Tensor, nn
 
 from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, one_of, positive_int,
                              positive_number, probability)
-from attnlab.backends import check_backend_name
+from attnlab.backends import build_call, check_backend_name
+from attnlab.backends import get as get_backend
+from attnlab.backends.dispatch import reasons_of
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
@@ -193,6 +195,7 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"attention must be a function with attnlab.attention's signature, got "
                             f"{type(attention).__name__}")
         self.attention = attention
+        self._refuse_backend()
 
     def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
         """The positions part from its name or as given (its sizes checked)."""
@@ -214,6 +217,24 @@ class MultiHeadAttention(nn.Module):
     def alibi_slopes(self) -> Tensor | None:
         """ALiBi's slopes ``(num_heads,)`` when the positions part is ALiBi, else None."""
         return self.positions.slopes if isinstance(self.positions, ALiBi) else None
+
+    def _refuse_backend(self) -> None:
+        """``ValueError`` when the named backend declines what every call of this module
+        carries (its softcap, ALiBi or sinks): refused here, not at its first call. Asked of
+        a small CPU call with and without them, so only the reasons they add count."""
+        if self.backend == "auto":
+            return
+        q = torch.zeros(1, self.num_heads, 2, 2)  # (B, H, T, D)
+        sinks = None if self.sinks is None else self.sinks.detach().cpu()
+        backend = get_backend(self.backend)
+        plain = reasons_of(backend, build_call(q, q, q), named=True)
+        added = [reason for reason in reasons_of(backend, build_call(
+            q, q, q, score_mod=self._score_mod(0, False), sinks=sinks), named=True) if reason not in plain]
+        if added:
+            raise ValueError(f"backend={self.backend!r} cannot serve this module's calls (softcap="
+                             f"{self.softcap}, sinks={self.sinks is not None}, positions="
+                             f"{type(self.positions).__name__ if self.positions is not None else None}): "
+                             + "; ".join(added))
 
     def _score_mod(self, offset: int, cross: bool) -> _scores.ScoreMod | None:
         """The softcap, then ALiBi at query positions ``offset + i`` (self-attention only)."""
