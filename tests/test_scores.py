@@ -878,3 +878,35 @@ def test_sdpa_sinks_by_lse_under_vmap_and_batched_gradcheck():
         assert torch.autograd.gradcheck(
             lambda q, k, v, s: attnlab.attention(q, k, v, causal=True, sinks=s, backend="sdpa"),
             leaves, check_batched_grad=True)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "blocks", "auto"])
+@pytest.mark.parametrize("layout", ["contiguous", "expanded-and-transposed"])
+def test_a_t5_table_gradient_is_zero_where_no_visible_pair_reads_it(backend, layout):
+    """The sweep's case: an 8-bucket table (max distance 1000, offset 53), a causal document mask,
+    Tq=65, Tk=100, bottom-right, scale 3; a table entry no visible pair reads gets exactly 0."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Tq, Tk, D = 2, 2, 65, 100, 16
+    q = torch.randn(B, Tq, H, D, generator=g, dtype=F64).transpose(1, 2)  # (B, H, Tq, D), transposed
+    k = torch.randn(1, H, Tk, D, generator=g, dtype=F64).expand(B, H, Tk, D)  # stride 0 over the batch
+    v = torch.randn(B, H, Tk, D, generator=g, dtype=F64)
+    if layout == "contiguous":
+        q, k = q.contiguous(), k.contiguous()
+    ids = (torch.arange(Tk) >= 60).long() + (torch.arange(Tk) >= 90).long()  # documents 0..59, 60..89, 90..99
+    grad_out = torch.randn(B, H, Tq, D, generator=g, dtype=F64)
+    base = torch.randn(8, H, generator=g, dtype=F64)
+
+    def table_grad(dtype, name):
+        table = base.to(dtype).clone().requires_grad_()
+        mod = scores.relative_bias(table, num_buckets=8, max_distance=1000, bidirectional=False, offset=53)
+        out = attnlab.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=attnlab.masks.document_mod(ids),
+                                causal=True, align="bottom_right", scale=3.0, score_mod=mod, backend=name)
+        out.backward(grad_out.to(dtype))
+        return table.grad.double()
+
+    expected = table_grad(F64, "reference")
+    got = table_grad(torch.float32, backend)
+    unread = expected == 0
+    assert unread.any() and (~unread).any()  # the case has both kinds of entries
+    assert torch.equal(got[unread], torch.zeros_like(got[unread]))
+    assert torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
