@@ -28,7 +28,8 @@ def verify(
     family: list[str] = typer.Option(None, "--family", metavar="NAME",
                                      help="With --transformers: only this family (repeatable, or a comma list)."),
     json_out: Path = typer.Option(None, "--json", metavar="FILE",
-                                  help="With --transformers: write the per-family results as JSON."),
+                                  help="With --transformers: write the per-family results as JSON ('-': "
+                                       "stdout, the tables then go to stderr)."),
     markdown: Path = typer.Option(None, "--markdown", metavar="FILE.md",
                                   help="With --transformers: write the per-family status table (markdown)."),
     time_limit: float = typer.Option(None, "--time-limit", metavar="SECONDS", show_default=False,
@@ -90,7 +91,7 @@ def _verify_transformers(family: list[str] | None, json_out: Path | None, markdo
     if markdown is not None and markdown.suffix != ".md":
         fail(f"--markdown writes Markdown: give a file name ending in .md, got {str(markdown)!r}")
     for option, path in (("--json", json_out), ("--markdown", markdown)):
-        if path is not None:
+        if path is not None and str(path) != "-":
             _check_writable(option, path)
     try:
         from attnlab import zoo
@@ -100,7 +101,8 @@ def _verify_transformers(family: list[str] | None, json_out: Path | None, markdo
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(width=max(120, Console().width))
+    # With --json -, stdout holds the JSON document alone: the progress and the tables go to stderr.
+    console = Console(width=max(120, Console().width), stderr=json_out is not None and str(json_out) == "-")
     start, results = time.perf_counter(), []
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
