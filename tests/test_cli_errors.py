@@ -57,6 +57,9 @@ def assert_one_error_line(result, *words: str, code: int = 2) -> str:
     (["--memory-budget", "nan"], "--memory-budget"),
     (["--memory-budget", "inf"], "--memory-budget"),
     (["--memory-budget", "lots"], "--memory-budget"),
+    (["--memory-budget", "1e30"], "--memory-budget"),  # past int64 bytes: was a traceback
+    (["--memory-budget", str(10**30)], "--memory-budget"),
+    (["--memory-budget", str(2**42 + 1)], "--memory-budget"),
 ])
 def test_backends_refuses_bad_options(args, option):
     assert_one_error_line(runner.invoke(app, ["backends", *args]), option)

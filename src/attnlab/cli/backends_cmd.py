@@ -78,12 +78,18 @@ def backends_command(
     typer.echo(text)
 
 
+_MAX_BUDGET_MIB = 2**42  # 2**62 bytes: the largest budget dispatch takes (sizes are int64)
+
+
 def _budget_bytes(mib: float | None) -> int | None:
-    """``--memory-budget`` in bytes (None: the default); refused unless a finite number >= 0."""
+    """``--memory-budget`` in bytes (None: the default); refused unless a finite number >= 0 that
+    dispatch can hold (at most 2**62 bytes, as every size it reads is an int64)."""
     if mib is None:
         return None
     if not mib >= 0 or mib == float("inf"):
         fail(f"--memory-budget must be a finite number of MiB >= 0, got {mib}")
+    if mib > _MAX_BUDGET_MIB:
+        fail(f"--memory-budget must be at most {_MAX_BUDGET_MIB} MiB (2**62 bytes), got {mib:g}")
     return int(mib * 2**20)
 
 
