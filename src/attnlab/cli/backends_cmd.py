@@ -6,6 +6,7 @@ import typer
 
 from attnlab._checks import divisible, non_negative_int, one_of, positive_int, probability
 from attnlab.cli._errors import at_most, fail, option_errors
+from attnlab.cli._help import HelpCommand
 from attnlab.cli._memory import refuse_if_too_big
 from attnlab.masks import ALIGNMENTS
 
@@ -204,4 +205,4 @@ def _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, paddin
 
 def register(app: typer.Typer) -> None:
     """Add the ``backends`` command to ``app``."""
-    app.command("backends")(backends_command)
+    app.command("backends", cls=HelpCommand)(backends_command)

@@ -16,6 +16,7 @@ import typer
 
 from attnlab._checks import positive_int
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
+from attnlab.cli._help import HelpCommand
 from attnlab.models import GPT
 
 
@@ -91,4 +92,4 @@ def _print_stream(prompt: str, tokens, chars: list[str] | None) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
-    app.command("generate")(generate)
+    app.command("generate", cls=HelpCommand)(generate)

@@ -12,6 +12,7 @@ import typer
 from attnlab._checks import one_of, positive_int
 from attnlab._checks import positive_number
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
+from attnlab.cli._help import HelpCommand
 from attnlab.cli.bench_cmd import _check_writable, _write
 
 ZOO_COMMAND = "OMP_NUM_THREADS=1 attnlab verify --transformers --markdown FILE.md"
@@ -212,4 +213,4 @@ def _print_summary(console, results, names, dtypes) -> bool:
 
 def register(app: typer.Typer) -> None:
     """Add the ``verify`` command to ``app``."""
-    app.command("verify")(verify)
+    app.command("verify", cls=HelpCommand)(verify)
