@@ -182,12 +182,15 @@ def test_explain_bounds_its_sizes(args, option, cap, tmp_path):
     RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"),
 ])
 def test_out_of_memory_becomes_one_line(error, monkeypatch, tmp_path):
-    from attnlab.cli import explain_cmd
+    import functools
 
+    from attnlab import explain
+
+    @functools.wraps(explain.trace)  # its signature: the command reads the walk's defaults there
     def trace(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(explain_cmd, "trace", trace)
+    monkeypatch.setattr(explain, "trace", trace)  # the command imports it when it runs
     assert_one_error_line(runner.invoke(app, ["explain", "--out", str(tmp_path)]), "out of memory",
                           "smaller sizes")
 
