@@ -269,7 +269,7 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     from attnlab.cli import _trained_walk as trained_walk
 
     encoder = trained_walk.load(model)
-    view = trained_walk.view_for(encoder, sentence, truncate=truncate)
+    view, cut = trained_walk.view_for(encoder, sentence, truncate=truncate)
     trained_walk.check_ranges(view, layer, head)
     with option_errors():
         focus = view.index(query)
@@ -278,6 +278,8 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     trained_walk.check_ranges(view, layer, head)  # --head must be one of this layer's heads
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
+    if cut is not None:
+        console.print(cut, markup=False, soft_wrap=True)
     trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special, top=top)
     if trained_walk.has_sinks(encoder):
         trained_walk.narrate_sinks(console, view, focus)
