@@ -1,5 +1,6 @@
 """``attnlab verify``, ``attnlab backends`` and ``attnlab bench`` through typer's CliRunner."""
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -113,3 +114,12 @@ def test_bench_json_to_stdout_is_one_document(monkeypatch):
     document = json.loads(result.stdout)
     assert [row["implementation"] for row in document["rows"]] == ["sdpa"]
     assert "machine:" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["1e30", str(10**30), str(7 * 24 * 3600 + 1)])
+def test_verify_transformers_refuses_a_time_limit_past_a_week(value):
+    """A limit past what the family's alarm can hold crashed every family ("timestamp out of range")."""
+    from test_cli_errors import assert_one_error_line
+
+    assert_one_error_line(runner.invoke(app, ["verify", "--transformers", "--family", "vit", "--time-limit", value]),
+                          "--time-limit must be at most 604800")

@@ -16,6 +16,7 @@ from attnlab.cli._help import HelpCommand
 from attnlab.cli.bench_cmd import _check_writable, _write
 
 ZOO_COMMAND = "OMP_NUM_THREADS=1 attnlab verify --transformers --markdown FILE.md"
+MAX_TIME_LIMIT = 7 * 24 * 3600  # seconds one family may take, at most
 
 
 def verify(
@@ -89,6 +90,8 @@ def _verify_transformers(family: list[str] | None, json_out: Path | None, markdo
     """``--transformers``: every family (or the named ones) against eager, a summary, exit 1 on a bug."""
     with option_errors():
         positive_number("--time-limit", time_limit)
+    if time_limit > MAX_TIME_LIMIT:  # the family's alarm cannot be set that far: it crashed every family
+        fail(f"--time-limit must be at most {MAX_TIME_LIMIT} seconds (a week), got {time_limit:g}")
     if markdown is not None and markdown.suffix != ".md":
         fail(f"--markdown writes Markdown: give a file name ending in .md, got {str(markdown)!r}")
     for option, path in (("--json", json_out), ("--markdown", markdown)):
