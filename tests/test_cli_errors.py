@@ -245,3 +245,20 @@ def test_backends_memory_budget_changes_the_choice_and_is_restored():
     assert "memory budget 64.0 MiB (default" in roomy.output
     assert "memory budget 0.0 MiB (set by" in tight.output and "sdpa: over the memory budget" in tight.output
     assert backends.dispatch._BUDGET[0] == before
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layer", "1"], ["--layer is for a trained model"]),
+    (["--head", "0"], ["--head is for a trained model"]),
+    (["--hide-special"], ["--hide-special is for a trained model"]),
+    (["--truncate"], ["--truncate is for a trained model"]),
+    (["--size", "64"], ["--size is for --mask"]),
+    (["--model", "minilm", "--d-model", "8"], ["--d-model is for the tutorial walk"]),
+    (["--model", "minilm", "--causal"], ["--causal is for the tutorial walk"]),
+    (["--model", "minilm", "--seed", "5"], ["--seed is for the tutorial walk"]),
+])
+def test_explain_refuses_an_option_that_would_do_nothing(args, words, tmp_path):
+    """Each of these was accepted and ignored (exit 0): an option is honoured or refused."""
+    out = tmp_path / "out"
+    assert_one_error_line(runner.invoke(app, ["explain", *args, "--out", str(out)]), *words)
+    assert not out.exists()

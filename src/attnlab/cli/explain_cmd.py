@@ -37,9 +37,19 @@ MAX_GENERATE = 256
 MAX_WALK_TOKENS = 512  # the step-by-step walk's words (its report holds every T x T table)
 MAX_TEXT_MB = 10  # --text-file: a few hundred thousand tokens, more than any view is useful for
 MAX_MASK_SIZE = 131072  # --mask: the map is 1024 blocks a side at most
+MASK_SIZE = 4096  # --mask's queries and keys unless --size says
+TRAINED_ONLY = "a trained model (--model minilm or a model directory)"
+WALK_ONLY = "the tutorial walk (--model tutorial)"
 # The walk's options left out take trace's defaults (attnlab.explain is their home); --help reads them there.
 _TRACE_OPTIONS = {"mode": "mode", "d_model": "d_model", "d_kq": "d_kq", "d_v": "d_v", "seed": "seed",
                   "dropout": "dropout_p"}
+
+
+def _refuse_unused(options: dict[str, object], purpose: str) -> None:
+    """Refuse the first of ``options`` given (not None or False): each serves only ``purpose``."""
+    for option, value in options.items():
+        if value is not None and value is not False:
+            fail(f"{option} is for {purpose}; it would do nothing here")
 
 
 def _walk_options(given: dict) -> dict:
@@ -110,7 +120,8 @@ def explain(
                                       "generation.html, where each head looked for each of them."),
     mask: str = typer.Option(None, "--mask", help="Draw a mask's block map instead: causal, window:N, chunk:N, "
                                                   "prefix:N or document:L1,L2,... (joined by &); writes mask.html."),
-    size: int = typer.Option(4096, "--size", help=f"With --mask: queries and keys (at most {MAX_MASK_SIZE})."),
+    size: int = typer.Option(None, "--size", show_default=str(MASK_SIZE),
+                             help=f"With --mask: queries and keys (at most {MAX_MASK_SIZE})."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
     fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
@@ -128,8 +139,13 @@ def explain(
                 fail("give the text once: as SENTENCE (or --sentence) or with --text-file, not both")
             sentence = read_text_file(text_file)
         if mask is not None:
-            _explain_mask(mask, size=size, out=out)
+            _explain_mask(mask, size=MASK_SIZE if size is None else size, out=out)
             return
+        _refuse_unused({"--size": size}, "--mask")
+        walk_only = {"--mode": mode, "--context": context, "--heads": heads, "--d-model": d_model, "--d-kq": d_kq,
+                     "--d-v": d_v, "--seed": seed, "--causal": causal, "--dropout": dropout, "--softcap": softcap,
+                     "--alibi": alibi, "--sinks": sinks, "--sink-logit": sink_logit}
+        model_only = {"--layer": layer, "--head": head, "--hide-special": hide_special}
         if fmt not in FORMATS:
             fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
         if generate is not None:
@@ -143,7 +159,9 @@ def explain(
         if model != TUTORIAL:
             from attnlab.cli import _lens_walk as lens_walk
 
+            _refuse_unused(walk_only, WALK_ONLY)
             if lens_walk.wants_lens(model):
+                _refuse_unused(model_only, "a BERT or attnlab GPT model (--model minilm or its directory)")
                 _explain_lens(sentence, model=model, query=query, truncate=truncate, generate=generate, out=out,
                               fmt=fmt, no_color=no_color)
                 return
@@ -153,6 +171,7 @@ def explain(
             _explain_trained(sentence, model=model, query=query, layer=layer, head=head, hide_special=hide_special,
                              truncate=truncate, out=out, fmt=fmt, no_color=no_color)
             return
+        _refuse_unused({**model_only, "--truncate": truncate}, TRAINED_ONLY)
         from attnlab.explain import trace
 
         walk = _walk_options(dict(mode=mode, d_model=d_model, d_kq=d_kq, d_v=d_v, seed=seed, dropout=dropout))
