@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -585,6 +586,9 @@ def _finish(trainer: _train.Trainer, result: _train.TrainResult, out: Path, cons
     """Scores, ablation, summary, figures; metrics.json gets the heads and the summary."""
     from attnlab import train as _train
 
+    if not math.isfinite(result.metrics["loss"]):  # the weights hold inf or NaN: nothing left to analyse
+        fail(f"training diverged: the held-out loss is {result.metrics['loss']} after {result.metrics['steps']} "
+             f"steps (checkpoint in {str(out)!r}); try a smaller --lr than {trainer.config.lr:g}")
     analysis = _train.analyze(trainer)
     metrics = {**result.metrics, **{k: analysis[k] for k in ("heads", "summary", "induction_heads_ablated")
                                      if k in analysis}}
