@@ -24,7 +24,7 @@ COMMANDS = ("explain", "train", "generate", "verify", "backends", "bench", "kv-m
 # Modules a command imports when it runs, never at start-up: the lab tools and their heavy dependencies.
 HEAVY = ("transformers", "matplotlib", "torch._dynamo", "attnlab.train", "attnlab.trained", "attnlab.verify",
          "attnlab.zoo", "attnlab.viz", "attnlab.lens", "attnlab.explain", "attnlab.bench", "attnlab.tutorial",
-         "attnlab.cli._lens_walk", "attnlab.cli._trained_walk")
+         "attnlab.cli._lens_walk", "attnlab.cli._trained_walk", "attnlab.distributed", "attnlab.models")
 
 
 def _loaded_after(code: str) -> list[str]:

@@ -505,7 +505,7 @@ def test_resume_refuses_sinks_or_softcap_the_checkpoint_was_not_trained_with(che
 ])
 def test_bad_context_parallel_options_are_refused_before_any_rank_starts(tmp_path, monkeypatch, args, words):
     started = []
-    monkeypatch.setattr("attnlab.cli.train_cmd.run_local", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("attnlab.distributed.launch.run_local", lambda *a, **k: started.append(a))
     out = tmp_path / "out"
     assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), *words)
     assert not started and not out.exists()
@@ -517,7 +517,7 @@ def test_a_rank_that_fails_leaves_no_empty_out_folder(tmp_path, monkeypatch):
     from attnlab.distributed.launch import Outcome
 
     failed = [Outcome(rank=r, error="ValueError: refused on purpose", trace="") for r in range(2)]
-    monkeypatch.setattr("attnlab.cli.train_cmd.run_local", lambda *a, **k: failed)
+    monkeypatch.setattr("attnlab.distributed.launch.run_local", lambda *a, **k: failed)
     out = tmp_path / "new" / "out"
     result = runner.invoke(app, ["train", "--context-parallel", "2", *TINY, "--out", str(out)])
     assert result.exit_code == 2 and "Traceback" not in result.output

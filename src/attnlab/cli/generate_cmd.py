@@ -17,7 +17,6 @@ import typer
 from attnlab._checks import positive_int
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
 from attnlab.cli._help import HelpCommand
-from attnlab.models import GPT
 
 
 def generate(
@@ -37,6 +36,8 @@ def generate(
             positive_int("--top-k", top_k)
         if not temperature >= 0:
             raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    from attnlab.models import GPT
+
     try:
         gpt = GPT.from_pretrained(model)
     except (FileNotFoundError, ValueError) as err:

@@ -41,15 +41,10 @@ from pathlib import Path
 import torch
 import typer
 
-from attnlab import io as _io
 from attnlab._checks import one_of, per_layer, positive_int, positive_number
 from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, at_most, check_seed, fail, option_errors
 from attnlab.cli._help import command_class
 from attnlab.cli._memory import refuse_if_too_big
-from attnlab.distributed import METHODS, sequence_layout
-from attnlab.distributed.launch import run_local
-from attnlab.distributed.layout import check_length
-from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE, POSITIONS
 from attnlab.nn.native_sparse import paper_sizes
 
 DEFAULT_OUT = Path("attnlab-train")
@@ -72,7 +67,7 @@ def train(
                              help=f"Seed of the initial weights and the data, 0 to {MAX_SEED} (default 0)."),
     device: str = typer.Option("cpu", "--device", help="torch device (cpu, cuda, ...)."),
     positions: str = typer.Option(None, "--positions",
-                                  help=f"{' or '.join(POSITIONS)}."),
+                                  help="How the model knows token order."),
     text: Path = typer.Option(None, "--text", help="--task text: the UTF-8 text file to model."),
     softcap: float = typer.Option(None, "--softcap", help="Cap every attention score with C*tanh(score/C) "
                                                           "(Gemma 2); C > 0."),
@@ -191,6 +186,7 @@ def _shown(name: str, value) -> str:
 def _check_options(given: dict, steps: int | None, threads: int) -> None:
     """Check every value on its own, naming its option; parse ``--heads`` in place. Nothing is read or written."""
     from attnlab import train as _train
+    from attnlab.models.gpt import POSITIONS
 
     if "seed" in given:
         check_seed(given["seed"])
@@ -326,6 +322,7 @@ def _check_variant(task: str, given: dict) -> None:
     """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim,
     --chunk, --topk and --nsa-block for its L, M, C, T and S layers, none without them (over --layers)."""
     from attnlab import train as _train
+    from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
 
     layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
     pattern = given.get("layer_pattern")
@@ -356,6 +353,8 @@ def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
     """--sinks, --softcap and --positions alibi are options of the multi-head layers: the layers
     built with their own module (latent, differential, gated, sparse) take none, and local layers'
     windowed cache does not keep keys in ALiBi's order; --nsa-block is a multiple of 4."""
+    from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
+
     alibi = given.get("positions") == "alibi"
     used = [flag for flag, on in (("--positions alibi", alibi), ("--softcap", "softcap" in given),
                                   ("--sinks", given.get("sinks", False))) if on]
@@ -443,6 +442,8 @@ def _under_torchrun() -> bool:
 
 def _check_sharding(world: int | None, method: str | None, ulysses: int | None, device: str) -> _Sharding | None:
     """The ``--context-parallel`` options checked on their own (None without them); nothing starts."""
+    from attnlab.distributed import METHODS
+
     if world is None:
         for flag, value in (("--cp-method", method), ("--cp-ulysses", ulysses)):
             if value is not None:
@@ -476,6 +477,8 @@ def _check_shardable(trainer: _train.Trainer, sharding: _Sharding) -> None:
     """Refuse, before any rank starts, a model or task the sharding cannot split. Every layer
     runs its whole attention sharded (global and local layers: window, softcap, sinks, ALiBi,
     RoPE); latent (MLA) layers do not run context-parallel."""
+    from attnlab.distributed import sequence_layout
+    from attnlab.distributed.layout import check_length
     from attnlab.trained import format_heads
 
     c = trainer.config
@@ -525,6 +528,7 @@ def _local_ranks(run: _train.ShardedRun, world: int) -> list[dict]:
     The launcher ignores Ctrl-C while they train: the ranks get it too, agree to stop after the
     same step, and rank 0 saves the checkpoint."""
     from attnlab import train as _train
+    from attnlab.distributed.launch import run_local
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -584,6 +588,7 @@ def _run(trainer: _train.Trainer, out: Path, console) -> _train.TrainResult:
 
 def _finish(trainer: _train.Trainer, result: _train.TrainResult, out: Path, console) -> None:
     """Scores, ablation, summary, figures; metrics.json gets the heads and the summary."""
+    from attnlab import io as _io
     from attnlab import train as _train
 
     if not math.isfinite(result.metrics["loss"]):  # the weights hold inf or NaN: nothing left to analyse
@@ -627,12 +632,14 @@ def _print_heads(console, heads: dict) -> None:
 def _help_defaults() -> dict[str, str]:
     """The defaults ``train --help`` shows: each task's, from :data:`attnlab.train.TASK_DEFAULTS`."""
     from attnlab import train as _train
+    from attnlab.models.gpt import POSITIONS
 
     shown = {"task": f"induction; the tasks: {', '.join(_train.TASKS)}"}
     for name in ("layers", "heads", "d_model", "attention_only", "steps", "batch_size", "lr", "positions"):
         by_task = {task: _shown(name, defaults[name]).split()[-1] for task, defaults in _train.TASK_DEFAULTS.items()}
         values = set(by_task.values())
         shown[name] = values.pop() if len(values) == 1 else ", ".join(f"{task} {v}" for task, v in by_task.items())
+    shown["positions"] += f"; one of {', '.join(POSITIONS)}"
     return shown
 
 
