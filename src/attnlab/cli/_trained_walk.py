@@ -119,17 +119,22 @@ def view_for(encoder: BertEncoder | GPTWalker, sentence: str, *, truncate: bool)
         view = trace_model(encoder, sentence, truncate=truncate)
     except ValueError as err:
         fail(str(err).replace("truncate=True", "--truncate"))
-    return view, _truncation_note(every, len(view.pieces), unit)
+    kept = len(view.pieces)
+    end = len(every) - 1 if every and every[-1] == "[SEP]" else len(every)  # BERT keeps its closing [SEP]
+    return view, truncation_note(kept, len(every), every[end - (len(every) - kept):end], unit)
 
 
-def _truncation_note(every: list[str], kept: int, unit: str) -> str | None:
-    """``kept the first 512 of 690 word pieces; dropped 178: 'served', 'with', ...`` (None: nothing cut)."""
-    if len(every) <= kept:
+def truncation_note(kept: int, total: int, dropped: list[str], unit: str) -> str | None:
+    """What ``--truncate`` cut, in one line (None when nothing was).
+
+    Example:
+        >>> truncation_note(512, 514, ["served", "wine"], "word pieces")
+        "--truncate kept the first 512 of 514 word pieces; dropped 2: 'served', 'wine'"
+    """
+    if total <= kept:
         return None
-    end = len(every) - 1 if every[-1] == "[SEP]" else len(every)  # BERT keeps its closing [SEP]
-    dropped = every[end - (len(every) - kept):end]
     shown = ", ".join(repr(piece) for piece in dropped[:TABLE_ROWS // 3])
-    return (f"--truncate kept the first {kept} of {len(every)} {unit}; dropped {len(dropped)}: {shown}"
+    return (f"--truncate kept the first {kept} of {total} {unit}; dropped {len(dropped)}: {shown}"
             + (", ..." if len(dropped) > TABLE_ROWS // 3 else ""))
 
 
