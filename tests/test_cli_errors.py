@@ -57,6 +57,9 @@ def assert_one_error_line(result, *words: str, code: int = 2) -> str:
     (["--memory-budget", "nan"], "--memory-budget"),
     (["--memory-budget", "inf"], "--memory-budget"),
     (["--memory-budget", "lots"], "--memory-budget"),
+    (["--memory-budget", "1e30"], "--memory-budget"),  # past int64 bytes: was a traceback
+    (["--memory-budget", str(10**30)], "--memory-budget"),
+    (["--memory-budget", str(2**42 + 1)], "--memory-budget"),
 ])
 def test_backends_refuses_bad_options(args, option):
     assert_one_error_line(runner.invoke(app, ["backends", *args]), option)
@@ -179,12 +182,15 @@ def test_explain_bounds_its_sizes(args, option, cap, tmp_path):
     RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"),
 ])
 def test_out_of_memory_becomes_one_line(error, monkeypatch, tmp_path):
-    from attnlab.cli import explain_cmd
+    import functools
 
+    from attnlab import explain
+
+    @functools.wraps(explain.trace)  # its signature: the command reads the walk's defaults there
     def trace(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(explain_cmd, "trace", trace)
+    monkeypatch.setattr(explain, "trace", trace)  # the command imports it when it runs
     assert_one_error_line(runner.invoke(app, ["explain", "--out", str(tmp_path)]), "out of memory",
                           "smaller sizes")
 
@@ -239,3 +245,20 @@ def test_backends_memory_budget_changes_the_choice_and_is_restored():
     assert "memory budget 64.0 MiB (default" in roomy.output
     assert "memory budget 0.0 MiB (set by" in tight.output and "sdpa: over the memory budget" in tight.output
     assert backends.dispatch._BUDGET[0] == before
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layer", "1"], ["--layer is for a trained model"]),
+    (["--head", "0"], ["--head is for a trained model"]),
+    (["--hide-special"], ["--hide-special is for a trained model"]),
+    (["--truncate"], ["--truncate is for a trained model"]),
+    (["--size", "64"], ["--size is for --mask"]),
+    (["--model", "minilm", "--d-model", "8"], ["--d-model is for the tutorial walk"]),
+    (["--model", "minilm", "--causal"], ["--causal is for the tutorial walk"]),
+    (["--model", "minilm", "--seed", "5"], ["--seed is for the tutorial walk"]),
+])
+def test_explain_refuses_an_option_that_would_do_nothing(args, words, tmp_path):
+    """Each of these was accepted and ignored (exit 0): an option is honoured or refused."""
+    out = tmp_path / "out"
+    assert_one_error_line(runner.invoke(app, ["explain", *args, "--out", str(out)]), *words)
+    assert not out.exists()

@@ -110,7 +110,9 @@ def test_default_walk_without_the_model_says_how_to_get_it(tmp_path, monkeypatch
     (["--model", "minilm", "--layer", "6"], ["--layer must be in 0..5"]),
     (["--model", "minilm", "--layer", "-1"], ["--layer must be in 0..5"]),
     (["--model", "minilm", "--head", "12"], ["--head must be in 0..11"]),
-    (["--model", "minilm", "word " * 600], ["more than", "512", "--truncate"]),
+    # in the command's terms: "word" is one piece, so 600 of them and [CLS], [SEP] are 602
+    (["--model", "minilm", "word " * 600], ["the text is 602 word pieces", "the model takes at most 512",
+                                            "pass --truncate to keep the first 512"]),
 ])
 def test_model_errors_are_one_line(args, words, tmp_path):
     assert_one_error_line(_explain(*args, tmp_path=tmp_path), *words)
@@ -123,7 +125,16 @@ def test_truncate_cuts_a_sentence_longer_than_the_model(tmp_path):
     assert result.exit_code == 0, result.output
     # 510 pieces of "word" fit; the final "it" is cut, so the query falls back to the last word.
     assert "The word 'word' attends to most" in result.output
-    assert len(re.findall(r"^ word\s+2773\s+word", result.output, flags=re.M)) == 510
+    # it says what it cut: [CLS], 510 pieces and [SEP] kept of 603; 90 x 'word' and 'it' dropped
+    lines = result.output.splitlines()
+    assert lines[0].startswith("--truncate kept the first 512 of 603 word pieces; dropped 91: 'word', 'word'"), \
+        lines[0]
+    # and prints a bounded amount: the first rows of each per-piece or per-word list, then how many more
+    from attnlab.cli._trained_walk import TABLE_ROWS
+
+    assert len(re.findall(r"^ word\s+2773\s+word", result.output, flags=re.M)) == TABLE_ROWS - 1  # after [CLS]
+    assert f"... and {512 - TABLE_ROWS} more pieces (the first {TABLE_ROWS} of 512 shown)" in result.output
+    assert len(lines) < 4 * TABLE_ROWS, len(lines)  # it printed over a thousand lines
     # the head view holds the links it may draw, not 72 x 512 x 512 weights (that page was 122 MB)
     assert (tmp_path / "report.html").stat().st_size < 8_000_000
 

@@ -132,6 +132,8 @@ def test_truncate_cuts_an_input_longer_than_the_model(tiny, tmp_path):
     result = _explain("--model", str(tiny["llama"]), "the " * 70, "--truncate", "--format", "html", tmp_path=tmp_path)
     assert result.exit_code == 0, result.output
     assert "Tokens (64):" in result.output
+    # and says what it cut (it was silent): 70 tokens, 64 positions
+    assert "--truncate kept the first 64 of 70 tokens; dropped 6: " in result.output
 
 
 def test_a_roberta_takes_its_positions_less_the_padding_offset(tiny, tmp_path):
@@ -148,6 +150,7 @@ def test_a_roberta_takes_its_positions_less_the_padding_offset(tiny, tmp_path):
     cut = _explain("--model", str(tiny["roberta"]), "the " * 70, "--truncate", "--format", "html", tmp_path=tmp_path)
     assert cut.exit_code == 0, cut.output
     assert "Tokens (63):" in cut.output
+    assert "--truncate kept the first 63 of 72 tokens; dropped 9: " in cut.output  # [CLS] + 70 + [SEP]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "header"])

@@ -505,7 +505,7 @@ def test_resume_refuses_sinks_or_softcap_the_checkpoint_was_not_trained_with(che
 ])
 def test_bad_context_parallel_options_are_refused_before_any_rank_starts(tmp_path, monkeypatch, args, words):
     started = []
-    monkeypatch.setattr("attnlab.cli.train_cmd.run_local", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("attnlab.distributed.launch.run_local", lambda *a, **k: started.append(a))
     out = tmp_path / "out"
     assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), *words)
     assert not started and not out.exists()
@@ -517,7 +517,7 @@ def test_a_rank_that_fails_leaves_no_empty_out_folder(tmp_path, monkeypatch):
     from attnlab.distributed.launch import Outcome
 
     failed = [Outcome(rank=r, error="ValueError: refused on purpose", trace="") for r in range(2)]
-    monkeypatch.setattr("attnlab.cli.train_cmd.run_local", lambda *a, **k: failed)
+    monkeypatch.setattr("attnlab.distributed.launch.run_local", lambda *a, **k: failed)
     out = tmp_path / "new" / "out"
     result = runner.invoke(app, ["train", "--context-parallel", "2", *TINY, "--out", str(out)])
     assert result.exit_code == 2 and "Traceback" not in result.output
@@ -576,3 +576,14 @@ def test_train_on_two_ranks_resumes_a_checkpoint_writes_it_once_and_matches_one_
     assert len(b["history"]["train_loss"]) == 4 and b["steps"] == 4
     assert b["history"]["train_loss"] == pytest.approx(a["history"]["train_loss"], rel=1e-5)
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("lr", ["1e30", str(10**30)])
+def test_a_learning_rate_that_diverges_is_one_error_line(tmp_path, small_eval, lr):
+    """One step at lr 1e30 leaves NaN weights: the head analysis crashed with a traceback (exit 1)."""
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train", *TINY, "--steps", "1", "--lr", lr, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: training diverged") and "smaller --lr" in last, result.output
+    assert "Traceback" not in result.output

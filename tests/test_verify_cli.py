@@ -1,5 +1,6 @@
 """``attnlab verify``, ``attnlab backends`` and ``attnlab bench`` through typer's CliRunner."""
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -85,3 +86,40 @@ def test_a_backend_that_declined_everything_reads_not_checked_never_pass():
     assert "pass" in rows["sdpa"] and "not checked" in rows["flex"] and "pass" not in rows["flex"]
     assert text.count("multiple of its 128-key block") == 1  # one line per kind of reason
     assert "flex float32: nothing checked" in text
+
+
+def test_verify_transformers_json_to_stdout_is_one_document(tmp_path, monkeypatch):
+    """``--json -`` leaves stdout to the JSON alone (``| jq`` works): the tables go to stderr."""
+    import json
+
+    monkeypatch.chdir(tmp_path)  # '-' is stdout, not a file in the working folder
+    result = runner.invoke(app, ["verify", "--transformers", "--family", "bloom", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)  # nothing but the one document
+    assert [(f["family"], f["status"]) for f in document["families"]] == [("bloom", "not applicable")]
+    assert "no family differs or crashes" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_json_to_stdout_is_one_document(monkeypatch):
+    """``bench --json -``: stdout is the JSON document alone, the tables go to stderr."""
+    import json
+
+    from attnlab.bench import suites
+    from attnlab.bench.timing import BenchRow
+
+    monkeypatch.setattr(suites, "memory_suite", lambda quick: [BenchRow("memory", "T=8", "sdpa", None, note="peak 1 MB")])
+    result = runner.invoke(app, ["bench", "--suite", "memory", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert [row["implementation"] for row in document["rows"]] == ["sdpa"]
+    assert "machine:" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["1e30", str(10**30), str(7 * 24 * 3600 + 1)])
+def test_verify_transformers_refuses_a_time_limit_past_a_week(value):
+    """A limit past what the family's alarm can hold crashed every family ("timestamp out of range")."""
+    from test_cli_errors import assert_one_error_line
+
+    assert_one_error_line(runner.invoke(app, ["verify", "--transformers", "--family", "vit", "--time-limit", value]),
+                          "--time-limit must be at most 604800")

@@ -291,7 +291,10 @@ def _grads(q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object) -> tupl
             isinstance(mask, Tensor) and mask.requires_grad, isinstance(sinks, Tensor) and sinks.requires_grad)
 
 
-@torch.compiler.disable  # reads the index values and builds sparse tensors: compiled code runs it eagerly
+# Compiled code runs it eagerly: it reads the index values and builds sparse tensors. torch._disable_dynamo
+# is torch.compiler.disable importing torch._dynamo on the first call, not here: `import attnlab` stays
+# clear of the compiler (seconds of start-up for every command line and script).
+@torch._disable_dynamo
 def _attention_at(q: Tensor, k: Tensor, v: Tensor, indices: object, *, backend: str, **options):
     """:func:`attention` with ``indices``: validated, then the top-k kernel or the dense oracle."""
     call = build_call(q, k, v, **options)

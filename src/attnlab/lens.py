@@ -93,7 +93,18 @@ class ModelLens:
         self.max_positions = _max_positions(model)
 
     def ids(self, text: str, *, truncate: bool = False) -> list[int]:
-        """The token ids of ``text`` (ids written as text when the directory has no tokenizer)."""
+        """The token ids of ``text`` (ids written as text when the directory has no tokenizer), cut to
+        the model's positions with ``truncate`` and refused past them without."""
+        ids = self.uncut_ids(text)
+        if self.max_positions is not None and len(ids) > self.max_positions:
+            if not truncate:
+                raise ValueError(f"the input has {len(ids)} tokens, more than the model's {self.max_positions} "
+                                 "positions; pass truncate=True (--truncate) to cut it")
+            ids = ids[:self.max_positions]
+        return ids
+
+    def uncut_ids(self, text: str) -> list[int]:
+        """Every token id of ``text``, however many: what :meth:`ids` cuts at the model's positions."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"text must be a non-empty string, got {text!r}")
         if self.tokenizer is not None:
@@ -107,11 +118,6 @@ class ModelLens:
             vocab = int(getattr(self.config, "vocab_size", 0) or 0)
             if vocab and not all(0 <= i < vocab for i in ids):
                 raise ValueError(f"token ids must be in 0..{vocab - 1}, got {ids}")
-        if self.max_positions is not None and len(ids) > self.max_positions:
-            if not truncate:
-                raise ValueError(f"the input has {len(ids)} tokens, more than the model's {self.max_positions} "
-                                 "positions; pass truncate=True (--truncate) to cut it")
-            ids = ids[:self.max_positions]
         return ids
 
     def labels(self, ids: list[int]) -> list[str]:

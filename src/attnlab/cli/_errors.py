@@ -133,6 +133,12 @@ def _one_line() -> Iterator[None]:
 class OneLineErrorsGroup(TyperGroup):
     """The ``attnlab`` group: every command's errors become one ``error:`` line (see the module)."""
 
+    def get_params(self, ctx):
+        """The group's own options (``--help``), shown as flags."""
+        from attnlab.cli._help import plain_flags
+
+        return plain_flags(super().get_params(ctx))
+
     def parse_args(self, ctx, args):
         """Parse the group's own options (``attnlab --bogus`` is refused here)."""
         with _one_line():

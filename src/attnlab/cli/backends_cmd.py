@@ -6,6 +6,7 @@ import typer
 
 from attnlab._checks import divisible, non_negative_int, one_of, positive_int, probability
 from attnlab.cli._errors import at_most, fail, option_errors
+from attnlab.cli._help import HelpCommand
 from attnlab.cli._memory import refuse_if_too_big
 from attnlab.masks import ALIGNMENTS
 
@@ -78,12 +79,18 @@ def backends_command(
     typer.echo(text)
 
 
+_MAX_BUDGET_MIB = 2**42  # 2**62 bytes: the largest budget dispatch takes (sizes are int64)
+
+
 def _budget_bytes(mib: float | None) -> int | None:
-    """``--memory-budget`` in bytes (None: the default); refused unless a finite number >= 0."""
+    """``--memory-budget`` in bytes (None: the default); refused unless a finite number >= 0 that
+    dispatch can hold (at most 2**62 bytes, as every size it reads is an int64)."""
     if mib is None:
         return None
     if not mib >= 0 or mib == float("inf"):
         fail(f"--memory-budget must be a finite number of MiB >= 0, got {mib}")
+    if mib > _MAX_BUDGET_MIB:
+        fail(f"--memory-budget must be at most {_MAX_BUDGET_MIB} MiB (2**62 bytes), got {mib:g}")
     return int(mib * 2**20)
 
 
@@ -198,4 +205,4 @@ def _placeholders(dtype, device, batch, heads, kv_heads, tq, tk, d, grad, paddin
 
 def register(app: typer.Typer) -> None:
     """Add the ``backends`` command to ``app``."""
-    app.command("backends")(backends_command)
+    app.command("backends", cls=HelpCommand)(backends_command)

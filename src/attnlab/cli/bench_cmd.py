@@ -15,6 +15,7 @@ import typer
 
 from attnlab._checks import one_of
 from attnlab.cli._errors import fail, option_errors
+from attnlab.cli._help import HelpCommand
 
 # Suites whose rows have no time and sequence length for --plot to draw (variants has its own chart).
 _UNPLOTTABLE = ("memory", "decode-model")
@@ -124,4 +125,4 @@ def _write_plot(plot: Path, rows, suite: str) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the ``bench`` command to ``app``."""
-    app.command("bench")(bench)
+    app.command("bench", cls=HelpCommand)(bench)

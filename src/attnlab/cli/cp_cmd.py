@@ -8,6 +8,7 @@ import typer
 
 from attnlab._checks import divisible, one_of, positive_int
 from attnlab.cli._errors import at_most, check_seed, fail, option_errors
+from attnlab.cli._help import HelpCommand
 
 _MAX_PROCESSES = 64  # local processes; more belong on a real cluster under torchrun
 
@@ -111,4 +112,4 @@ def _print(rows: list[dict], spec) -> bool | None:
 
 def register(app: typer.Typer) -> None:
     """Add the ``context-parallel`` command to ``app``."""
-    app.command("context-parallel")(context_parallel)
+    app.command("context-parallel", cls=HelpCommand)(context_parallel)

@@ -16,7 +16,6 @@ leaves behind no ``--out`` folder the command created.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import typer
@@ -24,11 +23,8 @@ import typer
 from attnlab import scores
 from attnlab._checks import finite_number, positive_int, positive_number, probability
 from attnlab.cli import _kernel as kernel
-from attnlab.cli import _lens_walk as lens_walk
-from attnlab.cli import _trained_walk as trained_walk
 from attnlab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors, removed_on_failure
-from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
-from attnlab.viz import maskview
+from attnlab.cli._help import command_class
 
 FORMATS = ("png", "svg", "html", "all")
 TUTORIAL = "tutorial"
@@ -41,33 +37,63 @@ MAX_GENERATE = 256
 MAX_WALK_TOKENS = 512  # the step-by-step walk's words (its report holds every T x T table)
 MAX_TEXT_MB = 10  # --text-file: a few hundred thousand tokens, more than any view is useful for
 MAX_MASK_SIZE = 131072  # --mask: the map is 1024 blocks a side at most
-_DEFAULTS = inspect.signature(trace).parameters  # attnlab.explain.trace is the home of the defaults
+MASK_SIZE = 4096  # --mask's queries and keys unless --size says
+TRAINED_ONLY = "a trained model (--model minilm or a model directory)"
+WALK_ONLY = "the tutorial walk (--model tutorial)"
+# The walk's options left out take trace's defaults (attnlab.explain is their home); --help reads them there.
+_TRACE_OPTIONS = {"mode": "mode", "d_model": "d_model", "d_kq": "d_kq", "d_v": "d_v", "seed": "seed",
+                  "dropout": "dropout_p"}
 
 
-def _default(name: str):
-    """The default of ``trace``'s argument ``name``, so the option and the library agree."""
-    return _DEFAULTS[name].default
+def _refuse_unused(options: dict[str, object], purpose: str) -> None:
+    """Refuse the first of ``options`` given (not None or False): each serves only ``purpose``."""
+    for option, value in options.items():
+        if value is not None and value is not False:
+            fail(f"{option} is for {purpose}; it would do nothing here")
+
+
+def _walk_options(given: dict) -> dict:
+    """The walk's options (``_TRACE_OPTIONS``): those given, and trace's defaults for the others."""
+    import inspect
+
+    from attnlab.explain import trace
+
+    defaults = inspect.signature(trace).parameters
+    return {name: defaults[argument].default if given[name] is None else given[name]
+            for name, argument in _TRACE_OPTIONS.items()}
+
+
+def _help_defaults() -> dict[str, str]:
+    """The defaults ``explain --help`` shows: the sentence, and trace's for the walk's options."""
+    import inspect
+
+    from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
+
+    defaults = inspect.signature(trace).parameters
+    shown = {name: str(defaults[argument].default) for name, argument in _TRACE_OPTIONS.items()}
+    shown["mode"] += f"; the modes: {', '.join(MODES)}"
+    return {**shown, "sentence": DEFAULT_SENTENCE}
 
 
 def explain(
-    sentence: str = typer.Argument(DEFAULT_SENTENCE, help="The sentence to walk through."),
+    sentence: str = typer.Argument(None, show_default=False, help="The sentence to walk through."),
     sentence_option: str = typer.Option(None, "--sentence",
                                         help="The sentence, as an option (same as SENTENCE)."),
     text_file: Path = typer.Option(None, "--text-file",
                                    help="Read the text from this UTF-8 file instead (a long document for --model "
                                         f"DIR: views of any length; at most {MAX_TEXT_MB} MB)."),
-    mode: str = typer.Option(_default("mode"), "--mode", help=f"{', '.join(MODES[:-1])} or {MODES[-1]}."),
+    mode: str = typer.Option(None, "--mode", help="How the tokens attend."),
     context: str = typer.Option(None, "--context",
                                 help="cross mode: the sentence keys and values come from "
                                      "(default: the second half of SENTENCE; queries use the first half)."),
     heads: int = typer.Option(None, "--heads", help=f"Number of heads (multihead; default 4; at most {MAX_HEADS})."),
-    d_model: int = typer.Option(_default("d_model"), "--d-model", help=f"Embedding size (at most {MAX_SIZE})."),
-    d_kq: int = typer.Option(_default("d_kq"), "--d-kq", help=f"Query/key size per head (at most {MAX_SIZE})."),
-    d_v: int = typer.Option(_default("d_v"), "--d-v", help=f"Value size per head (at most {MAX_SIZE})."),
-    seed: int = typer.Option(_default("seed"), "--seed",
+    d_model: int = typer.Option(None, "--d-model", help=f"Embedding size (at most {MAX_SIZE})."),
+    d_kq: int = typer.Option(None, "--d-kq", help=f"Query/key size per head (at most {MAX_SIZE})."),
+    d_v: int = typer.Option(None, "--d-v", help=f"Value size per head (at most {MAX_SIZE})."),
+    seed: int = typer.Option(None, "--seed",
                              help=f"Random seed for the embeddings and the weights, 0 to {MAX_SEED}."),
     causal: bool = typer.Option(False, "--causal", help="Mask future tokens (same as --mode causal)."),
-    dropout: float = typer.Option(_default("dropout_p"), "--dropout",
+    dropout: float = typer.Option(None, "--dropout",
                                   help="Dropout probability on the attention weights, in [0, 1)."),
     softcap: float = typer.Option(None, "--softcap",
                                   help="Cap the scaled scores with C*tanh(S/C) (Gemma 2) and show the weights "
@@ -94,7 +120,8 @@ def explain(
                                       "generation.html, where each head looked for each of them."),
     mask: str = typer.Option(None, "--mask", help="Draw a mask's block map instead: causal, window:N, chunk:N, "
                                                   "prefix:N or document:L1,L2,... (joined by &); writes mask.html."),
-    size: int = typer.Option(4096, "--size", help=f"With --mask: queries and keys (at most {MAX_MASK_SIZE})."),
+    size: int = typer.Option(None, "--size", show_default=str(MASK_SIZE),
+                             help=f"With --mask: queries and keys (at most {MAX_MASK_SIZE})."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
     fmt: str = typer.Option("all", "--format", help="png, svg, html or all."),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text output."),
@@ -104,32 +131,51 @@ def explain(
     of the trained model, with the head view."""
     with removed_on_failure(out):  # a refusal leaves no --out folder behind
         if sentence_option is not None:
-            if sentence != DEFAULT_SENTENCE and sentence != sentence_option:
+            if sentence is not None and sentence != sentence_option:
                 fail("give the sentence once: as SENTENCE or with --sentence, not two different ones")
             sentence = sentence_option
         if text_file is not None:
-            if sentence != DEFAULT_SENTENCE:
+            if sentence is not None:
                 fail("give the text once: as SENTENCE (or --sentence) or with --text-file, not both")
             sentence = read_text_file(text_file)
         if mask is not None:
-            _explain_mask(mask, size=size, out=out)
+            _explain_mask(mask, size=MASK_SIZE if size is None else size, out=out)
             return
+        _refuse_unused({"--size": size}, "--mask")
+        walk_only = {"--mode": mode, "--context": context, "--heads": heads, "--d-model": d_model, "--d-kq": d_kq,
+                     "--d-v": d_v, "--seed": seed, "--causal": causal, "--dropout": dropout, "--softcap": softcap,
+                     "--alibi": alibi, "--sinks": sinks, "--sink-logit": sink_logit}
+        model_only = {"--layer": layer, "--head": head, "--hide-special": hide_special}
         if fmt not in FORMATS:
             fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
         if generate is not None:
             with option_errors():
                 positive_int("--generate", generate)
             at_most("--generate", generate, MAX_GENERATE, "the generation view shows every step")
-        if model != TUTORIAL and lens_walk.wants_lens(model):
-            _explain_lens(sentence, model=model, query=query, truncate=truncate, generate=generate, out=out, fmt=fmt,
-                          no_color=no_color)
-            return
+        if sentence is None:
+            from attnlab.explain import DEFAULT_SENTENCE
+
+            sentence = DEFAULT_SENTENCE
+        if model != TUTORIAL:
+            from attnlab.cli import _lens_walk as lens_walk
+
+            _refuse_unused(walk_only, WALK_ONLY)
+            if lens_walk.wants_lens(model):
+                _refuse_unused(model_only, "a BERT or attnlab GPT model (--model minilm or its directory)")
+                _explain_lens(sentence, model=model, query=query, truncate=truncate, generate=generate, out=out,
+                              fmt=fmt, no_color=no_color)
+                return
         if generate is not None:
             fail("--generate needs a decoder checkpoint directory of transformers (--model DIR)")
         if model != TUTORIAL:
             _explain_trained(sentence, model=model, query=query, layer=layer, head=head, hide_special=hide_special,
                              truncate=truncate, out=out, fmt=fmt, no_color=no_color)
             return
+        _refuse_unused({**model_only, "--truncate": truncate}, TRAINED_ONLY)
+        from attnlab.explain import trace
+
+        walk = _walk_options(dict(mode=mode, d_model=d_model, d_kq=d_kq, d_v=d_v, seed=seed, dropout=dropout))
+        mode, d_model, d_kq, d_v, seed, dropout = (walk[name] for name in _TRACE_OPTIONS)
         _check_numbers(heads, d_model, d_kq, d_v, dropout)
         check_seed(seed)
         score_mod, sink_value = _score_options(softcap, alibi, sinks, sink_logit, mode, heads)
@@ -176,6 +222,8 @@ def read_text_file(path: Path) -> str:
 
 def _explain_mask(spec: str, *, size: int, out: Path) -> None:
     """``--mask SPEC``: the mask's block map as ``mask.html`` and its counts on one line each."""
+    from attnlab.viz import maskview
+
     with option_errors():
         positive_int("--size", size)
     at_most("--size", size, MAX_MASK_SIZE, "the block map draws at most 1024 blocks a side")
@@ -212,6 +260,7 @@ def _make_out(out: Path) -> None:
 
 def _trained_ending(console, result, focus: int):
     """What the trained MiniLM does with the same sentence, or one line on how to get it."""
+    from attnlab.cli import _trained_walk as trained_walk
     from attnlab.viz.html import TrainedSection
 
     console.print()
@@ -236,8 +285,10 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     """``--model minilm|DIR``: the trained model's walk, tables and pictures."""
     from rich.console import Console
 
+    from attnlab.cli import _trained_walk as trained_walk
+
     encoder = trained_walk.load(model)
-    view = trained_walk.view_for(encoder, sentence, truncate=truncate)
+    view, cut = trained_walk.view_for(encoder, sentence, truncate=truncate)
     trained_walk.check_ranges(view, layer, head)
     with option_errors():
         focus = view.index(query)
@@ -246,6 +297,8 @@ def _explain_trained(sentence: str, *, model: str, query, layer, head, hide_spec
     trained_walk.check_ranges(view, layer, head)  # --head must be one of this layer's heads
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
+    if cut is not None:
+        console.print(cut, markup=False, soft_wrap=True)
     trained_walk.narrate(console, view, focus, model=model, hide_special=hide_special, top=top)
     if trained_walk.has_sinks(encoder):
         trained_walk.narrate_sinks(console, view, focus)
@@ -263,6 +316,8 @@ def _explain_lens(text: str, *, model: str, query, truncate: bool, generate: int
                   no_color: bool) -> None:
     """``--model DIR`` of any transformers model type: every layer and head through attnlab, and generation."""
     from rich.console import Console
+
+    from attnlab.cli import _lens_walk as lens_walk
 
     lens = lens_walk.load(model)
     _make_out(out)
@@ -425,4 +480,4 @@ def _write_files(result, focus: int, out: Path, fmt: str, section=None) -> list[
 
 def register(app: typer.Typer) -> None:
     """Add the ``explain`` command to ``app``."""
-    app.command("explain")(explain)
+    app.command("explain", cls=command_class(_help_defaults))(explain)

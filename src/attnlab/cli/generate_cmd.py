@@ -16,7 +16,7 @@ import typer
 
 from attnlab._checks import positive_int
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
-from attnlab.models import GPT
+from attnlab.cli._help import HelpCommand
 
 
 def generate(
@@ -36,6 +36,8 @@ def generate(
             positive_int("--top-k", top_k)
         if not temperature >= 0:
             raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    from attnlab.models import GPT
+
     try:
         gpt = GPT.from_pretrained(model)
     except (FileNotFoundError, ValueError) as err:
@@ -91,4 +93,4 @@ def _print_stream(prompt: str, tokens, chars: list[str] | None) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
-    app.command("generate")(generate)
+    app.command("generate", cls=HelpCommand)(generate)

@@ -18,6 +18,7 @@ import typer
 
 from attnlab._checks import divisible, one_of, positive_int
 from attnlab.cli._errors import at_most, fail, option_errors
+from attnlab.cli._help import HelpCommand
 
 # Sizes above these are typos, not models: refusing them keeps the arithmetic readable.
 _MAX_SIZE = 2**31
@@ -51,7 +52,7 @@ def kv_memory(
                                                             "token, a window of 8 blocks, compressed ones)."),
 ) -> None:
     """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA and NSA at --context."""
-    from attnlab.bench.variants import DTYPE_BYTES, kv_cache_bytes
+    from attnlab.nn.kv_memory import DTYPE_BYTES, kv_cache_bytes
     from attnlab.nn.native_sparse import paper_sizes
 
     with option_errors():
@@ -128,4 +129,4 @@ def _print(rows: list[tuple[str, int]], sizes: dict, heads: int, dtype: str) -> 
 
 def register(app: typer.Typer) -> None:
     """Add the ``kv-memory`` command to ``app``."""
-    app.command("kv-memory")(kv_memory)
+    app.command("kv-memory", cls=HelpCommand)(kv_memory)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -40,17 +41,11 @@ from pathlib import Path
 import torch
 import typer
 
-from attnlab import io as _io
-from attnlab import train as _train
 from attnlab._checks import one_of, per_layer, positive_int, positive_number
 from attnlab.cli._errors import INTERRUPTED_EXIT, MAX_SEED, at_most, check_seed, fail, option_errors
+from attnlab.cli._help import command_class
 from attnlab.cli._memory import refuse_if_too_big
-from attnlab.distributed import METHODS, sequence_layout
-from attnlab.distributed.launch import run_local
-from attnlab.distributed.layout import check_length
-from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
 from attnlab.nn.native_sparse import paper_sizes
-from attnlab.trained import format_heads
 
 DEFAULT_OUT = Path("attnlab-train")
 _MAX_LOCAL_RANKS = 64  # local processes; more belong on a real cluster under torchrun
@@ -58,14 +53,13 @@ _RANK_TIMEOUT = 7 * 24 * 3600.0  # seconds the launcher waits for its ranks (a t
 
 
 def train(
-    task: str = typer.Option(None, "--task", show_default=False,
-                             help=f"{', '.join(_train.TASKS)} (default: induction)."),
-    layers: int = typer.Option(None, "--layers", help="Transformer layers (induction: 2)."),
+    task: str = typer.Option(None, "--task", show_default=False, help="What the model learns."),
+    layers: int = typer.Option(None, "--layers", help="Transformer layers."),
     heads: str = typer.Option(None, "--heads", help="Attention heads: one count for every layer (2) or one per "
-                                                    "layer (2,1); each must divide --d-model (induction: 2,1)."),
+                                                    "layer (2,1); each must divide --d-model."),
     d_model: int = typer.Option(None, "--d-model", help="Width of the residual stream."),
     attention_only: bool = typer.Option(None, "--attention-only/--mlp",
-                                        help="Blocks without/with MLP (induction and recall: attention-only)."),
+                                        help="Blocks without/with MLP."),
     steps: int = typer.Option(None, "--steps", help="Optimizer steps in all (with --resume: the new total)."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per step."),
     lr: float = typer.Option(None, "--lr", help="Peak learning rate (warm-up, then cosine decay)."),
@@ -73,7 +67,7 @@ def train(
                              help=f"Seed of the initial weights and the data, 0 to {MAX_SEED} (default 0)."),
     device: str = typer.Option("cpu", "--device", help="torch device (cpu, cuda, ...)."),
     positions: str = typer.Option(None, "--positions",
-                                  help=f"{' or '.join(_train.POSITIONS)} (default: the task's)."),
+                                  help="How the model knows token order."),
     text: Path = typer.Option(None, "--text", help="--task text: the UTF-8 text file to model."),
     softcap: float = typer.Option(None, "--softcap", help="Cap every attention score with C*tanh(score/C) "
                                                           "(Gemma 2); C > 0."),
@@ -118,6 +112,8 @@ def train(
     metrics.json (loss, accuracy, per-head scores), curves and attention heatmaps into --out;
     and name the heads that do the task (previous-token and induction scores, head ablation)."""
     from rich.console import Console
+
+    from attnlab.trained import format_heads
 
     given = {name: value for name, value in dict(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
@@ -174,6 +170,8 @@ SIZES = ("d_model", "layers", "heads", "batch_size")
 
 def _shown(name: str, value) -> str:
     """An option as the user would type it: ``--heads 2,1``, ``--mlp``; ``no --text`` for None."""
+    from attnlab.trained import format_heads
+
     if value is None:
         return f"no {FLAGS[name]}"
     if name == "attention_only":
@@ -187,6 +185,9 @@ def _shown(name: str, value) -> str:
 
 def _check_options(given: dict, steps: int | None, threads: int) -> None:
     """Check every value on its own, naming its option; parse ``--heads`` in place. Nothing is read or written."""
+    from attnlab import train as _train
+    from attnlab.models.gpt import POSITIONS
+
     if "seed" in given:
         check_seed(given["seed"])
     with option_errors():
@@ -211,6 +212,8 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
 
 def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
     """The trainer of a new run (every refusal names its option); nothing is written."""
+    from attnlab import train as _train
+
     task_name = given.get("task", "induction")
     if task_name != "text" and "text" in given:
         fail(f"--text is only for --task text (got --task {task_name})")
@@ -227,6 +230,8 @@ def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
 
 def _check_memory(config: _train.TrainConfig, task: _train.Task, given: dict, device: str) -> None:
     """Refuse, naming the options to lower, a model whose training cannot fit in the device's memory."""
+    from attnlab import train as _train
+
     field = {FLAGS[name]: name for name in SIZES}
 
     def need(sizes: dict) -> int:
@@ -240,6 +245,8 @@ def _check_memory(config: _train.TrainConfig, task: _train.Task, given: dict, de
 
 def _resumed_trainer(resume: Path, given: dict, steps: int | None, device: str) -> _train.Trainer:
     """The trainer continuing ``resume``: options given must agree with the checkpoint's; nothing is written."""
+    from attnlab import train as _train
+
     try:
         config, step, _ = _train.read_checkpoint(resume)
     except (FileNotFoundError, ValueError, KeyError) as err:
@@ -295,6 +302,8 @@ def _parse_heads(text: str) -> int | tuple[int, ...]:
 
 def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | None, d_model: int | None) -> None:
     """One count per layer (or one for all), each dividing --d-model; the task's defaults fill the gaps."""
+    from attnlab import train as _train
+
     defaults = _train.TASK_DEFAULTS[task]
     layers, d_model = layers or defaults["layers"], d_model or defaults["d_model"]
     given = heads is not None
@@ -312,6 +321,9 @@ def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | N
 def _check_variant(task: str, given: dict) -> None:
     """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim,
     --chunk, --topk and --nsa-block for its L, M, C, T and S layers, none without them (over --layers)."""
+    from attnlab import train as _train
+    from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
+
     layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
     pattern = given.get("layer_pattern")
     if pattern is not None:
@@ -341,6 +353,8 @@ def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
     """--sinks, --softcap and --positions alibi are options of the multi-head layers: the layers
     built with their own module (latent, differential, gated, sparse) take none, and local layers'
     windowed cache does not keep keys in ALiBi's order; --nsa-block is a multiple of 4."""
+    from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
+
     alibi = given.get("positions") == "alibi"
     used = [flag for flag, on in (("--positions alibi", alibi), ("--softcap", "softcap" in given),
                                   ("--sinks", given.get("sinks", False))) if on]
@@ -428,6 +442,8 @@ def _under_torchrun() -> bool:
 
 def _check_sharding(world: int | None, method: str | None, ulysses: int | None, device: str) -> _Sharding | None:
     """The ``--context-parallel`` options checked on their own (None without them); nothing starts."""
+    from attnlab.distributed import METHODS
+
     if world is None:
         for flag, value in (("--cp-method", method), ("--cp-ulysses", ulysses)):
             if value is not None:
@@ -461,6 +477,10 @@ def _check_shardable(trainer: _train.Trainer, sharding: _Sharding) -> None:
     """Refuse, before any rank starts, a model or task the sharding cannot split. Every layer
     runs its whole attention sharded (global and local layers: window, softcap, sinks, ALiBi,
     RoPE); latent (MLA) layers do not run context-parallel."""
+    from attnlab.distributed import sequence_layout
+    from attnlab.distributed.layout import check_length
+    from attnlab.trained import format_heads
+
     c = trainer.config
     if "M" in trainer.model.layer_kinds:
         fail(f"--context-parallel {sharding.world}: --layer-pattern {c.layer_pattern} has latent (M) layers, which "
@@ -486,6 +506,8 @@ def _run_sharded(trainer: _train.Trainer, sharding: _Sharding, *, resume: Path |
                  out: Path, threads: int) -> tuple[_train.TrainResult | None, _train.Trainer]:
     """Train on ``sharding.world`` ranks; rank 0 writes the checkpoint. Returns rank 0's result and,
     in the reporting process, the trained model read back from the checkpoint (else ``None``)."""
+    from attnlab import train as _train
+
     run = _train.ShardedRun(config=None if resume is not None else trainer.config,
                             resume=None if resume is None else str(resume), steps=steps, method=sharding.method,
                             ulysses=sharding.ulysses, out=str(out), threads=threads, stop_on_interrupt=True)
@@ -505,6 +527,9 @@ def _local_ranks(run: _train.ShardedRun, world: int) -> list[dict]:
 
     The launcher ignores Ctrl-C while they train: the ranks get it too, agree to stop after the
     same step, and rank 0 saves the checkpoint."""
+    from attnlab import train as _train
+    from attnlab.distributed.launch import run_local
+
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         outcomes = run_local(_train.train_sharded, world=world, args=(run,), threads=run.threads,
@@ -521,6 +546,8 @@ def _inline_rank(run: _train.ShardedRun) -> list[dict] | None:
     """This process is one of torchrun's ranks: join the group, train, and gather the results on
     rank 0 (None on the other ranks)."""
     import torch.distributed as dist
+
+    from attnlab import train as _train
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -561,6 +588,12 @@ def _run(trainer: _train.Trainer, out: Path, console) -> _train.TrainResult:
 
 def _finish(trainer: _train.Trainer, result: _train.TrainResult, out: Path, console) -> None:
     """Scores, ablation, summary, figures; metrics.json gets the heads and the summary."""
+    from attnlab import io as _io
+    from attnlab import train as _train
+
+    if not math.isfinite(result.metrics["loss"]):  # the weights hold inf or NaN: nothing left to analyse
+        fail(f"training diverged: the held-out loss is {result.metrics['loss']} after {result.metrics['steps']} "
+             f"steps (checkpoint in {str(out)!r}); try a smaller --lr than {trainer.config.lr:g}")
     analysis = _train.analyze(trainer)
     metrics = {**result.metrics, **{k: analysis[k] for k in ("heads", "summary", "induction_heads_ablated")
                                      if k in analysis}}
@@ -596,6 +629,20 @@ def _print_heads(console, heads: dict) -> None:
     console.print(table)
 
 
+def _help_defaults() -> dict[str, str]:
+    """The defaults ``train --help`` shows: each task's, from :data:`attnlab.train.TASK_DEFAULTS`."""
+    from attnlab import train as _train
+    from attnlab.models.gpt import POSITIONS
+
+    shown = {"task": f"induction; the tasks: {', '.join(_train.TASKS)}"}
+    for name in ("layers", "heads", "d_model", "attention_only", "steps", "batch_size", "lr", "positions"):
+        by_task = {task: _shown(name, defaults[name]).split()[-1] for task, defaults in _train.TASK_DEFAULTS.items()}
+        values = set(by_task.values())
+        shown[name] = values.pop() if len(values) == 1 else ", ".join(f"{task} {v}" for task, v in by_task.items())
+    shown["positions"] += f"; one of {', '.join(POSITIONS)}"
+    return shown
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``train`` command to ``app``."""
-    app.command("train")(train)
+    app.command("train", cls=command_class(_help_defaults))(train)

@@ -12,9 +12,11 @@ import typer
 from attnlab._checks import one_of, positive_int
 from attnlab._checks import positive_number
 from attnlab.cli._errors import MAX_SEED, check_seed, fail, option_errors
+from attnlab.cli._help import HelpCommand
 from attnlab.cli.bench_cmd import _check_writable, _write
 
 ZOO_COMMAND = "OMP_NUM_THREADS=1 attnlab verify --transformers --markdown FILE.md"
+MAX_TIME_LIMIT = 7 * 24 * 3600  # seconds one family may take, at most
 
 
 def verify(
@@ -28,7 +30,8 @@ def verify(
     family: list[str] = typer.Option(None, "--family", metavar="NAME",
                                      help="With --transformers: only this family (repeatable, or a comma list)."),
     json_out: Path = typer.Option(None, "--json", metavar="FILE",
-                                  help="With --transformers: write the per-family results as JSON."),
+                                  help="With --transformers: write the per-family results as JSON ('-': "
+                                       "stdout, the tables then go to stderr)."),
     markdown: Path = typer.Option(None, "--markdown", metavar="FILE.md",
                                   help="With --transformers: write the per-family status table (markdown)."),
     time_limit: float = typer.Option(None, "--time-limit", metavar="SECONDS", show_default=False,
@@ -87,10 +90,12 @@ def _verify_transformers(family: list[str] | None, json_out: Path | None, markdo
     """``--transformers``: every family (or the named ones) against eager, a summary, exit 1 on a bug."""
     with option_errors():
         positive_number("--time-limit", time_limit)
+    if time_limit > MAX_TIME_LIMIT:  # the family's alarm cannot be set that far: it crashed every family
+        fail(f"--time-limit must be at most {MAX_TIME_LIMIT} seconds (a week), got {time_limit:g}")
     if markdown is not None and markdown.suffix != ".md":
         fail(f"--markdown writes Markdown: give a file name ending in .md, got {str(markdown)!r}")
     for option, path in (("--json", json_out), ("--markdown", markdown)):
-        if path is not None:
+        if path is not None and str(path) != "-":
             _check_writable(option, path)
     try:
         from attnlab import zoo
@@ -100,7 +105,8 @@ def _verify_transformers(family: list[str] | None, json_out: Path | None, markdo
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(width=max(120, Console().width))
+    # With --json -, stdout holds the JSON document alone: the progress and the tables go to stderr.
+    console = Console(width=max(120, Console().width), stderr=json_out is not None and str(json_out) == "-")
     start, results = time.perf_counter(), []
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
@@ -210,4 +216,4 @@ def _print_summary(console, results, names, dtypes) -> bool:
 
 def register(app: typer.Typer) -> None:
     """Add the ``verify`` command to ``app``."""
-    app.command("verify")(verify)
+    app.command("verify", cls=HelpCommand)(verify)

@@ -297,6 +297,19 @@ class BertEncoder(nn.Module):
         encoding = self._encode_texts([sentence], self.max_position_embeddings, truncate)[0]
         return list(encoding.tokens), list(encoding.word_ids), list(encoding.ids)
 
+    def pieces(self, sentence: str) -> list[str]:
+        """Every word piece of ``sentence``, [CLS] and [SEP] included, however many: what
+        :meth:`word_pieces` cuts at (or refuses past) ``max_position_embeddings``.
+
+        Example:
+            >>> BertEncoder.from_pretrained("minilm").pieces("attends")       # doctest: +SKIP
+            ['[CLS]', 'attend', '##s', '[SEP]']
+        """
+        tokenizer = self._get_tokenizer()
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        return list(tokenizer.encode(sentence).tokens)
+
     def _encode_texts(self, sentences: list[str], max_length: int | None, truncate: bool):
         limit = self.max_seq_length if max_length is None else positive_int("max_length", max_length)
         if limit > self.max_position_embeddings:

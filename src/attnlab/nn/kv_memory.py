@@ -1,0 +1,101 @@
+"""How many bytes a KV cache holds: the arithmetic behind ``attnlab kv-memory`` and the variants suite.
+
+:func:`kv_cache_bytes` is the formula: what a layer's cache holds per token
+(:func:`layer_bytes_per_token`), times the tokens it holds, summed over the layers, for every
+layer kind of :class:`~attnlab.models.GPT` (global, sliding-window, chunked, latent, sparse).
+
+Example:
+    >>> kv_cache_bytes(context=131072, layers=35, kv_heads=8, head_dim=256, dtype_bytes=2) / 1e9
+    37.58096384
+"""
+
+from __future__ import annotations
+
+from attnlab._checks import positive_int
+from attnlab.nn.native_sparse import paper_sizes
+
+__all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token"]
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+
+
+def layer_bytes_per_token(kind: str, *, kv_heads: int = 1, head_dim: int = 1, latent_dim: int = 0,
+                          rope_dim: int = 0, dtype_bytes: int = 2) -> int:
+    """Bytes one layer caches per token: ``2 * kv_heads * head_dim`` numbers (a key and a value per
+    KV head) for ``"G"``/``"L"`` layers, ``latent_dim + rope_dim`` for an ``"M"`` (latent) layer.
+
+    Example:
+        >>> layer_bytes_per_token("G", kv_heads=8, head_dim=128), layer_bytes_per_token("M", latent_dim=512, rope_dim=64)
+        (4096, 1152)
+    """
+    numbers = latent_dim + rope_dim if kind == "M" else 2 * kv_heads * head_dim
+    return numbers * dtype_bytes
+
+
+def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2,
+                   batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
+                   rope_dim: int = 0, kv_layers: int | None = None, chunk: int | None = None, index_dim: int = 0,
+                   index_bytes: int = 1, nsa_block: int | None = None) -> int:
+    """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
+
+    ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
+    a ``G`` or ``N`` (global, NoPE) layer holds ``context`` tokens, an ``L`` layer
+    ``min(window, context)``, a ``C`` (chunked-local, Llama 4) layer its current chunk,
+    ``min(chunk, context)``, an ``M`` layer ``context`` latents. ``kv_layers`` counts the layers that
+    produce (and cache) keys and values when later layers reuse an earlier layer's (cross-layer KV
+    sharing); the first ``kv_layers`` layers of the pattern are those. A ``T`` (sparse top-k) layer
+    holds every token, as a global one; ``index_dim`` adds that many numbers of ``index_bytes`` a token
+    a layer (DeepSeek-V3.2's lightning-indexer keys, fp8 there). An ``S`` (native sparse) layer of
+    ``nsa_block`` (sizes as :func:`attnlab.nn.native_sparse.paper_sizes`) holds keys and values for
+    each branch: every token (selected), the last ``8 nsa_block`` (window), the newest ``nsa_block/2``
+    (the block being compressed) and one per complete compressed block (every ``nsa_block/4`` tokens).
+
+    Example:
+        >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
+        0.805306368
+        >>> kv_cache_bytes(context=4096, layers=6, kv_heads=1, head_dim=64, pattern="LLLLLG", window=1024)
+        2359296
+        >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="CCCN", chunk=1024)
+        1835008
+        >>> kv_cache_bytes(context=4096, layers=1, head_dim=64, pattern="S", nsa_block=64) // (2 * 64 * 2)  # pairs held
+        4895
+    """
+    for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
+        positive_int(name, value)
+    if set(pattern) - set(LAYER_HELD):
+        raise ValueError(f"pattern must be letters of {''.join(LAYER_HELD)}, got {pattern!r}")
+    kinds = [pattern[layer % len(pattern)] for layer in range(layers)][: layers if kv_layers is None else kv_layers]
+    total = 0
+    for kind in kinds:
+        held = LAYER_HELD[kind](context, window=window, chunk=chunk, nsa_block=nsa_block)
+        total += held * layer_bytes_per_token(kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim,
+                                              rope_dim=rope_dim, dtype_bytes=dtype_bytes)
+        total += min(held, context) * index_dim * index_bytes
+    return batch * total
+
+
+def _needs(name: str, value: int | None) -> int:
+    if value is None:
+        raise ValueError(f"{name} must be given for this layer pattern, got None")
+    return value
+
+
+# Tokens a layer of each kind holds at ``context``.
+LAYER_HELD = {
+    "G": lambda context, **_: context,
+    "N": lambda context, **_: context,
+    "D": lambda context, **_: context,  # differential: the grouped-query layer's cache
+    "Q": lambda context, **_: context,  # gated: likewise
+    "M": lambda context, **_: context,
+    "L": lambda context, *, window, **_: min(_needs("window", window), context),
+    "C": lambda context, *, chunk, **_: min(_needs("chunk", chunk), context),
+    "T": lambda context, **_: context,  # sparse top-k: any earlier key may be picked later
+    "S": lambda context, *, nsa_block, **_: _nsa_held(context, _needs("nsa_block", nsa_block)),
+}
+
+
+def _nsa_held(context: int, block: int) -> int:
+    """Key/value pairs an NSA layer holds: selected (every token), window, compression tail, compressed."""
+    sizes = paper_sizes(block, name="nsa_block")
+    blocks = max(0, (context - sizes["compress_block"]) // sizes["compress_stride"] + 1)
+    return context + min(sizes["window"], context) + min(sizes["compress_block"], context) + blocks
