@@ -128,8 +128,8 @@ def test_alibi_with_learnable_slopes(symmetric):
     if not symmetric:
         kwargs.update(causal=True, align="bottom_right")
     want = _eager(q, k, v, mod_fn=mod_fn, allowed=allowed)
-    # blocks needs a mask to skip by: it serves the causal form
-    served = ["reference", "chunked", "sdpa"] + ([] if symmetric else ["blocks"])
+    # blocks, named, serves a call with nothing to skip too (auto passes it over there)
+    served = ["reference", "chunked", "sdpa", "blocks"]
     assert _check_all(q, k, v, kwargs, want, (slopes,)) == served
 
 
@@ -156,7 +156,7 @@ def test_relative_bias_with_learnable_table():
     kwargs = dict(score_mod=scores.relative_bias(table, num_buckets=16, max_distance=20, bidirectional=True),
                   scale=1.0)
     want = _eager(q, k, v, mod_fn=mod_fn, scale=1.0)
-    assert _check_all(q, k, v, kwargs, want, (table,)) == ["reference", "chunked", "sdpa"]
+    assert _check_all(q, k, v, kwargs, want, (table,)) == ["reference", "chunked", "sdpa", "blocks"]
 
 
 def test_bias_tensor_broadcasts_and_learns():
@@ -164,7 +164,7 @@ def test_bias_tensor_broadcasts_and_learns():
     bias = torch.randn(1, 4, 1, 17, dtype=F64, requires_grad=True)  # (1, H, 1, Tk)
     want = _eager(q, k, v, mod_fn=lambda s: s + bias)
     assert _check_all(q, k, v, dict(score_mod=scores.bias(bias)), want, (bias,)) == \
-        ["reference", "chunked", "sdpa"]
+        ["reference", "chunked", "sdpa", "blocks"]
 
 
 def test_composition_applies_left_to_right_with_masks_and_sinks():
@@ -204,7 +204,7 @@ def test_sinks_match_gpt_oss_eager(masking):
         allowed = attnlab.masks.causal_mask(13, 17, align=masking.get("align", "top_left"))
     want = _eager(q, k, v, sinks=sinks, allowed=allowed)
     assert _check_all(q, k, v, dict(sinks=sinks, **masking), want, (sinks,)) == \
-        ["reference", "chunked", "sdpa"] + (["blocks"] if masking else [])
+        ["reference", "chunked", "sdpa", "blocks"]
 
 
 def test_sink_gradient_is_the_formula():

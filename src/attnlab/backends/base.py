@@ -75,6 +75,8 @@ class Backend:
             block mask) that it keeps on a :class:`~attnlab.masks.PreparedMask`: dispatch then
             prepares a mask mod that holds no tensor (and ``causal``) once per route, and later
             calls of that signature pass the prepared mask instead.
+        passes_over: whether auto may pass it over for a call it computes exactly
+            (:meth:`passed_over` says why); a caller who names it is served all the same.
 
     Example:
         >>> class Zeros(Backend):
@@ -96,6 +98,7 @@ class Backend:
     backward_devices: tuple[str, ...] | None = None
     traceable: bool = False
     plans_masks: bool = False
+    passes_over: bool = False
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).
@@ -148,7 +151,8 @@ class Backend:
     def passed_over(self, call: AttentionCall) -> list[str]:
         """Why ``backend="auto"`` passes this backend over for ``call`` although it computes
         the call exactly (default none): a cost, not a correctness limit, so a caller who
-        names the backend is served (a module's decoding step with nothing to skip).
+        names the backend is served (a module's decoding step with nothing to skip). Dispatch
+        asks it only of a backend that declares ``passes_over = True``.
 
         Example:
             >>> from attnlab._call import build_call

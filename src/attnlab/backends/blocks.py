@@ -816,11 +816,12 @@ class BlocksBackend(Backend):
     """
 
     name = "blocks"
+    passes_over = True
     memory = "linear"
     devices = ("cpu",)
     dtypes = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
     dropout = False
-    needs_bounds = True  # serves only mask mods with kv_bounds (attnlab.verify sweeps those)
+    needs_bounds = True  # auto picks it for mask mods with kv_bounds only; attnlab.verify sweeps those
     plans_masks = True  # plans from a PreparedMask: dispatch prepares tensor-free mods once per route
     description = (
         "block-sparse: the fused SDPA kernel per query block on only the keys its mask mod's "

@@ -224,7 +224,9 @@ def reasons_of(backend: Backend, call: AttentionCall, *, named: bool = False) ->
     if unavailable:
         return [unavailable]
     found = backend.not_supported_reasons(call)
-    return found if named else found + backend.passed_over(call)
+    if named or found or not backend.passes_over:  # only a backend that declares it is asked
+        return found
+    return backend.passed_over(call)
 
 
 def reasons(call: AttentionCall) -> dict[str, list[str]]:
