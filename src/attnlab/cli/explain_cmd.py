@@ -65,12 +65,9 @@ def _walk_options(given: dict) -> dict:
 
 def _help_defaults() -> dict[str, str]:
     """The defaults ``explain --help`` shows: the sentence, and trace's for the walk's options."""
-    import inspect
+    from attnlab.explain import DEFAULT_SENTENCE, MODES
 
-    from attnlab.explain import DEFAULT_SENTENCE, MODES, trace
-
-    defaults = inspect.signature(trace).parameters
-    shown = {name: str(defaults[argument].default) for name, argument in _TRACE_OPTIONS.items()}
+    shown = {name: str(value) for name, value in _walk_options(dict.fromkeys(_TRACE_OPTIONS)).items()}
     shown["mode"] += f"; the modes: {', '.join(MODES)}"
     return {**shown, "sentence": DEFAULT_SENTENCE}
 

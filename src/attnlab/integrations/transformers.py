@@ -311,11 +311,13 @@ def _document_ids(module: nn.Module, kwargs: dict, mask: object, *, batch: int, 
             or positions.shape[-1] != tq or positions.is_floating_point():
         return None
     restarts = positions[:, 1:] == 0  # (B|1, T - 1)
+    if not bool(restarts.any()):  # the common unpacked call: no O(T^2) scan of the mask below
+        return None
     if isinstance(mask, Tensor) and mask.ndim == 4:
         seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
         restarts = restarts & seen.any(dim=-2).any(dim=1)[:, 1:]  # real keys only, (B|1, T - 1)
-    if not bool(restarts.any()):
-        return None
+        if not bool(restarts.any()):
+            return None
     return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1)  # (B|1, T)
 
 
