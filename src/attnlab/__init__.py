@@ -14,12 +14,13 @@ The package has two parts. The **library** (the core) is what a model needs:
 * :mod:`attnlab.io`, :mod:`attnlab.models`, :mod:`attnlab.integrations`,
   :mod:`attnlab.distributed` -- safetensors I/O, whole models, transformers, context parallelism.
 
-The **lab** teaches and measures: :mod:`attnlab.tutorial` (the tutorials' small modules,
-reproducing their printed numbers), :mod:`attnlab.explain`, :mod:`attnlab.viz`,
-:mod:`attnlab.train`, :mod:`attnlab.verify`, :mod:`attnlab.bench` and the ``attnlab`` command.
-``import attnlab`` loads the library only. ``attnlab.tutorial`` and ``attnlab.show`` (inline views
-of any weights, :func:`attnlab.viz.views.show`) are still attributes: they are imported on first use
-(PEP 562); the other lab modules are imported by name.
+The **lab** (:mod:`attnlab.lab`) teaches and measures: :mod:`attnlab.lab.tutorial` (the tutorials'
+small modules, reproducing their printed numbers), :mod:`attnlab.lab.explain`, :mod:`attnlab.lab.viz`,
+:mod:`attnlab.lab.train`, :mod:`attnlab.lab.verify`, :mod:`attnlab.lab.bench` and the ``attnlab``
+command (:mod:`attnlab.lab.cli`). ``import attnlab`` loads the library only. ``attnlab.tutorial``
+and ``attnlab.show`` (inline views of any weights, :func:`attnlab.lab.viz.views.show`) are still
+attributes: they are imported on first use (PEP 562); the other lab modules are imported by name
+from ``attnlab.lab`` (README.md lists the old paths and the new).
 
 Example:
     >>> import torch, attnlab
@@ -41,13 +42,13 @@ __all__ = ["attention", "attention_weights", "plan", "AttentionPlan", "masks", "
 def __getattr__(name: str):
     """``attnlab.tutorial`` and ``attnlab.show`` without importing the lab in ``import attnlab`` (PEP 562)."""
     if name == "tutorial":
-        import attnlab.tutorial  # the library's imports of the lab: these two (tests/test_layers.py)
+        import attnlab.lab.tutorial  # the library's imports of the lab: these two (tests/test_layers.py)
 
-        return attnlab.tutorial
+        return attnlab.lab.tutorial
     if name == "show":
-        import attnlab.viz.views
+        import attnlab.lab.viz.views
 
-        return attnlab.viz.views.show
+        return attnlab.lab.viz.views.show
     raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
 
 

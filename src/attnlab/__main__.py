@@ -1,6 +1,6 @@
 """``python -m attnlab`` runs the command-line tool."""
 
-from attnlab.cli import main
+from attnlab.lab.cli import main
 
 if __name__ == "__main__":
     main()

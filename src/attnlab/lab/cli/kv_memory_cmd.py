@@ -1,0 +1,132 @@
+"""``attnlab kv-memory``: how many bytes of KV cache a model needs at a context length.
+
+Prints one line per variant the options describe: multi-head attention (every head cached),
+grouped-query attention (``--kv-heads``), each again with cross-layer KV sharing
+(``--kv-layers``: only that many layers produce and cache keys/values), multi-head latent
+attention (``--latent-dim`` [+ ``--latent-rope-dim``] numbers a token a layer), sliding-window
+layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G`` layers), Llama 4's
+chunked-local ``C`` and NoPE global ``N`` layers (``--chunk``), DSA (``--index-dim``: the lightning
+indexer's fp8 keys beside the model's cache) and NSA (``--nsa-block``: its three branches' keys and
+values, sized in the paper's proportions). GB are
+10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
+(docs/variants.md).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from attnlab._checks import divisible, one_of, positive_int
+from attnlab.lab.cli._errors import at_most, fail, option_errors
+from attnlab.lab.cli._help import HelpCommand
+
+# Sizes above these are typos, not models: refusing them keeps the arithmetic readable.
+_MAX_SIZE = 2**31
+
+
+def kv_memory(
+    layers: int = typer.Option(..., "--layers", help="Transformer layers."),
+    heads: int = typer.Option(..., "--heads", help="Query heads per layer (MHA caches this many)."),
+    head_dim: int = typer.Option(..., "--head-dim", help="Features per head."),
+    context: int = typer.Option(..., "--context", help="Tokens per sequence held in the cache."),
+    kv_heads: int = typer.Option(None, "--kv-heads", help="Key/value heads of grouped-query attention "
+                                                          "(must divide --heads)."),
+    batch: int = typer.Option(1, "--batch", help="Sequences."),
+    dtype: str = typer.Option("bf16", "--dtype", help="fp32, fp16, bf16, fp8 or int8."),
+    kv_layers: int = typer.Option(None, "--kv-layers", help="Layers that produce and cache K/V when later "
+                                                            "layers reuse them (cross-layer KV sharing)."),
+    latent_dim: int = typer.Option(None, "--latent-dim", help="MLA: latent numbers cached per token and layer."),
+    latent_rope_dim: int = typer.Option(None, "--latent-rope-dim", show_default=False,
+                                        help="MLA (with --latent-dim): decoupled RoPE key numbers cached beside "
+                                             "the latent (default 0)."),
+    window: int = typer.Option(None, "--window", help="Sliding window of the local layers (tokens)."),
+    layer_pattern: str = typer.Option("L", "--layer-pattern", help="With --window: local (L) and global (G) "
+                                                                   "layers; with --chunk: chunked-local (C) and "
+                                                                   "NoPE global (N) layers (Llama 4), repeated "
+                                                                   "over --layers."),
+    chunk: int = typer.Option(None, "--chunk", help="Chunk of the chunked-local C layers (tokens)."),
+    index_dim: int = typer.Option(None, "--index-dim", help="DSA: lightning-indexer key numbers cached per token "
+                                                            "and layer, in fp8 (DeepSeek-V3.2: 128)."),
+    nsa_block: int = typer.Option(None, "--nsa-block", help="NSA: the selection block (a multiple of 4; the "
+                                                            "paper's 64): each branch's keys and values (every "
+                                                            "token, a window of 8 blocks, compressed ones)."),
+) -> None:
+    """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA and NSA at --context."""
+    from attnlab.nn.kv_memory import DTYPE_BYTES, kv_cache_bytes
+    from attnlab.nn.native_sparse import paper_sizes
+
+    with option_errors():
+        for option, value in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim),
+                              ("--context", context), ("--batch", batch)):
+            at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
+        one_of("--dtype", dtype, DTYPE_BYTES)
+        if kv_heads is not None:
+            divisible("--heads", heads, "--kv-heads", positive_int("--kv-heads", kv_heads))
+        if kv_layers is not None:
+            at_most("--kv-layers", positive_int("--kv-layers", kv_layers), layers, "at most every layer")
+        if latent_dim is not None:
+            at_most("--latent-dim", positive_int("--latent-dim", latent_dim), _MAX_SIZE, "a size this large is a typo")
+        if latent_rope_dim is not None and latent_rope_dim < 0:
+            fail(f"--latent-rope-dim must be >= 0, got {latent_rope_dim}")
+        if latent_rope_dim is not None:
+            at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
+        for option, value in (("--window", window), ("--chunk", chunk), ("--index-dim", index_dim),
+                              ("--nsa-block", nsa_block)):
+            if value is not None:
+                at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
+        if nsa_block is not None:
+            paper_sizes(nsa_block, name="--nsa-block")
+    if latent_rope_dim is not None and latent_dim is None:
+        fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
+    latent_rope_dim = latent_rope_dim or 0
+    if not layer_pattern or set(layer_pattern) - set("LGCN"):
+        fail(f"--layer-pattern must be letters L (local), G (global), C (chunked-local) and N (NoPE global), "
+             f"got {layer_pattern!r}")
+    if "L" in layer_pattern and layer_pattern != "L" and window is None:
+        fail("--layer-pattern has sliding-window L layers: give --window")
+    if "C" in layer_pattern and chunk is None:
+        fail("--layer-pattern has chunked-local C layers: give --chunk")
+    if chunk is not None and "C" not in layer_pattern:
+        fail(f"--chunk {chunk} is for chunked-local layers: give --layer-pattern with C (e.g. CCCN)")
+    sizes = dict(context=context, layers=layers, head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype], batch=batch)
+    rows = [("MHA", kv_cache_bytes(kv_heads=heads, **sizes))]
+    if kv_heads is not None:
+        rows.append((f"GQA ({kv_heads} KV heads)", kv_cache_bytes(kv_heads=kv_heads, **sizes)))
+    if kv_layers is not None:
+        rows += [(f"{name} + KV sharing ({kv_layers} of {layers} layers)", kv_cache_bytes(
+            kv_heads=count, kv_layers=kv_layers, **sizes)) for name, count in
+            (("MHA", heads), *([(f"GQA ({kv_heads} KV heads)", kv_heads)] if kv_heads is not None else []))]
+    if latent_dim is not None:
+        rows.append((f"MLA (latent {latent_dim} + rope {latent_rope_dim})", kv_cache_bytes(
+            pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim, **sizes)))
+    if window is not None or chunk is not None:
+        spans = ", ".join(f"{name} {value}" for name, value in (("window", window), ("chunk", chunk)) if value)
+        rows.append((f"{spans}, pattern {layer_pattern}" + (f", {kv_heads} KV heads" if kv_heads else ""),
+                     kv_cache_bytes(kv_heads=kv_heads or heads, pattern=layer_pattern, window=window, chunk=chunk,
+                                    **sizes)))
+    if index_dim is not None:  # DSA: the model's own cache (MLA when given) plus fp8 index keys
+        base = dict(pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim) if latent_dim else \
+            dict(kv_heads=kv_heads or heads)
+        name = "MLA" if latent_dim else (f"GQA ({kv_heads} KV heads)" if kv_heads else "MHA")
+        rows.append((f"DSA: {name} + {index_dim} fp8 index numbers", kv_cache_bytes(index_dim=index_dim, **base,
+                                                                                     **sizes)))
+    if nsa_block is not None:  # NSA: its three branches' keys and values
+        rows.append((f"NSA (block {nsa_block}, {kv_heads or heads} KV heads)", kv_cache_bytes(
+            kv_heads=kv_heads or heads, pattern="S", nsa_block=nsa_block, **sizes)))
+    _print(rows, sizes, heads, dtype)
+
+
+def _print(rows: list[tuple[str, int]], sizes: dict, heads: int, dtype: str) -> None:
+    mha = rows[0][1]
+    typer.echo(f"KV cache at context {sizes['context']:,}, batch {sizes['batch']}, {sizes['layers']} layers, "
+               f"{heads} heads of {sizes['head_dim']}, {dtype} ({sizes['dtype_bytes']} bytes):")
+    width = max(len(name) for name, _ in rows)
+    for name, total in rows:
+        per_token = total / (sizes["batch"] * sizes["context"])
+        typer.echo(f"  {name:<{width}}  {total / 1e9:10,.2f} GB  {per_token:12,.0f} B/token  "
+                   f"{mha / total:6.2f}x smaller than MHA")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``kv-memory`` command to ``app``."""
+    app.command("kv-memory", cls=HelpCommand)(kv_memory)
