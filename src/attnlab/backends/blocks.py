@@ -47,6 +47,7 @@ from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.sdpa import kernel_keeps_rows
 from attnlab.backends.transforms import outside_transforms
+from attnlab.masks.spans import block_spans
 from attnlab.scores import ScoreMod, additive_term, sink_logits
 
 __all__ = ["BlocksBackend", "blocks_attention", "blocks_gradients", "block_spans", "choose_block", "visited_fraction",
@@ -58,20 +59,6 @@ BLOCK_SIZES = (32, 64, 128, 256)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
-
-def block_spans(mod: Callable | None, tq: int, tk: int, block: int) -> list[tuple[int, int, int, int]]:
-    """``(q_start, q_end, kv_lo, kv_hi)`` for each query block: the keys it may reach.
-
-    Example:
-        >>> block_spans(_masks.CausalMod(0), 6, 6, 4)
-        [(0, 4, 0, 4), (4, 6, 0, 6)]
-    """
-    spans = []
-    for qs in range(0, tq, block):
-        qe = min(qs + block, tq)
-        spans.append((qs, qe, *_masks.kv_range(mod, qs, qe, tk)))
-    return spans
 
 
 def visited_fraction(call: AttentionCall, *, block: int | None = None) -> float:

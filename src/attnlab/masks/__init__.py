@@ -22,7 +22,8 @@ prepared per shape :func:`prepare` (a mod, or an AND of them)
 
 The modules: :mod:`~attnlab.masks.evaluation` (a mod on index grids), :mod:`~attnlab.masks.mods`
 (:class:`MaskMod`, its bounds and value key, and/or), :mod:`~attnlab.masks.patterns` (the
-patterns), :mod:`~attnlab.masks.prepared` (:func:`prepare`), :mod:`~attnlab.masks.dense`.
+patterns), :mod:`~attnlab.masks.prepared` (:func:`prepare`), :mod:`~attnlab.masks.dense`,
+:mod:`~attnlab.masks.spans` (:func:`block_spans`: the keys each block of queries may reach).
 The classes the functions return (``CausalMod``, ``DocumentMod``, ...) stay importable here as
 types, for ``isinstance``.
 
@@ -73,6 +74,7 @@ from attnlab.masks.patterns import (
     varlen_causal_mod,
 )
 from attnlab.masks.prepared import PreparedMask, has_row_ranges, prepare
+from attnlab.masks.spans import block_spans
 
 __all__ = [
     # the patterns, one constructor each (mask mods, then dense tensors)
@@ -101,4 +103,5 @@ __all__ = [
     "kv_range",
     "value_only_key",
     "has_row_ranges",
+    "block_spans",
 ]

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from attnlab import masks as _masks
 from attnlab import scores as _scores
-from attnlab.backends.blocks import block_spans
+from attnlab.masks import block_spans
 from attnlab.lab.viz.page import View, asset, escape, fragment, new_prefix, to_json, viridis
 
 __all__ = ["mask_view", "map_view", "mask_diff_view", "score_mod_view", "show", "shows", "parse_mask",
