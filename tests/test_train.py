@@ -1,4 +1,4 @@
-"""attnlab.train: the tasks' data, deterministic training and resume, head scores and ablation."""
+"""attnlab.lab.train: the tasks' data, deterministic training and resume, head scores and ablation."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from attnlab import io
 from attnlab.models import GPT
-from attnlab.trained import pad_heads
-from attnlab.train import (IGNORE, TextTask, TrainConfig, Trainer, ablate_heads, analyze, evaluate,
+from attnlab.lab.trained import pad_heads
+from attnlab.lab.train import (IGNORE, TextTask, TrainConfig, Trainer, ablate_heads, analyze, evaluate,
                            head_scores, make_task, memory_estimate, read_checkpoint, summarize, write_figures)
 
 TINY = dict(d_model=16, heads=2, batch_size=4, eval_sequences=16, eval_every=2)
@@ -79,7 +79,7 @@ def test_recall_never_shows_the_queried_values():
 @pytest.mark.parametrize("options, name", [(dict(pairs=4, queries=5), "queries"),
                                            (dict(num_keys=4, pairs=5, queries=5), "pairs")])
 def test_recall_sizes_that_cannot_work_are_refused_by_name(options, name):
-    from attnlab.train import RecallTask
+    from attnlab.lab.train import RecallTask
 
     with pytest.raises(ValueError, match=rf"^{name} "):
         RecallTask(**options)
@@ -323,7 +323,7 @@ def test_head_scores_give_the_weight_each_query_puts_on_itself():
 @pytest.mark.parametrize("induction, names", [([[0.9, 0.0], [0.6, 0.7]], "L1H0, L1H1"),
                                                ([[0.0, 0.0], [0.1, 0.8]], "L1H1")])
 def test_analysis_ablates_the_later_layers_induction_heads_together(monkeypatch, induction, names):
-    import attnlab.train as train_module
+    import attnlab.lab.train.analysis as train_module  # analyze reads head_scores here
 
     run = Trainer(TrainConfig(steps=3, **TINY))
     run.train()
@@ -408,7 +408,7 @@ def test_heads_figure_labels_every_real_head_with_its_role_score_and_ablation(tm
     """heads.png: one panel per real head (ragged layers: none for a missing head), each titled
     with its head, its role and score from the analysis and its ablation figure; a colour bar;
     a size a person can read."""
-    import attnlab.train as train_module
+    import attnlab.lab.train.report as train_module  # write_figures reads save_figure here
 
     run = Trainer(TrainConfig(steps=2, **{**TINY, "heads": (2, 1)}))
     run.train()

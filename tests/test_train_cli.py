@@ -11,8 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab import train as _train
-from attnlab.cli import app
+from attnlab.lab import train as _train
+from attnlab.lab.cli import app
 from attnlab.models import GPT
 
 runner = CliRunner()
@@ -186,7 +186,7 @@ def test_a_model_too_big_for_memory_is_refused_by_name_before_anything_is_built(
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before its size was checked")
 
-    monkeypatch.setattr(_train, "GPT", no_model)
+    monkeypatch.setattr(_train.loop, "GPT", no_model)  # the Trainer builds its model in attnlab.lab.train.loop
     out = tmp_path / "out"
     line = assert_one_error_line(runner.invoke(app, ["train", *args, "--out", str(out)]), option, "would take about",
                                  "of memory")
@@ -197,7 +197,7 @@ def test_a_model_too_big_for_memory_is_refused_by_name_before_anything_is_built(
 def test_the_memory_limit_is_the_devices_and_names_the_option_that_dominates(tmp_path, monkeypatch, small_eval):
     """With a 2 GB machine, d_model 4096 (a 4 GB model with its optimizer state) is refused by
     --d-model, not by --batch-size; the same options fit a machine with 16 GB."""
-    from attnlab.cli import _memory
+    from attnlab.lab.cli import _memory
 
     args = ["train", "--d-model", "4096", "--heads", "2", "--layers", "4", "--batch-size", "4", "--steps", "1"]
     monkeypatch.setattr(_memory, "total_memory", lambda device: 2 * 10**9)
