@@ -1,9 +1,12 @@
 """The package's imports go one way: down the layers of docs/design.md, with no cycle.
 
-The package has two parts. The **library** (the core: masks, functional, backends, nn, io, models,
-integrations, distributed and the private low-level modules) is what a model needs; the **lab**
-(tutorial, explain, viz, train and trained, verify, bench, the command line) teaches and
-measures, and sits above it. The lab imports the library, never the reverse.
+The package has two parts, told apart by path. The **lab** is every module under
+``src/attnlab/lab/`` (tutorial, explain, viz, train and trained, lens, verify, zoo, bench, the
+command line): it teaches and measures, and sits above the library. Everything else is the
+**library** (the core: masks, functional, backends, nn, io, models, integrations, distributed and
+the private low-level modules): what a model needs. The lab imports the library, never the
+reverse, and no lab module sits outside ``lab/``: a library module that imports the lab or the
+lab's own dependencies (matplotlib, rich, typer) is refused.
 
 Every ``import`` statement in ``src/attnlab`` is read from the source (module level and inside
 functions alike, so a lazy import cannot hide an upward edge), resolved to the attnlab module it
@@ -37,18 +40,27 @@ CORE = [
     ("attnlab.models", 7),
     ("attnlab", 8),  # the root package re-exports the library's API
 ]
+LAB_PACKAGE = "attnlab.lab"  # every module below it is lab, every other module library
 LAB = [
-    ("attnlab.tutorial", 9),
-    ("attnlab.explain", 10), ("attnlab.viz", 10), ("attnlab.verify", 10), ("attnlab.bench", 10),
-    ("attnlab.train", 10), ("attnlab.trained", 10), ("attnlab.lens", 10), ("attnlab.zoo", 10),
-    ("attnlab.cli", 11), ("attnlab.__main__", 11),
+    ("attnlab.lab", 9),  # the lab package itself imports nothing
+    ("attnlab.lab.tutorial", 9),
+    ("attnlab.lab.explain", 10), ("attnlab.lab.viz", 10), ("attnlab.lab.verify", 10), ("attnlab.lab.bench", 10),
+    ("attnlab.lab.train", 10), ("attnlab.lab.trained", 10), ("attnlab.lab.lens", 10), ("attnlab.lab.zoo", 10),
+    ("attnlab.lab.cli", 11),
 ]
-LAYERS = CORE + LAB
+# ``python -m attnlab``: a shim at the root that calls the command line; nothing imports it.
+MAIN_SHIM = ("attnlab.__main__", 12)
+LAYERS = CORE + LAB + [MAIN_SHIM]
 
 # The imports from the library into the lab: the root's PEP 562 ``__getattr__`` imports
-# ``attnlab.tutorial`` when ``attnlab.tutorial`` is first read, and ``attnlab.viz.views`` when
+# ``attnlab.lab.tutorial`` when ``attnlab.tutorial`` is first read, and ``attnlab.lab.viz.views`` when
 # ``attnlab.show`` is, so ``import attnlab`` loads no lab.
-LAZY_LAB_IMPORTS = {("attnlab", "attnlab.tutorial", "__getattr__"), ("attnlab", "attnlab.viz.views", "__getattr__")}
+LAZY_LAB_IMPORTS = {("attnlab", "attnlab.lab.tutorial", "__getattr__"),
+                    ("attnlab", "attnlab.lab.viz.views", "__getattr__")}
+# The one module-level import of the lab outside it: the ``python -m attnlab`` shim.
+SHIM_IMPORTS = {("attnlab.__main__", "attnlab.lab.cli", None)}
+# The lab's names at the root before it had its own package: none may come back there.
+OLD_LAB_NAMES = ("tutorial", "explain", "viz", "train", "trained", "lens", "verify", "zoo", "bench", "cli")
 
 # The lab's own dependencies: no library module imports them, not even inside a function.
 LAB_DEPENDENCIES = ("matplotlib", "rich", "typer")
@@ -78,7 +90,8 @@ def layer_of(module: str) -> int:
 
 
 def in_lab(module: str) -> bool:
-    return _entry(module) in LAB
+    """By path: a module is lab exactly when it lives under ``src/attnlab/lab/``."""
+    return module == LAB_PACKAGE or module.startswith(LAB_PACKAGE + ".")
 
 
 def module_name(path: Path) -> str:
@@ -147,7 +160,17 @@ def external_imports(source: str, package: str) -> list[Edge]:
 
 
 def _sanctioned(name: str, edge: Edge) -> bool:
-    return (name, edge.target, edge.function) in LAZY_LAB_IMPORTS
+    return (name, edge.target, edge.function) in LAZY_LAB_IMPORTS | SHIM_IMPORTS
+
+
+def refusals_outside_the_lab(name: str, source: str, modules: dict[str, Path]) -> list[str]:
+    """Why the library module ``name`` (at the root or under a library folder) is really lab: each
+    import of the lab (but the sanctioned ones) or of the lab's dependencies, as ``line: target``."""
+    package = name if name == "attnlab" else name.rsplit(".", 1)[0]
+    lab = [f"{edge.line}: {edge.target}" for edge in imports_in(source, package, modules)
+           if in_lab(edge.target) and not _sanctioned(name, edge)]
+    return lab + [f"{edge.line}: {edge.target}" for edge in external_imports(source, package)
+                  if edge.target in LAB_DEPENDENCIES]
 
 
 def test_every_module_has_a_layer():
@@ -158,8 +181,74 @@ def test_every_module_has_a_layer():
 def test_the_lab_sits_above_the_library():
     assert max(rank for _, rank in CORE) < min(rank for _, rank in LAB)
     lab = sorted(name for name in all_modules() if in_lab(name))
-    assert "attnlab.tutorial" in lab and "attnlab.cli._cp_check" in lab and "attnlab.viz.html" in lab
-    assert not any(in_lab(name) for name in ("attnlab", "attnlab.nn.multihead", "attnlab.distributed.ring"))
+    assert "attnlab.lab.tutorial" in lab and "attnlab.lab.cli._cp_check" in lab and "attnlab.lab.viz.html" in lab
+    assert "attnlab.lab.train.loop" in lab
+    assert not any(in_lab(name) for name in ("attnlab", "attnlab.nn.multihead", "attnlab.distributed.ring",
+                                             "attnlab.__main__", "attnlab.labels", "attnlab.masks.spans"))
+
+
+def test_the_layer_table_follows_the_paths():
+    """The table's lab rows are the folders under ``lab/`` and its library rows are not; every
+    module's part is the one its path gives."""
+    assert all(in_lab(prefix) for prefix, _ in LAB) and not any(in_lab(prefix) for prefix, _ in CORE)
+    lab_files = {module_name(path) for path in (PACKAGE / "lab").rglob("*.py")}
+    assert lab_files == {name for name in all_modules() if in_lab(name)}
+
+
+def test_no_lab_module_sits_at_the_root():
+    """The lab's old modules and folders are gone from the root (their names live in ``attnlab.lab``)."""
+    left = [name for name in OLD_LAB_NAMES
+            if (PACKAGE / f"{name}.py").exists() or any((PACKAGE / name).rglob("*.py"))]
+    assert left == [], f"lab modules at the package root: {left}"
+
+
+def test_the_old_lab_import_paths_are_gone():
+    """``import attnlab.viz`` and the like fail (README.md's table gives the new paths); a folder left
+    behind by the move with only ``__pycache__`` in it would make them import as empty namespace
+    packages instead, so it is named here to be deleted."""
+    stale = [name for name in OLD_LAB_NAMES if (PACKAGE / name).is_dir()]
+    assert stale == [], f"folders left at src/attnlab by the lab's move (delete them): {stale}"
+    script = "\n".join([
+        "import importlib.util, attnlab",
+        f"print([n for n in {OLD_LAB_NAMES!r} if importlib.util.find_spec('attnlab.' + n) is not None])",
+    ])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr[-2000:])
+
+
+def test_no_module_outside_the_lab_is_lab_by_its_imports():
+    """A module at the root or under a library folder that imports the lab or matplotlib, rich or
+    typer (module level or in a function) belongs in ``lab/``; the root's lazy attributes and the
+    ``python -m attnlab`` shim are the exceptions."""
+    modules = all_modules()
+    found = {name: why for name, path in modules.items() if not in_lab(name)
+             for why in [refusals_outside_the_lab(name, path.read_text(), modules)] if why}
+    assert found == {}, f"library modules that are lab by their imports: {found}"
+
+
+def test_the_check_refuses_a_lab_module_at_the_root_or_in_a_library_folder():
+    """The checker itself, on made-up sources: plotting at the root, a CLI helper in ``nn``, an
+    upward import of the lab from ``masks``; the sanctioned imports pass."""
+    modules = all_modules()
+    plotting = "import torch\nimport matplotlib.pyplot as plt\n"
+    assert refusals_outside_the_lab("attnlab.plots", plotting, modules) == ["2: matplotlib"]
+    command = "def main():\n    import typer\n    from rich.console import Console\n"
+    assert refusals_outside_the_lab("attnlab.nn.command", command, modules) == ["2: typer", "3: rich"]
+    upward = "from attnlab.lab.viz import heatmap\n"
+    assert refusals_outside_the_lab("attnlab.masks.draw", upward, modules) == ["1: attnlab.lab.viz.heatmap"]
+    assert refusals_outside_the_lab("attnlab.__main__", (PACKAGE / "__main__.py").read_text(), modules) == []
+    assert refusals_outside_the_lab("attnlab.io", "from attnlab.lab.cli import main\n", modules) == [
+        "1: attnlab.lab.cli"]
+
+
+def test_the_main_module_is_a_shim():
+    """``src/attnlab/__main__.py`` only calls the command line: one import of ``attnlab.lab.cli.main``."""
+    source = (PACKAGE / "__main__.py").read_text()
+    modules = all_modules()
+    assert [(e.target, e.top_level) for e in imports_in(source, "attnlab", modules)] == [("attnlab.lab.cli", True)]
+    assert external_imports(source, "attnlab") == []
+    assert len([line for line in source.splitlines() if line.strip()]) <= 4
 
 
 def test_design_md_layer_table_lists_every_module_in_its_part():
@@ -201,7 +290,7 @@ def test_the_lazy_lab_imports_are_in_the_roots_getattr():
     modules = all_modules()
     lazy = {(name, edge.target, edge.function) for name, path in modules.items() if not in_lab(name)
             for edge in imports_of(path, modules) if in_lab(edge.target)}
-    assert lazy == LAZY_LAB_IMPORTS
+    assert lazy == LAZY_LAB_IMPORTS | SHIM_IMPORTS
 
 
 def test_no_library_module_imports_the_labs_dependencies():
@@ -215,8 +304,8 @@ def test_no_library_module_imports_the_labs_dependencies():
 def test_import_attnlab_loads_the_library_only():
     """A fresh interpreter: ``import attnlab`` and every library module load no lab module and
     none of the lab's dependencies; ``attnlab.tutorial`` still works, imported on first use."""
-    library = sorted(name for name in all_modules() if not in_lab(name))
-    lab_prefixes = tuple(prefix for prefix, _ in LAB)
+    library = sorted(name for name in all_modules() if not in_lab(name) and name != MAIN_SHIM[0])
+    lab_prefixes = (LAB_PACKAGE,)
     script = "\n".join([
         "import importlib, sys",
         "import attnlab",
@@ -224,8 +313,8 @@ def test_import_attnlab_loads_the_library_only():
         "    importlib.import_module(name)",
         f"lab = sorted(m for m in sys.modules if m.startswith({lab_prefixes!r}) or m.split('.')[0] in {LAB_DEPENDENCIES!r})",
         "assert not lab, lab",
-        "assert attnlab.tutorial.CausalAttention.__module__ == 'attnlab.tutorial' and 'tutorial' in dir(attnlab)",
-        "assert attnlab.show.__module__ == 'attnlab.viz.views' and 'show' in dir(attnlab)",
+        "assert attnlab.tutorial.CausalAttention.__module__ == 'attnlab.lab.tutorial' and 'tutorial' in dir(attnlab)",
+        "assert attnlab.show.__module__ == 'attnlab.lab.viz.views' and 'show' in dir(attnlab)",
         "print('ok')",
     ])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
@@ -248,7 +337,7 @@ def test_import_attnlab_loads_no_distributed_cli_or_lab_module():
     assert result.returncode == 0, result.stderr[-2000:]
     loaded = eval(result.stdout.strip())  # a printed list of module names
     assert "attnlab.nn.multihead" in loaded and "attnlab.functional" in loaded
-    refused = ("attnlab.distributed", "attnlab.cli", "attnlab.__main__") + tuple(prefix for prefix, _ in LAB)
+    refused = ("attnlab.distributed", "attnlab.__main__", LAB_PACKAGE)
     assert [m for m in loaded if m.startswith(refused)] == []
 
 
@@ -256,7 +345,8 @@ def test_no_library_module_imports_the_command_line():
     modules = all_modules()
     found = [f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {name} imports {edge.target}"
              for name, path in modules.items() if not in_lab(name)
-             for edge in imports_of(path, modules) if edge.target.startswith(("attnlab.cli", "attnlab.__main__"))]
+             for edge in imports_of(path, modules) if edge.target.startswith(("attnlab.lab.cli", "attnlab.__main__"))
+             and not _sanctioned(name, edge)]
     assert not found, found
 
 
@@ -293,9 +383,9 @@ def test_layering_check_catches_an_upward_and_a_relative_import():
 
 def test_layering_check_sees_a_lazy_lab_import_and_a_lazy_lab_dependency():
     modules = all_modules()
-    source = "class A:\n    def draw(self):\n        import matplotlib.pyplot as plt\n        from attnlab import viz\n"
+    source = "class A:\n    def draw(self):\n        import matplotlib.pyplot as plt\n        from attnlab.lab import viz\n"
     edges = imports_in(source, "attnlab.nn", modules)
-    assert [(e.target, e.function) for e in edges] == [("attnlab.viz", "draw")] and in_lab(edges[0].target)
+    assert [(e.target, e.function) for e in edges] == [("attnlab.lab.viz", "draw")] and in_lab(edges[0].target)
     assert not _sanctioned("attnlab.nn.blocks", edges[0])
     assert [(e.target, e.top_level) for e in external_imports(source, "attnlab.nn")] == [("matplotlib", False)]
 
@@ -304,6 +394,6 @@ def test_no_lazy_import_of_attnlab_inside_functions_except_for_cost():
     """Function-level imports of attnlab modules are not needed to dodge cycles any more."""
     modules = all_modules()
     lazy = [f"{path.relative_to(PACKAGE.parent)}:{edge.line}: {edge.target}"
-            for name, path in modules.items() if not name.startswith("attnlab.cli")
+            for name, path in modules.items() if not name.startswith("attnlab.lab.cli")
             for edge in imports_of(path, modules) if not edge.top_level and not _sanctioned(name, edge)]
     assert not lazy, "function-level attnlab imports:\n" + "\n".join(lazy)

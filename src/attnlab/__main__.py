@@ -1,4 +1,4 @@
-"""``python -m attnlab`` runs the command-line tool."""
+"""``python -m attnlab`` runs the command line, :func:`attnlab.lab.cli.main` (a shim: the lab lives in ``attnlab.lab``)."""
 
 from attnlab.lab.cli import main
 
