@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from attnlab import bench
+from attnlab.lab import bench
 
 
 def main() -> None:

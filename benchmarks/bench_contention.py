@@ -16,8 +16,8 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.bench.competitors import CompiledFlex, flex_mask_mods
-from attnlab.bench.timing import compare, machine_line
+from attnlab.lab.bench.competitors import CompiledFlex, flex_mask_mods
+from attnlab.lab.bench.timing import compare, machine_line
 
 
 def busy_core():

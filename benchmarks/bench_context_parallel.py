@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.bench.context_parallel import CheckSpec, scaling_rows
-from attnlab.bench.timing import machine_line
+from attnlab.lab.bench.context_parallel import CheckSpec, scaling_rows
+from attnlab.lab.bench.timing import machine_line
 
 
 def main() -> None:

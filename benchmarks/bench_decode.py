@@ -1,6 +1,6 @@
 """KV-cache decoding vs recomputation: a 6-layer, d=384 GPT generating 256 tokens after 512.
 
-The ``decode-model`` suite of ``attnlab bench`` (:func:`attnlab.bench.suites.decode_model_suite`)
+The ``decode-model`` suite of ``attnlab bench`` (:func:`attnlab.lab.bench.suites.decode_model_suite`)
 with its sizes as options: both runs decode greedily from the same random 512-token prompt with
 the same randomly initialised model (fp32, CPU); the cached run feeds one token per step and
 reads earlier keys/values from attnlab's KVCache, the other recomputes the whole sequence every
@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from attnlab.bench.suites import decode_model_suite, report_generation
-from attnlab.bench.timing import machine_line
+from attnlab.lab.bench.suites import decode_model_suite, report_generation
+from attnlab.lab.bench.timing import machine_line
 
 
 def main() -> None:

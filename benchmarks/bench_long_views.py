@@ -69,8 +69,8 @@ def main() -> None:
     from _cdp import Browser, find_browser, open_page
     from transformers.utils import logging
 
-    from attnlab.lens import open_model
-    from attnlab.viz import views
+    from attnlab.lab.lens import open_model
+    from attnlab.lab.viz import views
 
     logging.set_verbosity_error()
     _tiny_models.SIZES["positions"] = 32768

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.bench.modules import run_modules_suite
+from attnlab.lab.bench.modules import run_modules_suite
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import argparse
 
 import torch
 
-from attnlab.bench.timing import compare, machine_line
+from attnlab.lab.bench.timing import compare, machine_line
 from attnlab.integrations.transformers import register
 
 

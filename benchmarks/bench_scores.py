@@ -42,7 +42,7 @@ import attnlab
 from attnlab import backends, masks, scores
 from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
-from attnlab.bench.timing import BenchRow, compare, fill_ratios, machine_line, matmul_candidate, print_rows
+from attnlab.lab.bench.timing import BenchRow, compare, fill_ratios, machine_line, matmul_candidate, print_rows
 
 H, D = 8, 64
 SOFTCAP = 50.0  # Gemma 2's attention logit cap

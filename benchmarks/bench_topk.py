@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import attnlab
 from attnlab._memory import PeakMemory
-from attnlab.bench.timing import compare, machine_line
+from attnlab.lab.bench.timing import compare, machine_line
 
 
 def inputs(t: int, k: int, heads: int, d: int) -> tuple:

@@ -18,7 +18,7 @@
    padded contiguous batch: the prompts left-padded to 1024 as one ``(8, 1024)`` tensor with a
    ``KVCache`` (what the padded batch computes; GPT has no padding mask, so its tokens stand for
    the cost only). Tokens/s count every row's new tokens, prefill included, interleaved
-   (``attnlab.bench.timing.compare``); the paged tokens are checked against each prompt
+   (``attnlab.lab.bench.timing.compare``); the paged tokens are checked against each prompt
    generated alone. Target: >= 1.5x, same tokens per prompt.
 
 Every figure comes from this run on the machine printed first; only an idle machine's figures
@@ -37,7 +37,7 @@ import time
 import torch
 
 from attnlab._memory import PeakMemory
-from attnlab.bench.timing import compare, machine_line
+from attnlab.lab.bench.timing import compare, machine_line
 from attnlab.models import GPT
 from attnlab.nn import LatentAttention, MultiHeadAttention
 

@@ -18,7 +18,7 @@ import attnlab
 from attnlab import masks, scores
 from attnlab.distributed import CommStats, context_parallel_attention, sequence_layout, shard, unshard
 from attnlab.distributed.balance import balanced_layout
-from attnlab.verify import allowed_error
+from attnlab.lab.verify import allowed_error
 
 CASES = {
     # name: (method, layout, causal, dtype, B, Hq, Hkv, T_per_rank, D, Dv, mask)
@@ -403,10 +403,10 @@ DISAGREEMENT_OPTIONS = {name: option for name, (_, option) in _disagreeing_calls
 
 
 def trainer_losses(rank: int, world: int, methods: list[str], steps: int) -> dict:
-    """``attnlab.train.Trainer`` in fp64 for a few steps, sharded over the world by each method
+    """``attnlab.lab.train.Trainer`` in fp64 for a few steps, sharded over the world by each method
     (world 1: one process); the losses and accuracies it reports, per method."""
     from attnlab.distributed import ContextParallel
-    from attnlab.train import Trainer, TrainConfig
+    from attnlab.lab.train import Trainer, TrainConfig
 
     report = {}
     for method in methods:

@@ -6,9 +6,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from attnlab.bench import suites
-from attnlab.bench.suites import GenerationTiming, decode_model_suite, report_generation
-from attnlab.cli import app
+from attnlab.lab.bench import suites
+from attnlab.lab.bench.suites import GenerationTiming, decode_model_suite, report_generation
+from attnlab.lab.cli import app
 from attnlab.models import GPT
 
 TINY = dict(layers=1, d_model=16, heads=2, vocab_size=32, prompt_len=8, new_tokens=5)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab.bench import overhead
-from attnlab.bench.modules import ModulesConfig
-from attnlab.cli import app
+from attnlab.lab.bench import overhead
+from attnlab.lab.bench.modules import ModulesConfig
+from attnlab.lab.cli import app
 
 runner = CliRunner()
 

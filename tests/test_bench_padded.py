@@ -10,8 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from attnlab import masks
-from attnlab.bench import padded, suites
-from attnlab.cli import app
+from attnlab.lab.bench import padded, suites
+from attnlab.lab.cli import app
 
 runner = CliRunner()
 

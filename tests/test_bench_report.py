@@ -10,10 +10,10 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from attnlab import bench
-from attnlab.bench import report, suites
-from attnlab.bench.timing import BenchRow, fill_ratios
-from attnlab.cli import app
+from attnlab.lab import bench
+from attnlab.lab.bench import report, suites
+from attnlab.lab.bench.timing import BenchRow, fill_ratios
+from attnlab.lab.cli import app
 from test_cli_errors import assert_one_error_line
 
 runner = CliRunner()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import masks, verify
+from attnlab import masks
+from attnlab.lab import verify
 from attnlab.backends import build_call, dispatch, get, reasons, select
 from attnlab.backends.blocks import block_spans, blocks_attention, visited_fraction
 
@@ -221,7 +222,7 @@ def test_why_says_why_a_bounds_less_mod_cannot_be_skipped():
 def test_backends_cli_explains_structured_masks():
     from typer.testing import CliRunner
 
-    from attnlab.cli import app
+    from attnlab.lab.cli import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["backends", "--window", "256", "--tq", "8192"])
@@ -237,7 +238,7 @@ def test_backends_cli_explains_structured_masks():
 
 def test_sparse_and_backends_suites_run_on_tiny_shapes():
     """Regression: suites.py used fill_ratios without importing it (NameError)."""
-    from attnlab.bench import suites
+    from attnlab.lab.bench import suites
 
     rows = suites.sparse_suite(quick=True, lengths=(64,), rounds=1)
     assert {r.name for r in rows} >= {"auto", "blocks", "sdpa dense mask"}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import masks, verify
+from attnlab import masks
+from attnlab.lab import verify
 from attnlab._memory import PeakMemory
 from attnlab.backends import build_call, get, select
 from attnlab.backends.chunked import chunked_attention, draw_dropout_seed, dropout_keep

@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab.cli import app
+from attnlab.lab.cli import app
 
 runner = CliRunner()
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -184,7 +184,7 @@ def test_explain_bounds_its_sizes(args, option, cap, tmp_path):
 def test_out_of_memory_becomes_one_line(error, monkeypatch, tmp_path):
     import functools
 
-    from attnlab import explain
+    from attnlab.lab import explain
 
     @functools.wraps(explain.trace)  # its signature: the command reads the walk's defaults there
     def trace(*args, **kwargs):
@@ -197,7 +197,7 @@ def test_out_of_memory_becomes_one_line(error, monkeypatch, tmp_path):
 
 def test_other_runtime_errors_are_not_hidden(monkeypatch):
     """A bug is not a bad option: it must stay visible as an exception."""
-    from attnlab import bench
+    from attnlab.lab import bench
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
@@ -208,7 +208,7 @@ def test_other_runtime_errors_are_not_hidden(monkeypatch):
 
 
 def test_ctrl_c_exits_130_with_one_line(monkeypatch):
-    from attnlab import bench
+    from attnlab.lab import bench
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

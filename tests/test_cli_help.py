@@ -1,6 +1,6 @@
 """The ``attnlab`` command line starts light, and its ``--help`` shows flags as flags and the defaults.
 
-Start-up: ``import attnlab.cli`` (what every command and ``attnlab --help`` pay) loads no lab tool,
+Start-up: ``import attnlab.lab.cli`` (what every command and ``attnlab --help`` pay) loads no lab tool,
 no transformers or matplotlib and not torch's compiler; a command imports those when it runs.
 The check is on the set of loaded modules in a fresh interpreter, never on a timing.
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from attnlab.cli import app
+from attnlab.lab.cli import app
 
 runner = CliRunner()
 SRC = Path(__file__).resolve().parents[1] / "src"
 COMMANDS = ("explain", "train", "generate", "verify", "backends", "bench", "kv-memory", "context-parallel")
 # Modules a command imports when it runs, never at start-up: the lab tools and their heavy dependencies.
-HEAVY = ("transformers", "matplotlib", "torch._dynamo", "attnlab.train", "attnlab.trained", "attnlab.verify",
-         "attnlab.zoo", "attnlab.viz", "attnlab.lens", "attnlab.explain", "attnlab.bench", "attnlab.tutorial",
-         "attnlab.cli._lens_walk", "attnlab.cli._trained_walk", "attnlab.distributed", "attnlab.models")
+HEAVY = ("transformers", "matplotlib", "torch._dynamo", "attnlab.lab.train", "attnlab.lab.trained", "attnlab.lab.verify",
+         "attnlab.lab.zoo", "attnlab.lab.viz", "attnlab.lab.lens", "attnlab.lab.explain", "attnlab.lab.bench", "attnlab.lab.tutorial",
+         "attnlab.lab.cli._lens_walk", "attnlab.lab.cli._trained_walk", "attnlab.distributed", "attnlab.models")
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -36,14 +36,14 @@ def _loaded_after(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("code", [
-    "import attnlab.cli",
-    "from attnlab.cli import app\ntry:\n    app(['--help'])\nexcept SystemExit:\n    pass",
-    "from attnlab.cli import app\ntry:\n    app(['kv-memory', '--layers', '2', '--heads', '4', '--head-dim', '8', "
+    "import attnlab.lab.cli",
+    "from attnlab.lab.cli import app\ntry:\n    app(['--help'])\nexcept SystemExit:\n    pass",
+    "from attnlab.lab.cli import app\ntry:\n    app(['kv-memory', '--layers', '2', '--heads', '4', '--head-dim', '8', "
     "'--context', '16'])\nexcept SystemExit:\n    pass",
 ])
 def test_the_command_line_starts_without_the_lab_tools(code):
     loaded = _loaded_after(code)
-    assert "attnlab.cli.train_cmd" in loaded and "torch" in loaded  # the commands are registered
+    assert "attnlab.lab.cli.train_cmd" in loaded and "torch" in loaded  # the commands are registered
     assert [m for m in loaded if m.startswith(HEAVY) and (m in HEAVY or m.startswith(tuple(h + "." for h in HEAVY)))] \
         == []
 
@@ -70,7 +70,7 @@ def _default_of(text: str, option: str) -> str:
 
 
 def test_train_help_shows_each_tasks_defaults():
-    from attnlab.train import TASK_DEFAULTS
+    from attnlab.lab.train import TASK_DEFAULTS
 
     text = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "250"}).output
     steps = _default_of(text, "--steps")
@@ -83,7 +83,7 @@ def test_train_help_shows_each_tasks_defaults():
 def test_explain_help_shows_the_walks_defaults_from_trace():
     import inspect
 
-    from attnlab.explain import DEFAULT_SENTENCE, trace
+    from attnlab.lab.explain import DEFAULT_SENTENCE, trace
 
     text = runner.invoke(app, ["explain", "--help"], env={"COLUMNS": "250"}).output
     defaults = inspect.signature(trace).parameters

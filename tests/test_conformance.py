@@ -1,6 +1,6 @@
-"""Every available backend against the fp64 reference (the rule of docs/contract.md), via attnlab.verify.
+"""Every available backend against the fp64 reference (the rule of docs/contract.md), via attnlab.lab.verify.
 
-The sweep logic (configurations, tolerance) lives in :mod:`attnlab.verify` and is the same one
+The sweep logic (configurations, tolerance) lives in :mod:`attnlab.lab.verify` and is the same one
 ``attnlab verify`` runs. Each backend must *serve* at least 200 configurations per dtype;
 flex serves forward only on CPU, is swept over a few fixed shapes (it compiles per shape) and
 on CPU declines the ones with a partial 128-key block.
@@ -11,7 +11,8 @@ import torch
 
 import attnlab
 
-from attnlab import backends, verify
+from attnlab import backends
+from attnlab.lab import verify
 
 N_CONFIGS = 220
 FLEX_CONFIGS = 88

@@ -355,7 +355,7 @@ def test_gpt_trained_on_two_ranks_gives_the_single_process_losses(method, positi
 
 
 def test_trainer_on_two_ranks_gives_the_single_process_losses_in_fp64():
-    """attnlab.train's Trainer with context_parallel: the same losses and accuracies as one process."""
+    """attnlab.lab.train's Trainer with context_parallel: the same losses and accuracies as one process."""
     methods = ["ring", "ulysses", "hybrid"]  # hybrid at world 2: Ulysses pairs, a ring of one
     single = jobs.trainer_losses(0, 1, methods, 3)
     ranks = _values(run_local(jobs.trainer_losses, world=2, args=(methods, 3), timeout=120))
@@ -464,14 +464,14 @@ def test_context_parallel_refuses_layers_that_would_attend_over_their_shard_only
 def test_context_parallel_command_refuses_bad_options(args, option):
     from typer.testing import CliRunner
 
-    from attnlab.cli import app
+    from attnlab.lab.cli import app
     from test_cli_errors import assert_one_error_line
 
     assert_one_error_line(CliRunner().invoke(app, ["context-parallel", *args]), option)
 
 
 def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
-    """``python -m attnlab.cli._cp_check`` under a launcher's environment (RANK etc. set)."""
+    """``python -m attnlab.lab.cli._cp_check`` under a launcher's environment (RANK etc. set)."""
     import os
     import subprocess
     import sys
@@ -482,7 +482,7 @@ def test_check_module_runs_as_torchrun_would_and_reports_ok(tmp_path):
 
     port = str(_free_port())
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "attnlab.cli._cp_check", "--seq-len", "32", "--heads", "2",
+        [sys.executable, "-m", "attnlab.lab.cli._cp_check", "--seq-len", "32", "--heads", "2",
          "--head-dim", "8", "--dtype", "fp64"],
         env={**os.environ, "PYTHONPATH": str(src), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"},

@@ -12,7 +12,7 @@ import pytest
 import attnlab
 
 # Command modules are documented by their --help text (tested elsewhere), not by doctests.
-SKIP_PREFIXES = ("attnlab.cli", "attnlab.__main__")
+SKIP_PREFIXES = ("attnlab.lab.cli", "attnlab.__main__")
 
 
 def _modules():

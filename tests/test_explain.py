@@ -1,4 +1,4 @@
-"""attnlab.explain.trace and the `attnlab explain` command.
+"""attnlab.lab.explain.trace and the `attnlab explain` command.
 
 References: "Clear Tutorial"'s printed numbers, the tutorial modules run on their own,
 and fp64 recomputations from the trace's recorded inputs.
@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab.cli import app
-from attnlab.explain import DEFAULT_SENTENCE, split_for_cross, tokenize, trace
-from attnlab import tutorial
+from attnlab.lab.cli import app
+from attnlab.lab.explain import DEFAULT_SENTENCE, split_for_cross, tokenize, trace
+from attnlab.lab import tutorial
 
 DOC_SENTENCE = "The sun rises in the east"
 

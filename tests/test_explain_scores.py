@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 import attnlab
 from attnlab import scores
-from attnlab.cli import app
-from attnlab.explain import trace
-from attnlab.viz.html import Weights, build_report, heads_view, walk_view
+from attnlab.lab.cli import app
+from attnlab.lab.explain import trace
+from attnlab.lab.viz.html import Weights, build_report, heads_view, walk_view
 
 runner = CliRunner()
 SENTENCE = "The sun rises in the east"

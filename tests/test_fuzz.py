@@ -2,7 +2,7 @@
 
 The oracle below shares no code with attnlab (not the reference backend, not ``attnlab.masks``):
 it builds each mask from its definition with index arithmetic and takes the softmax by hand. Each
-configuration crosses what users hand in and the sweep in ``attnlab.verify`` does not draw on its
+configuration crosses what users hand in and the sweep in ``attnlab.lab.verify`` does not draw on its
 own: memory layouts (transposed from ``(B, T, H, D)``, sliced, stepped, expanded with stride 0,
 storage offsets, permuted), batch-1 keys broadcast against a batch of queries, scales of 0 and
 below, large logits, grad mode crossed with ``requires_grad`` on each input, and mask mods in the
@@ -19,7 +19,7 @@ import torch
 
 import attnlab
 from attnlab import backends, masks
-from attnlab.verify import allowed_error
+from attnlab.lab.verify import allowed_error
 
 N_CONFIGS = 240
 # flex compiles per shape on CPU (seconds each): the sweep in verify covers it on fixed shapes.
@@ -255,7 +255,7 @@ def _check_one(cfg: dict) -> str | None:
     exact_in, exact = oracle_in(torch.float64)
     plain_in, plain = oracle_in(torch.float32)
     # The floor scales with the largest quantity the computation passes through, as in
-    # attnlab.verify; at large logits that is the scores (fp32 rounds them to |s| * 2**-24).
+    # attnlab.lab.verify; at large logits that is the scores (fp32 rounds them to |s| * 2**-24).
     magnitude = max(_largest(exact.detach()), _largest(_scores(q, k, scale)))
     ok, err, tol = _within(out.detach(), exact.detach(), plain.detach(), cfg, False, magnitude)
     if not ok:
@@ -266,7 +266,7 @@ def _check_one(cfg: dict) -> str | None:
     (out * g.float()).sum().backward()
     exact_grads = torch.autograd.grad((exact * g).sum(), exact_in)
     plain_grads = torch.autograd.grad((plain * g.float()).sum(), plain_in)
-    # As in attnlab.verify: gradient noise scales with the problem's largest quantities.
+    # As in attnlab.lab.verify: gradient noise scales with the problem's largest quantities.
     magnitude = max(magnitude, *(_largest(t) for t in exact_grads))
     for name, leaf, want, base in zip("qkv", leaves, exact_grads, plain_grads):
         if not leaf.requires_grad:

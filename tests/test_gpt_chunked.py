@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab import train as _train
-from attnlab.cli import app
+from attnlab.lab import train as _train
+from attnlab.lab.cli import app
 from attnlab.models import GPT
 from attnlab.nn import ChunkedKVCache, MultiHeadAttention, WindowedKVCache
 from attnlab.nn.positional import apply_rotary

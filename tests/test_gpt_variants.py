@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnlab.cli import app
+from attnlab.lab.cli import app
 from attnlab.models import GPT
 from attnlab.models.gpt import INDEX_LOSS_WEIGHT
 from attnlab.nn import BranchCache, DifferentialAttention, GatedAttention, NativeSparseAttention, TopkAttention
@@ -132,7 +132,7 @@ def test_config_round_trips(tmp_path):
 
 @pytest.mark.parametrize("pattern", [["DQ"], ["TS", "--topk", "4", "--nsa-block", "4"]])
 def test_train_cli_trains_the_2026_layers(tmp_path, pattern):
-    from attnlab.bench.variants import tiny_corpus
+    from attnlab.lab.bench.variants import tiny_corpus
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(tiny_corpus(200), encoding="utf-8")

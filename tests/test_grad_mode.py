@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import backends, verify
+from attnlab import backends
+from attnlab.lab import verify
 from attnlab.backends import build_call
 
 

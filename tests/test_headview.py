@@ -6,8 +6,8 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 import torch
 
-from attnlab.trained import pad_heads
-from attnlab.viz.headview import HEAD_COLORS, head_color, head_grid, head_view, line_alpha
+from attnlab.lab.trained import pad_heads
+from attnlab.lab.viz.headview import HEAD_COLORS, head_color, head_grid, head_view, line_alpha
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "[SEP]"]
 
@@ -136,8 +136,8 @@ def test_colours_are_distinct_for_twelve_heads():
 
 
 def test_the_head_view_stores_the_links_it_draws_and_each_rows_strongest():
-    from attnlab.viz.headview import MIN_ALPHA
-    from attnlab.viz.html import drawn_links
+    from attnlab.lab.viz.headview import MIN_ALPHA
+    from attnlab.lab.viz.html import drawn_links
 
     gen = torch.Generator().manual_seed(0)
     weights = torch.softmax(torch.randn(60, 60, generator=gen) * 3, dim=-1)

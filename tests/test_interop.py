@@ -1,7 +1,7 @@
 """attnlab's MultiHeadAttention against torch.nn.MultiheadAttention, and torch.compile.
 
 Tolerance (docs/contract.md): with fp64 copies of torch's module as the oracle, attnlab's fp32 error
-must be within attnlab.verify's rule of torch's own fp32 error: 2x for outputs, 3x for input
+must be within attnlab.lab.verify's rule of torch's own fp32 error: 2x for outputs, 3x for input
 gradients, plus verify's fp32 floor.
 """
 
@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import attnlab
-from attnlab import masks, verify
+from attnlab import masks
+from attnlab.lab import verify
 from attnlab.nn import MultiHeadAttention, from_torch, to_torch
 
 E, H = 24, 3
@@ -46,7 +47,7 @@ def _with_grads(fn, *tensors):
 
 
 def _assert_rule(ours, theirs, oracle, what, *, gradient=False):
-    """attnlab's error vs the fp64 oracle is within attnlab.verify's rule of torch's own error."""
+    """attnlab's error vs the fp64 oracle is within attnlab.lab.verify's rule of torch's own error."""
     err_ours = (ours.double() - oracle).abs().max().item()
     err_theirs = (theirs.double() - oracle).abs().max().item()
     allowed = verify.allowed_error(err_theirs, torch.float32, 1.0, gradient=gradient)

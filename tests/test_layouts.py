@@ -1,7 +1,7 @@
 """Every backend on every memory layout of q, k, v (and of the output gradient) against fp64.
 
 The oracle is the reference backend in fp64 on contiguous copies of the same values. Layouts
-come from :func:`attnlab.verify.relayout`, the one the conformance sweep draws from.
+come from :func:`attnlab.lab.verify.relayout`, the one the conformance sweep draws from.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import masks, verify
+from attnlab import masks
+from attnlab.lab import verify
 from attnlab.backends import blocks as blocks_backend
 
 

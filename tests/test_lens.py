@@ -1,4 +1,4 @@
-"""Any transformers model's heads through attnlab (attnlab.lens and ``attnlab explain --model DIR``).
+"""Any transformers model's heads through attnlab (attnlab.lab.lens and ``attnlab explain --model DIR``).
 
 Tiny random GPT-2, Llama (grouped-query), BERT and Gemma 2 checkpoints are built from their config
 classes and saved to a temporary directory (tests/_tiny_models.py; no hub). The weights attnlab's
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from _tiny_models import save_tiny, transformers
-from attnlab.cli import app
-from attnlab.lens import open_model
+from attnlab.lab.cli import app
+from attnlab.lab.lens import open_model
 from test_cli_errors import assert_one_error_line
 from test_explain_trained import needs_model
 

@@ -1,4 +1,4 @@
-"""Views of any length: weights recomputed from q, k and each row's log-sum-exp (attnlab.viz.recompute),
+"""Views of any length: weights recomputed from q, k and each row's log-sum-exp (attnlab.lab.viz.recompute),
 the long model view's page (overview + zoom data), ModelLens.record on saved transformers models, and
 ``attnlab explain --model DIR --text-file``.
 
@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from attnlab import masks, scores
-from attnlab.cli import app
-from attnlab.viz import views
-from attnlab.viz.recompute import LazyWeights, interval_bounds, record, reduce_blocks
-from attnlab.viz.views import model_view, show
+from attnlab.lab.cli import app
+from attnlab.lab.viz import views
+from attnlab.lab.viz.recompute import LazyWeights, interval_bounds, record, reduce_blocks
+from attnlab.lab.viz.views import model_view, show
 
 
 def _reference(q, k, *, allowed=None, scale=None, cap=None, sinks=None):
@@ -276,7 +276,7 @@ def tiny(tmp_path_factory):
 def test_record_recomputes_the_weights_transformers_returns(tiny, kind):
     from _tiny_models import WORDS
 
-    from attnlab.lens import open_model
+    from attnlab.lab.lens import open_model
 
     lens = open_model(tiny[kind])
     text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(30))
@@ -289,7 +289,7 @@ def test_record_recomputes_the_weights_transformers_returns(tiny, kind):
 
 
 def test_attention_refuses_what_record_takes(tiny, monkeypatch):
-    from attnlab import lens as lens_module
+    from attnlab.lab import lens as lens_module
 
     lens = lens_module.open_model(tiny["llama"])
     monkeypatch.setattr(lens_module, "DENSE_BYTES", 100)

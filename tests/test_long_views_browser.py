@@ -1,6 +1,6 @@
 """A long input's model view in a real headless chromium: 8192 tokens, weights recomputed in the page.
 
-The page is saved by ``View.save`` from :class:`attnlab.viz.recompute.LazyWeights` (no T x T
+The page is saved by ``View.save`` from :class:`attnlab.lab.viz.recompute.LazyWeights` (no T x T
 weights anywhere). Checks: no console error or exception, no request but the page, the overview
 painted, a click on the enlarged head zooms into that region at full resolution with weights equal
 to Python's :meth:`LazyWeights.tile` (within fp16's rounding of q and k), hovering reads a cell,
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
-from attnlab.viz.recompute import LazyWeights
-from attnlab.viz.views import model_view
+from attnlab.lab.viz.recompute import LazyWeights
+from attnlab.lab.viz.views import model_view
 
 pytestmark = pytest.mark.browser
 

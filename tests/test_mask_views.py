@@ -1,4 +1,4 @@
-"""Mask and score-mod views (attnlab.viz.maskview): block maps, zoom data, differences, score mods, the CLI.
+"""Mask and score-mod views (attnlab.lab.viz.maskview): block maps, zoom data, differences, score mods, the CLI.
 
 Every block state and count is checked against a dense mask written with plain index math (or the
 mod's own ``__call__`` through ``materialize`` for combinations); score mods against fp64 formulas.
@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 import attnlab
 from attnlab import masks, scores
-from attnlab.cli import app
-from attnlab.viz import maskview
-from attnlab.viz.page import asset, to_json
+from attnlab.lab.cli import app
+from attnlab.lab.viz import maskview
+from attnlab.lab.viz.page import asset, to_json
 
 
 def _dense_patterns(tq: int, tk: int) -> dict:

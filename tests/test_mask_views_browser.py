@@ -12,8 +12,8 @@ import torch
 
 from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
 from attnlab import masks, scores
-from attnlab.viz import maskview
-from attnlab.viz.page import document
+from attnlab.lab.viz import maskview
+from attnlab.lab.viz.page import document
 
 pytestmark = pytest.mark.browser
 

@@ -223,7 +223,7 @@ def test_or_combination_bounds_are_the_union_and_bounds_less_parts_give_none():
 
 def _sweep_mods(count: int, seed: int):
     """(mod with the call's causal folded in, config) for the conformance sweep's mods with row ranges."""
-    from attnlab import verify
+    from attnlab.lab import verify
     from attnlab._call import build_call
 
     for config in verify.configs(count, seed=seed):

@@ -8,8 +8,8 @@ import torch
 import attnlab.backends
 from attnlab import masks
 from attnlab.nn import MultiHeadAttention, alibi_bias
-from attnlab.bench.competitors import SeedMultiHeadAttention  # the tutorial's module, as written
-from attnlab.tutorial import load_tutorial_state_dict
+from attnlab.lab.bench.competitors import SeedMultiHeadAttention  # the tutorial's module, as written
+from attnlab.lab.tutorial import load_tutorial_state_dict
 
 BACKENDS = ["reference", "sdpa", "chunked", "flex"]
 
@@ -155,7 +155,7 @@ def test_errors_name_the_argument():
 
 
 def test_benchmark_contenders_compute_the_same_function():
-    from attnlab.bench.modules import ModulesConfig, build_modules
+    from attnlab.lab.bench.modules import ModulesConfig, build_modules
 
     modules = build_modules(ModulesConfig(batch=2, seq_len=9, d_model=24, num_heads=3, dtype=torch.float64))
     x = torch.randn(2, 9, 24, dtype=torch.float64)

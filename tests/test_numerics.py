@@ -15,14 +15,15 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import backends, masks, verify
+from attnlab import backends, masks
+from attnlab.lab import verify
 from attnlab.backends import build_call, dispatch
 from attnlab.nn import MultiHeadAttention
 
 B, H, T, D = 2, 3, 128, 40  # one shape for every flex call: flex compiles per shape, and on CPU
 # serves only whole 128-key blocks, so this is a shape where it must keep every rule
 NAN, INF = float("nan"), float("inf")
-# The small floors of attnlab.verify's rule (magnitude 1, one term).
+# The small floors of attnlab.lab.verify's rule (magnitude 1, one term).
 FLOOR = {dtype: verify.floor_for(dtype, 1.0) for dtype in (torch.bfloat16, torch.float16)}
 
 
@@ -328,7 +329,7 @@ def _d_out(shape):
 
 
 def _assert_within_rule(name, got, exact, plain, *, extra=(0.0, 0.0, 0.0, 0.0)):
-    """attnlab.verify's rule: each of out, dq, dk, dv within 2x (3x) the fp32 reference's error
+    """attnlab.lab.verify's rule: each of out, dq, dk, dv within 2x (3x) the fp32 reference's error
     vs fp64 plus the floor (plus ``extra``, per tensor)."""
     out, grads = got
     pairs = [(out, exact[0], plain[0])] + list(zip(grads or [], exact[1], plain[1] or []))

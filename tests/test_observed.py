@@ -148,7 +148,7 @@ def test_under_compile_no_range_is_kept_and_a_profiler_causes_no_recompile():
 def test_explain_prints_the_walks_kernel_beside_the_prediction(tmp_path):
     from typer.testing import CliRunner
 
-    from attnlab.cli import app
+    from attnlab.lab.cli import app
 
     result = CliRunner().invoke(app, ["explain", "--mode", "multihead", "--heads", "2", "--causal", "--d-kq", "4",
                                       "--d-v", "4", "--format", "png", "--out", str(tmp_path)])
@@ -160,8 +160,8 @@ def test_explain_prints_the_walks_kernel_beside_the_prediction(tmp_path):
 
 
 def test_the_walks_call_is_the_walks_computation_and_a_mismatch_warns(monkeypatch):
-    from attnlab.cli import _kernel
-    from attnlab.explain import trace
+    from attnlab.lab.cli import _kernel
+    from attnlab.lab.explain import trace
 
     result = trace("The chef made a meal", mode="multihead", heads=2, causal=True, sinks=0.5)
     q, k, v, options = _kernel.walk_call(result)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from _cdp import Browser, find_browser, open_page, page_errors, requested_urls
-from attnlab.explain import trace
-from attnlab.viz.html import write_report
+from attnlab.lab.explain import trace
+from attnlab.lab.viz.html import write_report
 
 pytestmark = pytest.mark.browser
 
@@ -104,9 +104,9 @@ LINES = """[...document.querySelectorAll('#hv-lines line.hv-line')].map(l => [+l
 def trained_report(tmp_path_factory):
     import torch
 
-    from attnlab.trained import WordAttention
-    from attnlab.viz.headview import head_color
-    from attnlab.viz.html import TrainedSection
+    from attnlab.lab.trained import WordAttention
+    from attnlab.lab.viz.headview import head_color
+    from attnlab.lab.viz.html import TrainedSection
 
     pieces = ["[CLS]", "the", "chef", "made", "a", "meal", "and", "it", "was", "good", "[SEP]"]
     word_ids = [None, 0, 1, 2, 3, 4, 5, 6, 7, 8, None]
@@ -174,8 +174,8 @@ def ragged_page(tmp_path_factory):
     """A head view of a model with 2 heads in layer 0 and 1 in layer 1 (NaN pads the missing head)."""
     import torch
 
-    from attnlab.trained import WordAttention
-    from attnlab.viz.html import TrainedSection
+    from attnlab.lab.trained import WordAttention
+    from attnlab.lab.viz.html import TrainedSection
 
     pieces = ["the", "chef", "made", "a", "meal"]
     weights = torch.softmax(torch.randn(2, 2, 5, 5, generator=torch.Generator().manual_seed(1)), dim=-1)

@@ -6,7 +6,7 @@ The formulas are written here as attention-gym writes its score mods (``attn_gym
 ``examples/learnable_bias.py``, the relative-position and soft-capping examples of
 ``examples/flex_attn.ipynb``) plus T5's bucketed bias, applied to the whole score matrix
 ``(B, H, Tq, Tk)`` in fp64 and masked, softmaxed and summed by hand. The tolerance is
-attnlab.verify's rule: the backend's error at most 2x (outputs) or 3x (gradients) that of the same
+attnlab.lab.verify's rule: the backend's error at most 2x (outputs) or 3x (gradients) that of the same
 eager formula run in fp32, plus the floor.
 """
 
@@ -22,7 +22,7 @@ import torch
 import attnlab
 from attnlab import backends, masks, scores
 from attnlab._call import build_call
-from attnlab.verify import allowed_error
+from attnlab.lab.verify import allowed_error
 
 B, H, T, D, W = 2, 4, 19, 8, 3  # W: attention-gym's local-window width (learnable_bias.py)
 BACKENDS = ("reference", "chunked", "sdpa", "blocks")  # with a CPU backward (blocks: once it serves them)

@@ -18,7 +18,7 @@ from attnlab import scores
 from attnlab.backends import why
 from attnlab.backends.chunked import chunked_attention
 from attnlab._call import build_call
-from attnlab.verify import allowed_error
+from attnlab.lab.verify import allowed_error
 
 F64 = torch.float64
 
@@ -621,7 +621,7 @@ class _ForgetsTheSinks(attnlab.backends.Backend):
 
 
 def test_sweep_checks_score_mods_and_catches_wrong_sinks():
-    from attnlab import verify
+    from attnlab.lab import verify
 
     # seed 2: each sinks kind's configuration has a query with a key (in seed 1's infinite_sinks
     # one, varlen lengths ANDed with bottom-right causal masking leave none: forgetting the

@@ -14,7 +14,7 @@ import torch
 from attnlab import attention, masks
 from attnlab._math import apply_dropout
 from attnlab.nn import MultiHeadAttention
-from attnlab.tutorial import (
+from attnlab.lab.tutorial import (
     CausalAttention,
     CrossAttention,
     MultiHeadAttentionWrapper,

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import attnlab
-from attnlab import backends, masks, scores, verify
+from attnlab import backends, masks, scores
+from attnlab.lab import verify
 from attnlab.backends import build_call
 from attnlab.distributed import hybrid
 from attnlab.distributed._comm import peers

@@ -16,7 +16,7 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab._memory import PeakMemory
-from attnlab.verify import allowed_error
+from attnlab.lab.verify import allowed_error
 
 
 def listed_mask(indices: torch.Tensor, tk: int) -> torch.Tensor:

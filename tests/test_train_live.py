@@ -1,4 +1,4 @@
-"""attnlab.train.LiveProgress: the progress bar and curves a notebook shows while a model trains.
+"""attnlab.lab.train.LiveProgress: the progress bar and curves a notebook shows while a model trains.
 
 Checked without a kernel: a fake clock decides when frames are drawn, a fake ``IPython.display``
 records what a notebook would receive (one display, then updates through its handle), and each
@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from attnlab.train import LiveProgress, TrainConfig, Trainer
+from attnlab.lab.train import LiveProgress, TrainConfig, Trainer
 
 
 def _run(steps: int = 12, eval_every: int = 4) -> Trainer:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnlab.trained import WordAttention, best_head, count_heads, merge_pieces, pad_heads, piece_groups
+from attnlab.lab.trained import WordAttention, best_head, count_heads, merge_pieces, pad_heads, piece_groups
 
 PIECES = ["[CLS]", "the", "chef", "at", "##tend", "##s", "it", "[SEP]"]
 WORD_IDS = [None, 0, 1, 2, 2, 2, 3, None]

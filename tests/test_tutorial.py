@@ -9,7 +9,7 @@ import torch
 
 from attnlab import attention
 from attnlab.nn import MultiHeadAttention
-from attnlab.tutorial import (
+from attnlab.lab.tutorial import (
     AttentionHead,
     CausalAttention,
     CrossAttention,

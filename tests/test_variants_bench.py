@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-import attnlab.bench
-from attnlab.bench.variants import (VARIANTS, VariantRow, VariantSizes, kv_cache_bytes, plot_variants, tiny_corpus,
+import attnlab.lab.bench
+from attnlab.lab.bench.variants import (VARIANTS, VariantRow, VariantSizes, kv_cache_bytes, plot_variants, tiny_corpus,
                                     variants_suite)
-from attnlab.cli import app
+from attnlab.lab.cli import app
 runner = CliRunner()
 
 
@@ -113,7 +113,7 @@ def test_kv_memory_refuses_bad_options(args, option):
 def test_bench_variants_plots_its_figures_as_bars(tmp_path, monkeypatch):
     found = [VariantRow(name, 100.0 * (i + 1), 90.0 * (i + 1), 2**20 * (i + 2), 50.0 + i, 3.0 - i / 10)
              for i, name in enumerate(VARIANTS)]
-    monkeypatch.setattr(attnlab.bench, "run_suite", lambda suite, **_: [row.bench_row() for row in found])
+    monkeypatch.setattr(attnlab.lab.bench, "run_suite", lambda suite, **_: [row.bench_row() for row in found])
     target = tmp_path / "variants.png"
     result = runner.invoke(app, ["bench", "--suite", "variants", "--plot", str(target)])
     assert result.exit_code == 0, result.output

@@ -5,7 +5,7 @@ import torch
 from typer.testing import CliRunner
 
 from attnlab import backends
-from attnlab.cli import app
+from attnlab.lab.cli import app
 
 runner = CliRunner()
 
@@ -70,8 +70,8 @@ def test_a_backend_that_declined_everything_reads_not_checked_never_pass():
     """The summary must not call a backend that served no configuration a pass (flex in --quick did)."""
     from rich.console import Console
 
-    from attnlab.cli.verify_cmd import _print_summary
-    from attnlab.verify import CheckResult
+    from attnlab.lab.cli.verify_cmd import _print_summary
+    from attnlab.lab.verify import CheckResult
 
     def declined(tk):
         return CheckResult("flex", "float32", f"cfg{tk}", False, False, (), (), True,
@@ -105,8 +105,8 @@ def test_bench_json_to_stdout_is_one_document(monkeypatch):
     """``bench --json -``: stdout is the JSON document alone, the tables go to stderr."""
     import json
 
-    from attnlab.bench import suites
-    from attnlab.bench.timing import BenchRow
+    from attnlab.lab.bench import suites
+    from attnlab.lab.bench.timing import BenchRow
 
     monkeypatch.setattr(suites, "memory_suite", lambda quick: [BenchRow("memory", "T=8", "sdpa", None, note="peak 1 MB")])
     result = runner.invoke(app, ["bench", "--suite", "memory", "--json", "-"])

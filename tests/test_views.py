@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.explain import trace
-from attnlab.trained import WordAttention, pad_heads
-from attnlab.viz.views import GRID, WALK_TOKENS, encode_weights, generation_view, model_view, show
+from attnlab.lab.explain import trace
+from attnlab.lab.trained import WordAttention, pad_heads
+from attnlab.lab.viz.views import GRID, WALK_TOKENS, encode_weights, generation_view, model_view, show
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.browser
 BROWSER = find_browser()
 
 CELLS = [
-    "import torch, attnlab\nfrom attnlab.explain import trace\nfrom attnlab.viz.views import generation_view\n"
+    "import torch, attnlab\nfrom attnlab.lab.explain import trace\nfrom attnlab.lab.viz.views import generation_view\n"
     "gen = torch.Generator().manual_seed(0)",
     "t = trace(mode='multihead', heads=4, causal=True)\nt",
     "t",
@@ -127,7 +127,7 @@ def test_a_model_view_asked_for_a_row_opens_reading_it_out(tmp_path):
         pytest.skip("no chromium found (apt-get install -y chromium, or set ATTNLAB_CHROMIUM)")
     import torch
 
-    from attnlab.viz.views import model_view
+    from attnlab.lab.viz.views import model_view
 
     w = torch.full((1, 2, 4, 4), 0.25)
     w[0, 1] = torch.tensor([0.3, 0.0, 0.7, 0.0])  # head 1: every word on "meal"

@@ -8,9 +8,9 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-from attnlab.explain import trace
-from attnlab.viz import aggregate_blocks, heatmap, save_figure
-from attnlab.viz.html import build_report
+from attnlab.lab.explain import trace
+from attnlab.lab.viz import aggregate_blocks, heatmap, save_figure
+from attnlab.lab.viz.html import build_report
 
 
 def _tick_labels(ax):

@@ -1,4 +1,4 @@
-"""attnlab.zoo and ``attnlab verify --transformers``: transformers families on attnlab against eager.
+"""attnlab.lab.zoo and ``attnlab verify --transformers``: transformers families on attnlab against eager.
 
 One family per attention code path runs whole (tiny, random, nothing downloaded); wrong, crashing
 and refusing attention functions registered under other names show that the zoo classifies each
@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="pip install 'attnlab[hf]'")
 
-from attnlab import zoo  # noqa: E402
-from attnlab.cli import app  # noqa: E402
+from attnlab.lab import zoo  # noqa: E402
+from attnlab.lab.cli import app  # noqa: E402
 from attnlab.integrations.transformers import attention_forward, register  # noqa: E402
 from test_cli_errors import assert_one_error_line  # noqa: E402
 

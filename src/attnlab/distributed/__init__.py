@@ -12,7 +12,7 @@ shard of the output, equal to single-process :func:`attnlab.attention` on the wh
   divisible by ``P``.
 
 It runs on any backend of ``torch.distributed`` (gloo on CPU, NCCL on GPU), launched with
-``torchrun``. ``python -m attnlab.cli._cp_check`` checks both methods against one process
+``torchrun``. ``python -m attnlab.lab.cli._cp_check`` checks both methods against one process
 (see ``docs/distributed.md`` for when each wins). :func:`context_parallel` makes a layer, a
 block or a GPT run its attention over shards: it swaps each ``MultiHeadAttention``'s attention
 function part for a :class:`ShardedAttention`.

@@ -86,7 +86,7 @@ TESTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
-# The phrase every refusal of a model or a keyword carries (attnlab.lens matches it).
+# The phrase every refusal of a model or a keyword carries (attnlab.lab.lens matches it).
 REFUSAL = "cannot run on attnlab"
 
 # Keywords attention_forward applies, each as transformers' eager/sdpa paths do.
