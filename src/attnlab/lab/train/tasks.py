@@ -65,7 +65,14 @@ def _randperm_rows(batch_size: int, n: int, generator: torch.Generator) -> Tenso
 
 
 class InductionTask(Task):
-    """Random tokens with one segment of distinct tokens repeated; scored on the repeat."""
+    """Random tokens with one segment of distinct tokens repeated; scored on the repeat.
+
+    Example:
+        >>> task = InductionTask(vocab_size=16, seq_len=24, min_segment=4, max_segment=6)
+        >>> inputs, targets = task.batch(3, torch.Generator().manual_seed(0))
+        >>> inputs.shape, 3 <= int((targets != IGNORE).sum(dim=1).min()) <= 6
+        (torch.Size([3, 24]), True)
+    """
 
     name = "induction"
 
@@ -100,6 +107,12 @@ class RecallTask(Task):
     Keys are distinct within a sequence and each is asked at most once. The answers are never
     shown after the queries (as in Zoology's MQAR): were they, a model could exclude the values
     already given and guess among the rest (42 % at 8 pairs) instead of looking the key up.
+
+    Example:
+        >>> task = RecallTask(pairs=4, queries=2)
+        >>> inputs, targets = task.batch(2, torch.Generator().manual_seed(0))
+        >>> (targets != IGNORE).sum(dim=1).tolist()
+        [2, 2]
     """
 
     name = "recall"
@@ -151,6 +164,14 @@ class _SequenceTask(Task):
 
 
 class ReverseTask(_SequenceTask):
+    """``x1 .. xn SEP xn .. x1``: the sequence, then reversed.
+
+    Example:
+        >>> inputs, targets = ReverseTask(length=3).batch(1, torch.Generator().manual_seed(0))
+        >>> torch.equal(targets[0, 3:6], inputs[0, :3].flip(0))  # (T,) = (2n + 1,)
+        True
+    """
+
     name = "reverse"
 
     def transform(self, x):
@@ -158,6 +179,14 @@ class ReverseTask(_SequenceTask):
 
 
 class SortTask(_SequenceTask):
+    """``x1 .. xn SEP sorted(x)``: the sequence, then sorted.
+
+    Example:
+        >>> inputs, targets = SortTask(length=4).batch(1, torch.Generator().manual_seed(0))
+        >>> torch.equal(targets[0, 4:8], inputs[0, :4].sort().values)  # (T,) = (2n + 1,)
+        True
+    """
+
     name = "sort"
 
     def transform(self, x):
