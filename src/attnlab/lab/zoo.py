@@ -28,7 +28,7 @@ inputs, or no attention call reached the interface. Each family runs on its own:
 never stops the sweep.
 
 Example:
-    >>> from attnlab import zoo
+    >>> from attnlab.lab import zoo
     >>> result = zoo.run_family("bloom")
     >>> result.status, result.reason[:38]
     ('not applicable', 'modeling_bloom.py does not route atten')
