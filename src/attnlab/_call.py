@@ -19,7 +19,7 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab._checks import broadcast_shape, finite_number, instance_of, probability
 
-__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS"]
+__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS", "call_template", "bind_call"]
 
 # What a call may remember once computed: the dense mask of attendable positions and sdpa's
 # plan (the kernel choice, asked for by dispatch's memory and cost questions).
@@ -158,6 +158,50 @@ def _mask_kind(mask: object, causal_offset: int | None) -> str:
     if isinstance(mask, Tensor):
         return "bool" if mask.dtype == torch.bool else "float"
     return "prepared" if type(mask) is _masks.PreparedMask else "mod"
+
+
+# The fields of a call that follow from its signature alone (no tensor, no user object): what a
+# prepared run keeps, to bind each later call's tensors to (:func:`bind_call`).
+_SIGNATURE_FIELDS = ("causal_offset", "align", "scale", "dropout_p", "input_rank", "return_weights",
+                     "batch_shape", "batch", "q_heads", "kv_heads", "tq", "head_dim", "value_dim", "dtype",
+                     "device", "requires_grad", "mask_kind")
+
+
+def call_template(call: AttentionCall, *, memo: dict | None = None) -> dict:
+    """The fields of ``call`` that its signature decides, for :func:`bind_call`: no tensor of
+    the call, no object of the caller (the mask, sinks and score mod are bound per call).
+
+    Example:
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> template = call_template(build_call(q, q, q, causal=True))
+        >>> template["mask_kind"], any(isinstance(v, Tensor) for v in template.values())
+        ('causal', False)
+    """
+    fields = {name: getattr(call, name) for name in _SIGNATURE_FIELDS}
+    fields["generator"] = None  # a call with a generator is never prepared (its key is None)
+    fields["_template_memo"] = dict(memo or {})
+    return fields
+
+
+def bind_call(template: dict, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: Tensor | None,
+              score_mod: _scores.ScoreMod | None) -> AttentionCall:
+    """A call of ``template``'s signature on these tensors, without checking them again: the
+    caller (a prepared run) was reached through a key that guarantees what the checks found.
+    Only ``Tk`` is read from ``k`` (a decoding step's run serves a class of cache lengths); grad
+    need is the template's (the key holds grad mode and every ``requires_grad``, a score mod's too).
+
+    Example:
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> call = bind_call(call_template(build_call(q, q, q)), q, q[:, :, :3], q[:, :, :3], None, None, None)
+        >>> call.tk, call.mask_kind
+        (3, 'none')
+    """
+    call = object.__new__(AttentionCall)
+    fields = call.__dict__
+    fields.update(template)
+    memo = fields.pop("_template_memo")
+    fields.update(q=q, k=k, v=v, mask=mask, sinks=sinks, score_mod=score_mod, tk=k.shape[2], _memo=dict(memo))
+    return call
 
 
 def _check_tensor(name: str, value: object) -> Tensor:

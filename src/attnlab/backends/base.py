@@ -18,15 +18,20 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attnlab._call import AttentionCall
+from attnlab import masks as _masks
+from attnlab import scores as _scores
+from attnlab._call import AttentionCall, bind_call, call_template
 from attnlab._flops import attention_flops
+from attnlab._math import masked_scores, repeat_kv, softmax_rows
 
-__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES", "io_bytes", "scores_bytes"]
+__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES", "io_bytes", "scores_bytes",
+           "weights_of", "mask_is_fixed"]
 
 MEMORY_CLASSES = ("linear", "quadratic")  # extra memory in the sequence length: O(T), O(T^2)
 
@@ -77,6 +82,11 @@ class Backend:
             calls of that signature pass the prepared mask instead.
         passes_over: whether auto may pass it over for a call it computes exactly
             (:meth:`passed_over` says why); a caller who names it is served all the same.
+        dense_mask: whether it reads the call's dense mask (:meth:`AttentionCall.allowed`):
+            a prepared run builds it once where the mask holds no tensor.
+        plan_fixes_tk: whether :meth:`plan` depends on the key length ``Tk`` for a call with
+            no mask or a tensor mask. A decoding step (one query) is remembered per class of
+            cache lengths; where this is True its run serves only the ``Tk`` it was made for.
 
     Example:
         >>> class Zeros(Backend):
@@ -99,6 +109,8 @@ class Backend:
     traceable: bool = False
     plans_masks: bool = False
     passes_over: bool = False
+    dense_mask: bool = False
+    plan_fixes_tk: bool = True
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).
@@ -220,9 +232,109 @@ class Backend:
             >>> Backend().reset()
         """
 
+    def plan(self, call: AttentionCall) -> object:
+        """What this backend decides from ``call``'s signature alone (tile sizes, a kernel's
+        options, runs of blocks), once per route or plan; it must hold no tensor of the call nor
+        object of the caller. :meth:`execute` receives it. Default None (nothing to decide).
+
+        Example:
+            >>> Backend().plan(None) is None
+            True
+        """
+        return None
+
+    def execute(self, call: AttentionCall, plan: object) -> AttentionResult:
+        """Compute ``call`` with ``plan`` from :meth:`plan` for its signature: the kernel only,
+        no check, no planning. Default: :meth:`forward` (a backend with nothing to plan)."""
+        return self.forward(call)
+
     def forward(self, call: AttentionCall) -> AttentionResult:
-        """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""
+        """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty.
+        A backend that plans defines it as ``self.execute(call, self.plan(call))``."""
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
+
+    def prepare(self, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable:
+        """``run(q, k, v, mask, sinks=None, score_mod=None)`` for every call of ``call``'s
+        signature, taking the caller's 4-D tensors as given: :meth:`plan` made once, the call's
+        signature fields kept (:func:`attnlab._call.call_template`), a mask that holds no tensor
+        (causal, a mod keyed by value, the route's own prepared mask) bound, and the dense mask
+        this backend reads from such a mask (``dense_mask``) built once. Returns the output, or
+        ``(out, weights)`` when the call returns weights. Holds no tensor or object of the caller.
+        ``mask_fixed``: whether the call's mask is kept (None: :func:`mask_is_fixed`; dispatch
+        says True for the :class:`~attnlab.masks.PreparedMask` it made for the route).
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> from attnlab.backends.registry import get
+            >>> q = torch.randn(1, 2, 5, 8)
+            >>> run = get("reference").prepare(build_call(q, q, q, causal=True))
+            >>> torch.allclose(run(q, q, q, None), get("reference").forward(build_call(q, q, q, causal=True)).out)
+            True
+        """
+        plan, execute, weights = self.plan(call), self.execute, call.return_weights
+        fixed = mask_is_fixed(call) if mask_fixed is None else mask_fixed
+        mask = call.mask if fixed else None
+        memo = {"sinks_through_lse": call._memo["sinks_through_lse"]} if "sinks_through_lse" in call._memo else {}
+        if (fixed or call.mask_kind == "causal") and self.dense_mask:
+            memo["allowed"] = call.allowed()  # (B|1, H|1, Tq, Tk), built from no user tensor
+        score = call.score_mod if _score_mod_is_fixed(call.score_mod) else None
+        template = call_template(call, memo=memo)
+        dtype = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+        device = call.device
+
+        def run(q: Tensor, k: Tensor, v: Tensor, given: object, sinks: Tensor | None = None,
+                score_mod: object = None):
+            if score_mod is not None and score is None:  # held by the caller: as build_call makes it
+                score_mod = _scores.as_score_mod(score_mod).for_call(dtype=dtype, device=device)
+            bound = bind_call(template, q, k, v, mask if fixed else given, sinks,
+                              score if score is not None else score_mod)
+            result = execute(bound, plan)
+            if not weights:
+                return result.out  # (B, Hq, Tq, Dv)
+            return result.out, result.weights if result.weights is not None else weights_of(bound)
+
+        return run
+
+
+def mask_is_fixed(call: AttentionCall) -> bool:
+    """Whether ``call``'s mask is one a prepared run may keep: a mask mod keyed by value (causal
+    folded in), which holds no tensor of the caller. (A :class:`~attnlab.masks.PreparedMask`
+    is kept only where dispatch made it: :meth:`Backend.prepare`'s ``mask_fixed``.)
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> from attnlab import masks
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> mask_is_fixed(build_call(q, q, q, mask=masks.sliding_window_mod(4, 4, window=2)))
+        True
+        >>> mask_is_fixed(build_call(q, q, q, mask=masks.padding_mod(torch.tensor([3]))))
+        False
+    """
+    return call.mask_kind == "mod" and _masks.value_only_key(call.mask) is not None
+
+
+def _score_mod_is_fixed(mod: object) -> bool:
+    """Whether a score mod says all it does by its settings: no tensor, no user function."""
+    return mod is not None and not mod.params() and not _scores.has_function(mod)
+
+
+def weights_of(call: AttentionCall) -> Tensor:
+    """Weights ``(B, Hq, Tq, Tk)`` of a validated call: the softmax of its recomputed scores.
+
+    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores an lse
+    that rounded differently from the recomputed scores scales whole rows, which then no longer
+    sum to 1. Scores and softmax stay in fp32 for half inputs. Rows with nothing to attend are
+    zeros; a NaN score gives a NaN row.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> weights_of(build_call(q, q, q, causal=True))[0, 0, 0].tolist()
+        [1.0, 0.0, 0.0]
+    """
+    with torch.no_grad():
+        attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
+        return softmax_rows(attn_scores, call.sinks).to(call.dtype)
 
 
 def io_bytes(call: AttentionCall) -> int:

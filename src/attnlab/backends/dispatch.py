@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -34,14 +35,14 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab._checks import non_negative_int
-from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes
+from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes, mask_is_fixed
 from attnlab.backends.registry import generation, get, registry
 from attnlab.backends.sdpa import SdpaBackend
 from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
            "PREFERENCE", "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
-           "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
+           "fresh_route", "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
            "budget_words"]
 
 
@@ -91,11 +92,18 @@ class Route:
 
     Attributes:
         backend: the backend that serves it.
-        run: sdpa's prepared run (:meth:`SdpaBackend.prepare`) with every decision bound, or None.
+        run: the backend's prepared run (:meth:`Backend.prepare`) with every decision bound,
+            or None (the user's tensors were not the call's, or the mask holds the caller's
+            tensors): then each call is built and planned.
         mask: for a backend that plans from masks (``Backend.plans_masks``), the call's mask
             mod (one keyed by value, causal folded in) or causal alone as one
-            :class:`~attnlab.masks.PreparedMask` that later calls pass instead (with
-            ``causal=False``), so its plans are made once.
+            :class:`~attnlab.masks.PreparedMask`, kept by the run (a call without a run passes
+            it instead, with ``causal=False``), so its plans are made once.
+        keeps_mask: whether the run keeps the call's mask and ignores the one it is handed
+            (a mask mod keyed by value or causal prepared): a plan holding another mask must
+            not use it.
+        tk: the key length the run was planned for, where its backend's plan depends on it
+            (``Backend.plan_fixes_tk``); None where any length of the key's class is served.
 
     Example:
         >>> Route(backend=get("reference"), run=None).backend.name
@@ -105,6 +113,8 @@ class Route:
     backend: Backend
     run: Callable | None
     mask: _masks.PreparedMask | None = None
+    keeps_mask: bool = False
+    tk: int | None = None
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -385,6 +395,7 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
             or (scale is not None and type(scale) is not float) or type(backend) is not str
             or type(dropout_p) not in (float, int) or (return_weights is not True and return_weights is not False)):
         return None
+    k_shape, v_shape = k.shape, v.shape
     if mask is None:
         mask_key = None
     elif type(mask) is Tensor:
@@ -393,8 +404,21 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
         mask_key = _masks.value_only_key(mask) or _Identity(mask)
     else:
         return None
+    if q.shape[-2:-1] == (1,) and k.ndim >= 2 and (causal is False or align == "bottom_right") and (
+            mask is None or type(mask) is Tensor):
+        # A decoding step: one query over a cache that grows by one key a step. Its causal part
+        # blocks nothing, so the key holds Tk's class (its bit length), not Tk: one route serves
+        # a range of lengths. What the exact shapes guaranteed is checked here instead (k and v
+        # of one length, a mask of length 1 or Tk): a miss (None) lets validation refuse it.
+        tk = k_shape[-2]
+        if v.ndim < 2 or v.shape[-2] != tk or (mask_key is not None and mask.ndim and mask.shape[-1] not in (1, tk)):
+            return None
+        length = ("Tk", tk.bit_length())
+        k_shape, v_shape = (*k_shape[:-2], length, k_shape[-1]), (*v.shape[:-2], length, v.shape[-1])
+        if mask_key is not None and mask.ndim and mask.shape[-1] == tk and tk != 1:
+            mask_key = ((*mask.shape[:-1], length), *mask_key[1:])
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+    key = (q.shape, k_shape, v_shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
            dropout_p, backend, return_weights, torch.is_grad_enabled(), generation(), _BUDGET[0])
     if score_mod is None and sinks is None:
@@ -428,9 +452,10 @@ def remembered(key: tuple | None) -> Route | None:
 
 
 def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
-    """A fresh route for ``call``: :func:`select`'s backend, with sdpa's prepared run when
-    ``direct`` (the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
-    as given) and a prepared mask for a backend that plans from masks; remembered under ``key``.
+    """A fresh route for ``call``: :func:`select`'s backend and, when ``direct`` (the user's
+    tensors are the call's, 4-D and unbroadcast, so a run can take them as given), its prepared
+    run (:func:`prepared_run`); a backend that plans from masks gets the mask prepared once
+    (:func:`prepared_mask`), which the run keeps. Remembered under ``key``.
 
     Example:
         >>> import torch
@@ -439,11 +464,8 @@ def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) ->
         >>> route(None, build_call(q, q, q), "auto", direct=True).backend.name
         'sdpa'
     """
-    backend = select(call, name)
-    if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
-        return Route(backend, None)
-    fresh = Route(backend, prepared_run(backend, call) if direct else None, prepared_mask(backend, call))
-    if key is not None:
+    fresh = fresh_route(call, select(call, name), direct=direct)
+    if key is not None and not torch.compiler.is_compiling():
         with _LOCK:
             _ROUTES[key] = fresh
             while len(_ROUTES) > PLAN_CACHE_SIZE:
@@ -451,20 +473,46 @@ def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) ->
     return fresh
 
 
-def prepared_run(backend: Backend, call: AttentionCall) -> Callable | None:
-    """sdpa's ``run(q, k, v, mask[, sinks])`` for every call of ``call``'s signature, or None
-    (another backend, a mask mod or a score mod: those are read from the call each time).
+def fresh_route(call: AttentionCall, backend: Backend, *, direct: bool) -> Route:
+    """``backend``'s route for ``call`` (see :func:`route`), remembered nowhere: what
+    :class:`attnlab.AttentionPlan` holds.
 
     Example:
         >>> import torch
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 2, 6, 4)
-        >>> prepared_run(get("reference"), build_call(q, q, q)) is None
+        >>> fresh_route(build_call(q, q, q, causal=True), get("chunked"), direct=True).run is not None
         True
     """
-    if not isinstance(backend, SdpaBackend) or call.mask_kind in ("mod", "prepared") or call.score_mod is not None:
+    if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
+        return Route(backend, None)
+    planned = prepared_mask(backend, call)
+    if planned is not None:  # the backend plans from it once; the run keeps it
+        call = dataclasses.replace(call, mask=planned, causal_offset=None, _memo={})
+    run = prepared_run(backend, call, mask_fixed=True if planned is not None else None) if direct else None
+    return Route(backend, run, planned, keeps_mask=planned is not None or mask_is_fixed(call),
+                 tk=call.tk if backend.plan_fixes_tk else None)
+
+
+def prepared_run(backend: Backend, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable | None:
+    """``backend``'s run for every call of ``call``'s signature (:meth:`Backend.prepare`), or
+    None where the call's mask holds the caller's tensors (a padding or document mod, a
+    caller's prepared mask: keyed by weak identity, planned per call).
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> from attnlab import masks
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> prepared_run(get("reference"), build_call(q, q, q)) is not None
+        True
+        >>> prepared_run(get("reference"), build_call(q, q, q, mask=masks.padding_mod(torch.tensor([3])))) is None
+        True
+    """
+    fixed = mask_is_fixed(call) if mask_fixed is None else mask_fixed
+    if call.mask_kind in ("mod", "prepared") and not fixed:
         return None
-    return backend.prepare(call)
+    return backend.prepare(call, mask_fixed=fixed)
 
 
 def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask | None:

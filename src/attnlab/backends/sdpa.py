@@ -665,6 +665,8 @@ class SdpaBackend(Backend):
     name = "sdpa"
     memory = "linear"
     traceable = True
+    dense_mask = True  # a materialised mask is the call's dense mask
+    plan_fixes_tk = False  # its plan reads no key length
     description = (
         "torch.nn.functional.scaled_dot_product_attention (CPU flash; CUDA flash, efficient, "
         "cuDNN); O(T) memory unless a mask must be materialised or the math kernel runs"
@@ -752,10 +754,14 @@ class SdpaBackend(Backend):
         """
         return _mask_source(call) == "segments"
 
-    def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
-        """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every call with ``call``'s signature whose
-        mask reaches SDPA as the caller holds it (none, top-left causal, a bool or float tensor),
-        without dropout or weights: everything it decides follows from the signature.
+    def prepare(self, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable[..., Tensor]:
+        """``run(q, k, v, mask[, sinks[, score_mod]])`` for every call with ``call``'s signature.
+
+        Where the mask reaches SDPA as the caller holds it (none, top-left causal, a bool or float
+        tensor), without dropout, weights or a score mod, SDPA itself with every option bound
+        (no Python frame of attnlab's own); otherwise the protocol's run
+        (:meth:`Backend.prepare`) around :meth:`plan`'s runner, the dense mask of a mask that
+        holds no tensor built once.
 
         Example:
             >>> from attnlab.backends import build_call
@@ -765,9 +771,28 @@ class SdpaBackend(Backend):
             True
         """
         source = _mask_source(call)
-        if source == "materialised" or call.dropout_p > 0.0 or call.return_weights or _sink_key(call):
-            return None  # (sinks as a mask column need the mask rebuilt per call; through the lse they do not)
-        return _runner(call, source)
+        if (source == "materialised" or call.dropout_p > 0.0 or call.return_weights or _sink_key(call)
+                or call.score_mod is not None):
+            return super().prepare(call, mask_fixed=mask_fixed)
+        return _runner(call, source)  # (sinks as a mask column need the mask rebuilt per call)
+
+    def plan(self, call: AttentionCall) -> tuple:
+        """How the mask reaches SDPA and the runner with every option bound (:func:`_runner`).
+
+        Example:
+            >>> from attnlab.backends import build_call
+            >>> q = torch.randn(1, 2, 4, 8)
+            >>> SdpaBackend().plan(build_call(q, q, q, causal=True))[0]
+            'is_causal'
+        """
+        source = _mask_source(call)
+        return source, _runner(call, source)
+
+    def execute(self, call: AttentionCall, plan: tuple) -> AttentionResult:
+        source, runner = plan
+        with _dropout_rng(call):
+            sinks = () if call.sinks is None else (call.sinks,)
+            return AttentionResult(out=runner(call.q, call.k, call.v, _attn_mask(call, source), *sinks))
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return AttentionResult(out=sdpa_forward(call))
