@@ -18,12 +18,14 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab._checks import broadcast_shape, finite_number, instance_of, probability
+from attnlab.masks.patterns import ALIGNMENTS as _ALIGNMENTS
 
 __all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS", "call_template", "bind_call"]
 
 # What a call may remember once computed: the dense mask of attendable positions and sdpa's
-# plan (the kernel choice, asked for by dispatch's memory and cost questions).
-MEMO_KEYS = ("allowed", "sdpa_plan", "sinks_through_lse")
+# plan (the kernel choice, asked for by dispatch's memory and cost questions), whether sinks go
+# through the kernel's lse, and how the mask reaches SDPA.
+MEMO_KEYS = ("allowed", "sdpa_plan", "sinks_through_lse", "sdpa_source")
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class AttentionCall:
 
     def __post_init__(self) -> None:
         q, k, v, mask, mod, sinks = self.q, self.k, self.v, self.mask, self.score_mod, self.sinks
-        kind = _mask_kind(mask, self.causal_offset)
+        kind = ("none" if self.causal_offset is None else "causal") if mask is None else _mask_kind(mask, self.causal_offset)
         # A backward pass may follow when grad mode is on and an input of the call wants one.
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
@@ -223,7 +225,16 @@ def _shapes(q: Tensor, k: Tensor, v: Tensor) -> str:
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    """Refuse q, k, v that no backend can take; return their broadcast batch dims."""
+    """Refuse q, k, v that no backend can take; return their broadcast batch dims.
+
+    The common call (three float tensors of one rank, dtype and device, equal batch dims, sizes
+    that fit) is told by one expression; any other is checked by the rules below, one by one,
+    so that each refusal names its argument."""
+    if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.ndim == k.ndim == v.ndim == 4
+            and q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point and q.device == k.device == v.device
+            and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1] and k.shape[2] == v.shape[2]
+            and q.shape[3] == k.shape[3] and q.shape[3] and v.shape[3] and k.shape[1] and q.shape[1] and q.shape[1] % k.shape[1] == 0):
+        return (q.shape[0],)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not (q.ndim == k.ndim == v.ndim):
@@ -437,20 +448,25 @@ def build_call(
         (torch.Size([2, 1, 5, 8]), 'mod', 0)
     """
     batch = _check_qkv(q, k, v)
-    _check_options(causal, align, scale, dropout_p)
-    _check_generator(generator, q.device)
-    norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
-    offset = _causal_offset(causal, align, q.shape[-2], k.shape[-2])
+    if not ((causal is True or causal is False) and align in _ALIGNMENTS and scale is None
+            and type(dropout_p) is float and 0.0 <= dropout_p < 1.0):  # else each option by its rule
+        _check_options(causal, align, scale, dropout_p)
+    if generator is not None:
+        _check_generator(generator, q.device)
+    norm_mask = None if mask is None else _normalize_mask(mask, q, k.shape[-2], batch)
+    offset = _causal_offset(causal, align, q.shape[-2], k.shape[-2]) if causal else None
     if offset is not None and norm_mask is not None and not isinstance(norm_mask, Tensor):
         norm_mask = _masks.and_masks(_masks.CausalMod(offset), norm_mask)  # one mod: its bounds hold both
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    q4 = _to_4d(q, batch)
-    mod = _check_score_mod(score_mod, q4, k.shape[-2])
-    sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device, batch=q4.shape[0], tq=q4.shape[2])
+    plain = q.ndim == 4 and len(batch) == 1 and q.shape[0] == k.shape[0] == v.shape[0]  # nothing to lay out
+    q4 = q if plain else _to_4d(q, batch)
+    mod = None if score_mod is None else _check_score_mod(score_mod, q4, k.shape[-2])
+    if sinks is not None:
+        sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device, batch=q4.shape[0], tq=q4.shape[2])
     return AttentionCall(
         q=q4,
-        k=_to_4d(k, batch),
-        v=_to_4d(v, batch),
+        k=k if plain else _to_4d(k, batch),
+        v=v if plain else _to_4d(v, batch),
         mask=norm_mask,
         causal_offset=offset,
         align=align,

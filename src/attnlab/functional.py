@@ -118,8 +118,10 @@ def attention(
     if known is not None and known.tk is not None and known.tk != k.shape[-2]:
         known = None  # a decoding step's route planned for another cache length: made afresh
     if known is not None and known.run is not None:  # validated before: nothing reads values
-        if score_mod is not None or _profiler._is_profiler_enabled:
+        if _profiler._is_profiler_enabled:
             return _call_run(known, q, k, v, mask, sinks, score_mod)
+        if score_mod is not None:  # (a call with a score mod has the protocol's run)
+            return known.run(q, k, v, mask, sinks, score_mod)
         # sdpa's run may be SDPA itself (4 or 5 arguments): no frame of attnlab's on this path
         return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)  # (B, Hq, Tq, Dv)
     if known is not None and known.mask is not None:  # the same mask, prepared: plans made once
@@ -268,7 +270,12 @@ class AttentionPlan:
         if known is not None and known.run is not None and (mask is self._mask or not known.keeps_mask):
             if torch.compiler.is_compiling():
                 return _run(known.backend, self._call(q, k, v, mask, sinks, None))
-            return _call_run(known, q, k, v, mask, sinks, self._options["score_mod"])  # nothing to decide
+            score_mod = self._options["score_mod"]
+            if _profiler._is_profiler_enabled:
+                return _call_run(known, q, k, v, mask, sinks, score_mod)
+            if score_mod is not None:  # nothing to decide
+                return known.run(q, k, v, mask, sinks, score_mod)
+            return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)
         prepared = known.mask if known is not None and mask is self._mask else None
         call = self._call(q, k, v, mask, sinks, prepared)
         chosen = known.backend if known is not None else self._route(call, grads, q, k, v, mask, sinks).backend

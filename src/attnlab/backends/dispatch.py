@@ -435,7 +435,11 @@ def _with_scores(key: tuple, score_mod: object, sinks: object) -> tuple | None:
     if score_mod is not None:
         if not isinstance(score_mod, ScoreMod) and not callable(score_mod):
             return None
-        mod_key = as_score_mod(score_mod).signature()  # a user's function by weak reference
+        mod = score_mod if isinstance(score_mod, ScoreMod) else as_score_mod(score_mod)
+        if type(mod).signature is ScoreMod.signature and not mod.params():
+            mod_key = (type(mod).__name__, mod.constants(), ())  # its signature, without a generator
+        else:
+            mod_key = mod.signature()  # a user's function by weak reference
     return (*key, mod_key, sinks_key)
 
 
@@ -490,14 +494,15 @@ def fresh_route(call: AttentionCall, backend: Backend, *, direct: bool) -> Route
     if planned is not None:  # the backend plans from it once; the run keeps it
         call = dataclasses.replace(call, mask=planned, causal_offset=None, _memo={})
     run = prepared_run(backend, call, mask_fixed=True if planned is not None else None) if direct else None
-    return Route(backend, run, planned, keeps_mask=planned is not None or mask_is_fixed(call),
+    keeps = planned is not None or (call.mask_kind == "mod" and mask_is_fixed(call))
+    return Route(backend, run, planned, keeps_mask=keeps,
                  tk=call.tk if backend.plan_fixes_tk else None)
 
 
 def prepared_run(backend: Backend, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable | None:
     """``backend``'s run for every call of ``call``'s signature (:meth:`Backend.prepare`), or
     None where the call's mask holds the caller's tensors (a padding or document mod, a
-    caller's prepared mask: keyed by weak identity, planned per call).
+    caller's prepared mask: keyed by weak identity, planned per call) or a dropout generator.
 
     Example:
         >>> import torch
@@ -509,10 +514,11 @@ def prepared_run(backend: Backend, call: AttentionCall, *, mask_fixed: bool | No
         >>> prepared_run(get("reference"), build_call(q, q, q, mask=masks.padding_mod(torch.tensor([3])))) is None
         True
     """
-    fixed = mask_is_fixed(call) if mask_fixed is None else mask_fixed
-    if call.mask_kind in ("mod", "prepared") and not fixed:
-        return None
-    return backend.prepare(call, mask_fixed=fixed)
+    if mask_fixed is None:
+        mask_fixed = call.mask_kind == "mod" and mask_is_fixed(call)
+    if (call.mask_kind in ("mod", "prepared") and not mask_fixed) or call.generator is not None:
+        return None  # (a run keeps no generator: the caller's, read per call)
+    return backend.prepare(call, mask_fixed=mask_fixed)
 
 
 def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask | None:

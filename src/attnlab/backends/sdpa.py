@@ -121,7 +121,15 @@ def _sink_key(call: AttentionCall) -> bool:
 def _mask_source(call: AttentionCall) -> str:
     """How the call's mask reaches SDPA: ``"none"``, ``"is_causal"``, ``"user"`` (the caller's
     tensor as it is), ``"segments"`` (a padded batch, as calls on the real keys:
-    :mod:`attnlab.backends._segments`) or ``"materialised"`` (a dense mask built per call)."""
+    :mod:`attnlab.backends._segments`) or ``"materialised"`` (a dense mask built per call).
+    Decided once per call (dispatch's questions and the run all ask it)."""
+    memo = call._memo
+    if "sdpa_source" not in memo:
+        memo["sdpa_source"] = _source_of(call)
+    return memo["sdpa_source"]
+
+
+def _source_of(call: AttentionCall) -> str:
     kind, alone = call.mask_kind, call.causal_offset is None
     if _segments_kind(call) is not None:
         return "segments"

@@ -186,13 +186,24 @@ def value_only_key(mod: object) -> tuple | None:
         >>> value_only_key(padding_mod(torch.tensor([3]))) is None
         True
     """
+    # Plain loops, no generator: dispatch asks this on every call with a mask mod.
     if type(mod) is CombinedMod:
-        parts = tuple(value_only_key(part) for part in mod.mods)
-        return None if None in parts else ("CombinedMod", mod.op, *parts)
+        parts = [mod.op]
+        for part in mod.mods:
+            key = value_only_key(part)
+            if key is None:
+                return None
+            parts.append(key)
+        return ("CombinedMod", *parts)
     if not type(mod).__dict__.get("_keyed", False):
         return None
-    options = sorted((name, value) for name, value in vars(mod).items() if not name.startswith("_"))
-    return None if any(isinstance(value, Tensor) for _, value in options) else (type(mod).__name__, *options)
+    options = []
+    for name, value in vars(mod).items():
+        if isinstance(value, Tensor):
+            return None
+        if not name.startswith("_"):
+            options.append((name, value))
+    return (type(mod).__name__, *sorted(options))
 
 
 def _pair_segments(first, second):
