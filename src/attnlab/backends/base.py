@@ -2,9 +2,12 @@
 
 A backend states its capabilities as class attributes (devices, dtypes, dropout, where its
 backward runs, its memory class); :meth:`Backend.not_supported_reasons` turns them into
-reasons in words and adds whatever :meth:`Backend.limits` says about one call. Dispatch
-(:mod:`attnlab.backends.dispatch`) reads this interface, and sdpa's own claim rule and prepared
-run, which no other backend has.
+reasons in words and adds whatever :meth:`Backend.limits` says about one call. A backend
+plans a call's signature once (:meth:`Backend.plan`) and runs its kernel on it
+(:meth:`Backend.execute`); :meth:`Backend.prepare` binds the two into the run a route or a
+held plan calls. Dispatch (:mod:`attnlab.backends.dispatch`) reads this interface only: what a
+backend claims (:meth:`Backend.claims`, ``claim_order``), its memory (:meth:`Backend.memory_use`)
+and cost; it names no backend.
 
 Example:
     >>> import torch
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +35,7 @@ from attnlab._flops import attention_flops
 from attnlab._math import masked_scores, repeat_kv, softmax_rows
 
 __all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES", "io_bytes", "scores_bytes",
-           "weights_of", "mask_is_fixed"]
+           "weights_of", "mask_is_fixed", "MemoryUse", "memory_of_class"]
 
 MEMORY_CLASSES = ("linear", "quadratic")  # extra memory in the sequence length: O(T), O(T^2)
 
@@ -56,6 +60,28 @@ class AttentionResult:
     weights: Tensor | None = None
 
 
+class MemoryUse(NamedTuple):
+    """What :meth:`Backend.memory_use` answers: the memory class, estimated bytes, and why."""
+
+    kind: str
+    nbytes: int
+    note: str = ""
+
+
+def memory_of_class(kind: str, call: AttentionCall, note: str = "") -> MemoryUse:
+    """The bytes a backend of memory class ``kind`` needs for ``call``: a row max and sum (or
+    lse) in fp32 per query row for ``"linear"``, two score matrices for ``"quadratic"``.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> memory_of_class("linear", build_call(q, q, q)).nbytes
+        24
+    """
+    nbytes = 8 * call.batch * call.q_heads * call.tq if kind == "linear" else scores_bytes(call)
+    return MemoryUse(kind, nbytes, note)
+
+
 class Backend:
     """One way of computing attention under attnlab's single contract.
 
@@ -67,7 +93,7 @@ class Backend:
     Attributes:
         name: registry key, as passed to ``attnlab.attention(..., backend=name)``.
         description: one line for ``attnlab backends``.
-        memory: ``"linear"`` or ``"quadratic"`` extra memory in T, unless :meth:`memory_for`
+        memory: ``"linear"`` or ``"quadratic"`` extra memory in T, unless :meth:`memory_use`
             refines it per call.
         devices: device types it runs on (``None``: any).
         dtypes: per device type, the dtypes it supports (a device not listed: every float dtype).
@@ -84,6 +110,8 @@ class Backend:
             (:meth:`passed_over` says why); a caller who names it is served all the same.
         dense_mask: whether it reads the call's dense mask (:meth:`AttentionCall.allowed`):
             a prepared run builds it once where the mask holds no tensor.
+        claim_order: where auto asks this backend's :meth:`claims` (lowest first), or None:
+            it claims nothing and competes on memory and cost. Dispatch names no backend.
         plan_fixes_tk: whether :meth:`plan` depends on the key length ``Tk`` for a call with
             no mask or a tensor mask. A decoding step (one query) is remembered per class of
             cache lengths; where this is True its run serves only the ``Tk`` it was made for.
@@ -111,6 +139,7 @@ class Backend:
     passes_over: bool = False
     dense_mask: bool = False
     plan_fixes_tk: bool = True
+    claim_order: int | None = None
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).
@@ -174,43 +203,34 @@ class Backend:
         """
         return []
 
-    def memory_for(self, call: AttentionCall) -> str:
-        """``"linear"`` or ``"quadratic"``: the extra memory this backend needs for ``call``.
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
+        """The extra memory this backend needs for ``call`` beyond its inputs and output: its
+        class (``"linear"`` or ``"quadratic"`` in T), estimated bytes (per-row statistics for an
+        O(T) path, the scores and weights for an O(T^2) one: :func:`scores_bytes`) and, with
+        ``words``, why in a few words (``""`` when there is nothing to add). Auto compares the
+        bytes with the memory budget (:func:`attnlab.backends.dispatch.memory_budget`);
+        :func:`attnlab.backends.why` shows all three.
 
         Example:
             >>> from attnlab._call import build_call
             >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().memory_for(build_call(q, q, q))
-            'quadratic'
+            >>> Backend().memory_use(build_call(q, q, q))  # 2 score matrices of 3 x 3 fp32
+            MemoryUse(kind='quadratic', nbytes=72, note='')
         """
-        return self.memory
+        return memory_of_class(self.memory, call)
 
-    def memory_bytes(self, call: AttentionCall) -> int:
-        """Estimated bytes this backend allocates for ``call`` beyond its inputs and output:
-        per-row statistics for an O(T) path, the scores and weights for an O(T^2) one
-        (:func:`scores_bytes`). Auto compares it with the memory budget
-        (:func:`attnlab.backends.dispatch.memory_budget`).
+    def claims(self, call: AttentionCall) -> str | None:
+        """Why auto runs this backend for ``call`` without asking the others, in words, or None
+        (the default: it competes on memory and cost). Asked only of a backend that declares a
+        ``claim_order``, lowest first.
 
         Example:
             >>> from attnlab._call import build_call
             >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().memory_bytes(build_call(q, q, q))  # 2 score matrices of 3 x 3 fp32
-            72
+            >>> Backend().claims(build_call(q, q, q)) is None
+            True
         """
-        if self.memory_for(call) == "linear":
-            return 8 * call.batch * call.q_heads * call.tq  # a row max and sum (or lse) in fp32
-        return scores_bytes(call)
-
-    def memory_note(self, call: AttentionCall) -> str:
-        """Why ``call`` has its memory class, in a few words ("" when there is nothing to add).
-
-        Example:
-            >>> from attnlab._call import build_call
-            >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().memory_note(build_call(q, q, q))
-            ''
-        """
-        return ""
+        return None
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds for ``call`` (rates in :mod:`attnlab.backends.rates`); lower wins.

@@ -42,7 +42,7 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._math import kernel_scales, keep_nan_rows, score_dtype
 from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta, score_gradient_, sinks_gradient
-from attnlab.backends.base import AttentionResult, Backend
+from attnlab.backends.base import AttentionResult, Backend, MemoryUse, memory_of_class
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.sdpa import kernel_keeps_rows
@@ -865,13 +865,9 @@ class BlocksBackend(Backend):
                     "an or-combination with such a part), so every key block is reachable"]
         return []
 
-    def memory_note(self, call: AttentionCall) -> str:
-        block = choose_block(call)
-        held = "one block's mask at a time"
-        if call.score_mod is not None and not call.score_mod.relative:
-            held = "the score mod's term on one run of same-shaped blocks at a time"
-        return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
-                f"{block}-query blocks, {held}")
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
+        """O(T): one block's mask (or score-mod term) at a time; the words say how much it visits."""
+        return memory_of_class(self.memory, call, _memory_words(call) if words else "")
 
     def cost(self, call: AttentionCall) -> float:
         return _fastest(call)[0]
@@ -898,6 +894,16 @@ class BlocksBackend(Backend):
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)
+
+
+def _memory_words(call: AttentionCall) -> str:
+    """How much of the score matrix blocks visits for ``call``, and what it holds, in words."""
+    block = choose_block(call)
+    held = "one block's mask at a time"
+    if call.score_mod is not None and not call.score_mod.relative:
+        held = "the score mod's term on one run of same-shaped blocks at a time"
+    return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
+            f"{block}-query blocks, {held}")
 
 
 def _bounds_missing(mod: Callable, tq: int) -> bool:

@@ -1,9 +1,9 @@
-"""Dispatch: which backend runs a call, as an ordered preference list plus reasons.
+"""Dispatch: which backend runs a call, from what the backends declare; it names none.
 
     backend="auto"                                     backend="sdpa" (a name)
          |                                                  |
-    PREFERENCE, in order: ("sdpa", its rule)           that backend's reasons only:
-         | the rule claims the call, the backend           none -> it runs
+    the claimers (claim_order set), lowest first:      that backend's reasons only:
+         | it claims the call (Backend.claims), it         none -> it runs
          | serves it (no reasons) within the budget?       some -> ValueError listing them
     yes -> it runs (no other backend is asked)
     no  -> every backend's reasons; among those that serve, the ones whose extra memory fits
@@ -36,25 +36,18 @@ from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab._checks import non_negative_int
 from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes, mask_is_fixed
-from attnlab.backends.registry import generation, get, registry
-from attnlab.backends.sdpa import SdpaBackend
+from attnlab.backends.registry import claimers, generation, get, registry
 from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PREFERENCE", "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
+           "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
            "fresh_route", "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
            "budget_words"]
 
 
-def _sdpa_claims(backend: Backend, call: AttentionCall) -> bool:
-    """SDPA takes every mask as the caller holds it (none, top-left causal, a bool or float
-    tensor), where no other backend can skip work, and padded batches, which it runs on each
-    row's real keys (:meth:`SdpaBackend.preferred`)."""
-    return isinstance(backend, SdpaBackend) and backend.preferred(call)
-
-
 def claim_words(backend: Backend, call: AttentionCall) -> str:
-    """Why :data:`PREFERENCE`'s rule claims ``call`` for ``backend``, in words (for :func:`why`).
+    """Why ``backend`` claims ``call`` (:meth:`Backend.claims`), in words (for :func:`why`);
+    ``""`` when it does not.
 
     Example:
         >>> import torch
@@ -63,13 +56,8 @@ def claim_words(backend: Backend, call: AttentionCall) -> str:
         >>> claim_words(get("sdpa"), build_call(q, q, q, causal=True))
         "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
     """
-    if isinstance(backend, SdpaBackend) and backend.runs_padded(call):
-        return "sdpa's rule claims padded batches"
-    return "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+    return (backend.claims(call) or "") if backend.claim_order is not None else ""
 
-
-# The backends that claim calls by a rule that holds on every machine, most preferred first.
-PREFERENCE: tuple[tuple[str, Callable[[Backend, AttentionCall], bool]], ...] = (("sdpa", _sdpa_claims),)
 
 # The one cache on the hot path: per argument signature (shapes, dtypes, devices, the mask's
 # kind and shape, a mask mod by value, options, grad mode, registry generation; never a tensor
@@ -262,16 +250,17 @@ def memory_class(backend: Backend, call: AttentionCall) -> str:
         >>> memory_class(get("reference"), build_call(q, q, q))
         'quadratic'
     """
-    return backend.memory_for(call)
+    return backend.memory_use(call).kind
 
 
 def select(call: AttentionCall, name: str = "auto") -> Backend:
     """The backend that will run ``call``: a named one if it serves, else auto's choice.
 
-    Auto walks :data:`PREFERENCE`: the first backend whose rule claims the call and that serves
-    it within the memory budget (:func:`memory_budget`) wins, and no other backend is asked.
-    Otherwise every backend's reasons are read: among those serving the call whose extra
-    memory (:meth:`Backend.memory_bytes`) fits the budget (none fits: those of the best memory class),
+    Auto asks the backends that declare a ``claim_order`` (:func:`~attnlab.backends.registry.claimers`),
+    lowest first: the first that claims the call (:meth:`Backend.claims`) and serves it within
+    the memory budget (:func:`memory_budget`) wins, and no other backend is asked. Otherwise
+    every backend's reasons are read: among those serving the call whose extra memory
+    (:meth:`Backend.memory_use`) fits the budget (none fits: those of the best memory class),
     a claimed one, else the lowest estimated time (:meth:`Backend.cost`).
 
     Args:
@@ -297,12 +286,11 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         return backend
     compiling = torch.compiler.is_compiling()  # sizes may be symbolic: memory by class, not bytes
     budget = None if compiling else memory_budget(call)
-    for preferred_name, claims in PREFERENCE:
-        backend = registry().get(preferred_name)
-        if (backend is not None and claims(backend, call) and not reasons_of(backend, call)
-                and (backend.memory_for(call) == MEMORY_CLASSES[0] if compiling
-                     else backend.memory_bytes(call) <= budget)):
-            return backend
+    for backend in claimers():
+        if backend.claims(call) is not None and not reasons_of(backend, call):
+            use = backend.memory_use(call)
+            if use.kind == MEMORY_CLASSES[0] if compiling else use.nbytes <= budget:
+                return backend
     return _by_memory_and_cost(call, budget)
 
 
@@ -317,7 +305,7 @@ def within_budget(serving: list[Backend], call: AttentionCall, budget: int | Non
         >>> [b.name for b in within_budget([get("reference"), get("chunked")], build_call(q, q, q), 0)]
         ['chunked']
     """
-    fits = [] if budget is None else [b for b in serving if b.memory_bytes(call) <= budget]
+    fits = [] if budget is None else [b for b in serving if b.memory_use(call).nbytes <= budget]
     if fits:
         return fits
     # Plain loops, not min(key=...): torch.compile traces them (it refuses min with a key).
@@ -348,7 +336,7 @@ def _by_memory_and_cost(call: AttentionCall, budget: int | None) -> Backend:
 
 
 def claimed(backend: Backend, call: AttentionCall) -> bool:
-    """Whether a rule of :data:`PREFERENCE` claims ``call`` for ``backend``.
+    """Whether ``backend`` declares a ``claim_order`` and claims ``call`` (:meth:`Backend.claims`).
 
     Example:
         >>> import torch
@@ -357,7 +345,7 @@ def claimed(backend: Backend, call: AttentionCall) -> bool:
         >>> claimed(get("sdpa"), build_call(q, q, q, causal=True)), claimed(get("chunked"), build_call(q, q, q))
         (True, False)
     """
-    return any(name == backend.name and claims(backend, call) for name, claims in PREFERENCE)
+    return backend.claim_order is not None and backend.claims(call) is not None
 
 
 def argument_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,

@@ -5,7 +5,7 @@ An attnlab call becomes SDPA's arguments without reading a tensor value or copyi
 * the mask (:func:`_mask_source`, from ``call.mask_kind``): none, or top-left causal alone, is
   SDPA's own ``is_causal``; a bool or float tensor alone is passed as the caller holds it; any
   other mask (bottom-right causal, causal with a tensor, a mask mod, an additive score mod) is
-  materialised into one dense mask, O(Tq*Tk), which :meth:`SdpaBackend.memory_for` reports.
+  materialised into one dense mask, O(Tq*Tk), which :meth:`SdpaBackend.memory_use` reports.
   Float masks of fp16/bf16 calls reach the CPU kernels in fp32;
 * grouped-query attention uses ``enable_gqa=True`` (heads repeated on PyTorch < 2.5);
 * sinks fold into the CPU flash kernel's log-sum-exp where it allows (:func:`sinks_through_lse`),
@@ -44,7 +44,7 @@ from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
 from attnlab import masks as _masks
 from attnlab.backends import _segments
 from attnlab.backends._lse import fold_sinks, row_delta, sinks_gradient
-from attnlab.backends.base import AttentionResult, Backend, call_flops, scores_bytes
+from attnlab.backends.base import AttentionResult, Backend, MemoryUse, call_flops, memory_of_class, scores_bytes
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
@@ -289,7 +289,7 @@ def sdpa_plan(call: AttentionCall) -> SdpaPlan:
         >>> sdpa_plan(build_call(q, q, q, causal=True)).memory
         'linear'
     """
-    return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_for and cost
+    return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_use and cost
 
 
 def _plan(call: AttentionCall) -> SdpaPlan:
@@ -674,6 +674,7 @@ class SdpaBackend(Backend):
     memory = "linear"
     traceable = True
     dense_mask = True  # a materialised mask is the call's dense mask
+    claim_order = 0  # the first backend auto asks (claims)
     plan_fixes_tk = False  # its plan reads no key length
     description = (
         "torch.nn.functional.scaled_dot_product_attention (CPU flash; CUDA flash, efficient, "
@@ -685,22 +686,17 @@ class SdpaBackend(Backend):
             return f"torch {torch.__version__} has no scaled_dot_product_attention (needs 2.0+)"
         return None
 
-    def memory_for(self, call: AttentionCall) -> str:
-        """Memory class of this call: ``"linear"`` or ``"quadratic"`` (see :func:`sdpa_plan`)."""
-        return sdpa_plan(call).memory
-
-    def memory_note(self, call: AttentionCall) -> str:
-        """Why the call has its memory class, in words."""
-        return sdpa_plan(call).memory_note
-
-    def memory_bytes(self, call: AttentionCall) -> int:
-        """The math kernel's scores, else a materialised mask's bytes, else the kernel's O(T)."""
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
+        """The math kernel's scores, else a materialised mask's bytes, else the kernel's O(T)
+        (the class and the words from :func:`sdpa_plan`)."""
         plan = sdpa_plan(call)
+        note = plan.memory_note if words else ""
         if plan.kernel == "math":
-            return scores_bytes(call)
+            return MemoryUse(plan.memory, scores_bytes(call), note)
         if plan.mask_source == "materialised":
-            return _mask_elements(call) * torch.empty((), dtype=_materialised_dtype(call)).element_size()
-        return super().memory_bytes(call)
+            size = torch.empty((), dtype=_materialised_dtype(call)).element_size()
+            return MemoryUse(plan.memory, _mask_elements(call) * size, note)
+        return memory_of_class(plan.memory, call, note)
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
@@ -730,37 +726,34 @@ class SdpaBackend(Backend):
                          f"mod's bias and the sinks would be rounded to {str(call.dtype).replace('torch.', '')}")
         return found
 
-    def preferred(self, call: AttentionCall) -> bool:
+    def claims(self, call: AttentionCall) -> str | None:
         """SDPA wins whenever the mask reaches it as the caller holds it (none, top-left causal,
-        a bool or float tensor) and PyTorch runs a fused kernel: no other backend can skip work
-        there, and PyTorch's own kernel is the fastest on every machine measured. Mask mods and
-        bottom-right causal, which SDPA would materialise, and calls its math kernel would run
-        (on CPU: value features unlike the keys', as MLA and differential attention have) are
-        left to the memory class and the cost model.
+        a bool or float tensor, a padded batch run on each row's real keys) and PyTorch runs a
+        fused kernel: no other backend can skip work there, and PyTorch's own kernel is the
+        fastest on every machine measured. Mask mods and bottom-right causal, which SDPA would
+        materialise, and calls its math kernel would run (on CPU: value features unlike the
+        keys', as MLA and differential attention have) are left to the memory class and the
+        cost model.
 
         Example:
             >>> from attnlab.backends import build_call
             >>> q = torch.randn(1, 2, 8, 4)
-            >>> SdpaBackend().preferred(build_call(q, q, q, causal=True))
-            True
+            >>> SdpaBackend().claims(build_call(q, q, q, causal=True))
+            "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+            >>> SdpaBackend().claims(build_call(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool), causal=True))
+            "sdpa's rule claims padded batches"
         """
-        if _mask_source(call) == "materialised":
-            return False
+        source = _mask_source(call)
+        if source == "materialised":
+            return None
         # Only value features unlike the keys' or dropout can send PyTorch to its math kernel on
         # the calls left here; asking its selector for every call would cost the first call's path.
         unusual = call.v.shape[-1] != call.k.shape[-1] or call.dropout_p > 0
-        return not (unusual and kernel_for(call) == "math")
-
-    def runs_padded(self, call: AttentionCall) -> bool:
-        """Whether ``call`` is a padded batch run on each row's real keys (``"segments"``).
-
-        Example:
-            >>> from attnlab.backends import build_call
-            >>> q = torch.randn(1, 2, 8, 4)
-            >>> SdpaBackend().runs_padded(build_call(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool), causal=True))
-            True
-        """
-        return _mask_source(call) == "segments"
+        if unusual and kernel_for(call) == "math":
+            return None
+        if source == "segments":
+            return "sdpa's rule claims padded batches"
+        return "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
 
     def prepare(self, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable[..., Tensor]:
         """``run(q, k, v, mask[, sinks[, score_mod]])`` for every call with ``call``'s signature.
