@@ -56,9 +56,19 @@ class AttentionCall:
     mask mod with causal already ANDed in; ``causal_offset`` still names it); ``"prepared"`` (a
     :class:`~attnlab.masks.PreparedMask`, causal inside it).
 
+    The one taxonomy of masks: ``mask_form`` says what structure the mask has, for backends
+    that run some structures their own way (they switch on it and inspect no mod class):
+    ``"none"``; ``"causal"`` (causal alone, at ``causal_offset``); ``"given"`` (a tensor alone,
+    as the caller holds it); ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` beside top-left
+    causal); ``"rows"`` (a bool ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key
+    mask); ``"padding"`` (a padding mod, alone or with top-left causal: its
+    :meth:`~attnlab.masks.MaskMod.form` gives the lengths); ``"varlen"`` (a varlen causal mod
+    without a window); ``"dense"`` (any other: a backend materialises or plans it).
+
     Derived once, when the call is made (plain fields, read freely): the sizes ``batch``,
     ``q_heads``, ``kv_heads``, ``tq``, ``tk``, ``head_dim``, ``value_dim``; ``dtype``, ``device``;
-    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); ``mask_kind``.
+    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); ``mask_kind``,
+    ``mask_form``.
     """
 
     q: Tensor
@@ -89,6 +99,7 @@ class AttentionCall:
     device: torch.device = field(init=False)
     requires_grad: bool = field(init=False)
     mask_kind: str = field(init=False)
+    mask_form: str = field(init=False)
 
     def __post_init__(self) -> None:
         q, k, v, mask, mod, sinks = self.q, self.k, self.v, self.mask, self.score_mod, self.sinks
@@ -99,9 +110,10 @@ class AttentionCall:
             or (kind == "float" and mask.requires_grad) or (sinks is not None and sinks.requires_grad)
             or (mod is not None and any(p.requires_grad for p in mod.params())))
         tq, tk = q.shape[2], k.shape[2]
+        form = kind if mask is None else _mask_form(kind, mask, self.causal_offset, tq, tk)
         values = dict(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], tq=tq, tk=tk,
                       head_dim=q.shape[3], value_dim=v.shape[3], dtype=q.dtype, device=q.device,
-                      requires_grad=grad, mask_kind=kind)
+                      requires_grad=grad, mask_kind=kind, mask_form=form)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -153,6 +165,25 @@ class AttentionCall:
         return self.mask if self.mask_kind == "float" else None
 
 
+def _mask_form(kind: str, mask: object, offset: int | None, tq: int, tk: int) -> str:
+    """The structure of a call's mask, read from its kind, shape and the mod's own
+    :meth:`~attnlab.masks.MaskMod.form` (the table of :class:`AttentionCall`)."""
+    if kind == "bool" and mask.shape[1] == 1:
+        if offset == 0 and mask.shape[2] == 1 and mask.shape[3] == tk:
+            return "keys"
+        if offset is None and mask.shape[2] == tq == tk == mask.shape[3] and tq > 1:
+            return "rows"
+    if kind in ("bool", "float"):
+        return "given" if offset is None else "dense"
+    if kind == "mod" and isinstance(mask, _masks.MaskMod):
+        form = mask.form()
+        if form[0] == "padding" and offset in (None, 0):
+            return "padding"
+        if form[0] == "varlen" and offset is None:
+            return "varlen"
+    return "dense"
+
+
 def _mask_kind(mask: object, causal_offset: int | None) -> str:
     """The kind of a normalised mask value (the table of :class:`AttentionCall`)."""
     if mask is None:
@@ -166,7 +197,7 @@ def _mask_kind(mask: object, causal_offset: int | None) -> str:
 # prepared run keeps, to bind each later call's tensors to (:func:`bind_call`).
 _SIGNATURE_FIELDS = ("causal_offset", "align", "scale", "dropout_p", "input_rank", "return_weights",
                      "batch_shape", "batch", "q_heads", "kv_heads", "tq", "head_dim", "value_dim", "dtype",
-                     "device", "requires_grad", "mask_kind")
+                     "device", "requires_grad", "mask_kind", "mask_form")
 
 
 def call_template(call: AttentionCall, *, memo: dict | None = None) -> dict:

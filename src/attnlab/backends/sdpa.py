@@ -41,7 +41,6 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab import scores as _scores
 from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
-from attnlab import masks as _masks
 from attnlab.backends import _segments
 from attnlab.backends._lse import fold_sinks, row_delta, sinks_gradient
 from attnlab.backends.base import AttentionResult, Backend, MemoryUse, call_flops, memory_of_class, scores_bytes
@@ -130,42 +129,42 @@ def _mask_source(call: AttentionCall) -> str:
 
 
 def _source_of(call: AttentionCall) -> str:
-    kind, alone = call.mask_kind, call.causal_offset is None
+    form = call.mask_form
     if _segments_kind(call) is not None:
         return "segments"
     if call.score_mod is not None:  # a bias tensor the caller holds reaches SDPA as it is
-        held = isinstance(call.score_mod, _scores.Bias) and alone and kind in ("none", "bool", "float")
+        held = isinstance(call.score_mod, _scores.Bias) and form in ("none", "given", "rows")
         return "user" if held else "materialised"
-    if kind == "none":
+    if form == "none":
         return "none"
-    if kind == "causal":  # is_causal takes no attn_mask, which the sinks' column needs
+    if form == "causal":  # is_causal takes no attn_mask, which the sinks' column needs
         return "is_causal" if call.causal_offset == 0 and not _sink_key(call) else "materialised"
-    return "user" if kind in ("bool", "float") and alone else "materialised"
+    return "user" if form in ("given", "rows") else "materialised"
 
 
-def _padding_lengths(mod: object) -> tuple[Tensor, bool] | None:
-    """``(lengths, causal)`` of a :class:`~attnlab.masks.PaddingMod`, alone or ANDed with
-    top-left causal (``CausalMod(0)``, then ``causal``); None for any other mask mod."""
-    parts = mod.mods if isinstance(mod, _masks.CombinedMod) and mod.op == "and" else (mod,)
-    padding = [part for part in parts if type(part) is _masks.PaddingMod]
-    others = [part for part in parts if type(part) is not _masks.PaddingMod]
-    if len(padding) != 1 or not all(type(part) is _masks.CausalMod and part.offset == 0 for part in others):
-        return None
-    return padding[0].lengths, bool(others)
+def _padding_lengths(mod: object) -> tuple[Tensor, bool]:
+    """``(lengths, causal)`` of a mask whose form is ``"padding"`` (:meth:`~attnlab.masks.MaskMod.form`)."""
+    _, lengths, causal = mod.form()
+    return lengths, causal
+
+
+# The call's mask forms SDPA runs as a padded batch (:mod:`attnlab.backends._segments`), by its name there.
+_SEGMENT_FORMS = {"keys": "keys", "rows": "causal_4d", "padding": "padding", "varlen": "varlen"}
 
 
 def _segments_kind(call: AttentionCall) -> str | None:
-    """Which padded-batch form ``call``'s mask has (:mod:`attnlab.backends._segments`), by its
-    signature: ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` with top-left causal),
-    ``"padding"`` (a :class:`~attnlab.masks.PaddingMod`, with or without it), ``"varlen"`` (a
-    :class:`~attnlab.masks.VarlenCausalMod` without a window), ``"causal_4d"`` (a bool
-    ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key mask); None otherwise.
+    """Which padded-batch form ``call``'s mask has (:mod:`attnlab.backends._segments`), from its
+    ``mask_form``: ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` with top-left causal),
+    ``"padding"`` (a padding mod, with or without it), ``"varlen"`` (a varlen causal mod
+    without a window), ``"causal_4d"`` (a bool ``(B|1, 1, T, T)`` mask alone, which may be
+    causal AND a key mask); None otherwise.
 
     CPU only, where the kernel zeroes rows with no key (PyTorch 2.13+), its values can be read
     (not traced, fake, meta or under a ``torch.func`` transform) and nothing rides on the mask
     (score mod, sinks, dropout).
     """
-    if call.mask_kind not in ("bool", "mod"):
+    form = _SEGMENT_FORMS.get(call.mask_form)
+    if form is None:
         return None
     if (call.device.type != "cpu" or not _CPU_KERNEL_KEEPS_ROWS or call.score_mod is not None
             or call.sinks is not None or call.dropout_p > 0.0 or min(call.batch, call.tq, call.tk) == 0
@@ -173,17 +172,7 @@ def _segments_kind(call: AttentionCall) -> str | None:
             or torch.compiler.is_compiling() or _is_fake(call.q)
             or torch._C._functorch.maybe_current_level() is not None):  # under torch.func: values may be batched
         return None
-    kind, mask = call.mask_kind, call.mask
-    if kind == "bool" and mask.shape[1] == 1:
-        if call.causal_offset == 0 and mask.shape[2] == 1 and mask.shape[3] == call.tk:
-            return "keys"
-        if call.causal_offset is None and mask.shape[2] == call.tq == call.tk == mask.shape[3] and call.tq > 1:
-            return "causal_4d"
-    if kind == "mod" and call.causal_offset in (None, 0) and _padding_lengths(mask) is not None:
-        return "padding"
-    if kind == "mod" and call.causal_offset is None and type(mask) is _masks.VarlenCausalMod and mask.window is None:
-        return "varlen"
-    return None
+    return form
 
 
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
@@ -595,8 +584,9 @@ def _padding_keys(call: AttentionCall) -> Callable[[], Tensor]:
 
 def _mod_spans(call: AttentionCall) -> list[tuple[int, int, int, int]]:
     """Each batch row's ``(q_len, start, end, offset)`` from a padding or varlen mask mod."""
-    if type(call.mask) is _masks.VarlenCausalMod:
-        q_lengths, k_lengths = call.mask.q_lengths.tolist(), call.mask.k_lengths.tolist()
+    if call.mask_form == "varlen":
+        _, q_lengths, k_lengths = call.mask.form()
+        q_lengths, k_lengths = q_lengths.tolist(), k_lengths.tolist()
         return [(q_len, 0, k_len, k_len - q_len) for q_len, k_len in zip(q_lengths, k_lengths)]
     lengths = _padding_lengths(call.mask)[0].tolist()
     return [(call.tq, 0, min(length, call.tk), 0) for length in lengths]
