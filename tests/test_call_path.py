@@ -262,3 +262,22 @@ def test_a_decoding_step_is_prepared_once_per_class_of_cache_lengths():
         attnlab.attention(q, k, k, causal=True, align="bottom_right", mask=keep[..., :41])
     warm = _attnlab_calls(lambda: attnlab.attention(q, k, k, causal=True, align="bottom_right", mask=keep[..., :40]))
     assert sum(warm.values()) <= 5, warm
+
+
+def test_a_prepared_dropout_run_draws_one_seed_per_call():
+    """Regression: chunked's run drew a second dropout seed when its plan already held one. A
+    remembered route draws exactly one per call, as the full path does: same seed, same output."""
+    from attnlab.backends.chunked import chunked_attention
+
+    q = torch.randn(1, 2, 24, 8)
+    dispatch.clear_plans()
+    outs = []
+    for _ in range(3):  # the first call makes the route, the others run it
+        torch.manual_seed(7)
+        outs.append(attnlab.attention(q, q, q, causal=True, dropout_p=0.3, backend="chunked"))
+        after = torch.rand(2)
+    torch.manual_seed(7)
+    want = chunked_attention(build_call(q, q, q, causal=True, dropout_p=0.3)).out
+    assert torch.equal(torch.rand(2), after)  # the global generator moved by one draw, as there
+    for out in outs:
+        assert torch.equal(out, want)

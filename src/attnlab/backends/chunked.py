@@ -450,10 +450,11 @@ def chunked_attention(
 
 
 def _run_plan(call: AttentionCall, plan: _Plan) -> AttentionResult:
-    """The tiles of ``call`` under ``plan`` (made for its signature, :meth:`ChunkedBackend.plan`):
-    the call's own dropout seed and score mod go in, nothing else is decided."""
-    if call.dropout_p > 0.0 or call.score_mod is not None:
-        seed = draw_dropout_seed(call.generator) if call.dropout_p > 0.0 else None
+    """The tiles of ``call`` under ``plan`` (made for its signature, :meth:`ChunkedBackend.plan`,
+    or for this call by :func:`_plan_of`): the call's own dropout seed (drawn here unless the
+    plan has it) and score mod go in, nothing else is decided."""
+    if (call.dropout_p > 0.0 and plan.seed is None) or call.score_mod is not plan.score_mod:
+        seed = draw_dropout_seed(call.generator) if call.dropout_p > 0.0 and plan.seed is None else plan.seed
         plan = dataclasses.replace(plan, seed=seed, score_mod=call.score_mod)
     params = call.score_mod.params() if call.score_mod is not None else ()
     bool_mask = call.mask if call.mask_kind == "bool" else None
