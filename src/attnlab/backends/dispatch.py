@@ -383,30 +383,35 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
             or (scale is not None and type(scale) is not float) or type(backend) is not str
             or type(dropout_p) not in (float, int) or (return_weights is not True and return_weights is not False)):
         return None
-    k_shape, v_shape = k.shape, v.shape
-    if mask is None:
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # (each read makes a Size: once)
+    tensor_mask = type(mask) is Tensor
+    if mask is None or tensor_mask:
         mask_key = None
-    elif type(mask) is Tensor:
-        mask_key = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
     elif callable(mask):  # by value, else by weak identity (a held PreparedMask, a reused mod)
         mask_key = _masks.value_only_key(mask) or _Identity(mask)
     else:
         return None
-    if q.shape[-2:-1] == (1,) and k.ndim >= 2 and (causal is False or align == "bottom_right") and (
-            mask is None or type(mask) is Tensor):
+    mask_shape = mask.shape if tensor_mask else None
+    if (len(q_shape) == 4 and q_shape[2] == 1 and len(k_shape) == 4 and len(v_shape) == 4
+            and (causal is False or align == "bottom_right") and (mask is None or (tensor_mask and len(mask_shape) == 4))):
         # A decoding step: one query over a cache that grows by one key a step. Its causal part
-        # blocks nothing, so the key holds Tk's class (its bit length), not Tk: one route serves
-        # a range of lengths. What the exact shapes guaranteed is checked here instead (k and v
-        # of one length, a mask of length 1 or Tk): a miss (None) lets validation refuse it.
-        tk = k_shape[-2]
-        if v.ndim < 2 or v.shape[-2] != tk or (mask_key is not None and mask.ndim and mask.shape[-1] not in (1, tk)):
+        # blocks nothing, so the key holds Tk's class (minus its bit length: no real size is
+        # negative), not Tk: one route serves a range of lengths. What the exact shapes
+        # guaranteed is checked here (k and v of one length, a mask of length 1 or Tk): a miss
+        # (None) lets validation refuse it. Sizes by index, not slices (a slice of a Size costs more).
+        tk = k_shape[2]
+        if v_shape[2] != tk:
             return None
-        length = ("Tk", tk.bit_length())
-        k_shape, v_shape = (*k_shape[:-2], length, k_shape[-1]), (*v.shape[:-2], length, v.shape[-1])
-        if mask_key is not None and mask.ndim and mask.shape[-1] == tk and tk != 1:
-            mask_key = ((*mask.shape[:-1], length), *mask_key[1:])
+        length = -tk.bit_length()
+        k_shape, v_shape = (k_shape[0], k_shape[1], length, k_shape[3]), (v_shape[0], v_shape[1], length, v_shape[3])
+        if tensor_mask and mask_shape[3] != 1:
+            if mask_shape[3] != tk:
+                return None
+            mask_shape = (mask_shape[0], mask_shape[1], mask_shape[2], length)
+    if tensor_mask:
+        mask_key = (mask_shape, mask.dtype, mask.device, mask.requires_grad)
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
-    key = (q.shape, k_shape, v_shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+    key = (q_shape, k_shape, v_shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
            dropout_p, backend, return_weights, torch.is_grad_enabled(), generation(), _BUDGET[0])
     if score_mod is None and sinks is None:
@@ -432,15 +437,14 @@ def _with_scores(key: tuple, score_mod: object, sinks: object) -> tuple | None:
 
 
 def remembered(key: tuple | None) -> Route | None:
-    """The route stored under ``key``, or None.
+    """The route stored under ``key`` (from :func:`argument_key`), or None.
 
     Example:
         >>> remembered(None) is None
         True
     """
-    if key is None or torch.compiler.is_compiling():  # the compiled graph keeps its own choice
-        return None
-    return _ROUTES.get(key)
+    # (argument_key gives None while compiling: the compiled graph keeps its own choice)
+    return None if key is None else _ROUTES.get(key)
 
 
 def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
