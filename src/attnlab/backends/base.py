@@ -61,7 +61,12 @@ class AttentionResult:
 
 
 class MemoryUse(NamedTuple):
-    """What :meth:`Backend.memory_use` answers: the memory class, estimated bytes, and why."""
+    """What :meth:`Backend.memory_use` answers: the memory class, estimated bytes, and why.
+
+    Example:
+        >>> MemoryUse("linear", 1024).kind, MemoryUse("linear", 1024).note
+        ('linear', '')
+    """
 
     kind: str
     nbytes: int
