@@ -36,7 +36,7 @@ from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab._checks import non_negative_int
 from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes, mask_is_fixed
-from attnlab.backends.registry import claimers, generation, get, registry
+from attnlab.backends.registry import _GENERATION, claimers, get, registry  # (the counter read in place: every call)
 from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
@@ -413,7 +413,7 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
     key = (q_shape, k_shape, v_shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
-           dropout_p, backend, return_weights, torch.is_grad_enabled(), generation(), _BUDGET[0])
+           dropout_p, backend, return_weights, torch.is_grad_enabled(), _GENERATION[0], _BUDGET[0])
     if score_mod is None and sinks is None:
         return key
     return _with_scores(key, score_mod, sinks)
