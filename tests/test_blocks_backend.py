@@ -206,7 +206,7 @@ def test_auto_picks_blocks_where_it_skips_most_and_sdpa_for_dense_calls():
     q = torch.randn(1, 8, 8192, 64)
     window = build_call(q, q, q, mask=masks.sliding_window_mod(8192, 8192, 256))
     assert select(window).name == "blocks"
-    assert "visits" in get("blocks").memory_note(window)
+    assert "visits" in get("blocks").memory_use(window, words=True).note
     assert select(build_call(q, q, q)).name == "sdpa"
     short = torch.randn(1, 1, 16, 8)
     assert select(build_call(short, short, short, causal=True)).name == "sdpa"

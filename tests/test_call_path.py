@@ -6,6 +6,7 @@ import dataclasses
 import os
 import sys
 
+import pytest
 import torch
 
 import attnlab
@@ -101,3 +102,182 @@ def test_backends_decide_from_the_mask_kind():
     for options, want in cases.items():
         call = build_call(q, k, k, **dict(options))
         assert (sdpa.sdpa_plan(call).mask_source, flex._mask_path(call)) == want, (options, call.mask_kind)
+
+
+# ----------------------------------------------------------------------------- prepared runs
+# Counting rule. The issue's figures count every attnlab frame entered. A backend's kernel (the
+# chunked tile loop, online-softmax steps, a mask evaluated on a tile, the blocks' runs) is
+# work, not overhead: the *path* counts every frame outside a prepared run plus the run's own
+# entry; the frames inside the run are the *kernel*'s, reported apart. What must never run
+# inside the kernel on a warm or held call is the work of deciding: checks, layout, mask
+# classification, planning, dispatch (the names below).
+_DECIDING = {"build_call", "_check_qkv", "_check_tensor", "_check_options", "_check_sizes", "_normalize_mask",
+             "_check_score_mod", "check_sinks", "value_only_key", "prepare", "plan", "select", "reasons",
+             "reasons_of", "route", "fresh_route", "prepared_run", "prepared_mask", "_planned_runs", "_plan_runs",
+             "_plan_of", "_source_of", "_segments_kind", "sdpa_plan", "_runner", "memory_bytes", "cost",
+             "__post_init__", "mask_is_fixed", "call_template"}
+
+
+def _path_and_kernel(fn) -> tuple[collections.Counter, collections.Counter]:
+    """attnlab frames of ``fn()``: those on the path (a prepared run's entry included) and those
+    inside prepared runs (the generic one of backends/base.py and sdpa's)."""
+    path, kernel = collections.Counter(), collections.Counter()
+    depth = [0]  # > 0 while inside a run
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if not code.co_filename.startswith(_PACKAGE):
+            return
+        is_run = code.co_name == "run" and code.co_filename.endswith(("base.py", "sdpa.py"))
+        if event == "call":
+            (kernel if depth[0] else path)[code.co_name] += 1
+            depth[0] += is_run
+        elif event == "return" and is_run:
+            depth[0] -= 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return path, kernel
+
+
+def _cases():
+    window = masks.sliding_window_mod(16, 16, window=4)
+    return {
+        "chunked causal": dict(causal=True, backend="chunked"),
+        "blocks window": dict(mask=window, backend="blocks"),
+        "auto window": dict(mask=window),
+        "reference causal": dict(causal=True, backend="reference"),
+        "softcap (auto)": dict(causal=True, score_mod=attnlab.scores.softcap(20.0)),
+        "sinks (auto)": dict(causal=True, sinks=torch.zeros(4)),
+        "sdpa causal": dict(causal=True),
+    }
+
+
+def test_every_backend_runs_a_prepared_run_warm_and_held():
+    """Warm attention() <= 10 path frames, a held plan <= 3, on every backend; nothing of
+    checking or planning runs inside the kernel; the output is the full path's (reference, fp64)."""
+    q = torch.randn(2, 4, 16, 8, dtype=torch.float64)
+    backends_seen = set()
+    for name, options in _cases().items():
+        dispatch.clear_plans()
+        options = {**options, **({"sinks": options["sinks"].double()} if "sinks" in options else {})}
+        attnlab.attention(q, q, q, **options)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        warm_out = []
+        path, kernel = _path_and_kernel(lambda: warm_out.append(attnlab.attention(q, k, v, **options)))
+        assert sum(path.values()) <= 10, (name, path)
+        assert not (set(kernel) & _DECIDING), (name, kernel)
+        held = attnlab.plan(q, q, q, **options)
+        backends_seen.add(held.backend)
+        held(q, k, v)
+        held_out = []
+        path, kernel = _path_and_kernel(lambda: held_out.append(held(q, k, v)))
+        assert sum(path.values()) <= 3, (name, path)
+        assert not (set(kernel) & _DECIDING), (name, kernel)
+        want = attnlab.attention(q, k, v, **{**options, "backend": "reference"})
+        torch.testing.assert_close(warm_out[0], want)
+        torch.testing.assert_close(held_out[0], want)
+    assert backends_seen >= {"chunked", "blocks", "reference", "sdpa"}
+
+
+def test_a_first_causal_call_walks_at_most_60_frames():
+    q = torch.randn(2, 4, 16, 8)
+    dispatch.clear_plans()
+    first = _attnlab_calls(lambda: attnlab.attention(q, q, q, causal=True))
+    assert sum(first.values()) <= 60, first.most_common(10)
+
+
+def test_a_mod_that_holds_tensors_is_planned_per_call_and_a_mod_by_value_once():
+    """A document mod (keyed by weak identity) gets no run: each call is built and planned, so a
+    new batch's ids are read; a window mod by value is planned once per route."""
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    for backend in ("chunked", "blocks", "reference"):
+        dispatch.clear_plans()
+        for step in range(2):
+            ids = torch.tensor([0] * (5 + 3 * step) + [1] * (11 - 3 * step))
+            mod = masks.document_mod(ids)
+            out = attnlab.attention(q, q, q, mask=mod, backend=backend)
+            dense = masks.materialize(mod, tq=16, tk=16)
+            want = attnlab.attention(q, q, q, mask=dense, backend="reference")
+            torch.testing.assert_close(out, want)
+        window = masks.sliding_window_mod(16, 16, window=3)
+        attnlab.attention(q, q, q, mask=window, backend=backend)
+        calls = _attnlab_calls(lambda: attnlab.attention(q, q, q, mask=masks.sliding_window_mod(16, 16, window=3),
+                                                         backend=backend))
+        assert calls["build_call"] == 0 and calls["prepare"] == 0 and calls["_planned_runs"] == 0, (backend, calls)
+
+
+def test_a_route_holds_no_tensor_of_the_caller():
+    """The runs keep none of the caller's tensors nor mask mods (tests/test_state.py's rule)."""
+    import gc
+    import weakref
+
+    refs = []
+    for options in _cases().values():
+        dispatch.clear_plans()
+        q = torch.randn(2, 4, 16, 8)
+        sinks = options.get("sinks")
+        options = {**options, **({"sinks": torch.zeros(4)} if sinks is not None else {})}
+        attnlab.attention(q, q, q, **options)
+        refs.append(weakref.ref(q))
+        if "sinks" in options:
+            refs.append(weakref.ref(options["sinks"]))
+        del q, options
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_a_decoding_step_is_prepared_once_per_class_of_cache_lengths():
+    """Tk grows by one a step: one route per class (bit length) of Tk, no validation between;
+    the output is the full path's; bad input (k and v of other lengths, a mask of another
+    length) is still refused with the same errors."""
+    from attnlab import functional
+
+    dispatch.clear_plans()
+    q = torch.randn(2, 4, 1, 8)
+    cache = torch.randn(2, 4, 80, 8)
+    keep = torch.ones(2, 1, 1, 80, dtype=torch.bool)
+    keep[1, ..., :7] = False  # a left-padded row
+    builds = []
+    real = functional.build_call
+    functional.build_call = lambda *a, **kw: builds.append(1) or real(*a, **kw)
+    try:
+        for t in range(33, 64):
+            k, v = cache[:, :, :t], cache[:, :, :t] * 2
+            for mask in (None, keep[..., :t]):
+                out = attnlab.attention(q, k, v, causal=True, align="bottom_right", mask=mask)
+                want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                          attn_mask=mask)
+                torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    finally:
+        functional.build_call = real
+    assert len(builds) == 2  # one route per mask kind for every Tk of 32..63
+    k = cache[:, :, :40]
+    with pytest.raises(ValueError, match="Tk"):
+        attnlab.attention(q, k, cache[:, :, :41], causal=True, align="bottom_right")
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attnlab.attention(q, k, k, causal=True, align="bottom_right", mask=keep[..., :41])
+    warm = _attnlab_calls(lambda: attnlab.attention(q, k, k, causal=True, align="bottom_right", mask=keep[..., :40]))
+    assert sum(warm.values()) <= 5, warm
+
+
+def test_a_prepared_dropout_run_draws_one_seed_per_call():
+    """Regression: chunked's run drew a second dropout seed when its plan already held one. A
+    remembered route draws exactly one per call, as the full path does: same seed, same output."""
+    from attnlab.backends.chunked import chunked_attention
+
+    q = torch.randn(1, 2, 24, 8)
+    dispatch.clear_plans()
+    outs = []
+    for _ in range(3):  # the first call makes the route, the others run it
+        torch.manual_seed(7)
+        outs.append(attnlab.attention(q, q, q, causal=True, dropout_p=0.3, backend="chunked"))
+        after = torch.rand(2)
+    torch.manual_seed(7)
+    want = chunked_attention(build_call(q, q, q, causal=True, dropout_p=0.3)).out
+    assert torch.equal(torch.rand(2), after)  # the global generator moved by one draw, as there
+    for out in outs:
+        assert torch.equal(out, want)

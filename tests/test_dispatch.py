@@ -63,7 +63,7 @@ def test_auto_chooses_within_the_memory_budget_then_by_time(case, grad, limit, b
         serving = [backends.get(n) for n, why in backends.reasons(call).items() if not why]
     allowed = dispatch.memory_budget(call)
     assert allowed == (0 if limit == 0 else dispatch.default_memory_budget(call))
-    fits = [b for b in serving if b.memory_bytes(call) <= allowed]
+    fits = [b for b in serving if b.memory_use(call).nbytes <= allowed]
     if fits:
         assert chosen in fits
     if limit == 0 and any(backends.memory_class(b, call) == "linear" for b in serving):
@@ -86,7 +86,7 @@ def test_a_materialised_mask_is_taken_only_within_the_budget_and_when_faster(bud
     q, k, v = _qkv()
     call = build_call(q, k, v, **_CALLS["mask_mod"])
     sdpa = backends.get("sdpa")
-    assert sdpa.memory_bytes(call) == 64 * 64  # one bool (1, 1, 64, 64) mask
+    assert sdpa.memory_use(call).nbytes == 64 * 64  # one bool (1, 1, 64, 64) mask
     cheapest = min((backends.get(n) for n, why in backends.reasons(call).items() if not why), key=lambda b: b.cost(call))
     assert backends.select(call, "auto") is cheapest
     budget(64 * 64 - 1)
@@ -184,7 +184,7 @@ def test_auto_leaves_sdpa_when_its_math_kernel_would_run():
     call = build_call(q, k, v, causal=True)
     assert sdpa_kernel_for(call) == "math"
     chosen = dispatch.select(call)
-    assert chosen.name != "sdpa" and chosen.memory_for(call) == "linear"
+    assert chosen.name != "sdpa" and chosen.memory_use(call).kind == "linear"
     expected = attnlab.attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
     torch.testing.assert_close(attnlab.attention(q, k, v, causal=True).double(), expected, atol=1e-5, rtol=1e-5)
     same = build_call(q, k, v[..., :8], causal=True)  # equal features: SDPA's fused kernel, still preferred

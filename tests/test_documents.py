@@ -140,4 +140,4 @@ def test_packed_attention_runs_on_blocks_and_visits_only_the_diagonal():
     # 8 causal documents of 512 keys; query block j of a document spans (j + 1) * block keys
     block = choose_block(call)
     share = 8 * sum(block * (j + 1) * block for j in range(512 // block)) / T**2
-    assert f"visits {share:.0%}" in attnlab.backends.get("blocks").memory_note(call)
+    assert f"visits {share:.0%}" in attnlab.backends.get("blocks").memory_use(call, words=True).note

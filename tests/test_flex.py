@@ -292,7 +292,7 @@ def test_mask_mods_reach_the_kernel_without_a_dense_mask(case, monkeypatch):
     q, k, v = _qkv()
     flex, mod = backends.get("flex"), make()
     call = build_call(q, k, v, mask=mod, causal=causal)
-    assert flex.memory_for(call) == "linear" and "from the mask mod" in flex.memory_note(call)
+    assert flex.memory_use(call).kind == "linear" and "from the mask mod" in flex.memory_use(call, words=True).note
     variants, graphs = len(flex._variants), _graphs()
     with torch.no_grad(), monkeypatch.context() as patch:
         _no_dense_mask(patch)
@@ -377,9 +377,9 @@ def test_user_mods_and_ors_take_the_dense_path():
     for mod in (lambda b, h, i, j: i >= j, Shifted(8), masks.causal_mod(T, T) & (lambda b, h, i, j: i >= j),
                 masks.causal_mod(T, T) | masks.padding_mod(torch.tensor([3]))):  # an OR: not one interval
         call = build_call(q, q, q, mask=mod)
-        assert flex.memory_for(call) == "quadratic" and "user's own" in flex.memory_note(call)
-    assert flex.memory_for(build_call(q, q, q, causal=True)) == "linear"
-    assert flex.memory_for(build_call(q, q, q, mask=torch.ones(T, T, dtype=torch.bool))) == "quadratic"
+        assert flex.memory_use(call).kind == "quadratic" and "user's own" in flex.memory_use(call, words=True).note
+    assert flex.memory_use(build_call(q, q, q, causal=True)).kind == "linear"
+    assert flex.memory_use(build_call(q, q, q, mask=torch.ones(T, T, dtype=torch.bool))).kind == "quadratic"
 
 
 # ------------------------------------------------------------- the benchmark's competitor

@@ -133,6 +133,8 @@ def test_subgroups_go_with_their_process_group(one_rank, tmp_path):
 ALLOWED = {
     "attnlab.backends.registry._REGISTRY": "the registered backends, by name; changed by register()",
     "attnlab.backends.registry._GENERATION": "one int, bumped by each registry change",
+    "attnlab.backends.registry._CLAIMERS": "the backends that claim calls, in claim_order, for the "
+                                           "current generation only (one entry, rebuilt after a change)",
     "attnlab.backends.dispatch._ROUTES": "remembered routes, at most PLAN_CACHE_SIZE; clear_plans()",
     "attnlab.backends.dispatch._BUDGET": "the memory budget a user set (one int or None): a setting, "
                                          "not a cache; set_memory_budget(None) restores the default",

@@ -18,12 +18,14 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab._checks import broadcast_shape, finite_number, instance_of, probability
+from attnlab.masks.patterns import ALIGNMENTS as _ALIGNMENTS
 
-__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS"]
+__all__ = ["AttentionCall", "build_call", "sdpa_aligned", "batch_shape", "MEMO_KEYS", "call_template", "bind_call"]
 
 # What a call may remember once computed: the dense mask of attendable positions and sdpa's
-# plan (the kernel choice, asked for by dispatch's memory and cost questions).
-MEMO_KEYS = ("allowed", "sdpa_plan", "sinks_through_lse")
+# plan (the kernel choice, asked for by dispatch's memory and cost questions), whether sinks go
+# through the kernel's lse, and how the mask reaches SDPA.
+MEMO_KEYS = ("allowed", "sdpa_plan", "sinks_through_lse", "sdpa_source")
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,19 @@ class AttentionCall:
     mask mod with causal already ANDed in; ``causal_offset`` still names it); ``"prepared"`` (a
     :class:`~attnlab.masks.PreparedMask`, causal inside it).
 
+    The one taxonomy of masks: ``mask_form`` says what structure the mask has, for backends
+    that run some structures their own way (they switch on it and inspect no mod class):
+    ``"none"``; ``"causal"`` (causal alone, at ``causal_offset``); ``"given"`` (a tensor alone,
+    as the caller holds it); ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` beside top-left
+    causal); ``"rows"`` (a bool ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key
+    mask); ``"padding"`` (a padding mod, alone or with top-left causal: its
+    :meth:`~attnlab.masks.MaskMod.form` gives the lengths); ``"varlen"`` (a varlen causal mod
+    without a window); ``"dense"`` (any other: a backend materialises or plans it).
+
     Derived once, when the call is made (plain fields, read freely): the sizes ``batch``,
     ``q_heads``, ``kv_heads``, ``tq``, ``tk``, ``head_dim``, ``value_dim``; ``dtype``, ``device``;
-    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); ``mask_kind``.
+    ``requires_grad`` (grad mode is on and a tensor of the call wants a gradient); ``mask_kind``,
+    ``mask_form``.
     """
 
     q: Tensor
@@ -87,19 +99,21 @@ class AttentionCall:
     device: torch.device = field(init=False)
     requires_grad: bool = field(init=False)
     mask_kind: str = field(init=False)
+    mask_form: str = field(init=False)
 
     def __post_init__(self) -> None:
         q, k, v, mask, mod, sinks = self.q, self.k, self.v, self.mask, self.score_mod, self.sinks
-        kind = _mask_kind(mask, self.causal_offset)
+        kind = ("none" if self.causal_offset is None else "causal") if mask is None else _mask_kind(mask, self.causal_offset)
         # A backward pass may follow when grad mode is on and an input of the call wants one.
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or (kind == "float" and mask.requires_grad) or (sinks is not None and sinks.requires_grad)
             or (mod is not None and any(p.requires_grad for p in mod.params())))
         tq, tk = q.shape[2], k.shape[2]
+        form = kind if mask is None else _mask_form(kind, mask, self.causal_offset, tq, tk)
         values = dict(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], tq=tq, tk=tk,
                       head_dim=q.shape[3], value_dim=v.shape[3], dtype=q.dtype, device=q.device,
-                      requires_grad=grad, mask_kind=kind)
+                      requires_grad=grad, mask_kind=kind, mask_form=form)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -151,6 +165,25 @@ class AttentionCall:
         return self.mask if self.mask_kind == "float" else None
 
 
+def _mask_form(kind: str, mask: object, offset: int | None, tq: int, tk: int) -> str:
+    """The structure of a call's mask, read from its kind, shape and the mod's own
+    :meth:`~attnlab.masks.MaskMod.form` (the table of :class:`AttentionCall`)."""
+    if kind == "bool" and mask.shape[1] == 1:
+        if offset == 0 and mask.shape[2] == 1 and mask.shape[3] == tk:
+            return "keys"
+        if offset is None and mask.shape[2] == tq == tk == mask.shape[3] and tq > 1:
+            return "rows"
+    if kind in ("bool", "float"):
+        return "given" if offset is None else "dense"
+    if kind == "mod" and isinstance(mask, _masks.MaskMod):
+        form = mask.form()
+        if form[0] == "padding" and offset in (None, 0):
+            return "padding"
+        if form[0] == "varlen" and offset is None:
+            return "varlen"
+    return "dense"
+
+
 def _mask_kind(mask: object, causal_offset: int | None) -> str:
     """The kind of a normalised mask value (the table of :class:`AttentionCall`)."""
     if mask is None:
@@ -158,6 +191,50 @@ def _mask_kind(mask: object, causal_offset: int | None) -> str:
     if isinstance(mask, Tensor):
         return "bool" if mask.dtype == torch.bool else "float"
     return "prepared" if type(mask) is _masks.PreparedMask else "mod"
+
+
+# The fields of a call that follow from its signature alone (no tensor, no user object): what a
+# prepared run keeps, to bind each later call's tensors to (:func:`bind_call`).
+_SIGNATURE_FIELDS = ("causal_offset", "align", "scale", "dropout_p", "input_rank", "return_weights",
+                     "batch_shape", "batch", "q_heads", "kv_heads", "tq", "head_dim", "value_dim", "dtype",
+                     "device", "requires_grad", "mask_kind", "mask_form")
+
+
+def call_template(call: AttentionCall, *, memo: dict | None = None) -> dict:
+    """The fields of ``call`` that its signature decides, for :func:`bind_call`: no tensor of
+    the call, no object of the caller (the mask, sinks and score mod are bound per call).
+
+    Example:
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> template = call_template(build_call(q, q, q, causal=True))
+        >>> template["mask_kind"], any(isinstance(v, Tensor) for v in template.values())
+        ('causal', False)
+    """
+    fields = {name: getattr(call, name) for name in _SIGNATURE_FIELDS}
+    fields["generator"] = None  # a call with a generator is never prepared (its key is None)
+    fields["_template_memo"] = dict(memo or {})
+    return fields
+
+
+def bind_call(template: dict, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: Tensor | None,
+              score_mod: _scores.ScoreMod | None) -> AttentionCall:
+    """A call of ``template``'s signature on these tensors, without checking them again: the
+    caller (a prepared run) was reached through a key that guarantees what the checks found.
+    Only ``Tk`` is read from ``k`` (a decoding step's run serves a class of cache lengths); grad
+    need is the template's (the key holds grad mode and every ``requires_grad``, a score mod's too).
+
+    Example:
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> call = bind_call(call_template(build_call(q, q, q)), q, q[:, :, :3], q[:, :, :3], None, None, None)
+        >>> call.tk, call.mask_kind
+        (3, 'none')
+    """
+    call = object.__new__(AttentionCall)
+    fields = call.__dict__
+    fields.update(template)
+    memo = fields.pop("_template_memo")
+    fields.update(q=q, k=k, v=v, mask=mask, sinks=sinks, score_mod=score_mod, tk=k.shape[2], _memo=dict(memo))
+    return call
 
 
 def _check_tensor(name: str, value: object) -> Tensor:
@@ -179,7 +256,16 @@ def _shapes(q: Tensor, k: Tensor, v: Tensor) -> str:
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    """Refuse q, k, v that no backend can take; return their broadcast batch dims."""
+    """Refuse q, k, v that no backend can take; return their broadcast batch dims.
+
+    The common call (three float tensors of one rank, dtype and device, equal batch dims, sizes
+    that fit) is told by one expression; any other is checked by the rules below, one by one,
+    so that each refusal names its argument."""
+    if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.ndim == k.ndim == v.ndim == 4
+            and q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point and q.device == k.device == v.device
+            and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1] and k.shape[2] == v.shape[2]
+            and q.shape[3] == k.shape[3] and q.shape[3] and v.shape[3] and k.shape[1] and q.shape[1] and q.shape[1] % k.shape[1] == 0):
+        return (q.shape[0],)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not (q.ndim == k.ndim == v.ndim):
@@ -393,20 +479,25 @@ def build_call(
         (torch.Size([2, 1, 5, 8]), 'mod', 0)
     """
     batch = _check_qkv(q, k, v)
-    _check_options(causal, align, scale, dropout_p)
-    _check_generator(generator, q.device)
-    norm_mask = _normalize_mask(mask, q, k.shape[-2], batch)
-    offset = _causal_offset(causal, align, q.shape[-2], k.shape[-2])
+    if not ((causal is True or causal is False) and align in _ALIGNMENTS and scale is None
+            and type(dropout_p) is float and 0.0 <= dropout_p < 1.0):  # else each option by its rule
+        _check_options(causal, align, scale, dropout_p)
+    if generator is not None:
+        _check_generator(generator, q.device)
+    norm_mask = None if mask is None else _normalize_mask(mask, q, k.shape[-2], batch)
+    offset = _causal_offset(causal, align, q.shape[-2], k.shape[-2]) if causal else None
     if offset is not None and norm_mask is not None and not isinstance(norm_mask, Tensor):
         norm_mask = _masks.and_masks(_masks.CausalMod(offset), norm_mask)  # one mod: its bounds hold both
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    q4 = _to_4d(q, batch)
-    mod = _check_score_mod(score_mod, q4, k.shape[-2])
-    sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device, batch=q4.shape[0], tq=q4.shape[2])
+    plain = q.ndim == 4 and len(batch) == 1 and q.shape[0] == k.shape[0] == v.shape[0]  # nothing to lay out
+    q4 = q if plain else _to_4d(q, batch)
+    mod = None if score_mod is None else _check_score_mod(score_mod, q4, k.shape[-2])
+    if sinks is not None:
+        sinks = _scores.check_sinks(sinks, heads=q4.shape[1], device=q.device, batch=q4.shape[0], tq=q4.shape[2])
     return AttentionCall(
         q=q4,
-        k=_to_4d(k, batch),
-        v=_to_4d(v, batch),
+        k=k if plain else _to_4d(k, batch),
+        v=v if plain else _to_4d(v, batch),
         mask=norm_mask,
         causal_offset=offset,
         align=align,

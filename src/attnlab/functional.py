@@ -10,10 +10,10 @@ from torch import Tensor
 from torch.autograd import profiler as _profiler
 
 from attnlab._call import AttentionCall, build_call, sdpa_aligned
-from attnlab._math import masked_scores, repeat_kv, softmax_rows
+from attnlab._math import repeat_kv
 from attnlab.backends import topk
-from attnlab.backends.base import Backend
-from attnlab.backends.dispatch import Route, argument_key, prepared_mask, prepared_run, remembered, route, select
+from attnlab.backends.base import Backend, weights_of
+from attnlab.backends.dispatch import Route, argument_key, fresh_route, remembered, route, select
 from attnlab.backends.observed import labelled
 from attnlab.backends.registry import get
 from attnlab.scores import ScoreMod
@@ -115,9 +115,14 @@ def attention(
                        generator=generator, backend=backend, return_weights=return_weights,
                        score_mod=score_mod, sinks=sinks)
     known = remembered(key)
+    if known is not None and known.tk is not None and known.tk != k.shape[-2]:
+        known = None  # a decoding step's route planned for another cache length: made afresh
     if known is not None and known.run is not None:  # validated before: nothing reads values
-        if _profiler._is_profiler_enabled:  # a profiler is on: the backend as a range (observed.py)
-            return labelled(known.backend.name, known.run, q, k, v, mask, *(() if sinks is None else (sinks,)))
+        if _profiler._is_profiler_enabled:
+            return _call_run(known, q, k, v, mask, sinks, score_mod)
+        if score_mod is not None:  # (a call with a score mod has the protocol's run)
+            return known.run(q, k, v, mask, sinks, score_mod)
+        # sdpa's run may be SDPA itself (4 or 5 arguments): no frame of attnlab's on this path
         return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)  # (B, Hq, Tq, Dv)
     if known is not None and known.mask is not None:  # the same mask, prepared: plans made once
         mask, causal = known.mask, False
@@ -126,13 +131,31 @@ def attention(
         generator=generator, return_weights=return_weights, score_mod=score_mod, sinks=sinks,
     )
     if known is None:  # a new signature: choose, and remember where the key holds no user object
-        direct = call.q is q and call.k is k and call.v is v and call.mask is mask  # 4-D, unbroadcast
-        known = route(key, call, backend, direct=direct)
+        known = route(key, call, backend, direct=_direct(call, q, k, v, mask, sinks))
+        if known.run is not None:  # the first call runs as every later one will
+            return _call_run(known, q, k, v, mask, sinks, score_mod)
         if known.mask is not None:  # the first call plans from the prepared mask too
             call = build_call(q, k, v, mask=known.mask, causal=False, align=align, scale=scale,
                               dropout_p=dropout_p, generator=generator, return_weights=return_weights,
                               score_mod=score_mod, sinks=sinks)
     return _run(known.backend, call)
+
+
+def _direct(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object) -> bool:
+    """Whether a run may take the caller's tensors as given: they are the call's (4-D, nothing
+    broadcast or reshaped), and a tensor mask too (a mask mod is kept by the run or planned)."""
+    return (call.q is q and call.k is k and call.v is v and call.sinks is sinks
+            and (call.mask is mask or not isinstance(mask, Tensor)))
+
+
+def _call_run(known: Route, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object, score_mod: object):
+    """A route's prepared run on the caller's tensors (sdpa's may be SDPA itself: four or five
+    arguments); as a labelled range when a profiler is on (observed.py)."""
+    args = (q, k, v, mask) if score_mod is None and sinks is None else (
+        (q, k, v, mask, sinks) if score_mod is None else (q, k, v, mask, sinks, score_mod))
+    if _profiler._is_profiler_enabled:
+        return labelled(known.backend.name, known.run, *args)
+    return known.run(*args)  # (B, Hq, Tq, Dv), or (out, weights)
 
 
 def _run(backend: Backend, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
@@ -146,7 +169,7 @@ def _run(backend: Backend, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor
     out = _restore_rank(result.out, call)
     if not call.return_weights:
         return out
-    weights = result.weights if result.weights is not None else _weights_of(call)
+    weights = result.weights if result.weights is not None else weights_of(call)
     return out, _restore_rank(weights, call)
 
 
@@ -220,14 +243,13 @@ class AttentionPlan:
         self._signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
         self._mask, self._sinks, self._options, self._name = mask, sinks, options, name
         self._routes: dict[tuple, Route] = {}  # per grad setting: at most a handful
-        self.backend = self._route(call, _grads(q, k, v, mask, sinks), q, k, v, mask).backend.name
+        self.backend = self._route(call, _grads(q, k, v, mask, sinks), q, k, v, mask, sinks).backend.name
 
-    def _route(self, call: AttentionCall, grads: tuple, q: Tensor, k: Tensor, v: Tensor, mask: object) -> Route:
+    def _route(self, call: AttentionCall, grads: tuple, q: Tensor, k: Tensor, v: Tensor, mask: object,
+               sinks: object) -> Route:
         """Choose the backend for ``call`` (the first of its grad setting) and keep the route."""
-        chosen = select(call, self._name)
-        direct = call.q is q and call.k is k and call.v is v and call.mask is mask
-        planned = prepared_mask(chosen, call) if mask is self._mask else None
-        self._routes[grads] = Route(chosen, prepared_run(chosen, call) if direct else None, planned)
+        direct = _direct(call, q, k, v, mask, sinks) and mask is self._mask
+        self._routes[grads] = fresh_route(call, select(call, self._name), direct=direct)
         return self._routes[grads]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Callable | None = None,
@@ -241,17 +263,28 @@ class AttentionPlan:
             self._refuse(q, k, v)
         mask = self._mask if mask is None else _like("mask", mask, self._mask)
         sinks = self._sinks if sinks is None else _like("sinks", sinks, self._sinks)
-        grads = _grads(q, k, v, mask, sinks)
+        # What decides a backend beyond the signature: grad mode and which inputs want a gradient.
+        grads = (torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+                 type(mask) is Tensor and mask.requires_grad, type(sinks) is Tensor and sinks.requires_grad)
         known = self._routes.get(grads)
-        if known is not None and known.run is not None:  # sdpa, bound: nothing to decide
-            if not torch.compiler.is_compiling() and _profiler._is_profiler_enabled:  # as in _run
-                return labelled(known.backend.name, known.run, q, k, v, mask, *(() if sinks is None else (sinks,)))
+        if known is not None and known.run is not None and (mask is self._mask or not known.keeps_mask):
+            if torch.compiler.is_compiling():
+                return _run(known.backend, self._call(q, k, v, mask, sinks, None))
+            score_mod = self._options["score_mod"]
+            if _profiler._is_profiler_enabled:
+                return _call_run(known, q, k, v, mask, sinks, score_mod)
+            if score_mod is not None:  # nothing to decide
+                return known.run(q, k, v, mask, sinks, score_mod)
             return known.run(q, k, v, mask) if sinks is None else known.run(q, k, v, mask, sinks)
         prepared = known.mask if known is not None and mask is self._mask else None
-        call = build_call(q, k, v, mask=mask if prepared is None else prepared, sinks=sinks,
-                          **(self._options if prepared is None else {**self._options, "causal": False}))
-        chosen = known.backend if known is not None else self._route(call, grads, q, k, v, mask).backend
+        call = self._call(q, k, v, mask, sinks, prepared)
+        chosen = known.backend if known is not None else self._route(call, grads, q, k, v, mask, sinks).backend
         return _run(chosen, call)
+
+    def _call(self, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object, prepared: object) -> AttentionCall:
+        """The checked call, on the route's prepared mask where there is one."""
+        return build_call(q, k, v, mask=mask if prepared is None else prepared, sinks=sinks,
+                          **(self._options if prepared is None else {**self._options, "causal": False}))
 
     def _refuse(self, q: object, k: object, v: object) -> None:
         for i, (name, given) in enumerate(zip("qkv", (q, k, v))):
@@ -359,19 +392,7 @@ def attention_weights(
     q, k, v = sdpa_aligned(q, k, v)
     call = build_call(q, k, v, mask=mask, causal=causal, align=align, scale=scale,
                       score_mod=score_mod, sinks=sinks)
-    return _restore_rank(_weights_of(call), call)
-
-
-def _weights_of(call: AttentionCall) -> Tensor:
-    """Weights ``(B, Hq, Tq, Tk)`` of a validated call: the softmax of its recomputed scores.
-
-    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores an lse
-    that rounded differently from the recomputed scores scales whole rows, which then no longer
-    sum to 1. Scores and softmax stay in fp32 for half inputs. Rows with nothing to attend are
-    zeros; a NaN score gives a NaN row."""
-    with torch.no_grad():
-        attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
-        return softmax_rows(attn_scores, call.sinks).to(call.dtype)
+    return _restore_rank(weights_of(call), call)
 
 
 def _restore_rank(t: Tensor, call: AttentionCall) -> Tensor:

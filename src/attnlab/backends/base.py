@@ -2,9 +2,12 @@
 
 A backend states its capabilities as class attributes (devices, dtypes, dropout, where its
 backward runs, its memory class); :meth:`Backend.not_supported_reasons` turns them into
-reasons in words and adds whatever :meth:`Backend.limits` says about one call. Dispatch
-(:mod:`attnlab.backends.dispatch`) reads this interface, and sdpa's own claim rule and prepared
-run, which no other backend has.
+reasons in words and adds whatever :meth:`Backend.limits` says about one call. A backend
+plans a call's signature once (:meth:`Backend.plan`) and runs its kernel on it
+(:meth:`Backend.execute`); :meth:`Backend.prepare` binds the two into the run a route or a
+held plan calls. Dispatch (:mod:`attnlab.backends.dispatch`) reads this interface only: what a
+backend claims (:meth:`Backend.claims`, ``claim_order``), its memory (:meth:`Backend.memory_use`)
+and cost; it names no backend.
 
 Example:
     >>> import torch
@@ -18,15 +21,21 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from attnlab._call import AttentionCall
+from attnlab import masks as _masks
+from attnlab import scores as _scores
+from attnlab._call import AttentionCall, bind_call, call_template
 from attnlab._flops import attention_flops
+from attnlab._math import masked_scores, repeat_kv, softmax_rows
 
-__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES", "io_bytes", "scores_bytes"]
+__all__ = ["AttentionResult", "Backend", "call_flops", "MEMORY_CLASSES", "io_bytes", "scores_bytes",
+           "weights_of", "mask_is_fixed", "MemoryUse", "memory_of_class"]
 
 MEMORY_CLASSES = ("linear", "quadratic")  # extra memory in the sequence length: O(T), O(T^2)
 
@@ -51,6 +60,33 @@ class AttentionResult:
     weights: Tensor | None = None
 
 
+class MemoryUse(NamedTuple):
+    """What :meth:`Backend.memory_use` answers: the memory class, estimated bytes, and why.
+
+    Example:
+        >>> MemoryUse("linear", 1024).kind, MemoryUse("linear", 1024).note
+        ('linear', '')
+    """
+
+    kind: str
+    nbytes: int
+    note: str = ""
+
+
+def memory_of_class(kind: str, call: AttentionCall, note: str = "") -> MemoryUse:
+    """The bytes a backend of memory class ``kind`` needs for ``call``: a row max and sum (or
+    lse) in fp32 per query row for ``"linear"``, two score matrices for ``"quadratic"``.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> memory_of_class("linear", build_call(q, q, q)).nbytes
+        24
+    """
+    nbytes = 8 * call.batch * call.q_heads * call.tq if kind == "linear" else scores_bytes(call)
+    return MemoryUse(kind, nbytes, note)
+
+
 class Backend:
     """One way of computing attention under attnlab's single contract.
 
@@ -62,7 +98,7 @@ class Backend:
     Attributes:
         name: registry key, as passed to ``attnlab.attention(..., backend=name)``.
         description: one line for ``attnlab backends``.
-        memory: ``"linear"`` or ``"quadratic"`` extra memory in T, unless :meth:`memory_for`
+        memory: ``"linear"`` or ``"quadratic"`` extra memory in T, unless :meth:`memory_use`
             refines it per call.
         devices: device types it runs on (``None``: any).
         dtypes: per device type, the dtypes it supports (a device not listed: every float dtype).
@@ -77,6 +113,13 @@ class Backend:
             calls of that signature pass the prepared mask instead.
         passes_over: whether auto may pass it over for a call it computes exactly
             (:meth:`passed_over` says why); a caller who names it is served all the same.
+        dense_mask: whether it reads the call's dense mask (:meth:`AttentionCall.allowed`):
+            a prepared run builds it once where the mask holds no tensor.
+        claim_order: where auto asks this backend's :meth:`claims` (lowest first), or None:
+            it claims nothing and competes on memory and cost. Dispatch names no backend.
+        plan_fixes_tk: whether :meth:`plan` depends on the key length ``Tk`` for a call with
+            no mask or a tensor mask. A decoding step (one query) is remembered per class of
+            cache lengths; where this is True its run serves only the ``Tk`` it was made for.
 
     Example:
         >>> class Zeros(Backend):
@@ -99,6 +142,9 @@ class Backend:
     traceable: bool = False
     plans_masks: bool = False
     passes_over: bool = False
+    dense_mask: bool = False
+    plan_fixes_tk: bool = True
+    claim_order: int | None = None
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this installation at all (None when it can).
@@ -162,43 +208,34 @@ class Backend:
         """
         return []
 
-    def memory_for(self, call: AttentionCall) -> str:
-        """``"linear"`` or ``"quadratic"``: the extra memory this backend needs for ``call``.
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
+        """The extra memory this backend needs for ``call`` beyond its inputs and output: its
+        class (``"linear"`` or ``"quadratic"`` in T), estimated bytes (per-row statistics for an
+        O(T) path, the scores and weights for an O(T^2) one: :func:`scores_bytes`) and, with
+        ``words``, why in a few words (``""`` when there is nothing to add). Auto compares the
+        bytes with the memory budget (:func:`attnlab.backends.dispatch.memory_budget`);
+        :func:`attnlab.backends.why` shows all three.
 
         Example:
             >>> from attnlab._call import build_call
             >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().memory_for(build_call(q, q, q))
-            'quadratic'
+            >>> Backend().memory_use(build_call(q, q, q))  # 2 score matrices of 3 x 3 fp32
+            MemoryUse(kind='quadratic', nbytes=72, note='')
         """
-        return self.memory
+        return memory_of_class(self.memory, call)
 
-    def memory_bytes(self, call: AttentionCall) -> int:
-        """Estimated bytes this backend allocates for ``call`` beyond its inputs and output:
-        per-row statistics for an O(T) path, the scores and weights for an O(T^2) one
-        (:func:`scores_bytes`). Auto compares it with the memory budget
-        (:func:`attnlab.backends.dispatch.memory_budget`).
+    def claims(self, call: AttentionCall) -> str | None:
+        """Why auto runs this backend for ``call`` without asking the others, in words, or None
+        (the default: it competes on memory and cost). Asked only of a backend that declares a
+        ``claim_order``, lowest first.
 
         Example:
             >>> from attnlab._call import build_call
             >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().memory_bytes(build_call(q, q, q))  # 2 score matrices of 3 x 3 fp32
-            72
+            >>> Backend().claims(build_call(q, q, q)) is None
+            True
         """
-        if self.memory_for(call) == "linear":
-            return 8 * call.batch * call.q_heads * call.tq  # a row max and sum (or lse) in fp32
-        return scores_bytes(call)
-
-    def memory_note(self, call: AttentionCall) -> str:
-        """Why ``call`` has its memory class, in a few words ("" when there is nothing to add).
-
-        Example:
-            >>> from attnlab._call import build_call
-            >>> q = torch.randn(1, 1, 3, 4)
-            >>> Backend().memory_note(build_call(q, q, q))
-            ''
-        """
-        return ""
+        return None
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds for ``call`` (rates in :mod:`attnlab.backends.rates`); lower wins.
@@ -220,9 +257,109 @@ class Backend:
             >>> Backend().reset()
         """
 
+    def plan(self, call: AttentionCall) -> object:
+        """What this backend decides from ``call``'s signature alone (tile sizes, a kernel's
+        options, runs of blocks), once per route or plan; it must hold no tensor of the call nor
+        object of the caller. :meth:`execute` receives it. Default None (nothing to decide).
+
+        Example:
+            >>> Backend().plan(None) is None
+            True
+        """
+        return None
+
+    def execute(self, call: AttentionCall, plan: object) -> AttentionResult:
+        """Compute ``call`` with ``plan`` from :meth:`plan` for its signature: the kernel only,
+        no check, no planning. Default: :meth:`forward` (a backend with nothing to plan)."""
+        return self.forward(call)
+
     def forward(self, call: AttentionCall) -> AttentionResult:
-        """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty."""
+        """Compute ``call``; only called after :meth:`not_supported_reasons` came back empty.
+        A backend that plans defines it as ``self.execute(call, self.plan(call))``."""
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
+
+    def prepare(self, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable:
+        """``run(q, k, v, mask, sinks=None, score_mod=None)`` for every call of ``call``'s
+        signature, taking the caller's 4-D tensors as given: :meth:`plan` made once, the call's
+        signature fields kept (:func:`attnlab._call.call_template`), a mask that holds no tensor
+        (causal, a mod keyed by value, the route's own prepared mask) bound, and the dense mask
+        this backend reads from such a mask (``dense_mask``) built once. Returns the output, or
+        ``(out, weights)`` when the call returns weights. Holds no tensor or object of the caller.
+        ``mask_fixed``: whether the call's mask is kept (None: :func:`mask_is_fixed`; dispatch
+        says True for the :class:`~attnlab.masks.PreparedMask` it made for the route).
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> from attnlab.backends.registry import get
+            >>> q = torch.randn(1, 2, 5, 8)
+            >>> run = get("reference").prepare(build_call(q, q, q, causal=True))
+            >>> torch.allclose(run(q, q, q, None), get("reference").forward(build_call(q, q, q, causal=True)).out)
+            True
+        """
+        plan, execute, weights = self.plan(call), self.execute, call.return_weights
+        fixed = mask_is_fixed(call) if mask_fixed is None else mask_fixed
+        mask = call.mask if fixed else None
+        memo = {"sinks_through_lse": call._memo["sinks_through_lse"]} if "sinks_through_lse" in call._memo else {}
+        if (fixed or call.mask_kind == "causal") and self.dense_mask:
+            memo["allowed"] = call.allowed()  # (B|1, H|1, Tq, Tk), built from no user tensor
+        score = call.score_mod if _score_mod_is_fixed(call.score_mod) else None
+        template = call_template(call, memo=memo)
+        dtype = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+        device = call.device
+
+        def run(q: Tensor, k: Tensor, v: Tensor, given: object, sinks: Tensor | None = None,
+                score_mod: object = None):
+            if score_mod is not None and score is None:  # held by the caller: as build_call makes it
+                score_mod = _scores.as_score_mod(score_mod).for_call(dtype=dtype, device=device)
+            bound = bind_call(template, q, k, v, mask if fixed else given, sinks,
+                              score if score is not None else score_mod)
+            result = execute(bound, plan)
+            if not weights:
+                return result.out  # (B, Hq, Tq, Dv)
+            return result.out, result.weights if result.weights is not None else weights_of(bound)
+
+        return run
+
+
+def mask_is_fixed(call: AttentionCall) -> bool:
+    """Whether ``call``'s mask is one a prepared run may keep: a mask mod keyed by value (causal
+    folded in), which holds no tensor of the caller. (A :class:`~attnlab.masks.PreparedMask`
+    is kept only where dispatch made it: :meth:`Backend.prepare`'s ``mask_fixed``.)
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> from attnlab import masks
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> mask_is_fixed(build_call(q, q, q, mask=masks.sliding_window_mod(4, 4, window=2)))
+        True
+        >>> mask_is_fixed(build_call(q, q, q, mask=masks.padding_mod(torch.tensor([3]))))
+        False
+    """
+    return call.mask_kind == "mod" and _masks.value_only_key(call.mask) is not None
+
+
+def _score_mod_is_fixed(mod: object) -> bool:
+    """Whether a score mod says all it does by its settings: no tensor, no user function."""
+    return mod is not None and not mod.params() and not _scores.has_function(mod)
+
+
+def weights_of(call: AttentionCall) -> Tensor:
+    """Weights ``(B, Hq, Tq, Tk)`` of a validated call: the softmax of its recomputed scores.
+
+    A backend's row log-sum-exp is not reused (``exp(scores - lse)``): at large scores an lse
+    that rounded differently from the recomputed scores scales whole rows, which then no longer
+    sum to 1. Scores and softmax stay in fp32 for half inputs. Rows with nothing to attend are
+    zeros; a NaN score gives a NaN row.
+
+    Example:
+        >>> from attnlab._call import build_call
+        >>> q = torch.randn(1, 1, 3, 4)
+        >>> weights_of(build_call(q, q, q, causal=True))[0, 0, 0].tolist()
+        [1.0, 0.0, 0.0]
+    """
+    with torch.no_grad():
+        attn_scores = masked_scores(call, call.q, repeat_kv(call.k, call.q_heads))  # (B, H, Tq, Tk)
+        return softmax_rows(attn_scores, call.sinks).to(call.dtype)
 
 
 def io_bytes(call: AttentionCall) -> int:

@@ -42,7 +42,7 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._math import kernel_scales, keep_nan_rows, score_dtype
 from attnlab.backends._lse import fold_sinks, kernel_function, merge_, row_delta, score_gradient_, sinks_gradient
-from attnlab.backends.base import AttentionResult, Backend
+from attnlab.backends.base import AttentionResult, Backend, MemoryUse, memory_of_class
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 from attnlab.backends.sdpa import kernel_keeps_rows
@@ -783,12 +783,18 @@ def blocks_attention(call: AttentionCall, *, block: int | None = None) -> Attent
         raise ValueError(f"block must be a positive int or None, got {block!r}")
     # An empty batch gets no runs (zeros out, -inf lse, zero grads): the kernel divides by B*H.
     runs = () if call.batch == 0 else _planned_runs(call, _planned_mod(call), block)
+    return _run_blocks(call, (runs, *kernel_scales(call), kernel_keeps_rows(call.device)))
+
+
+def _run_blocks(call: AttentionCall, decided: tuple) -> AttentionResult:
+    """The kernel on each run of ``decided = (runs, factor, kernel_scale, keeps_rows)``."""
+    runs, factor, kernel_scale, keeps_rows = decided
     params = call.score_mod.params() if call.score_mod is not None else ()
-    out, lse = _BlocksFunction.apply(_Plan(call, runs, *kernel_scales(call)), call.q, call.k, call.v, call.sinks,
+    out, lse = _BlocksFunction.apply(_Plan(call, runs, factor, kernel_scale), call.q, call.k, call.v, call.sinks,
                                      *params)
     # A NaN query row is NaN in every run that reads it, and merges keep it NaN; only a kernel
     # that zeroes such rows needs the output pass that restores them.
-    return AttentionResult(out=out if kernel_keeps_rows(call.device) else keep_nan_rows(call.q, out), lse=lse)
+    return AttentionResult(out=out if keeps_rows else keep_nan_rows(call.q, out), lse=lse)
 
 
 class BlocksBackend(Backend):
@@ -846,19 +852,45 @@ class BlocksBackend(Backend):
                     "an or-combination with such a part), so every key block is reachable"]
         return []
 
-    def memory_note(self, call: AttentionCall) -> str:
-        block = choose_block(call)
-        held = "one block's mask at a time"
-        if call.score_mod is not None and not call.score_mod.relative:
-            held = "the score mod's term on one run of same-shaped blocks at a time"
-        return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
-                f"{block}-query blocks, {held}")
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
+        """O(T): one block's mask (or score-mod term) at a time; the words say how much it visits."""
+        return memory_of_class(self.memory, call, _memory_words(call) if words else "")
 
     def cost(self, call: AttentionCall) -> float:
         return _fastest(call)[0]
 
+    def plan(self, call: AttentionCall) -> tuple | None:
+        """The runs of blocks, the kernel's scales and whether it keeps empty rows, where the
+        signature decides them: a mask that holds no tensor of the caller (causal, a mod by
+        value, dispatch's prepared mask). A bool mask's runs follow its values: None, planned
+        per call.
+
+        Example:
+            >>> from attnlab._call import build_call
+            >>> q = torch.randn(1, 1, 8, 4)
+            >>> len(BlocksBackend().plan(build_call(q, q, q, causal=True)))
+            4
+        """
+        if call.mask_kind in ("bool", "float") or call.batch == 0:
+            return None
+        runs = _planned_runs(call, _planned_mod(call), None)
+        return (runs, *kernel_scales(call), kernel_keeps_rows(call.device))
+
+    def execute(self, call: AttentionCall, plan: tuple | None) -> AttentionResult:
+        return blocks_attention(call) if plan is None else _run_blocks(call, plan)
+
     def forward(self, call: AttentionCall) -> AttentionResult:
         return blocks_attention(call)
+
+
+def _memory_words(call: AttentionCall) -> str:
+    """How much of the score matrix blocks visits for ``call``, and what it holds, in words."""
+    block = choose_block(call)
+    held = "one block's mask at a time"
+    if call.score_mod is not None and not call.score_mod.relative:
+        held = "the score mod's term on one run of same-shaped blocks at a time"
+    return (f"visits {visited_fraction(call, block=block):.0%} of the Tq x Tk scores in "
+            f"{block}-query blocks, {held}")
 
 
 def _bounds_missing(mod: Callable, tq: int) -> bool:

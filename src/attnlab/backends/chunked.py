@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -445,10 +446,20 @@ def chunked_attention(
         >>> torch.allclose(r.out[0, 0, 0], x[0, 0, 0])   # the first query sees only itself
         True
     """
-    plan = _plan_of(call, q_block, kv_block, tile_hook)
+    return _run_plan(call, _plan_of(call, q_block, kv_block, tile_hook))
+
+
+def _run_plan(call: AttentionCall, plan: _Plan) -> AttentionResult:
+    """The tiles of ``call`` under ``plan`` (made for its signature, :meth:`ChunkedBackend.plan`,
+    or for this call by :func:`_plan_of`): the call's own dropout seed (drawn here unless the
+    plan has it) and score mod go in, nothing else is decided."""
+    if (call.dropout_p > 0.0 and plan.seed is None) or call.score_mod is not plan.score_mod:
+        seed = draw_dropout_seed(call.generator) if call.dropout_p > 0.0 and plan.seed is None else plan.seed
+        plan = dataclasses.replace(plan, seed=seed, score_mod=call.score_mod)
     params = call.score_mod.params() if call.score_mod is not None else ()
-    out, lse, *_ = _ChunkedFunction.apply(plan, call.q, call.k, call.v, *_tensor_masks(call)[:2], call.sinks,
-                                          *params)
+    bool_mask = call.mask if call.mask_kind == "bool" else None
+    bias = call.mask if call.mask_kind == "float" else None
+    out, lse, *_ = _ChunkedFunction.apply(plan, call.q, call.k, call.v, bool_mask, bias, call.sinks, *params)
     return AttentionResult(out=out, lse=lse)
 
 
@@ -527,6 +538,7 @@ class ChunkedBackend(Backend):
     """
 
     name = "chunked"
+    plan_fixes_tk = False  # its plan reads no key length
     memory = "linear"
     description = (
         "tiled online softmax (FlashAttention-2 forward and backward in PyTorch); any mask, "
@@ -543,6 +555,22 @@ class ChunkedBackend(Backend):
                     "function closes over a tensor that requires grad (declare it with "
                     "attnlab.scores.function(make, params=[...]))"]
         return []
+
+    def plan(self, call: AttentionCall) -> _Plan:
+        """Tile sizes, the mask mod (causal folded in), the accumulation dtype: per signature.
+        The dropout seed and the score mod (which may hold the caller's tensors) are the call's.
+
+        Example:
+            >>> from attnlab.backends import build_call
+            >>> q = torch.randn(1, 1, 4, 8)
+            >>> ChunkedBackend().plan(build_call(q, q, q, causal=True)).q_block
+            256
+        """
+        return _Plan(scale=call.scale, mod=call.mask_mod(), q_block=DEFAULT_Q_BLOCK, kv_block=DEFAULT_KV_BLOCK,
+                     dropout_p=call.dropout_p, seed=None, acc_dtype=score_dtype(call.dtype), tile_hook=None)
+
+    def execute(self, call: AttentionCall, plan: _Plan) -> AttentionResult:
+        return _run_plan(call, plan)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return chunked_attention(call)

@@ -1,9 +1,9 @@
-"""Dispatch: which backend runs a call, as an ordered preference list plus reasons.
+"""Dispatch: which backend runs a call, from what the backends declare; it names none.
 
     backend="auto"                                     backend="sdpa" (a name)
          |                                                  |
-    PREFERENCE, in order: ("sdpa", its rule)           that backend's reasons only:
-         | the rule claims the call, the backend           none -> it runs
+    the claimers (claim_order set), lowest first:      that backend's reasons only:
+         | it claims the call (Backend.claims), it         none -> it runs
          | serves it (no reasons) within the budget?       some -> ValueError listing them
     yes -> it runs (no other backend is asked)
     no  -> every backend's reasons; among those that serve, the ones whose extra memory fits
@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -34,26 +35,19 @@ from attnlab import masks as _masks
 from attnlab._call import AttentionCall
 from attnlab._checks import one_of
 from attnlab._checks import non_negative_int
-from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes
-from attnlab.backends.registry import generation, get, registry
-from attnlab.backends.sdpa import SdpaBackend
+from attnlab.backends.base import MEMORY_CLASSES, Backend, io_bytes, mask_is_fixed
+from attnlab.backends.registry import _GENERATION, claimers, get, registry  # (the counter read in place: every call)
 from attnlab.scores import _Identity, ScoreMod, as_score_mod
 
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
-           "PREFERENCE", "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
-           "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
+           "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
+           "fresh_route", "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
            "budget_words"]
 
 
-def _sdpa_claims(backend: Backend, call: AttentionCall) -> bool:
-    """SDPA takes every mask as the caller holds it (none, top-left causal, a bool or float
-    tensor), where no other backend can skip work, and padded batches, which it runs on each
-    row's real keys (:meth:`SdpaBackend.preferred`)."""
-    return isinstance(backend, SdpaBackend) and backend.preferred(call)
-
-
 def claim_words(backend: Backend, call: AttentionCall) -> str:
-    """Why :data:`PREFERENCE`'s rule claims ``call`` for ``backend``, in words (for :func:`why`).
+    """Why ``backend`` claims ``call`` (:meth:`Backend.claims`), in words (for :func:`why`);
+    ``""`` when it does not.
 
     Example:
         >>> import torch
@@ -62,13 +56,8 @@ def claim_words(backend: Backend, call: AttentionCall) -> str:
         >>> claim_words(get("sdpa"), build_call(q, q, q, causal=True))
         "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
     """
-    if isinstance(backend, SdpaBackend) and backend.runs_padded(call):
-        return "sdpa's rule claims padded batches"
-    return "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+    return (backend.claims(call) or "") if backend.claim_order is not None else ""
 
-
-# The backends that claim calls by a rule that holds on every machine, most preferred first.
-PREFERENCE: tuple[tuple[str, Callable[[Backend, AttentionCall], bool]], ...] = (("sdpa", _sdpa_claims),)
 
 # The one cache on the hot path: per argument signature (shapes, dtypes, devices, the mask's
 # kind and shape, a mask mod by value, options, grad mode, registry generation; never a tensor
@@ -91,11 +80,18 @@ class Route:
 
     Attributes:
         backend: the backend that serves it.
-        run: sdpa's prepared run (:meth:`SdpaBackend.prepare`) with every decision bound, or None.
+        run: the backend's prepared run (:meth:`Backend.prepare`) with every decision bound,
+            or None (the user's tensors were not the call's, or the mask holds the caller's
+            tensors): then each call is built and planned.
         mask: for a backend that plans from masks (``Backend.plans_masks``), the call's mask
             mod (one keyed by value, causal folded in) or causal alone as one
-            :class:`~attnlab.masks.PreparedMask` that later calls pass instead (with
-            ``causal=False``), so its plans are made once.
+            :class:`~attnlab.masks.PreparedMask`, kept by the run (a call without a run passes
+            it instead, with ``causal=False``), so its plans are made once.
+        keeps_mask: whether the run keeps the call's mask and ignores the one it is handed
+            (a mask mod keyed by value or causal prepared): a plan holding another mask must
+            not use it.
+        tk: the key length the run was planned for, where its backend's plan depends on it
+            (``Backend.plan_fixes_tk``); None where any length of the key's class is served.
 
     Example:
         >>> Route(backend=get("reference"), run=None).backend.name
@@ -105,6 +101,8 @@ class Route:
     backend: Backend
     run: Callable | None
     mask: _masks.PreparedMask | None = None
+    keeps_mask: bool = False
+    tk: int | None = None
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -252,16 +250,17 @@ def memory_class(backend: Backend, call: AttentionCall) -> str:
         >>> memory_class(get("reference"), build_call(q, q, q))
         'quadratic'
     """
-    return backend.memory_for(call)
+    return backend.memory_use(call).kind
 
 
 def select(call: AttentionCall, name: str = "auto") -> Backend:
     """The backend that will run ``call``: a named one if it serves, else auto's choice.
 
-    Auto walks :data:`PREFERENCE`: the first backend whose rule claims the call and that serves
-    it within the memory budget (:func:`memory_budget`) wins, and no other backend is asked.
-    Otherwise every backend's reasons are read: among those serving the call whose extra
-    memory (:meth:`Backend.memory_bytes`) fits the budget (none fits: those of the best memory class),
+    Auto asks the backends that declare a ``claim_order`` (:func:`~attnlab.backends.registry.claimers`),
+    lowest first: the first that claims the call (:meth:`Backend.claims`) and serves it within
+    the memory budget (:func:`memory_budget`) wins, and no other backend is asked. Otherwise
+    every backend's reasons are read: among those serving the call whose extra memory
+    (:meth:`Backend.memory_use`) fits the budget (none fits: those of the best memory class),
     a claimed one, else the lowest estimated time (:meth:`Backend.cost`).
 
     Args:
@@ -287,12 +286,11 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         return backend
     compiling = torch.compiler.is_compiling()  # sizes may be symbolic: memory by class, not bytes
     budget = None if compiling else memory_budget(call)
-    for preferred_name, claims in PREFERENCE:
-        backend = registry().get(preferred_name)
-        if (backend is not None and claims(backend, call) and not reasons_of(backend, call)
-                and (backend.memory_for(call) == MEMORY_CLASSES[0] if compiling
-                     else backend.memory_bytes(call) <= budget)):
-            return backend
+    for backend in claimers():
+        if backend.claims(call) is not None and not reasons_of(backend, call):
+            use = backend.memory_use(call)
+            if use.kind == MEMORY_CLASSES[0] if compiling else use.nbytes <= budget:
+                return backend
     return _by_memory_and_cost(call, budget)
 
 
@@ -307,7 +305,7 @@ def within_budget(serving: list[Backend], call: AttentionCall, budget: int | Non
         >>> [b.name for b in within_budget([get("reference"), get("chunked")], build_call(q, q, q), 0)]
         ['chunked']
     """
-    fits = [] if budget is None else [b for b in serving if b.memory_bytes(call) <= budget]
+    fits = [] if budget is None else [b for b in serving if b.memory_use(call).nbytes <= budget]
     if fits:
         return fits
     # Plain loops, not min(key=...): torch.compile traces them (it refuses min with a key).
@@ -338,7 +336,7 @@ def _by_memory_and_cost(call: AttentionCall, budget: int | None) -> Backend:
 
 
 def claimed(backend: Backend, call: AttentionCall) -> bool:
-    """Whether a rule of :data:`PREFERENCE` claims ``call`` for ``backend``.
+    """Whether ``backend`` declares a ``claim_order`` and claims ``call`` (:meth:`Backend.claims`).
 
     Example:
         >>> import torch
@@ -347,7 +345,7 @@ def claimed(backend: Backend, call: AttentionCall) -> bool:
         >>> claimed(get("sdpa"), build_call(q, q, q, causal=True)), claimed(get("chunked"), build_call(q, q, q))
         (True, False)
     """
-    return any(name == backend.name and claims(backend, call) for name, claims in PREFERENCE)
+    return backend.claim_order is not None and backend.claims(call) is not None
 
 
 def argument_key(q: object, k: object, v: object, *, mask: object, causal: object, align: object,
@@ -385,18 +383,37 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
             or (scale is not None and type(scale) is not float) or type(backend) is not str
             or type(dropout_p) not in (float, int) or (return_weights is not True and return_weights is not False)):
         return None
-    if mask is None:
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # (each read makes a Size: once)
+    tensor_mask = type(mask) is Tensor
+    if mask is None or tensor_mask:
         mask_key = None
-    elif type(mask) is Tensor:
-        mask_key = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
     elif callable(mask):  # by value, else by weak identity (a held PreparedMask, a reused mod)
         mask_key = _masks.value_only_key(mask) or _Identity(mask)
     else:
         return None
+    mask_shape = mask.shape if tensor_mask else None
+    if (len(q_shape) == 4 and q_shape[2] == 1 and len(k_shape) == 4 and len(v_shape) == 4
+            and (causal is False or align == "bottom_right") and (mask is None or (tensor_mask and len(mask_shape) == 4))):
+        # A decoding step: one query over a cache that grows by one key a step. Its causal part
+        # blocks nothing, so the key holds Tk's class (minus its bit length: no real size is
+        # negative), not Tk: one route serves a range of lengths. What the exact shapes
+        # guaranteed is checked here (k and v of one length, a mask of length 1 or Tk): a miss
+        # (None) lets validation refuse it. Sizes by index, not slices (a slice of a Size costs more).
+        tk = k_shape[2]
+        if v_shape[2] != tk:
+            return None
+        length = -tk.bit_length()
+        k_shape, v_shape = (k_shape[0], k_shape[1], length, k_shape[3]), (v_shape[0], v_shape[1], length, v_shape[3])
+        if tensor_mask and mask_shape[3] != 1:
+            if mask_shape[3] != tk:
+                return None
+            mask_shape = (mask_shape[0], mask_shape[1], mask_shape[2], length)
+    if tensor_mask:
+        mask_key = (mask_shape, mask.dtype, mask.device, mask.requires_grad)
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+    key = (q_shape, k_shape, v_shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
            q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
-           dropout_p, backend, return_weights, torch.is_grad_enabled(), generation(), _BUDGET[0])
+           dropout_p, backend, return_weights, torch.is_grad_enabled(), _GENERATION[0], _BUDGET[0])
     if score_mod is None and sinks is None:
         return key
     return _with_scores(key, score_mod, sinks)
@@ -411,26 +428,30 @@ def _with_scores(key: tuple, score_mod: object, sinks: object) -> tuple | None:
     if score_mod is not None:
         if not isinstance(score_mod, ScoreMod) and not callable(score_mod):
             return None
-        mod_key = as_score_mod(score_mod).signature()  # a user's function by weak reference
+        mod = score_mod if isinstance(score_mod, ScoreMod) else as_score_mod(score_mod)
+        if type(mod).signature is ScoreMod.signature and not mod.params():
+            mod_key = (type(mod).__name__, mod.constants(), ())  # its signature, without a generator
+        else:
+            mod_key = mod.signature()  # a user's function by weak reference
     return (*key, mod_key, sinks_key)
 
 
 def remembered(key: tuple | None) -> Route | None:
-    """The route stored under ``key``, or None.
+    """The route stored under ``key`` (from :func:`argument_key`), or None.
 
     Example:
         >>> remembered(None) is None
         True
     """
-    if key is None or torch.compiler.is_compiling():  # the compiled graph keeps its own choice
-        return None
-    return _ROUTES.get(key)
+    # (argument_key gives None while compiling: the compiled graph keeps its own choice)
+    return None if key is None else _ROUTES.get(key)
 
 
 def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) -> Route:
-    """A fresh route for ``call``: :func:`select`'s backend, with sdpa's prepared run when
-    ``direct`` (the user's tensors are the call's, 4-D and unbroadcast, so a run can take them
-    as given) and a prepared mask for a backend that plans from masks; remembered under ``key``.
+    """A fresh route for ``call``: :func:`select`'s backend and, when ``direct`` (the user's
+    tensors are the call's, 4-D and unbroadcast, so a run can take them as given), its prepared
+    run (:func:`prepared_run`); a backend that plans from masks gets the mask prepared once
+    (:func:`prepared_mask`), which the run keeps. Remembered under ``key``.
 
     Example:
         >>> import torch
@@ -439,11 +460,8 @@ def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) ->
         >>> route(None, build_call(q, q, q), "auto", direct=True).backend.name
         'sdpa'
     """
-    backend = select(call, name)
-    if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
-        return Route(backend, None)
-    fresh = Route(backend, prepared_run(backend, call) if direct else None, prepared_mask(backend, call))
-    if key is not None:
+    fresh = fresh_route(call, select(call, name), direct=direct)
+    if key is not None and not torch.compiler.is_compiling():
         with _LOCK:
             _ROUTES[key] = fresh
             while len(_ROUTES) > PLAN_CACHE_SIZE:
@@ -451,20 +469,48 @@ def route(key: tuple | None, call: AttentionCall, name: str, *, direct: bool) ->
     return fresh
 
 
-def prepared_run(backend: Backend, call: AttentionCall) -> Callable | None:
-    """sdpa's ``run(q, k, v, mask[, sinks])`` for every call of ``call``'s signature, or None
-    (another backend, a mask mod or a score mod: those are read from the call each time).
+def fresh_route(call: AttentionCall, backend: Backend, *, direct: bool) -> Route:
+    """``backend``'s route for ``call`` (see :func:`route`), remembered nowhere: what
+    :class:`attnlab.AttentionPlan` holds.
 
     Example:
         >>> import torch
         >>> from attnlab._call import build_call
         >>> q = torch.randn(1, 2, 6, 4)
-        >>> prepared_run(get("reference"), build_call(q, q, q)) is None
+        >>> fresh_route(build_call(q, q, q, causal=True), get("chunked"), direct=True).run is not None
         True
     """
-    if not isinstance(backend, SdpaBackend) or call.mask_kind in ("mod", "prepared") or call.score_mod is not None:
-        return None
-    return backend.prepare(call)
+    if torch.compiler.is_compiling():  # traced into the graph: nothing to remember or prepare
+        return Route(backend, None)
+    planned = prepared_mask(backend, call)
+    if planned is not None:  # the backend plans from it once; the run keeps it
+        call = dataclasses.replace(call, mask=planned, causal_offset=None, _memo={})
+    run = prepared_run(backend, call, mask_fixed=True if planned is not None else None) if direct else None
+    keeps = planned is not None or (call.mask_kind == "mod" and mask_is_fixed(call))
+    return Route(backend, run, planned, keeps_mask=keeps,
+                 tk=call.tk if backend.plan_fixes_tk else None)
+
+
+def prepared_run(backend: Backend, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable | None:
+    """``backend``'s run for every call of ``call``'s signature (:meth:`Backend.prepare`), or
+    None where the call's mask holds the caller's tensors (a padding or document mod, a
+    caller's prepared mask: keyed by weak identity, planned per call) or a dropout generator.
+
+    Example:
+        >>> import torch
+        >>> from attnlab._call import build_call
+        >>> from attnlab import masks
+        >>> q = torch.randn(1, 2, 6, 4)
+        >>> prepared_run(get("reference"), build_call(q, q, q)) is not None
+        True
+        >>> prepared_run(get("reference"), build_call(q, q, q, mask=masks.padding_mod(torch.tensor([3])))) is None
+        True
+    """
+    if mask_fixed is None:
+        mask_fixed = call.mask_kind == "mod" and mask_is_fixed(call)
+    if (call.mask_kind in ("mod", "prepared") and not mask_fixed) or call.generator is not None:
+        return None  # (a run keeps no generator: the caller's, read per call)
+    return backend.prepare(call, mask_fixed=mask_fixed)
 
 
 def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask | None:

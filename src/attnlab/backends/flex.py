@@ -42,7 +42,7 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab._call import AttentionCall
 from attnlab._math import keep_nan_rows, score_dtype
-from attnlab.backends.base import AttentionResult, Backend, call_flops
+from attnlab.backends.base import AttentionResult, Backend, MemoryUse, call_flops, memory_of_class
 from attnlab.backends.blocks import block_spans
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
@@ -276,6 +276,18 @@ _RECOMPILE_LIMIT = 64
 _KV_BLOCK = 128
 
 
+def _memory_words(call: AttentionCall, path: str | None) -> str:
+    """Why a call has its memory class on flex, in words."""
+    if path == "rows":
+        return "fused kernel, block mask built from the mask mod, O(T) memory"
+    if path is None:
+        return "fused kernel, O(T) memory"
+    if call.mask_kind == "mod":
+        return ("this mask mod is held as a dense (B, H, Tq, Tk) bias: flex takes attnlab's mods "
+                "and ANDs of them directly, not ORs or mods of the user's own")
+    return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
+
+
 def _weak_key(key):
     """``key`` (a score mod's signature) with each object it keeps alive by identity (a user's
     function) held by a weak reference instead, so flex's bookkeeping keeps no user tensor alive.
@@ -362,25 +374,16 @@ class FlexBackend(Backend):
             found.append(failed)
         return found + _shape_limits(call) + _mask_limits(call) + _score_limits(call)
 
-    def memory_for(self, call: AttentionCall) -> str:
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
         """O(T) unmasked, causal or with one of attnlab's mask mods (the block mask is built from
         the mod); O(T^2) for a tensor mask or a user's own mod (held densely for the kernel).
 
         Deliberately independent of the block-mask cache, so that dispatch does not change
         between two identical calls.
         """
-        return "quadratic" if _mask_path(call) == "dense" else "linear"
-
-    def memory_note(self, call: AttentionCall) -> str:
         path = _mask_path(call)
-        if path == "rows":
-            return "fused kernel, block mask built from the mask mod, O(T) memory"
-        if path is None:
-            return "fused kernel, O(T) memory"
-        if call.mask_kind == "mod":
-            return ("this mask mod is held as a dense (B, H, Tq, Tk) bias: flex takes attnlab's mods "
-                    "and ANDs of them directly, not ORs or mods of the user's own")
-        return "the mask is held as a dense (B, H, Tq, Tk) tensor for the block mask / score mod"
+        return memory_of_class("quadratic" if path == "dense" else "linear", call,
+                               _memory_words(call, path) if words else "")
 
     def _variant(self, call: AttentionCall) -> tuple:
         """What the compiled kernel is specialised on (static shapes, see the module doc): the

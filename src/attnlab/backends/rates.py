@@ -1,7 +1,7 @@
 """The cost model's rates, in one table.
 
 ``backend="auto"`` compares estimated seconds only where no rule of the preference list
-decides (:data:`attnlab.backends.dispatch.PREFERENCE`): mask mods, which blocks, chunked and
+decides (the backends' :meth:`~attnlab.backends.base.Backend.claims`): mask mods, which blocks, chunked and
 flex serve. An estimate is FLOPs (the convention of :mod:`attnlab._flops`) over a rate, plus
 fixed per-call and per-tile overheads. The CPU rates were measured on a 2-core AVX2 machine
 (BENCHMARKS.md, "Backends" and "Dispatch overhead"); the CUDA ones are unmeasured

@@ -43,6 +43,8 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     traceable = True
+    dense_mask = True
+    plan_fixes_tk = False  # its plan reads no key length
     memory = "quadratic"
     description = ("explicit softmax(score_mod(q k^T * scale) + mask) v, sinks in the softmax; any score "
                    "mod (autograd through it); O(T^2) memory; the fp64 oracle")

@@ -10,10 +10,11 @@ from __future__ import annotations
 from attnlab._checks import one_of
 from attnlab.backends.base import Backend
 
-__all__ = ["register", "unregister", "registry", "names", "get", "available", "generation"]
+__all__ = ["register", "unregister", "registry", "names", "get", "available", "generation", "claimers"]
 
 _REGISTRY: dict[str, Backend] = {}
 _GENERATION = [0]  # bumped by every change, so that remembered dispatch decisions expire
+_CLAIMERS: dict[int, tuple[Backend, ...]] = {}  # per generation: the backends that claim calls, in order
 
 
 def generation() -> int:
@@ -57,6 +58,22 @@ def unregister(name: str) -> Backend:
     backend = _REGISTRY.pop(one_of("backend", name, _REGISTRY))
     _GENERATION[0] += 1
     return backend
+
+
+def claimers() -> tuple[Backend, ...]:
+    """The registered backends that declare a ``claim_order``, lowest first (registration order
+    on a tie): those auto asks whether they claim a call (:meth:`Backend.claims`).
+
+    Example:
+        >>> [b.name for b in claimers()]
+        ['sdpa']
+    """
+    found = _CLAIMERS.get(_GENERATION[0])
+    if found is None:
+        ordered = sorted((b for b in _REGISTRY.values() if b.claim_order is not None), key=lambda b: b.claim_order)
+        _CLAIMERS.clear()
+        found = _CLAIMERS[_GENERATION[0]] = tuple(ordered)
+    return found
 
 
 def registry() -> dict[str, Backend]:

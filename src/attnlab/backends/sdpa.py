@@ -5,7 +5,7 @@ An attnlab call becomes SDPA's arguments without reading a tensor value or copyi
 * the mask (:func:`_mask_source`, from ``call.mask_kind``): none, or top-left causal alone, is
   SDPA's own ``is_causal``; a bool or float tensor alone is passed as the caller holds it; any
   other mask (bottom-right causal, causal with a tensor, a mask mod, an additive score mod) is
-  materialised into one dense mask, O(Tq*Tk), which :meth:`SdpaBackend.memory_for` reports.
+  materialised into one dense mask, O(Tq*Tk), which :meth:`SdpaBackend.memory_use` reports.
   Float masks of fp16/bf16 calls reach the CPU kernels in fp32;
 * grouped-query attention uses ``enable_gqa=True`` (heads repeated on PyTorch < 2.5);
 * sinks fold into the CPU flash kernel's log-sum-exp where it allows (:func:`sinks_through_lse`),
@@ -41,10 +41,9 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab import scores as _scores
 from attnlab._math import kernel_scales, keep_nan_rows, repeat_kv, score_dtype
-from attnlab import masks as _masks
 from attnlab.backends import _segments
 from attnlab.backends._lse import fold_sinks, row_delta, sinks_gradient
-from attnlab.backends.base import AttentionResult, Backend, call_flops, scores_bytes
+from attnlab.backends.base import AttentionResult, Backend, MemoryUse, call_flops, memory_of_class, scores_bytes
 from attnlab.backends.rates import RATES
 from attnlab.backends.registry import register
 
@@ -121,43 +120,51 @@ def _sink_key(call: AttentionCall) -> bool:
 def _mask_source(call: AttentionCall) -> str:
     """How the call's mask reaches SDPA: ``"none"``, ``"is_causal"``, ``"user"`` (the caller's
     tensor as it is), ``"segments"`` (a padded batch, as calls on the real keys:
-    :mod:`attnlab.backends._segments`) or ``"materialised"`` (a dense mask built per call)."""
-    kind, alone = call.mask_kind, call.causal_offset is None
+    :mod:`attnlab.backends._segments`) or ``"materialised"`` (a dense mask built per call).
+    Decided once per call (dispatch's questions and the run all ask it)."""
+    memo = call._memo
+    if "sdpa_source" not in memo:
+        memo["sdpa_source"] = _source_of(call)
+    return memo["sdpa_source"]
+
+
+def _source_of(call: AttentionCall) -> str:
+    form = call.mask_form
     if _segments_kind(call) is not None:
         return "segments"
     if call.score_mod is not None:  # a bias tensor the caller holds reaches SDPA as it is
-        held = isinstance(call.score_mod, _scores.Bias) and alone and kind in ("none", "bool", "float")
+        held = isinstance(call.score_mod, _scores.Bias) and form in ("none", "given", "rows")
         return "user" if held else "materialised"
-    if kind == "none":
+    if form == "none":
         return "none"
-    if kind == "causal":  # is_causal takes no attn_mask, which the sinks' column needs
+    if form == "causal":  # is_causal takes no attn_mask, which the sinks' column needs
         return "is_causal" if call.causal_offset == 0 and not _sink_key(call) else "materialised"
-    return "user" if kind in ("bool", "float") and alone else "materialised"
+    return "user" if form in ("given", "rows") else "materialised"
 
 
-def _padding_lengths(mod: object) -> tuple[Tensor, bool] | None:
-    """``(lengths, causal)`` of a :class:`~attnlab.masks.PaddingMod`, alone or ANDed with
-    top-left causal (``CausalMod(0)``, then ``causal``); None for any other mask mod."""
-    parts = mod.mods if isinstance(mod, _masks.CombinedMod) and mod.op == "and" else (mod,)
-    padding = [part for part in parts if type(part) is _masks.PaddingMod]
-    others = [part for part in parts if type(part) is not _masks.PaddingMod]
-    if len(padding) != 1 or not all(type(part) is _masks.CausalMod and part.offset == 0 for part in others):
-        return None
-    return padding[0].lengths, bool(others)
+def _padding_lengths(mod: object) -> tuple[Tensor, bool]:
+    """``(lengths, causal)`` of a mask whose form is ``"padding"`` (:meth:`~attnlab.masks.MaskMod.form`)."""
+    _, lengths, causal = mod.form()
+    return lengths, causal
+
+
+# The call's mask forms SDPA runs as a padded batch (:mod:`attnlab.backends._segments`), by its name there.
+_SEGMENT_FORMS = {"keys": "keys", "rows": "causal_4d", "padding": "padding", "varlen": "varlen"}
 
 
 def _segments_kind(call: AttentionCall) -> str | None:
-    """Which padded-batch form ``call``'s mask has (:mod:`attnlab.backends._segments`), by its
-    signature: ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` with top-left causal),
-    ``"padding"`` (a :class:`~attnlab.masks.PaddingMod`, with or without it), ``"varlen"`` (a
-    :class:`~attnlab.masks.VarlenCausalMod` without a window), ``"causal_4d"`` (a bool
-    ``(B|1, 1, T, T)`` mask alone, which may be causal AND a key mask); None otherwise.
+    """Which padded-batch form ``call``'s mask has (:mod:`attnlab.backends._segments`), from its
+    ``mask_form``: ``"keys"`` (a bool key mask ``(B|1, 1, 1, Tk)`` with top-left causal),
+    ``"padding"`` (a padding mod, with or without it), ``"varlen"`` (a varlen causal mod
+    without a window), ``"causal_4d"`` (a bool ``(B|1, 1, T, T)`` mask alone, which may be
+    causal AND a key mask); None otherwise.
 
     CPU only, where the kernel zeroes rows with no key (PyTorch 2.13+), its values can be read
     (not traced, fake, meta or under a ``torch.func`` transform) and nothing rides on the mask
     (score mod, sinks, dropout).
     """
-    if call.mask_kind not in ("bool", "mod"):
+    form = _SEGMENT_FORMS.get(call.mask_form)
+    if form is None:
         return None
     if (call.device.type != "cpu" or not _CPU_KERNEL_KEEPS_ROWS or call.score_mod is not None
             or call.sinks is not None or call.dropout_p > 0.0 or min(call.batch, call.tq, call.tk) == 0
@@ -165,17 +172,7 @@ def _segments_kind(call: AttentionCall) -> str | None:
             or torch.compiler.is_compiling() or _is_fake(call.q)
             or torch._C._functorch.maybe_current_level() is not None):  # under torch.func: values may be batched
         return None
-    kind, mask = call.mask_kind, call.mask
-    if kind == "bool" and mask.shape[1] == 1:
-        if call.causal_offset == 0 and mask.shape[2] == 1 and mask.shape[3] == call.tk:
-            return "keys"
-        if call.causal_offset is None and mask.shape[2] == call.tq == call.tk == mask.shape[3] and call.tq > 1:
-            return "causal_4d"
-    if kind == "mod" and call.causal_offset in (None, 0) and _padding_lengths(mask) is not None:
-        return "padding"
-    if kind == "mod" and call.causal_offset is None and type(mask) is _masks.VarlenCausalMod and mask.window is None:
-        return "varlen"
-    return None
+    return form
 
 
 def _mask_stand_in(call: AttentionCall, source: str) -> Tensor | None:
@@ -281,7 +278,7 @@ def sdpa_plan(call: AttentionCall) -> SdpaPlan:
         >>> sdpa_plan(build_call(q, q, q, causal=True)).memory
         'linear'
     """
-    return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_for and cost
+    return call.memo("sdpa_plan", lambda: _plan(call))  # dispatch asks from memory_use and cost
 
 
 def _plan(call: AttentionCall) -> SdpaPlan:
@@ -587,8 +584,9 @@ def _padding_keys(call: AttentionCall) -> Callable[[], Tensor]:
 
 def _mod_spans(call: AttentionCall) -> list[tuple[int, int, int, int]]:
     """Each batch row's ``(q_len, start, end, offset)`` from a padding or varlen mask mod."""
-    if type(call.mask) is _masks.VarlenCausalMod:
-        q_lengths, k_lengths = call.mask.q_lengths.tolist(), call.mask.k_lengths.tolist()
+    if call.mask_form == "varlen":
+        _, q_lengths, k_lengths = call.mask.form()
+        q_lengths, k_lengths = q_lengths.tolist(), k_lengths.tolist()
         return [(q_len, 0, k_len, k_len - q_len) for q_len, k_len in zip(q_lengths, k_lengths)]
     lengths = _padding_lengths(call.mask)[0].tolist()
     return [(call.tq, 0, min(length, call.tk), 0) for length in lengths]
@@ -665,6 +663,9 @@ class SdpaBackend(Backend):
     name = "sdpa"
     memory = "linear"
     traceable = True
+    dense_mask = True  # a materialised mask is the call's dense mask
+    claim_order = 0  # the first backend auto asks (claims)
+    plan_fixes_tk = False  # its plan reads no key length
     description = (
         "torch.nn.functional.scaled_dot_product_attention (CPU flash; CUDA flash, efficient, "
         "cuDNN); O(T) memory unless a mask must be materialised or the math kernel runs"
@@ -675,22 +676,17 @@ class SdpaBackend(Backend):
             return f"torch {torch.__version__} has no scaled_dot_product_attention (needs 2.0+)"
         return None
 
-    def memory_for(self, call: AttentionCall) -> str:
-        """Memory class of this call: ``"linear"`` or ``"quadratic"`` (see :func:`sdpa_plan`)."""
-        return sdpa_plan(call).memory
-
-    def memory_note(self, call: AttentionCall) -> str:
-        """Why the call has its memory class, in words."""
-        return sdpa_plan(call).memory_note
-
-    def memory_bytes(self, call: AttentionCall) -> int:
-        """The math kernel's scores, else a materialised mask's bytes, else the kernel's O(T)."""
+    def memory_use(self, call: AttentionCall, *, words: bool = False) -> MemoryUse:
+        """The math kernel's scores, else a materialised mask's bytes, else the kernel's O(T)
+        (the class and the words from :func:`sdpa_plan`)."""
         plan = sdpa_plan(call)
+        note = plan.memory_note if words else ""
         if plan.kernel == "math":
-            return scores_bytes(call)
+            return MemoryUse(plan.memory, scores_bytes(call), note)
         if plan.mask_source == "materialised":
-            return _mask_elements(call) * torch.empty((), dtype=_materialised_dtype(call)).element_size()
-        return super().memory_bytes(call)
+            size = torch.empty((), dtype=_materialised_dtype(call)).element_size()
+            return MemoryUse(plan.memory, _mask_elements(call) * size, note)
+        return memory_of_class(plan.memory, call, note)
 
     def cost(self, call: AttentionCall) -> float:
         """Estimated seconds: attention FLOPs at the kernel's measured rate plus call overhead."""
@@ -720,42 +716,43 @@ class SdpaBackend(Backend):
                          f"mod's bias and the sinks would be rounded to {str(call.dtype).replace('torch.', '')}")
         return found
 
-    def preferred(self, call: AttentionCall) -> bool:
+    def claims(self, call: AttentionCall) -> str | None:
         """SDPA wins whenever the mask reaches it as the caller holds it (none, top-left causal,
-        a bool or float tensor) and PyTorch runs a fused kernel: no other backend can skip work
-        there, and PyTorch's own kernel is the fastest on every machine measured. Mask mods and
-        bottom-right causal, which SDPA would materialise, and calls its math kernel would run
-        (on CPU: value features unlike the keys', as MLA and differential attention have) are
-        left to the memory class and the cost model.
+        a bool or float tensor, a padded batch run on each row's real keys) and PyTorch runs a
+        fused kernel: no other backend can skip work there, and PyTorch's own kernel is the
+        fastest on every machine measured. Mask mods and bottom-right causal, which SDPA would
+        materialise, and calls its math kernel would run (on CPU: value features unlike the
+        keys', as MLA and differential attention have) are left to the memory class and the
+        cost model.
 
         Example:
             >>> from attnlab.backends import build_call
             >>> q = torch.randn(1, 2, 8, 4)
-            >>> SdpaBackend().preferred(build_call(q, q, q, causal=True))
-            True
+            >>> SdpaBackend().claims(build_call(q, q, q, causal=True))
+            "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
+            >>> SdpaBackend().claims(build_call(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool), causal=True))
+            "sdpa's rule claims padded batches"
         """
-        if _mask_source(call) == "materialised":
-            return False
+        source = _mask_source(call)
+        if source == "materialised":
+            return None
         # Only value features unlike the keys' or dropout can send PyTorch to its math kernel on
         # the calls left here; asking its selector for every call would cost the first call's path.
         unusual = call.v.shape[-1] != call.k.shape[-1] or call.dropout_p > 0
-        return not (unusual and kernel_for(call) == "math")
+        if unusual and kernel_for(call) == "math":
+            return None
+        if source == "segments":
+            return "sdpa's rule claims padded batches"
+        return "the mask reaches it as the caller holds it: nothing to skip, PyTorch's own kernel"
 
-    def runs_padded(self, call: AttentionCall) -> bool:
-        """Whether ``call`` is a padded batch run on each row's real keys (``"segments"``).
+    def prepare(self, call: AttentionCall, *, mask_fixed: bool | None = None) -> Callable[..., Tensor]:
+        """``run(q, k, v, mask[, sinks[, score_mod]])`` for every call with ``call``'s signature.
 
-        Example:
-            >>> from attnlab.backends import build_call
-            >>> q = torch.randn(1, 2, 8, 4)
-            >>> SdpaBackend().runs_padded(build_call(q, q, q, mask=torch.ones(1, 1, 1, 8, dtype=torch.bool), causal=True))
-            True
-        """
-        return _mask_source(call) == "segments"
-
-    def prepare(self, call: AttentionCall) -> Callable[..., Tensor] | None:
-        """``run(q, k, v, mask) -> (B, Hq, Tq, Dv)`` for every call with ``call``'s signature whose
-        mask reaches SDPA as the caller holds it (none, top-left causal, a bool or float tensor),
-        without dropout or weights: everything it decides follows from the signature.
+        Where the mask reaches SDPA as the caller holds it (none, top-left causal, a bool or float
+        tensor), without dropout, weights or a score mod, SDPA itself with every option bound
+        (no Python frame of attnlab's own); otherwise the protocol's run
+        (:meth:`Backend.prepare`) around :meth:`plan`'s runner, the dense mask of a mask that
+        holds no tensor built once.
 
         Example:
             >>> from attnlab.backends import build_call
@@ -765,9 +762,28 @@ class SdpaBackend(Backend):
             True
         """
         source = _mask_source(call)
-        if source == "materialised" or call.dropout_p > 0.0 or call.return_weights or _sink_key(call):
-            return None  # (sinks as a mask column need the mask rebuilt per call; through the lse they do not)
-        return _runner(call, source)
+        if (source == "materialised" or call.dropout_p > 0.0 or call.return_weights or _sink_key(call)
+                or call.score_mod is not None):
+            return super().prepare(call, mask_fixed=mask_fixed)
+        return _runner(call, source)  # (sinks as a mask column need the mask rebuilt per call)
+
+    def plan(self, call: AttentionCall) -> tuple:
+        """How the mask reaches SDPA and the runner with every option bound (:func:`_runner`).
+
+        Example:
+            >>> from attnlab.backends import build_call
+            >>> q = torch.randn(1, 2, 4, 8)
+            >>> SdpaBackend().plan(build_call(q, q, q, causal=True))[0]
+            'is_causal'
+        """
+        source = _mask_source(call)
+        return source, _runner(call, source)
+
+    def execute(self, call: AttentionCall, plan: tuple) -> AttentionResult:
+        source, runner = plan
+        with _dropout_rng(call):
+            sinks = () if call.sinks is None else (call.sinks,)
+            return AttentionResult(out=runner(call.q, call.k, call.v, _attn_mask(call, source), *sinks))
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         return AttentionResult(out=sdpa_forward(call))

@@ -39,7 +39,7 @@ from torch import Tensor
 from attnlab._call import AttentionCall
 from attnlab._checks import has_values, integer_dtype
 from attnlab._math import repeat_kv, score_dtype, sum_kv_groups
-from attnlab.masks import CausalMod, apply_mod
+from attnlab.masks import apply_mod
 from attnlab.scores import sink_gradient, sink_logits
 
 __all__ = ["check_indices", "indices_mask", "topk_attention", "refusal"]
@@ -173,7 +173,7 @@ def _pattern(call: AttentionCall, idx: Tensor) -> _Pattern:
     del listed
     mod = call.mask_mod()  # causal and a mask mod, one mechanism
     q_idx = torch.arange(call.tq, device=call.device).view(1, 1, -1, 1)
-    if isinstance(mod, CausalMod):
+    if call.mask_form == "causal":  # positions only: once per distinct list
         allowed &= torch.as_tensor(apply_mod(mod, 0, 0, q_idx, lists), device=call.device)
         mod = None
     cols = lists

@@ -82,7 +82,7 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
     """
     chosen = select(call, name)
     chosen_cost, budget = chosen.cost(call), memory_budget(call)
-    fits = chosen.memory_bytes(call) <= budget
+    fits = chosen.memory_use(call).nbytes <= budget
     result = []
     for backend_name, why_not in reasons(call).items():
         backend = registry()[backend_name]
@@ -90,8 +90,8 @@ def verdicts(call: AttentionCall, name: str = "auto") -> list[Verdict]:
             result.append(Verdict(backend_name, False, False, "", None, None,
                                   "cannot serve: " + "; ".join(why_not)))
             continue
-        memory, size, cost = memory_class(backend, call), backend.memory_bytes(call), backend.cost(call)
-        note = f" ({backend.memory_note(call)})" if backend.memory_note(call) else ""
+        (memory, size, note), cost = backend.memory_use(call, words=True), backend.cost(call)
+        note = f" ({note})" if note else ""
         needs = f"{_MEMORY_WORDS[memory]} memory, {_format_bytes(size)}{note}"
         if backend is chosen:
             if name != "auto":

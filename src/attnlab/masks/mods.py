@@ -50,6 +50,22 @@ class MaskMod:
         (the default) when the mod cannot tell."""
         return None
 
+    def form(self) -> tuple:
+        """The mask's structure, stated by the mod so that no backend inspects mod classes:
+        ``("causal", offset)``; ``("padding", lengths, causal)`` (each row's first ``lengths[b]``
+        keys, with top-left causal when ``causal``); ``("varlen", q_lengths, k_lengths)``
+        (causal within each row's real queries and keys, bottom-right); ``("mod",)`` for any
+        other mask, the default. Only attnlab's own classes state a form (a subclass may
+        change what it masks: it is ``("mod",)``).
+
+        Example:
+            >>> import torch
+            >>> from attnlab.masks import causal_mod, padding_mod
+            >>> (causal_mod(4, 4) & padding_mod(torch.tensor([3]))).form()[0::2]
+            ('padding', True)
+        """
+        return ("mod",)
+
     def row_ranges(self, q: Tensor, tk: int) -> tuple | None:
         """The mod as one key interval per query row and, optionally, a segment per position.
 
@@ -130,6 +146,16 @@ class CombinedMod(MaskMod):
             return None
         return min(bound[0] for bound in known), max(bound[1] for bound in known)
 
+    def form(self):
+        """A padding mod ANDed with top-left causal is a padded causal batch; else ``("mod",)``."""
+        if self.op != "and" or type(self) is not CombinedMod:
+            return ("mod",)
+        forms = [part.form() if isinstance(part, MaskMod) else ("mod",) for part in self.mods]
+        padding = [form for form in forms if form[0] == "padding" and not form[2]]
+        if len(padding) == 1 and all(form == ("causal", 0) for form in forms if form[0] != "padding"):
+            return ("padding", padding[0][1], len(forms) > 1)
+        return ("mod",)
+
     def row_ranges(self, q, tk):
         """An AND intersects its parts' intervals and pairs their segments; an OR has no form."""
         if self.op != "and":
@@ -186,13 +212,24 @@ def value_only_key(mod: object) -> tuple | None:
         >>> value_only_key(padding_mod(torch.tensor([3]))) is None
         True
     """
+    # Plain loops, no generator: dispatch asks this on every call with a mask mod.
     if type(mod) is CombinedMod:
-        parts = tuple(value_only_key(part) for part in mod.mods)
-        return None if None in parts else ("CombinedMod", mod.op, *parts)
+        parts = [mod.op]
+        for part in mod.mods:
+            key = value_only_key(part)
+            if key is None:
+                return None
+            parts.append(key)
+        return ("CombinedMod", *parts)
     if not type(mod).__dict__.get("_keyed", False):
         return None
-    options = sorted((name, value) for name, value in vars(mod).items() if not name.startswith("_"))
-    return None if any(isinstance(value, Tensor) for _, value in options) else (type(mod).__name__, *options)
+    options = []
+    for name, value in vars(mod).items():
+        if isinstance(value, Tensor):
+            return None
+        if not name.startswith("_"):
+            options.append((name, value))
+    return (type(mod).__name__, *sorted(options))
 
 
 def _pair_segments(first, second):

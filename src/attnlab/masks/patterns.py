@@ -83,6 +83,9 @@ class CausalMod(MaskMod):
     def kv_bounds(self, q_start, q_end):
         return 0, max(0, q_end - 1 + self.offset + 1)
 
+    def form(self):
+        return ("causal", self.offset) if type(self) is CausalMod else ("mod",)
+
     def row_ranges(self, q, tk):
         return 0, q + self.offset, None
 
@@ -293,6 +296,9 @@ class PaddingMod(MaskMod):
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx < _on_device(self.lengths, kv_idx)[b]
 
+    def form(self):
+        return ("padding", self.lengths, False) if type(self) is PaddingMod else ("mod",)
+
     def row_ranges(self, q, tk):
         return 0, self.lengths.to(q.device, torch.int64).view(-1, 1) - 1, None  # (B, 1)
 
@@ -346,6 +352,11 @@ class VarlenCausalMod(MaskMod):
         k_len = _on_device(self.k_lengths, kv_idx)[b]
         real = (q_idx < q_len) & (kv_idx < k_len)
         return real & _diagonal(q_idx, kv_idx, k_len - q_len, self.window)
+
+    def form(self):
+        if type(self) is VarlenCausalMod and self.window is None:
+            return ("varlen", self.q_lengths, self.k_lengths)
+        return ("mod",)
 
     def kv_bounds(self, q_start, q_end):
         """The union over the batch rows of the keys their real queries in the block reach."""
