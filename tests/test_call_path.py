@@ -281,3 +281,20 @@ def test_a_prepared_dropout_run_draws_one_seed_per_call():
     assert torch.equal(torch.rand(2), after)  # the global generator moved by one draw, as there
     for out in outs:
         assert torch.equal(out, want)
+
+
+def test_a_plain_sdpa_run_passes_sdpa_no_keyword_it_would_default():
+    """Each keyword SDPA parses costs a decoding step time: options equal to SDPA's defaults
+    (dropout 0, is_causal off, the scale 1/sqrt(D) it computes itself) stay out of the bound run,
+    and a scale of its own stays in (and gives the reference's result)."""
+    from attnlab.backends.registry import get
+
+    q, k = torch.randn(2, 4, 1, 48), torch.randn(2, 4, 9, 48)
+    keys = torch.rand(2, 1, 1, 9) > 0.3
+    keys[:, ..., 0] = True
+    run = get("sdpa").prepare(build_call(q, k, k, mask=keys, causal=True, align="bottom_right"))
+    assert run.keywords == {}
+    scaled = get("sdpa").prepare(build_call(q, k, k, mask=keys, scale=0.3))
+    assert scaled.keywords == {"scale": 0.3}
+    want = attnlab.attention(q.double(), k.double(), k.double(), mask=keys, scale=0.3, backend="reference")
+    assert torch.allclose(scaled(q, k, k, keys).double(), want, atol=1e-5)

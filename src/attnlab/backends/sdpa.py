@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -444,6 +445,17 @@ def sdpa_forward(call: AttentionCall) -> Tensor:
         return _runner(call, source)(call.q, call.k, call.v, _attn_mask(call, source), *sinks)
 
 
+def _drop_defaults(options: dict, head_dim: int) -> None:
+    """Leave out the SDPA options that equal its defaults: each keyword SDPA parses costs a
+    decoding step time (the scale PyTorch computes itself is ``1 / sqrt(D)`` in double, as here)."""
+    if options["dropout_p"] == 0.0:
+        del options["dropout_p"]
+    if not options["is_causal"]:
+        del options["is_causal"]
+    if options["scale"] == 1.0 / math.sqrt(head_dim):
+        del options["scale"]
+
+
 def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     """``run(q, k, v, attn_mask, sinks=None) -> (B, Hq, Tq, Dv)``: SDPA with everything decided
     from ``call``'s signature (kernel options, scale folding, key slicing, row mending, how the
@@ -453,6 +465,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
     factor, kernel_scale = kernel_scales(call)  # q * factor: scale <= 0, or a backward to recompute
     factor = None if factor == 1.0 else factor
     options = dict(dropout_p=call.dropout_p, is_causal=source == "is_causal", scale=kernel_scale)
+    _drop_defaults(options, call.head_dim)
     gqa = call.q_heads != call.kv_heads
     if gqa and _HAS_GQA:
         options["enable_gqa"] = True
@@ -496,7 +509,7 @@ def _runner(call: AttentionCall, source: str) -> Callable[..., Tensor]:
             # The op reads its inputs as if contiguous (a strided last dim gave wrong values;
             # scaled_dot_product_attention's front end copies them first): copies where they are not.
             q, k, v = (t.contiguous() for t in (q, k, v))
-            arguments = ((options["is_causal"], options["scale"]), q, k, v, sinks, attn_mask)
+            arguments = ((options.get("is_causal", False), options.get("scale")), q, k, v, sinks, attn_mask)
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks)):
                 return _SinksThroughLse.apply(*arguments)[0]  # (B, Hq, Tq, Dv)
             return _sinks_by_lse(*arguments)[0]  # nothing to differentiate: no autograd Function
@@ -552,7 +565,7 @@ def _segments_runner(call: AttentionCall, factor: float | None, options: dict) -
         if groups is not None and _segments.cheaper_than_dense(groups, dense_causal=causal and by_keys, **sizes):
             return _segments.run_groups(q, k, v, groups, options)  # (B, Hq, Tq, Dv)
         if by_keys:
-            return _keys_beside_causal(q, k, v, keys, causal, options["scale"])
+            return _keys_beside_causal(q, k, v, keys, causal, options.get("scale"))
         if varlen_dense is not None:
             mask = varlen_dense()  # (B, 1, Tq, Tk)
         elif form in ("keys", "padding"):  # no fused op for this call: causal AND the keys, (B|1, 1, Tq, Tk)
