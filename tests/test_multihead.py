@@ -7,7 +7,7 @@ import torch
 
 import attnlab.backends
 from attnlab import masks
-from attnlab.nn import MultiHeadAttention, alibi_bias
+from attnlab.nn import QKV, CallMask, MultiHeadAttention, Window, alibi_bias
 from attnlab.bench.competitors import SeedMultiHeadAttention  # the tutorial's module, as written
 from attnlab.tutorial import load_tutorial_state_dict
 
@@ -18,20 +18,20 @@ def test_seed_initialisation_and_state_dict_layout_match_the_document():
     torch.manual_seed(1240)
     doc = SeedMultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
     torch.manual_seed(1240)
-    ours = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
+    ours = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv=QKV(bias=True))
     for part in ("query", "key", "value"):
         weight, bias = ours.projection(part)
         assert torch.equal(weight, getattr(doc, f"W_{part}").weight)
         assert torch.equal(bias, getattr(doc, f"W_{part}").bias)
     x = torch.rand(2, 12, 3)
     torch.testing.assert_close(ours(x), doc(x), rtol=0, atol=1e-6)
-    fresh = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv_bias=True)
+    fresh = MultiHeadAttention(3, 4, 12, 0.0, 2, qkv=QKV(bias=True))
     load_tutorial_state_dict(fresh, doc.state_dict())  # the document's W_query.weight ... keys
     torch.testing.assert_close(fresh(x), doc(x), rtol=0, atol=1e-6)
 
 
 def test_projection_names_its_part_and_views_the_fused_rows():
-    mha = MultiHeadAttention(4, 6, num_heads=2, num_kv_heads=1, qkv_bias=True)
+    mha = MultiHeadAttention(4, 6, num_heads=2, qkv=QKV(num_kv_heads=1, bias=True))
     weight, bias = mha.projection("value")
     assert weight.data_ptr() == mha.in_proj_weight[9:].data_ptr() and bias.shape == (3,)
     with pytest.raises(ValueError, match="part must be one of 'query', 'key', 'value'; got 'W_key'"):
@@ -48,8 +48,8 @@ def _repeat_rows(weight, groups, head_dim):
 def test_grouped_query_equals_mha_with_repeated_kv_heads(num_kv_heads):
     torch.manual_seed(num_kv_heads)
     H, hd, d = 4, 5, 12
-    gqa = MultiHeadAttention(d, H * hd, num_heads=H, num_kv_heads=num_kv_heads, qkv_bias=True).double()
-    mha = MultiHeadAttention(d, H * hd, num_heads=H, qkv_bias=True).double()
+    gqa = MultiHeadAttention(d, H * hd, num_heads=H, qkv=QKV(num_kv_heads=num_kv_heads, bias=True)).double()
+    mha = MultiHeadAttention(d, H * hd, num_heads=H, qkv=QKV(bias=True)).double()
     groups = H // num_kv_heads
     with torch.no_grad():
         for part in ("query", "key", "value"):
@@ -61,18 +61,18 @@ def test_grouped_query_equals_mha_with_repeated_kv_heads(num_kv_heads):
     x = torch.randn(3, 9, d, dtype=torch.float64)
     real = torch.ones(3, 9, dtype=torch.bool)
     real[2, 6:] = False
-    torch.testing.assert_close(gqa(x, padding_mask=real), mha(x, padding_mask=real), rtol=0, atol=1e-12)
+    torch.testing.assert_close(gqa(x, mask=CallMask(padding=real)), mha(x, mask=CallMask(padding=real)), rtol=0, atol=1e-12)
 
 
 def test_cross_attention_padding_and_fully_padded_row():
     torch.manual_seed(5)
-    mod = MultiHeadAttention(8, 8, num_heads=2, kdim=6, out_bias=False, qkv_bias=True)
+    mod = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(kdim=6, out_bias=False, bias=True))
     x = torch.randn(3, 4, 8, requires_grad=True)
     context = torch.randn(3, 7, 6, requires_grad=True)
     real = torch.ones(3, 7, dtype=torch.bool)
     real[1, 3:] = False
     real[2] = False  # nothing to attend to
-    out, weights = mod(x, context=context, padding_mask=real, return_weights=True)
+    out, weights = mod(x, context=context, mask=CallMask(padding=real), return_weights=True)
     assert out.shape == (3, 4, 8) and weights.shape == (3, 2, 4, 7)
     assert torch.equal(out[2], torch.zeros(4, 8))
     assert weights[1, :, :, 3:].eq(0).all()
@@ -86,14 +86,14 @@ def test_cross_attention_padding_and_fully_padded_row():
 
 def test_unbatched_equals_batched_and_mask_forms():
     torch.manual_seed(6)
-    mod = MultiHeadAttention(8, 8, num_heads=2, causal=False)
+    mod = MultiHeadAttention(8, 8, num_heads=2, pattern=None)
     x = torch.randn(5, 8)
     bias = alibi_bias(2, 5)
     torch.testing.assert_close(mod(x, mask=bias[0]), mod(x[None], mask=bias)[0], rtol=0, atol=1e-6)
     real = torch.tensor([True, True, False, True, False])
     mod_mask = masks.padding_mod(torch.tensor([3]))
-    via_mod = mod(x[None], mask=mod_mask, padding_mask=real[None])
-    via_tensor = mod(x[None], padding_mask=(real & (torch.arange(5) < 3))[None])
+    via_mod = mod(x[None], mask=CallMask(mod_mask, padding=real[None]))
+    via_tensor = mod(x[None], mask=CallMask(padding=(real & (torch.arange(5) < 3))[None]))
     torch.testing.assert_close(via_mod, via_tensor, rtol=0, atol=1e-6)
 
 
@@ -114,16 +114,16 @@ def test_return_weights_does_not_change_output(backend):
     if backend not in attnlab.backends.available():
         pytest.skip(f"backend {backend} is not available here")
     torch.manual_seed(8)
-    mod = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, backend=backend).eval()
+    mod = MultiHeadAttention(16, 16, num_heads=4, backend=backend, qkv=QKV(num_kv_heads=2)).eval()
     x = torch.randn(2, 128, 16)  # flex on CPU serves whole 128-key blocks only
     real = torch.ones(2, 128, dtype=torch.bool)
     real[1, 20:] = False
     with torch.no_grad():  # inference: some backends (flex on CPU) have no backward
-        out = mod(x, padding_mask=real)
-        out_w, weights = mod(x, padding_mask=real, return_weights=True)
-        reference = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, backend="reference").eval()
+        out = mod(x, mask=CallMask(padding=real))
+        out_w, weights = mod(x, mask=CallMask(padding=real), return_weights=True)
+        reference = MultiHeadAttention(16, 16, num_heads=4, backend="reference", qkv=QKV(num_kv_heads=2)).eval()
         reference.load_state_dict(mod.state_dict())
-        expected = reference(x, padding_mask=real, return_weights=True)[1]
+        expected = reference(x, mask=CallMask(padding=real), return_weights=True)[1]
     assert torch.equal(out, out_w)
     torch.testing.assert_close(weights, expected, rtol=0, atol=1e-6)
 
@@ -143,13 +143,13 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="context_length=4"):
         mod(torch.randn(1, 5, 8))
     with pytest.raises(TypeError, match="key_padding_mask"):
-        mod(torch.randn(1, 3, 8), padding_mask=torch.ones(1, 3))
-    with pytest.raises(ValueError, match="padding_mask must be"):
-        mod(torch.randn(1, 3, 8), padding_mask=torch.ones(1, 4, dtype=torch.bool))
+        mod(torch.randn(1, 3, 8), mask=CallMask(padding=torch.ones(1, 3)))
+    with pytest.raises(ValueError, match="padding must be"):
+        mod(torch.randn(1, 3, 8), mask=CallMask(padding=torch.ones(1, 4, dtype=torch.bool)))
     with pytest.raises(ValueError, match="3-D mask"):
         mod(torch.randn(2, 3, 8), mask=torch.ones(2, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="num_kv_heads"):
-        MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=3)
+        MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=3))
     with pytest.raises(ValueError, match="backend"):
         MultiHeadAttention(8, 8, backend="nope")
 
@@ -217,9 +217,9 @@ def test_the_attention_part_is_injected_and_sees_the_modules_rule():
         return attnlab.attention(q, k, v, **options)
 
     torch.manual_seed(0)
-    plain = MultiHeadAttention(16, 16, num_heads=4, window=3).double()
+    plain = MultiHeadAttention(16, 16, num_heads=4, pattern=Window(3)).double()
     torch.manual_seed(0)
-    mine = MultiHeadAttention(16, 16, num_heads=4, window=3, attention=part).double()
+    mine = MultiHeadAttention(16, 16, num_heads=4, attention=part, pattern=Window(3)).double()
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     torch.testing.assert_close(mine(x), plain(x), rtol=0, atol=1e-12)
     cache = mine.new_cache(2, 8)
@@ -235,10 +235,10 @@ def test_the_attention_part_is_injected_and_sees_the_modules_rule():
 
 @pytest.mark.parametrize("options, keys", [
     (dict(), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
-    (dict(num_kv_heads=2, qkv_bias=True), ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]),
-    (dict(kdim=5, vdim=7, out_bias=False), ["q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"]),
-    (dict(positions="rope", num_kv_heads=2), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
-    (dict(window=3, sinks=True), ["in_proj_weight", "sinks", "out_proj.weight", "out_proj.bias"]),
+    (dict(qkv=QKV(num_kv_heads=2, bias=True)), ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]),
+    (dict(qkv=QKV(kdim=5, vdim=7, out_bias=False)), ["q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"]),
+    (dict(positions="rope", qkv=QKV(num_kv_heads=2)), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
+    (dict(pattern=Window(3), sinks=True), ["in_proj_weight", "sinks", "out_proj.weight", "out_proj.bias"]),
     (dict(positions="alibi"), ["in_proj_weight", "out_proj.weight", "out_proj.bias"]),
 ], ids=["fused", "gqa", "cross", "rope", "window", "alibi"])
 def test_parts_keep_the_state_dict_keys(options, keys):
@@ -314,10 +314,10 @@ def test_rope_window_and_cached_forwards_call_the_part_from_forward(monkeypatch)
     rope = MultiHeadAttention(32, 32, num_heads=4, positions="rope", backend="sdpa")
     depth, module_frames, calls = _module_frames_and_calls(monkeypatch, lambda: rope(x))
     assert depth <= 2 and module_frames == 1 and calls <= 20, (depth, calls)
-    window = MultiHeadAttention(32, 32, num_heads=4, window=4, backend="sdpa")
+    window = MultiHeadAttention(32, 32, num_heads=4, backend="sdpa", pattern=Window(4))
     depth, module_frames, _ = _module_frames_and_calls(monkeypatch, lambda: window(x))
     assert module_frames == 1, depth
-    for mha in (MultiHeadAttention(32, 32, num_heads=4, window=4, backend="sdpa").eval(),
+    for mha in (MultiHeadAttention(32, 32, num_heads=4, backend="sdpa", pattern=Window(4)).eval(),
                 MultiHeadAttention(32, 32, num_heads=4, positions="rope", backend="sdpa").eval()):
         cache = mha.new_cache(2, 64)
         with torch.no_grad():

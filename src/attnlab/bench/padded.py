@@ -43,6 +43,7 @@ from attnlab.bench.timing import BenchRow, compare
 from attnlab.functional import attention
 from attnlab.models import GPT
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV
 
 __all__ = ["PARTS", "spread_lengths", "combined_mask", "padded_suite", "busy_core"]
 
@@ -186,7 +187,7 @@ def training_rows(t: int, *, rounds: int) -> list[BenchRow]:
     lengths = spread_lengths(BATCH, t)
     real, combined = torch.arange(t) < lengths[:, None], combined_mask(lengths, t)
     d_model = HEADS * DIMS
-    module = MultiHeadAttention(d_model, d_model, t, 0.0, HEADS, qkv_bias=True, causal=True)
+    module = MultiHeadAttention(d_model, d_model, t, 0.0, HEADS, qkv=QKV(bias=True))
     twin = nanogpt_twin(module, num_heads=HEADS)
     x = torch.randn(BATCH, t, d_model, requires_grad=True)
     grad_out = torch.randn(BATCH, t, d_model)

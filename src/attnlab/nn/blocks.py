@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.nn.cache import Cache, KVCache, _restore_on_error
-from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV, CallMask, MultiHeadAttention, pattern_of
 
 __all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
 
@@ -139,23 +139,22 @@ class TransformerBlock(nn.Module):
         super().__init__()
         positive_number("norm_eps", norm_eps)
         self.norm_first = bool(norm_first)
-        common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         if attn is not None:
             instance_of("attn", attn, nn.Module, "an attention nn.Module (e.g. LatentAttention) or None")
             self.attn = attn
         else:
             self.attn = MultiHeadAttention(
-                d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-                window=window, positions=positions,
-                softcap=softcap, sinks=sinks, chunk=chunk, **common,
+                d_model, d_model, None, dropout_p, num_heads, qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias),
+                pattern=pattern_of(causal, window, chunk), positions=positions, softcap=softcap, sinks=sinks,
+                backend=backend,
             )
         self.norm_cross = self.cross_attn = None
         if cross_attention:
             self.norm_cross = nn.LayerNorm(d_model, eps=norm_eps)
             self.cross_attn = MultiHeadAttention(
-                d_model, d_model, None, dropout_p, num_heads, causal=False,
-                num_kv_heads=num_kv_heads, kdim=d_context, **common,
+                d_model, d_model, None, dropout_p, num_heads, pattern=None, backend=backend,
+                qkv=QKV(num_kv_heads=num_kv_heads, kdim=d_context, bias=bias, out_bias=bias),
             )
         instance_of("mlp", mlp, bool, "a bool")
         self.norm_mlp = self.mlp = None
@@ -202,8 +201,11 @@ class TransformerBlock(nn.Module):
         def self_attention(h: Tensor) -> Tensor:
             nonlocal weights
             weights_asked = {"return_weights": True} if return_weights else {}  # modules without weights
-            result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache, document_ids=document_ids,
-                               **weights_asked)
+            if not isinstance(self.attn, MultiHeadAttention):
+                result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache, document_ids=document_ids,
+                                   **weights_asked)
+            else:
+                result = self.attn(h, mask=_call_mask(mask, padding_mask, document_ids), cache=cache, **weights_asked)
             if not return_weights:
                 return result
             result, weights = result
@@ -213,7 +215,7 @@ class TransformerBlock(nn.Module):
         if self.cross_attn is not None:
             x = self._residual(
                 x, self.norm_cross,
-                lambda h: self.cross_attn(h, context=context, padding_mask=context_padding_mask),
+                lambda h: self.cross_attn(h, context=context, mask=_call_mask(None, context_padding_mask, None)),
                 self.residual_dropout,
             )
         if self.mlp is not None:
@@ -227,6 +229,13 @@ class TransformerBlock(nn.Module):
         if self.norm_first:
             return x + drop(sublayer(norm(x)))
         return norm(x + drop(sublayer(x)))
+
+
+def _call_mask(mask, padding_mask, document_ids):
+    """A :class:`MultiHeadAttention` call's one mask from the block's three (None when all are)."""
+    if padding_mask is None and document_ids is None:
+        return mask
+    return CallMask(mask, padding=padding_mask, documents=document_ids)
 
 
 def _num_new(x: object) -> int:
