@@ -43,7 +43,7 @@ from attnlab.bench.timing import BenchRow, compare
 from attnlab.functional import attention
 from attnlab.models import GPT
 from attnlab.nn.multihead import MultiHeadAttention
-from attnlab.nn.multihead import QKV
+from attnlab.nn.multihead import QKV, CallMask
 
 __all__ = ["PARTS", "spread_lengths", "combined_mask", "padded_suite", "busy_core"]
 
@@ -192,7 +192,7 @@ def training_rows(t: int, *, rounds: int) -> list[BenchRow]:
     x = torch.randn(BATCH, t, d_model, requires_grad=True)
     grad_out = torch.randn(BATCH, t, d_model)
     modules = {"nanoGPT-style, SDPA + combined mask": lambda: twin(x, attn_mask=combined),
-               "attnlab MultiHeadAttention, padding_mask": lambda: module(x, padding_mask=real)}
+               "attnlab MultiHeadAttention, padding": lambda: module(x, mask=CallMask(padding=real))}
     notes = _differences(modules, "nanoGPT-style, SDPA + combined mask", real)
     medians = compare({name: _timed(fn, grad_out, (x,)) for name, fn in modules.items()}, rounds=rounds,
                       min_run_time=0.2)

@@ -20,7 +20,7 @@ def from_torch(module: nn.MultiheadAttention, *, backend: str = "auto") -> Multi
     The copy is non-causal (as torch's module is), has torch's ``kdim``/``vdim``, biases,
     dropout, dtype and device, and the same weights. attnlab modules are always batch
     first: for a torch module with ``batch_first=False`` transpose ``(T, B, C)`` inputs.
-    torch's ``key_padding_mask`` (True = ignore) becomes ``padding_mask=~key_padding_mask``,
+    torch's ``key_padding_mask`` (True = ignore) becomes ``mask=CallMask(padding=~key_padding_mask)``,
     and its ``key``/``value`` arguments become ``context=key, value_input=value``.
 
     Raises:
