@@ -334,3 +334,143 @@ def test_load_tutorial_state_dict_refuses_what_is_not_a_state_dict():
     with pytest.raises(TypeError, match="state_dict must be a mapping"):
         load_tutorial_state_dict(mha, 5)
     assert all(torch.equal(before[k], v) for k, v in mha.state_dict().items())  # nothing changed
+
+
+# ------------------------------------------------------------- the module of parts (issue 41)
+_BEFORE_PARTS = "35e6171"  # the last commit whose MultiHeadAttention took 18 constructor parameters
+
+
+def _module_before_parts(tmp_path):
+    """The MultiHeadAttention class as it was before the parts, from git, imported from a tmp copy."""
+    import importlib.util
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        source = subprocess.run(["git", "show", f"{_BEFORE_PARTS}:src/attnlab/nn/multihead.py"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        pytest.skip(f"git history with {_BEFORE_PARTS} is not available: {err}")
+    path = tmp_path / "multihead_before_parts.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("multihead_before_parts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MultiHeadAttention
+
+
+@pytest.mark.parametrize("old, new, call", [
+    (dict(qkv_bias=True), dict(qkv=QKV(bias=True)), "padding"),
+    (dict(num_kv_heads=2, positions="rope"), dict(qkv=QKV(num_kv_heads=2), positions="rope"), "documents"),
+    (dict(kdim=5, vdim=7, out_bias=False, causal=False), dict(qkv=QKV(kdim=5, vdim=7, out_bias=False), pattern=None),
+     "cross"),
+    (dict(window=3, sinks=True, qkv_bias=True), dict(pattern=Window(3), sinks=True, qkv=QKV(bias=True)), "cache"),
+    (dict(chunk=2, softcap=5.0), dict(pattern=__import__("attnlab").nn.Chunk(2), softcap=5.0), "cache"),
+    (dict(positions="alibi", causal=False), dict(positions="alibi", pattern=None), "padding"),
+], ids=["bias", "gqa_rope", "cross", "window_sinks", "chunk_softcap", "alibi_bidirectional"])
+def test_a_state_dict_saved_before_the_parts_loads_and_computes_the_same(tmp_path, old, new, call):
+    """The old module (git) and the new one: same state-dict keys and shapes, the old weights load
+    strictly into the new module, and the outputs of the old call spelling equal the new one's."""
+    Before = _module_before_parts(tmp_path)
+    torch.manual_seed(3)
+    before = Before(8, 8, None, 0.0, 4, **old).double().eval()
+    after = MultiHeadAttention(8, 8, None, 0.0, 4, **new).double()
+    after.load_state_dict(before.state_dict(), strict=True)  # the weights differ until loaded
+    after.eval()
+    assert list(after.state_dict()) == list(before.state_dict())
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    real = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    if call == "padding":
+        pairs = [(before(x, padding_mask=real), after(x, mask=CallMask(padding=real))),
+                 (before(x, padding_mask=real), after(x, mask=masks.padding_mod(torch.tensor([6, 4]))))]
+    elif call == "documents":
+        ids = torch.tensor([0, 0, 0, 1, 1, 2])
+        pairs = [(before(x, document_ids=ids), after(x, mask=CallMask(documents=ids))),
+                 (before(x, document_ids=ids), after(x, mask=masks.document_mod(ids, causal=True)))]
+    elif call == "cross":
+        context, values = torch.randn(2, 4, 5, dtype=torch.float64), torch.randn(2, 4, 7, dtype=torch.float64)
+        pairs = [(before(x, context=context, value_input=values, padding_mask=real[:, :4]),
+                  after(x, context=context, value_input=values, mask=CallMask(padding=real[:, :4])))]
+    else:
+        old_cache, new_cache = before.new_cache(2, 8), after.new_cache(2, 8)
+        with torch.no_grad():
+            pairs = [(before(x[:, :5], cache=old_cache), after(x[:, :5], cache=new_cache)),
+                     (before(x[:, 5:], cache=old_cache), after(x[:, 5:], cache=new_cache))]
+    if call != "cross":
+        pairs.append((before(x), after(x)))
+    for want, got in pairs:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_at_most_twelve_constructor_parameters_and_the_tutorials_five_first():
+    import inspect
+
+    parameters = list(inspect.signature(MultiHeadAttention.__init__).parameters)[1:]
+    assert len(parameters) <= 12, parameters
+    assert parameters[:5] == ["d_in", "d_out", "context_length", "dropout_p", "num_heads"]
+    assert list(inspect.signature(MultiHeadAttention.forward).parameters)[1:] == [
+        "x", "context", "mask", "cache", "return_weights", "value_input"]
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(qkv_bias=True), r"qkv_bias= is now qkv=QKV\(bias=...\)"),
+    (dict(num_kv_heads=2, kdim=4), r"num_kv_heads= is now qkv=QKV\(num_kv_heads=...\); kdim= is now qkv=QKV\(kdim"),
+    (dict(vdim=4), r"vdim= is now qkv=QKV\(vdim=...\)"),
+    (dict(out_bias=False), r"out_bias= is now qkv=QKV\(out_bias=...\)"),
+    (dict(causal=False), r"causal= is now pattern='causal' \(the default\) or pattern=None"),
+    (dict(window=3), r"window= is now pattern=Window\(size\)"),
+    (dict(chunk=3), r"chunk= is now pattern=Chunk\(size\)"),
+])
+def test_the_removed_keywords_are_refused_with_their_new_spelling(old, new):
+    with pytest.raises(TypeError, match="MultiHeadAttention no longer takes .*" + new):
+        MultiHeadAttention(8, 8, None, 0.0, 2, **old)
+
+
+def test_forward_keywords_of_before_are_refused_naming_them():
+    """forward's padding_mask= and document_ids= are gone: Python's TypeError names the keyword
+    (README's table gives the new spelling); nothing is swallowed."""
+    mha = MultiHeadAttention(8, 8, num_heads=2)
+    for name in ("padding_mask", "document_ids"):
+        with pytest.raises(TypeError, match=name):
+            mha(torch.randn(1, 3, 8), **{name: torch.ones(1, 3, dtype=torch.bool)})
+
+
+def test_bad_parts_and_masks_are_refused():
+    with pytest.raises(ValueError, match="pattern must be 'causal', None .*got 'window'"):
+        MultiHeadAttention(8, 8, num_heads=2, pattern="window")
+    with pytest.raises(TypeError, match="qkv must be an attnlab.nn.QKV"):
+        MultiHeadAttention(8, 8, num_heads=2, qkv=dict(bias=True))
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+        QKV(num_kv_heads=0)
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        QKV(bias=1)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        Window(-1)
+    mha = MultiHeadAttention(8, 8, num_heads=2)
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"document_mod\(causal=False\) on a module with pattern causal"):
+        mha(x, mask=masks.document_mod(torch.tensor([0, 0, 1, 1]), causal=False))
+    with pytest.raises(ValueError, match=r"padding_mod's lengths must be \(B,\) = \(2,\)"):
+        mha(x, mask=masks.padding_mod(torch.tensor([4, 4, 4])))
+    with pytest.raises(TypeError, match=r"padding \(CallMask\(padding=...\)\) must be a bool tensor"):
+        mha(x, mask=CallMask(padding=torch.ones(2, 4)))
+    assert mha.qkv == QKV(num_kv_heads=2, kdim=8, vdim=8, bias=False, out_bias=True)
+
+
+def test_padding_mod_with_a_cache_covers_every_key():
+    """padding_mod's lengths count cached + new keys, as CallMask(padding=) does (fp64, same output)."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 8, num_heads=2, positions="rope").double().eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    lengths = torch.tensor([5, 3])
+    outs = []
+    for step_mask in (lambda t: masks.padding_mod(lengths), lambda t: CallMask(padding=torch.arange(t) < lengths[:, None])):
+        cache = mha.new_cache(2, 8)
+        with torch.no_grad():
+            first = mha(x[:, :3], cache=cache, mask=step_mask(3))
+            second = mha(x[:, 3:], cache=cache, mask=step_mask(5))
+        outs.append(torch.cat([first, second], dim=1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][:, 3:], mha(x, mask=CallMask(padding=torch.arange(5) < lengths[:, None]))[:, 3:],
+                               rtol=1e-12, atol=1e-12)
