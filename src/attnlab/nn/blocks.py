@@ -194,6 +194,23 @@ class TransformerBlock(nn.Module):
             return self._layers(x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
                                 document_ids)
 
+    def decode_step(self, x: Tensor, cache: Cache) -> Tensor:
+        """The block on one decoding step's ``x`` ``(B, 1, d_model)``, writing ``cache``: what
+        ``self(x, cache=cache)`` computes, without the checks and the cache guard of a user's
+        call (the caller owns the cache, as :meth:`attnlab.models.GPT.generate` does). A
+        post-norm or cross-attention block, or one in training, takes :meth:`forward`.
+
+        Example:
+            >>> block = TransformerBlock(8, 2).eval()
+            >>> cache, x = block.attn.new_cache(1, 4), torch.randn(1, 1, 8)
+            >>> torch.equal(block.decode_step(x, cache), block(x, cache=block.attn.new_cache(1, 4)))
+            True
+        """
+        if not self.norm_first or self.cross_attn is not None or self.training:
+            return self(x, cache=cache)
+        x = x + self.attn(self.norm_attn(x), cache=cache)  # (B, 1, d_model)
+        return x if self.mlp is None else x + self.mlp(self.norm_mlp(x))
+
     def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
                 document_ids=None):
         weights = None
