@@ -474,3 +474,47 @@ def test_padding_mod_with_a_cache_covers_every_key():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     torch.testing.assert_close(outs[0][:, 3:], mha(x, mask=CallMask(padding=torch.arange(5) < lengths[:, None]))[:, 3:],
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(positions="rope", qkv=QKV(num_kv_heads=2, bias=True)),
+                                     dict(sinks=True, positions="rope")], ids=["plain", "gqa_rope", "sinks"])
+def test_a_decoding_step_equals_the_general_path_and_the_full_forward(options):
+    """The decoding step (one token over a KVCache) computes what the general path computes (an
+    all-True mask sends the same call there) and what the whole sequence gives (fp64)."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 16, num_heads=4, **options).double().eval()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    fast, general = mha.new_cache(2, 8), mha.new_cache(2, 8)
+    steps = []
+    with torch.no_grad():
+        mha(x[:, :4], cache=fast), mha(x[:, :4], cache=general)
+        for t in range(4, 7):
+            got = mha(x[:, t:t + 1], cache=fast)
+            want = mha(x[:, t:t + 1], cache=general, mask=torch.ones(1, t + 1, dtype=torch.bool))
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            steps.append(got)
+        full = mha(x)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=1e-10, atol=1e-10)
+    assert fast.length == general.length == 7 and torch.equal(fast.keys, general.keys)
+
+
+def test_a_decoding_step_that_cannot_take_the_step_is_checked_as_before():
+    """Whatever the step does not serve goes the general way, which refuses it, cache unchanged."""
+    mha = MultiHeadAttention(8, 8, num_heads=2, context_length=3).eval()
+    cache = mha.new_cache(1, 8)
+    with torch.no_grad():
+        mha(torch.randn(1, 3, 8), cache=cache)
+        with pytest.raises(ValueError, match="exceed context_length=3"):
+            mha(torch.randn(1, 1, 8), cache=cache)
+        with pytest.raises(TypeError, match="x has dtype torch.float64"):
+            mha(torch.randn(1, 1, 8, dtype=torch.float64), cache=cache)
+        with pytest.raises(ValueError, match="cache holds batch 1"):
+            mha(torch.randn(2, 1, 8), cache=cache)
+        with pytest.raises(ValueError, match=r"self-attention needs x \(B, T, 8\)"):
+            mha(torch.randn(1, 1, 7), cache=cache)
+        full = MultiHeadAttention(8, 8, num_heads=2).eval()
+        small = full.new_cache(1, 1)
+        full(torch.randn(1, 1, 8), cache=small)
+        with pytest.raises(ValueError, match="overflow"):
+            full(torch.randn(1, 1, 8), cache=small)
+    assert cache.length == 3 and small.length == 1

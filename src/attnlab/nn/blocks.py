@@ -209,7 +209,10 @@ class TransformerBlock(nn.Module):
         if not self.norm_first or self.cross_attn is not None or self.training:
             return self(x, cache=cache)
         x = x + self.attn(self.norm_attn(x), cache=cache)  # (B, 1, d_model)
-        return x if self.mlp is None else x + self.mlp(self.norm_mlp(x))
+        mlp = self.mlp  # its dropout is the identity out of training
+        if type(mlp) is not FeedForward:
+            return x if mlp is None else x + mlp(self.norm_mlp(x))
+        return x + mlp.fc_out(mlp.act(mlp.fc_in(self.norm_mlp(x))))
 
     def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
                 document_ids=None):

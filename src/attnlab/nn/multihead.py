@@ -564,9 +564,11 @@ class MultiHeadAttention(nn.Module):
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
         if cache.__class__ is KVCache and mask is None and context is None and not return_weights:
-            out = self._decode_step(x, cache)  # None: not a plain decoding step, the general path below
-            if out is not None:
-                return out
+            step = self._decode_step(x, cache)  # None: not a plain decoding step, the general path below
+            if step is not None:  # the one query is the newest token: it sees every cached key, no mask
+                out = self.attention(*step, causal=False, dropout_p=0.0, backend=self.backend,
+                                     sinks=self.sinks)  # (B, H, 1, hd)
+                return self.out_proj(out.reshape(x.shape[0], 1, self.d_out))  # (B, 1, d_out); T = 1: no transpose
         self._check_inputs(x, context, value_input)
         if (context is None and mask is None and cache is None
                 and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
@@ -607,15 +609,18 @@ class MultiHeadAttention(nn.Module):
             out, weights = out[0], None if weights is None else weights[0]
         return (out, weights) if return_weights else out
 
-    def _decode_step(self, x: Tensor, cache: KVCache) -> Tensor | None:
-        """One decoding step ``(B, 1, d_in) -> (B, 1, d_out)`` over a :class:`KVCache`, or None when
-        the call is not one (the general path then checks it and raises what is wrong).
+    def _decode_step(self, x: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
+        """One decoding step's ``(q, keys, values)`` for the attention part, ``x`` ``(B, 1, d_in)``
+        written to a :class:`KVCache`; None when the call is not one (the general path then checks
+        it and raises what is wrong). :meth:`forward` calls the part itself, one frame below it.
 
         The step :meth:`forward` takes when it can: fused projections, rotary or no positions, the
         causal pattern, no score mods, an unsharded part, eval (or no dropout). Everything the
         general path would check is checked here with attribute reads only, before the cache is
         written; the rotary tables are the positions part's cached ones, sliced at the new position.
-        The one query is the newest token, so it may see every cached key: no mask.
+
+        Shapes:
+            x: ``(B, 1, d_in)`` -> q ``(B, H, 1, hd)``, keys and values ``(B, Hkv, length + 1, hd)``.
         """
         weight = self.out_proj.weight
         length = cache.length
@@ -627,19 +632,16 @@ class MultiHeadAttention(nn.Module):
                 and cache.keys.device == x.device and length < cache.keys.shape[2]
                 and (self.context_length is None or length < self.context_length)):
             return None
-        B, hd = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, 1, d_out + 2 d_kv)
-        q, k, v = qkv.split((self.d_out, self.d_kv, self.d_kv), dim=-1)
-        q = q.view(B, 1, self.num_heads, hd).transpose(1, 2)  # (B, H, 1, hd)
-        k = k.view(B, 1, self.num_kv_heads, hd).transpose(1, 2)  # (B, Hkv, 1, hd)
-        v = v.view(B, 1, self.num_kv_heads, hd).transpose(1, 2)
-        if self.positions is not None:
-            cos, sin = self.positions.cos_sin(1, offset=length, dtype=q.dtype, device=q.device)  # (1, hd/2)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.append(k, v)  # (B, Hkv, length + 1, hd)
-        out = self.attention(q, keys, values, causal=False, dropout_p=0.0, backend=self.backend,
-                             sinks=self.sinks)  # (B, H, 1, hd)
-        return self.out_proj(out.transpose(1, 2).reshape(B, 1, self.d_out))  # (B, 1, d_out)
+        B, H, qk = x.shape[0], self.num_heads, self.num_heads + self.num_kv_heads
+        heads = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(B, qk + self.num_kv_heads, 1, self.head_dim)
+        # (B, H + 2 Hkv, 1, hd): query, key, value heads in the fused rows' order (T = 1: no transpose)
+        if self.positions is not None:  # queries and keys rotated in one call
+            cos, sin = self.positions.cos_sin(1, offset=length, dtype=x.dtype, device=x.device)  # (1, hd/2)
+            rotated = apply_rotary(heads[:, :qk], cos, sin)  # (B, H + Hkv, 1, hd)
+            q, k = rotated[:, :H], rotated[:, H:]
+        else:
+            q, k = heads[:, :H], heads[:, H:qk]
+        return (q, *cache.append(k, heads[:, qk:]))  # keys, values (B, Hkv, length + 1, hd)
 
     def _prepare(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
         """Project, rotate and cache; ``(q, k, v, options)`` for the attention part (the module's rule).
