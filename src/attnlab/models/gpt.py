@@ -782,7 +782,7 @@ def _check_padding(padding_mask: object, input_ids: Tensor, caches: object, docu
         given = "caches" if caches is not None else "document_ids"
         raise ValueError(f"padding_mask is for a padded batch without caches or documents; got it with {given} "
                          "(a cache holds each row's own length; documents mask their own boundaries)")
-    _check_padding_type(padding_mask)
+    _check_padding_type(padding_mask, "padding_mask")
     if tuple(padding_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"padding_mask must be (B, T) = {tuple(input_ids.shape)} like input_ids, "
                          f"got {tuple(padding_mask.shape)}")

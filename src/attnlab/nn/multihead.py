@@ -1088,10 +1088,12 @@ def _with_documents(mask, documents: Tensor, *, tq: int):
     return _masks.and_masks(mask, dense)  # (B|1, 1, T, T) with the user's dense mask
 
 
-def _check_padding_type(padding_mask: object) -> None:
+def _check_padding_type(padding_mask: object, name: str = "padding (CallMask(padding=...))") -> None:
+    """``TypeError`` naming ``name`` unless ``padding_mask`` is a bool tensor (a module's or model's
+    ``padding_mask=`` argument passes its own name)."""
     if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
         raise TypeError(
-            "padding (CallMask(padding=...)) must be a bool tensor, True at real tokens (the opposite of torch's "
+            f"{name} must be a bool tensor, True at real tokens (the opposite of torch's "
             f"key_padding_mask); got {type(padding_mask).__name__} "
             f"{getattr(padding_mask, 'dtype', '')}"
         )
