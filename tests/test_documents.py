@@ -101,11 +101,11 @@ def test_packed_with_a_dense_mask_and_a_mod_mask():
 def test_document_ids_are_checked():
     mha = MultiHeadAttention(8, 8, num_heads=2)
     x = torch.randn(2, 5, 8)
-    with pytest.raises(ValueError, match="documents must be an integer tensor"):
+    with pytest.raises(ValueError, match=r"documents \(CallMask\(documents=...\)\) must be an integer tensor"):
         mha(x, mask=CallMask(documents=torch.zeros(4, dtype=torch.long)))
-    with pytest.raises(TypeError, match="documents must have an integer dtype, got torch.float32"):
+    with pytest.raises(TypeError, match=r"documents \(CallMask\(documents=...\)\) must have an integer dtype, got torch.float32"):
         mha(x, mask=CallMask(documents=torch.zeros(5)))
-    with pytest.raises(TypeError, match="documents must have an integer dtype, got torch.bool"):
+    with pytest.raises(TypeError, match=r"documents \(CallMask\(documents=...\)\) must have an integer dtype, got torch.bool"):
         mha(x, mask=CallMask(documents=torch.zeros(5, dtype=torch.bool)))
     with pytest.raises(ValueError, match="cannot be combined"):
         mha(x, mask=CallMask(documents=torch.zeros(5, dtype=torch.long)), cache=mha.new_cache(2, 8))

@@ -95,7 +95,7 @@ def test_windowed_cache_failed_call_changes_nothing():
     with torch.no_grad():
         module(torch.randn(1, 5, 24, dtype=F64), cache=cache)
         before = cache.keys.clone(), cache.values.clone()
-        with pytest.raises(ValueError, match=r"a mask \(padding included\) goes with a KVCache"):
+        with pytest.raises(ValueError, match=r"a mask or padding \(padding_mask, CallMask\(padding=...\)\) goes with a KVCache"):
             module(torch.randn(1, 1, 24, dtype=F64), cache=cache, mask=CallMask(padding=torch.ones(1, 6, dtype=torch.bool)))
         with pytest.raises(RuntimeError, match="boom"):
             with multihead._restore_on_error([cache], 2):

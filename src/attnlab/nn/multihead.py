@@ -590,7 +590,7 @@ class MultiHeadAttention(nn.Module):
         if getattr(self.attention, "shards", False):
             out, weights = self._attend_shards(x, context, mask, padding_mask, cache, return_weights, document_ids)
         else:
-            documents = _check_documents(document_ids, x, context, cache)
+            documents = _check_documents(document_ids, x, context, cache, "documents (CallMask(documents=...))")
             if documents is not None and self.chunk is not None:
                 raise ValueError(f"documents with pattern=Chunk({self.chunk}): chunks count from each row's start, "
                                  "not each document's; run the documents as rows of their own")
@@ -1053,27 +1053,28 @@ def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool,
         raise ValueError(f"positions='alibi' needs a KVCache (keys in position order); got a "
                          f"{type(cache).__name__}")
     if not isinstance(cache, KVCache) and (mask is not None or padding_mask is not None):
-        raise ValueError(f"a mask (padding included) goes with a KVCache, whose keys it indexes; got a "
+        raise ValueError(f"a mask or padding (padding_mask, CallMask(padding=...)) goes with a KVCache, whose "
+                         f"keys it indexes; got a "
                          f"{type(cache).__name__}")
     if isinstance(cache, PagedKVCache) and return_weights:
         raise ValueError("return_weights with a PagedKVCache: its rows have different lengths; "
                          "use a KVCache to read weights")
 
 
-def _check_documents(document_ids: object, x: Tensor, context, cache) -> Tensor | None:
-    """``document_ids`` as ``(B|1, T)`` int64 after checking it against ``x`` (None passes)."""
+def _check_documents(document_ids: object, x: Tensor, context, cache, name: str = "document_ids") -> Tensor | None:
+    """``document_ids`` as ``(B|1, T)`` int64 after checking it against ``x`` (None passes); errors
+    name ``name``, the argument the caller was given (the module's: ``documents``)."""
     if document_ids is None:
         return None
     if context is not None or cache is not None:
-        raise ValueError("documents (CallMask(documents=...) or document_mod) pack self-attention; they "
-                         "cannot be combined with context= or cache=")
-    instance_of("documents", document_ids, Tensor, "an integer tensor (T,) or (B, T)")
-    integer_dtype("documents", document_ids, unsigned=True)  # ids are only compared
+        raise ValueError(f"{name} packs documents for self-attention; it cannot be combined with context= or cache=")
+    instance_of(name, document_ids, Tensor, "an integer tensor (T,) or (B, T)")
+    integer_dtype(name, document_ids, unsigned=True)  # ids are only compared
     ids = document_ids if document_ids.ndim != 1 else document_ids[None]  # (B|1, T)
     B, T = x.shape[:2]
     if ids.ndim != 2 or ids.shape[1] != T or ids.shape[0] not in (1, B):
         raise ValueError(
-            f"documents must be an integer tensor (T,) or (B, T) with T = {T}, B = {B}; got "
+            f"{name} must be an integer tensor (T,) or (B, T) with T = {T}, B = {B}; got "
             f"shape {tuple(document_ids.shape)} dtype {document_ids.dtype}"
         )
     return ids.to(device=x.device, dtype=torch.int64)
