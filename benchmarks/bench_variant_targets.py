@@ -39,7 +39,7 @@ import torch
 from attnlab._memory import PeakMemory
 from attnlab.lab.bench.timing import compare, machine_line
 from attnlab.models import GPT
-from attnlab.nn import LatentAttention, MultiHeadAttention
+from attnlab.nn import QKV, LatentAttention, MultiHeadAttention
 
 VOCAB = 256
 
@@ -47,7 +47,7 @@ VOCAB = 256
 def mla_target(context: int = 2048, *, rounds: int = 3) -> None:
     torch.manual_seed(0)
     mla = LatentAttention(256, 8, latent_dim=48, rope_dim=16).eval()
-    gqa = MultiHeadAttention(256, 256, num_heads=8, num_kv_heads=4, positions="rope").eval()
+    gqa = MultiHeadAttention(256, 256, num_heads=8, positions="rope", qkv=QKV(num_kv_heads=4)).eval()
     cache = mla.new_cache(1, context + 1)
     token = torch.randn(1, 1, 256)
     with torch.no_grad():

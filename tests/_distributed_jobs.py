@@ -18,6 +18,7 @@ import attnlab
 from attnlab import masks, scores
 from attnlab.distributed import CommStats, context_parallel_attention, sequence_layout, shard, unshard
 from attnlab.distributed.balance import balanced_layout
+from attnlab.nn.multihead import QKV, Window
 from attnlab.lab.verify import allowed_error
 
 CASES = {
@@ -449,9 +450,10 @@ def ring_head_chunks(rank: int, world: int, chunks: list[int]) -> dict:
 # Layers whose whole attention must survive sharding: (name, MultiHeadAttention options). Heads
 # 8 and key/value heads 4 split over Ulysses groups of 2 and 4.
 MODULES = {
-    "window-rope-softcap-sinks-gqa": dict(num_heads=8, num_kv_heads=4, window=3, positions="rope", softcap=5.0, sinks=True),
-    "window-alibi-sinks": dict(num_heads=8, window=5, positions="alibi", sinks=True),
-    "bidirectional-alibi-softcap": dict(num_heads=8, causal=False, positions="alibi", softcap=3.0),
+    "window-rope-softcap-sinks-gqa": dict(num_heads=8, qkv=QKV(num_kv_heads=4), pattern=Window(3),
+                                          positions="rope", softcap=5.0, sinks=True),
+    "window-alibi-sinks": dict(num_heads=8, pattern=Window(5), positions="alibi", sinks=True),
+    "bidirectional-alibi-softcap": dict(num_heads=8, pattern=None, positions="alibi", softcap=3.0),
 }
 
 

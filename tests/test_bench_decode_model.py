@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -11,7 +12,7 @@ from attnlab.lab.bench.suites import GenerationTiming, decode_model_suite, repor
 from attnlab.lab.cli import app
 from attnlab.models import GPT
 
-TINY = dict(layers=1, d_model=16, heads=2, vocab_size=32, prompt_len=8, new_tokens=5)
+TINY = dict(layers=1, d_model=16, heads=2, vocab_size=32, prompt_len=8, new_tokens=5, rounds=1)
 
 
 def test_tiny_suite_reports_identical_tokens_and_the_ratio_of_the_two_rates():
@@ -20,8 +21,11 @@ def test_tiny_suite_reports_identical_tokens_and_the_ratio_of_the_two_rates():
     assert timing.cached_rate == pytest.approx(5 / timing.cached_seconds)
     assert timing.recompute_rate == pytest.approx(5 / timing.recompute_seconds)
     assert timing.speedup == pytest.approx(timing.cached_rate / timing.recompute_rate)
-    cached, recompute = timing.rows("case")
-    assert (cached.name, recompute.name) == ("KV cache", "recompute")
+    cached, recompute, plain = timing.rows("case")
+    assert (cached.name, recompute.name, plain.name) == ("KV cache", "recompute", "plain PyTorch loop")
+    assert timing.plain_identical and timing.per_token_ratio > 0
+    assert plain.ratio == pytest.approx(timing.cached_rate / (5 / timing.plain_seconds))
+    assert f"per token {timing.per_token_ratio:.2f}x this loop's, tokens match" in plain.note
     assert cached.ratio == pytest.approx(1.0)
     assert recompute.ratio == pytest.approx(timing.speedup)
     assert f"{timing.cached_rate:.1f} tokens/s" in cached.note
@@ -68,3 +72,29 @@ def test_bench_cli_runs_the_decode_model_suite(monkeypatch):
 def test_bad_sizes_name_the_argument(name):
     with pytest.raises(ValueError, match=name):
         decode_model_suite(**{**TINY, name: 0})
+
+
+@pytest.mark.parametrize("options", [dict(positions="rope"), dict(num_kv_heads=1), dict(bias=False)],
+                         ids=["rope", "mqa", "no_bias"])
+def test_the_plain_loop_generates_the_models_tokens(options):
+    """plain_generate reads the GPT's own weights and gives GPT.generate's greedy tokens (the
+    suite's check) for rotary positions, grouped heads and no biases too."""
+    torch.manual_seed(2)
+    model = GPT(vocab_size=13, max_len=20, d_model=16, num_layers=2, num_heads=4, **options).eval()
+    prompt = torch.randint(0, 13, (2, 9))
+    assert torch.equal(suites.plain_generate(model, prompt, 8), model.generate(prompt, 8)[:, 9:])
+
+
+def test_the_plain_loop_refuses_what_it_does_not_compute():
+    model = GPT(vocab_size=13, max_len=20, d_model=16, num_layers=2, num_heads=4, layer_pattern="LG", window=4)
+    with pytest.raises(ValueError, match="plain_generate serves G layers"):
+        suites.plain_generate(model, torch.zeros(1, 3, dtype=torch.long), 2)
+
+
+def test_the_suite_sees_when_the_plain_loop_disagrees(monkeypatch):
+    real = suites.plain_generate
+    monkeypatch.setattr(suites, "plain_generate", lambda model, prompt, n: (real(model, prompt, n) + 1) % 32)
+    timing = decode_model_suite(**TINY)
+    assert timing.identical and timing.plain_identical is False
+    with pytest.raises(RuntimeError, match="GPT.generate and the plain PyTorch loop generated different"):
+        report_generation(timing, console=Console(file=open("/dev/null", "w")))

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from attnlab.nn import KVCache, MultiHeadAttention
+from attnlab.nn import CallMask, QKV
 
 PREFILL, STEPS = 16, 64
 
 
 def _module(num_kv_heads, rope, seed=0):
     torch.manual_seed(seed)
-    return MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=num_kv_heads, positions="rope" if rope else None,
-                              qkv_bias=True).double().eval()
+    return MultiHeadAttention(32, 32, num_heads=4, positions="rope" if rope else None, qkv=QKV(num_kv_heads=num_kv_heads, bias=True)).double().eval()
 
 
 def _full_keys_values(module, x):
@@ -53,10 +53,10 @@ def test_chunked_prefill_with_fp32_and_padding():
     real = torch.ones(2, 12, dtype=torch.bool)
     real[1, :3] = False  # left padding in row 1
     with torch.no_grad():
-        full = module(x, padding_mask=real)
+        full = module(x, mask=CallMask(padding=real))
         cache = module.new_cache(2, 12)
-        first = module(x[:, :5], cache=cache, padding_mask=real[:, :5])
-        second = module(x[:, 5:], cache=cache, padding_mask=real)
+        first = module(x[:, :5], cache=cache, mask=CallMask(padding=real[:, :5]))
+        second = module(x[:, 5:], cache=cache, mask=CallMask(padding=real))
     torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-5, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ import torch
 import attnlab
 from attnlab import backends, masks
 from attnlab.backends import build_call
-from attnlab.nn import MultiHeadAttention
+from attnlab.nn import CallMask, MultiHeadAttention
 
 B, H, T, D = 2, 4, 48, 16
 _LENGTHS = torch.tensor([T, 30])
@@ -84,9 +84,9 @@ def test_a_compiled_call_gives_the_eager_gradients(kind):
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_a_compiled_multihead_attention_has_no_graph_break(padded, train):
-    module = MultiHeadAttention(32, 32, num_heads=4, causal=True).train(train)
+    module = MultiHeadAttention(32, 32, num_heads=4).train(train)
     x = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(1))
-    kwargs = dict(padding_mask=masks.padding_mask(_LENGTHS, T)[:, 0, 0]) if padded else {}
+    kwargs = dict(mask=CallMask(padding=masks.padding_mask(_LENGTHS, T)[:, 0, 0])) if padded else {}
     torch._dynamo.reset()
     explained = torch._dynamo.explain(module)(x, **kwargs)
     assert explained.graph_break_count == 0, explained.break_reasons

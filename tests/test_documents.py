@@ -14,6 +14,7 @@ from attnlab import masks
 from attnlab.backends import build_call, select
 from attnlab.backends.blocks import choose_block
 from attnlab.nn import MultiHeadAttention, TransformerBlock
+from attnlab.nn import QKV, CallMask
 
 LENGTHS = (5, 1, 7, 3)  # a one-token document, odd lengths
 
@@ -55,9 +56,9 @@ def module_width(module):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_packed_multihead_equals_each_document_alone(rope, causal, kv_heads):
     torch.manual_seed(1)
-    mha = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=kv_heads, causal=causal, positions="rope" if rope else None).double()
+    mha = MultiHeadAttention(16, 16, num_heads=4, positions="rope" if rope else None, qkv=QKV(num_kv_heads=kv_heads), pattern=("causal" if causal else None)).double()
     packed, alone, g_packed, g_alone = _packed_vs_alone(
-        mha, LENGTHS, lambda m, x, ids: m(x, document_ids=ids))
+        mha, LENGTHS, lambda m, x, ids: m(x, mask=CallMask(documents=ids)))
     assert torch.allclose(packed, alone, atol=1e-12)
     for name in g_alone:
         assert torch.allclose(g_packed[name], g_alone[name], atol=1e-12), name
@@ -79,20 +80,20 @@ def test_packed_batch_rows_have_their_own_documents():
     mha = MultiHeadAttention(8, 8, num_heads=2, positions="rope").double()
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     ids = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]])
-    out = mha(x, document_ids=ids)
+    out = mha(x, mask=CallMask(documents=ids))
     assert torch.allclose(out[0, 3:], mha(x[:1, 3:]), atol=1e-12)
     assert torch.allclose(out[1, 1:5], mha(x[1:, 1:5]), atol=1e-12)
 
 
 def test_packed_with_a_dense_mask_and_a_mod_mask():
     torch.manual_seed(4)
-    mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).double()
+    mha = MultiHeadAttention(8, 8, num_heads=2, pattern=None).double()
     x = torch.randn(1, 7, 8, dtype=torch.float64)
     ids = _ids((3, 4))
     keep = torch.rand(7, 7) > 0.3
     keep.fill_diagonal_(True)
-    dense = mha(x, document_ids=ids, mask=keep)
-    as_mod = mha(x, document_ids=ids, mask=lambda b, h, i, j: keep[i, j])
+    dense = mha(x, mask=CallMask(keep, documents=ids))
+    as_mod = mha(x, mask=CallMask(lambda b, h, i, j: keep[i, j], documents=ids))
     alone = torch.cat([mha(x[:, :3], mask=keep[:3, :3]), mha(x[:, 3:], mask=keep[3:, 3:])], dim=1)
     assert torch.allclose(dense, alone, atol=1e-12) and torch.allclose(as_mod, alone, atol=1e-12)
 
@@ -100,14 +101,14 @@ def test_packed_with_a_dense_mask_and_a_mod_mask():
 def test_document_ids_are_checked():
     mha = MultiHeadAttention(8, 8, num_heads=2)
     x = torch.randn(2, 5, 8)
-    with pytest.raises(ValueError, match="document_ids must be an integer tensor"):
-        mha(x, document_ids=torch.zeros(4, dtype=torch.long))
-    with pytest.raises(TypeError, match="document_ids must have an integer dtype, got torch.float32"):
-        mha(x, document_ids=torch.zeros(5))
-    with pytest.raises(TypeError, match="document_ids must have an integer dtype, got torch.bool"):
-        mha(x, document_ids=torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"documents \(CallMask\(documents=...\)\) must be an integer tensor"):
+        mha(x, mask=CallMask(documents=torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(TypeError, match=r"documents \(CallMask\(documents=...\)\) must have an integer dtype, got torch.float32"):
+        mha(x, mask=CallMask(documents=torch.zeros(5)))
+    with pytest.raises(TypeError, match=r"documents \(CallMask\(documents=...\)\) must have an integer dtype, got torch.bool"):
+        mha(x, mask=CallMask(documents=torch.zeros(5, dtype=torch.bool)))
     with pytest.raises(ValueError, match="cannot be combined"):
-        mha(x, document_ids=torch.zeros(5, dtype=torch.long), cache=mha.new_cache(2, 8))
+        mha(x, mask=CallMask(documents=torch.zeros(5, dtype=torch.long)), cache=mha.new_cache(2, 8))
 
 
 def test_document_mod_bounds_cover_every_attended_key():

@@ -18,6 +18,7 @@ import torch
 
 import attnlab
 from attnlab import backends
+from attnlab.nn import CallMask
 
 BACKENDS = ["auto", "reference", "sdpa", "chunked", "blocks", "flex"]
 
@@ -88,15 +89,15 @@ def test_empty_sizes_on_every_backend_match_fp64(backend):
 
 MODULES = textwrap.dedent('''
     import torch
-    from attnlab.nn import MultiHeadAttention
+    from attnlab.nn import CallMask, MultiHeadAttention
     from attnlab.models import BertEncoder, GPT
     torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 16, num_heads=2, causal=True, positions="rope", backend="blocks")
+    mha = MultiHeadAttention(16, 16, num_heads=2, positions="rope", backend="blocks")
     x = torch.randn(0, 300, 16, requires_grad=True)
-    out = mha(x, document_ids=torch.zeros(0, 300, dtype=torch.long))
+    out = mha(x, mask=CallMask(documents=torch.zeros(0, 300, dtype=torch.long)))
     out.sum().backward()
     assert out.shape == (0, 300, 16) and x.grad.shape == x.shape
-    out = MultiHeadAttention(16, 16, num_heads=2, causal=True)(torch.randn(0, 300, 16))
+    out = MultiHeadAttention(16, 16, num_heads=2)(torch.randn(0, 300, 16))
     assert out.shape == (0, 300, 16)
     gpt = GPT(vocab_size=11, max_len=300, d_model=16, num_layers=2, num_heads=2)
     assert gpt(torch.zeros(0, 300, dtype=torch.long)).shape == (0, 300, 11)

@@ -25,6 +25,7 @@ from attnlab.nn import (
     TransformerEncoder,
     positional,
 )
+from attnlab.nn import CallMask, QKV
 
 
 def _qkv(q_shape, k_shape=None, v_shape=None):
@@ -209,8 +210,8 @@ def _raising_mod(b, h, q_idx, kv_idx):
     [
         (lambda m, c: m(torch.randn(1, 6, 8), cache=c), ValueError, "overflow"),
         (lambda m, c: m(torch.randn(1, 3, 8), cache=c), ValueError, "exceed context_length=5"),
-        (lambda m, c: m(torch.randn(1, 1, 8), cache=c, padding_mask=torch.zeros(0, dtype=torch.bool)),
-         ValueError, r"padding_mask must be \(B, Tk\) = \(1, 4\), got \(0,\)"),
+        (lambda m, c: m(torch.randn(1, 1, 8), cache=c, mask=CallMask(padding=torch.zeros(0, dtype=torch.bool))),
+         ValueError, r"padding must be \(B, Tk\) = \(1, 4\), got \(0,\)"),
         (lambda m, c: m(torch.randn(1, 1, 8), cache=c, mask=torch.ones(3, 3, dtype=torch.bool)),
          ValueError, r"mask of shape \(3, 3\)"),
         (lambda m, c: m(torch.randn(1, 1, 8), cache=c, mask=_raising_mod), RuntimeError, "mask mod failed"),
@@ -268,7 +269,7 @@ def test_decoder_whose_later_layer_fails_puts_every_cache_back():
         (lambda: MultiHeadAttention(8, 8, num_heads=0), ValueError, "num_heads must be a positive int"),
         (lambda: MultiHeadAttention(8, 8, num_heads=3), ValueError, r"d_out \(8\) must be a multiple of num_heads \(3\)"),
         (lambda: MultiHeadAttention(8, 8, dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\)"),
-        (lambda: MultiHeadAttention(8, 8, causal="yes"), TypeError, "causal must be a bool"),
+        (lambda: MultiHeadAttention(8, 8, pattern="yes"), ValueError, "pattern must be 'causal', None"),
         (lambda: KVCache(1, 1, -1, 4), ValueError, "max_len must be a positive int, got -1"),
         (lambda: KVCache(1, 1, 4, 4, value_dim=-1), ValueError, "value_dim must be a non-negative int"),
         (lambda: KVCache(1, 1, 4, 4, dtype=torch.long), TypeError, "dtype must be a floating-point"),
@@ -290,9 +291,9 @@ def test_module_constructors_refuse_bad_arguments(build, error, pattern):
         (lambda m: m(torch.ones(1, 2, 8, dtype=torch.long)), TypeError, "x must have a floating-point dtype"),
         (lambda m: m(torch.randn(1, 2, 8, dtype=torch.float64)), TypeError, "x has dtype torch.float64"),
         (lambda m: m(torch.randn(1, 2, 8), context=3), TypeError, "context must be a torch.Tensor"),
-        (lambda m: m(torch.randn(2, 8), padding_mask=[True, False]), TypeError, "padding_mask must be a bool tensor"),
-        (lambda m: m(torch.randn(2, 3, 8), padding_mask=torch.zeros(0, dtype=torch.bool)),
-         ValueError, r"padding_mask must be \(B, Tk\) = \(2, 3\), got \(0,\)"),
+        (lambda m: m(torch.randn(2, 8), mask=CallMask(padding=[True, False])), TypeError, r"padding \(CallMask\(padding=...\)\) must be a bool tensor"),
+        (lambda m: m(torch.randn(2, 3, 8), mask=CallMask(padding=torch.zeros(0, dtype=torch.bool))),
+         ValueError, r"padding must be \(B, Tk\) = \(2, 3\), got \(0,\)"),
     ],
     ids=["list", "int_dtype", "float64", "context_int", "padding_list", "padding_empty"],
 )
@@ -314,13 +315,13 @@ def test_module_calls_refuse_bad_inputs(call, error, pattern):
          r"must broadcast together; got shapes \(2, 2\), \(3, 3\)"),
         (lambda: masks.padding_mask("ab"), TypeError, "lengths must be a 1-D integer tensor, got 'ab'"),
         (lambda: masks.materialize(3, tq=2, tk=2), TypeError, "mod must be a mask mod"),
-        (lambda: MultiHeadAttention(8, 8, num_heads=2, kdim=4, vdim=5)(
+        (lambda: MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(kdim=4, vdim=5))(
             torch.randn(2, 3, 8), context=torch.randn(2, 3, 4), value_input=torch.randn(2, 3, 4)),
          ValueError, r"value_input must be \(B, Tk, vdim\) = \(2, 3, 5\)"),
         (lambda: MultiHeadAttention(8, 8, num_heads=2)(
-            torch.randn(2, 3, 8), mask=torch.ones(2, 2, dtype=torch.bool),
-            padding_mask=torch.ones(2, 3, dtype=torch.bool)),
-         ValueError, r"mask of shape \(2, 2\) does not broadcast with padding_mask"),
+            torch.randn(2, 3, 8), mask=CallMask(torch.ones(2, 2, dtype=torch.bool),
+                                                padding=torch.ones(2, 3, dtype=torch.bool))),
+         ValueError, r"mask of shape \(2, 2\) does not broadcast with the padding"),
         (lambda: KVCache(1, 1, 4, 4, device="nope"), ValueError, "device must name a torch device, got 'nope'"),
         (lambda: TransformerEncoder(1, 8, 2)(torch.randn(1, 2, 7)), ValueError, r"x must be \(B, T, 8\)"),
         (lambda: TransformerBlock(8, 2, norm_eps=-1), ValueError, "norm_eps must be a positive"),

@@ -14,6 +14,8 @@ from attnlab.lab.cli import app
 from attnlab.models import GPT
 from attnlab.nn import ChunkedKVCache, MultiHeadAttention, WindowedKVCache
 from attnlab.nn.positional import apply_rotary
+from attnlab.nn import CallMask, Chunk, Window
+from attnlab.nn.multihead import pattern_of
 
 runner = CliRunner()
 
@@ -134,7 +136,7 @@ def test_chunked_cache_update_returns_the_keys_from_the_first_new_positions_chun
 
 
 def test_a_failing_call_leaves_a_chunked_cache_as_it_was():
-    mha = MultiHeadAttention(8, 8, num_heads=2, chunk=3)
+    mha = MultiHeadAttention(8, 8, num_heads=2, pattern=Chunk(3))
     cache = mha.new_cache(1, 16)
     with torch.no_grad():
         mha(torch.randn(1, 4, 8), cache=cache)
@@ -160,18 +162,18 @@ def test_bad_chunk_values_are_one_error_naming_the_argument(options, words):
 
 def test_a_module_refuses_chunk_with_a_window_non_causal_a_wrong_cache_or_documents():
     with pytest.raises(ValueError, match="chunk=2 with window=3"):
-        MultiHeadAttention(8, 8, num_heads=2, chunk=2, window=3)
+        pattern_of(True, 3, 2)  # a block's flags; a pattern is one of them by construction
     with pytest.raises(ValueError, match="chunk=2 .*causal=True"):
-        MultiHeadAttention(8, 8, num_heads=2, chunk=2, causal=False)
-    mha = MultiHeadAttention(8, 8, num_heads=2, chunk=2)
+        pattern_of(False, None, 2)
+    mha = MultiHeadAttention(8, 8, num_heads=2, pattern=Chunk(2))
     with pytest.raises(ValueError, match="WindowedKVCache"):
         mha(torch.randn(1, 3, 8), cache=WindowedKVCache(1, 2, 2, 4))
     with pytest.raises(ValueError, match="ChunkedKVCache of chunk 3"):
         mha(torch.randn(1, 3, 8), cache=ChunkedKVCache(1, 2, 3, 4))
     with pytest.raises(ValueError, match="ChunkedKVCache of chunk 2"):
         MultiHeadAttention(8, 8, num_heads=2)(torch.randn(1, 3, 8), cache=ChunkedKVCache(1, 2, 2, 4))
-    with pytest.raises(ValueError, match="document_ids with chunk=2"):
-        mha(torch.randn(1, 4, 8), document_ids=torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"documents with pattern=Chunk\(2\)"):
+        mha(torch.randn(1, 4, 8), mask=CallMask(documents=torch.tensor([0, 0, 1, 1])))
 
 
 def test_a_saved_chunked_nope_model_loads_with_its_config_and_logits(tmp_path):

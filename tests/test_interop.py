@@ -18,6 +18,7 @@ import attnlab
 from attnlab import masks
 from attnlab.lab import verify
 from attnlab.nn import MultiHeadAttention, from_torch, to_torch
+from attnlab.nn import CallMask, QKV, Chunk, Window
 
 E, H = 24, 3
 
@@ -89,8 +90,7 @@ def test_matches_torch_multihead_attention(name, self_attn, kdim, vdim, bias, ba
 
     def run_ours(q, k, v):
         context = None if self_attn else k
-        return ours(q, context=context, value_input=None if self_attn else v,
-                    mask=causal_bool, padding_mask=real if padding else None, return_weights=True)
+        return ours(q, context=context, value_input=None if self_attn else v, mask=CallMask(causal_bool, padding=real if padding else None), return_weights=True)
 
     def run_ref(module):
         return lambda q, k, v: _run_torch(module, q, k, v, batch_first=batch_first,
@@ -109,7 +109,7 @@ def test_matches_torch_multihead_attention(name, self_attn, kdim, vdim, bias, ba
 
 def test_causal_module_matches_torch_with_causal_mask():
     torch.manual_seed(3)
-    ours = MultiHeadAttention(E, E, num_heads=H, causal=True, qkv_bias=True).eval()
+    ours = MultiHeadAttention(E, E, num_heads=H, qkv=QKV(bias=True)).eval()
     ref = to_torch(ours).eval()
     x = torch.randn(2, 11, E)
     expected, _ = ref(x, x, x, attn_mask=~masks.causal_mask(11), need_weights=False)
@@ -120,7 +120,7 @@ def test_causal_module_matches_torch_with_causal_mask():
 
 
 def test_round_trip_and_single_bias_switch():
-    ours = MultiHeadAttention(E, E, num_heads=H, causal=False, qkv_bias=False, out_bias=True)
+    ours = MultiHeadAttention(E, E, num_heads=H, qkv=QKV(bias=False, out_bias=True), pattern=None)
     ref = to_torch(ours, batch_first=False)
     assert ref.in_proj_bias is not None and torch.equal(ref.in_proj_bias, torch.zeros(3 * E))
     back = from_torch(ref)
@@ -132,50 +132,50 @@ def test_unsupported_conversions_raise():
     with pytest.raises(ValueError, match="add_bias_kv"):
         from_torch(nn.MultiheadAttention(E, H, add_bias_kv=True))
     with pytest.raises(ValueError, match="num_kv_heads"):
-        to_torch(MultiHeadAttention(E, E, num_heads=H, num_kv_heads=1))
+        to_torch(MultiHeadAttention(E, E, num_heads=H, qkv=QKV(num_kv_heads=1)))
     with pytest.raises(TypeError, match="MultiheadAttention"):
         from_torch(nn.Linear(2, 2))
 
 
 def test_torch_compile_matches_eager_causal_and_padded():
     torch.manual_seed(4)
-    module = MultiHeadAttention(32, 32, num_heads=4, num_kv_heads=2, positions="rope").eval()
+    module = MultiHeadAttention(32, 32, num_heads=4, positions="rope", qkv=QKV(num_kv_heads=2)).eval()
     compiled = torch.compile(module)
     x = torch.randn(2, 16, 32)
     real = torch.ones(2, 16, dtype=torch.bool)
     real[1, 10:] = False
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(compiled(x, padding_mask=real), module(x, padding_mask=real),
+        torch.testing.assert_close(compiled(x, mask=CallMask(padding=real)), module(x, mask=CallMask(padding=real)),
                                    rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("option, words", [
     (dict(sinks=True), "sinks (learned)"),
-    (dict(window=3), "window=3"),
+    (dict(pattern=Window(3)), "window=3"),
     (dict(softcap=5.0), "softcap=5.0"),
-    (dict(chunk=4), "chunk=4"),
+    (dict(pattern=Chunk(4)), "chunk=4"),
     (dict(positions="alibi"), "positions=ALiBi"),
     (dict(positions="rope"), "positions=RotaryEmbedding"),
-    (dict(num_kv_heads=1), "num_kv_heads=1"),
+    (dict(qkv=QKV(num_kv_heads=1)), "num_kv_heads=1"),
     (dict(attention=lambda q, k, v, **options: attnlab.attention(q, k, v, **options)), "attention="),
 ])
 def test_to_torch_refuses_what_torch_cannot_express_naming_it(option, words):
     """Each of these changes the output (sinks, window, softcap, chunk were dropped without a
     word, 0.40, 0.27, 0.0018, 0.60 off): refused, never converted to a different module."""
-    ours = MultiHeadAttention(E, E, num_heads=H, causal=True, **option)
+    ours = MultiHeadAttention(E, E, num_heads=H, **option)
     with pytest.raises(ValueError, match="torch.nn.MultiheadAttention cannot express .*" + re.escape(words)):
         to_torch(ours)
 
 
 @pytest.mark.parametrize("option", [dict(), dict(context_length=64), dict(dropout_p=0.25),
-                                    dict(kdim=10, vdim=7), dict(qkv_bias=False, out_bias=False),
+                                    dict(qkv=QKV(kdim=10, vdim=7, bias=True)), dict(qkv=QKV(bias=False, out_bias=False)),
                                     dict(backend="chunked")])
 def test_to_torch_converts_every_other_setting_to_equal_outputs(option):
     """What converts computes the same: outputs and weights equal torch's module on the same
     weights (causal through torch's attn_mask), and dropout is carried as torch's."""
     torch.manual_seed(5)
-    ours = MultiHeadAttention(E, E, num_heads=H, causal=True, **{"qkv_bias": True, **option}).eval()
+    ours = MultiHeadAttention(E, E, num_heads=H, **{"qkv": QKV(bias=True), **option}).eval()
     ref = to_torch(ours).eval()
     assert ref.dropout == ours.dropout_p
     query, key, value = _inputs(2, 2, 9, 9, ours.kdim, ours.vdim)

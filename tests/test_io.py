@@ -10,13 +10,14 @@ from torch import nn
 
 from attnlab import io
 from attnlab.nn import MultiHeadAttention, TransformerDecoder
+from attnlab.nn import QKV
 
 
 def _modules(seed=0):
     torch.manual_seed(seed)
     return [
-        MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, positions="rope", qkv_bias=True),
-        MultiHeadAttention(16, 12, num_heads=3, kdim=5, vdim=7, out_bias=False),
+        MultiHeadAttention(16, 16, num_heads=4, positions="rope", qkv=QKV(num_kv_heads=2, bias=True)),
+        MultiHeadAttention(16, 12, num_heads=3, qkv=QKV(kdim=5, vdim=7, out_bias=False)),
         TransformerDecoder(2, 16, 2, cross_attention=True),
     ]
 
@@ -89,9 +90,9 @@ def _assert_unchanged(module, before):
 @pytest.mark.parametrize(
     "saved, target, pattern",
     [
-        (dict(), dict(qkv_bias=True), "missing from the file: in_proj_bias"),
-        (dict(qkv_bias=True), dict(), "unexpected in the file: in_proj_bias"),
-        (dict(), dict(num_kv_heads=1), r"in_proj_weight: file \(24, 8\) vs module \(16, 8\)"),
+        (dict(), dict(qkv=QKV(bias=True)), "missing from the file: in_proj_bias"),
+        (dict(qkv=QKV(bias=True)), dict(), "unexpected in the file: in_proj_bias"),
+        (dict(), dict(qkv=QKV(num_kv_heads=1)), r"in_proj_weight: file \(24, 8\) vs module \(16, 8\)"),
     ],
     ids=["missing", "unexpected", "shape"],
 )
@@ -108,7 +109,7 @@ def test_mismatched_load_is_a_value_error_and_changes_nothing(tmp_path, saved, t
 def test_non_strict_load_still_refuses_wrong_shapes_and_changes_nothing(tmp_path):
     path = tmp_path / "w.safetensors"
     io.save(MultiHeadAttention(8, 8, num_heads=2), path)
-    module = MultiHeadAttention(8, 8, num_heads=2, num_kv_heads=1)
+    module = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(num_kv_heads=1))
     before = _snapshot(module)
     with pytest.raises(ValueError, match="in_proj_weight: file"):
         io.load(module, path, strict=False)

@@ -16,6 +16,7 @@ import attnlab
 from attnlab import io, masks
 from attnlab.models import GPT, BertEncoder
 from attnlab.nn import MultiHeadAttention
+from attnlab.nn import CallMask, QKV
 
 B, HQ, HKV, TQ, TK, D = 2, 4, 2, 6, 9, 8
 
@@ -78,7 +79,7 @@ def test_meta_lengths_and_ids_build_mods_and_run():
 
 def _models():
     return {
-        "mha": lambda: MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, causal=True, positions="rope"),
+        "mha": lambda: MultiHeadAttention(16, 16, num_heads=4, positions="rope", qkv=QKV(num_kv_heads=2)),
         "gpt": lambda: GPT(vocab_size=11, max_len=8, d_model=16, num_layers=2, num_heads=2),
         "gpt_rope": lambda: GPT(vocab_size=11, max_len=8, d_model=16, num_layers=2, num_heads=2, positions="rope"),
         "bert": lambda: BertEncoder(vocab_size=11, hidden_size=16, num_layers=2, num_heads=2,
@@ -111,9 +112,9 @@ def test_modules_built_on_meta_propagate_shapes(name):
 
 def test_mha_on_meta_with_document_ids_and_a_cache():
     with torch.device("meta"):
-        mha = MultiHeadAttention(16, 16, num_heads=2, causal=True, positions="rope")
+        mha = MultiHeadAttention(16, 16, num_heads=2, positions="rope")
     x = torch.randn(2, 5, 16, device="meta")
-    assert mha(x, document_ids=torch.tensor([0, 0, 1, 1, 1])).shape == (2, 5, 16)
+    assert mha(x, mask=CallMask(documents=torch.tensor([0, 0, 1, 1, 1]))).shape == (2, 5, 16)
     assert mha(x, cache=mha.new_cache(2, 8)).shape == (2, 5, 16)
 
 

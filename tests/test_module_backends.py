@@ -8,18 +8,17 @@ import torch
 import attnlab
 from attnlab import backends
 from attnlab import nn as anl
+from attnlab.nn import QKV, Window, Chunk
 
 BACKENDS = ["reference", "sdpa", "chunked", "blocks"]  # flex on CPU: Tk must be a multiple of 128
 MODULES = {
-    "mha": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, causal=True, backend=be), {}),
-    "mha_gqa_rope": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, positions="rope",
-                                                       causal=True, backend=be), {}),
-    "mha_window_ring": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, causal=True, window=3, backend=be),
+    "mha": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, backend=be), {}),
+    "mha_gqa_rope": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, positions="rope", backend=be, qkv=QKV(num_kv_heads=2)), {}),
+    "mha_window_ring": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, backend=be, pattern=Window(3)),
                         {"windowed": True}),
-    "mha_chunk": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, causal=True, chunk=4, backend=be), {}),
-    "mha_alibi_sinks": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, causal=True, positions="alibi",
-                                                          sinks=True, backend=be), {}),
-    "mha_paged": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, causal=True, backend=be), {"page_size": 4}),
+    "mha_chunk": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, backend=be, pattern=Chunk(4)), {}),
+    "mha_alibi_sinks": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, positions="alibi", sinks=True, backend=be), {}),
+    "mha_paged": (lambda be: anl.MultiHeadAttention(16, 16, num_heads=4, backend=be), {"page_size": 4}),
     "latent_window": (lambda be: anl.LatentAttention(16, 4, latent_dim=8, window=3, backend=be), {}),
     "gated_paged": (lambda be: anl.GatedAttention(16, 4, backend=be), {"page_size": 4}),
     "differential": (lambda be: anl.DifferentialAttention(16, 4, backend=be), {}),
@@ -68,4 +67,4 @@ def test_a_named_backend_serves_what_auto_passes_it_over_for():
 ])
 def test_a_module_refuses_a_backend_that_declines_its_options_when_it_is_built(backend, options, named):
     with pytest.raises(ValueError, match=f"backend='{backend}' cannot serve this module's calls.*{named}"):
-        anl.MultiHeadAttention(16, 16, num_heads=4, causal=True, backend=backend, **options)
+        anl.MultiHeadAttention(16, 16, num_heads=4, backend=backend, **options)

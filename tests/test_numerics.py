@@ -19,6 +19,7 @@ from attnlab import backends, masks
 from attnlab.lab import verify
 from attnlab.backends import build_call, dispatch
 from attnlab.nn import MultiHeadAttention
+from attnlab.nn import CallMask
 
 B, H, T, D = 2, 3, 128, 40  # one shape for every flex call: flex compiles per shape, and on CPU
 # serves only whole 128-key blocks, so this is a shape where it must keep every rule
@@ -150,13 +151,13 @@ def test_multihead_padding_garbage_in_padded_inputs_does_not_leak():
     probe = [torch.zeros(B, 2, T, 8, requires_grad=True) for _ in range(3)]  # the modules' calls
     serving = [n for n, why in backends.reasons(build_call(*probe, mask=real[:, None, None, :])).items() if not why]
     for name in [*serving, "auto"]:  # flex has no CPU backward; blocks needs a mask mod's bounds
-        self_attn = MultiHeadAttention(16, 16, num_heads=2, causal=False, backend=name)
-        got, want = (self_attn(t, padding_mask=real) for t in (poisoned, clean))
+        self_attn = MultiHeadAttention(16, 16, num_heads=2, backend=name, pattern=None)
+        got, want = (self_attn(t, mask=CallMask(padding=real)) for t in (poisoned, clean))
         torch.testing.assert_close(got[real], want[real], rtol=0, atol=0)
-        cross = MultiHeadAttention(16, 16, num_heads=2, causal=False, backend=name)
+        cross = MultiHeadAttention(16, 16, num_heads=2, backend=name, pattern=None)
         queries = [torch.randn(B, 5, 16, generator=torch.Generator().manual_seed(1))
                    .requires_grad_() for _ in range(2)]
-        got, want = (cross(qx, context=ctx, padding_mask=real)
+        got, want = (cross(qx, context=ctx, mask=CallMask(padding=real))
                      for qx, ctx in zip(queries, (poisoned, clean)))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         got.sum().backward()

@@ -106,3 +106,31 @@ def test_learned_positions_refuse_unsigned_and_negative_positions_by_name():
         emb(x, positions=torch.tensor([-1, 1, 2]))
     got = emb(x, positions=torch.tensor([5, 0, 7], dtype=torch.int32))
     torch.testing.assert_close(got, emb.embedding.weight[[5, 0, 7]].expand(1, 3, 4))
+
+
+def test_rotary_tables_are_built_once_and_sliced_exactly():
+    """cos_sin slices a table kept per dtype and device: equal (bitwise) to computing the rows
+    afresh, for any offset, grown when a longer one is asked, and made outside inference mode
+    (a table first built under torch.inference_mode serves autograd afterwards)."""
+    from attnlab.nn.positional import TABLE_CACHE
+
+    rope = RotaryEmbedding(8)
+    with torch.inference_mode():
+        first = rope.cos_sin(3, offset=2)
+    for count, offset in ((3, 2), (1, 63), (5, 200), (0, 7)):
+        got = rope.cos_sin(count, offset=offset, dtype=torch.float64)
+        want = rope._angles(count, offset, torch.float64, torch.device("cpu"))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(first[0], rope.cos_sin(3, offset=2)[0])
+    table = rope.cos_sin(1, offset=10)[0]
+    assert rope.cos_sin(1, offset=11)[0].untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+    x = torch.randn(1, 1, 4, 8, requires_grad=True)
+    rope(x, offset=1).sum().backward()  # tables from inference mode are no inference tensors
+    assert x.grad is not None
+    far = rope.cos_sin(2, offset=TABLE_CACHE)  # past the bound: computed, not kept
+    assert torch.equal(far[1], rope._angles(2, TABLE_CACHE, torch.float32, torch.device("cpu"))[1])
+    assert max(t[0].shape[0] for t in rope._tables.values()) <= TABLE_CACHE
+    with pytest.raises(ValueError, match="offset must be a non-negative int"):
+        rope.cos_sin(2, offset=-1)
+    with pytest.raises((TypeError, ValueError), match="num_positions"):
+        rope.cos_sin(2.5)

@@ -19,6 +19,7 @@ from attnlab.backends import why
 from attnlab.backends.chunked import chunked_attention
 from attnlab._call import build_call
 from attnlab.lab.verify import allowed_error
+from attnlab.nn import QKV
 
 F64 = torch.float64
 
@@ -658,8 +659,7 @@ def test_module_options_keep_the_kv_cache_exact():
     from attnlab.nn import MultiHeadAttention
 
     torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, positions="alibi", softcap=3.0,
-                             sinks=True).double()
+    mha = MultiHeadAttention(16, 16, num_heads=4, positions="alibi", softcap=3.0, sinks=True, qkv=QKV(num_kv_heads=2)).double()
     with torch.no_grad():
         mha.sinks.normal_()
     x = torch.randn(2, 7, 16, dtype=F64)

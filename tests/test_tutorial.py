@@ -23,6 +23,7 @@ from attnlab.lab.tutorial import (
     score_variance,
     softmax_peakiness,
 )
+from attnlab.nn import QKV
 
 DT = torch.float64
 
@@ -90,7 +91,7 @@ def test_softmax_peakiness_matches_exp_formula_and_sharpens():
 def _fused_like_wrapper(wrapper: MultiHeadAttentionWrapper, d_in: int, causal: bool):
     heads = list(wrapper.heads)
     H, d_head = len(heads), heads[0].d_out_kq
-    mha = MultiHeadAttention(d_in, H * d_head, num_heads=H, causal=causal).double()
+    mha = MultiHeadAttention(d_in, H * d_head, num_heads=H, pattern=("causal" if causal else None)).double()
     with torch.no_grad():
         for name in ("W_query", "W_key", "W_value"):
             # head h's (d_in, d_head) matrix, used as x @ W, is rows h*d_head.. of nn.Linear's W
@@ -103,7 +104,7 @@ def _fused_like_wrapper(wrapper: MultiHeadAttentionWrapper, d_in: int, causal: b
 
 def test_projections_are_live_views_of_the_module_under_the_tutorials_names():
     torch.manual_seed(3)
-    mha = MultiHeadAttention(4, 6, num_heads=2, num_kv_heads=1, qkv_bias=True)
+    mha = MultiHeadAttention(4, 6, num_heads=2, qkv=QKV(num_kv_heads=1, bias=True))
     W = Projections(mha)
     assert [getattr(W, n).weight.shape for n in ("W_query", "W_key", "W_value")] == [(6, 4), (3, 4), (3, 4)]
     with torch.no_grad():
@@ -116,7 +117,7 @@ def test_projections_are_live_views_of_the_module_under_the_tutorials_names():
 
 
 def test_projections_of_a_cross_attention_module_and_of_something_else():
-    mha = MultiHeadAttention(8, 8, num_heads=2, kdim=5, vdim=3)
+    mha = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(kdim=5, vdim=3))
     W = Projections(mha)
     assert W.W_key.weight is mha.k_proj_weight and W.W_value.weight is mha.v_proj_weight
     assert W.W_query.bias is None

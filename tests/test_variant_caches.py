@@ -12,14 +12,15 @@ import attnlab.nn.multihead as multihead
 from attnlab.models import GPT
 from attnlab.nn import BranchCache, KVCache, MultiHeadAttention, PagedKVCache, WindowedKVCache
 from attnlab.nn.cache import _restore_on_error
+from attnlab.nn import CallMask, QKV, Window
+from attnlab.nn.multihead import pattern_of
 
 F64 = torch.float64
 
 
 def _mha(window=None, num_kv_heads=2, seed=0):
     torch.manual_seed(seed)
-    return MultiHeadAttention(24, 24, num_heads=4, num_kv_heads=num_kv_heads, positions="rope", qkv_bias=True,
-                              window=window).double().eval()
+    return MultiHeadAttention(24, 24, num_heads=4, positions="rope", qkv=QKV(num_kv_heads=num_kv_heads, bias=True), pattern=Window(window) if window else "causal").double().eval()
 
 
 def _naive_window(module, x, window):
@@ -83,9 +84,9 @@ def test_windowed_cache_refuses_layers_it_cannot_serve_and_bad_windows():
     with pytest.raises(ValueError, match="window must be a positive int, got 0"):
         WindowedKVCache(1, 1, 0, 2)
     with pytest.raises(ValueError, match="window must be a positive int"):
-        MultiHeadAttention(8, 8, num_heads=2, window=0)
+        MultiHeadAttention(8, 8, num_heads=2, pattern=Window(0))
     with pytest.raises(ValueError, match="causal=True"):
-        MultiHeadAttention(8, 8, num_heads=2, window=3, causal=False)
+        pattern_of(False, 3)  # a block's causal=False with a window
 
 
 def test_windowed_cache_failed_call_changes_nothing():
@@ -94,8 +95,8 @@ def test_windowed_cache_failed_call_changes_nothing():
     with torch.no_grad():
         module(torch.randn(1, 5, 24, dtype=F64), cache=cache)
         before = cache.keys.clone(), cache.values.clone()
-        with pytest.raises(ValueError, match="mask and padding_mask go with a KVCache"):
-            module(torch.randn(1, 1, 24, dtype=F64), cache=cache, padding_mask=torch.ones(1, 6, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"a mask or padding \(padding_mask, CallMask\(padding=...\)\) goes with a KVCache"):
+            module(torch.randn(1, 1, 24, dtype=F64), cache=cache, mask=CallMask(padding=torch.ones(1, 6, dtype=torch.bool)))
         with pytest.raises(RuntimeError, match="boom"):
             with multihead._restore_on_error([cache], 2):
                 module(torch.randn(1, 2, 24, dtype=F64), cache=cache)
@@ -250,7 +251,7 @@ def test_a_window_wider_than_max_len_does_not_size_the_cache():
     ids = torch.randint(0, 23, (1, 6))
     out = model.generate(ids, 10)
     assert torch.equal(out, model.generate(ids, 10, use_cache=False))
-    mha = MultiHeadAttention(8, 8, num_heads=2, window=16)
+    mha = MultiHeadAttention(8, 8, num_heads=2, pattern=Window(16))
     assert type(mha.new_cache(1, 16)) is WindowedKVCache and mha.new_cache(1, 16).window == 16
     assert type(mha.new_cache(1, 15)) is KVCache and mha.new_cache(1, 15, windowed=True).window == 16
 
@@ -316,7 +317,7 @@ def test_alibi_with_a_window_decodes_over_a_kv_cache_as_the_full_forward():
     from attnlab.nn import MultiHeadAttention
 
     torch.manual_seed(3)
-    mha = MultiHeadAttention(8, 8, num_heads=2, window=3, positions="alibi").double().eval()
+    mha = MultiHeadAttention(8, 8, num_heads=2, positions="alibi", pattern=Window(3)).double().eval()
     x = torch.randn(1, 9, 8, dtype=torch.float64)
     full = mha(x)
     cache = mha.new_cache(1, 16, windowed=False)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from attnlab._checks import instance_of, probability
 from attnlab.functional import attention
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV
 
 __all__ = [
     "SimpleSelfAttention",
@@ -456,7 +457,7 @@ class Projections:
 
     Example:
         >>> from attnlab.nn import MultiHeadAttention
-        >>> mha = MultiHeadAttention(4, 6, num_heads=2, qkv_bias=True)
+        >>> mha = MultiHeadAttention(4, 6, num_heads=2, qkv=QKV(bias=True))
         >>> W = Projections(mha)
         >>> W.W_key
         ProjectionView(in_features=4, out_features=6, bias=True)

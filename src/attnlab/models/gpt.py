@@ -38,7 +38,7 @@ from attnlab._checks import (divisible, finite_number, instance_of, one_of, per_
 from attnlab.models import _hub, _inputs
 from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.cache import Cache, _restore_on_error, new_positions
+from attnlab.nn.cache import Cache, KVCache, _restore_on_error, new_positions
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
@@ -460,11 +460,29 @@ class GPT(nn.Module):
         caches = self.new_cache(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, page_size=page_size) \
             if use_cache else None
         sequence, step_input = input_ids, input_ids
-        for _ in range(max_new_tokens):
-            logits = self(step_input if use_cache else sequence, caches=caches)[:, -1]  # (B, vocab)
+        for step in range(max_new_tokens):
+            if step and use_cache:
+                logits = self._step_logits(step_input, caches)  # (B, vocab)
+            else:
+                logits = self(step_input if use_cache else sequence, caches=caches)[:, -1]  # (B, vocab)
             token = _next_token(logits, temperature, top_k, generator)  # (B, 1)
             sequence, step_input = torch.cat([sequence, token], dim=1), token
             yield token
+
+    def _step_logits(self, token: Tensor, caches: list[Cache]) -> Tensor:
+        """Last-position logits ``(B, vocab)`` of one generated token ``(B, 1)`` after the cached
+        ones: :meth:`forward`'s computation for a decoding step of :meth:`generate`, whose tokens
+        and caches it made itself (so none of forward's checks can fail; a full cache or a paged
+        one takes :meth:`forward`, which says so). Positions are the cached length."""
+        length = caches[0].length if type(caches[0]) is KVCache else None
+        if length is None or length + 1 > self.max_len or self.training:
+            return self(token, caches=caches)[:, -1]
+        x = self.tok_emb(token)  # (B, 1, d_model)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb.embedding.weight[length:length + 1]  # the token's position
+        for block, cache in zip(self.blocks, caches):
+            x = block.decode_step(x, cache)
+        return self.lm_head(self.norm(x))[:, -1]  # (B, vocab), as forward computes it
 
     def _decode_ragged(self, prompts, max_new_tokens, temperature, top_k, generator, page_size):
         """Prefill each prompt alone into its rows' pages, then decode every row at once."""
@@ -764,7 +782,7 @@ def _check_padding(padding_mask: object, input_ids: Tensor, caches: object, docu
         given = "caches" if caches is not None else "document_ids"
         raise ValueError(f"padding_mask is for a padded batch without caches or documents; got it with {given} "
                          "(a cache holds each row's own length; documents mask their own boundaries)")
-    _check_padding_type(padding_mask)
+    _check_padding_type(padding_mask, "padding_mask")
     if tuple(padding_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"padding_mask must be (B, T) = {tuple(input_ids.shape)} like input_ids, "
                          f"got {tuple(padding_mask.shape)}")

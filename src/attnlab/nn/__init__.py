@@ -18,7 +18,7 @@ from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.differential import DifferentialAttention
-from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV, CallMask, Chunk, MultiHeadAttention, Window
 from attnlab.nn.native_sparse import NativeSparseAttention
 from attnlab.nn.topk_attention import TopkAttention
 from attnlab.nn.convert import from_torch, to_torch
@@ -33,6 +33,10 @@ from attnlab.nn.positional import (
 
 __all__ = [
     "MultiHeadAttention",
+    "QKV",
+    "Window",
+    "Chunk",
+    "CallMask",
     "from_torch",
     "to_torch",
     "LatentAttention",

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.nn.cache import Cache, KVCache, _restore_on_error
-from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV, CallMask, MultiHeadAttention, pattern_of
 
 __all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
 
@@ -139,23 +139,22 @@ class TransformerBlock(nn.Module):
         super().__init__()
         positive_number("norm_eps", norm_eps)
         self.norm_first = bool(norm_first)
-        common = dict(qkv_bias=bias, out_bias=bias, backend=backend)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         if attn is not None:
             instance_of("attn", attn, nn.Module, "an attention nn.Module (e.g. LatentAttention) or None")
             self.attn = attn
         else:
             self.attn = MultiHeadAttention(
-                d_model, d_model, None, dropout_p, num_heads, causal=causal, num_kv_heads=num_kv_heads,
-                window=window, positions=positions,
-                softcap=softcap, sinks=sinks, chunk=chunk, **common,
+                d_model, d_model, None, dropout_p, num_heads, qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias),
+                pattern=pattern_of(causal, window, chunk), positions=positions, softcap=softcap, sinks=sinks,
+                backend=backend,
             )
         self.norm_cross = self.cross_attn = None
         if cross_attention:
             self.norm_cross = nn.LayerNorm(d_model, eps=norm_eps)
             self.cross_attn = MultiHeadAttention(
-                d_model, d_model, None, dropout_p, num_heads, causal=False,
-                num_kv_heads=num_kv_heads, kdim=d_context, **common,
+                d_model, d_model, None, dropout_p, num_heads, pattern=None, backend=backend,
+                qkv=QKV(num_kv_heads=num_kv_heads, kdim=d_context, bias=bias, out_bias=bias),
             )
         instance_of("mlp", mlp, bool, "a bool")
         self.norm_mlp = self.mlp = None
@@ -195,6 +194,26 @@ class TransformerBlock(nn.Module):
             return self._layers(x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
                                 document_ids)
 
+    def decode_step(self, x: Tensor, cache: Cache) -> Tensor:
+        """The block on one decoding step's ``x`` ``(B, 1, d_model)``, writing ``cache``: what
+        ``self(x, cache=cache)`` computes, without the checks and the cache guard of a user's
+        call (the caller owns the cache, as :meth:`attnlab.models.GPT.generate` does). A
+        post-norm or cross-attention block, or one in training, takes :meth:`forward`.
+
+        Example:
+            >>> block = TransformerBlock(8, 2).eval()
+            >>> cache, x = block.attn.new_cache(1, 4), torch.randn(1, 1, 8)
+            >>> torch.equal(block.decode_step(x, cache), block(x, cache=block.attn.new_cache(1, 4)))
+            True
+        """
+        if not self.norm_first or self.cross_attn is not None or self.training:
+            return self(x, cache=cache)
+        x = x + self.attn(self.norm_attn(x), cache=cache)  # (B, 1, d_model)
+        mlp = self.mlp  # its dropout is the identity out of training
+        if type(mlp) is not FeedForward:
+            return x if mlp is None else x + mlp(self.norm_mlp(x))
+        return x + mlp.fc_out(mlp.act(mlp.fc_in(self.norm_mlp(x))))
+
     def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
                 document_ids=None):
         weights = None
@@ -202,8 +221,11 @@ class TransformerBlock(nn.Module):
         def self_attention(h: Tensor) -> Tensor:
             nonlocal weights
             weights_asked = {"return_weights": True} if return_weights else {}  # modules without weights
-            result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache, document_ids=document_ids,
-                               **weights_asked)
+            if not isinstance(self.attn, MultiHeadAttention):
+                result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache, document_ids=document_ids,
+                                   **weights_asked)
+            else:
+                result = self.attn(h, mask=_call_mask(mask, padding_mask, document_ids), cache=cache, **weights_asked)
             if not return_weights:
                 return result
             result, weights = result
@@ -213,7 +235,7 @@ class TransformerBlock(nn.Module):
         if self.cross_attn is not None:
             x = self._residual(
                 x, self.norm_cross,
-                lambda h: self.cross_attn(h, context=context, padding_mask=context_padding_mask),
+                lambda h: self.cross_attn(h, context=context, mask=_call_mask(None, context_padding_mask, None)),
                 self.residual_dropout,
             )
         if self.mlp is not None:
@@ -227,6 +249,13 @@ class TransformerBlock(nn.Module):
         if self.norm_first:
             return x + drop(sublayer(norm(x)))
         return norm(x + drop(sublayer(x)))
+
+
+def _call_mask(mask, padding_mask, document_ids):
+    """A :class:`MultiHeadAttention` call's one mask from the block's three (None when all are)."""
+    if padding_mask is None and document_ids is None:
+        return mask
+    return CallMask(mask, padding=padding_mask, documents=document_ids)
 
 
 def _num_new(x: object) -> int:

@@ -349,6 +349,22 @@ class KVCache(_BufferCache):
         self.length = stop
         return self.filled()
 
+    def append(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`update` for a caller that has checked the new keys and values (shapes, dtype,
+        device) and the room left: a decoding step's write, without the checks.
+
+        Example:
+            >>> cache = KVCache(1, 1, 4, 2)
+            >>> k, v = cache.append(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+            >>> cache.length, k.shape
+            (1, torch.Size([1, 1, 1, 2]))
+        """
+        start, stop = self.length, self.length + k_new.shape[2]
+        self.keys[:, :, start:stop] = k_new
+        self.values[:, :, start:stop] = v_new
+        self.length = stop
+        return self.keys[:, :, :stop], self.values[:, :, :stop]
+
     def __repr__(self) -> str:
         return (
             f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from attnlab.functional import attention
-from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV, MultiHeadAttention
 
 __all__ = ["from_torch", "to_torch"]
 
@@ -20,7 +20,7 @@ def from_torch(module: nn.MultiheadAttention, *, backend: str = "auto") -> Multi
     The copy is non-causal (as torch's module is), has torch's ``kdim``/``vdim``, biases,
     dropout, dtype and device, and the same weights. attnlab modules are always batch
     first: for a torch module with ``batch_first=False`` transpose ``(T, B, C)`` inputs.
-    torch's ``key_padding_mask`` (True = ignore) becomes ``padding_mask=~key_padding_mask``,
+    torch's ``key_padding_mask`` (True = ignore) becomes ``mask=CallMask(padding=~key_padding_mask)``,
     and its ``key``/``value`` arguments become ``context=key, value_input=value``.
 
     Raises:
@@ -40,9 +40,9 @@ def from_torch(module: nn.MultiheadAttention, *, backend: str = "auto") -> Multi
         raise ValueError("torch modules with add_bias_kv or add_zero_attn have no attnlab equivalent")
     weight = module.out_proj.weight
     new = MultiHeadAttention(
-        module.embed_dim, module.embed_dim, None, module.dropout, module.num_heads,
-        qkv_bias=module.in_proj_bias is not None, causal=False, kdim=module.kdim,
-        vdim=module.vdim, out_bias=module.out_proj.bias is not None, backend=backend,
+        module.embed_dim, module.embed_dim, None, module.dropout, module.num_heads, pattern=None, backend=backend,
+        qkv=QKV(bias=module.in_proj_bias is not None, kdim=module.kdim, vdim=module.vdim,
+                out_bias=module.out_proj.bias is not None),
     ).to(device=weight.device, dtype=weight.dtype)
     _copy_projections(new, module, to_torch=False)
     return new.train(module.training)
@@ -64,7 +64,7 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
             (a length check) and ``backend`` do not change outputs and are not carried.
 
     Example:
-        >>> mha = MultiHeadAttention(8, 8, num_heads=2, causal=False).eval()
+        >>> mha = MultiHeadAttention(8, 8, num_heads=2, pattern=None).eval()
         >>> ref = to_torch(mha)
         >>> x = torch.randn(2, 5, 8)
         >>> torch.allclose(mha(x), ref(x, x, x, need_weights=False)[0], atol=1e-6)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, Wind
                                _restore_on_error, new_positions)
 from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "QKV", "Window", "Chunk", "CallMask", "pattern_of"]
 
 _PARTS = ("query", "key", "value")
 
@@ -45,6 +46,157 @@ class _KeyPaddingMod(_masks.MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.padding_mask[b, kv_idx]
+
+
+@dataclass(frozen=True)
+class QKV:
+    """The projections part of :class:`MultiHeadAttention`: key/value heads, input widths, biases.
+
+    Args:
+        num_kv_heads: key/value heads for grouped-query attention (``1`` = multi-query); must
+            divide ``num_heads``. None: ``num_heads``.
+        kdim: width of the key input (``context``); None: ``d_in``.
+        vdim: width of the value input; None: ``kdim``. When it differs from ``kdim`` pass the
+            values' input as ``forward(..., value_input=...)``.
+        bias: bias in the query/key/value projections (the old ``qkv_bias``).
+        out_bias: bias in ``out_proj``.
+
+    Example:
+        >>> MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=2, bias=True)).in_proj_bias.shape
+        torch.Size([16])
+    """
+
+    num_kv_heads: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool = False
+    out_bias: bool = True
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "kdim", "vdim"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        instance_of("bias", self.bias, bool, "a bool")
+        instance_of("out_bias", self.out_bias, bool, "a bool")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A causal sliding window of ``size`` keys, as :class:`MultiHeadAttention`'s ``pattern``:
+    query ``i`` sees keys ``i - size + 1 .. i`` (:func:`attnlab.masks.sliding_window_mod`); a
+    :class:`~attnlab.nn.WindowedKVCache` of ``size`` slots is then its whole cache.
+
+    Example:
+        >>> MultiHeadAttention(8, 8, num_heads=2, pattern=Window(4)).window
+        4
+    """
+
+    size: int
+
+    def __post_init__(self):
+        positive_int("window", self.size)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Causal chunked-local attention (Llama 4's local layers), as :class:`MultiHeadAttention`'s
+    ``pattern``: query ``i`` sees keys from the start of its ``size``-sized block to ``i``
+    (:func:`attnlab.masks.chunked_local_mod`); a :class:`~attnlab.nn.ChunkedKVCache` is its cache.
+
+    Example:
+        >>> MultiHeadAttention(8, 8, num_heads=2, pattern=Chunk(4)).chunk
+        4
+    """
+
+    size: int
+
+    def __post_init__(self):
+        positive_int("chunk", self.size)
+
+
+@dataclass(frozen=True)
+class CallMask:
+    """One call's mask of :meth:`MultiHeadAttention.forward` in parts: a mask, key padding and
+    packed documents, ANDed (True = may attend).
+
+    Args:
+        mask: a bool/float tensor broadcastable to ``(B, H, Tq, Tk)`` or a mask mod, or None.
+        padding: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache) -- the
+            **opposite** of ``torch.nn.MultiheadAttention(key_padding_mask=...)``.
+        documents: ``(T,)`` or ``(B, T)`` integer ids of the document of each token of a packed
+            sequence (self-attention, no cache): attention stays inside each document and rotary
+            positions restart at 0 at each document start.
+
+    Example:
+        >>> mha = MultiHeadAttention(8, 8, num_heads=2)
+        >>> x, real = torch.randn(2, 3, 8), torch.tensor([[True, True, False], [True, True, True]])
+        >>> mha(x, mask=CallMask(padding=real)).shape
+        torch.Size([2, 3, 8])
+    """
+
+    mask: object = None
+    padding: Tensor | None = None
+    documents: Tensor | None = None
+
+
+_REMOVED = {
+    "qkv_bias": "qkv=QKV(bias=...)", "num_kv_heads": "qkv=QKV(num_kv_heads=...)", "kdim": "qkv=QKV(kdim=...)",
+    "vdim": "qkv=QKV(vdim=...)", "out_bias": "qkv=QKV(out_bias=...)",
+    "causal": "pattern='causal' (the default) or pattern=None (every query sees every key)",
+    "window": "pattern=Window(size)", "chunk": "pattern=Chunk(size)",
+}
+
+
+def _refuse_removed(kwargs: dict) -> None:
+    """``TypeError`` naming the new spelling of each constructor keyword the module no longer takes."""
+    old = [name for name in kwargs if name in _REMOVED]
+    if old:
+        moves = "; ".join(f"{name}= is now {_REMOVED[name]}" for name in old)
+        raise TypeError(f"MultiHeadAttention no longer takes {', '.join(old)}: {moves} "
+                        "(QKV, Window, Chunk from attnlab.nn; see README 'Modules')")
+
+
+def _check_pattern(pattern: object) -> str | Window | Chunk | None:
+    """The standing pattern: ``"causal"``, None (full), a :class:`Window` or a :class:`Chunk`."""
+    if pattern is None or pattern == "causal" or isinstance(pattern, (Window, Chunk)):
+        return pattern
+    raise ValueError(f"pattern must be 'causal', None (no mask), Window(size) or Chunk(size); got {pattern!r}")
+
+
+def pattern_of(causal: bool = True, window: int | None = None, chunk: int | None = None) -> str | Window | Chunk | None:
+    """The ``pattern`` of :class:`MultiHeadAttention` from the flags a block or model still takes.
+
+    Example:
+        >>> pattern_of(True, 4), pattern_of(False), pattern_of(chunk=8)
+        (Window(size=4), None, Chunk(size=8))
+    """
+    instance_of("causal", causal, bool, "a bool")
+    window, chunk = _check_window(window, causal), _check_chunk(chunk, causal, window)
+    if window is not None:
+        return Window(window)
+    if chunk is not None:
+        return Chunk(chunk)
+    return "causal" if causal else None
+
+
+def _mask_parts(mask: object, causal: bool) -> tuple[object, object, Tensor | None]:
+    """``forward(mask=...)`` as ``(mask, padding, documents)``: a :class:`CallMask` in its parts,
+    a :func:`~attnlab.masks.padding_mod` as key padding, a :func:`~attnlab.masks.document_mod`
+    as packed documents (its causality is the module's), anything else as the mask."""
+    if isinstance(mask, CallMask):
+        return mask.mask, mask.padding, mask.documents
+    if isinstance(mask, _masks.PaddingMod):
+        return None, ("lengths", mask.lengths), None
+    if isinstance(mask, _masks.DocumentMod):
+        if mask.causal != causal:
+            raise ValueError(f"document_mod(causal={mask.causal}) on a module with pattern "
+                             f"{'causal' if causal else None}: the module's pattern rules causality; pass "
+                             f"document_mod(ids, causal={causal}) or CallMask(documents=ids)")
+        if mask.offset:
+            raise ValueError(f"a document_mod with offset={mask.offset} cannot be a module's documents; pass "
+                             "CallMask(documents=ids) for the tokens of this call")
+        return None, None, mask.ids
+    return mask, None, None
 
 
 class MultiHeadAttention(nn.Module):
@@ -69,22 +221,24 @@ class MultiHeadAttention(nn.Module):
     :func:`attnlab.tutorial.load_tutorial_state_dict`; :class:`attnlab.tutorial.Projections`
     shows the parts under the tutorials' names.
 
-    **Masks** (True = may attend). ``mask`` broadcasts to ``(B, H, Tq, Tk)`` (a 2-D
-    ``(Tq, Tk)`` or a 4-D tensor), is a float bias (e.g. ALiBi), or a mask mod.
-    ``padding_mask`` ``(B, Tk)`` is True at real key tokens -- the **opposite** of
-    ``torch.nn.MultiheadAttention(key_padding_mask=...)``; convert with ``~key_padding_mask``.
-    A query with nothing to attend to gets a zero context vector (so its output is
-    ``out_proj.bias``), never NaN.
+    **Masks** (True = may attend) come in two places. The standing ``pattern`` (constructor):
+    ``"causal"``, None (every query sees every key), :class:`Window` or :class:`Chunk`. The
+    call's ``mask`` (:meth:`forward`): a tensor broadcastable to ``(B, H, Tq, Tk)`` (bool, or a
+    float bias), a mask mod, :func:`attnlab.masks.padding_mod` / :func:`attnlab.masks.document_mod`,
+    or a :class:`CallMask` of a mask, key ``padding`` ``(B, Tk)`` (True at real key tokens -- the
+    **opposite** of ``torch.nn.MultiheadAttention(key_padding_mask=...)``; convert with
+    ``~key_padding_mask``) and packed ``documents``. A query with nothing to attend to gets a
+    zero context vector (so its output is ``out_proj.bias``), never NaN.
 
     **Causal** applies to self-attention only: query ``i`` sees keys up to its own position,
     aligned bottom-right when a KV cache holds earlier tokens. With ``context``
-    (cross-attention) ``causal`` is ignored -- every query may see every real context token;
+    (cross-attention) the pattern is ignored -- every query may see every real context token;
     pass ``mask`` for any other pattern.
 
     Shapes:
         x: ``(B, Tq, d_in)`` or unbatched ``(Tq, d_in)``.
         context: ``(B, Tk, kdim)`` / ``(Tk, kdim)``; keys and values both read ``context``.
-        mask: broadcastable to ``(B, H, Tq, Tk)``; padding_mask: ``(B, Tk)`` / ``(Tk,)``.
+        mask: broadcastable to ``(B, H, Tq, Tk)``; padding: ``(B, Tk)`` / ``(Tk,)``.
         output: ``(B, Tq, d_out)`` / ``(Tq, d_out)``; weights: ``(B, H, Tq, Tk)`` /
         ``(H, Tq, Tk)``. With a cache, ``Tk`` = cached length + ``Tq``.
 
@@ -94,15 +248,27 @@ class MultiHeadAttention(nn.Module):
         context_length: optional bound on the number of (cached + new) tokens.
         dropout_p: dropout probability on the attention weights, applied in training only.
         num_heads: number of query heads.
-        qkv_bias: bias in the query/key/value projections.
-        causal: causal self-attention (default True, as in the tutorials).
-        num_kv_heads: key/value heads for grouped-query attention (``1`` = multi-query);
-            must divide ``num_heads``. Defaults to ``num_heads``.
-        kdim: width of the key input (``context``); defaults to ``d_in``.
-        vdim: width of the value input; defaults to ``kdim``. When it differs from ``kdim``
-            pass the values' input as ``forward(..., value_input=...)``.
-        out_bias: bias in ``out_proj``.
+        qkv: the projections part, a :class:`QKV` (key/value heads for grouped-query
+            attention, key and value input widths, the Q/K/V and output biases); None:
+            ``QKV()``, every head its own keys, inputs of width ``d_in``, no Q/K/V bias.
+        pattern: the standing mask of self-attention: ``"causal"`` (the default, as in the
+            tutorials), None (bidirectional), :class:`Window` ``(size)`` (a causal sliding
+            window: query ``i`` sees keys ``i - size + 1 .. i``, which the block-sparse backend
+            serves by skipping the blocks outside the band; a :class:`~attnlab.nn.WindowedKVCache`
+            of ``size`` slots is then the whole cache it needs, :meth:`new_cache` with
+            ``windowed=True``) or :class:`Chunk` ``(size)`` (chunked-local attention, Llama 4's
+            local layers: query ``i`` sees keys from ``i - i % size`` to ``i``; a
+            :class:`~attnlab.nn.ChunkedKVCache` of ``size`` slots is its whole cache).
+        positions: the positions part of self-attention, or None. ``"rope"`` (or a
+            :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``) rotates queries and
+            keys; ``"alibi"`` (or an :class:`~attnlab.nn.positional.ALiBi` of ``num_heads``) adds
+            ALiBi to the scores (causal or, for a non-causal module, symmetric; a KV cache's
+            earlier tokens keep their distances; with a cache, a :class:`KVCache`).
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
+        softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
+        sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
+            ``(num_heads,)`` initialised to 0: a key of value 0 that only takes probability mass.
+            Score mods and sinks apply before masks (see :mod:`attnlab.scores`).
         attention: the attention function part, with :func:`attnlab.attention`'s signature
             (the default). Every call of the module goes through it, so a wrapper swaps it to
             change how heads attend: :func:`attnlab.distributed.context_parallel` puts a sharded
@@ -110,24 +276,10 @@ class MultiHeadAttention(nn.Module):
             the module then asks it for its tokens' positions (``part.positions(T, device=)``)
             and passes it the layer's whole rule (causal, window, score mods, sinks), never a
             cache, mask, ``context`` or weights.
-        window: a causal sliding window for self-attention: query ``i`` sees keys ``i - window + 1
-            .. i`` only (:func:`attnlab.masks.sliding_window_mod`, which the block-sparse backend
-            serves by skipping the blocks outside the band); a
-            :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots is then the whole cache it
-            needs (:meth:`new_cache` with ``windowed=True``). Needs ``causal=True``.
-        chunk: chunked-local self-attention (Llama 4's local layers): query ``i`` sees keys from
-            the start of its ``chunk``-sized block (``i - i % chunk``) to ``i`` only
-            (:func:`attnlab.masks.chunked_local_mod`); a :class:`~attnlab.nn.ChunkedKVCache` of
-            ``chunk`` slots is its whole cache. Needs ``causal=True``, no ``window``.
-        positions: the positions part of self-attention, or None. ``"rope"`` (or a
-            :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``) rotates queries and
-            keys; ``"alibi"`` (or an :class:`~attnlab.nn.positional.ALiBi` of ``num_heads``) adds
-            ALiBi to the scores (causal or, for a non-causal module, symmetric; a KV cache's
-            earlier tokens keep their distances; with a cache, a :class:`KVCache`).
-        softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
-        sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
-            ``(num_heads,)`` initialised to 0: a key of value 0 that only takes probability mass.
-            Score mods and sinks apply before masks (see :mod:`attnlab.scores`).
+
+    The constructor keywords of earlier versions (``qkv_bias``, ``num_kv_heads``, ``kdim``,
+    ``vdim``, ``out_bias``, ``causal``, ``window``, ``chunk``) raise a ``TypeError`` naming their
+    new spelling.
 
     Example:
         >>> torch.manual_seed(1240)  # doctest: +ELLIPSIS
@@ -135,7 +287,7 @@ class MultiHeadAttention(nn.Module):
         >>> mha = MultiHeadAttention(3, 2, 12, 0.0, 2)        # the tutorials' call
         >>> mha(torch.rand(2, 12, 3)).shape
         torch.Size([2, 12, 2])
-        >>> gqa = MultiHeadAttention(64, 64, num_heads=8, num_kv_heads=2, positions="rope")
+        >>> gqa = MultiHeadAttention(64, 64, num_heads=8, qkv=QKV(num_kv_heads=2), positions="rope")
         >>> cache = gqa.new_cache(batch_size=1, max_len=16)
         >>> with torch.no_grad():
         ...     prefill = gqa(torch.randn(1, 5, 64), cache=cache)
@@ -147,6 +299,10 @@ class MultiHeadAttention(nn.Module):
         (torch.Size([2, 5, 16]), torch.Size([4]))
     """
 
+    def __new__(cls, *args, **kwargs):
+        _refuse_removed(kwargs)  # the old keywords get their new spelling, not Python's bare TypeError
+        return super().__new__(cls)
+
     def __init__(
         self,
         d_in: int,
@@ -155,38 +311,34 @@ class MultiHeadAttention(nn.Module):
         dropout_p: float = 0.0,
         num_heads: int = 1,
         *,
-        qkv_bias: bool = False,
-        causal: bool = True,
-        num_kv_heads: int | None = None,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        out_bias: bool = True,
+        qkv: QKV | None = None,
+        pattern: str | Window | Chunk | None = "causal",
         positions: str | RotaryEmbedding | ALiBi | None = None,
         backend: str = "auto",
-        window: int | None = None,
         softcap: float | None = None,
         sinks: bool = False,
         attention: Callable = attention,
-        chunk: int | None = None,
     ):
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        kdim = d_in if kdim is None else kdim
-        vdim = kdim if vdim is None else vdim
+        qkv = QKV() if qkv is None else instance_of("qkv", qkv, QKV, "an attnlab.nn.QKV (or None)")
+        num_kv_heads = num_heads if qkv.num_kv_heads is None else qkv.num_kv_heads
+        kdim = d_in if qkv.kdim is None else qkv.kdim
+        vdim = kdim if qkv.vdim is None else qkv.vdim
         self._check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim)
-        instance_of("causal", causal, bool, "a bool")
         check_backend_name(backend)
-        self.window = _check_window(window, causal)
-        self.chunk = _check_chunk(chunk, causal, window)
+        self.pattern = _check_pattern(pattern)
+        self.causal = pattern is not None
+        self.window = pattern.size if isinstance(pattern, Window) else None
+        self.chunk = pattern.size if isinstance(pattern, Chunk) else None
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
         self.d_kv = num_kv_heads * self.head_dim
-        self.context_length, self.dropout_p, self.causal = context_length, float(dropout_p), causal
+        self.context_length, self.dropout_p = context_length, float(dropout_p)
         self.backend = backend
         self.fused = kdim == d_in and vdim == d_in
-        self._make_projections(qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self._make_projections(qkv.bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=qkv.out_bias)
         self.positions = self._make_positions(positions)
         self.softcap = None if softcap is None else positive_number("softcap", softcap)
         instance_of("sinks", sinks, bool, "a bool")
@@ -196,6 +348,12 @@ class MultiHeadAttention(nn.Module):
                             f"{type(attention).__name__}")
         self.attention = attention
         self._refuse_backend()
+
+    @property
+    def qkv(self) -> QKV:
+        """The projections part as given (heads and widths resolved)."""
+        return QKV(num_kv_heads=self.num_kv_heads, kdim=self.kdim, vdim=self.vdim,
+                   bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None)
 
     def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
         """The positions part from its name or as given (its sizes checked)."""
@@ -294,7 +452,7 @@ class MultiHeadAttention(nn.Module):
             ``qkv_bias``.
 
         Example:
-            >>> mha = MultiHeadAttention(4, 6, num_heads=2, num_kv_heads=1, qkv_bias=True)
+            >>> mha = MultiHeadAttention(4, 6, num_heads=2, qkv=QKV(num_kv_heads=1, bias=True))
             >>> weight, bias = mha.projection("key")
             >>> weight.shape, torch.equal(weight, mha.in_proj_weight[6:9]), bias.shape
             (torch.Size([3, 4]), True, torch.Size([3]))
@@ -317,7 +475,7 @@ class MultiHeadAttention(nn.Module):
             x: ``(B, T, d_in)`` -> q ``(B, H, T, hd)``, k and v ``(B, Hkv, T, hd)``.
 
         Example:
-            >>> q, k, v = MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=2).project_qkv(
+            >>> q, k, v = MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=2)).project_qkv(
             ...     torch.randn(1, 3, 8))
             >>> q.shape, k.shape
             (torch.Size([1, 4, 3, 2]), torch.Size([1, 2, 3, 2]))
@@ -350,7 +508,7 @@ class MultiHeadAttention(nn.Module):
             context: ``(B, Tk, kdim)``; value_input: ``(B, Tk, vdim)`` -> k, v ``(B, Hkv, Tk, hd)``.
 
         Example:
-            >>> k, v = MultiHeadAttention(8, 8, num_heads=2, kdim=5).project_kv(torch.randn(1, 3, 5))
+            >>> k, v = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(kdim=5)).project_kv(torch.randn(1, 3, 5))
             >>> k.shape
             torch.Size([1, 2, 3, 4])
         """
@@ -372,40 +530,47 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         *,
         context: Tensor | None = None,
-        mask: Tensor | Callable | None = None,
-        padding_mask: Tensor | None = None,
+        mask: Tensor | Callable | CallMask | None = None,
         cache: KVCache | None = None,
         return_weights: bool = False,
         value_input: Tensor | None = None,
-        document_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend and project; see the class docstring for shapes and mask polarity.
 
         The common call (self-attention, no cache, mask, positions or window) is checked once
-        and goes straight to the attention part: project, attend, out-project.
+        and goes straight to the attention part: project, attend, out-project. A decoding step
+        (one new token per row, a :class:`KVCache`, no mask) takes :meth:`_decode_step`.
 
         Args:
             x: queries' input ``(B, Tq, d_in)`` or ``(Tq, d_in)``.
             context: keys' and values' input for cross-attention; None = self-attention.
-            mask: bool (True = may attend) / float (added to scores) tensor broadcastable to
-                ``(B, H, Tq, Tk)``, or a mask mod ``(b, h, q_idx, kv_idx) -> bool``.
-            padding_mask: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache).
+            mask: this call's mask, ANDed with the module's ``pattern``: a bool (True = may
+                attend) / float (added to scores) tensor broadcastable to ``(B, H, Tq, Tk)``, a
+                mask mod ``(b, h, q_idx, kv_idx) -> bool``, :func:`attnlab.masks.padding_mod`
+                (key lengths ``(B,)``), :func:`attnlab.masks.document_mod` (packed documents, its
+                ``causal`` the module's), or a :class:`CallMask` of a mask, key ``padding``
+                ``(B, Tk)`` (True at real keys; cached + new with a cache) and ``documents``.
+                Documents go with self-attention and no cache; rotary positions restart at 0 at
+                each document start.
             cache: a :class:`~attnlab.nn.Cache` from :meth:`new_cache`; the new keys/values are
                 appended and the queries attend to everything cached they may see
-                (self-attention only). ``mask`` and ``padding_mask`` go with a :class:`KVCache`
-                only; a paged cache's rows may hold different lengths and return no weights.
+                (self-attention only). A mask goes with a :class:`KVCache` only; a paged cache's
+                rows may hold different lengths and return no weights.
             return_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
                 (before dropout); ``out`` is computed exactly as without them.
             value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``.
-            document_ids: ``(T,)`` or ``(B, T)`` integer ids of the document each token of a
-                packed sequence belongs to (self-attention, no cache): attention stays inside
-                each document and rotary positions restart at 0 at each document start.
 
         Returns:
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
+        if cache.__class__ is KVCache and mask is None and context is None and not return_weights:
+            step = self._decode_step(x, cache)  # None: not a plain decoding step, the general path below
+            if step is not None:  # the one query is the newest token: it sees every cached key, no mask
+                out = self.attention(*step, causal=False, dropout_p=0.0, backend=self.backend,
+                                     sinks=self.sinks)  # (B, H, 1, hd)
+                return self.out_proj(out.reshape(x.shape[0], 1, self.d_out))  # (B, 1, d_out); T = 1: no transpose
         self._check_inputs(x, context, value_input)
-        if (context is None and mask is None and padding_mask is None and cache is None and document_ids is None
+        if (context is None and mask is None and cache is None
                 and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
                 and self.window is None and self.chunk is None and self.softcap is None
                 and (self.context_length is None or x.shape[1] <= self.context_length)
@@ -418,15 +583,16 @@ class MultiHeadAttention(nn.Module):
             out = self.attention(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0,
                                  backend=self.backend, sinks=self.sinks)  # (B, H, T, hd)
             return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_out))  # (B, T, d_out)
+        mask, padding_mask, document_ids = _mask_parts(mask, self.causal)
         unbatched = x.ndim == 2
         x, context, value_input, mask, padding_mask = _batch_inputs(x, context, value_input, mask, padding_mask,
                                                                      unbatched)
         if getattr(self.attention, "shards", False):
             out, weights = self._attend_shards(x, context, mask, padding_mask, cache, return_weights, document_ids)
         else:
-            documents = _check_documents(document_ids, x, context, cache)
+            documents = _check_documents(document_ids, x, context, cache, "documents (CallMask(documents=...))")
             if documents is not None and self.chunk is not None:
-                raise ValueError(f"document_ids with chunk={self.chunk}: chunks count from each row's start, "
+                raise ValueError(f"documents with pattern=Chunk({self.chunk}): chunks count from each row's start, "
                                  "not each document's; run the documents as rows of their own")
             if cache is not None:
                 _check_cache(cache, x, context, self.num_kv_heads, self.window, self.chunk)
@@ -442,6 +608,40 @@ class MultiHeadAttention(nn.Module):
         if unbatched:
             out, weights = out[0], None if weights is None else weights[0]
         return (out, weights) if return_weights else out
+
+    def _decode_step(self, x: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
+        """One decoding step's ``(q, keys, values)`` for the attention part, ``x`` ``(B, 1, d_in)``
+        written to a :class:`KVCache`; None when the call is not one (the general path then checks
+        it and raises what is wrong). :meth:`forward` calls the part itself, one frame below it.
+
+        The step :meth:`forward` takes when it can: fused projections, rotary or no positions, the
+        causal pattern, no score mods, an unsharded part, eval (or no dropout). Everything the
+        general path would check is checked here with attribute reads only, before the cache is
+        written; the rotary tables are the positions part's cached ones, sliced at the new position.
+
+        Shapes:
+            x: ``(B, 1, d_in)`` -> q ``(B, H, 1, hd)``, keys and values ``(B, Hkv, length + 1, hd)``.
+        """
+        weight = self.out_proj.weight
+        length = cache.length
+        if not (isinstance(x, Tensor) and x.ndim == 3 and x.shape[1] == 1 and x.shape[2] == self.d_in and self.fused
+                and x.dtype == weight.dtype and x.device == weight.device and self.pattern == "causal"
+                and self.softcap is None and (self.positions is None or type(self.positions) is RotaryEmbedding)
+                and (not self.training or self.dropout_p == 0.0) and not getattr(self.attention, "shards", False)
+                and cache.keys.shape[:2] == (x.shape[0], self.num_kv_heads) and cache.keys.dtype == x.dtype
+                and cache.keys.device == x.device and length < cache.keys.shape[2]
+                and (self.context_length is None or length < self.context_length)):
+            return None
+        B, H, qk = x.shape[0], self.num_heads, self.num_heads + self.num_kv_heads
+        heads = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(B, qk + self.num_kv_heads, 1, self.head_dim)
+        # (B, H + 2 Hkv, 1, hd): query, key, value heads in the fused rows' order (T = 1: no transpose)
+        if self.positions is not None:  # queries and keys rotated in one call
+            cos, sin = self.positions.cos_sin(1, offset=length, dtype=x.dtype, device=x.device)  # (1, hd/2)
+            rotated = apply_rotary(heads[:, :qk], cos, sin)  # (B, H + Hkv, 1, hd)
+            q, k = rotated[:, :H], rotated[:, H:]
+        else:
+            q, k = heads[:, :H], heads[:, H:qk]
+        return (q, *cache.append(k, heads[:, qk:]))  # keys, values (B, Hkv, length + 1, hd)
 
     def _prepare(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
         """Project, rotate and cache; ``(q, k, v, options)`` for the attention part (the module's rule).
@@ -486,7 +686,7 @@ class MultiHeadAttention(nn.Module):
 
         Example:
             >>> import attnlab
-            >>> mha = MultiHeadAttention(8, 8, num_heads=2, window=2)
+            >>> mha = MultiHeadAttention(8, 8, num_heads=2, pattern=Window(2))
             >>> q = k = v = torch.randn(1, 2, 4, 4)
             >>> torch.allclose(mha.attend_heads(q, k, v), attnlab.attention(
             ...     q, k, v, mask=attnlab.masks.sliding_window_mod(4, 4, 2)), atol=1e-6)
@@ -501,8 +701,8 @@ class MultiHeadAttention(nn.Module):
         """Self-attention on this rank's shard ``x`` ``(B, T_local, d_in)`` through a sharded
         attention part: the layer's whole rule (causal, window, softcap, ALiBi, rotary positions
         and sinks) over the global sequence, whose positions the part gives."""
-        refused = [name for name, value in (("context", context), ("mask", mask), ("padding_mask", padding_mask),
-                                            ("cache", cache), ("document_ids", document_ids)) if value is not None]
+        refused = [name for name, value in (("context", context), ("mask", mask), ("padding", padding_mask),
+                                            ("cache", cache), ("documents", document_ids)) if value is not None]
         refused += ["return_weights"] if return_weights else []
         refused += ["attention dropout in training"] if self.training and self.dropout_p > 0 else []
         if refused:
@@ -596,9 +796,9 @@ class MultiHeadAttention(nn.Module):
         when the window is wider than ``max_len`` (it never slides; ``windowed=True`` forces the ring).
 
         Example:
-            >>> MultiHeadAttention(8, 8, num_heads=4, num_kv_heads=1).new_cache(2, 32)
+            >>> MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=1)).new_cache(2, 32)
             KVCache(batch_size=2, num_kv_heads=1, length=0, max_len=32, head_dim=2, dtype=torch.float32)
-            >>> MultiHeadAttention(8, 8, num_heads=4, window=4).new_cache(1, 32).window
+            >>> MultiHeadAttention(8, 8, num_heads=4, pattern=Window(4)).new_cache(1, 32).window
             4
         """
         return make_cache(batch_size, self.num_kv_heads, max_len, self.head_dim,
@@ -630,7 +830,7 @@ def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):
         return x, context, value_input, mask, padding_mask
     if isinstance(mask, Tensor) and mask.ndim == 3:
         mask = mask[None]  # (1, H, Tq, Tk)
-    if padding_mask is not None:
+    if padding_mask is not None and not isinstance(padding_mask, tuple):  # a padding_mod's lengths stay (1,)
         _check_padding_type(padding_mask)
         padding_mask = padding_mask[None]  # (1, Tk)
     add = (lambda t: None if t is None else t[None])
@@ -853,27 +1053,28 @@ def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool,
         raise ValueError(f"positions='alibi' needs a KVCache (keys in position order); got a "
                          f"{type(cache).__name__}")
     if not isinstance(cache, KVCache) and (mask is not None or padding_mask is not None):
-        raise ValueError(f"mask and padding_mask go with a KVCache, whose keys they index; got a "
+        raise ValueError(f"a mask or padding (padding_mask, CallMask(padding=...)) goes with a KVCache, whose "
+                         f"keys it indexes; got a "
                          f"{type(cache).__name__}")
     if isinstance(cache, PagedKVCache) and return_weights:
         raise ValueError("return_weights with a PagedKVCache: its rows have different lengths; "
                          "use a KVCache to read weights")
 
 
-def _check_documents(document_ids: object, x: Tensor, context, cache) -> Tensor | None:
-    """``document_ids`` as ``(B|1, T)`` int64 after checking it against ``x`` (None passes)."""
+def _check_documents(document_ids: object, x: Tensor, context, cache, name: str = "document_ids") -> Tensor | None:
+    """``document_ids`` as ``(B|1, T)`` int64 after checking it against ``x`` (None passes); errors
+    name ``name``, the argument the caller was given (the module's: ``documents``)."""
     if document_ids is None:
         return None
     if context is not None or cache is not None:
-        raise ValueError("document_ids packs documents for self-attention; it cannot be combined "
-                         "with context= or cache=")
-    instance_of("document_ids", document_ids, Tensor, "an integer tensor (T,) or (B, T)")
-    integer_dtype("document_ids", document_ids, unsigned=True)  # ids are only compared
+        raise ValueError(f"{name} packs documents for self-attention; it cannot be combined with context= or cache=")
+    instance_of(name, document_ids, Tensor, "an integer tensor (T,) or (B, T)")
+    integer_dtype(name, document_ids, unsigned=True)  # ids are only compared
     ids = document_ids if document_ids.ndim != 1 else document_ids[None]  # (B|1, T)
     B, T = x.shape[:2]
     if ids.ndim != 2 or ids.shape[1] != T or ids.shape[0] not in (1, B):
         raise ValueError(
-            f"document_ids must be an integer tensor (T,) or (B, T) with T = {T}, B = {B}; got "
+            f"{name} must be an integer tensor (T,) or (B, T) with T = {T}, B = {B}; got "
             f"shape {tuple(document_ids.shape)} dtype {document_ids.dtype}"
         )
     return ids.to(device=x.device, dtype=torch.int64)
@@ -888,10 +1089,12 @@ def _with_documents(mask, documents: Tensor, *, tq: int):
     return _masks.and_masks(mask, dense)  # (B|1, 1, T, T) with the user's dense mask
 
 
-def _check_padding_type(padding_mask: object) -> None:
+def _check_padding_type(padding_mask: object, name: str = "padding (CallMask(padding=...))") -> None:
+    """``TypeError`` naming ``name`` unless ``padding_mask`` is a bool tensor (a module's or model's
+    ``padding_mask=`` argument passes its own name)."""
     if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
         raise TypeError(
-            "padding_mask must be a bool tensor, True at real tokens (the opposite of torch's "
+            f"{name} must be a bool tensor, True at real tokens (the opposite of torch's "
             f"key_padding_mask); got {type(padding_mask).__name__} "
             f"{getattr(padding_mask, 'dtype', '')}"
         )
@@ -901,10 +1104,15 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
     """AND the user's mask with the key padding mask ``(B, Tk)`` (True = real token)."""
     if padding_mask is None:
         return mask
+    if isinstance(padding_mask, tuple):  # a padding_mod's key lengths (B,)
+        lengths = padding_mask[1]
+        if lengths.numel() != batch:
+            raise ValueError(f"padding_mod's lengths must be (B,) = ({batch},), got {tuple(lengths.shape)}")
+        padding_mask = torch.arange(tk, device=lengths.device) < lengths.reshape(batch, 1)  # (B, Tk)
     _check_padding_type(padding_mask)
     if tuple(padding_mask.shape) != (batch, tk):
         raise ValueError(
-            f"padding_mask must be (B, Tk) = {(batch, tk)}, got {tuple(padding_mask.shape)}"
+            f"the mask's padding must be (B, Tk) = {(batch, tk)}, got {tuple(padding_mask.shape)}"
         )
     if mask is not None and not isinstance(mask, Tensor):
         return _masks.and_masks(mask, _KeyPaddingMod(padding_mask))
@@ -912,6 +1120,6 @@ def _combine_masks(mask, padding_mask, *, batch: int, tk: int):
         return _masks.and_masks(mask, padding_mask[:, None, None, :])  # (B, 1, 1, Tk)
     except ValueError:
         raise ValueError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast with padding_mask "
+            f"mask of shape {tuple(mask.shape)} does not broadcast with the padding "
             f"(B, Tk) = {(batch, tk)} to (B, H, Tq, Tk)"
         ) from None

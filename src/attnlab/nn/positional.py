@@ -38,6 +38,10 @@ __all__ = [
 ]
 
 
+_CPU = torch.device("cpu")
+TABLE_CACHE = 1 << 16  # positions whose rotary tables a RotaryEmbedding keeps per dtype and device
+
+
 def _check_input(x: object, dim: int) -> Tensor:
     """``x`` if it is a floating-point tensor of at least 2 dims whose last dim is ``dim``."""
     instance_of("x", x, Tensor, "a torch.Tensor")
@@ -219,14 +223,37 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, num_positions: int, *, offset: int = 0, dtype=torch.float32, device=None):
         """``(cos, sin)`` tables of shape ``(num_positions, D/2)`` for positions from ``offset``.
 
+        The tables are built once per dtype and device for the first :data:`TABLE_CACHE` positions
+        (grown by doubling, never past that bound) and sliced per call: a decoding step reads
+        one row instead of recomputing its angles. Slices equal the freshly computed rows exactly
+        (the same elementwise fp64 angles); positions past the bound, and calls while compiling,
+        are computed as before.
+
         Example:
             >>> cos, sin = RotaryEmbedding(4).cos_sin(3)
             >>> cos.shape
             torch.Size([3, 2])
+            >>> rope = RotaryEmbedding(8)
+            >>> torch.equal(rope.cos_sin(2, offset=5)[1], rope._angles(2, 5, torch.float32, torch.device("cpu"))[1])
+            True
         """
-        non_negative_int("num_positions", num_positions)
-        non_negative_int("offset", offset)
-        device = torch.device("cpu") if device is None else torch.device(device)
+        if type(num_positions) is not int or type(offset) is not int or num_positions < 0 or offset < 0:
+            non_negative_int("num_positions", num_positions)
+            non_negative_int("offset", offset)
+        device = _CPU if device is None else torch.device(device)
+        stop = offset + num_positions
+        if stop > TABLE_CACHE or torch.compiler.is_compiling():
+            return self._angles(num_positions, offset, dtype, device)
+        tables = self.__dict__.setdefault("_tables", {})  # (dtype, device) -> (cos, sin), not state
+        table = tables.get((dtype, device))
+        if table is None or table[0].shape[0] < stop:
+            size = min(TABLE_CACHE, max(stop, 64, 2 * (0 if table is None else table[0].shape[0])))
+            with torch.inference_mode(False), torch.no_grad():  # usable outside inference mode too
+                table = tables[(dtype, device)] = self._angles(size, 0, dtype, device)
+        return table[0][offset:stop], table[1][offset:stop]  # (num_positions, D/2) each
+
+    def _angles(self, num_positions: int, offset: int, dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` ``(num_positions, D/2)`` computed: fp64 angles (fp32 on MPS), cast to ``dtype``."""
         work = _angle_dtype(device)
         pos = torch.arange(offset, offset + num_positions, dtype=work, device=device)
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=work, device=device)

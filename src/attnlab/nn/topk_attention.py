@@ -278,7 +278,7 @@ def _index_mask(mask, *, batch: int, tq: int, tk: int, device) -> Tensor | None:
 def _check_padding(padding_mask: object, batch: int, tokens: int) -> Tensor | None:
     if padding_mask is None:
         return None
-    _check_padding_type(padding_mask)
+    _check_padding_type(padding_mask, "padding_mask")
     if tuple(padding_mask.shape) != (batch, tokens):
         raise ValueError(f"padding_mask must be (B, T) = {(batch, tokens)}, got {tuple(padding_mask.shape)}")
     return padding_mask

@@ -36,6 +36,7 @@ from attnlab.lab.bench.competitors import NanoGPTAttention, SeedMultiHeadAttenti
 from attnlab.lab.bench.timing import BenchRow, compare, machine_line, matmul_peak, print_rows
 from attnlab.nn.convert import to_torch
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV
 
 __all__ = ["ModulesConfig", "build_modules", "nanogpt_twin", "run_modules_suite"]
 
@@ -80,7 +81,7 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
         ['attnlab', 'attnlab backend=sdpa', 'nanoGPT-style', 'seed document', 'torch.nn.MultiheadAttention']
     """
     C, H, T = config.d_model, config.num_heads, config.seq_len
-    ours = MultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
+    ours = MultiHeadAttention(C, C, T, 0.0, H, qkv=QKV(bias=True)).to(config.dtype)
     theirs = to_torch(ours, batch_first=True)
     seed = SeedMultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True).to(config.dtype)
     with torch.no_grad():
@@ -97,7 +98,7 @@ def build_modules(config: ModulesConfig) -> dict[str, Callable[[Tensor], Tensor]
 
     contenders = {"attnlab": ours}
     if "sdpa" in available():  # the module on a named backend, to separate dispatch
-        pinned = MultiHeadAttention(C, C, T, 0.0, H, qkv_bias=True, backend="sdpa").to(config.dtype)
+        pinned = MultiHeadAttention(C, C, T, 0.0, H, backend="sdpa", qkv=QKV(bias=True)).to(config.dtype)
         pinned.load_state_dict(ours.state_dict())
         contenders["attnlab backend=sdpa"] = pinned
     contenders.update({"torch.nn.MultiheadAttention": torch_mha, "seed document": seed,
@@ -110,7 +111,7 @@ def nanogpt_twin(ours: MultiHeadAttention, *, num_heads: int) -> NanoGPTAttentio
     projection and output projection copied; ``ours`` must have biases).
 
     Example:
-        >>> ours = MultiHeadAttention(16, 16, 8, 0.0, 2, qkv_bias=True)
+        >>> ours = MultiHeadAttention(16, 16, 8, 0.0, 2, qkv=QKV(bias=True))
         >>> x = torch.randn(1, 8, 16)
         >>> bool(torch.allclose(nanogpt_twin(ours, num_heads=2)(x), ours(x), atol=1e-5))
         True

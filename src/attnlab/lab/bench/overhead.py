@@ -44,6 +44,7 @@ from attnlab.lab.bench.timing import BenchRow, compare
 from attnlab.functional import attention
 from attnlab.integrations import transformers as hf_integration
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV
 
 __all__ = ["OverheadSizes", "OverheadRow", "sizes_for", "overhead_suite", "legend", "print_overhead"]
 
@@ -298,8 +299,7 @@ def module_rows(sizes: OverheadSizes) -> list[OverheadRow]:
     config = sizes.module
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        ours = MultiHeadAttention(config.d_model, config.d_model, config.seq_len, 0.0, config.num_heads,
-                                  qkv_bias=True)
+        ours = MultiHeadAttention(config.d_model, config.d_model, config.seq_len, 0.0, config.num_heads, qkv=QKV(bias=True))
         x = torch.randn(config.batch, config.seq_len, config.d_model)  # (B, T, C)
         grad_out = torch.randn_like(x)
     nano = nanogpt_twin(ours, num_heads=config.num_heads)

@@ -43,6 +43,7 @@ from attnlab.lab.bench.timing import BenchRow, compare
 from attnlab.functional import attention
 from attnlab.models import GPT
 from attnlab.nn.multihead import MultiHeadAttention
+from attnlab.nn.multihead import QKV, CallMask
 
 __all__ = ["PARTS", "spread_lengths", "combined_mask", "padded_suite", "busy_core"]
 
@@ -186,12 +187,12 @@ def training_rows(t: int, *, rounds: int) -> list[BenchRow]:
     lengths = spread_lengths(BATCH, t)
     real, combined = torch.arange(t) < lengths[:, None], combined_mask(lengths, t)
     d_model = HEADS * DIMS
-    module = MultiHeadAttention(d_model, d_model, t, 0.0, HEADS, qkv_bias=True, causal=True)
+    module = MultiHeadAttention(d_model, d_model, t, 0.0, HEADS, qkv=QKV(bias=True))
     twin = nanogpt_twin(module, num_heads=HEADS)
     x = torch.randn(BATCH, t, d_model, requires_grad=True)
     grad_out = torch.randn(BATCH, t, d_model)
     modules = {"nanoGPT-style, SDPA + combined mask": lambda: twin(x, attn_mask=combined),
-               "attnlab MultiHeadAttention, padding_mask": lambda: module(x, padding_mask=real)}
+               "attnlab MultiHeadAttention, padding": lambda: module(x, mask=CallMask(padding=real))}
     notes = _differences(modules, "nanoGPT-style, SDPA + combined mask", real)
     medians = compare({name: _timed(fn, grad_out, (x,)) for name, fn in modules.items()}, rounds=rounds,
                       min_run_time=0.2)

@@ -39,7 +39,8 @@ FLOPS_NOTE = ("forward 2*B*H*Tq*Tk*(D+Dv), halved for causal; backward 2.5x forw
               "measured in the same rounds")
 SPARSE_FLOPS_NOTE = "sparse rows count only the visible (query, key) pairs of their mask, not Tq*Tk"
 RATIO_NOTE = ("seconds over the fastest in the same case (modules: over the fastest non-attnlab module; "
-              "decode-model: KV-cache tokens/s over the row's; overhead: attnlab's seconds over the plain "
+              "decode-model: KV-cache tokens/s over the row's, the plain PyTorch loop's row noting GPT.generate's "
+              "per-token ratio to it; overhead: attnlab's seconds over the plain "
               "PyTorch call's in the same case, compile rows compiled over eager)")
 
 _T_IN_CASE = re.compile(r"\s*\bT[kq]?=\d+")
