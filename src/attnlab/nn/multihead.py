@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import (divisible, has_values, instance_of, integer_dtype, one_of, positive_int,
+from attnlab._checks import (divisible, instance_of, integer_dtype, one_of, positive_int,
                              positive_number, probability)
 from attnlab.backends import build_call, check_backend_name
 from attnlab.backends import get as get_backend
@@ -32,6 +31,9 @@ from attnlab.functional import attention
 from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache, _cache_options,
                                _restore_on_error, new_positions)
 from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
+
+from attnlab.nn.parts import (QKV, CallMask, Chunk, Window, _check_chunk, _check_pattern, _check_window,  # noqa: F401
+                               _mask_parts, _refuse_removed, pattern_of)
 
 __all__ = ["MultiHeadAttention", "QKV", "Window", "Chunk", "CallMask", "pattern_of"]
 
@@ -46,157 +48,6 @@ class _KeyPaddingMod(_masks.MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.padding_mask[b, kv_idx]
-
-
-@dataclass(frozen=True)
-class QKV:
-    """The projections part of :class:`MultiHeadAttention`: key/value heads, input widths, biases.
-
-    Args:
-        num_kv_heads: key/value heads for grouped-query attention (``1`` = multi-query); must
-            divide ``num_heads``. None: ``num_heads``.
-        kdim: width of the key input (``context``); None: ``d_in``.
-        vdim: width of the value input; None: ``kdim``. When it differs from ``kdim`` pass the
-            values' input as ``forward(..., value_input=...)``.
-        bias: bias in the query/key/value projections (the old ``qkv_bias``).
-        out_bias: bias in ``out_proj``.
-
-    Example:
-        >>> MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=2, bias=True)).in_proj_bias.shape
-        torch.Size([16])
-    """
-
-    num_kv_heads: int | None = None
-    kdim: int | None = None
-    vdim: int | None = None
-    bias: bool = False
-    out_bias: bool = True
-
-    def __post_init__(self):
-        for name in ("num_kv_heads", "kdim", "vdim"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        instance_of("bias", self.bias, bool, "a bool")
-        instance_of("out_bias", self.out_bias, bool, "a bool")
-
-
-@dataclass(frozen=True)
-class Window:
-    """A causal sliding window of ``size`` keys, as :class:`MultiHeadAttention`'s ``pattern``:
-    query ``i`` sees keys ``i - size + 1 .. i`` (:func:`attnlab.masks.sliding_window_mod`); a
-    :class:`~attnlab.nn.WindowedKVCache` of ``size`` slots is then its whole cache.
-
-    Example:
-        >>> MultiHeadAttention(8, 8, num_heads=2, pattern=Window(4)).window
-        4
-    """
-
-    size: int
-
-    def __post_init__(self):
-        positive_int("window", self.size)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Causal chunked-local attention (Llama 4's local layers), as :class:`MultiHeadAttention`'s
-    ``pattern``: query ``i`` sees keys from the start of its ``size``-sized block to ``i``
-    (:func:`attnlab.masks.chunked_local_mod`); a :class:`~attnlab.nn.ChunkedKVCache` is its cache.
-
-    Example:
-        >>> MultiHeadAttention(8, 8, num_heads=2, pattern=Chunk(4)).chunk
-        4
-    """
-
-    size: int
-
-    def __post_init__(self):
-        positive_int("chunk", self.size)
-
-
-@dataclass(frozen=True)
-class CallMask:
-    """One call's mask of :meth:`MultiHeadAttention.forward` in parts: a mask, key padding and
-    packed documents, ANDed (True = may attend).
-
-    Args:
-        mask: a bool/float tensor broadcastable to ``(B, H, Tq, Tk)`` or a mask mod, or None.
-        padding: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache) -- the
-            **opposite** of ``torch.nn.MultiheadAttention(key_padding_mask=...)``.
-        documents: ``(T,)`` or ``(B, T)`` integer ids of the document of each token of a packed
-            sequence (self-attention, no cache): attention stays inside each document and rotary
-            positions restart at 0 at each document start.
-
-    Example:
-        >>> mha = MultiHeadAttention(8, 8, num_heads=2)
-        >>> x, real = torch.randn(2, 3, 8), torch.tensor([[True, True, False], [True, True, True]])
-        >>> mha(x, mask=CallMask(padding=real)).shape
-        torch.Size([2, 3, 8])
-    """
-
-    mask: object = None
-    padding: Tensor | None = None
-    documents: Tensor | None = None
-
-
-_REMOVED = {
-    "qkv_bias": "qkv=QKV(bias=...)", "num_kv_heads": "qkv=QKV(num_kv_heads=...)", "kdim": "qkv=QKV(kdim=...)",
-    "vdim": "qkv=QKV(vdim=...)", "out_bias": "qkv=QKV(out_bias=...)",
-    "causal": "pattern='causal' (the default) or pattern=None (every query sees every key)",
-    "window": "pattern=Window(size)", "chunk": "pattern=Chunk(size)",
-}
-
-
-def _refuse_removed(kwargs: dict) -> None:
-    """``TypeError`` naming the new spelling of each constructor keyword the module no longer takes."""
-    old = [name for name in kwargs if name in _REMOVED]
-    if old:
-        moves = "; ".join(f"{name}= is now {_REMOVED[name]}" for name in old)
-        raise TypeError(f"MultiHeadAttention no longer takes {', '.join(old)}: {moves} "
-                        "(QKV, Window, Chunk from attnlab.nn; see README 'Modules')")
-
-
-def _check_pattern(pattern: object) -> str | Window | Chunk | None:
-    """The standing pattern: ``"causal"``, None (full), a :class:`Window` or a :class:`Chunk`."""
-    if pattern is None or pattern == "causal" or isinstance(pattern, (Window, Chunk)):
-        return pattern
-    raise ValueError(f"pattern must be 'causal', None (no mask), Window(size) or Chunk(size); got {pattern!r}")
-
-
-def pattern_of(causal: bool = True, window: int | None = None, chunk: int | None = None) -> str | Window | Chunk | None:
-    """The ``pattern`` of :class:`MultiHeadAttention` from the flags a block or model still takes.
-
-    Example:
-        >>> pattern_of(True, 4), pattern_of(False), pattern_of(chunk=8)
-        (Window(size=4), None, Chunk(size=8))
-    """
-    instance_of("causal", causal, bool, "a bool")
-    window, chunk = _check_window(window, causal), _check_chunk(chunk, causal, window)
-    if window is not None:
-        return Window(window)
-    if chunk is not None:
-        return Chunk(chunk)
-    return "causal" if causal else None
-
-
-def _mask_parts(mask: object, causal: bool) -> tuple[object, object, Tensor | None]:
-    """``forward(mask=...)`` as ``(mask, padding, documents)``: a :class:`CallMask` in its parts,
-    a :func:`~attnlab.masks.padding_mod` as key padding, a :func:`~attnlab.masks.document_mod`
-    as packed documents (its causality is the module's), anything else as the mask."""
-    if isinstance(mask, CallMask):
-        return mask.mask, mask.padding, mask.documents
-    if isinstance(mask, _masks.PaddingMod):
-        return None, ("lengths", mask.lengths), None
-    if isinstance(mask, _masks.DocumentMod):
-        if mask.causal != causal:
-            raise ValueError(f"document_mod(causal={mask.causal}) on a module with pattern "
-                             f"{'causal' if causal else None}: the module's pattern rules causality; pass "
-                             f"document_mod(ids, causal={causal}) or CallMask(documents=ids)")
-        if mask.offset:
-            raise ValueError(f"a document_mod with offset={mask.offset} cannot be a module's documents; pass "
-                             "CallMask(documents=ids) for the tokens of this call")
-        return None, None, mask.ids
-    return mask, None, None
 
 
 class MultiHeadAttention(nn.Module):
@@ -961,16 +812,6 @@ def lengths_mask(key_lengths: Tensor, *, tq: int, tk: int, causal: bool = True, 
     return allowed if window is None else allowed & (keys > own - window)
 
 
-def _check_window(window: object, causal: bool) -> int | None:
-    """``window`` checked: None, or a positive int on a causal module."""
-    if window is None:
-        return None
-    positive_int("window", window)
-    if not causal:
-        raise ValueError(f"window={window} is a causal sliding window; it needs causal=True")
-    return window
-
-
 def make_cache(batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *, window: int | None = None,
                chunk: int | None = None, windowed: bool | None = None, page_size: int | None = None, value_dim: int | None = None,
                dtype=None, device=None) -> Cache:
@@ -1032,18 +873,6 @@ def _check_cache(cache: object, x: Tensor, context: Tensor | None, num_kv_heads:
         raise ValueError(f"a ChunkedKVCache of chunk {cache.chunk} serves a layer with chunk={cache.chunk}; "
                          f"this layer has chunk={chunk} (None: every earlier key)")
     cache.check_room(x.shape[1])
-
-
-def _check_chunk(chunk: object, causal: bool, window: object) -> int | None:
-    """``chunk`` checked: None, or a positive int on a causal module without a window."""
-    if chunk is None:
-        return None
-    positive_int("chunk", chunk)
-    if not causal:
-        raise ValueError(f"chunk={chunk} is causal chunked-local attention; it needs causal=True")
-    if window is not None:
-        raise ValueError(f"chunk={chunk} with window={window}: a layer is chunked or sliding, not both")
-    return chunk
 
 
 def _check_cache_options(cache: Cache, mask, padding_mask, return_weights: bool, alibi: bool = False) -> None:

@@ -1,0 +1,197 @@
+"""The parts :class:`~attnlab.nn.MultiHeadAttention` is built from: its projections (:class:`QKV`),
+its standing pattern (``"causal"``, None, :class:`Window`, :class:`Chunk`) and one call's mask in
+parts (:class:`CallMask`), with the checks of each and the refusal of the keywords they replaced.
+
+Example:
+    >>> pattern_of(causal=True, window=4), QKV(num_kv_heads=2).num_kv_heads
+    (Window(size=4), 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from attnlab import masks as _masks
+from attnlab._checks import instance_of, positive_int
+
+__all__ = ["QKV", "Window", "Chunk", "CallMask", "pattern_of"]
+
+
+@dataclass(frozen=True)
+class QKV:
+    """The projections part of :class:`MultiHeadAttention`: key/value heads, input widths, biases.
+
+    Args:
+        num_kv_heads: key/value heads for grouped-query attention (``1`` = multi-query); must
+            divide ``num_heads``. None: ``num_heads``.
+        kdim: width of the key input (``context``); None: ``d_in``.
+        vdim: width of the value input; None: ``kdim``. When it differs from ``kdim`` pass the
+            values' input as ``forward(..., value_input=...)``.
+        bias: bias in the query/key/value projections (the old ``qkv_bias``).
+        out_bias: bias in ``out_proj``.
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=2, bias=True)).in_proj_bias.shape
+        torch.Size([16])
+    """
+
+    num_kv_heads: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool = False
+    out_bias: bool = True
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "kdim", "vdim"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        instance_of("bias", self.bias, bool, "a bool")
+        instance_of("out_bias", self.out_bias, bool, "a bool")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A causal sliding window of ``size`` keys, as :class:`MultiHeadAttention`'s ``pattern``:
+    query ``i`` sees keys ``i - size + 1 .. i`` (:func:`attnlab.masks.sliding_window_mod`); a
+    :class:`~attnlab.nn.WindowedKVCache` of ``size`` slots is then its whole cache.
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> MultiHeadAttention(8, 8, num_heads=2, pattern=Window(4)).window
+        4
+    """
+
+    size: int
+
+    def __post_init__(self):
+        positive_int("window", self.size)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Causal chunked-local attention (Llama 4's local layers), as :class:`MultiHeadAttention`'s
+    ``pattern``: query ``i`` sees keys from the start of its ``size``-sized block to ``i``
+    (:func:`attnlab.masks.chunked_local_mod`); a :class:`~attnlab.nn.ChunkedKVCache` is its cache.
+
+    Example:
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> MultiHeadAttention(8, 8, num_heads=2, pattern=Chunk(4)).chunk
+        4
+    """
+
+    size: int
+
+    def __post_init__(self):
+        positive_int("chunk", self.size)
+
+
+@dataclass(frozen=True)
+class CallMask:
+    """One call's mask of :meth:`MultiHeadAttention.forward` in parts: a mask, key padding and
+    packed documents, ANDed (True = may attend).
+
+    Args:
+        mask: a bool/float tensor broadcastable to ``(B, H, Tq, Tk)`` or a mask mod, or None.
+        padding: ``(B, Tk)`` bool, True at real key tokens (cached + new with a cache) -- the
+            **opposite** of ``torch.nn.MultiheadAttention(key_padding_mask=...)``.
+        documents: ``(T,)`` or ``(B, T)`` integer ids of the document of each token of a packed
+            sequence (self-attention, no cache): attention stays inside each document and rotary
+            positions restart at 0 at each document start.
+
+    Example:
+        >>> import torch
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(8, 8, num_heads=2)
+        >>> x, real = torch.randn(2, 3, 8), torch.tensor([[True, True, False], [True, True, True]])
+        >>> mha(x, mask=CallMask(padding=real)).shape
+        torch.Size([2, 3, 8])
+    """
+
+    mask: object = None
+    padding: Tensor | None = None
+    documents: Tensor | None = None
+
+
+_REMOVED = {
+    "qkv_bias": "qkv=QKV(bias=...)", "num_kv_heads": "qkv=QKV(num_kv_heads=...)", "kdim": "qkv=QKV(kdim=...)",
+    "vdim": "qkv=QKV(vdim=...)", "out_bias": "qkv=QKV(out_bias=...)",
+    "causal": "pattern='causal' (the default) or pattern=None (every query sees every key)",
+    "window": "pattern=Window(size)", "chunk": "pattern=Chunk(size)",
+}
+
+
+def _refuse_removed(kwargs: dict) -> None:
+    """``TypeError`` naming the new spelling of each constructor keyword the module no longer takes."""
+    old = [name for name in kwargs if name in _REMOVED]
+    if old:
+        moves = "; ".join(f"{name}= is now {_REMOVED[name]}" for name in old)
+        raise TypeError(f"MultiHeadAttention no longer takes {', '.join(old)}: {moves} "
+                        "(QKV, Window, Chunk from attnlab.nn; see README 'Modules')")
+
+
+def _check_pattern(pattern: object) -> str | Window | Chunk | None:
+    """The standing pattern: ``"causal"``, None (full), a :class:`Window` or a :class:`Chunk`."""
+    if pattern is None or pattern == "causal" or isinstance(pattern, (Window, Chunk)):
+        return pattern
+    raise ValueError(f"pattern must be 'causal', None (no mask), Window(size) or Chunk(size); got {pattern!r}")
+
+
+def pattern_of(causal: bool = True, window: int | None = None, chunk: int | None = None) -> str | Window | Chunk | None:
+    """The ``pattern`` of :class:`MultiHeadAttention` from the flags a block or model still takes.
+
+    Example:
+        >>> pattern_of(True, 4), pattern_of(False), pattern_of(chunk=8)
+        (Window(size=4), None, Chunk(size=8))
+    """
+    instance_of("causal", causal, bool, "a bool")
+    window, chunk = _check_window(window, causal), _check_chunk(chunk, causal, window)
+    if window is not None:
+        return Window(window)
+    if chunk is not None:
+        return Chunk(chunk)
+    return "causal" if causal else None
+
+
+def _mask_parts(mask: object, causal: bool) -> tuple[object, object, Tensor | None]:
+    """``forward(mask=...)`` as ``(mask, padding, documents)``: a :class:`CallMask` in its parts,
+    a :func:`~attnlab.masks.padding_mod` as key padding, a :func:`~attnlab.masks.document_mod`
+    as packed documents (its causality is the module's), anything else as the mask."""
+    if isinstance(mask, CallMask):
+        return mask.mask, mask.padding, mask.documents
+    if isinstance(mask, _masks.PaddingMod):
+        return None, ("lengths", mask.lengths), None
+    if isinstance(mask, _masks.DocumentMod):
+        if mask.causal != causal:
+            raise ValueError(f"document_mod(causal={mask.causal}) on a module with pattern "
+                             f"{'causal' if causal else None}: the module's pattern rules causality; pass "
+                             f"document_mod(ids, causal={causal}) or CallMask(documents=ids)")
+        if mask.offset:
+            raise ValueError(f"a document_mod with offset={mask.offset} cannot be a module's documents; pass "
+                             "CallMask(documents=ids) for the tokens of this call")
+        return None, None, mask.ids
+    return mask, None, None
+
+
+def _check_window(window: object, causal: bool) -> int | None:
+    """``window`` checked: None, or a positive int on a causal module."""
+    if window is None:
+        return None
+    positive_int("window", window)
+    if not causal:
+        raise ValueError(f"window={window} is a causal sliding window; it needs causal=True")
+    return window
+
+
+def _check_chunk(chunk: object, causal: bool, window: object) -> int | None:
+    """``chunk`` checked: None, or a positive int on a causal module without a window."""
+    if chunk is None:
+        return None
+    positive_int("chunk", chunk)
+    if not causal:
+        raise ValueError(f"chunk={chunk} is causal chunked-local attention; it needs causal=True")
+    if window is not None:
+        raise ValueError(f"chunk={chunk} with window={window}: a layer is chunked or sliding, not both")
+    return chunk
