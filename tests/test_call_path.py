@@ -298,3 +298,20 @@ def test_a_plain_sdpa_run_passes_sdpa_no_keyword_it_would_default():
     assert scaled.keywords == {"scale": 0.3}
     want = attnlab.attention(q.double(), k.double(), k.double(), mask=keys, scale=0.3, backend="reference")
     assert torch.allclose(scaled(q, k, k, keys).double(), want, atol=1e-5)
+
+
+def test_a_warm_call_keys_its_tensors_as_given_and_mixed_ranks_are_aligned_first():
+    """The common call skips sdpa_aligned (its key is the tensors' as given); tensors that need
+    aligning (mixed ranks, one query head over several key heads) are aligned, keyed, remembered
+    and computed as the reference computes them."""
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)
+    attnlab.attention(q, k, k, causal=True)
+    assert "sdpa_aligned" not in _attnlab_calls(lambda: attnlab.attention(q, k, k, causal=True))
+    options = (None, True, "top_left", None, 0.0, None, "auto", False, None, None)
+    for q_mixed in (torch.randn(16, 8), torch.randn(2, 1, 16, 8)):  # rank 2 against rank 4; 1 head over 4
+        assert dispatch.key_of(q_mixed, k, k, *options, True) is None
+        want = attnlab.attention(q_mixed.double(), k.double(), k.double(), causal=True, backend="reference")
+        for _ in range(2):  # a fresh route, then the remembered one
+            torch.testing.assert_close(attnlab.attention(q_mixed, k, k, causal=True).double(), want, atol=1e-5, rtol=1e-5)
+        aligned = attnlab._call.sdpa_aligned(q_mixed, k, k)
+        assert dispatch.lookup(dispatch.key_of(*aligned, *options, False)) is not None

@@ -13,7 +13,7 @@ from attnlab._call import AttentionCall, build_call, sdpa_aligned
 from attnlab._math import repeat_kv
 from attnlab.backends import topk
 from attnlab.backends.base import Backend, weights_of
-from attnlab.backends.dispatch import Route, argument_key, fresh_route, remembered, route, select
+from attnlab.backends.dispatch import Route, fresh_route, key_of, lookup, route, select
 from attnlab.backends.observed import labelled
 from attnlab.backends.registry import get
 from attnlab.scores import ScoreMod
@@ -106,15 +106,19 @@ def attention(
         >>> per_query.grad.shape
         torch.Size([2, 1, 10])
     """
-    q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
     if indices is not None:  # top-k: its own kernel, never the dense dispatch
-        return _attention_at(q, k, v, indices, backend=backend, mask=mask, causal=causal, align=align,
-                             scale=scale, dropout_p=dropout_p, generator=generator,
+        return _attention_at(*sdpa_aligned(q, k, v), indices, backend=backend, mask=mask, causal=causal,
+                             align=align, scale=scale, dropout_p=dropout_p, generator=generator,
                              return_weights=return_weights, score_mod=score_mod, sinks=sinks)
-    key = argument_key(q, k, v, mask=mask, causal=causal, align=align, scale=scale, dropout_p=dropout_p,
-                       generator=generator, backend=backend, return_weights=return_weights,
-                       score_mod=score_mod, sinks=sinks)
-    known = remembered(key)
+    # The key of the tensors as given (positional: this runs on every call); None when they need
+    # aligning first (mixed ranks align from the right, as SDPA's) or cannot be keyed.
+    key = key_of(q, k, v, mask, causal, align, scale, dropout_p, generator, backend, return_weights,
+                 score_mod, sinks, True)
+    if key is None:
+        q, k, v = sdpa_aligned(q, k, v)
+        key = key_of(q, k, v, mask, causal, align, scale, dropout_p, generator, backend, return_weights,
+                     score_mod, sinks, False)
+    known = lookup(key)  # (None for a key of None: no route is stored under it)
     if known is not None and known.tk is not None and known.tk != k.shape[-2]:
         known = None  # a decoding step's route planned for another cache length: made afresh
     if known is not None and known.run is not None:  # validated before: nothing reads values

@@ -42,7 +42,7 @@ from attnlab.scores import _Identity, ScoreMod, as_score_mod
 __all__ = ["check_backend_name", "reasons", "reasons_of", "memory_class", "select", "clear_plans",
            "claimed", "claim_words", "within_budget", "PLAN_CACHE_SIZE", "Route", "argument_key", "remembered", "route",
            "fresh_route", "prepared_run", "prepared_mask", "memory_budget", "default_memory_budget", "set_memory_budget",
-           "budget_words"]
+           "budget_words", "key_of", "lookup"]
 
 
 def claim_words(backend: Backend, call: AttentionCall) -> str:
@@ -67,6 +67,7 @@ def claim_words(backend: Backend, call: AttentionCall) -> str:
 # one stores it. Full, it drops its oldest entry (insertion order).
 PLAN_CACHE_SIZE = 512
 _ROUTES: dict = {}
+lookup = _ROUTES.get  # remembered() without a Python frame: attnlab.attention reads it on every call
 _LOCK = threading.Lock()
 
 # The memory budget set by set_memory_budget (one int of bytes), or None for the default.
@@ -376,6 +377,25 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
         >>> argument_key(q, q, q, **{**options, "causal": 1}) is None
         True
     """
+    return key_of(q, k, v, mask, causal, align, scale, dropout_p, generator, backend, return_weights,
+                  score_mod, sinks, False)
+
+
+def key_of(q: object, k: object, v: object, mask: object, causal: object, align: object, scale: object,
+           dropout_p: object, generator: object, backend: object, return_weights: object,
+           score_mod: object, sinks: object, as_given: bool) -> tuple | None:
+    """:func:`argument_key` with positional arguments, as :func:`attnlab.attention` calls it on
+    every call (each keyword matched costs a decoding step time). With ``as_given``, None also
+    for tensors that :func:`attnlab._call.sdpa_aligned` would reshape (mixed ranks, one query
+    head over several key heads): the caller aligns them and asks again, so a key made of the
+    tensors as given holds for the tensors a run receives.
+
+    Example:
+        >>> import torch
+        >>> q, k = torch.randn(2, 8), torch.randn(1, 2, 3, 8)
+        >>> key_of(q, k, k, None, False, "top_left", None, 0.0, None, "auto", False, None, None, True) is None
+        True
+    """
     if torch.compiler.is_compiling():  # the compiled graph keeps its own choice
         return None
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or generator is not None
@@ -384,6 +404,9 @@ def argument_key(q: object, k: object, v: object, *, mask: object, causal: objec
             or type(dropout_p) not in (float, int) or (return_weights is not True and return_weights is not False)):
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # (each read makes a Size: once)
+    if as_given and not (len(q_shape) == len(k_shape) == len(v_shape)
+                         and (len(q_shape) < 4 or q_shape[-3] != 1 or k_shape[-3] == 1)):
+        return None  # sdpa_aligned would reshape them (its test, on the sizes read here)
     tensor_mask = type(mask) is Tensor
     if mask is None or tensor_mask:
         mask_key = None
