@@ -104,3 +104,21 @@ def test_a_plan_refuses_another_signature_by_name():
         planned(q, [1.0], v)
     with pytest.raises(ValueError, match="backend 'flex' cannot serve"):
         attnlab.plan(q, k, v, dropout_p=0.5, backend="flex")
+
+
+def test_a_plan_tells_a_parameter_mask_that_wants_a_gradient_from_one_that_does_not():
+    """Regression: the held plan's grad setting read ``type(mask) is Tensor``, so an
+    ``nn.Parameter`` mask that came to want a gradient reused the route planned without one
+    (sdpa's sinks through the CPU kernel's lse, which refuses a mask gradient): it must get its
+    own route and the reference's gradient."""
+    q = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    bias = torch.nn.Parameter(torch.zeros(1, 2, 8, 8, dtype=torch.float64), requires_grad=False)
+    sinks = torch.zeros(2, dtype=torch.float64)
+    held = attnlab.plan(q, q, q, mask=bias, sinks=sinks)
+    with torch.no_grad():
+        held(q, q, q)
+    bias.requires_grad_(True)
+    held(q, q, q, mask=bias).sum().backward()
+    want = torch.zeros(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    attnlab.attention(q, q, q, mask=want, sinks=sinks, backend="reference").sum().backward()
+    torch.testing.assert_close(bias.grad, want.grad)

@@ -244,7 +244,7 @@ class AttentionPlan:
 
     def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object,
                  options: dict, name: str):
-        self._signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        self._signature = _signature(q, k, v)
         self._mask, self._sinks, self._options, self._name = mask, sinks, options, name
         self._routes: dict[tuple, Route] = {}  # per grad setting: at most a handful
         self.backend = self._route(call, _grads(q, k, v, mask, sinks), q, k, v, mask, sinks).backend.name
@@ -258,18 +258,17 @@ class AttentionPlan:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Callable | None = None,
                  sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        q, k, v = sdpa_aligned(q, k, v)
-        try:  # one flat tuple, no call per tensor: this runs on every call
+        try:  # _signature inline (this runs on every call); tensors of the planned shapes are aligned already
             signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
         except AttributeError:
             signature = None
         if signature != self._signature:
-            self._refuse(q, k, v)
+            q, k, v = sdpa_aligned(q, k, v)  # mixed ranks align from the right, as SDPA's
+            if _signature(q, k, v) != self._signature:
+                self._refuse(q, k, v)
         mask = self._mask if mask is None else _like("mask", mask, self._mask)
         sinks = self._sinks if sinks is None else _like("sinks", sinks, self._sinks)
-        # What decides a backend beyond the signature: grad mode and which inputs want a gradient.
-        grads = (torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
-                 type(mask) is Tensor and mask.requires_grad, type(sinks) is Tensor and sinks.requires_grad)
+        grads = _grads(q, k, v, mask, sinks)
         known = self._routes.get(grads)
         if known is not None and known.run is not None and (mask is self._mask or not known.keeps_mask):
             if torch.compiler.is_compiling():
@@ -320,6 +319,14 @@ def _like(name: str, given: object, planned: object) -> object:
     what = "none" if planned is None else "a tensor" if isinstance(planned, Tensor) else "a mask mod"
     raise ValueError(f"{name}: the plan was made with {what}, got a {type(given).__name__}; "
                      f"make another plan for it")
+
+
+def _signature(q: object, k: object, v: object) -> tuple | None:
+    """Shapes, dtypes and devices of q, k and v as one flat tuple (None if one is no tensor)."""
+    try:
+        return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+    except AttributeError:
+        return None
 
 
 def _grads(q: Tensor, k: Tensor, v: Tensor, mask: object, sinks: object) -> tuple:
