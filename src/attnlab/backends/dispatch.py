@@ -509,7 +509,7 @@ def fresh_route(call: AttentionCall, backend: Backend, *, direct: bool) -> Route
     if planned is not None:  # the backend plans from it once; the run keeps it
         call = dataclasses.replace(call, mask=planned, causal_offset=None, _memo={})
     run = prepared_run(backend, call, mask_fixed=True if planned is not None else None) if direct else None
-    keeps = planned is not None or (call.mask_kind == "mod" and mask_is_fixed(call))
+    keeps = planned is not None or mask_is_fixed(call)
     return Route(backend, run, planned, keeps_mask=keeps,
                  tk=call.tk if backend.plan_fixes_tk else None)
 
@@ -530,7 +530,7 @@ def prepared_run(backend: Backend, call: AttentionCall, *, mask_fixed: bool | No
         True
     """
     if mask_fixed is None:
-        mask_fixed = call.mask_kind == "mod" and mask_is_fixed(call)
+        mask_fixed = mask_is_fixed(call)
     if (call.mask_kind in ("mod", "prepared") and not mask_fixed) or call.generator is not None:
         return None  # (a run keeps no generator: the caller's, read per call)
     return backend.prepare(call, mask_fixed=mask_fixed)
@@ -549,8 +549,7 @@ def prepared_mask(backend: Backend, call: AttentionCall) -> _masks.PreparedMask 
     """
     if not backend.plans_masks or call.batch == 0:
         return None
-    by_value = call.mask_kind == "mod" and _masks.value_only_key(call.mask) is not None
-    if not (by_value or call.mask_kind == "causal"):
+    if not (mask_is_fixed(call) or call.mask_kind == "causal"):  # a mod keyed by value, or causal alone
         return None
     mod = call.mask_mod()  # an OR has no interval form: planned per call
     return _masks.prepare(mod, tq=call.tq, tk=call.tk, device=call.device) if _masks.has_row_ranges(mod) else None
