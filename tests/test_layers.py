@@ -35,7 +35,7 @@ CORE = [
     ("attnlab._call", 2),
     ("attnlab._math", 3),
     ("attnlab.backends", 4),
-    ("attnlab.functional", 5),
+    ("attnlab.functional", 5), ("attnlab.linear", 5),
     ("attnlab.nn", 6), ("attnlab.io", 6), ("attnlab.integrations", 6), ("attnlab.distributed", 6),
     ("attnlab.models", 7),
     ("attnlab", 8),  # the root package re-exports the library's API

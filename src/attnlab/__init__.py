@@ -5,6 +5,8 @@ The package has two parts. The **library** (the core) is what a model needs:
 * :func:`attnlab.attention` -- scaled dot-product attention with one contract on every backend;
   :func:`attnlab.attention_weights` -- its weights alone; :func:`attnlab.plan` -- one call's
   signature decided once, an :class:`~attnlab.functional.AttentionPlan` the caller holds;
+* :func:`attnlab.linear_attention` -- the recurrent family (linear attention, retention, Mamba-2's
+  decay, DeltaNet, Gated DeltaNet, KDA) as one function over a state per head (:mod:`attnlab.linear`);
 * :mod:`attnlab.masks` -- masks and mask mods (True = may attend);
 * :mod:`attnlab.scores` -- score mods (softcap, ALiBi, T5 relative bias, learnable biases)
   and their composition, for ``attention(score_mod=...)``; sinks are ``attention(sinks=...)``;
@@ -33,10 +35,11 @@ Example:
 
 from attnlab import backends, masks, nn, scores
 from attnlab.functional import AttentionPlan, attention, attention_weights, plan
+from attnlab.linear import linear_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_weights", "plan", "AttentionPlan", "masks", "scores", "backends", "nn", "__version__"]
+__all__ = ["attention", "attention_weights", "plan", "AttentionPlan", "linear_attention", "masks", "scores", "backends", "nn", "__version__"]
 
 
 def __getattr__(name: str):
