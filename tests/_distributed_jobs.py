@@ -492,3 +492,87 @@ def module_errors(rank: int, world: int, methods: tuple[str, ...]) -> dict | Non
             got = [unshard(y.detach(), dim=1, layout=layout), unshard(part.grad, dim=1, layout=layout)] + grads
             errors[f"{method}-{name}"] = max((a - b).abs().max().item() for a, b in zip(got, [want_y] + want))
     return errors if rank == 0 else None
+
+
+# ----------------------------------------------------------------------------- linear attention
+# name: (rule, B, H, Hv, T_local, Dk, Dv, with an initial state, return the final state)
+LINEAR_CASES = {
+    "additive": ("additive", 1, 2, 2, 5, 4, 3, False, False),
+    "decay-gqa-state": ("decay", 2, 1, 2, 5, 4, 3, True, True),
+    "channel": ("channel", 1, 2, 2, 5, 3, 4, True, False),
+    "delta": ("delta", 1, 2, 2, 5, 4, 4, False, True),
+    "gated-delta-gqa": ("gated_delta", 1, 1, 2, 20, 4, 3, True, True),
+    "kda": ("kda", 2, 2, 2, 5, 4, 3, True, True),
+}
+
+
+def _linear_problem(case, world: int, seed: int = 0) -> dict:
+    """The global fp64 tensors of one linear-attention case (the same on every rank)."""
+    rule, B, H, Hv, T_local, Dk, Dv, with_state, _ = case
+    g = torch.Generator().manual_seed(seed)
+    T = T_local * world
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    problem = {"q": rand(B, H, T, Dk), "k": torch.nn.functional.normalize(rand(B, H, T, Dk), dim=-1),
+               "v": rand(B, Hv, T, Dv)}
+    if rule in ("decay", "gated_delta"):
+        problem["decay"] = -torch.rand(B, Hv, T, generator=g, dtype=torch.float64)
+    if rule in ("channel", "kda"):
+        problem["decay"] = -torch.rand(B, Hv, T, Dk, generator=g, dtype=torch.float64)
+    if rule in ("delta", "gated_delta", "kda"):
+        problem["beta"] = torch.rand(B, Hv, T, generator=g, dtype=torch.float64)
+    if with_state:
+        problem["initial_state"] = rand(B, Hv, Dk, Dv)
+    problem["d_out"] = rand(B, Hv, T, Dv)
+    problem["d_state"] = rand(B, Hv, Dk, Dv)
+    return problem
+
+
+SHARDED = ("out", "q", "k", "v", "decay", "beta", "d_out")  # split along T; the states are whole on every rank
+
+
+def _linear_grads(problem: dict, run, shard_of, return_state: bool, state_in_loss: bool = True) -> dict:
+    """The output, the final state (with return_state) and the gradient of every input, by name.
+    The final state is the same on every rank: one rank puts it in its loss (``state_in_loss``)."""
+    names = [n for n in ("q", "k", "v", "decay", "beta", "initial_state") if n in problem]
+    inputs = {n: shard_of(n, problem[n]).clone().requires_grad_() for n in names}
+    result = run(**inputs, return_state=return_state)
+    out, state = result if return_state else (result, None)
+    loss = (out * shard_of("d_out", problem["d_out"])).sum()
+    if state is not None and state_in_loss:
+        loss = loss + (state * problem["d_state"]).sum()
+    loss.backward()
+    return {"out": out.detach(), **({"state": state.detach()} if state is not None else {}),
+            **{n: inputs[n].grad for n in names}}
+
+
+def linear_conformance(rank: int, world: int) -> dict | None:
+    """Context-parallel linear attention on contiguous shards against one fp64 process: the
+    largest error of the output, final state and every gradient, per case (rank 0 reports)."""
+    from attnlab.distributed import context_parallel_linear_attention
+
+    local = lambda n, t: shard(t, dim=2, layout="contiguous") if n in SHARDED else t  # noqa: E731
+    report = {}
+    for name, case in LINEAR_CASES.items():
+        problem = _linear_problem(case, world)
+        got = _linear_grads(problem, context_parallel_linear_attention, local, case[-1], state_in_loss=rank == 0)
+        if "initial_state" in got:  # each rank holds its share of the initial state's gradient
+            dist.all_reduce(got["initial_state"])
+        got = {n: unshard(t, dim=2, layout="contiguous") if n in SHARDED else t for n, t in got.items()}
+        want = _linear_grads(problem, lambda **kw: attnlab.linear_attention(**kw, backend="reference"),
+                             lambda n, t: t, case[-1])
+        report[name] = {n: float((got[n] - want[n]).abs().max()) for n in want}
+    return report if rank == 0 else None
+
+
+def linear_bad_calls(rank: int, world: int) -> list[str]:
+    """What each rank raises for calls that must be refused before any work: ranks that disagree
+    (the initial state, the presence of beta) and a bad value on every rank."""
+    from attnlab.distributed import context_parallel_linear_attention as cp
+
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64)
+    beta = torch.rand(1, 2, 4, dtype=torch.float64)
+    calls = [lambda: cp(q, q, q, initial_state=torch.full((1, 2, 3, 3), float(rank), dtype=torch.float64)),
+             lambda: cp(q, q, q, beta=beta if rank == 0 else None),
+             lambda: cp(q, q, q, decay=torch.ones(1, 2, 4, dtype=torch.float64)),
+             lambda: cp(q, q, q, stats="many")]
+    return [_error_of(call) for call in calls]

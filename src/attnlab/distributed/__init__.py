@@ -45,6 +45,7 @@ from attnlab.distributed._args import timeout_seconds
 from attnlab.distributed._comm import DEFAULT_TIMEOUT, CommStats, Peers, peers
 from attnlab import masks as _masks
 from attnlab.distributed.hybrid import hybrid_attention
+from attnlab.distributed.linear import context_parallel_linear_attention
 from attnlab.distributed.layout import (LAYOUTS, ChunkLayout, check_layout, check_length, hybrid_layout, positions,
                                         shard, unshard)
 from attnlab.distributed.ring import RingPlan, ring_attention, ring_plan
@@ -58,7 +59,7 @@ from attnlab.nn.native_sparse import NativeSparseAttention
 # alone, each rank would attend over its own shard only (differential, gated, top-k come from _ProjectedAttention).
 _NOT_SHARDED = (LatentAttention, _ProjectedAttention, NativeSparseAttention)
 
-__all__ = ["context_parallel_attention", "context_parallel", "ContextParallel", "ShardedAttention", "CommStats", "METHODS", "LAYOUTS",
+__all__ = ["context_parallel_attention", "context_parallel_linear_attention", "context_parallel", "ContextParallel", "ShardedAttention", "CommStats", "METHODS", "LAYOUTS",
            "ChunkLayout", "RingPlan", "ring_plan", "hybrid_layout", "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
 
 METHODS = ("ring", "ulysses", "hybrid")

@@ -176,3 +176,46 @@ def all_to_all(x: Tensor, who: Peers, *, what: str, stats: CommStats | None) -> 
         stats.bytes_sent += x.numel() * x.element_size() * (who.world - 1) // who.world
         stats.messages += 1
     return out
+
+
+def all_gather(x: Tensor, who: Peers, *, what: str, stats: CommStats | None) -> Tensor:
+    """Every rank's ``x`` stacked ``(P, ...)``, differentiable: the gradient of rank ``r``'s ``x``
+    is the sum over ranks of their gradients for row ``r`` (one all-reduce in the backward)."""
+    return _AllGather.apply(x, who, what, stats)
+
+
+def _gather(x: Tensor, who: Peers, what: str, stats: CommStats | None) -> Tensor:
+    if who.world == 1:
+        return x[None]
+    x = x.contiguous()
+    table = [torch.empty_like(x) for _ in range(who.world)]
+    work = _start(lambda: dist.all_gather(table, x, group=who.group, async_op=True), who, what)
+    _wait(work, who, what, stats)
+    if stats is not None:
+        stats.bytes_sent += x.numel() * x.element_size() * (who.world - 1)
+        stats.messages += 1
+    return torch.stack(table)  # (P, ...)
+
+
+def _sum(x: Tensor, who: Peers, what: str, stats: CommStats | None) -> Tensor:
+    if who.world == 1:
+        return x
+    x = x.contiguous().clone()
+    work = _start(lambda: dist.all_reduce(x, group=who.group, async_op=True), who, what)
+    _wait(work, who, what, stats)
+    if stats is not None:
+        stats.bytes_sent += x.numel() * x.element_size()
+        stats.messages += 1
+    return x
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, who, what, stats):
+        ctx.who, ctx.what, ctx.stats = who, what, stats
+        return _gather(x, who, what, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = _sum(grad, ctx.who, f"{ctx.what}, backward (all-reduce)", ctx.stats)  # (P, ...)
+        return total[ctx.who.rank], None, None, None
