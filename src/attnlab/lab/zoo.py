@@ -90,6 +90,9 @@ _SMALL = {
     "vocab_size": 128, "image_size": 32, "patch_size": 8, "sliding_window": 4, "max_source_positions": 16,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     "attention_chunk_size": 4,  # Llama 4's chunked layers: a chunk shorter than the test's inputs
+    "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,  # Gemma 3n/4's per-layer embeddings
+    "out_hidden_size": 64, "projection_intermediate_size": 128,  # a vision tower's projection into the text width
+    **dict.fromkeys(("index_head_dim", "linear_head_dim"), 16), "linear_num_heads": 4,  # GLM-5-Next's indexer, KDA
 }
 # Per-layer lists cut as layer_types is (each distinct value first), so a cut model keeps every kind:
 # Llama 4's no_rope_layers marks its NoPE layers, which must stay beside its chunked ones.
@@ -183,6 +186,23 @@ def tiny_config(family: str):
     return config_class(**_small_fields(config_class()))
 
 
+def model_config(cls, family: str):
+    """The tiny config ``cls`` is built from: the family's own, or the part of a composite config
+    the class takes (``Qwen3_5ForCausalLM`` takes ``Qwen3_5Config``'s ``text_config``).
+
+    Example:
+        >>> from transformers import Qwen3_5ForCausalLM
+        >>> type(model_config(Qwen3_5ForCausalLM, "qwen3_5")).__name__
+        'Qwen3_5TextConfig'
+    """
+    config = tiny_config(family)
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(config, wanted):
+        return config
+    parts = [getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {}]
+    return next((part for part in parts if isinstance(part, wanted)), _text_config(config))
+
+
 def _small_fields(config) -> dict:
     """The fields of ``config`` to override (sub-configs as whole dicts), sizes made small."""
     values = config.to_dict()
@@ -202,10 +222,7 @@ def _small_fields(config) -> dict:
         changed.update(_token_ids(values, vocab))
     layers = _layer_count(values, changed)
     if layers is not None:
-        old, new = layers
-        for key, value in values.items():
-            if isinstance(value, list) and len(value) == old > new:
-                changed[key] = _cut_layers(value, new) if key in _PER_LAYER_KINDS else value[:new]
+        changed.update(_cut_layers(values, *layers))
     for key in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
@@ -213,17 +230,55 @@ def _small_fields(config) -> dict:
     return changed
 
 
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
 def _layer_count(values: dict, changed: dict) -> tuple[int, int] | None:
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+    for key in _LAYER_COUNTS:
         if key in changed and isinstance(values.get(key), int):
             return values[key], changed[key]
     return None
 
 
-def _cut_layers(types: list, n: int) -> list:
-    """The first ``n`` layer types, each distinct type first: a cut Gemma 3 keeps a full layer."""
-    distinct = list(dict.fromkeys(types))
-    return (distinct + types)[:n] if len(distinct) <= n else types[:n]
+def _cut_layers(values: dict, old: int, new: int) -> dict:
+    """The per-layer fields of a config cut from ``old`` layers to the layers :func:`_kept_layers` keeps."""
+    kinds = next((values[key] for key in _PER_LAYER_KINDS
+                  if isinstance(values.get(key), list) and len(values[key]) == old), None)
+    kept, shared = _kept_layers(kinds, old, new, sharing=bool(values.get("num_kv_shared_layers")))
+    changed = {key: [value[i] for i in kept] for key, value in values.items()
+               if isinstance(value, list) and len(value) == old > len(kept)}
+    if len(kept) != new:
+        changed.update({key: len(kept) for key in _LAYER_COUNTS if isinstance(values.get(key), int)})
+    if shared is not None:
+        changed["num_kv_shared_layers"] = shared
+    per_layer = values.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:  # Gemma 4: {"05": {...}} by layer index, renumbered
+        width = len(next(iter(per_layer)))
+        changed["per_layer_config"] = {f"{i:0{width}d}": per_layer[f"{old_i:0{width}d}"]
+                                       for i, old_i in enumerate(kept) if f"{old_i:0{width}d}" in per_layer}
+    return changed
+
+
+def _kept_layers(kinds: list | None, old: int, new: int, *, sharing: bool = False) -> tuple[list[int], int | None]:
+    """The old indices of the layers a cut model keeps, and its count of KV-sharing layers (None: unchanged).
+
+    Each distinct layer kind first (a cut Gemma 3 keeps a full layer; a cut LFM keeps its attention
+    beside its convolutions, even past ``new`` layers), then the first layers. A model whose last
+    layers read earlier layers' KV (Gemma 3n's ``num_kv_shared_layers``) keeps one layer of each kind
+    and one more of each kind after them, the latter sharing.
+
+    Example:
+        >>> _kept_layers(["sliding", "sliding", "full", "sliding"], 4, 2)
+        ([0, 2], None)
+    """
+    if kinds is None:
+        return list(range(new)), None
+    firsts = [kinds.index(kind) for kind in dict.fromkeys(kinds)]
+    if sharing:
+        seconds = [next((j for j in range(i + 1, old) if kinds[j] == kinds[i]), None) for i in firsts]
+        if None not in seconds:
+            return firsts + seconds, len(seconds)
+    return firsts + list(range(max(0, new - len(firsts)))), None
 
 
 def _token_ids(values: dict, vocab: int) -> dict:
@@ -247,7 +302,7 @@ def _check_size(cls, family: str) -> None:
     """:class:`_NotApplicable` when the tiny model would still be large (sized on the meta device,
     before anything is allocated: the machine may be shared)."""
     with torch.device("meta"):
-        probe = cls._from_config(tiny_config(family), attn_implementation="eager")
+        probe = cls._from_config(model_config(cls, family), attn_implementation="eager")
     size = sum(t.numel() for t in itertools.chain(probe.parameters(), probe.buffers()))
     if size > MAX_ELEMENTS:
         raise _NotApplicable(f"{size / 1e6:.0f}M parameters and buffers after shrinking its config "
@@ -508,7 +563,7 @@ def _check_family(result: FamilyResult, implementation: str, tolerance: float) -
         cls, generates = _model_class(result.family)
         result.model_class = cls.__name__
         _check_size(cls, result.family)
-        eager = _build(cls, tiny_config(result.family), "eager", dtype)
+        eager = _build(cls, model_config(cls, result.family), "eager", dtype)
         images = _images_variant(eager, dtype)
     except _NotApplicable:
         raise
@@ -518,7 +573,7 @@ def _check_family(result: FamilyResult, implementation: str, tolerance: float) -
         raise _NotApplicable(f"cannot be built tiny from its config: {_last_line(exc)}") from None
     result.dtype = str(dtype).replace("torch.", "")
     try:
-        ours = _build(cls, tiny_config(result.family), implementation, dtype)
+        ours = _build(cls, model_config(cls, result.family), implementation, dtype)
     except Exception as exc:  # noqa: BLE001
         raise _Refused(f"transformers refused the implementation: {_last_line(exc)}") from None
     ours.load_state_dict(eager.state_dict())
@@ -544,7 +599,7 @@ def _same_checks_on_sdpa(cls, family: str, eager, checks: list[str], generates: 
     """``checks`` rerun with transformers' own sdpa against eager: a difference sdpa shares comes
     from transformers' path (a dropped mask, ``is_causal``), not from attnlab's kernels."""
     try:
-        sdpa = _build(cls, tiny_config(family), "sdpa", dtype)
+        sdpa = _build(cls, model_config(cls, family), "sdpa", dtype)
         sdpa.load_state_dict(eager.state_dict())
         found = {c: _run_check(c, eager, sdpa, generates=generates, dtype=dtype, images=images)
                  for c in checks if c != "attentions"}  # sdpa returns no weights
