@@ -111,6 +111,13 @@ def test_a_cut_model_with_shared_kv_keeps_one_sharing_layer_of_each_kind():
     assert zoo._kept_layers(["a", "a", "b", "a", "b"], 5, 2, sharing=True) == ([0, 2, 1, 4], 2)
 
 
+def test_a_cut_that_keeps_a_moe_layer_shrinks_its_expert_groups():
+    """Regression: keeping each layer kind kept bailing_hybrid's MoE layer, whose 8 expert groups
+    over 4 experts made its router view (-1, 8, 0) and eager fail."""
+    config = zoo.tiny_config("bailing_hybrid")
+    assert "sparse" in config.mlp_layer_types and config.num_experts % config.num_expert_group == 0
+
+
 def test_a_composite_config_gives_the_text_part_to_a_text_model():
     assert type(zoo.model_config(transformers.Qwen3_5ForCausalLM, "qwen3_5")).__name__ == "Qwen3_5TextConfig"
     assert type(zoo.model_config(transformers.LlamaForCausalLM, "llama")).__name__ == "LlamaConfig"

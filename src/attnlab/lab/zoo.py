@@ -88,7 +88,7 @@ _SMALL = {
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"), 2),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 128),
     "vocab_size": 128, "image_size": 32, "patch_size": 8, "sliding_window": 4, "max_source_positions": 16,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "topk_group": 1, **dict.fromkeys(("n_group", "num_expert_group"), 1),
     "attention_chunk_size": 4,  # Llama 4's chunked layers: a chunk shorter than the test's inputs
     "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,  # Gemma 3n/4's per-layer embeddings
     "out_hidden_size": 64, "projection_intermediate_size": 128,  # a vision tower's projection into the text width
