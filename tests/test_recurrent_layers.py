@@ -320,8 +320,12 @@ def test_gpt_refuses_what_linear_layers_lack():
         _gpt(layer_pattern="KG", dropout_p=0.1)
     with pytest.raises(ValueError, match="softcap"):
         _gpt(layer_pattern="RG", softcap=30.0)
-    with pytest.raises(ValueError, match="page_size"):
+    with pytest.raises(ValueError, match="prompts of different lengths.*Gated DeltaNet"):
         _gpt(layer_pattern="RG").generate([torch.tensor([1, 2]), torch.tensor([3])], 2)
+    with pytest.raises(ValueError, match="page_size.*Kimi Delta Attention"):
+        _gpt(layer_pattern="KG").generate(torch.tensor([[1, 2]]), 2, page_size=4)
+    with pytest.raises(ValueError, match="page_size"):
+        _gpt(layer_pattern="KG").new_cache(1, page_size=4)
     assert _gpt(layer_pattern="RN").blocks[0].attn.extra_repr().startswith("d_model=16")
 
 

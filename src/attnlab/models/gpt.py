@@ -57,8 +57,10 @@ POSITIONS = ("learned", "rope", "alibi")
 class LayerKind(NamedTuple):
     """One ``layer_pattern`` letter: its name, the GPT option its layers need (and only they take),
     whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE), the attention
-    module its layers are built with (None: the block's own multi-head attention), and whether
-    they return one weight matrix (``return_weights``) and take attention dropout."""
+    module its layers are built with (None: the block's own multi-head attention), whether
+    they return one weight matrix (``return_weights``) and take attention dropout, and whether
+    they keep a recurrent state of constant size instead of keys (a linear-attention layer: its
+    cache is a :class:`~attnlab.nn.RecurrentCache`, with no pages)."""
 
     name: str
     option: str | None = None
@@ -66,6 +68,7 @@ class LayerKind(NamedTuple):
     module: str | None = None
     weights: bool = True
     dropout: bool = True
+    recurrent: bool = False
 
 
 # layer_pattern letters, the one table every letter goes through (a new letter is a new row).
@@ -79,8 +82,10 @@ LAYER_TABLE = {
     "Q": LayerKind("gated output (Qwen3-Next)", module="gated", weights=False),
     "T": LayerKind("sparse top-k (DSA)", "topk", module="topk", weights=False, dropout=False),
     "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse", weights=False, dropout=False),
-    "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False),
-    "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False),
+    "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False,
+                   recurrent=True),
+    "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False,
+                   recurrent=True),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -439,6 +444,12 @@ class GPT(nn.Module):
             positive_int("top_k", top_k)
         if page_size is not None:
             positive_int("page_size", page_size)
+        recurrent = sorted({k for k in self.layer_kinds if LAYER_TABLE[k].recurrent})
+        if recurrent and (page_size is not None or not isinstance(input_ids, Tensor)):
+            raise ValueError(f"{'page_size' if isinstance(input_ids, Tensor) else 'prompts of different lengths'}: paged "
+                             f"caches are not available with {', '.join(LAYER_KINDS[k] for k in recurrent)} layers "
+                             "(they keep one constant-size state per row, not pages of keys); generate a (B, T) "
+                             "batch of prompts of one length, or each prompt alone")
         prompts = [input_ids] if isinstance(input_ids, Tensor) else _check_prompts(input_ids)
         for prompt in prompts:
             self._check_ids(prompt if isinstance(input_ids, Tensor) else prompt[None], None)
