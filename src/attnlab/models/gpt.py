@@ -446,8 +446,9 @@ class GPT(nn.Module):
             positive_int("page_size", page_size)
         recurrent = sorted({k for k in self.layer_kinds if LAYER_TABLE[k].recurrent})
         if recurrent and (page_size is not None or not isinstance(input_ids, Tensor)):
-            raise ValueError(f"{'page_size' if isinstance(input_ids, Tensor) else 'prompts of different lengths'}: paged "
-                             f"caches are not available with {', '.join(LAYER_KINDS[k] for k in recurrent)} layers "
+            given = "page_size" if isinstance(input_ids, Tensor) else "prompts of different lengths"
+            names = ", ".join(LAYER_KINDS[k] for k in recurrent)
+            raise ValueError(f"{given}: paged caches are not available with {names} layers "
                              "(they keep one constant-size state per row, not pages of keys); generate a (B, T) "
                              "batch of prompts of one length, or each prompt alone")
         prompts = [input_ids] if isinstance(input_ids, Tensor) else _check_prompts(input_ids)

@@ -934,7 +934,8 @@ class RecurrentCache(Cache):
     The layer computes the new window and state from the old ones and then :meth:`advance` s the
     cache, replacing both tensors (never writing into them): a call that fails before that leaves
     the cache as it was, and a snapshot (:class:`Cache`'s guard for a model's layers) is the two
-    references and the length.
+    references and the length. Under autograd the state keeps its graph from call to call (detach
+    it, e.g. ``cache.advance(cache.conv.detach(), cache.state.detach(), num_new=0)``, to cut it).
 
     Shapes:
         conv: ``(B, channels, kernel_size - 1)``; state: ``(B, num_heads, head_dim, value_dim)``.

@@ -10,14 +10,11 @@ Both layers are one mechanism, :class:`_DeltaLayer`; each says only how it makes
    from the cache's state ``S`` and back into it;
 5. a gated RMSNorm per value head (normalise, ``* weight``, ``* act(gate)``) and the output projection.
 
-========================  ===================================  ======================================
-layer                     decay (log, per step)                 output gate
-========================  ===================================  ======================================
-:class:`GatedDeltaNet`    per head: ``-exp(A_log) softplus(a    ``silu(z)``, ``z`` projected from x
-                          + dt_bias)`` (Qwen3-Next, Qwen3.5)
-:class:`KimiDeltaAttention`  per key channel: ``-exp(A_log)       ``sigmoid(g_b(g_a(x)))`` (low rank)
-                          softplus(f_b(f_a(x)) + dt_bias)``
-========================  ===================================  ======================================
+* :class:`GatedDeltaNet` (Qwen3-Next, Qwen3.5): one log-decay per value head and step,
+  ``-exp(A_log) * softplus(a + dt_bias)`` with ``a`` projected from x; the output gate ``silu(z)``.
+* :class:`KimiDeltaAttention` (Kimi Linear): a log-decay per key channel,
+  ``-exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` (a low-rank forget gate); the output gate
+  ``sigmoid(g_b(g_a(x)))``.
 
 ``beta = sigmoid(b)`` in both. The layers take no positions (NoPE: order lives in the recurrence)
 and have no attention weights to return. ``from_transformers`` builds either from a transformers
@@ -80,7 +77,7 @@ class _GatedRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, activation: str):
         super().__init__()
-        self.eps, self.activation = positive_number("norm_eps", eps) if eps else 0.0, activation
+        self.eps, self.activation = eps, activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
@@ -428,7 +425,8 @@ class GatedDeltaNet(_DeltaLayer):
         tensors = {"conv1d.weight": layer.conv1d.weight, "A_log": layer.A_log, "dt_bias": layer.dt_bias,
                    "norm.weight": layer.norm.weight, "out_proj.weight": layer.out_proj.weight}
         if name == "Qwen3_5GatedDeltaNet":
-            tensors.update({f"in_proj_{p}.weight": getattr(layer, f"in_proj_{p}").weight for p in ("qkv", "z", "b", "a")})
+            parts = ("qkv", "z", "b", "a")  # Qwen3.5's names are ours
+            tensors.update({f"in_proj_{p}.weight": getattr(layer, f"in_proj_{p}").weight for p in parts})
         else:
             tensors.update(_unfuse_qwen3_next(layer.in_proj_qkvz.weight, layer.in_proj_ba.weight, H, Hv, Dk, Dv))
         return _load(module, tensors, layer.out_proj.weight)
