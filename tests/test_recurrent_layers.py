@@ -253,9 +253,22 @@ def test_reset_and_refusals():
 
 
 # ------------------------------------------------------------------------- padding and documents
+def _biased_layers():
+    """Our own layers with biases in every projection (a padded token still contributes nothing)."""
+    torch.manual_seed(6)
+    layers = [GatedDeltaNet(D_MODEL, 4, num_key_heads=2, bias=True), KimiDeltaAttention(D_MODEL, 3, bias=True)]
+    for layer in layers:
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
+    return [layer.double() for layer in layers]
+
+
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("index", [0, 1], ids=["gated_deltanet", "kda"])
-def test_padded_rows_equal_each_row_alone(index):
-    layer = _layers()[index]
+def test_padded_rows_equal_each_row_alone(index, biased):
+    layer = (_biased_layers() if biased else _layers())[index]
     a, b = _x(1, 6, seed=2, dtype=torch.float64), _x(1, 3, seed=3, dtype=torch.float64)
     junk = torch.full((1, 3, D_MODEL), 7.0, dtype=torch.float64)
     with torch.no_grad():
@@ -305,6 +318,9 @@ def test_gpt_hybrid_trains_generates_and_round_trips(options):
     letter = options["layer_pattern"][0]
     assert [type(b.attn) for b in model.blocks[:3]] == [kinds[letter]] * 3
     assert model.blocks[0].attn.num_key_heads == options.get("num_kv_heads", 4)
+    assert model.blocks[0].attn.out_proj.bias is not None  # GPT's bias=True reaches every projection
+    assert GPT(vocab_size=13, max_len=8, d_model=16, num_layers=4, num_heads=4, bias=False,
+               **options).blocks[0].attn.out_proj.bias is None
     ids = torch.randint(0, 13, (2, 6))
     model(ids).logsumexp(-1).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -636,7 +636,7 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
                                      bias=bias, backend=backend)
     if module in ("gated_delta", "kda"):  # NoPE, no dropout: the table's row says so
         layer_class = GatedDeltaNet if module == "gated_delta" else KimiDeltaAttention
-        return layer_class(d_model, heads, num_key_heads=num_kv_heads, backend=backend)
+        return layer_class(d_model, heads, num_key_heads=num_kv_heads, bias=bias, backend=backend)
     if module == "gated":
         return GatedAttention(d_model, heads, num_kv_heads=num_kv_heads, positions=rope, dropout_p=dropout_p,
                               bias=bias, backend=backend)

@@ -152,13 +152,13 @@ class _DeltaLayer(nn.Module):
 
     Attributes:
         d_model, num_heads (value heads ``Hv``), num_key_heads (query/key heads ``H``), head_dim
-        (``Dk``), value_dim (``Dv``), kernel_size, backend (:func:`attnlab.linear_attention`'s).
+        (``Dk``), value_dim (``Dv``), kernel_size, bias, backend (:func:`attnlab.linear_attention`'s).
     """
 
     _gate_activation = "silu"
 
     def __init__(self, d_model: int, num_heads: int, *, num_key_heads: int | None, head_dim: int | None,
-                 value_dim: int | None, kernel_size: int, norm_eps: float, backend: str):
+                 value_dim: int | None, kernel_size: int, norm_eps: float, bias: bool, backend: str):
         super().__init__()
         positive_int("d_model", d_model)
         positive_int("num_heads", num_heads)
@@ -171,15 +171,17 @@ class _DeltaLayer(nn.Module):
         for name, size in (("head_dim", head_dim), ("value_dim", value_dim), ("kernel_size", kernel_size)):
             positive_int(name, size)
         positive_number("norm_eps", norm_eps)
+        instance_of("bias", bias, bool, "a bool")
         one_of("backend", backend, ["auto", *_linear.BACKENDS])
         self.d_model, self.num_heads, self.num_key_heads = d_model, num_heads, num_key_heads
         self.head_dim, self.value_dim, self.kernel_size, self.backend = head_dim, value_dim, kernel_size, backend
+        self.bias = bias
         self.channels = 2 * num_key_heads * head_dim + num_heads * value_dim  # q, k, v features
         self.conv1d = nn.Conv1d(self.channels, self.channels, kernel_size, groups=self.channels, bias=False,
                                 padding=kernel_size - 1)  # transformers' layout; the padding is ours to apply
         self.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1.0, 16.0)))
         self.norm = _GatedRMSNorm(value_dim, norm_eps, self._gate_activation)
-        self.out_proj = nn.Linear(num_heads * value_dim, d_model, bias=False)
+        self.out_proj = nn.Linear(num_heads * value_dim, d_model, bias=bias)
 
     def _inputs(self, x: Tensor) -> _Inputs:
         raise NotImplementedError
@@ -321,7 +323,7 @@ class _DeltaLayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_key_heads={self.num_key_heads}, "
                 f"head_dim={self.head_dim}, value_dim={self.value_dim}, kernel_size={self.kernel_size}, "
-                f"backend={self.backend!r}")
+                f"bias={self.bias}, backend={self.backend!r}")
 
 
 # ---------------------------------------------------------------------------- transformers
@@ -372,6 +374,7 @@ class GatedDeltaNet(_DeltaLayer):
         head_dim: ``Dk`` (default ``d_model // num_heads``). value_dim: ``Dv`` (default ``head_dim``).
         kernel_size: the short convolution's width (4 in the models).
         norm_eps: the gated RMSNorm's epsilon.
+        bias: biases in every projection (the models have none; the convolution never has one).
         backend: :func:`attnlab.linear_attention`'s backend (``"auto"``).
 
     Example:
@@ -381,13 +384,14 @@ class GatedDeltaNet(_DeltaLayer):
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_key_heads: int | None = None, head_dim: int | None = None,
-                 value_dim: int | None = None, kernel_size: int = 4, norm_eps: float = 1e-6, backend: str = "auto"):
+                 value_dim: int | None = None, kernel_size: int = 4, norm_eps: float = 1e-6, bias: bool = False,
+                 backend: str = "auto"):
         super().__init__(d_model, num_heads, num_key_heads=num_key_heads, head_dim=head_dim, value_dim=value_dim,
-                         kernel_size=kernel_size, norm_eps=norm_eps, backend=backend)
-        self.in_proj_qkv = nn.Linear(d_model, self.channels, bias=False)
-        self.in_proj_z = nn.Linear(d_model, num_heads * self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(d_model, num_heads, bias=False)
-        self.in_proj_a = nn.Linear(d_model, num_heads, bias=False)
+                         kernel_size=kernel_size, norm_eps=norm_eps, bias=bias, backend=backend)
+        self.in_proj_qkv = nn.Linear(d_model, self.channels, bias=bias)
+        self.in_proj_z = nn.Linear(d_model, num_heads * self.value_dim, bias=bias)
+        self.in_proj_b = nn.Linear(d_model, num_heads, bias=bias)
+        self.in_proj_a = nn.Linear(d_model, num_heads, bias=bias)
         self.dt_bias = nn.Parameter(_init_dt_bias(num_heads))
 
     def _inputs(self, x: Tensor) -> _Inputs:
@@ -467,6 +471,7 @@ class KimiDeltaAttention(_DeltaLayer):
         head_dim: ``Dk`` (default ``d_model // num_heads``). value_dim: ``Dv`` (default ``head_dim``).
         rank: the forget and output gates' low rank (default ``head_dim``, Kimi's).
         kernel_size: the short convolution's width. norm_eps: the gated RMSNorm's epsilon.
+        bias: biases in every projection (the models have none; the convolution never has one).
         backend: :func:`attnlab.linear_attention`'s backend (``"auto"``).
 
     Example:
@@ -479,20 +484,20 @@ class KimiDeltaAttention(_DeltaLayer):
 
     def __init__(self, d_model: int, num_heads: int, *, num_key_heads: int | None = None, head_dim: int | None = None,
                  value_dim: int | None = None, rank: int | None = None, kernel_size: int = 4, norm_eps: float = 1e-5,
-                 backend: str = "auto"):
+                 bias: bool = False, backend: str = "auto"):
         super().__init__(d_model, num_heads, num_key_heads=num_key_heads, head_dim=head_dim, value_dim=value_dim,
-                         kernel_size=kernel_size, norm_eps=norm_eps, backend=backend)
+                         kernel_size=kernel_size, norm_eps=norm_eps, bias=bias, backend=backend)
         rank = self.head_dim if rank is None else positive_int("rank", rank)
         Hv, Dk, Dv = num_heads, self.head_dim, self.value_dim
-        self.q_proj = nn.Linear(d_model, self.num_key_heads * Dk, bias=False)
-        self.k_proj = nn.Linear(d_model, self.num_key_heads * Dk, bias=False)
-        self.v_proj = nn.Linear(d_model, Hv * Dv, bias=False)
-        self.f_a_proj = nn.Linear(d_model, rank, bias=False)
-        self.f_b_proj = nn.Linear(rank, Hv * Dk, bias=False)
+        self.q_proj = nn.Linear(d_model, self.num_key_heads * Dk, bias=bias)
+        self.k_proj = nn.Linear(d_model, self.num_key_heads * Dk, bias=bias)
+        self.v_proj = nn.Linear(d_model, Hv * Dv, bias=bias)
+        self.f_a_proj = nn.Linear(d_model, rank, bias=bias)
+        self.f_b_proj = nn.Linear(rank, Hv * Dk, bias=bias)
         self.dt_bias = nn.Parameter(_init_dt_bias(Hv * Dk))
-        self.b_proj = nn.Linear(d_model, Hv, bias=False)
-        self.g_a_proj = nn.Linear(d_model, rank, bias=False)
-        self.g_b_proj = nn.Linear(rank, Hv * Dv, bias=False)
+        self.b_proj = nn.Linear(d_model, Hv, bias=bias)
+        self.g_a_proj = nn.Linear(d_model, rank, bias=bias)
+        self.g_b_proj = nn.Linear(rank, Hv * Dv, bias=bias)
 
     def _inputs(self, x: Tensor) -> _Inputs:
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (B, T, C)
