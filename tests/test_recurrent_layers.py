@@ -207,8 +207,16 @@ def test_cache_errors_leave_it_unchanged(index):
         layer(_x(2, 1, dtype=torch.float64), cache=GatedDeltaNet(D_MODEL, 2).double().new_cache(2))
     bad = _x(2, 2, dtype=torch.float64)
     bad[0, 1, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):  # fails inside linear_attention, after the projections
+    with pytest.raises(ValueError, match="x has NaN"):
         layer(bad, cache=cache)
+    weight = (layer.in_proj_qkv if index == 0 else layer.q_proj).weight
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0] = float("inf")  # a weight gone bad fails inside linear_attention, after the projections
+    with pytest.raises(ValueError, match="NaN"):
+        layer(_x(2, 2, dtype=torch.float64), cache=cache)
+    with torch.no_grad():
+        weight.copy_(kept)
     with pytest.raises(ValueError, match="padding_mask"):
         layer(_x(2, 1, dtype=torch.float64), cache=cache, padding_mask=torch.ones(2, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="document_ids"):

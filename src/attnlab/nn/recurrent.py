@@ -209,6 +209,9 @@ class _DeltaLayer(nn.Module):
             raise ValueError(f"mask: a {type(self).__name__} layer is causal by construction and has no scores to "
                              f"mask; use padding_mask or document_ids, got a {type(mask).__name__}")
         _check_x(x, self.out_proj.weight, self.d_model)
+        if x.numel() and not torch.compiler.is_compiling() and not bool(torch.isfinite(x).all()):
+            raise ValueError("x has NaN or infinite values; a recurrent layer carries its state through every "
+                             "token, so one would spread to every later output")
         B, T, _ = x.shape
         documents = _check_documents(document_ids, x, None, cache)
         if cache is not None:
