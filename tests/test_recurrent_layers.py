@@ -306,6 +306,8 @@ def test_packed_documents_equal_each_document_alone(index):
                 where = (ids[row] == doc).nonzero().flatten()
                 alone = layer(x[row:row + 1, where])
                 torch.testing.assert_close(packed[row, where], alone[0], atol=1e-12, rtol=0)
+        empty = layer(x[:, :0], document_ids=ids[:, :0])
+        assert empty.shape == (2, 0, D_MODEL)
         shared = layer(x, document_ids=ids[0])  # (T,): every row the same documents
         torch.testing.assert_close(shared[1, 4:6], layer(x[1:, 4:6])[0], atol=1e-12, rtol=0)
 

@@ -267,7 +267,7 @@ class _DeltaLayer(nn.Module):
             q, k: ``(B, H, T, Dk)``; v: ``(B, Hv, T, Dv)``; decay ``(B, Hv, T[, Dk])``; beta ``(B, Hv, T)``;
             state: None or ``(B, Hv, Dk, Dv)`` -> ``out (B, Hv, T, Dv)``, ``state (B, Hv, Dk, Dv)``.
         """
-        if documents is None:
+        if documents is None or q.shape[2] == 0:  # no tokens: no documents to restart at
             return _linear.linear_attention(q, k, v, decay=decay, beta=beta, initial_state=state, return_state=True,
                                             backend=self.backend)
         B = q.shape[0]
