@@ -182,6 +182,8 @@ def test_cache_bytes_are_the_window_and_the_state():
     with torch.no_grad():
         layer(_x(3, 40, dtype=torch.bfloat16), cache=cache)
     assert cache.nbytes == 3 * channels * 3 * 2 + 3 * 4 * 8 * 6 * 4 and cache.state.dtype == torch.float32
+    # what it keeps alive too: the window is not a view of the 40 tokens' inputs
+    assert cache.conv.untyped_storage().nbytes() + cache.state.untyped_storage().nbytes() == cache.nbytes
 
 
 def _same_cache(cache, before):

@@ -136,6 +136,12 @@ def _cu_seqlens(documents: Tensor, B: int) -> Tensor:
     return torch.cat([flat, flat.new_tensor([B * T])])
 
 
+def _own_storage(*tensors: Tensor) -> list[Tensor]:
+    """Each tensor, copied if it is a view of a larger one: the cache's window, a slice of the whole
+    prefill's inputs, must not keep them alive (its memory would grow with T)."""
+    return [t.clone() if t.untyped_storage().nbytes() > t.nbytes else t for t in tensors]
+
+
 def _packed(x: Tensor) -> Tensor:
     """``(B, H, T, ...)`` -> ``(1, H, B * T, ...)``: the rows laid end to end (for ``cu_seqlens``)."""
     return x.transpose(0, 1).flatten(1, 2)[None]
@@ -205,19 +211,8 @@ class _DeltaLayer(nn.Module):
         Raises:
             ValueError, TypeError: a bad ``x``, cache, ``padding_mask`` or ``document_ids``, or a mask.
         """
-        if mask is not None:
-            raise ValueError(f"mask: a {type(self).__name__} layer is causal by construction and has no scores to "
-                             f"mask; use padding_mask or document_ids, got a {type(mask).__name__}")
-        _check_x(x, self.out_proj.weight, self.d_model)
-        if x.numel() and not torch.compiler.is_compiling() and not bool(torch.isfinite(x).all()):
-            raise ValueError("x has NaN or infinite values; a recurrent layer carries its state through every "
-                             "token, so one would spread to every later output")
+        documents = self._check_call(x, cache, padding_mask, document_ids, mask)
         B, T, _ = x.shape
-        documents = _check_documents(document_ids, x, None, cache)
-        if cache is not None:
-            self._check_cache(cache, x)
-        if padding_mask is not None:
-            self._check_padding(padding_mask, x, cache)
         inputs = self._inputs(x)
         mixed = inputs.mixed if padding_mask is None else inputs.mixed * padding_mask[..., None].to(x.dtype)
         window = cache.conv if cache is not None else mixed.new_zeros(B, self.channels, self.kernel_size - 1)
@@ -230,7 +225,7 @@ class _DeltaLayer(nn.Module):
         out = self.norm(out.transpose(1, 2), inputs.gate).flatten(2)  # (B, T, Hv * Dv)
         out = self.out_proj(out)
         if cache is not None:  # everything computed: only now does the cache move on
-            cache.advance(full[..., full.shape[2] - (self.kernel_size - 1):], state, num_new=T)
+            cache.advance(*_own_storage(full[..., full.shape[2] - (self.kernel_size - 1):], state), num_new=T)
         return out
 
     def _conv(self, full: Tensor, documents: Tensor | None) -> Tensor:
@@ -278,6 +273,22 @@ class _DeltaLayer(nn.Module):
         return _unpacked(out, B), None
 
     # ------------------------------------------------------------------ checks and cache
+    def _check_call(self, x, cache, padding_mask, document_ids, mask) -> Tensor | None:
+        """Every argument of :meth:`forward` checked; the documents as ``(B|1, T)`` int64 (or None)."""
+        if mask is not None:
+            raise ValueError(f"mask: a {type(self).__name__} layer is causal by construction and has no scores to "
+                             f"mask; use padding_mask or document_ids, got a {type(mask).__name__}")
+        _check_x(x, self.out_proj.weight, self.d_model)
+        if x.numel() and not torch.compiler.is_compiling() and not bool(torch.isfinite(x).all()):
+            raise ValueError("x has NaN or infinite values; a recurrent layer carries its state through every "
+                             "token, so one would spread to every later output")
+        documents = _check_documents(document_ids, x, None, cache)
+        if cache is not None:
+            self._check_cache(cache, x)
+        if padding_mask is not None:
+            self._check_padding(padding_mask, x, cache)
+        return documents
+
     def _check_cache(self, cache: object, x: Tensor) -> None:
         instance_of("cache", cache, RecurrentCache, "a RecurrentCache (module.new_cache)")
         expected = (x.shape[0], self.channels, self.kernel_size, self.num_heads, self.head_dim, self.value_dim)
