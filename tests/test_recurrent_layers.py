@@ -103,6 +103,15 @@ def test_qwen3_next_and_qwen3_5_layouts_give_one_layer():
         torch.testing.assert_close(b(x), a(x), atol=1e-5, rtol=1e-5)
 
 
+def test_from_transformers_keeps_the_layers_dtype():
+    theirs = qwen3_5(4).to(torch.bfloat16)
+    ours = GatedDeltaNet.from_transformers(theirs)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    x = _x(1, 6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=0.05, rtol=0.05)
+
+
 def test_from_transformers_refuses_other_classes():
     config = _qwen_config(transformers.Qwen3NextConfig, 2, 4, 8, 8, 4)
     config.layer_types = ["full_attention"]
