@@ -258,7 +258,7 @@ def test_reset_and_refusals():
     fresh = layer.new_cache(1)
     assert _same_cache(cache, (fresh.conv, fresh.state, 0))
     with pytest.raises(ValueError, match="page_size"):
-        layer.new_cache(1, 8, page_size=4)
+        layer.new_cache(1, 8, page_size=-1)
     with pytest.raises(ValueError, match="mask"):
         layer(_x(1, 2), mask=torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(TypeError, match="not keys"):
@@ -369,13 +369,42 @@ def test_gpt_refuses_what_linear_layers_lack():
         _gpt(layer_pattern="KG", dropout_p=0.1)
     with pytest.raises(ValueError, match="softcap"):
         _gpt(layer_pattern="RG", softcap=30.0)
-    with pytest.raises(ValueError, match="prompts of different lengths.*Gated DeltaNet"):
-        _gpt(layer_pattern="RG").generate([torch.tensor([1, 2]), torch.tensor([3])], 2)
-    with pytest.raises(ValueError, match="page_size.*Kimi Delta Attention"):
-        _gpt(layer_pattern="KG").generate(torch.tensor([[1, 2]]), 2, page_size=4)
     with pytest.raises(ValueError, match="page_size"):
-        _gpt(layer_pattern="KG").new_cache(1, page_size=4)
+        _gpt(layer_pattern="KG").new_cache(1, page_size=0)
     assert _gpt(layer_pattern="RN").blocks[0].attn.extra_repr().startswith("d_model=16")
+
+
+@pytest.mark.parametrize("options", PATTERNS, ids=lambda o: o["layer_pattern"])
+def test_gpt_prompts_of_different_lengths_each_get_what_they_get_alone(options):
+    """A list of prompts: paged caches for the attention layers, each row's own state for the linear ones."""
+    model = _gpt(**options).eval()
+    prompts = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6]), torch.tensor([7, 8, 9])]
+    together = model.generate(prompts, 5, page_size=2)
+    for prompt, got in zip(prompts, together):
+        assert torch.equal(got, model.generate(prompt[None], 5)[0])
+    assert torch.equal(model.generate(torch.tensor([[1, 2, 3]]), 4, page_size=2),
+                       model.generate(torch.tensor([[1, 2, 3]]), 4))
+
+
+def test_selected_rows_read_and_advance_the_whole_cache():
+    layer = GatedDeltaNet(D_MODEL, 4, num_key_heads=2).double()
+    x = _x(2, 5, dtype=torch.float64)
+    cache = layer.new_cache(2)
+    with torch.no_grad():
+        first = layer(x[1:, :3], cache=cache.select([1]))  # row 1 alone, 3 tokens
+        assert cache.row_lengths == (0, 3) and not cache.state[0].any()
+        layer(x[:1, :1], cache=cache.select([0]))
+        both = layer(torch.cat([x[:1, 1:2], x[1:, 3:4]]), cache=cache)  # one step of rows at lengths 1 and 3
+        assert cache.row_lengths == (2, 4)
+        torch.testing.assert_close(first, layer(x[1:, :3])[:, :3], atol=1e-12, rtol=0)
+        torch.testing.assert_close(both[0], layer(x[:1, :2])[0, 1:], atol=1e-12, rtol=0)
+        torch.testing.assert_close(both[1], layer(torch.cat([x[1:, :3], x[1:, 3:4]], 1))[0, 3:], atol=1e-12, rtol=0)
+    assert "row_lengths=(2, 4)" in repr(cache)
+    cache.select([0]).reset()
+    assert cache.row_lengths == (0, 4) and not cache.state[0].any() and cache.state[1].any()
+    for bad, error in (([], ValueError), ([2], ValueError), ([0, 0], ValueError), ("0", TypeError)):
+        with pytest.raises(error, match="rows"):
+            cache.select(bad)
 
 
 def test_gpt_padded_and_packed_batches_with_linear_layers():

@@ -57,10 +57,8 @@ POSITIONS = ("learned", "rope", "alibi")
 class LayerKind(NamedTuple):
     """One ``layer_pattern`` letter: its name, the GPT option its layers need (and only they take),
     whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE), the attention
-    module its layers are built with (None: the block's own multi-head attention), whether
-    they return one weight matrix (``return_weights``) and take attention dropout, and whether
-    they keep a recurrent state of constant size instead of keys (a linear-attention layer: its
-    cache is a :class:`~attnlab.nn.RecurrentCache`, with no pages)."""
+    module its layers are built with (None: the block's own multi-head attention), and whether
+    they return one weight matrix (``return_weights``) and take attention dropout."""
 
     name: str
     option: str | None = None
@@ -68,7 +66,6 @@ class LayerKind(NamedTuple):
     module: str | None = None
     weights: bool = True
     dropout: bool = True
-    recurrent: bool = False
 
 
 # layer_pattern letters, the one table every letter goes through (a new letter is a new row).
@@ -82,10 +79,8 @@ LAYER_TABLE = {
     "Q": LayerKind("gated output (Qwen3-Next)", module="gated", weights=False),
     "T": LayerKind("sparse top-k (DSA)", "topk", module="topk", weights=False, dropout=False),
     "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse", weights=False, dropout=False),
-    "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False,
-                   recurrent=True),
-    "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False,
-                   recurrent=True),
+    "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False),
+    "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -364,8 +359,8 @@ class GPT(nn.Module):
         :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window or chunk is wider), a
         :class:`~attnlab.nn.RecurrentCache` (constant bytes) per linear layer (``R``, ``K``); with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
-        ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows (refused
-        with linear layers: a state has no pages).
+        ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows (a linear
+        layer's state has no pages: its cache is a :class:`~attnlab.nn.RecurrentCache` there too).
 
         Example:
             >>> len(GPT(vocab_size=5, max_len=4, d_model=8, num_layers=3, num_heads=2).new_cache(1))
@@ -444,13 +439,6 @@ class GPT(nn.Module):
             positive_int("top_k", top_k)
         if page_size is not None:
             positive_int("page_size", page_size)
-        recurrent = sorted({k for k in self.layer_kinds if LAYER_TABLE[k].recurrent})
-        if recurrent and (page_size is not None or not isinstance(input_ids, Tensor)):
-            given = "page_size" if isinstance(input_ids, Tensor) else "prompts of different lengths"
-            names = ", ".join(LAYER_KINDS[k] for k in recurrent)
-            raise ValueError(f"{given}: paged caches are not available with {names} layers "
-                             "(they keep one constant-size state per row, not pages of keys); generate a (B, T) "
-                             "batch of prompts of one length, or each prompt alone")
         prompts = [input_ids] if isinstance(input_ids, Tensor) else _check_prompts(input_ids)
         for prompt in prompts:
             self._check_ids(prompt if isinstance(input_ids, Tensor) else prompt[None], None)
@@ -499,7 +487,9 @@ class GPT(nn.Module):
         ones: :meth:`forward`'s computation for a decoding step of :meth:`generate`, whose tokens
         and caches it made itself (so none of forward's checks can fail; a full cache or a paged
         one takes :meth:`forward`, which says so). Positions are the cached length."""
-        length = caches[0].length if type(caches[0]) in (KVCache, RecurrentCache) else None
+        first = caches[0]
+        length = first.length if type(first) is KVCache else (
+            first.lengths[0] if type(first) is RecurrentCache and len(set(first.lengths)) == 1 else None)
         if length is None or length + 1 > self.max_len or self.training:
             return self(token, caches=caches)[:, -1]
         x = self.tok_emb(token)  # (B, 1, d_model)

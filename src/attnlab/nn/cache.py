@@ -934,7 +934,7 @@ class RecurrentCache(Cache):
     The layer computes the new window and state from the old ones and then :meth:`advance` s the
     cache, replacing both tensors (never writing into them): a call that fails before that leaves
     the cache as it was, and a snapshot (:class:`Cache`'s guard for a model's layers) is the two
-    references and the length. Under autograd the state keeps its graph from call to call (detach
+    references and the rows' lengths. Under autograd the state keeps its graph from call to call (detach
     it, e.g. ``cache.advance(cache.conv.detach(), cache.state.detach(), num_new=0)``, to cut it).
 
     Shapes:
@@ -956,8 +956,6 @@ class RecurrentCache(Cache):
         >>> cache.length, cache.nbytes   # a thousand tokens later: the same bytes
         (1000, 176)
     """
-
-    length: int = 0  # an attribute here (the base class derives it from row_lengths)
 
     def __init__(self, batch_size: int, *, channels: int, kernel_size: int, num_heads: int, head_dim: int,
                  value_dim: int | None = None, dtype: torch.dtype | None = None,
@@ -986,7 +984,7 @@ class RecurrentCache(Cache):
         B, C, H, Dk, Dv = self._sizes
         self.conv = torch.zeros(B, C, self.kernel_size - 1, dtype=self._dtype, device=self._device)
         self.state = torch.zeros(B, H, Dk, Dv, dtype=self.state_dtype, device=self._device)
-        self.length = 0
+        self.lengths = [0] * B  # tokens each row has seen (rows prefilled alone may differ)
 
     # Cache's sizes, read off the tensors
     @property
@@ -1019,7 +1017,7 @@ class RecurrentCache(Cache):
 
     @property
     def row_lengths(self) -> tuple[int, ...]:
-        return (self.length,) * self.batch_size
+        return tuple(self.lengths)
 
     @property
     def nbytes(self) -> int:
@@ -1040,19 +1038,79 @@ class RecurrentCache(Cache):
             conv: ``(B, channels, kernel_size - 1)``; state: ``(B, num_heads, head_dim, value_dim)``.
         """
         self.conv, self.state = conv, state.to(self.state_dtype)
-        self.length += num_new
+        self.lengths = [length + num_new for length in self.lengths]
+
+    def select(self, rows: Iterable[int]) -> "RecurrentCache":
+        """A cache of the given rows only, reading and advancing this one's (e.g. to prefill each
+        prompt of a batch alone, as :meth:`PagedKVCache.select`); the rows' lengths may then differ.
+
+        Raises:
+            TypeError: ``rows`` is not a list of ints. ValueError: no row, one out of range, a repeat.
+
+        Example:
+            >>> cache = RecurrentCache(2, channels=2, kernel_size=2, num_heads=1, head_dim=1)
+            >>> row = cache.select([1])
+            >>> row.advance(row.conv + 1, row.state + 1, num_new=3)
+            >>> cache.row_lengths, cache.state.flatten().tolist()
+            ((0, 3), [0.0, 1.0])
+        """
+        if isinstance(rows, (str, bytes, Tensor)) or not isinstance(rows, Iterable):
+            raise TypeError(f"rows must be a list of row indices, got {type(rows).__name__}")
+        rows = [non_negative_int("row", row) for row in rows]
+        if not rows or len(set(rows)) < len(rows) or max(rows) >= self.batch_size:
+            raise ValueError(f"rows must name at least one row below batch_size={self.batch_size} and repeat none, "
+                             f"got {rows}")
+        return _RecurrentRows(self, rows)
 
     def _snapshot(self, num_new: int) -> Callable[[], None]:
-        conv, state, length = self.conv, self.state, self.length  # never written in place: references suffice
+        conv, state, lengths = self.conv, self.state, self.lengths  # never written in place: references suffice
 
         def restore() -> None:
-            self.conv, self.state, self.length = conv, state, length
+            self.conv, self.state, self.lengths = conv, state, lengths
         return restore
 
     def __repr__(self) -> str:
+        lengths = self.row_lengths
+        shown = f"length={lengths[0]}" if len(set(lengths)) == 1 else f"row_lengths={lengths}"
         return (f"RecurrentCache(batch_size={self.batch_size}, channels={self.channels}, "
                 f"kernel_size={self.kernel_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"value_dim={self.value_dim}, length={self.length}, dtype={self.dtype})")
+                f"value_dim={self.value_dim}, {shown}, dtype={self.dtype})")
+
+
+class _RecurrentRows(RecurrentCache):
+    """Some rows of a :class:`RecurrentCache` (:meth:`RecurrentCache.select`): it reads copies of
+    them and advances them in the whole cache (whose tensors it replaces, as the cache does)."""
+
+    def __init__(self, whole: RecurrentCache, rows: list[int]):  # sizes come from the whole cache
+        self.whole, self.rows = whole, rows
+        self.kernel_size, self.state_dtype = whole.kernel_size, whole.state_dtype
+        self._index = torch.tensor(rows, dtype=torch.int64, device=whole.device)
+
+    @property
+    def conv(self) -> Tensor:
+        return self.whole.conv.index_select(0, self._index)  # (rows, C, K - 1)
+
+    @property
+    def state(self) -> Tensor:
+        return self.whole.state.index_select(0, self._index)  # (rows, Hv, Dk, Dv)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.whole.lengths[row] for row in self.rows]
+
+    def reset(self) -> None:
+        """Forget these rows' tokens (the other rows keep theirs)."""
+        self.advance(torch.zeros_like(self.conv), torch.zeros_like(self.state), num_new=0)
+        self.whole.lengths = [0 if row in self.rows else n for row, n in enumerate(self.whole.lengths)]
+
+    def advance(self, conv: Tensor, state: Tensor, *, num_new: int) -> None:
+        whole = self.whole
+        whole.conv = whole.conv.index_copy(0, self._index, conv.to(whole.conv.dtype))
+        whole.state = whole.state.index_copy(0, self._index, state.to(whole.state_dtype))
+        whole.lengths = [n + num_new if row in self.rows else n for row, n in enumerate(whole.lengths)]
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        return self.whole._snapshot(num_new)
 
 
 class _Slots:

@@ -316,20 +316,19 @@ class _DeltaLayer(nn.Module):
         """An empty :class:`~attnlab.nn.RecurrentCache` for ``batch_size`` rows: constant bytes at any length.
 
         Args:
-            batch_size: rows. max_len: accepted for the models' one call (it sizes nothing: the state
-                holds any number of tokens). dtype, device: default the layer's.
-            page_size: refused (a state has no pages).
+            batch_size: rows. max_len, page_size: accepted for the models' one call and checked, but they
+                size nothing: the state holds any number of tokens, and has no pages (a paged model's
+                rows, prefilled alone through :meth:`~attnlab.nn.RecurrentCache.select`, may differ in
+                length). dtype, device: default the layer's.
 
         Example:
             >>> KimiDeltaAttention(16, 2).new_cache(1)   # doctest: +NORMALIZE_WHITESPACE
             RecurrentCache(batch_size=1, channels=48, kernel_size=4, num_heads=2, head_dim=8, value_dim=8,
                            length=0, dtype=torch.float32)
         """
-        if max_len is not None:
-            positive_int("max_len", max_len)
-        if page_size is not None:
-            raise ValueError(f"page_size={page_size}: a {type(self).__name__} layer keeps one constant-size state per "
-                             "row, not pages of keys; generate prompts of different lengths one at a time")
+        for name, size in (("max_len", max_len), ("page_size", page_size)):
+            if size is not None:
+                positive_int(name, size)
         return RecurrentCache(batch_size, channels=self.channels, kernel_size=self.kernel_size,
                               num_heads=self.num_heads, head_dim=self.head_dim, value_dim=self.value_dim,
                               **_cache_options(self.out_proj.weight, dtype, device))
