@@ -49,7 +49,9 @@ from attnlab.nn.multihead import _check_documents, _check_padding_type
 
 __all__ = ["GatedDeltaNet", "KimiDeltaAttention"]
 
-_L2_EPS = 1e-6  # the l2 norm of q and k: x / sqrt(sum x^2 + eps), as fla and transformers
+# The l2 norm of q and k: x / sqrt(sum x^2 + eps), as fla and transformers (Qwen's layers write it
+# x * rsqrt(...), Kimi's x / sqrt(...): the same number up to the last bit; this is Qwen's form).
+_L2_EPS = 1e-6
 
 
 class _Inputs(NamedTuple):
