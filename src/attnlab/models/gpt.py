@@ -38,13 +38,14 @@ from attnlab._checks import (divisible, finite_number, instance_of, one_of, per_
 from attnlab.models import _hub, _inputs
 from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.cache import Cache, KVCache, _restore_on_error, new_positions
+from attnlab.nn.cache import Cache, KVCache, RecurrentCache, _restore_on_error, new_positions
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import _check_documents, _check_padding_type
 from attnlab.nn.native_sparse import NativeSparseAttention, paper_sizes
 from attnlab.nn.positional import LearnedPositionalEmbedding
+from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.topk_attention import TopkAttention
 
 __all__ = ["GPT"]
@@ -78,6 +79,8 @@ LAYER_TABLE = {
     "Q": LayerKind("gated output (Qwen3-Next)", module="gated", weights=False),
     "T": LayerKind("sparse top-k (DSA)", "topk", module="topk", weights=False, dropout=False),
     "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse", weights=False, dropout=False),
+    "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False),
+    "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -137,8 +140,13 @@ class GPT(nn.Module):
             (:class:`~attnlab.nn.GatedAttention`), ``T`` sparse top-k (:class:`~attnlab.nn.TopkAttention`,
             DeepSeek-V3.2's DSA: each query attends to the ``topk`` keys a lightning indexer picks; in
             training the indexer learns from its KL loss, added to the model's loss) and ``S`` native
-            sparse attention (:class:`~attnlab.nn.NativeSparseAttention` sized by ``nsa_block``).
-            Llama 4's text model is ``"CCCN"``. Default: every layer ``G``.
+            sparse attention (:class:`~attnlab.nn.NativeSparseAttention` sized by ``nsa_block``);
+            ``R`` Gated DeltaNet (:class:`~attnlab.nn.GatedDeltaNet`) and ``K`` Kimi Delta Attention
+            (:class:`~attnlab.nn.KimiDeltaAttention`), linear-attention layers: no positions (NoPE), no
+            weights, no attention dropout, ``num_heads`` value heads and ``num_kv_heads`` query/key heads
+            (the grouped value heads of Qwen3.5), a constant-size :class:`~attnlab.nn.RecurrentCache`.
+            Llama 4's text model is ``"CCCN"``, Qwen3.5's ``"RRRQ"`` and Kimi Linear's ``"KKKM"``.
+            Default: every layer ``G``.
         window: the local layers' sliding window (keys per query, the query's own included).
         chunk: the ``C`` layers' chunk (tokens per block; a query sees its block's earlier keys).
         latent_dim: the ``M`` layers' latent width.
@@ -170,6 +178,9 @@ class GPT(nn.Module):
         ...              positions="rope", layer_pattern="CCCN", chunk=4)
         >>> [type(c).__name__ for c in llama4.new_cache(1)], llama4.blocks[3].attn.rope
         (['ChunkedKVCache', 'ChunkedKVCache', 'ChunkedKVCache', 'KVCache'], None)
+        >>> qwen35 = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=4, num_heads=2, layer_pattern="RRRQ")
+        >>> [type(c).__name__ for c in qwen35.new_cache(1)]
+        ['RecurrentCache', 'RecurrentCache', 'RecurrentCache', 'KVCache']
     """
 
     def __init__(
@@ -345,9 +356,11 @@ class GPT(nn.Module):
         A :class:`~attnlab.nn.KVCache` of ``max_len`` slots per global or latent layer and a
         :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer and a
         :class:`~attnlab.nn.ChunkedKVCache` of ``chunk`` slots per chunked layer (a
-        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window or chunk is wider); with
+        :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window or chunk is wider), a
+        :class:`~attnlab.nn.RecurrentCache` (constant bytes) per linear layer (``R``, ``K``); with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
-        ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows.
+        ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows (a linear
+        layer's state has no pages: its cache is a :class:`~attnlab.nn.RecurrentCache` there too).
 
         Example:
             >>> len(GPT(vocab_size=5, max_len=4, d_model=8, num_layers=3, num_heads=2).new_cache(1))
@@ -474,7 +487,9 @@ class GPT(nn.Module):
         ones: :meth:`forward`'s computation for a decoding step of :meth:`generate`, whose tokens
         and caches it made itself (so none of forward's checks can fail; a full cache or a paged
         one takes :meth:`forward`, which says so). Positions are the cached length."""
-        length = caches[0].length if type(caches[0]) is KVCache else None
+        first = caches[0]
+        length = first.length if type(first) is KVCache else (
+            first.lengths[0] if type(first) is RecurrentCache and len(set(first.lengths)) == 1 else None)
         if length is None or length + 1 > self.max_len or self.training:
             return self(token, caches=caches)[:, -1]
         x = self.tok_emb(token)  # (B, 1, d_model)
@@ -609,6 +624,9 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
     if module == "differential":
         return DifferentialAttention(d_model, heads, num_kv_heads=num_kv_heads, layer_idx=layer, positions=rope,
                                      bias=bias, backend=backend)
+    if module in ("gated_delta", "kda"):  # NoPE, no dropout: the table's row says so
+        layer_class = GatedDeltaNet if module == "gated_delta" else KimiDeltaAttention
+        return layer_class(d_model, heads, num_key_heads=num_kv_heads, bias=bias, backend=backend)
     if module == "gated":
         return GatedAttention(d_model, heads, num_kv_heads=num_kv_heads, positions=rope, dropout_p=dropout_p,
                               bias=bias, backend=backend)

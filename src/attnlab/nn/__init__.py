@@ -1,7 +1,8 @@
 """Production attention modules built on :func:`attnlab.attention`.
 
 Multi-head (grouped-query, cross, sliding-window) attention, multi-head latent attention (MLA),
-differential (DiffLlama) and gated (Qwen3-Next) attention,
+differential (DiffLlama) and gated (Qwen3-Next) attention, the recurrent (linear-attention)
+layers of the hybrids (Gated DeltaNet, Kimi Delta Attention),
 the KV caches (contiguous, windowed ring buffer, paged), positional encodings and transformer
 blocks. The tutorials' small teaching modules live in :mod:`attnlab.tutorial`.
 
@@ -13,10 +14,12 @@ Example:
 """
 
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
-from attnlab.nn.cache import BranchCache, Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache
+from attnlab.nn.cache import (BranchCache, Cache, ChunkedKVCache, KVCache, PagedKVCache, RecurrentCache,
+                              WindowedKVCache)
 from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
+from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.multihead import QKV, CallMask, Chunk, MultiHeadAttention, Window
 from attnlab.nn.native_sparse import NativeSparseAttention
@@ -42,6 +45,8 @@ __all__ = [
     "LatentAttention",
     "DifferentialAttention",
     "GatedAttention",
+    "GatedDeltaNet",
+    "KimiDeltaAttention",
     "NativeSparseAttention",
     "TopkAttention",
     "LightningIndexer",
@@ -51,6 +56,7 @@ __all__ = [
     "ChunkedKVCache",
     "BranchCache",
     "PagedKVCache",
+    "RecurrentCache",
     "RotaryEmbedding",
     "ALiBi",
     "SinusoidalPositionalEmbedding",

@@ -9,7 +9,9 @@
   more than one set of keys (a top-k layer's index keys, NSA's three branches);
 * :class:`PagedKVCache` -- a pool of fixed-size pages shared by the rows, each row owning a block
   table (its list of pages); rows of different lengths hold only the pages they fill, and a
-  finished row's pages go back to the pool for the next sequence (vLLM's paged attention).
+  finished row's pages go back to the pool for the next sequence (vLLM's paged attention);
+* :class:`RecurrentCache` -- a linear-attention layer's state (its short convolution's last inputs
+  and one ``(Dk, Dv)`` matrix per head): constant bytes at any length, no keys at all.
 
 Every cache is a :class:`Cache`: the modules call :meth:`Cache.attend` with the queries and the
 new keys/values, and the cache stores them and runs the module's attention over what the queries
@@ -34,7 +36,8 @@ from torch import Tensor
 
 from attnlab._checks import instance_of, non_negative_int, positive_int
 
-__all__ = ["Cache", "KVCache", "WindowedKVCache", "ChunkedKVCache", "BranchCache", "PagedKVCache", "new_positions"]
+__all__ = ["Cache", "KVCache", "WindowedKVCache", "ChunkedKVCache", "BranchCache", "PagedKVCache", "RecurrentCache",
+           "new_positions"]
 
 # attend(q, keys, values) -> out; a ragged paged batch adds key_lengths= (see Cache.attend).
 Attend = Callable[..., Tensor]
@@ -916,6 +919,198 @@ class PagedKVCache(Cache):
                 f"row_lengths={self.row_lengths}, page_size={self.page_size}, "
                 f"free_pages={self.free_pages}/{self.pool.num_pages}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype})")
+
+
+class RecurrentCache(Cache):
+    """A linear-attention layer's whole cache: the last ``kernel_size - 1`` inputs of its short
+    convolution and its state ``S``, one ``(Dk, Dv)`` matrix per value head.
+
+    A recurrent layer (:class:`~attnlab.nn.GatedDeltaNet`, :class:`~attnlab.nn.KimiDeltaAttention`)
+    folds every token it has seen into ``S``, so decoding keeps no keys: **the cache's bytes are
+    constant in the number of tokens** (:attr:`nbytes` is the same at length 0 and length 10^6),
+    where a :class:`KVCache` grows by one key and value per token and layer. The state is kept in
+    fp32 (fp64 for an fp64 layer) whatever the layer's dtype; the convolution's window in the layer's.
+
+    The layer computes the new window and state from the old ones and then :meth:`advance` s the
+    cache, replacing both tensors (never writing into them): a call that fails before that leaves
+    the cache as it was, and a snapshot (:class:`Cache`'s guard for a model's layers) is the two
+    references and the rows' lengths. Under autograd the state keeps its graph from call to call (detach
+    it, e.g. ``cache.advance(cache.conv.detach(), cache.state.detach(), num_new=0)``, to cut it).
+
+    Shapes:
+        conv: ``(B, channels, kernel_size - 1)``; state: ``(B, num_heads, head_dim, value_dim)``.
+
+    Args:
+        batch_size: ``B``.
+        channels: the convolution's channels (the layer's q, k and v features together).
+        kernel_size: the convolution's width (the window holds ``kernel_size - 1`` earlier inputs).
+        num_heads: value heads ``Hv``, one state matrix each.
+        head_dim: ``Dk``, key features per head. value_dim: ``Dv`` (default ``head_dim``).
+        dtype, device: the layer's (the window's dtype; the state is fp32, or fp64 for fp64).
+
+    Example:
+        >>> cache = RecurrentCache(1, channels=12, kernel_size=4, num_heads=2, head_dim=2)
+        >>> cache.nbytes                 # 12 x 3 window floats + 2 x 2 x 2 state floats, 4 bytes each
+        176
+        >>> cache.advance(cache.conv, cache.state + 1, num_new=1000)
+        >>> cache.length, cache.nbytes   # a thousand tokens later: the same bytes
+        (1000, 176)
+    """
+
+    def __init__(self, batch_size: int, *, channels: int, kernel_size: int, num_heads: int, head_dim: int,
+                 value_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
+        _check_sizes(batch_size=batch_size, channels=channels, kernel_size=kernel_size, num_heads=num_heads,
+                     head_dim=head_dim, value_dim=value_dim)
+        if value_dim == 0:
+            raise ValueError("value_dim must be positive for a recurrent state, got 0")
+        dtype, device = _dtype_device(dtype, device)
+        self.kernel_size = kernel_size
+        self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self._sizes = (batch_size, channels, num_heads, head_dim, value_dim)
+        self._dtype, self._device = dtype, device
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to no tokens: a zero window and a zero state (fresh tensors).
+
+        Example:
+            >>> cache = RecurrentCache(1, channels=2, kernel_size=2, num_heads=1, head_dim=1)
+            >>> cache.advance(cache.conv + 1, cache.state + 1, num_new=3); cache.reset()
+            >>> cache.length, cache.state.abs().sum().item(), cache.conv.abs().sum().item()
+            (0, 0.0, 0.0)
+        """
+        B, C, H, Dk, Dv = self._sizes
+        self.conv = torch.zeros(B, C, self.kernel_size - 1, dtype=self._dtype, device=self._device)
+        self.state = torch.zeros(B, H, Dk, Dv, dtype=self.state_dtype, device=self._device)
+        self.lengths = [0] * B  # tokens each row has seen (rows prefilled alone may differ)
+
+    # Cache's sizes, read off the tensors
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.conv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.shape[0]
+
+    @property
+    def channels(self) -> int:
+        return self.conv.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.state.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.state.shape[2]
+
+    @property
+    def value_dim(self) -> int:
+        return self.state.shape[3]
+
+    @property
+    def row_lengths(self) -> tuple[int, ...]:
+        return tuple(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the window and the state: the same at every length."""
+        return self.conv.nbytes + self.state.nbytes
+
+    def check_room(self, num_new: int) -> None:
+        """Nothing to check: a recurrent state takes any number of tokens in the same bytes."""
+
+    def extend(self, k_new: Tensor, v_new: Tensor):
+        raise TypeError("a RecurrentCache holds a linear-attention layer's state, not keys and values; "
+                        "give it to GatedDeltaNet or KimiDeltaAttention (their new_cache makes one)")
+
+    def advance(self, conv: Tensor, state: Tensor, *, num_new: int) -> None:
+        """Take the window and state after ``num_new`` more tokens (the layer has checked them).
+
+        Shapes:
+            conv: ``(B, channels, kernel_size - 1)``; state: ``(B, num_heads, head_dim, value_dim)``.
+        """
+        self.conv, self.state = conv, state.to(self.state_dtype)
+        self.lengths = [length + num_new for length in self.lengths]
+
+    def select(self, rows: Iterable[int]) -> "RecurrentCache":
+        """A cache of the given rows only, reading and advancing this one's (e.g. to prefill each
+        prompt of a batch alone, as :meth:`PagedKVCache.select`); the rows' lengths may then differ.
+
+        Raises:
+            TypeError: ``rows`` is not a list of ints. ValueError: no row, one out of range, a repeat.
+
+        Example:
+            >>> cache = RecurrentCache(2, channels=2, kernel_size=2, num_heads=1, head_dim=1)
+            >>> row = cache.select([1])
+            >>> row.advance(row.conv + 1, row.state + 1, num_new=3)
+            >>> cache.row_lengths, cache.state.flatten().tolist()
+            ((0, 3), [0.0, 1.0])
+        """
+        if isinstance(rows, (str, bytes, Tensor)) or not isinstance(rows, Iterable):
+            raise TypeError(f"rows must be a list of row indices, got {type(rows).__name__}")
+        rows = [non_negative_int("row", row) for row in rows]
+        if not rows or len(set(rows)) < len(rows) or max(rows) >= self.batch_size:
+            raise ValueError(f"rows must name at least one row below batch_size={self.batch_size} and repeat none, "
+                             f"got {rows}")
+        return _RecurrentRows(self, rows)
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        conv, state, lengths = self.conv, self.state, self.lengths  # never written in place: references suffice
+
+        def restore() -> None:
+            self.conv, self.state, self.lengths = conv, state, lengths
+        return restore
+
+    def __repr__(self) -> str:
+        lengths = self.row_lengths
+        shown = f"length={lengths[0]}" if len(set(lengths)) == 1 else f"row_lengths={lengths}"
+        return (f"RecurrentCache(batch_size={self.batch_size}, channels={self.channels}, "
+                f"kernel_size={self.kernel_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"value_dim={self.value_dim}, {shown}, dtype={self.dtype})")
+
+
+class _RecurrentRows(RecurrentCache):
+    """Some rows of a :class:`RecurrentCache` (:meth:`RecurrentCache.select`): it reads copies of
+    them and advances them in the whole cache (whose tensors it replaces, as the cache does)."""
+
+    def __init__(self, whole: RecurrentCache, rows: list[int]):  # sizes come from the whole cache
+        self.whole, self.rows = whole, rows
+        self.kernel_size, self.state_dtype = whole.kernel_size, whole.state_dtype
+        self._index = torch.tensor(rows, dtype=torch.int64, device=whole.device)
+
+    @property
+    def conv(self) -> Tensor:
+        return self.whole.conv.index_select(0, self._index)  # (rows, C, K - 1)
+
+    @property
+    def state(self) -> Tensor:
+        return self.whole.state.index_select(0, self._index)  # (rows, Hv, Dk, Dv)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.whole.lengths[row] for row in self.rows]
+
+    def reset(self) -> None:
+        """Forget these rows' tokens (the other rows keep theirs)."""
+        self.advance(torch.zeros_like(self.conv), torch.zeros_like(self.state), num_new=0)
+        self.whole.lengths = [0 if row in self.rows else n for row, n in enumerate(self.whole.lengths)]
+
+    def advance(self, conv: Tensor, state: Tensor, *, num_new: int) -> None:
+        whole = self.whole
+        whole.conv = whole.conv.index_copy(0, self._index, conv.to(whole.conv.dtype))
+        whole.state = whole.state.index_copy(0, self._index, state.to(whole.state_dtype))
+        whole.lengths = [n + num_new if row in self.rows else n for row, n in enumerate(whole.lengths)]
+
+    def _snapshot(self, num_new: int) -> Callable[[], None]:
+        return self.whole._snapshot(num_new)
 
 
 class _Slots:
