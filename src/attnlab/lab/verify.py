@@ -76,6 +76,10 @@ from attnlab import scores as _scores
 from attnlab._call import build_call
 from attnlab._checks import positive_int
 from attnlab.functional import attention
+from attnlab import linear
+from attnlab.linear import linear_attention
+from attnlab.linear._call import linear_call
+from attnlab.linear.reference import run_reference
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
            "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS", "flash_backward_bound",
@@ -970,8 +974,6 @@ def linear_backends() -> list[str]:
         >>> "linear:recurrent" in linear_backends(), "linear:reference" in linear_backends()
         (True, False)
     """
-    from attnlab import linear
-
     return [LINEAR_PREFIX + name for name in linear.BACKENDS if name != "reference"]
 
 
@@ -1082,9 +1084,6 @@ def _plain_recurrence(q, k, v, *, decay=None, beta=None, initial_state=None, sca
     """The recurrence computed in the call's own precision (the state in fp32 for fp32 and half
     inputs): the plain computation whose error a backend's is measured against. Called directly,
     not through the registry, so that a broken backend cannot lower its own bar."""
-    from attnlab.linear._call import linear_call
-    from attnlab.linear.reference import run_reference
-
     call = linear_call(q, k, v, decay=decay, beta=beta, scale=scale, initial_state=initial_state,
                        cu_seqlens=cu_seqlens)
     return run_reference(call, dtype=call.state_dtype)
@@ -1095,8 +1094,6 @@ def _linear_run(config: LinearConfig, dtype: torch.dtype, backend: str | None, i
     ``backend`` (a name of :data:`attnlab.linear.BACKENDS`; None: the recurrence in the call's own
     precision, :func:`_plain_recurrence`) in ``dtype``. Gates and the initial state are held as a
     model holds them: the decay and the state in fp32 in a bf16 call."""
-    from attnlab.linear import linear_attention
-
     run = _plain_recurrence if backend is None else functools.partial(linear_attention, backend=backend)
     wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     held = {"q": dtype, "k": dtype, "v": dtype, "beta": dtype, "decay": wide, "initial_state": wide}
