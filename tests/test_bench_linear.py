@@ -75,8 +75,13 @@ def test_the_recurrent_backend_is_left_out_above_its_length(quick_timing, monkey
         bench_linear.gated_delta_rows(16, "bwd")
 
 
-def test_decode_rows_keep_one_state_while_the_cache_grows(quick_timing):
+def test_decode_rows_keep_one_state_while_the_cache_grows(quick_timing, monkeypatch):
+    threads, seen = torch.get_num_threads(), []
+    real = bench_linear.compare
+    monkeypatch.setattr(bench_linear, "compare", lambda candidates, **kw: seen.append(torch.get_num_threads())
+                        or real(candidates, rounds=1, min_run_time=0.001))
     short, long = bench_linear.decode_rows(64), bench_linear.decode_rows(512)
+    assert seen == [1, 1] and torch.get_num_threads() == threads  # timed on one thread, the count restored
     for rows, context in ((short, 64), (long, 512)):
         for row in rows:
             assert row.seconds > 0 and row.values["tokens/s"] == pytest.approx(1 / row.seconds) and row.t == context

@@ -15,7 +15,7 @@ Two tables, every figure measured side by side in one interleaved run:
   matmuls at C=64, the same count for every row); ``% of matmul`` is over a batched fp32 matmul
   of the chunked form's state shape, ``(B*H, T, Dk) @ (B*H, Dk, Dv)``, timed in the same rounds.
 * **decode**: one token (T=1) with the state of a 1k- and a 16k-token context, through each
-  backend and ``auto``, as tokens/s, beside softmax attention over a KV cache of the same context:
+  backend and ``auto``, as tokens/s on one thread, beside softmax attention over a KV cache of the same context:
   the state does not grow with the context, so the linear rows stay flat where the cache's cost grows.
 
 Example:
@@ -169,8 +169,8 @@ def gated_delta_rows(t: int, mode: str, *, rounds: int = 3, min_run_time: float 
 
 
 def decode_rows(context: int, *, rounds: int = 3, min_run_time: float = 0.2) -> list[BenchRow]:
-    """One decoding step (T=1 with the state of a ``context``-token prefix), tokens/s, beside
-    softmax attention over a ``context``-token KV cache.
+    """One decoding step (T=1 with the state of a ``context``-token prefix), tokens/s on one
+    thread (as the decode suite), beside softmax attention over a ``context``-token KV cache.
 
     The state is ``(B, H, Dk, Dv)`` whatever the context (its values do not change the work):
     a random one stands in for the prefix's. Each row's ``values`` holds ``tokens/s`` and the
@@ -191,8 +191,13 @@ def decode_rows(context: int, *, rounds: int = 3, min_run_time: float = 0.2) -> 
             **step, initial_state=state, return_state=True, backend=name))
     softmax = "softmax attention, KV cache"
     candidates[softmax] = lambda: attention(step["q"], keys, values)
-    with torch.no_grad():
-        seconds = compare(candidates, rounds=rounds, min_run_time=min_run_time)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one token's work is small: spinning threads on a shared machine only add noise
+    try:
+        with torch.no_grad():
+            seconds = compare(candidates, rounds=rounds, min_run_time=min_run_time)
+    finally:
+        torch.set_num_threads(threads)
     cache_bytes = 2 * keys.numel() * keys.element_size()
     state_bytes = state.numel() * state.element_size()
     case = f"decode step, context {context}"

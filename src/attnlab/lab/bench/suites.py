@@ -570,7 +570,7 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
                           "4DkDv, delta rules + 2C(2Dk+Dv) + 2DkDv + 2C²/3 (attnlab._flops); backward 2.5x; "
                           "% of matmul: over a (B*H, T, Dk) @ (Dk, Dv) fp32 matmul timed in the same rounds")
             print_rows(found, title="linear attention: gated delta rule, B=1 H=4 Dk=Dv=128 fp32 (ratio = time over "
-                       "transformers' torch_chunk_gated_delta_rule), and one decoding step", console=console)
+                       "transformers' torch_chunk_gated_delta_rule), and one decoding step (1 thread)", console=console)
         elif suite == "variants":
             found = variants.variants_suite(sizes=(sizes := variants.VariantSizes.for_run(quick=quick)))
             rows += [row.bench_row() for row in found]
