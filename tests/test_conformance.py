@@ -46,6 +46,20 @@ def test_backend_matches_fp64_reference(name, dtype):
         assert sum(r.grad for r in served) >= 200, "backward must be checked on >= 200 configs"
 
 
+LINEAR_CONFIGS = 72  # every rule with none, a state, documents and both, twice over
+
+
+@pytest.mark.parametrize("dtype", verify.LINEAR_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("name", verify.linear_backends())
+def test_linear_backend_matches_fp64_recurrence(name, dtype):
+    """Every backend of attnlab.linear.BACKENDS (the oracle aside) against the fp64 recurrence:
+    output, final state and every gradient (bf16 on tiny sizes; lengths up to 128)."""
+    results = verify.sweep_linear([name], [dtype], n=LINEAR_CONFIGS, seed=1, small=True)
+    failures = [r for r in results if not r.passed]
+    assert not failures, "\n".join(f"{r.config}: {r.note}" for r in failures[:10])
+    assert len(results) == LINEAR_CONFIGS and all(r.served and r.grad for r in results)
+
+
 def test_sweep_catches_a_wrong_backend():
     """The tolerance rule is not vacuous: a backend off by one ulp-scale bias fails."""
 

@@ -62,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -75,10 +76,15 @@ from attnlab import scores as _scores
 from attnlab._call import build_call
 from attnlab._checks import positive_int
 from attnlab.functional import attention
+from attnlab import linear
+from attnlab.linear import linear_attention
+from attnlab.linear._call import linear_call
+from attnlab.linear.reference import run_reference
 
 __all__ = ["Config", "CheckResult", "configs", "check", "check_grad_mode", "sweep", "GRAD_MODES", "GRAD_MODE_CONFIGS", "floor_for", "allowed_error", "FORWARD_FACTOR", "GRADIENT_FACTOR", "FLEX_SHAPES",
            "SMALL_MAX", "BOUNDED_MASKS", "LAYOUTS", "relayout", "broadcastable", "SCORE_KINDS", "flash_backward_bound",
-           "FLEX_SCORE_KINDS", "FLEX_HALF_SCORE_KINDS"]
+           "FLEX_SCORE_KINDS", "FLEX_HALF_SCORE_KINDS", "LinearConfig", "LINEAR_RULES", "LINEAR_DTYPES",
+           "LINEAR_PREFIX", "linear_backends", "linear_configs", "check_linear", "sweep_linear", "one_of_linear"]
 
 SMALL_MAX = 40  # lengths 1..SMALL_MAX are drawn uniformly: kernels break on short, odd tails
 # Multiples of the 8/16-lane vector widths are where fused kernels' tails go wrong.
@@ -897,3 +903,321 @@ def _not_compiled(backend: str, config: Config, dtype: torch.dtype, memo: _Memo)
         return None  # compiled already, or declined anyway: check() reports it as usual
     return CheckResult(backend, _dtype_name(dtype), config.label(), False, False, (), (), True,
                        "not compiled in this process; a quick sweep does not compile")
+
+
+# ----------------------------------------------------------------------------- linear attention
+# attnlab.linear_attention's backends against its fp64 recurrence (attnlab.linear.reference),
+# under the same rule: every rule of the recurrent family, the final state and the gradients
+# of q, k, v, decay, beta and initial_state, with packed documents (cu_seqlens).
+
+LINEAR_PREFIX = "linear:"  # a linear backend's name in verify's report: "linear:recurrent"
+LINEAR_RULES = ("additive", "decay", "channel", "delta", "gated_delta", "kda")
+LINEAR_DTYPES = (torch.float64, torch.float32, torch.bfloat16)  # bf16: tiny configurations only
+# Chunked forms cut T into chunks of 16..64: lengths at and around the boundaries, and one
+# spanning several chunks, beside every small length.
+_LINEAR_LENGTHS = ("small", 1, 63, 64, 65, 128, 200)
+_LINEAR_WEIGHTS = (0.5, 0.05, 0.1, 0.1, 0.1, 0.08, 0.07)
+_LINEAR_DIMS = (1, 3, 8, 16, 32, 64)
+_LINEAR_TINY = 16  # bf16 configurations: T and head dims at most this (the recurrence rounds every step)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One seeded configuration of :func:`attnlab.linear_attention` (dtype chosen at check time).
+
+    ``documents``: the packed documents' lengths (``cu_seqlens``; ``batch == 1``), or ().
+    ``decay_scale``: log-decays are drawn in ``[-decay_scale, 0]`` (8: the state forgets within a
+    few steps, where a chunked form's cumulative decays underflow).
+
+    Example:
+        >>> LinearConfig(seed=1, batch=1, heads=2, value_heads=4, t=5, key_dim=3, value_dim=2,
+        ...              rule="kda").label()
+        'B1 H2/4 T5 D3/2 kda'
+    """
+
+    seed: int
+    batch: int
+    heads: int
+    value_heads: int
+    t: int
+    key_dim: int
+    value_dim: int
+    rule: str
+    initial_state: bool = False
+    documents: tuple[int, ...] = ()
+    scale: float | None = None
+    decay_scale: float = 0.5
+    transposed: bool = False  # q, k, v handed as (B, T, H, D) memory, as transformers holds them
+
+    def label(self) -> str:
+        """A short readable id, e.g. ``B1 H2/4 T5 D3/2 kda state docs:2,3``."""
+        extras = [" state" if self.initial_state else "",
+                  f" docs:{','.join(map(str, self.documents))}" if self.documents else "",
+                  "" if self.scale is None else f" scale={self.scale:.3g}",
+                  f" decay<={-self.decay_scale:g}" if self.decay_scale != 0.5 and "decay" in self._gates() else "",
+                  " q,k,v:(B,T,H,D)" if self.transposed else ""]
+        return (f"B{self.batch} H{self.heads}/{self.value_heads} T{self.t} D{self.key_dim}/{self.value_dim} "
+                f"{self.rule}{''.join(extras)}")
+
+    def _gates(self) -> str:
+        """Which of decay and beta the rule takes (``"decay beta"``, ``"beta"``, ...)."""
+        decay = self.rule in ("decay", "channel", "gated_delta", "kda")
+        beta = self.rule in ("delta", "gated_delta", "kda")
+        return " ".join(name for name, used in (("decay", decay), ("beta", beta)) if used)
+
+
+def linear_backends() -> list[str]:
+    """The backends of :data:`attnlab.linear.BACKENDS` the sweep checks (all but the oracle), as
+    verify names them (``"linear:recurrent"``, ...): a backend registered there is swept.
+
+    Example:
+        >>> "linear:recurrent" in linear_backends(), "linear:reference" in linear_backends()
+        (True, False)
+    """
+    return [LINEAR_PREFIX + name for name in linear.BACKENDS if name != "reference"]
+
+
+def linear_configs(n: int, *, seed: int = 0, small: bool = False, tiny: bool = False) -> list[LinearConfig]:
+    """``n`` seeded configurations of the recurrent family.
+
+    The rule cycles (every rule in each 6 configurations); an initial state and packed documents
+    cycle on top of it (each rule with none, a state, documents, both within 36). Lengths are
+    drawn at and around chunk boundaries (63, 64, 65, 128) and below 40, with 200 (several
+    chunks) and 1; head dims in {1, 3, 8, 16, 32, 64}; 1-2 key heads each serving 1-2 value
+    heads; a custom scale on 1 in 4; log-decays down to -8 per step on 1 in 6; q, k, v as
+    transposed views of ``(B, T, H, D)`` memory on 1 in 3; an empty document on 1 in 3 packings.
+
+    Args:
+        n: how many (at least 1). seed: seed of the draw.
+        small: lengths up to 128 (quick sweeps). tiny: lengths and head dims up to 16 (bf16).
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+
+    Example:
+        >>> sorted({c.rule for c in linear_configs(6)}) == sorted(LINEAR_RULES)
+        True
+    """
+    positive_int("n", n)
+    rng = torch.Generator().manual_seed(seed + 31_337)
+    found: list[LinearConfig] = []
+    while len(found) < n:
+        config = _draw_linear(rng, seed * 100_003 + len(found), len(found))
+        if (small and config.t > 128) or (tiny and max(config.t, config.key_dim, config.value_dim) > _LINEAR_TINY):
+            continue
+        found.append(config)
+    return found
+
+
+def _draw_linear(rng: torch.Generator, seed: int, index: int) -> LinearConfig:
+    """Configuration number ``index``: rule, state and documents cycle, the rest is drawn."""
+    def pick(options, weights=None):
+        w = torch.tensor(weights if weights else [1.0] * len(options))
+        return options[int(torch.multinomial(w, 1, generator=rng))]
+
+    def uniform() -> float:
+        return float(torch.rand((), generator=rng))
+
+    length = pick(_LINEAR_LENGTHS, _LINEAR_WEIGHTS)
+    t = int(torch.randint(1, SMALL_MAX + 1, (), generator=rng)) if length == "small" else length
+    heads, groups = pick((1, 2)), pick((1, 1, 2))
+    key_dim = pick(_LINEAR_DIMS)
+    value_dim = key_dim if uniform() < 0.6 else pick(_LINEAR_DIMS)
+    scale = None if uniform() < 0.75 else 0.25 + uniform()
+    decay_scale = 8.0 if uniform() < 1 / 6 else 0.5
+    transposed = uniform() < 1 / 3
+    turn = index // len(LINEAR_RULES)
+    documents: tuple[int, ...] = ()
+    if turn % 3 == 2:  # packed: 1-4 documents cut at drawn points, one empty on 1 in 3
+        cuts = sorted(int(c) for c in torch.randint(0, t + 1, (int(torch.randint(0, 4, (), generator=rng)),),
+                                                    generator=rng))
+        if uniform() < 1 / 3:
+            cuts.append(cuts[-1] if cuts else 0)
+        points = [0, *sorted(cuts), t]
+        documents = tuple(b - a for a, b in zip(points, points[1:]))
+    batch = 1 if documents else pick((1, 2))
+    return LinearConfig(seed, batch, heads, heads * groups, t, key_dim, value_dim, LINEAR_RULES[index % len(LINEAR_RULES)],
+                        initial_state=turn % 2 == 1, documents=documents, scale=scale, decay_scale=decay_scale,
+                        transposed=transposed)
+
+
+def _linear_inputs(config: LinearConfig) -> dict[str, Tensor]:
+    """The configuration's fp64 tensors: q, k, v, decay, beta, initial_state (those it uses), the
+    weights of the output and of the final state in the loss (``d_out``, ``d_state``) and
+    ``cu_seqlens``. Delta rules get l2-normalised keys, as every model feeds them (beta |k|^2 > 2
+    would make the state grow without bound)."""
+    gen = torch.Generator().manual_seed(config.seed)
+    B, H, Hv, T, Dk, Dv = (config.batch, config.heads, config.value_heads, config.t, config.key_dim,
+                           config.value_dim)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, dtype=torch.float64)
+
+    found = dict(q=randn(B, H, T, Dk), k=randn(B, H, T, Dk), v=randn(B, Hv, T, Dv))
+    gates = config._gates()
+    if "beta" in gates:
+        found["k"] = torch.nn.functional.normalize(found["k"], dim=-1)
+        beta = rand(B, Hv, T)
+        edge = rand(B, Hv, T)  # a tenth of the steps at the ends of [0, 1]: no write, overwrite
+        found["beta"] = beta.masked_fill(edge < 0.05, 0.0).masked_fill(edge > 0.95, 1.0)
+    if "decay" in gates:
+        shape = (B, Hv, T, Dk) if config.rule in ("channel", "kda") else (B, Hv, T)
+        decay = -config.decay_scale * rand(*shape)
+        found["decay"] = decay.masked_fill(rand(*shape) < 0.1, 0.0)  # some steps keep everything
+    rows = len(config.documents) if config.documents else B
+    if config.initial_state:
+        found["initial_state"] = randn(rows, Hv, Dk, Dv)
+    found["d_out"], found["d_state"] = randn(B, Hv, T, Dv), randn(rows, Hv, Dk, Dv)
+    if config.documents:
+        found["cu_seqlens"] = torch.tensor([0, *config.documents], dtype=torch.int64).cumsum(0)
+    return found
+
+
+_LINEAR_LEARNED = ("q", "k", "v", "decay", "beta", "initial_state")  # the gradients compared, in this order
+
+
+def _plain_recurrence(q, k, v, *, decay=None, beta=None, initial_state=None, scale, cu_seqlens,
+                      return_state) -> tuple[Tensor, Tensor]:
+    """The recurrence computed in the call's own precision (the state in fp32 for fp32 and half
+    inputs): the plain computation whose error a backend's is measured against. Called directly,
+    not through the registry, so that a broken backend cannot lower its own bar."""
+    call = linear_call(q, k, v, decay=decay, beta=beta, scale=scale, initial_state=initial_state,
+                       cu_seqlens=cu_seqlens)
+    return run_reference(call, dtype=call.state_dtype)
+
+
+def _linear_run(config: LinearConfig, dtype: torch.dtype, backend: str | None, inputs: dict[str, Tensor]) -> list[Tensor]:
+    """out, final state and the gradients of every input the call takes, in fp64, of one run of
+    ``backend`` (a name of :data:`attnlab.linear.BACKENDS`; None: the recurrence in the call's own
+    precision, :func:`_plain_recurrence`) in ``dtype``. Gates and the initial state are held as a
+    model holds them: the decay and the state in fp32 in a bf16 call."""
+    run = _plain_recurrence if backend is None else functools.partial(linear_attention, backend=backend)
+    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    held = {"q": dtype, "k": dtype, "v": dtype, "beta": dtype, "decay": wide, "initial_state": wide}
+    leaves = {name: inputs[name].to(held[name], copy=True).requires_grad_(True)
+              for name in _LINEAR_LEARNED if name in inputs}
+    given = dict(leaves)
+    if config.transposed:  # (B, H, T, D) views of (B, T, H, D) memory
+        given.update({name: relayout(leaves[name], "transposed") for name in "qkv"})
+    out, state = run(given.pop("q"), given.pop("k"), given.pop("v"), **given, scale=config.scale,
+                     cu_seqlens=inputs.get("cu_seqlens"), return_state=True)
+    loss = (out.double() * inputs["d_out"]).sum() + (state.double() * inputs["d_state"]).sum()
+    grads = [torch.zeros_like(t) for t in leaves.values()]
+    if loss.requires_grad:  # T = 0 without a state: nothing to differentiate
+        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(found, leaves.values())]
+    return [t.detach().double() for t in (out, state, *grads)]
+
+
+def _linear_names(config: LinearConfig) -> list[str]:
+    """What each entry of a run is: ``["out", "state", "dq", "dk", "dv", ...]``."""
+    return ["out", "state", *(f"d{name}" for name in _LINEAR_LEARNED if name in _linear_inputs_names(config))]
+
+
+def _linear_inputs_names(config: LinearConfig) -> set[str]:
+    gates = config._gates().split()
+    return {"q", "k", "v", *gates, *(["initial_state"] if config.initial_state else [])}
+
+
+def check_linear(backend: str, config: LinearConfig, dtype: torch.dtype, *,
+                 memo: dict | None = None) -> CheckResult:
+    """Run a linear backend (``"linear:recurrent"``) on ``config`` in ``dtype`` and compare the
+    output, the final state and every gradient with the fp64 recurrence.
+
+    The rule of :func:`check`: each error at most :func:`allowed_error` of the recurrence run in
+    the same precision (fp32 state for fp32 and bf16 inputs, as the contract keeps it), with
+    ``K = max(Dk, Dv, T)``; the final state and the gradients of decay, beta and the initial
+    state, which sum over every later step, are bounded with ``K * T`` terms and their own
+    magnitude. ``memo``: the sweep's inputs and oracles (default: computed for this check alone).
+
+    Example:
+        >>> check_linear("linear:recurrent", linear_configs(1)[0], torch.float32).passed
+        True
+    """
+    memo = {} if memo is None else memo
+    inputs = _kept(memo, ("inputs", config), lambda: _linear_inputs(config))
+    exact = _kept(memo, ("oracle", config), lambda: _linear_run(config, torch.float64, "reference", inputs))
+    plain = exact if dtype == torch.float64 else _kept(  # the recurrence in the checked precision
+        memo, ("plain", config, dtype), lambda: _linear_run(config, dtype, None, inputs))
+    name = backend.removeprefix(LINEAR_PREFIX)
+    try:
+        got = _linear_run(config, dtype, name, inputs)
+    except Exception as error:  # noqa: BLE001 - a backend must serve every call of the contract
+        return CheckResult(backend, _dtype_name(dtype), config.label(), True, True, (), (), False,
+                           f"{type(error).__name__}: {error}")
+    magnitude = max((float(t.abs().max()) for t in exact[:5] if t.numel()), default=0.0)
+    reduction = max(config.key_dim, config.value_dim, config.t)
+    errors, allowed = [], []
+    for i, (have, want, same) in enumerate(zip(got, exact, plain)):
+        long_sum = i == 1 or i >= 5  # the state, d decay, d beta, d initial_state: sums over every step
+        size = max(magnitude, float(want.abs().max()) if want.numel() else 0.0) if long_sum else magnitude
+        terms = reduction * max(1, config.t) if long_sum else reduction
+        allowed.append(allowed_error(_max_err(same, want), dtype, size, reduction=terms, gradient=i >= 2))
+        errors.append(_max_err(have, want) if have.shape == want.shape else float("inf"))
+    passed = all(e <= a for e, a in zip(errors, allowed))
+    return CheckResult(backend, _dtype_name(dtype), config.label(), True, True, tuple(errors), tuple(allowed),
+                       passed, "" if passed else _linear_worst(config, errors, allowed))
+
+
+def _linear_worst(config: LinearConfig, errors: list[float], allowed: list[float]) -> str:
+    """The note of a failed check: which result is furthest over its bound."""
+    ratios = [e / a for e, a in zip(errors, allowed)]
+    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    return f"{_linear_names(config)[worst]} off by {errors[worst]:.2e} (allowed {allowed[worst]:.2e})"
+
+
+def _kept(memo: dict, key, make):
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def sweep_linear(backend_names: Iterable[str], dtypes: Iterable[torch.dtype] = LINEAR_DTYPES, *, n: int,
+                 seed: int = 0, small: bool = False,
+                 progress: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
+    """Check every linear backend (``"linear:recurrent"``, ...) on ``n`` configurations per dtype.
+
+    bf16 is checked on tiny configurations (:func:`linear_configs` with ``tiny=True``), fp64 and
+    fp32 on the full draw (``small``: lengths up to 128).
+
+    Raises:
+        ValueError: ``n`` is not a positive int, or a name is not a linear backend.
+
+    Example:
+        >>> results = sweep_linear(["linear:recurrent"], [torch.float32], n=3, small=True)
+        >>> len(results), all(r.passed for r in results)
+        (3, True)
+    """
+    positive_int("n", n)
+    names = list(backend_names)
+    for name in names:
+        one_of_linear(name)
+    results, memo = [], {}
+    for dtype in dtypes:
+        draw = linear_configs(n, seed=seed, small=small, tiny=dtype in (torch.bfloat16, torch.float16))
+        for name in names:
+            for config in draw:
+                results.append(check_linear(name, config, dtype, memo=memo))
+                if progress is not None:
+                    progress(results[-1])
+    return results
+
+
+def one_of_linear(name: str) -> str:
+    """``name`` if it names a linear backend verify sweeps (:func:`linear_backends`), else ValueError.
+
+    Example:
+        >>> one_of_linear("linear:reference")
+        Traceback (most recent call last):
+        ...
+        ValueError: backend must be one of 'linear:recurrent'...; got 'linear:reference' (linear:reference is the oracle every linear backend is checked against)
+    """
+    choices = linear_backends()
+    if name not in choices:
+        why = " (linear:reference is the oracle every linear backend is checked against)" \
+            if name == LINEAR_PREFIX + "reference" else ""
+        raise ValueError(f"backend must be one of {', '.join(map(repr, choices))}; got {name!r}{why}")
+    return name

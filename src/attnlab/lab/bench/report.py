@@ -31,17 +31,20 @@ from attnlab.lab.bench.timing import BenchRow, machine_line
 if TYPE_CHECKING:  # matplotlib is imported lazily: `attnlab` must import fast
     from matplotlib.figure import Figure
 
-__all__ = ["FLOPS_NOTE", "SPARSE_FLOPS_NOTE", "RATIO_NOTE", "row_record", "bench_json", "bench_markdown",
+__all__ = ["FLOPS_NOTE", "SPARSE_FLOPS_NOTE", "LINEAR_FLOPS_NOTE", "RATIO_NOTE", "row_record", "bench_json", "bench_markdown",
            "case_family", "plot_rows", "figure_png"]
 
 FLOPS_NOTE = ("forward 2*B*H*Tq*Tk*(D+Dv), halved for causal; backward 2.5x forward (docs/contract.md); "
               "modules add their projections; peak_fraction = GFLOP/s over the same-dtype matmul rate "
               "measured in the same rounds")
 SPARSE_FLOPS_NOTE = "sparse rows count only the visible (query, key) pairs of their mask, not Tq*Tk"
+LINEAR_FLOPS_NOTE = ("linear rows count the chunked form's matmuls at C=64 (attnlab._flops.linear_attention_flops), "
+                     "whatever an implementation runs; their peak_fraction is over a (B*H, T, Dk) @ (Dk, Dv) matmul")
 RATIO_NOTE = ("seconds over the fastest in the same case (modules: over the fastest non-attnlab module; "
               "decode-model: KV-cache tokens/s over the row's, the plain PyTorch loop's row noting GPT.generate's "
               "per-token ratio to it; overhead: attnlab's seconds over the plain "
-              "PyTorch call's in the same case, compile rows compiled over eager)")
+              "PyTorch call's in the same case, compile rows compiled over eager; linear: over transformers' "
+              "torch_chunk_gated_delta_rule in the same case)")
 
 _T_IN_CASE = re.compile(r"\s*\bT[kq]?=\d+")
 
@@ -77,7 +80,8 @@ def bench_json(rows: list[BenchRow], *, suite: str, quick: bool) -> str:
     header = {
         "machine": machine_line(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "suite": suite, "quick": quick,
-        "flops": FLOPS_NOTE, "sparse_flops": SPARSE_FLOPS_NOTE, "ratio": RATIO_NOTE,
+        "flops": FLOPS_NOTE, "sparse_flops": SPARSE_FLOPS_NOTE,
+        "linear_flops": LINEAR_FLOPS_NOTE, "ratio": RATIO_NOTE,
     }
     return json.dumps({"header": header, "rows": [row_record(row) for row in rows]}, indent=2) + "\n"
 

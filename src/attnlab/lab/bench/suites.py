@@ -19,7 +19,10 @@
   (:func:`decode_model_suite`, :func:`plain_generate`);
 * ``variants`` -- MHA, GQA, MQA, MLA, sliding window and local/global layers at one size: KV
   bytes per token, peak memory, decoding tokens/s, held-out loss
-  (:func:`attnlab.lab.bench.variants.variants_suite`).
+  (:func:`attnlab.lab.bench.variants.variants_suite`);
+* ``linear`` -- ``linear_attention``'s backends on the gated delta rule beside transformers'
+  ``torch_chunk_gated_delta_rule``, forward and forward+backward, and one decoding step at 1k and
+  16k context (:func:`attnlab.lab.bench.linear.linear_suite`).
 
 Example:
     >>> sorted(backend_cases(64))
@@ -41,7 +44,7 @@ from attnlab._flops import attention_flops
 from attnlab._memory import PeakMemory
 from attnlab.lab.bench.competitors import CompiledFlex, flex_mask_mods, sparse_cases
 from attnlab.lab.bench.modules import run_modules_suite
-from attnlab.lab.bench import overhead, padded, variants
+from attnlab.lab.bench import linear, overhead, padded, variants
 from attnlab.lab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
 from attnlab.models import GPT
@@ -50,7 +53,8 @@ __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_sui
            "sparse_cases", "sparse_suite", "decode_suite", "GenerationTiming", "decode_model_suite",
            "plain_generate"]
 
-SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model", "overhead", "variants", "padded")
+SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model", "overhead", "variants", "padded",
+          "linear")
 
 
 def _attention_inputs(b, h, t, d, dtype, device, seed=0):
@@ -507,7 +511,7 @@ def report_generation(timing: GenerationTiming, *, console=None) -> None:
 
 def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool = False) -> list[BenchRow]:
     """Run one suite (``backends``, ``memory``, ``modules``, ``sparse``, ``decode``, ``decode-model``,
-    ``overhead``, ``variants``, ``padded``) or ``all``.
+    ``overhead``, ``variants``, ``padded``, ``linear``) or ``all``.
 
     ``with_flex`` adds FlexAttention's rows to the sparse suite (see :func:`sparse_suite`).
 
@@ -515,7 +519,7 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
         >>> run_suite("nope")
         Traceback (most recent call last):
         ...
-        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'decode-model', 'overhead', 'variants', 'padded', 'all'), got 'nope'
+        ValueError: suite must be one of ('backends', 'memory', 'modules', 'sparse', 'decode', 'decode-model', 'overhead', 'variants', 'padded', 'linear', 'all'), got 'nope'
     """
     if name not in SUITES + ("all",):
         raise ValueError(f"suite must be one of {SUITES + ('all',)}, got {name!r}")
@@ -523,7 +527,7 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
 
     console = Console() if console is None else console
     console.print(f"machine: {machine_line()}")
-    if name != "overhead":  # the overhead suite reports ratios to plain PyTorch, no FLOPs
+    if name not in ("overhead", "linear"):  # overhead: ratios to plain PyTorch, no FLOPs; linear: its own
         console.print("FLOPs: forward 2*B*H*Tq*Tk*(D+Dv), halved for causal (docs/contract.md); "
                       "% of matmul = GFLOP/s over the same-dtype matmul rate measured in this run")
     rows: list[BenchRow] = []
@@ -558,6 +562,15 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
             print_rows(found, title="padded batches and structured masks, B=4 H=8 D=64 fp32 (ratio = time over the "
                        "case's baseline: SDPA + combined mask / nanoGPT-style / compiled flex / SDPA + dense mask)",
                        console=console)
+        elif suite == "linear":
+            with console.status("linear suite") as status:
+                found = linear.linear_suite(quick=quick, progress=status.update)
+            rows += found
+            console.print("FLOPs (linear): the chunked form's matmuls at C=64, per token and head 2C(Dk+Dv) + "
+                          "4DkDv, delta rules + 2C(2Dk+Dv) + 2DkDv + 2C²/3 (attnlab._flops); backward 2.5x; "
+                          "% of matmul: over a (B*H, T, Dk) @ (Dk, Dv) fp32 matmul timed in the same rounds")
+            print_rows(found, title="linear attention: gated delta rule, B=1 H=4 Dk=Dv=128 fp32 (ratio = time over "
+                       "transformers' torch_chunk_gated_delta_rule), and one decoding step (1 thread)", console=console)
         elif suite == "variants":
             found = variants.variants_suite(sizes=(sizes := variants.VariantSizes.for_run(quick=quick)))
             rows += [row.bench_row() for row in found]

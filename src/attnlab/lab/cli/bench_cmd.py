@@ -23,8 +23,8 @@ _UNPLOTTABLE = ("memory", "decode-model")
 
 def bench(
     suite: str = typer.Option(None, "--suite", show_default=False,
-                              help="backends, memory, modules, sparse, decode, decode-model, overhead, variants, padded or all "
-                                   "[default: backends; all with --quick]."),
+                              help="backends, memory, modules, sparse, decode, decode-model, overhead, variants, padded, "
+                                   "linear or all [default: backends; all with --quick]."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, one round (every suite: under 3 minutes "
                                                       "on 2 cores)."),
     json_out: str = typer.Option(None, "--json", metavar="FILE",

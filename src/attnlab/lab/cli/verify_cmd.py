@@ -21,7 +21,9 @@ MAX_TIME_LIMIT = 7 * 24 * 3600  # seconds one family may take, at most
 
 def verify(
     quick: bool = typer.Option(False, "--quick", help="A short sweep (well under a minute)."),
-    backend: list[str] = typer.Option(None, "--backend", help="Check only this backend (repeatable)."),
+    backend: list[str] = typer.Option(None, "--backend",
+                                      help="Check only this backend (repeatable): an attention backend, or "
+                                           "linear:NAME for one of linear_attention's (linear:recurrent)."),
     configs: int = typer.Option(None, "--configs", show_default=False,
                                 help="Configurations per dtype, at least 1 (default 200, quick 16)."),
     seed: int = typer.Option(0, "--seed", help=f"Seed of the configuration draw, 0 to {MAX_SEED}."),
@@ -39,8 +41,11 @@ def verify(
 ) -> None:
     """Sweep seeded configurations (odd sizes, GQA, masks, causal alignments, fully masked rows)
     through every backend, forward and backward, in fp32 and bf16, and compare with the fp64
-    reference: error <= 2x the same-dtype reference error + floor (gradients 3x). Exits 1 on
-    any failure.
+    reference: error <= 2x the same-dtype reference error + floor (gradients 3x). The backends of
+    linear_attention (linear:recurrent, ...) are swept the same way against its fp64 recurrence:
+    every rule (additive, decay, per-channel decay, delta, gated delta, KDA), initial states and
+    packed documents, the output, the final state and the gradients of q, k, v, decay, beta and
+    the initial state, in fp64, fp32 and (tiny sizes) bf16. Exits 1 on any failure.
 
     With --transformers: build every model family of the installed transformers tiny and compare
     attn_implementation="attnlab" with "eager" (padded batches, generation, gradients, weights);
@@ -61,7 +66,7 @@ def verify(
 
     from attnlab.lab import verify as _verify
 
-    names = _check_backends(backend)
+    names, linear_names = _check_backends(backend)
     n = (16 if quick else 200) if configs is None else configs
     with option_errors():
         positive_int("--configs", n)
@@ -70,17 +75,21 @@ def verify(
     flex_n = min(n, 8) if quick else n
     dtypes = [torch.float32, torch.bfloat16]
     crossed = _verify.GRAD_MODE_CONFIGS * len(_verify.GRAD_MODES)  # at most, per backend and dtype
-    total = sum((flex_n if name == "flex" else n) + crossed for name in names) * len(dtypes)
+    total = (sum((flex_n if name == "flex" else n) + crossed for name in names) * len(dtypes)
+             + n * len(linear_names) * len(_verify.LINEAR_DTYPES))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=total)
         results = _verify.sweep(names, dtypes, n=n, seed=seed, small=quick, flex_n=flex_n,
-                                progress=lambda r: progress.advance(task))
-    failed = _print_summary(console, results, names, dtypes)
+                                progress=lambda r: progress.advance(task)) if names else []
+        if linear_names:
+            results += _verify.sweep_linear(linear_names, _verify.LINEAR_DTYPES, n=n, seed=seed, small=quick,
+                                            progress=lambda r: progress.advance(task))
+    failed = _print_summary(console, results, names, dtypes, linear=linear_names)
     if failed:
         for result in [r for r in results if r.served and not r.passed][:10]:
             console.print(f"[red]FAIL[/red] {result.backend} {result.dtype} {result.config}: "
                           f"errors {['%.2e' % e for e in result.errors]} allowed "
-                          f"{['%.2e' % a for a in result.allowed]}")
+                          f"{['%.2e' % a for a in result.allowed]}" + (f" ({result.note})" if result.note else ""))
         raise typer.Exit(code=1)
     console.print("[green]all backends conform[/green]")
 
@@ -163,49 +172,63 @@ def _print_zoo(console, zoo, results, seconds: float) -> bool:
     return bug
 
 
-def _check_backends(requested: list[str] | None) -> list[str]:
-    """The backends to check: every available one, or the requested ones if each can run here."""
+def _check_backends(requested: list[str] | None) -> tuple[list[str], list[str]]:
+    """The attention backends and the linear ones (``linear:NAME``) to check: every available
+    one, or the requested ones if each can run here."""
     from attnlab import backends
+    from attnlab.lab.verify import LINEAR_PREFIX, linear_backends
 
     if not requested:
-        return backends.available()
+        return backends.available(), linear_backends()
     for name in requested:
+        if name.startswith(LINEAR_PREFIX):
+            with option_errors():
+                one_of("--backend", name, linear_backends())
+            continue
         with option_errors():
-            one_of("--backend", name, backends.names())
+            one_of("--backend", name, [*backends.names(), *linear_backends()])
         reason = backends.get(name).unavailable_reason()
         if reason is not None:
             fail(f"--backend {name!r} cannot run here: {reason}")
-    return list(requested)
+    requested = list(dict.fromkeys(requested))
+    return ([name for name in requested if not name.startswith(LINEAR_PREFIX)],
+            [name for name in requested if name.startswith(LINEAR_PREFIX)])
 
 
-def _print_summary(console, results, names, dtypes) -> bool:
+def _print_summary(console, results, names, dtypes, *, linear=()) -> bool:
+    """One row per (backend, dtype): attention backends in ``dtypes``, linear ones in
+    :data:`attnlab.lab.verify.LINEAR_DTYPES`; True when a check failed."""
     from rich.markup import escape
     from rich.table import Table
+
+    from attnlab.lab.verify import LINEAR_DTYPES
 
     table = Table(title="conformance vs the fp64 reference (error / allowed)")
     for column in ("backend", "dtype", "served", "declined", "fwd err", "allowed", "worst err/allowed",
                    "checked", "result"):
         table.add_column(column)
     any_failed, unchecked = False, []
-    for name in names:
-        for dtype in dtypes:
-            dname = str(dtype).replace("torch.", "")
-            group = [r for r in results if r.backend == name and r.dtype == dname]
-            served = [r for r in group if r.served]
-            failed = [r for r in served if not r.passed]
-            any_failed |= bool(failed)
-            worst = max(served, key=lambda r: r.worst_ratio(), default=None)
-            if not served:
-                # One line per kind of reason: the same refusal at several lengths is said once.
-                unchecked.append((name, dname, sorted({re.sub(r" \(Tk=\d+\)", "", r.note) for r in group if r.note})))
-            table.add_row(
-                name, dname, str(len(served)), str(len(group) - len(served)),
-                "-" if worst is None else f"{worst.errors[0]:.2e}",
-                "-" if worst is None else f"{worst.allowed[0]:.2e}",
-                "-" if worst is None else f"{worst.worst_ratio():.2f}",
-                "fwd+bwd" if any(r.grad for r in served) else "fwd",
-                "[red]FAIL[/red]" if failed else ("[green]pass[/green]" if served else "[yellow]not checked[/yellow]"),
-            )
+    pairs = [(name, dtype) for name in names for dtype in dtypes]
+    pairs += [(name, dtype) for name in linear for dtype in LINEAR_DTYPES]
+    for name, dtype in pairs:
+        dname = str(dtype).replace("torch.", "")
+        group = [r for r in results if r.backend == name and r.dtype == dname]
+        served = [r for r in group if r.served]
+        failed = [r for r in served if not r.passed]
+        any_failed |= bool(failed)
+        # A check that crashed has no errors to show (its note says why): the worst is one that ran.
+        worst = max((r for r in served if r.errors), key=lambda r: r.worst_ratio(), default=None)
+        if not served:
+            # One line per kind of reason: the same refusal at several lengths is said once.
+            unchecked.append((name, dname, sorted({re.sub(r" \(Tk=\d+\)", "", r.note) for r in group if r.note})))
+        table.add_row(
+            name, dname, str(len(served)), str(len(group) - len(served)),
+            "-" if worst is None else f"{worst.errors[0]:.2e}",
+            "-" if worst is None else f"{worst.allowed[0]:.2e}",
+            "-" if worst is None else f"{worst.worst_ratio():.2f}",
+            "fwd+bwd" if any(r.grad for r in served) else "fwd",
+            "[red]FAIL[/red]" if failed else ("[green]pass[/green]" if served else "[yellow]not checked[/yellow]"),
+        )
     console.print(table)
     for name, dname, notes in unchecked:
         console.print(f"[yellow]{name} {dname}: nothing checked[/yellow]; it declined every configuration: "
