@@ -46,8 +46,8 @@ Example:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from attnlab._checks import positive_int
 from attnlab.linear._call import LinearCall
 
 __all__ = ["run_chunked", "CHUNK", "SUB"]
@@ -325,7 +325,8 @@ def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, 
     """The chunked form of a checked call: ``(out (B, Hv, T, Dv) in q's dtype, final state)``.
 
     Args:
-        call: a checked call with ``T > 0``. chunk: positions per chunk.
+        call: a checked call with ``T > 0``. chunk: positions per chunk (a multiple of :data:`SUB`
+            for per-channel decays to use sub-chunks; any positive int is exact).
 
     Returns:
         ``out`` in q's dtype and the final state ``(B or N documents, Hv, Dk, Dv)`` in
@@ -343,7 +344,7 @@ def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, 
         >>> bool((out - ref).abs().max() < 1e-12 and (state - ref_state).abs().max() < 1e-12)
         True
     """
-    dtype, layout = call.state_dtype, _Layout(call, chunk)
+    dtype, layout = call.state_dtype, _Layout(call, positive_int("chunk", chunk))
     q, k = (x.to(dtype).repeat_interleave(call.groups, dim=1) if call.groups > 1 else x.to(dtype)
             for x in (call.q, call.k))  # (B, Hv, T, Dk)
     q, k, v = (layout.chunks(x) for x in (q, k, call.v.to(dtype)))  # (B, Hv, N, C, D)
