@@ -6,6 +6,8 @@ independent references are transformers' own pure-PyTorch Gated DeltaNet and KDA
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,14 @@ def run(fn, tensors, *, cu_seqlens=None, grads=True):
     return [out, final, *torch.autograd.grad(loss, present)]
 
 
+@functools.lru_cache(maxsize=None)
+def oracle(rule, T, B=1, documents=None, strength=1.0, grads=True):
+    """The fp64 recurrence's outputs and gradients on ``inputs(...)``, computed once per test module."""
+    tensors = inputs(rule, B=B, T=T, documents=documents, strength=strength)
+    cu = None if documents is None else torch.tensor(documents)
+    return run(run_reference, tensors, cu_seqlens=cu, grads=grads)
+
+
 def chunked(size):
     return lambda call: run_chunked(call, chunk=size)
 
@@ -76,18 +86,18 @@ RUNS = {"recurrent": BACKENDS["recurrent"], "chunked": BACKENDS["chunked"], "chu
 @pytest.mark.parametrize("backend", list(RUNS))
 @pytest.mark.parametrize("rule", RULES)
 def test_every_rule_equals_the_recurrence_in_fp64(rule, backend):
-    tensors = inputs(rule, B=2, T=45)  # 45: not a multiple of any chunk
-    assert worst(run(RUNS[backend], tensors), run(run_reference, tensors)) <= 1e-9
+    tensors = inputs(rule, B=2, T=29)  # 29: not a multiple of any chunk
+    assert worst(run(RUNS[backend], tensors), oracle(rule, 29, B=2)) <= 1e-9
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
 @pytest.mark.parametrize("rule", RULES)
 def test_packed_documents_with_an_empty_one(rule, backend):
-    starts = [0, 7, 7, 30, 41]  # the second document is empty: its state passes through
+    starts = (0, 7, 7, 20, 29)  # the second document is empty: its state passes through
     cu = torch.tensor(starts)
-    tensors = inputs(rule, T=41, documents=starts)
+    tensors = inputs(rule, T=29, documents=starts)
     got = run(RUNS[backend], tensors, cu_seqlens=cu)
-    assert worst(got, run(run_reference, tensors, cu_seqlens=cu)) <= 1e-9
+    assert worst(got, oracle(rule, 29, documents=starts)) <= 1e-9
     # Independently: each document alone, from its own initial state.
     q, k, v, decay, beta, state = tensors
     for d, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
@@ -103,7 +113,7 @@ def test_packed_documents_with_an_empty_one(rule, backend):
 @pytest.mark.parametrize("backend", ["reference", "recurrent", "chunked"])
 @pytest.mark.parametrize("rule", RULES)
 def test_two_halves_chained_through_the_state_equal_one_call(rule, backend):
-    q, k, v, decay, beta, state = inputs(rule, T=150)
+    q, k, v, decay, beta, state = inputs(rule, T=150)  # 70 + 80: neither half a multiple of a chunk
     kw = dict(initial_state=state, return_state=True, backend=backend)
     whole, whole_state = attnlab.linear_attention(q, k, v, decay=decay, beta=beta, **kw)
     half = lambda x, a, b: None if x is None else x[:, :, a:b]  # noqa: E731
@@ -134,22 +144,22 @@ def test_one_token_and_no_tokens(rule, backend):
 def test_per_channel_decays_as_low_as_minus_20_a_step_stay_finite_and_exact():
     # exp(+20 · 64) overflows: only exponents g_i - g_j with j <= i may be formed.
     for rule in ("channel", "kda", "gated_delta"):
-        tensors = inputs(rule, T=100, strength=20.0)
-        for fn in (BACKENDS["chunked"], chunked(32), chunked(16)):
+        tensors = inputs(rule, T=70, strength=20.0)
+        for fn in (BACKENDS["chunked"], chunked(32)):
             got = run(fn, tensors)
             assert all(bool(torch.isfinite(x).all()) for x in got)
-            assert worst(got, run(run_reference, tensors)) <= 1e-9
+            assert worst(got, oracle(rule, 70, strength=20.0)) <= 1e-9
         f32 = [None if x is None else x.float() for x in tensors]
         got = run(BACKENDS["chunked"], f32, grads=False)
         assert bool(torch.isfinite(got[0]).all())
-        assert worst(got, run(run_reference, tensors, grads=False)) <= 1e-4
+        assert worst(got, oracle(rule, 70, strength=20.0)[:2]) <= 1e-4
 
 
 def test_a_chunk_of_any_size_is_exact():
     # Chunks that are not powers of two (the inverse's odd base block) or not multiples of SUB.
-    tensors = inputs("kda", T=50)
-    ref = run(run_reference, tensors)
-    for size in (1, 3, 12, 48, 64, 200):
+    tensors = inputs("kda", T=29)
+    ref = oracle("kda", 29)
+    for size in (1, 3, 12, 48):
         assert worst(run(chunked(size), tensors), ref) <= 1e-9, size
 
 
@@ -175,10 +185,10 @@ def test_chunked_equals_the_recurrence_on_random_shapes(rule, T, chunk, groups, 
 @pytest.mark.parametrize("backend", ["recurrent", "chunked"])
 @pytest.mark.parametrize("rule", RULES)
 def test_fp32_within_1e_4_of_the_fp64_oracle(rule, backend):
-    tensors = inputs(rule, T=80)
+    tensors = inputs(rule, B=2, T=29)
     got = run(BACKENDS[backend], [None if x is None else x.float() for x in tensors])
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
-    assert worst(got, run(run_reference, tensors)) <= 1e-4
+    assert worst(got, oracle(rule, 29, B=2)) <= 1e-4
 
 
 @pytest.mark.parametrize("rule", ["gated_delta", "kda"])
@@ -229,13 +239,16 @@ def test_kda_equals_transformers_recurrent_and_chunk_kda():
 # ------------------------------------------------------------------ the pieces
 
 
-@pytest.mark.parametrize("size", [1, 8, 12, 48, 64])
-def test_unit_lower_inverse_and_its_gradient(size):
+@pytest.mark.parametrize("size", [1, 12, 64])
+def test_unit_lower_inverse(size):
     gen = torch.Generator().manual_seed(size)
     L = torch.randn(3, size, size, generator=gen, dtype=F64) * 0.3
     expected = torch.linalg.inv(torch.eye(size, dtype=F64) + L.tril(-1))
     assert (_unit_lower_inverse(L) - expected).abs().max() <= 1e-12  # L's diagonal and upper part not read
-    small = L[:, :6, :6].clone().requires_grad_()
+
+
+def test_unit_lower_inverse_gradient_is_torch_inverse_gradient():
+    small = torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(3), dtype=F64).mul(0.3).requires_grad_()
     assert torch.autograd.gradcheck(
         lambda x: _UnitLowerInverse.apply(x), (small,))
     # the gradient flows to the strictly lower part only, as torch.linalg.inv's through tril(-1)
