@@ -205,20 +205,22 @@ def _intra(q, k, v, decay, beta, scale):
     g = None if decay is None else decay.cumsum(3)  # (B, Hv, N, C[, Dk]), non-increasing
     q = q * scale
     if g is None:
-        q_in, k_in, k_end, gamma = q, k, k, q.new_ones(1).expand(*q.shape[:3], 1)
+        q_in, k_end, gamma = q, k, q.new_ones(1).expand(*q.shape[:3], 1)
     else:
         g_ = g if g.dim() == q.dim() else g[..., None]  # (B, Hv, N, C, Dk or 1)
         g_end = g_[..., -1:, :]  # (B, Hv, N, 1, Dk or 1)
-        q_in, k_in = q * g_.exp(), k * g_.exp()
+        q_in = q * g_.exp()
         k_end, gamma = k * (g_end - g_).exp(), g_end.squeeze(-2).exp()
     if beta is None:
         (A,) = _pairs([q], k, g)  # (B, Hv, N, C, C)
         return A, q_in, k_end, gamma, v, None
     # L's diagonal (beta_i k_i·k_i) is formed but never read: T = (I + strictly lower part of L)⁻¹
-    A, L = _pairs([q, k * beta[..., None]], k, g)  # (B, Hv, N, C, C) each
-    T = _UnitLowerInverse.apply(L)
     b = beta[..., None]
-    return A, q_in, k_end, gamma, T @ (v * b), T @ (k_in * b)  # W_v (B, Hv, N, C, Dv), W_k (..., Dk)
+    k_beta = k * b
+    A, L = _pairs([q, k_beta], k, g)  # (B, Hv, N, C, C) each
+    T = _UnitLowerInverse.apply(L)
+    k_in_beta = k_beta if g is None else k_beta * g_.exp()
+    return A, q_in, k_end, gamma, T @ (v * b), T @ k_in_beta  # W_v (B, Hv, N, C, Dv), W_k (..., Dk)
 
 
 class _DecayScan(torch.autograd.Function):
@@ -255,7 +257,7 @@ class _DeltaScan(torch.autograd.Function):
 
     ``w_v`` ``(B, Hv, N, C, Dv)``, ``w_k``, ``k_end`` ``(B, Hv, N, C, Dk)``, ``gamma`` ``(B, Hv, N, Dk or 1)``,
     ``S0`` ``(B, Hv, Dk, Dv)``. Returns ``(starts (B, Hv, N, Dk, Dv), U (B, Hv, N, C, Dv), final)``.
-    The loop runs on ``(B·Hv, ...)`` views so that each step is two fused ``baddbmm``.
+    The loop runs on ``(B·Hv, ...)`` views: a step is one ``baddbmm`` and one ``bmm`` with an in-place ``addcmul_``.
     """
 
     @staticmethod
@@ -268,7 +270,7 @@ class _DeltaScan(torch.autograd.Function):
             starts.append(S)
             U = torch.baddbmm(w_v_[:, n], w_k_[:, n], S, alpha=-1)  # (B·Hv, C, Dv)
             us.append(U)
-            S = torch.baddbmm(gamma_[:, n, :, None] * S, k_end_[:, n].mT, U)
+            S = torch.bmm(k_end_[:, n].mT, U).addcmul_(gamma_[:, n, :, None], S)
         starts, U = _stack(starts, S0, (B, Hv, N, w_k.shape[-1], Dv), 1), _stack(us, w_v, w_v.shape, 1)
         ctx.save_for_backward(w_k, k_end, gamma, starts, U)
         return starts, U, S.reshape(S0.shape)
