@@ -22,7 +22,8 @@ a chunk (``C·Dk·Dv`` each), and the outputs one batched matmul after it::
 The scans are ``torch.autograd.Function`` s whose backward runs the chunks in reverse (two matmuls
 a chunk) and forms the other gradients as batched products over all chunks; the inverse ``T``
 has a two-matmul backward; the rest is autograd through a few large operations. Memory: the
-states entering each chunk, ``O(T·Dk·Dv / C)``, and ``O(T·C)`` for the within-chunk matrices.
+states entering each chunk, ``O(T·Dk·Dv / C)``, ``O(T·C)`` for the within-chunk matrices and,
+for per-channel decays, ``O(T·SUB·Dk)`` for the pairwise factors inside sub-chunks.
 
 Decay factors never grow: every exponent is ``g_i - g_j`` with ``j <= i`` (or ``g_C - g_j``,
 ``g_i``), so log-decays as low as -20 a step stay finite. Per-channel decays cannot factor
@@ -252,16 +253,18 @@ class _DecayScan(torch.autograd.Function):
         return _sum_to(grad_R * starts, gamma), grad_R, dS
 
 
-class _DeltaScan(torch.autograd.Function):
-    """Delta rules: ``U_n = W_v - W_k S_n``; ``S_{n+1} = gamma_n ⊙ S_n + K_endᵀ U_n``.
+class _DeltaChunks(torch.autograd.Function):
+    """Delta rules, the scan and the outputs: ``U_n = W_v - W_k S_n``, ``S_{n+1} = gamma_n ⊙ S_n + K_endᵀ U_n``,
+    ``O_n = q_in S_n + A U_n``.
 
-    ``w_v`` ``(B, Hv, N, C, Dv)``, ``w_k``, ``k_end`` ``(B, Hv, N, C, Dk)``, ``gamma`` ``(B, Hv, N, Dk or 1)``,
-    ``S0`` ``(B, Hv, Dk, Dv)``. Returns ``(starts (B, Hv, N, Dk, Dv), U (B, Hv, N, C, Dv), final)``.
-    The loop runs on ``(B·Hv, ...)`` views: a step is one ``baddbmm`` and one ``bmm`` with an in-place ``addcmul_``.
+    ``A`` ``(B, Hv, N, C, C)``, ``q_in``, ``w_k``, ``k_end`` ``(B, Hv, N, C, Dk)``, ``w_v`` ``(B, Hv, N, C, Dv)``,
+    ``gamma`` ``(B, Hv, N, Dk or 1)``, ``S0`` ``(B, Hv, Dk, Dv)``. Returns ``(O (B, Hv, N, C, Dv), final)``.
+    The loop runs on ``(B·Hv, ...)`` views, a step one ``baddbmm`` and one ``bmm``; everything else,
+    forward and backward, is one batched product over all chunks.
     """
 
     @staticmethod
-    def forward(ctx, w_v, w_k, k_end, gamma, S0):
+    def forward(ctx, A, q_in, w_v, w_k, k_end, gamma, S0):
         B, Hv, N, C, Dv = w_v.shape
         flat = lambda x: x.reshape(B * Hv, *x.shape[2:])  # noqa: E731  (B·Hv, N, ...)
         w_v_, w_k_, k_end_, gamma_ = (flat(x) for x in (w_v, w_k, k_end, gamma))
@@ -272,16 +275,17 @@ class _DeltaScan(torch.autograd.Function):
             us.append(U)
             S = torch.bmm(k_end_[:, n].mT, U).addcmul_(gamma_[:, n, :, None], S)
         starts, U = _stack(starts, S0, (B, Hv, N, w_k.shape[-1], Dv), 1), _stack(us, w_v, w_v.shape, 1)
-        ctx.save_for_backward(w_k, k_end, gamma, starts, U)
-        return starts, U, S.reshape(S0.shape)
+        ctx.save_for_backward(A, q_in, w_k, k_end, gamma, starts, U)
+        return (q_in @ starts).add_(A @ U), S.reshape(S0.shape)
 
     @staticmethod
-    def backward(ctx, grad_starts, grad_u, grad_final):
-        w_k, k_end, gamma, starts, U = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_final):
+        A, q_in, w_k, k_end, gamma, starts, U = ctx.saved_tensors
         B, Hv, N, Dk, Dv = starts.shape
         flat = lambda x: x.reshape(B * Hv, *x.shape[2:])  # noqa: E731  (B·Hv, N, ...)
         w_k_, k_end_, gamma_ = (flat(x) for x in (w_k, k_end, gamma))
-        grad_starts, grad_u = flat(_grad_or_zeros(grad_starts, starts)), flat(_grad_or_zeros(grad_u, U))
+        grad_out = _grad_or_zeros(grad_out, U)
+        grad_starts, grad_u = flat(q_in.mT @ grad_out), flat(A.mT @ grad_out)  # the outputs' share
         dS = flat(_grad_or_zeros(grad_final, starts.sum(2)))
         after, d_us = [], []
         for n in range(N - 1, -1, -1):
@@ -291,9 +295,10 @@ class _DeltaScan(torch.autograd.Function):
             dS = torch.baddbmm(torch.addcmul(grad_starts[:, n], gamma_[:, n, :, None], dS), w_k_[:, n].mT, dU,
                                alpha=-1)
         after, dU = _stack(after[::-1], starts, starts.shape, 1), _stack(d_us[::-1], U, U.shape, 1)
-        grad_w_k = -(dU @ starts.mT)  # (B, Hv, N, C, Dk)
-        grad_k_end = U @ after.mT
-        return dU, grad_w_k, grad_k_end, _sum_to(after * starts, gamma), dS.reshape(B, Hv, Dk, Dv)
+        grad_A, grad_q_in = grad_out @ U.mT, grad_out @ starts.mT
+        grad_w_k, grad_k_end = -(dU @ starts.mT), U @ after.mT  # (B, Hv, N, C, Dk)
+        return (grad_A, grad_q_in, dU, grad_w_k, grad_k_end, _sum_to(after * starts, gamma),
+                dS.reshape(B, Hv, Dk, Dv))
 
 
 def _stack(xs: list, like: torch.Tensor, shape, dim: int) -> torch.Tensor:
@@ -315,12 +320,11 @@ def _run_scan(A, q_in, k_end, gamma, w_v, w_k, S0, first: int, end: int):
     """The scan over chunks ``first … end-1`` from ``S0`` and their outputs: ``(O (B, Hv, n, C, Dv), final)``."""
     whole = first == 0 and end == A.shape[2]  # a slice of everything would copy in the backward
     part = lambda x: x if whole else x[:, :, first:end]  # noqa: E731
-    if w_k is None:  # additive: U = V, so each chunk's write K_endᵀ V is known before the scan
-        starts, final = _DecayScan.apply(part(gamma), part(k_end).mT @ part(w_v), S0)
-        U = part(w_v)
-    else:
-        starts, U, final = _DeltaScan.apply(part(w_v), part(w_k), part(k_end), part(gamma), S0)
-    return part(q_in) @ starts + part(A) @ U, final
+    if w_k is not None:
+        return _DeltaChunks.apply(*(part(x) for x in (A, q_in, w_v, w_k, k_end, gamma)), S0)
+    # additive: U = V, so each chunk's write K_endᵀ V is known before the scan
+    starts, final = _DecayScan.apply(part(gamma), part(k_end).mT @ part(w_v), S0)
+    return part(q_in) @ starts + part(A) @ part(w_v), final
 
 
 def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
