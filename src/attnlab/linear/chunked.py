@@ -361,6 +361,10 @@ def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, 
     spans = [(slice(None), 0, layout.N)] if layout.spans is None else [
         (slice(d, d + 1), first, first + count) for d, (first, count) in enumerate(layout.spans)]
     runs = [_run_scan(A, q_in, k_end, gamma, w_v, w_k, init[rows], first, end) for rows, first, end in spans]
-    out = layout.positions(torch.cat([o for o, _ in runs], dim=2))  # (B, Hv, T, Dv)
-    state = torch.cat([final for _, final in runs])  # (B or N docs, Hv, Dk, Dv)
+    if len(runs) == 1:
+        (out, state), = runs  # (B, Hv, N, C, Dv), (B, Hv, Dk, Dv)
+    else:
+        out = torch.cat([o for o, _ in runs], dim=2)  # (1, Hv, N, C, Dv)
+        state = torch.cat([final for _, final in runs])  # (N docs, Hv, Dk, Dv)
+    out = layout.positions(out)  # (B, Hv, T, Dv)
     return out.to(call.q.dtype), state
