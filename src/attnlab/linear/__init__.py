@@ -31,6 +31,7 @@ import torch
 
 from attnlab._checks import one_of
 from attnlab.linear._call import LinearCall, empty_result, linear_call
+from attnlab.linear.chunked import run_chunked
 from attnlab.linear.reference import linear_attention_reference, run_reference
 
 __all__ = ["linear_attention", "linear_attention_reference", "LinearCall", "BACKENDS"]
@@ -43,7 +44,7 @@ def _recurrent(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # name -> run(call) -> (out (B, Hv, T, Dv) in q's dtype, final state in call.state_dtype)
-BACKENDS: dict[str, Run] = {"reference": run_reference, "recurrent": _recurrent}
+BACKENDS: dict[str, Run] = {"reference": run_reference, "recurrent": _recurrent, "chunked": run_chunked}
 
 
 def _choose(call: LinearCall) -> str:
