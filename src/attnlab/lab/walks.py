@@ -40,7 +40,10 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._checks import non_negative_int, positive_int
 from attnlab._math import softmax_rows
+from attnlab.functional import attention
 from attnlab.lab.explain import Step, Trace
+from attnlab.linear import linear_attention
+from attnlab.nn import LightningIndexer
 
 __all__ = ["WALKS", "LINEAR_RULES", "PRECISIONS", "Tile", "Walk", "flash_walk", "sparse_walk", "linear_walk"]
 
@@ -216,6 +219,11 @@ def flash_walk(trace: Trace, *, tile: int = 4, window: int | None = None, pad: i
             walk.tiles = tiles
             walk.visited = len(tiles)
             walk.skipped = math.ceil(tq / tile) * math.ceil(tk / tile) - len(tiles) if tq and tk else 0
+        beside = torch.cat([out, dense_out, lse[:, None], dense_lse[:, None]], dim=-1)  # (Tq, 2 d_v + 2)
+        cols = _labels("O", 0, out.shape[1]) + _labels("textbook", 0, out.shape[1]) + ("lse", "textbook lse")
+        walk.steps.append(Step("beside_textbook", "Beside the textbook  O = acc / l  vs  softmax(S) V", beside,
+                               "The tiled result and the textbook's, column by column: equal up to rounding.",
+                               tuple(walk.tokens), cols, h))
         if backward:
             _flash_backward(walk, h, q, k, v, out, lse, allowed, weights)
         outputs.append(out)
@@ -375,9 +383,6 @@ def sparse_walk(trace: Trace, *, topk: int = 4, index_heads: int = 2, index_dim:
         >>> w.kept.sum(-1).tolist(), w.checks["output vs attnlab.attention(indices=)"] < 1e-6
         ([1, 2, 2, 2, 2, 2], True)
     """
-    import attnlab
-    from attnlab.nn import LightningIndexer
-
     _check_trace(trace, "sparse")
     if trace.mode == "cross":
         raise ValueError("the sparse walk is self-attention (the indexer scores a sequence against itself); "
@@ -423,7 +428,7 @@ def sparse_walk(trace: Trace, *, topk: int = 4, index_heads: int = 2, index_dim:
                                "Positive where a kept key gained the weight the dropped keys lost.", rows, cols, h))
         dense.append(dense_weights @ v)
         four = [x[None, None] for x in (q, k, v)]  # (1, 1, T, D)
-        library.append(attnlab.attention(*four, indices=indices, causal=trace.causal)[0, 0])
+        library.append(attention(*four, indices=indices, causal=trace.causal)[0, 0])
     walk.output, walk.reference = torch.cat(outputs, -1), torch.cat(library, -1)  # (T, heads * d_v)
     walk.steps.append(Step("sparse_output", "Output  A_sparse V", walk.output,
                            "Each query's weighted sum of the values of its kept keys.", rows,
@@ -462,8 +467,6 @@ def linear_walk(trace: Trace, *, rule: str = "decay", precision: str = "fp32") -
         >>> w.checks["output vs parallel form"] < 1e-12
         True
     """
-    import attnlab
-
     _check_trace(trace, "linear")
     if rule not in LINEAR_RULES:
         raise ValueError(f"rule must be one of {', '.join(LINEAR_RULES)}; got {rule!r}")
@@ -488,7 +491,7 @@ def linear_walk(trace: Trace, *, rule: str = "decay", precision: str = "fp32") -
         if not delta:
             parallel.append(_parallel_form(q, k, v, g))
         four = [x[None, None] for x in (q, k, v)]  # (1, 1, T, D)
-        library.append(attnlab.linear_attention(*four, decay=None if g is None else g[None, None],
+        library.append(linear_attention(*four, decay=None if g is None else g[None, None],
                                                 beta=None if b is None else b[None, None], backend="reference")[0, 0])
     walk.output, walk.reference = torch.cat(outputs, -1), torch.cat(library, -1)  # (T, heads * d_v)
     if parallel:
