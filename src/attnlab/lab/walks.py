@@ -498,6 +498,9 @@ def linear_walk(trace: Trace, *, rule: str = "decay", precision: str = "fp32") -
         walk.checks["output vs parallel form"] = _max_diff(walk.output, torch.cat(parallel, -1))
     walk.checks["output vs attnlab.linear_attention"] = _max_diff(walk.output, walk.reference)
     d_kq = trace.d_kq
+    if not trace.causal:
+        walk.notes.append(f"linear attention is causal by construction: token t reads a state of tokens 0..t "
+                          f"(the trace's mode {trace.mode!r} lets the textbook read every token)")
     walk.notes.append(f"the state is {d_kq} x {trace.d_v} numbers per head at every length; softmax attention "
                       f"keeps {t} keys and values ({t} x {d_kq + trace.d_v}) and grows with each token")
     return walk
