@@ -398,3 +398,21 @@ def test_every_walk_option_refuses_a_bad_value_on_one_line(args, words, tmp_path
     out = tmp_path / "report"
     assert_one_error_line(_run(*args, "--out", str(out)), *words)
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- the docs
+def test_the_docs_python_example_runs_and_prints_what_it_says(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
+    section = text[text.index("## The fast paths"):text.index("## In a notebook")]
+    code = section.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/explain.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "tiles of 4: 6 of 16 computed (6 partial), 10 skipped"
+    assert printed[1] == "True"
+    assert printed[2].startswith("[(0, 0, 'partial'), (4, 2, 'partial'), ")
+    assert printed[3].startswith("[1, 2, 3, 3, ")
+    assert printed[4].startswith("{'output vs attnlab.linear_attention': ")
+    assert 'class="tilegrid"' in (tmp_path / "report.html").read_text()

@@ -127,6 +127,22 @@ def narrate(console, walk, focus: int) -> None:
         console.print(note, markup=False, soft_wrap=True)
     for name, value in walk.checks.items():
         console.print(f"max |difference|, {name}: {value:.3g}", markup=False, soft_wrap=True)
+    console.print(f"[dim](largest |output|: {float(walk.output.abs().max()) if walk.output.numel() else 0.0:.4g}; "
+                  f"{'fp64' if walk.dtype.itemsize == 8 else 'fp32'} rounds at about "
+                  f"{torch_eps(walk.dtype):.1e} of it)[/dim]")
+
+
+def torch_eps(dtype) -> float:
+    """The relative rounding step of ``dtype``.
+
+    Example:
+        >>> import torch
+        >>> torch_eps(torch.float32) < 1.2e-7 < torch_eps(torch.float16)
+        True
+    """
+    import torch
+
+    return torch.finfo(dtype).eps
 
 
 def grid_rows(walk) -> list[str]:
