@@ -231,6 +231,10 @@ def flash_walk(trace: Trace, *, tile: int = 4, window: int | None = None, pad: i
     walk.output = torch.cat(outputs, dim=-1)  # (Tq, heads * d_v)
     walk.reference = torch.cat(references, dim=-1)
     _flash_summary(walk)
+    if window is not None or pad:
+        parts = ([f"a causal window of {window}"] if window is not None else []) + (
+            [f"{pad} padded keys"] if pad else [])
+        walk.notes.append(f"the textbook here is the dense softmax under the same mask ({' and '.join(parts)})")
     return walk
 
 

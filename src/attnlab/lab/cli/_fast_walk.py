@@ -8,6 +8,7 @@ would do nothing.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from attnlab._checks import non_negative_int, positive_int
@@ -17,6 +18,7 @@ DEFAULT_TILE = 4
 DEFAULT_TOPK = 4
 MAX_PAD = 64
 MAX_TILE = 512  # the walk's longest sentence (explain's MAX_WALK_TOKENS): one tile holds it all
+MAX_TILES = 1024  # tiles of one flash walk: each prints two tables
 _FOR = {"--tile": "flash", "--window": "flash", "--pad": "flash", "--backward": "flash", "--topk": "sparse",
         "--rule": "linear"}
 _GRID_CHARS = {"allowed": "#", "masked": "o", "skipped": "."}
@@ -83,21 +85,24 @@ def run(result, options: dict, *, focus: int, out: Path, fmt: str, no_color: boo
 
     from attnlab.lab.cli.explain_cmd import _make_out, _print_written
 
+    if fmt in ("png", "svg"):
+        fail(f"--walk {options['kind']} draws its pictures in the HTML report: use --format html or all, "
+             f"not {fmt}")
+    if options["kind"] == "flash":
+        tq, tk = len(result.tokens) + options["pad"], len(result.context_tokens) + options["pad"]
+        tiles = math.ceil(tq / options["tile"]) * math.ceil(tk / options["tile"])
+        at_most(f"the tiles of --tile {options['tile']} on {tq} x {tk} positions", tiles, MAX_TILES,
+                "the walk prints every tile: raise --tile")
     walk = build(result, options)
     _make_out(out)
     console = Console(no_color=no_color, highlight=False, soft_wrap=False)
     narrate(console, walk, focus)
-    written = []
-    if fmt in ("html", "all"):
-        from attnlab.lab.viz.html import write_report
+    from attnlab.lab.viz.html import write_report
 
-        try:
-            written.append(write_report(result, out / "report.html", focus=focus, walk=walk))
-        except OSError as err:
-            fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
-    else:
-        console.print(f"[dim]--walk {walk.kind} draws its pictures in the HTML report; --format {fmt} writes "
-                      "nothing.[/dim]")
+    try:
+        written = [write_report(result, out / "report.html", focus=focus, walk=walk)]
+    except OSError as err:
+        fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     _print_written(console, written, out)
 
 
@@ -117,6 +122,8 @@ def narrate(console, walk, focus: int) -> None:
     console.print(f"Sentence: {trace.sentence!r}", markup=False)
     console.print(f"[dim]{_TITLES[walk.kind]}. The queries, keys and values are the textbook walk's "
                   f"(`attnlab explain` without --walk prints how they are made).[/dim]")
+    if walk.heads > 1:
+        console.print(f"[dim]Head 0's steps are printed; the report has all {walk.heads} heads'.[/dim]")
     if walk.kind == "flash":
         print_grid(console, walk)
     for number, step in enumerate((s for s in walk.steps if s.head in (None, 0)), start=1):

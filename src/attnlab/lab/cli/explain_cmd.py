@@ -7,7 +7,8 @@ MiniLM installed it ends with what that model's heads do with the same sentence.
 ``--model minilm`` (or a model directory) walks the trained model itself instead; a transformers
 checkpoint directory of any other model type (GPT-2, Llama, Qwen2, ...) is opened with its attention
 on attnlab and shown layer by layer and head by head (``--generate N``: where each head looked for
-each generated token).
+each generated token). ``--walk flash|sparse|linear`` computes the tutorial walk's attention the
+fast ways instead (``attnlab.lab.cli._fast_walk``).
 
 Bad input (an empty sentence, an unknown ``--query`` word, a bad ``--mode``, a malformed
 option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback, and
