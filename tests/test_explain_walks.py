@@ -424,3 +424,27 @@ def test_the_docs_python_example_runs_and_prints_what_it_says(tmp_path, monkeypa
     assert printed[3].startswith("[1, 2, 3, 3, ")
     assert printed[4].startswith("{'output vs attnlab.linear_attention': ")
     assert 'class="tilegrid"' in (tmp_path / "report.html").read_text()
+
+
+# ----------------------------------------------------------------------------- highlighting the focus
+def _highlighted_rows(page: str, step: str) -> list[str]:
+    card = page.split(f'data-step="{step}"')[1].split("</section>")[0]
+    return re.findall(r'<tr(?: data-row="\d+")? class="hl"><th>([^<]*)</th>', card)
+
+
+def test_the_focused_token_is_highlighted_in_its_own_row_of_a_tile():
+    t = trace(SHORT, mode="causal")
+    walk = flash_walk(t, tile=2)
+    page = build_report(t, focus=3, walk=walk)  # "in": row 1 of the tiles of queries 2-3
+    assert _highlighted_rows(page, "tile_2_0_scores") == ["in"]
+    assert _highlighted_rows(page, "tile_0_0_scores") == []  # queries 0-1: not the focus
+    assert 'data-row="3"' in page.split('data-step="tile_2_2_stats"')[1].split("</section>")[0]
+
+
+def test_weight_matrices_and_states_highlight_no_row():
+    """Regression: W_q's rows are embedding features, yet the row of the focus's index was highlighted."""
+    t = trace(SHORT)
+    page = build_report(t, focus=1)
+    assert _highlighted_rows(page, "W_q") == [] and _highlighted_rows(page, "queries") == ["sun"]
+    linear = build_report(t, focus=1, walk=linear_walk(t))
+    assert _highlighted_rows(linear.split("--walk linear")[-1], "state") == []

@@ -320,13 +320,13 @@ def _tile_steps(walk: Walk, h: int, t: Tile, row: int, scores, m_old, m_new, res
     walk.steps.append(Step(f"tile_{t.qs}_{t.ks}_scores", f"Tile scores  S = Q K^T / sqrt(d), {where}", scores,
                            f"Only this {t.qe - t.qs} x {t.ke - t.ks} tile of scores exists now ({t.status}: "
                            + ("every pair allowed)." if t.status == "full" else "masked pairs are -inf)."),
-                           q_labels, k_labels, h))
+                           q_labels, k_labels, h, first_row=t.qs))
     stats = torch.cat([torch.stack([m_old, m_new, rescale, p.sum(-1), l], dim=-1), acc], dim=-1)  # (tile, 5 + d_v)
     cols = ("m_old", "m_new", "exp(m_old-m_new)", "rowsum(P)", "l") + _labels("acc", 0, acc.shape[1])
     walk.steps.append(Step(f"tile_{t.qs}_{t.ks}_stats", f"Running statistics  after keys {t.ks}-{t.ke - 1}", stats,
                            "m_new = max(m_old, rowmax S); the old sum and accumulator shrink by exp(m_old - m_new) "
                            "(1 when the maximum did not move), then this tile's P = exp(S - m_new) is added.",
-                           q_labels, cols, h))
+                           q_labels, cols, h, first_row=t.qs))
 
 
 def _flash_backward(walk: Walk, h: int, q, k, v, out, lse, allowed, weights) -> None:
@@ -528,11 +528,12 @@ def _linear_head(walk: Walk, h: int, q: Tensor, k: Tensor, v: Tensor, log_decay:
         state = state + torch.outer(k[t], write)
         outs.append(scale * state.T @ q[t])
         gates.append(gate)
-        text = f"The state after '{word}': " + (f"the old state times g = {gate:.4g}, " if log_decay is not None else "")
+        text = f"The state after '{word}': " + (f"the old state times g = {gate:.4g}, "
+                                                  if log_decay is not None else "")
         text += (f"plus k v^T weighted by beta = {float(beta[t]):.4g} of the correction v - S'^T k."
                  if beta is not None else "plus k_t v_t^T: the state adds this token's key-value pair.")
         walk.steps.append(Step("state", f"State  S_{t} (token '{word}')", state.clone(), text,
-                               _labels("k", 0, k.shape[-1]), _labels("v", 0, v.shape[-1]), h))
+                               _labels("k", 0, k.shape[-1]), _labels("v", 0, v.shape[-1]), h, first_row=None))
     if log_decay is not None:
         walk.steps.append(Step("gates", "Decay  g_t = exp(decay_t)", torch.tensor(gates, dtype=q.dtype),
                                "How much of the old state each token keeps (seeded here; a model computes it from "

@@ -446,7 +446,9 @@ def _tables(console, step, focus: int):
         for c in cols[start:start + per_chunk]:
             table.add_column(escape(c), justify="right", no_wrap=True)
         for i, row in enumerate(texts):
-            style = "bold yellow" if step.rows is not None and i == focus and len(step.rows) == len(matrix) else None
+            token = None if step.first_row is None else step.first_row + i
+            focused = step.rows is not None and token == focus and len(step.rows) == len(matrix)
+            style = "bold yellow" if focused else None
             table.add_row(escape(rows[i]), *row[start:start + per_chunk], style=style)
         yield table
     if len(matrix) > TERMINAL_MAX or len(step.cols) > TERMINAL_MAX:

@@ -585,8 +585,10 @@ def _table(step, focus: int) -> str:
     body = []
     for i, row in enumerate(matrix[:MAX_TABLE]):
         cells = "".join(_td(v, scale, step.name) for v in row[:MAX_TABLE])
-        hl = ' class="hl"' if step.rows is not None and i == focus and step.rows == tuple(step.rows) else ""
-        data_row = f' data-row="{i}"' if step.rows is not None and len(step.rows) == n_rows else ""
+        token = None if step.first_row is None else step.first_row + i  # the token this row is
+        hl = ' class="hl"' if step.rows is not None and token == focus else ""
+        tokens_row = step.rows is not None and len(step.rows) == n_rows and token is not None
+        data_row = f' data-row="{token}"' if tokens_row else ""
         body.append(f"<tr{data_row}{hl}><th>{_e(rows[i])}</th>{cells}</tr>")
     note = ""
     if n_rows > MAX_TABLE or n_cols > MAX_TABLE:
