@@ -448,3 +448,11 @@ def test_weight_matrices_and_states_highlight_no_row():
     assert _highlighted_rows(page, "W_q") == [] and _highlighted_rows(page, "queries") == ["sun"]
     linear = build_report(t, focus=1, walk=linear_walk(t))
     assert _highlighted_rows(linear.split("--walk linear")[-1], "state") == []
+
+
+def test_a_walk_shows_itself_in_a_notebook_with_ids_of_its_own():
+    walk = flash_walk(trace(SHORT, mode="causal"), tile=2)
+    a, b = walk._repr_html_(), walk._repr_html_()
+    assert a.startswith('<div class="attnlab inline"') and 'class="tilegrid"' in a
+    ids = lambda page: set(re.findall(r' id="([^"]+)"', page))  # noqa: E731
+    assert ids(a) and not ids(a) & ids(b)

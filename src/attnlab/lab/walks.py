@@ -42,6 +42,7 @@ from attnlab._checks import non_negative_int, positive_int
 from attnlab._math import softmax_rows
 from attnlab.functional import attention
 from attnlab.lab.explain import Step, Trace
+from attnlab.lab.viz import html as _html
 from attnlab.linear import linear_attention
 from attnlab.nn import LightningIndexer
 
@@ -122,6 +123,10 @@ class Walk:
     visited: int = 0
     row_stats: Tensor | None = None
     kept: Tensor | None = None
+
+    def _repr_html_(self) -> str:
+        """The walk, rendered where a notebook shows it: its checks, tile grid (flash) and steps."""
+        return _html.fast_walk_view(self)
 
     def __repr__(self) -> str:
         return f"<Walk: {self.kind} attention of {self.trace.sentence!r}, {len(self.steps)} steps>"

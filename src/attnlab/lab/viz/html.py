@@ -637,7 +637,7 @@ _GRID_STYLE = (
     "</style>")
 
 
-def fast_walk_cards(walk, focus: int) -> str:
+def fast_walk_cards(walk, focus: int, prefix: str = "") -> str:
     """A fast walk's part of the report: its checks, its tile grid (flash) and its steps.
 
     Example:
@@ -649,15 +649,15 @@ def fast_walk_cards(walk, focus: int) -> str:
     """
     checks = "".join(f"<tr><th>{_e(name)}</th><td>{value:.3g}</td></tr>" for name, value in walk.checks.items())
     notes = "".join(f"<li>{_e(note)}</li>" for note in walk.notes)
-    card = (f'<section class="card" id="walk-checks"><h2>Beside the textbook</h2><ul>{notes}</ul>'
+    card = (f'<section class="card" id="{prefix}walk-checks"><h2>Beside the textbook</h2><ul>{notes}</ul>'
             f'<table class="values"><thead><tr><th>max |difference|</th><th></th></tr></thead>'
             f"<tbody>{checks}</tbody></table></section>")
-    grid = tile_grid(walk, focus) if walk.kind == "flash" else ""
+    grid = tile_grid(walk, focus, prefix) if walk.kind == "flash" else ""
     return (f'<h2 class="steps-title">{_e(_WALK_TITLES[walk.kind])}</h2>{card}{grid}'
             + _steps(walk, focus, title=f"--walk {walk.kind}, one step at a time"))
 
 
-def tile_grid(walk, focus: int | None = None) -> str:
+def tile_grid(walk, focus: int | None = None, prefix: str = "") -> str:
     """The flash walk's tiles as a query x key grid: each cell coloured by its tile (computed in full,
     partial, skipped), masked cells of partial tiles hatched, tile edges drawn; each row ends with its
     running maximum, sum and log-sum-exp (head 0).
@@ -686,8 +686,23 @@ def tile_grid(walk, focus: int | None = None) -> str:
     legend = ('<p class="legend"><span style="background:rgba(46,125,50,.55)"></span>computed, all '
               'allowed<span style="background:rgba(239,160,0,.55)"></span>partial (masked cells hatched)'
               '<span style="background:rgba(128,128,128,.12)"></span>skipped</p>')
-    return (f'<section class="card step wide" id="tile-grid">{_GRID_STYLE}<h2>Tiles of {walk.tile}</h2>'
+    return (f'<section class="card step wide" id="{prefix}tile-grid">{_GRID_STYLE}<h2>Tiles of {walk.tile}</h2>'
             f'<p class="explain">Rows are queries, columns keys. {_e(walk.notes[0])}. The last three columns '
             f"are each row's running maximum m, sum l and lse = m + log l when its last tile is done.</p>{legend}"
             f'<div class="table-box"><table class="tilegrid"><thead><tr><th></th>{head}<th>m</th><th>l</th>'
             f'<th>lse</th></tr></thead><tbody>{"".join(rows)}</tbody></table></div></section>')
+
+
+def fast_walk_view(walk, *, focus: int | None = None) -> str:
+    """A fast walk as one inline view (a notebook output): its checks, tile grid and steps (head 0).
+
+    Example:
+        >>> from attnlab.lab.explain import trace
+        >>> from attnlab.lab.walks import flash_walk
+        >>> view = fast_walk_view(flash_walk(trace("The sun rises", mode="causal"), tile=2))
+        >>> view.startswith('<div class="attnlab inline"'), 'class="tilegrid"' in view
+        (True, True)
+    """
+    prefix = new_prefix()
+    focus = walk.trace.query_index() if focus is None else focus
+    return fragment(fast_walk_cards(walk, focus, prefix), prefix=prefix)
