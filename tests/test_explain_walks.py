@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 import attnlab
 from attnlab import masks
 from attnlab.backends import build_call
+from attnlab.backends.blocks import visited_fraction
 from attnlab.backends.chunked import chunked_attention
 from attnlab.lab.cli import app
 from attnlab.lab.cli._fast_walk import grid_rows
@@ -152,6 +153,10 @@ def test_skipped_tiles_follow_block_spans(mode, window, tile):
     spans = masks.block_spans(flash_mask(t, window=window), n, n, tile)
     assert walk.skipped == sum(math.ceil(n / tile) - math.ceil((hi - lo) / tile) for _, _, lo, hi in spans)
     assert sum(x.cells for x in walk.tiles) == sum((qe - qs) * (hi - lo) for qs, qe, lo, hi in spans)
+    # the blocks backend's own share of the score matrix it computes for the same call and block
+    x = torch.zeros(1, 1, n, 4)
+    call = build_call(x, x, x, mask=flash_mask(t, window=window))
+    assert sum(x.cells for x in walk.tiles) / (n * n) == pytest.approx(visited_fraction(call, block=tile), abs=1e-12)
 
 
 def test_tile_status_and_grid_agree_with_the_mask():
@@ -296,6 +301,10 @@ def test_delta_rule_corrections_are_what_the_state_mispredicts():
 @pytest.mark.parametrize("call, error, words", [
     (lambda: flash_walk("not a trace"), TypeError, "Trace"),
     (lambda: flash_walk(trace(SHORT), tile=0), ValueError, "tile"),
+    (lambda: flash_walk(trace(SHORT), tile=True), TypeError, "tile"),
+    (lambda: flash_walk(trace(SHORT), tile=2.5), TypeError, "tile"),
+    (lambda: flash_walk(trace(SHORT), pad=1.0), TypeError, "pad"),
+    (lambda: sparse_walk(trace(SHORT), topk=None), TypeError, "topk"),
     (lambda: flash_walk(trace(SHORT), window=0), ValueError, "window"),
     (lambda: flash_walk(trace(SHORT), pad=-1), ValueError, "pad"),
     (lambda: flash_walk(trace(SHORT), precision="fp16"), ValueError, "precision"),
