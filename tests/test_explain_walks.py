@@ -142,6 +142,10 @@ def test_flash_walk_visits_and_skips_what_chunked_does(mode, window, pad, tile):
     assert sorted(masked) == sorted((x.qs, x.ks) for x in walk.tiles)
     assert walk.skipped == len(dense) - len(masked)
     assert walk.visited + walk.skipped == len(dense)
+    assert walk.spans == masks.block_spans(mod, tq, tk, tile)
+    for empty in walk.empty_tiles:  # inside a span, nothing allowed: chunked ran no such tile either
+        assert not bool(_allowed(t, window, pad)[empty.qs:empty.qe, empty.ks:empty.ke].any())
+        assert (empty.qs, empty.ks) not in masked
 
 
 @pytest.mark.parametrize("mode, window, tile", [("causal", None, 4), ("causal", None, 5), ("self", 3, 4),
@@ -357,6 +361,7 @@ def test_flash_command_prints_the_walk_and_the_skipped_count_of_chunked(tmp_path
     differences = [float(x) for x in re.findall(r"output vs textbook: (\S+)", result.output)]
     assert differences and differences[0] <= 1e-6
     assert "Tile scores" in result.output and "m_new" in result.output and "<pad>" in result.output
+    assert "queries 12-13 reach keys 10-13 (keys 0-9 skipped: never read)" in result.output
     assert 'class="tilegrid"' in (tmp_path / "report.html").read_text()
 
 
@@ -364,6 +369,8 @@ def test_flash_command_prints_the_walk_and_the_skipped_count_of_chunked(tmp_path
     (("--walk", "sparse", "--topk", "3", "--mode", "causal"), ("Kept keys", "attnlab.attention(indices=)")),
     (("--walk", "linear", "--rule", "gated-delta"), ("State  S_0", "correction", "linear_attention")),
     (("--walk", "flash", "--backward", "--precision", "fp64"), ("dS = P", "dS vs autograd")),
+    (("--walk", "flash", "--tile", "4", "--pad", "2"), ("queries 12-13 reach keys 0-13\n",
+                                                        "keys 12-13: skipped (its mask allows nothing)")),
 ])
 def test_each_walk_runs_from_the_command(args, words, tmp_path):
     result = _run(*args, "--out", str(tmp_path), "--no-color", "--format", "html")

@@ -92,6 +92,9 @@ class Walk:
         checks: name -> largest absolute difference (e.g. ``"output vs textbook"``).
         dtype: the precision of the walk.
         tile: flash: the tile size; tiles: flash: the key tiles visited per query tile (head 0);
+            empty_tiles: flash: tiles inside a query tile's reach whose mask allows nothing (skipped);
+            spans: flash: ``(qs, qe, lo, hi)`` per query tile, the keys it may reach
+            (:func:`attnlab.masks.block_spans`; keys outside are never read);
             allowed: flash: ``(Tq, Tk)`` bool, which pairs the mask allows; skipped, visited: flash:
             the tiles skipped and computed per head, against the ``ceil(Tq/tile) * ceil(Tk/tile)``
             tiles of an unmasked call; row_stats: flash: ``(Tq, 3)`` final ``m``, ``l``, ``lse`` of head 0.
@@ -118,6 +121,8 @@ class Walk:
     notes: list[str] = field(default_factory=list)
     tile: int | None = None
     tiles: list[Tile] = field(default_factory=list)
+    empty_tiles: list[Tile] = field(default_factory=list)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     allowed: Tensor | None = None
     skipped: int = 0
     visited: int = 0
@@ -211,7 +216,7 @@ def flash_walk(trace: Trace, *, tile: int = 4, window: int | None = None, pad: i
     allowed = torch.ones(tq, tk, dtype=torch.bool) if mod is None else _masks.materialize(mod, tq=tq, tk=tk)[0, 0]
     walk = Walk("flash", trace, trace.tokens + [PAD] * (tq - len(trace.tokens)),
                 trace.context_tokens + [PAD] * pad, trace.heads, dtype, tile=tile, allowed=allowed)
-    spans = _masks.block_spans(mod, tq, tk, tile)
+    spans = walk.spans = _masks.block_spans(mod, tq, tk, tile)
     outputs, references = [], []
     for h in range(trace.heads):
         q, k, v = (_padded(x, n) for x, n in zip(_qkv(trace, h, dtype), (tq, tk, tk)))
@@ -294,6 +299,8 @@ def _flash_head(walk: Walk, h: int, q: Tensor, k: Tensor, v: Tensor, spans) -> t
             ke = min(ks + tile, hi)
             cell = allowed[qs:qe, ks:ke]
             if not bool(cell.any()):
+                if h == 0:
+                    walk.empty_tiles.append(Tile(qs, qe, ks, ke, "empty"))
                 continue  # chunked skips a tile its mask leaves empty
             tiles.append(Tile(qs, qe, ks, ke, "full" if bool(cell.all()) else "partial"))
             scores = (q[qs:qe] @ k[ks:ke].T * scale).masked_fill(~cell, float("-inf"))  # (tile, tile)

@@ -185,5 +185,12 @@ def print_grid(console, walk) -> None:
         tile_row = any(qs == i for qs, _ in starts)
         console.print(f"{walk.tokens[i]:>{width}} {row}  m={m} l={l} lse={lse}" + ("  <- new query tile"
                       if tile_row else ""), markup=False, soft_wrap=True)
-    for t in walk.tiles:
-        console.print(f"  queries {t.qs}-{t.qe - 1} x keys {t.ks}-{t.ke - 1}: {t.status}", markup=False)
+    tk = len(walk.context_tokens)
+    for qs, qe, lo, hi in walk.spans:
+        never = [f"{a}-{b - 1}" for a, b in ((0, lo), (hi, tk)) if b > a]
+        console.print(f"  queries {qs}-{qe - 1} reach keys {lo}-{hi - 1}" if hi > lo else
+                      f"  queries {qs}-{qe - 1} reach no key", markup=False, end="")
+        console.print(f" (keys {' and '.join(never)} skipped: never read)" if never else "", markup=False)
+        for t in sorted((t for t in walk.tiles + walk.empty_tiles if t.qs == qs), key=lambda t: t.ks):
+            what = "skipped (its mask allows nothing)" if t.status == "empty" else t.status
+            console.print(f"    keys {t.ks}-{t.ke - 1}: {what}", markup=False)
