@@ -414,6 +414,12 @@ def test_textbook_walk_is_the_default(tmp_path):
     (("--walk", "flash", "--format", "png"), ("--format html or all",)),
     (("--walk", "linear", "--format", "svg"), ("--format html or all",)),
     (("--walk", "flash", "--tile", "1", "--text-file", "MANY"), ("tiles of --tile 1", "at most 1024")),
+    # regression: --mask drew its map and silently ignored the walk's options
+    (("--mask", "causal", "--size", "64", "--walk", "flash"), ("--walk is for a sentence's walk, not --mask",)),
+    (("--mask", "causal", "--size", "64", "--heads", "2"), ("--heads is for a sentence's walk",)),
+    (("--mask", "causal", "--size", "64", "--tile", "4"), ("--tile is for a sentence's walk",)),
+    (("--mask", "causal", "--size", "64", "--model", "minilm"), ("--model is for a sentence's walk",)),
+    (("The cat sat", "--mask", "causal", "--size", "64"), ("SENTENCE is for a sentence's walk",)),
 ])
 def test_every_walk_option_refuses_a_bad_value_on_one_line(args, words, tmp_path):
     out = tmp_path / "report"

@@ -157,6 +157,16 @@ def explain(
                 fail("give the text once: as SENTENCE (or --sentence) or with --text-file, not both")
             sentence = read_text_file(text_file)
         if mask is not None:
+            # --mask draws a mask alone: the walk's and the models' options would do nothing with it
+            text_option = "--text-file" if text_file is not None else "SENTENCE"
+            _refuse_unused({text_option: sentence, "--mode": mode, "--context": context, "--heads": heads,
+                            "--d-model": d_model, "--d-kq": d_kq, "--d-v": d_v, "--seed": seed, "--causal": causal,
+                            "--dropout": dropout, "--softcap": softcap, "--alibi": alibi, "--sinks": sinks,
+                            "--sink-logit": sink_logit, "--walk": walk, "--tile": tile, "--window": window,
+                            "--pad": pad, "--backward": backward, "--topk": topk, "--rule": rule,
+                            "--precision": precision, "--query": query, "--layer": layer, "--head": head,
+                            "--hide-special": hide_special, "--truncate": truncate, "--generate": generate,
+                            "--model": None if model == TUTORIAL else model}, "a sentence's walk, not --mask")
             _explain_mask(mask, size=MASK_SIZE if size is None else size, out=out)
             return
         _refuse_unused({"--size": size}, "--mask")
