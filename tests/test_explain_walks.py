@@ -25,7 +25,7 @@ from attnlab.lab.cli import app
 from attnlab.lab.cli._fast_walk import grid_rows
 from attnlab.lab.explain import trace
 from attnlab.lab.viz.html import build_report
-from attnlab.lab.walks import flash_mask, flash_walk, linear_walk, sparse_walk
+from attnlab.lab.walks import blocks_share, flash_mask, flash_walk, linear_walk, sparse_walk
 from attnlab.nn import LightningIndexer
 from test_cli_errors import assert_one_error_line
 
@@ -161,6 +161,7 @@ def test_skipped_tiles_follow_block_spans(mode, window, tile):
     x = torch.zeros(1, 1, n, 4)
     call = build_call(x, x, x, mask=flash_mask(t, window=window))
     assert sum(x.cells for x in walk.tiles) / (n * n) == pytest.approx(visited_fraction(call, block=tile), abs=1e-12)
+    assert blocks_share(walk) == visited_fraction(call, block=tile)
 
 
 def test_tile_status_and_grid_agree_with_the_mask():
@@ -317,6 +318,7 @@ def test_delta_rule_corrections_are_what_the_state_mispredicts():
     (lambda: sparse_walk(trace(SHORT), topk=0), ValueError, "topk"),
     (lambda: sparse_walk(trace(SHORT, mode="cross")), ValueError, "cross"),
     (lambda: linear_walk(trace(SHORT), rule="mamba"), ValueError, "rule"),
+    (lambda: blocks_share(linear_walk(trace(SHORT))), ValueError, "flash walk"),
     (lambda: linear_walk(trace(SHORT, mode="cross")), ValueError, "cross"),
 ])
 def test_walks_refuse_bad_inputs(call, error, words):

@@ -40,13 +40,16 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._checks import non_negative_int, positive_int
 from attnlab._math import softmax_rows
+from attnlab.backends import build_call
+from attnlab.backends.blocks import visited_fraction
 from attnlab.functional import attention
 from attnlab.lab.explain import Step, Trace
 from attnlab.lab.viz import html as _html
 from attnlab.linear import linear_attention
 from attnlab.nn import LightningIndexer
 
-__all__ = ["WALKS", "LINEAR_RULES", "PRECISIONS", "Tile", "Walk", "flash_walk", "sparse_walk", "linear_walk"]
+__all__ = ["WALKS", "LINEAR_RULES", "PRECISIONS", "Tile", "Walk", "flash_walk", "flash_mask", "blocks_share",
+           "sparse_walk", "linear_walk"]
 
 WALKS = ("textbook", "flash", "sparse", "linear")
 LINEAR_RULES = ("additive", "decay", "delta", "gated-delta")
@@ -91,7 +94,7 @@ class Walk:
         reference: what ``output`` must equal, same shape (the textbook, or the parallel form).
         checks: name -> largest absolute difference (e.g. ``"output vs textbook"``).
         dtype: the precision of the walk.
-        tile: flash: the tile size; tiles: flash: the key tiles visited per query tile (head 0);
+        tile, window, pad: flash: the tile size, the window (or None) and the padded keys; tiles: flash: the key tiles visited per query tile (head 0);
             empty_tiles: flash: tiles inside a query tile's reach whose mask allows nothing (skipped);
             spans: flash: ``(qs, qe, lo, hi)`` per query tile, the keys it may reach
             (:func:`attnlab.masks.block_spans`; keys outside are never read);
@@ -120,6 +123,8 @@ class Walk:
     checks: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     tile: int | None = None
+    window: int | None = None
+    pad: int = 0
     tiles: list[Tile] = field(default_factory=list)
     empty_tiles: list[Tile] = field(default_factory=list)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -215,7 +220,8 @@ def flash_walk(trace: Trace, *, tile: int = 4, window: int | None = None, pad: i
     mod = flash_mask(trace, window=window, pad=pad)
     allowed = torch.ones(tq, tk, dtype=torch.bool) if mod is None else _masks.materialize(mod, tq=tq, tk=tk)[0, 0]
     walk = Walk("flash", trace, trace.tokens + [PAD] * (tq - len(trace.tokens)),
-                trace.context_tokens + [PAD] * pad, trace.heads, dtype, tile=tile, allowed=allowed)
+                trace.context_tokens + [PAD] * pad, trace.heads, dtype, tile=tile, window=window, pad=pad,
+                allowed=allowed)
     spans = walk.spans = _masks.block_spans(mod, tq, tk, tile)
     outputs, references = [], []
     for h in range(trace.heads):
@@ -370,7 +376,25 @@ def _flash_summary(walk: Walk) -> None:
     walk.notes.append(f"tiles of {t}: {walk.visited} of {total} computed ({partial} partial), {walk.skipped} skipped"
                       + (" per head" if walk.heads > 1 else ""))
     computed = sum(tile.cells for tile in walk.tiles)
-    walk.notes.append(f"{computed} of {tq * tk} scores computed ({computed / max(1, tq * tk):.0%})")
+    walk.notes.append(f"{computed} of {tq * tk} scores computed ({computed / max(1, tq * tk):.0%}); the blocks "
+                      f"backend, query blocks of {t}, computes {blocks_share(walk):.0%} (each block's reach, "
+                      "without skipping tiles its mask leaves empty)")
+
+
+def blocks_share(walk: Walk) -> float:
+    """The share of the flash walk's score matrix the ``blocks`` backend computes with blocks of its tile.
+
+    Example:
+        >>> from attnlab.lab.explain import trace
+        >>> blocks_share(flash_walk(trace("a b c d", mode="causal"), tile=2))
+        0.75
+    """
+    tq, tk = len(walk.tokens), len(walk.context_tokens)
+    if walk.kind != "flash":
+        raise ValueError(f"blocks_share is for a flash walk; this walk is {walk.kind!r}")
+    x, y = torch.zeros(1, 1, tq, 1), torch.zeros(1, 1, tk, 1)  # only the sizes matter
+    mod = flash_mask(walk.trace, window=walk.window, pad=walk.pad)
+    return visited_fraction(build_call(x, y, y, mask=mod), block=walk.tile)
 
 
 # ----------------------------------------------------------------------------- sparse
