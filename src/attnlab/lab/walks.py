@@ -94,7 +94,8 @@ class Walk:
         reference: what ``output`` must equal, same shape (the textbook, or the parallel form).
         checks: name -> largest absolute difference (e.g. ``"output vs textbook"``).
         dtype: the precision of the walk.
-        tile, window, pad: flash: the tile size, the window (or None) and the padded keys; tiles: flash: the key tiles visited per query tile (head 0);
+        tile, window, pad: flash: the tile size, the window (or None) and the padded keys.
+        tiles: flash: the key tiles visited per query tile (head 0);
             empty_tiles: flash: tiles inside a query tile's reach whose mask allows nothing (skipped);
             spans: flash: ``(qs, qe, lo, hi)`` per query tile, the keys it may reach
             (:func:`attnlab.masks.block_spans`; keys outside are never read);
