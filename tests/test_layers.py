@@ -44,7 +44,7 @@ LAB_PACKAGE = "attnlab.lab"  # every module below it is lab, every other module 
 LAB = [
     ("attnlab.lab", 9),  # the lab package itself imports nothing
     ("attnlab.lab.tutorial", 9),
-    ("attnlab.lab.explain", 10), ("attnlab.lab.viz", 10), ("attnlab.lab.verify", 10), ("attnlab.lab.bench", 10),
+    ("attnlab.lab.explain", 10), ("attnlab.lab.walks", 10), ("attnlab.lab.viz", 10), ("attnlab.lab.verify", 10), ("attnlab.lab.bench", 10),
     ("attnlab.lab.train", 10), ("attnlab.lab.trained", 10), ("attnlab.lab.lens", 10), ("attnlab.lab.zoo", 10),
     ("attnlab.lab.cli", 11),
 ]

@@ -64,6 +64,9 @@ class Step:
         rows: labels of the first dimension of a 2-D tensor (None for 1-D).
         cols: labels of the last dimension.
         head: the head this step belongs to, or None when shared by all heads.
+        first_row: the token index of the first row (a flash tile's rows start at its first
+            query), or None when the rows are not tokens (a linear state's key dimensions); views
+            highlight the focused token's row by it.
 
     Example:
         >>> s = Step("ids", "Token ids", torch.tensor([0, 1]), "Look up each word.", None, ("a", "b"))
@@ -78,6 +81,7 @@ class Step:
     rows: tuple[str, ...] | None
     cols: tuple[str, ...]
     head: int | None = None
+    first_row: int | None = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -368,9 +372,9 @@ def _dims(prefix: str, n: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}" for i in range(n))
 
 
-def _step(name, title, tensor, explanation, rows, cols, head=None) -> Step:
+def _step(name, title, tensor, explanation, rows, cols, head=None, first_row=0) -> Step:
     rows = None if rows is None else tuple(rows)
-    return Step(name, title, tensor.detach(), explanation, rows, tuple(cols), head)
+    return Step(name, title, tensor.detach(), explanation, rows, tuple(cols), head, first_row)
 
 
 def _build_module(mode: str, d_model: int, d_kq: int, d_v: int, heads: int, causal: bool,
@@ -437,7 +441,8 @@ def _head_steps(result: Trace, unit: nn.Module, h: int, x: Tensor, x_context: Te
         result.steps.append(_step(f"W_{key}", f"W_{key}  ({what} projection)", weight,
                                   f"A trainable {tuple(weight.shape)} matrix (seeded random here) that turns an "
                                   f"embedding into a {what[:-1] if what != 'queries' else 'query'}.",
-                                  _dims("x", result.d_model), _dims(key, weight.shape[1]), h))
+                                  _dims("x", result.d_model), _dims(key, weight.shape[1]), h,
+                                  first_row=None))  # rows are embedding features, not tokens
         out = src @ weight if bias is None else src @ weight + bias  # (T, d_kq or d_v)
         formula = {"q": "Q = X W_q", "k": "K = X W_k", "v": "V = X W_v"}[key]
         if result.mode == "cross" and key != "q":

@@ -7,7 +7,8 @@ MiniLM installed it ends with what that model's heads do with the same sentence.
 ``--model minilm`` (or a model directory) walks the trained model itself instead; a transformers
 checkpoint directory of any other model type (GPT-2, Llama, Qwen2, ...) is opened with its attention
 on attnlab and shown layer by layer and head by head (``--generate N``: where each head looked for
-each generated token).
+each generated token). ``--walk flash|sparse|linear`` computes the tutorial walk's attention the
+fast ways instead (``attnlab.lab.cli._fast_walk``).
 
 Bad input (an empty sentence, an unknown ``--query`` word, a bad ``--mode``, a malformed
 option) is reported on ONE line starting with ``error:``, with exit status 2 and no traceback, and
@@ -22,7 +23,9 @@ import typer
 
 from attnlab import scores
 from attnlab._checks import finite_number, positive_int, positive_number, probability
+from attnlab.lab.cli import _fast_walk as fast_walk
 from attnlab.lab.cli import _kernel as kernel
+from attnlab.lab.cli._fast_walk import DEFAULT_TILE, DEFAULT_TOPK, MAX_PAD
 from attnlab.lab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_errors, removed_on_failure
 from attnlab.lab.cli._help import command_class
 
@@ -100,6 +103,24 @@ def explain(
     sinks: bool = typer.Option(False, "--sinks", help="Add a sink per head (gpt-oss): one more key of value 0; "
                                                       "its share of each query's attention is shown as a column."),
     sink_logit: float = typer.Option(None, "--sink-logit", help="With --sinks: the sink's logit (default 0)."),
+    walk: str = typer.Option(None, "--walk", show_default="textbook",
+                             help="How the attention is computed: textbook (the whole score matrix, softmax, "
+                                  "weights), flash (FlashAttention's tiles and online softmax), sparse (a lightning "
+                                  "indexer's top-k keys, DSA) or linear (a recurrent state instead of scores)."),
+    tile: int = typer.Option(None, "--tile", show_default=str(DEFAULT_TILE),
+                             help="--walk flash: queries and keys per tile."),
+    window: int = typer.Option(None, "--window", help="--walk flash: a causal sliding window of N keys."),
+    pad: int = typer.Option(None, "--pad", help=f"--walk flash: pad the keys with N masked zero vectors "
+                                               f"(at most {MAX_PAD})."),
+    backward: bool = typer.Option(False, "--backward", help="--walk flash: add the backward's D = rowsum(dO*O) "
+                                                            "and dS = P(dP - D), beside autograd's."),
+    topk: int = typer.Option(None, "--topk", show_default=str(DEFAULT_TOPK),
+                             help="--walk sparse: keys each query keeps."),
+    rule: str = typer.Option(None, "--rule", show_default="decay",
+                             help="--walk linear: additive, decay, delta or gated-delta."),
+    precision: str = typer.Option(None, "--precision", show_default="fp32",
+                                  help="--walk flash|sparse|linear: fp32 or fp64 (fp64: equal to the textbook up "
+                                       "to rounding)."),
     model: str = typer.Option(TUTORIAL, "--model",
                               help="'tutorial' (the step-by-step walk with seeded random weights), 'minilm' "
                                    "(the trained all-MiniLM-L6-v2), a BERT model directory, or any transformers "
@@ -136,12 +157,24 @@ def explain(
                 fail("give the text once: as SENTENCE (or --sentence) or with --text-file, not both")
             sentence = read_text_file(text_file)
         if mask is not None:
+            # --mask draws a mask alone: the walk's and the models' options would do nothing with it
+            text_option = "--text-file" if text_file is not None else "SENTENCE"
+            _refuse_unused({text_option: sentence, "--mode": mode, "--context": context, "--heads": heads,
+                            "--d-model": d_model, "--d-kq": d_kq, "--d-v": d_v, "--seed": seed, "--causal": causal,
+                            "--dropout": dropout, "--softcap": softcap, "--alibi": alibi, "--sinks": sinks,
+                            "--sink-logit": sink_logit, "--walk": walk, "--tile": tile, "--window": window,
+                            "--pad": pad, "--backward": backward, "--topk": topk, "--rule": rule,
+                            "--precision": precision, "--query": query, "--layer": layer, "--head": head,
+                            "--hide-special": hide_special, "--truncate": truncate, "--generate": generate,
+                            "--model": None if model == TUTORIAL else model}, "a sentence's walk, not --mask")
             _explain_mask(mask, size=MASK_SIZE if size is None else size, out=out)
             return
         _refuse_unused({"--size": size}, "--mask")
+        fast = {"--walk": walk, "--tile": tile, "--window": window, "--pad": pad, "--backward": backward,
+                "--topk": topk, "--rule": rule, "--precision": precision}
         walk_only = {"--mode": mode, "--context": context, "--heads": heads, "--d-model": d_model, "--d-kq": d_kq,
                      "--d-v": d_v, "--seed": seed, "--causal": causal, "--dropout": dropout, "--softcap": softcap,
-                     "--alibi": alibi, "--sinks": sinks, "--sink-logit": sink_logit}
+                     "--alibi": alibi, "--sinks": sinks, "--sink-logit": sink_logit, **fast}
         model_only = {"--layer": layer, "--head": head, "--hide-special": hide_special}
         if fmt not in FORMATS:
             fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
@@ -169,6 +202,10 @@ def explain(
                              truncate=truncate, out=out, fmt=fmt, no_color=no_color)
             return
         _refuse_unused({**model_only, "--truncate": truncate}, TRAINED_ONLY)
+        fast_options = fast_walk.check_options(walk, tile=tile, window=window, pad=pad, backward=backward, topk=topk,
+                                       rule=rule, precision=precision, mode=mode or "self", causal=causal,
+                                       plain={"--dropout": dropout, "--softcap": softcap, "--alibi": alibi,
+                                              "--sinks": sinks, "--sink-logit": sink_logit})
         from attnlab.lab.explain import trace
 
         walk = _walk_options(dict(mode=mode, d_model=d_model, d_kq=d_kq, d_v=d_v, seed=seed, dropout=dropout))
@@ -185,6 +222,9 @@ def explain(
                 "the walk prints and reports every number; --model DIR views a text of any length")
         from rich.console import Console
 
+        if fast_options is not None:
+            fast_walk.run(result, fast_options, focus=focus, out=out, fmt=fmt, no_color=no_color)
+            return
         _make_out(out)
         console = Console(no_color=no_color, highlight=False, soft_wrap=False)
         _narrate(console, result, focus)
@@ -416,7 +456,9 @@ def _tables(console, step, focus: int):
         for c in cols[start:start + per_chunk]:
             table.add_column(escape(c), justify="right", no_wrap=True)
         for i, row in enumerate(texts):
-            style = "bold yellow" if step.rows is not None and i == focus and len(step.rows) == len(matrix) else None
+            token = None if step.first_row is None else step.first_row + i
+            focused = step.rows is not None and token == focus and len(step.rows) == len(matrix)
+            style = "bold yellow" if focused else None
             table.add_row(escape(rows[i]), *row[start:start + per_chunk], style=style)
         yield table
     if len(matrix) > TERMINAL_MAX or len(step.cols) > TERMINAL_MAX:

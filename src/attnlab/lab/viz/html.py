@@ -144,7 +144,7 @@ def ranked_keys(row: Tensor, allowed_row: Tensor | None = None) -> list[int]:
 
 
 def write_report(trace, path: str | Path, *, focus: int | None = None,
-                 trained: TrainedSection | None = None) -> Path:
+                 trained: TrainedSection | None = None, walk=None) -> Path:
     """Write :func:`build_report`'s page to ``path`` (UTF-8) and return the path.
 
     Example:
@@ -155,17 +155,19 @@ def write_report(trace, path: str | Path, *, focus: int | None = None,
         True
     """
     path = Path(path)
-    path.write_text(build_report(trace, focus=focus, trained=trained), encoding="utf-8")
+    path.write_text(build_report(trace, focus=focus, trained=trained, walk=walk), encoding="utf-8")
     return path
 
 
-def build_report(trace, *, focus: int | None = None, trained: TrainedSection | None = None) -> str:
+def build_report(trace, *, focus: int | None = None, trained: TrainedSection | None = None, walk=None) -> str:
     """The report page as one HTML string (inline CSS, JS, data and SVG).
 
     Args:
         trace: the :class:`attnlab.lab.explain.Trace` to walk through (None: a page for the trained model alone).
         focus: index of the query token focused first (default: ``trace.query_index()``).
         trained: a trained model's head view, shown after the walk (or alone).
+        walk: a :class:`attnlab.lab.walks.Walk` of ``trace`` (flash, sparse or linear), shown after
+            the textbook steps: its checks, its tile grid (flash) and its steps.
 
     Example:
         >>> from attnlab.lab.explain import trace
@@ -180,6 +182,8 @@ def build_report(trace, *, focus: int | None = None, trained: TrainedSection | N
                      _trained_card(trained, ""), "", trained)
     focus = trace.query_index() if focus is None else focus
     ending = (_trained_card(trained, "") if trained else "") + _steps(trace, focus)  # head view, then the steps
+    if walk is not None:
+        ending += fast_walk_cards(walk, focus)
     cards, walk = _walk(_of_trace(trace), focus, "", steps=ending)
     return _page(f"attnlab explain: {trace.sentence}", _header(trace), cards, walk, trained)
 
@@ -545,10 +549,10 @@ def _footer() -> str:
             "it loads nothing from the network.</footer>")
 
 
-def _steps(trace, focus: int) -> str:
+def _steps(trace, focus: int, title: str = "The computation, one step at a time") -> str:
     """One card per step; a per-head step has one card per head, only the selected head's shown."""
     names = list(dict.fromkeys(s.name for s in trace.steps))
-    cards = ['<h2 class="steps-title">The computation, one step at a time</h2><div class="steps">']
+    cards = [f'<h2 class="steps-title">{_e(title)}</h2><div class="steps">']
     for number, name in enumerate(names, start=1):
         for step in (s for s in trace.steps if s.name == name):
             per_head = step.head is not None and trace.heads > 1
@@ -581,8 +585,10 @@ def _table(step, focus: int) -> str:
     body = []
     for i, row in enumerate(matrix[:MAX_TABLE]):
         cells = "".join(_td(v, scale, step.name) for v in row[:MAX_TABLE])
-        hl = ' class="hl"' if step.rows is not None and i == focus and step.rows == tuple(step.rows) else ""
-        data_row = f' data-row="{i}"' if step.rows is not None and len(step.rows) == n_rows else ""
+        token = None if step.first_row is None else step.first_row + i  # the token this row is
+        hl = ' class="hl"' if step.rows is not None and token == focus else ""
+        tokens_row = step.rows is not None and len(step.rows) == n_rows and token is not None
+        data_row = f' data-row="{token}"' if tokens_row else ""
         body.append(f"<tr{data_row}{hl}><th>{_e(rows[i])}</th>{cells}</tr>")
     note = ""
     if n_rows > MAX_TABLE or n_cols > MAX_TABLE:
@@ -611,3 +617,92 @@ def _td(value, scale: float, name: str) -> str:
     if isinstance(value, (bool, int)):
         return f"<td>{text}</td>"
     return f'<td style="{_shade(value, scale)}">{text}</td>'
+
+
+_WALK_TITLES = {"flash": "The same attention, FlashAttention's way (--walk flash)",
+                "sparse": "The same attention over each query's top-k keys (--walk sparse)",
+                "linear": "Linear attention on the same queries, keys and values (--walk linear)"}
+_GRID_STYLE = (
+    "<style>.attnlab table.tilegrid{border-collapse:collapse;font-size:12px}"
+    ".attnlab table.tilegrid td.t{width:18px;height:18px;border:1px solid rgba(128,128,128,.25);padding:0}"
+    ".attnlab table.tilegrid td.full{background:rgba(46,125,50,.55)}"
+    ".attnlab table.tilegrid td.partial{background:rgba(239,160,0,.55)}"
+    ".attnlab table.tilegrid td.partial.masked{background:repeating-linear-gradient(45deg,rgba(239,160,0,.55) 0 3px,"
+    "transparent 3px 6px)}"
+    ".attnlab table.tilegrid td.skipped{background:rgba(128,128,128,.12)}"
+    ".attnlab table.tilegrid td.left{border-left:2px solid currentColor}"
+    ".attnlab table.tilegrid td.top{border-top:2px solid currentColor}"
+    ".attnlab table.tilegrid td.stat{padding:0 6px;text-align:right;font-variant-numeric:tabular-nums}"
+    ".attnlab .legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}"
+    "</style>")
+
+
+def fast_walk_cards(walk, focus: int, prefix: str = "") -> str:
+    """A fast walk's part of the report: its checks, its tile grid (flash) and its steps.
+
+    Example:
+        >>> from attnlab.lab.explain import trace
+        >>> from attnlab.lab.walks import flash_walk
+        >>> html = fast_walk_cards(flash_walk(trace("The sun rises", mode="causal"), tile=2), 0)
+        >>> html.count('class="t full'), html.count('class="t partial'), html.count('class="t skipped')
+        (3, 4, 2)
+    """
+    checks = "".join(f"<tr><th>{_e(name)}</th><td>{value:.3g}</td></tr>" for name, value in walk.checks.items())
+    notes = "".join(f"<li>{_e(note)}</li>" for note in walk.notes)
+    card = (f'<section class="card" id="{prefix}walk-checks"><h2>Beside the textbook</h2><ul>{notes}</ul>'
+            f'<table class="values"><thead><tr><th>max |difference|</th><th></th></tr></thead>'
+            f"<tbody>{checks}</tbody></table></section>")
+    grid = tile_grid(walk, focus, prefix) if walk.kind == "flash" else ""
+    return (f'<h2 class="steps-title">{_e(_WALK_TITLES[walk.kind])}</h2>{card}{grid}'
+            + _steps(walk, focus, title=f"--walk {walk.kind}, one step at a time"))
+
+
+def tile_grid(walk, focus: int | None = None, prefix: str = "") -> str:
+    """The flash walk's tiles as a query x key grid: each cell coloured by its tile (computed in full,
+    partial, skipped), masked cells of partial tiles hatched, tile edges drawn; each row ends with its
+    running maximum, sum and log-sum-exp (head 0).
+
+    Example:
+        >>> from attnlab.lab.explain import trace
+        >>> from attnlab.lab.walks import flash_walk
+        >>> tile_grid(flash_walk(trace("The sun rises in the east", mode="causal"), tile=4)).count("<tr")
+        7
+    """
+    tq, tk = len(walk.tokens), len(walk.context_tokens)
+    cells = [["skipped"] * tk for _ in range(tq)]
+    for t in walk.tiles:
+        for i in range(t.qs, t.qe):
+            for j in range(t.ks, t.ke):
+                edges = (" left" if j == t.ks else "") + (" top" if i == t.qs else "")
+                cells[i][j] = t.status + ("" if bool(walk.allowed[i, j]) else " masked") + edges
+    head = "".join(f'<th title="{_e(w)}">{j}</th>' for j, w in enumerate(walk.context_tokens))
+    rows = []
+    for i, word in enumerate(walk.tokens):
+        stats = "".join(f'<td class="stat">{_e(format_value(float(x)))}</td>' for x in walk.row_stats[i])
+        tds = "".join(f'<td class="t {c}" title="{_e(word)} x {_e(walk.context_tokens[j])}"></td>'
+                      for j, c in enumerate(cells[i]))
+        hl = ' class="hl"' if i == focus else ""
+        rows.append(f"<tr{hl}><th>{_e(word)}</th>{tds}{stats}</tr>")
+    legend = ('<p class="legend"><span style="background:rgba(46,125,50,.55)"></span>computed, all '
+              'allowed<span style="background:rgba(239,160,0,.55)"></span>partial (masked cells hatched)'
+              '<span style="background:rgba(128,128,128,.12)"></span>skipped</p>')
+    return (f'<section class="card step wide" id="{prefix}tile-grid">{_GRID_STYLE}<h2>Tiles of {walk.tile}</h2>'
+            f'<p class="explain">Rows are queries, columns keys. {_e(walk.notes[0])}. The last three columns '
+            f"are each row's running maximum m, sum l and lse = m + log l when its last tile is done.</p>{legend}"
+            f'<div class="table-box"><table class="tilegrid"><thead><tr><th></th>{head}<th>m</th><th>l</th>'
+            f'<th>lse</th></tr></thead><tbody>{"".join(rows)}</tbody></table></div></section>')
+
+
+def fast_walk_view(walk, *, focus: int | None = None) -> str:
+    """A fast walk as one inline view (a notebook output): its checks, tile grid and steps (head 0).
+
+    Example:
+        >>> from attnlab.lab.explain import trace
+        >>> from attnlab.lab.walks import flash_walk
+        >>> view = fast_walk_view(flash_walk(trace("The sun rises", mode="causal"), tile=2))
+        >>> view.startswith('<div class="attnlab inline"'), 'class="tilegrid"' in view
+        (True, True)
+    """
+    prefix = new_prefix()
+    focus = walk.trace.query_index() if focus is None else focus
+    return fragment(fast_walk_cards(walk, focus, prefix), prefix=prefix)
