@@ -2,7 +2,9 @@
 
 :func:`kv_cache_bytes` is the formula: what a layer's cache holds per token
 (:func:`layer_bytes_per_token`), times the tokens it holds, summed over the layers, for every
-layer kind of :class:`~attnlab.models.GPT` (global, sliding-window, chunked, latent, sparse).
+layer kind of :class:`~attnlab.models.GPT` (global, sliding-window, chunked, latent, sparse); a
+recurrent layer (Gated DeltaNet, KDA) holds no tokens but a state of constant size
+(:func:`recurrent_state_bytes`), whatever the context.
 
 Example:
     >>> kv_cache_bytes(context=131072, layers=35, kv_heads=8, head_dim=256, dtype_bytes=2) / 1e9
@@ -14,7 +16,7 @@ from __future__ import annotations
 from attnlab._checks import positive_int
 from attnlab.nn.native_sparse import paper_sizes
 
-__all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token"]
+__all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token", "recurrent_state_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
@@ -32,10 +34,29 @@ def layer_bytes_per_token(kind: str, *, kv_heads: int = 1, head_dim: int = 1, la
     return numbers * dtype_bytes
 
 
+def recurrent_state_bytes(*, value_heads: int, key_heads: int, head_dim: int, value_dim: int | None = None,
+                          kernel_size: int = 4, dtype_bytes: int = 2) -> int:
+    """Bytes one recurrent layer (:class:`~attnlab.nn.GatedDeltaNet`, :class:`~attnlab.nn.KimiDeltaAttention`)
+    holds per sequence at any context: the state ``Hv·Dk·Dv`` in fp32 and the short convolution's
+    last ``kernel_size - 1`` inputs (``2·H·Dk + Hv·Dv`` channels) in the model's dtype, as its
+    :class:`~attnlab.nn.RecurrentCache` holds them.
+
+    Example:
+        >>> recurrent_state_bytes(value_heads=32, key_heads=16, head_dim=128) / 2**20   # a Qwen3.5 layer, bf16
+        2.046875
+    """
+    for name, value in (("value_heads", value_heads), ("key_heads", key_heads), ("head_dim", head_dim),
+                        ("kernel_size", kernel_size), ("dtype_bytes", dtype_bytes)):
+        positive_int(name, value)
+    value_dim = head_dim if value_dim is None else positive_int("value_dim", value_dim)
+    channels = 2 * key_heads * head_dim + value_heads * value_dim
+    return value_heads * head_dim * value_dim * 4 + channels * (kernel_size - 1) * dtype_bytes
+
+
 def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2,
                    batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
                    rope_dim: int = 0, kv_layers: int | None = None, chunk: int | None = None, index_dim: int = 0,
-                   index_bytes: int = 1, nsa_block: int | None = None) -> int:
+                   index_bytes: int = 1, nsa_block: int | None = None, linear_state: int | None = None) -> int:
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
 
     ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
@@ -49,6 +70,8 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
     ``nsa_block`` (sizes as :func:`attnlab.nn.native_sparse.paper_sizes`) holds keys and values for
     each branch: every token (selected), the last ``8 nsa_block`` (window), the newest ``nsa_block/2``
     (the block being compressed) and one per complete compressed block (every ``nsa_block/4`` tokens).
+    An ``R`` or ``K`` (recurrent) layer holds ``linear_state`` bytes per sequence
+    (:func:`recurrent_state_bytes`) at any context.
 
     Example:
         >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
@@ -59,6 +82,9 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         1835008
         >>> kv_cache_bytes(context=4096, layers=1, head_dim=64, pattern="S", nsa_block=64) // (2 * 64 * 2)  # pairs held
         4895
+        >>> state = recurrent_state_bytes(value_heads=2, key_heads=1, head_dim=64)
+        >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="RRRG", linear_state=state)
+        1151488
     """
     for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
         positive_int(name, value)
@@ -71,6 +97,8 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         total += held * layer_bytes_per_token(kind, kv_heads=kv_heads, head_dim=head_dim, latent_dim=latent_dim,
                                               rope_dim=rope_dim, dtype_bytes=dtype_bytes)
         total += min(held, context) * index_dim * index_bytes
+        if kind in RECURRENT:
+            total += _needs("linear_state", linear_state)
     return batch * total
 
 
@@ -91,7 +119,10 @@ LAYER_HELD = {
     "C": lambda context, *, chunk, **_: min(_needs("chunk", chunk), context),
     "T": lambda context, **_: context,  # sparse top-k: any earlier key may be picked later
     "S": lambda context, *, nsa_block, **_: _nsa_held(context, _needs("nsa_block", nsa_block)),
+    "R": lambda context, **_: 0,  # Gated DeltaNet: no tokens, a state of constant size (linear_state)
+    "K": lambda context, **_: 0,  # Kimi Delta Attention: likewise
 }
+RECURRENT = ("R", "K")
 
 
 def _nsa_held(context: int, block: int) -> int:

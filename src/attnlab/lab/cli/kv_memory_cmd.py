@@ -6,8 +6,10 @@ grouped-query attention (``--kv-heads``), each again with cross-layer KV sharing
 attention (``--latent-dim`` [+ ``--latent-rope-dim``] numbers a token a layer), sliding-window
 layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G`` layers), Llama 4's
 chunked-local ``C`` and NoPE global ``N`` layers (``--chunk``), DSA (``--index-dim``: the lightning
-indexer's fp8 keys beside the model's cache) and NSA (``--nsa-block``: its three branches' keys and
-values, sized in the paper's proportions). GB are
+indexer's fp8 keys beside the model's cache), NSA (``--nsa-block``: its three branches' keys and
+values, sized in the paper's proportions) and hybrids of recurrent layers (``R`` Gated DeltaNet,
+``K`` KDA in ``--layer-pattern``, sized by ``--linear-heads``): a state of constant size each,
+beside the attention layers' caches. GB are
 10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
 (docs/variants.md).
 """
@@ -42,16 +44,24 @@ def kv_memory(
     window: int = typer.Option(None, "--window", help="Sliding window of the local layers (tokens)."),
     layer_pattern: str = typer.Option("L", "--layer-pattern", help="With --window: local (L) and global (G) "
                                                                    "layers; with --chunk: chunked-local (C) and "
-                                                                   "NoPE global (N) layers (Llama 4), repeated "
-                                                                   "over --layers."),
+                                                                   "NoPE global (N) layers (Llama 4); with "
+                                                                   "--linear-heads: recurrent Gated DeltaNet (R) "
+                                                                   "and KDA (K) layers (RRRG: Qwen3.5's 3:1), "
+                                                                   "repeated over --layers."),
     chunk: int = typer.Option(None, "--chunk", help="Chunk of the chunked-local C layers (tokens)."),
     index_dim: int = typer.Option(None, "--index-dim", help="DSA: lightning-indexer key numbers cached per token "
                                                             "and layer, in fp8 (DeepSeek-V3.2: 128)."),
+    linear_heads: int = typer.Option(None, "--linear-heads", help="R/K layers: value heads, each holding a "
+                                                                  "--linear-head-dim square fp32 state."),
+    linear_key_heads: int = typer.Option(None, "--linear-key-heads", show_default=False,
+                                         help="R/K layers: query/key heads (default --linear-heads)."),
+    linear_head_dim: int = typer.Option(None, "--linear-head-dim", show_default=False,
+                                        help="R/K layers: key and value features per head (default --head-dim)."),
     nsa_block: int = typer.Option(None, "--nsa-block", help="NSA: the selection block (a multiple of 4; the "
                                                             "paper's 64): each branch's keys and values (every "
                                                             "token, a window of 8 blocks, compressed ones)."),
 ) -> None:
-    """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA and NSA at --context."""
+    """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA, NSA and recurrent hybrids at --context."""
     from attnlab.nn.kv_memory import DTYPE_BYTES, kv_cache_bytes
     from attnlab.nn.native_sparse import paper_sizes
 
@@ -71,7 +81,8 @@ def kv_memory(
         if latent_rope_dim is not None:
             at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
         for option, value in (("--window", window), ("--chunk", chunk), ("--index-dim", index_dim),
-                              ("--nsa-block", nsa_block)):
+                              ("--nsa-block", nsa_block), ("--linear-heads", linear_heads),
+                              ("--linear-key-heads", linear_key_heads), ("--linear-head-dim", linear_head_dim)):
             if value is not None:
                 at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
         if nsa_block is not None:
@@ -79,9 +90,10 @@ def kv_memory(
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
-    if not layer_pattern or set(layer_pattern) - set("LGCN"):
-        fail(f"--layer-pattern must be letters L (local), G (global), C (chunked-local) and N (NoPE global), "
-             f"got {layer_pattern!r}")
+    if not layer_pattern or set(layer_pattern) - set("LGCNRK"):
+        fail(f"--layer-pattern must be letters L (local), G (global), C (chunked-local), N (NoPE global), "
+             f"R (Gated DeltaNet) and K (KDA), got {layer_pattern!r}")
+    linear_state = _linear_state(layer_pattern, linear_heads, linear_key_heads, linear_head_dim, head_dim, dtype)
     if "L" in layer_pattern and layer_pattern != "L" and window is None:
         fail("--layer-pattern has sliding-window L layers: give --window")
     if "C" in layer_pattern and chunk is None:
@@ -99,11 +111,13 @@ def kv_memory(
     if latent_dim is not None:
         rows.append((f"MLA (latent {latent_dim} + rope {latent_rope_dim})", kv_cache_bytes(
             pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim, **sizes)))
-    if window is not None or chunk is not None:
+    if window is not None or chunk is not None or linear_state is not None:
         spans = ", ".join(f"{name} {value}" for name, value in (("window", window), ("chunk", chunk)) if value)
-        rows.append((f"{spans}, pattern {layer_pattern}" + (f", {kv_heads} KV heads" if kv_heads else ""),
+        linear = f"{linear_heads} linear heads of {linear_head_dim or head_dim}" if linear_state else ""
+        rows.append((", ".join(part for part in (spans, f"pattern {layer_pattern}", linear) if part)
+                     + (f", {kv_heads} KV heads" if kv_heads else ""),
                      kv_cache_bytes(kv_heads=kv_heads or heads, pattern=layer_pattern, window=window, chunk=chunk,
-                                    **sizes)))
+                                    linear_state=linear_state, **sizes)))
     if index_dim is not None:  # DSA: the model's own cache (MLA when given) plus fp8 index keys
         base = dict(pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim) if latent_dim else \
             dict(kv_heads=kv_heads or heads)
@@ -114,6 +128,27 @@ def kv_memory(
         rows.append((f"NSA (block {nsa_block}, {kv_heads or heads} KV heads)", kv_cache_bytes(
             kv_heads=kv_heads or heads, pattern="S", nsa_block=nsa_block, **sizes)))
     _print(rows, sizes, heads, dtype)
+
+
+def _linear_state(pattern: str, heads: int | None, key_heads: int | None, head_dim: int | None, default_dim: int,
+                  dtype: str) -> int | None:
+    """Bytes one R/K layer holds per sequence (None: the pattern has none); refusals on one line."""
+    from attnlab.nn.kv_memory import DTYPE_BYTES, recurrent_state_bytes
+
+    recurrent = set(pattern) & {"R", "K"}
+    given = [name for name, value in (("--linear-heads", heads), ("--linear-key-heads", key_heads),
+                                      ("--linear-head-dim", head_dim)) if value is not None]
+    if not recurrent:
+        if given:
+            fail(f"{given[0]} is for recurrent layers: give --layer-pattern with R or K (e.g. RRRG)")
+        return None
+    if heads is None:
+        fail(f"--layer-pattern {pattern} has recurrent (R/K) layers: give --linear-heads")
+    if key_heads is not None and heads % key_heads:
+        fail(f"--linear-key-heads {key_heads} must divide --linear-heads {heads} (each query/key head serves "
+             f"whole value heads)")
+    return recurrent_state_bytes(value_heads=heads, key_heads=key_heads or heads, head_dim=head_dim or default_dim,
+                                 dtype_bytes=DTYPE_BYTES[dtype])
 
 
 def _print(rows: list[tuple[str, int]], sizes: dict, heads: int, dtype: str) -> None:
