@@ -416,3 +416,17 @@ def test_gpt_padded_and_packed_batches_with_linear_layers():
         torch.testing.assert_close(padded[1, :3], model(b)[0], atol=1e-10, rtol=0)
         packed = model(torch.cat([a, b], 1), document_ids=torch.tensor([0] * 5 + [1] * 3))
         torch.testing.assert_close(packed[0, 5:], model(b)[0], atol=1e-10, rtol=0)
+
+
+def test_the_short_convolution_is_the_same_by_products_and_by_conv1d():
+    """Decoding-sized inputs take K products and a sum (PyTorch's depthwise conv1d costs ms a call on a
+    CPU for one token), longer ones conv1d: both equal F.conv1d over the same window, in fp64."""
+    import torch.nn.functional as F
+
+    from attnlab.nn.recurrent import _TAPS_UP_TO
+
+    layer = GatedDeltaNet(D_MODEL, 2).double()
+    for T in (1, 3, _TAPS_UP_TO, _TAPS_UP_TO + 1, 40):
+        full = torch.randn(2, layer.channels, layer.kernel_size - 1 + T, dtype=torch.float64)
+        want = F.conv1d(full, layer.conv1d.weight, groups=layer.channels)
+        torch.testing.assert_close(layer._conv(full, None), want, rtol=0, atol=1e-12)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import attnlab.lab.bench
@@ -151,6 +152,33 @@ def test_variants_suite_tiny_measures_what_the_formula_says():
     # branch's pairs: 16 selected + 16 window + 2 tail + 15 compressed, per 16 tokens
     assert rows["DSA top-k"].kv_bytes_formula == rows["GQA"].kv_bytes_formula + 2 * 4 * 4
     assert rows["NSA"].kv_bytes_formula == rows["GQA"].kv_bytes_formula * (16 + 16 + 2 + 15) / 16
+    # recurrent layers: a state of 4 value heads of 4 x 4 (fp32) and a conv window of 3 x (2 x 2 x 4 + 4 x 4)
+    # channels, per sequence: spread over 16 tokens; the hybrids add their attention layer's cache
+    state = (4 * 4 * 4 + 3 * 32) * 4
+    assert rows["Gated DeltaNet"].kv_bytes_formula == 2 * state / 16
+    assert rows["Qwen3.5 hybrid"].kv_bytes_formula == state / 16 + rows["GQA"].kv_bytes_formula / 2
+    kda_state = (4 * 4 * 4 + 3 * 48) * 4  # KDA's query/key heads are its 4 value heads: 3 x 4 x 4 channels
+    assert rows["Kimi Linear hybrid"].kv_bytes_formula == kda_state / 16 + rows["MLA"].kv_bytes_formula / 2
+
+
+def test_decoding_after_a_filled_context_reads_that_many_tokens():
+    """The context rows fill every cache with ``context`` tokens (random keys, values and states) and
+    decode after them: a softmax layer then holds context + steps keys, a recurrent layer the same bytes."""
+    from attnlab.lab.bench.variants import ContextRow, _filled_caches, context_rates
+    from attnlab.models import GPT
+    from attnlab.nn.cache import RecurrentCache
+
+    sizes = VariantSizes.for_run(quick=True)
+    model = GPT(16, max_len=80, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, layer_pattern="RQ")
+    caches = _filled_caches(model, 64, 4)
+    assert [cache.length for cache in caches] == [64, 64]
+    before = caches[0].nbytes
+    model(torch.ones(1, 1, dtype=torch.long), caches=caches)
+    assert [cache.length for cache in caches] == [65, 65] and caches[0].nbytes == before
+    assert isinstance(caches[0], RecurrentCache)
+    rows = context_rates(sizes, names=("MHA", "Gated DeltaNet"))
+    assert [(r.name, r.context) for r in rows] == [(n, c) for n in ("MHA", "Gated DeltaNet") for c in sizes.contexts]
+    assert all(isinstance(r, ContextRow) and r.tokens_per_s > 0 for r in rows)
 
 
 def test_tiny_corpus_is_deterministic_and_repeats_its_names():

@@ -32,7 +32,7 @@ import torch
 from attnlab._checks import one_of
 from attnlab.linear._call import LinearCall, empty_result, linear_call
 from attnlab.linear.chunked import run_chunked
-from attnlab.linear.reference import linear_attention_reference, run_reference
+from attnlab.linear.reference import linear_attention_reference, run_reference, run_step
 
 __all__ = ["linear_attention", "linear_attention_reference", "LinearCall", "BACKENDS"]
 
@@ -40,6 +40,8 @@ Run = Callable[[LinearCall], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 def _recurrent(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor]:
+    if call.q.shape[2] == 1 and call.cu_seqlens is None:  # a decoding step
+        return run_step(call)
     return run_reference(call, dtype=call.state_dtype)
 
 
@@ -95,11 +97,18 @@ def linear_attention(q, k, v, *, decay=None, beta=None, scale=None, initial_stat
         >>> torch.allclose(torch.cat([first, second], dim=2), whole)
         True
     """
+    out, state = _run(q, k, v, decay=decay, beta=beta, scale=scale, initial_state=initial_state,
+                      cu_seqlens=cu_seqlens, backend=backend, values=True)
+    return (out, state) if return_state else out
+
+
+def _run(q, k, v, *, decay, beta, scale, initial_state, cu_seqlens, backend, values):
+    """:func:`linear_attention` returning ``(out, state)``; ``values=False`` leaves out the checks
+    that read values (for a layer whose decay, beta and state are valid by construction and whose
+    input it checked itself: a decoding step pays no NaN scan of its own tensors)."""
     one_of("backend", backend, ["auto", *BACKENDS])
     call = linear_call(q, k, v, decay=decay, beta=beta, scale=scale, initial_state=initial_state,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, values=values)
     if call.q.shape[2] == 0:
-        out, state = empty_result(call)
-    else:
-        out, state = BACKENDS[_choose(call) if backend == "auto" else backend](call)
-    return (out, state) if return_state else out
+        return empty_result(call)
+    return BACKENDS[_choose(call) if backend == "auto" else backend](call)

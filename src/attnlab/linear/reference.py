@@ -41,6 +41,28 @@ def _step(S, q_t, k_t, v_t, decay_t, beta_t, scale):
     return S, out
 
 
+def run_step(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token (``T == 1``, no ``cu_seqlens``) in the call's ``state_dtype``: :func:`_step` once,
+    with nothing stacked or copied around it (the ``recurrent`` backend's decoding step).
+
+    Example:
+        >>> q = torch.randn(1, 1, 1, 3, dtype=torch.float64)
+        >>> call = linear_call(q, q, q, decay=None, beta=None, scale=None, initial_state=None, cu_seqlens=None)
+        >>> all(torch.allclose(a, b) for a, b in zip(run_step(call), run_reference(call)))
+        True
+    """
+    B, H, Hv, _, Dk, Dv = call.sizes
+    dtype = call.state_dtype
+    q, k = (x[:, :, 0].to(dtype) for x in (call.q, call.k))  # (B, H, Dk)
+    if call.groups > 1:  # (B, Hv, Dk): value head j reads query/key head j // groups
+        q, k = (x[:, :, None].expand(B, H, call.groups, Dk).reshape(B, Hv, Dk) for x in (q, k))
+    at = lambda x: None if x is None else x[:, :, 0].to(dtype)  # noqa: E731  (B, Hv[, D])
+    S = (call.initial_state.to(dtype) if call.initial_state is not None
+         else q.new_zeros(B, Hv, Dk, Dv))
+    S, out = _step(S, q, k, at(call.v), at(call.decay), at(call.beta), call.scale)
+    return out[:, :, None].to(call.q.dtype), S  # (B, Hv, 1, Dv)
+
+
 def run_reference(call: LinearCall, *, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence of a checked call: ``(out (B, Hv, T, Dv) in q's dtype, final state)``.
 

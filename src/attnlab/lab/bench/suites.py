@@ -17,9 +17,10 @@
   whether the two greedy outputs are the same tokens, and a plain PyTorch decoding loop over the
   same weights: its row, ``GPT.generate``'s per-token ratio to it and its tokens checked
   (:func:`decode_model_suite`, :func:`plain_generate`);
-* ``variants`` -- MHA, GQA, MQA, MLA, sliding window and local/global layers at one size: KV
+* ``variants`` -- MHA, GQA, MQA, MLA, sliding window, local/global, ..., Gated DeltaNet and hybrids at one size: KV
   bytes per token, peak memory, decoding tokens/s, held-out loss
-  (:func:`attnlab.lab.bench.variants.variants_suite`);
+  (:func:`attnlab.lab.bench.variants.variants_suite`), and decoding tokens/s after 1k and 16k
+  cached tokens (:func:`attnlab.lab.bench.variants.context_rates`);
 * ``linear`` -- ``linear_attention``'s backends on the gated delta rule beside transformers'
   ``torch_chunk_gated_delta_rule``, forward and forward+backward, and one decoding step at 1k and
   16k context (:func:`attnlab.lab.bench.linear.linear_suite`).
@@ -575,6 +576,9 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
             found = variants.variants_suite(sizes=(sizes := variants.VariantSizes.for_run(quick=quick)))
             rows += [row.bench_row() for row in found]
             variants.print_variants(found, sizes, console=console)
+            contexts = variants.context_rates(sizes)
+            rows += [row.bench_row() for row in contexts]
+            variants.print_context_rates(contexts, sizes, console=console)
         else:
             rows += run_modules_suite(quick=quick, console=console)
     return rows

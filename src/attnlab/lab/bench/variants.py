@@ -2,10 +2,13 @@
 
 :func:`kv_cache_bytes` (from :mod:`attnlab.nn.kv_memory`) is the formula. :func:`variants_suite`
 builds the same small GPT with each attention variant (MHA, GQA, MQA, MLA, sliding window,
-local/global, chunked/NoPE, differential, gated, sparse top-k, native sparse) and measures, side by side:
-KV-cache bytes per token (what the caches hold after decoding, and the formula), peak tensor
-memory and tokens/s while decoding after a long prompt, and the held-out loss after the same
-short training run on :func:`tiny_corpus`, a text the suite writes itself.
+local/global, chunked/NoPE, differential, gated, sparse top-k, native sparse, Gated DeltaNet and
+the Qwen3.5 and Kimi Linear hybrids) and measures, side by side:
+KV-cache bytes per token (what the caches hold after decoding, and the formula; a recurrent
+layer's constant state counted in), peak tensor memory and tokens/s while decoding after a long
+prompt, and the held-out loss after the same short training run on :func:`tiny_corpus`, a text
+the suite writes itself. :func:`context_rates` decodes softmax, hybrid (Qwen3.5's 3:1) and
+recurrent-only models again after contexts of growing length (1k and 16k tokens).
 
 Example:
     >>> kv_cache_bytes(context=131072, layers=35, kv_heads=8, head_dim=256, dtype_bytes=2) / 1e9
@@ -26,11 +29,13 @@ from attnlab._checks import non_negative_int, positive_int
 from attnlab._memory import PeakMemory
 from attnlab.lab.bench.timing import BenchRow, machine_line
 from attnlab.models import GPT
-from attnlab.nn.kv_memory import DTYPE_BYTES, kv_cache_bytes, layer_bytes_per_token
+from attnlab.nn.cache import KVCache, RecurrentCache
+from attnlab.nn.kv_memory import DTYPE_BYTES, kv_cache_bytes, layer_bytes_per_token, recurrent_state_bytes
 from attnlab.lab.train import TextTask, TrainConfig, Trainer
 
 __all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token", "VariantSizes", "VARIANTS", "VariantRow",
-           "tiny_corpus", "variants_suite", "print_variants", "plot_variants"]
+           "tiny_corpus", "variants_suite", "print_variants", "plot_variants", "CONTEXT_VARIANTS", "ContextRow",
+           "context_rates", "print_context_rates"]
 
 
 @dataclass
@@ -55,13 +60,16 @@ class VariantSizes:
     batch_size: int = 16
     seq_len: int = 128
     corpus_sentences: int = 4000
+    contexts: tuple[int, ...] = (1024, 16384)
+    context_steps: int = 32
 
     @classmethod
     def for_run(cls, *, quick: bool) -> "VariantSizes":
         if not quick:
             return cls()
         return cls(d_model=32, layers=2, heads=4, gqa_heads=2, window=16, latent_dim=8, rope_dim=4, prompt_len=64,
-                   new_tokens=16, train_steps=5, batch_size=4, seq_len=32, corpus_sentences=300)
+                   new_tokens=16, train_steps=5, batch_size=4, seq_len=32, corpus_sentences=300,
+                   contexts=(64, 256), context_steps=4)
 
 
 # name -> the GPT options that make the variant (given the sizes)
@@ -77,7 +85,15 @@ VARIANTS = {
     "gated": lambda s: dict(layer_pattern="Q", num_kv_heads=s.gqa_heads),
     "DSA top-k": lambda s: dict(layer_pattern="T", num_kv_heads=s.gqa_heads, topk=s.window),
     "NSA": lambda s: dict(layer_pattern="S", num_kv_heads=s.gqa_heads, nsa_block=max(4, s.window // 16 * 4)),
+    # Recurrent layers (attnlab.nn.GatedDeltaNet "R", KimiDeltaAttention "K"): a constant state each.
+    "Gated DeltaNet": lambda s: dict(layer_pattern="R", num_kv_heads=s.gqa_heads),
+    "Qwen3.5 hybrid": lambda s: dict(layer_pattern="R" * max(1, min(3, s.layers - 1)) + "Q", num_kv_heads=s.gqa_heads),
+    "Kimi Linear hybrid": lambda s: dict(layer_pattern="K" * max(1, min(3, s.layers - 1)) + "M", latent_dim=s.latent_dim,
+                                         latent_rope_dim=s.rope_dim),
 }
+# The variants decoded again after contexts of growing length (VariantSizes.contexts): softmax layers
+# read every cached token a step, recurrent ones a state of constant size.
+CONTEXT_VARIANTS = ("MHA", "Qwen3.5 hybrid", "Gated DeltaNet")
 
 
 def _train_options(options: dict) -> dict:
@@ -169,11 +185,14 @@ def _one_variant(name: str, sizes: VariantSizes, corpus: TextTask, seed: int) ->
                     num_heads=sizes.heads, positions="rope", **options).eval()
         prompt = torch.randint(0, corpus.vocab_size, (1, sizes.prompt_len))
     head_dim = sizes.d_model // sizes.heads
-    formula = kv_cache_bytes(context=total, layers=sizes.layers, kv_heads=options.get("num_kv_heads", sizes.heads),
+    kv_heads = options.get("num_kv_heads", sizes.heads)
+    formula = kv_cache_bytes(context=total, layers=sizes.layers, kv_heads=kv_heads,
                              head_dim=head_dim, dtype_bytes=4, pattern=options.get("layer_pattern", "G"),
                              window=options.get("window"), chunk=options.get("chunk"), latent_dim=sizes.latent_dim,
                              rope_dim=sizes.rope_dim, nsa_block=options.get("nsa_block"), index_bytes=4,
-                             index_dim=head_dim if "topk" in options else 0)  # TopkAttention's index keys: head_dim
+                             index_dim=head_dim if "topk" in options else 0,  # TopkAttention's index keys: head_dim
+                             linear_state=recurrent_state_bytes(value_heads=sizes.heads, key_heads=kv_heads,
+                                                                head_dim=head_dim, dtype_bytes=4))
     measured = _measured_kv(model, prompt, sizes.new_tokens)
     model.generate(prompt[:, :8], 2)  # warm-up
     rate = _decode_rate(model, prompt, sizes.new_tokens)
@@ -186,6 +205,68 @@ def _one_variant(name: str, sizes: VariantSizes, corpus: TextTask, seed: int) ->
     trainer.train()
     loss, _ = trainer.evaluate()
     return VariantRow(name, measured, formula / total, meter.peak_bytes, rate, loss)
+
+
+@dataclass
+class ContextRow:
+    """One variant's decoding speed after ``context`` cached tokens.
+
+    Example:
+        >>> ContextRow("MHA", 1024, 250.0).bench_row().case
+        'decode after 1024 tokens'
+    """
+
+    name: str
+    context: int
+    tokens_per_s: float
+
+    def bench_row(self) -> BenchRow:
+        return BenchRow("variants", f"decode after {self.context} tokens", self.name, 1.0 / self.tokens_per_s,
+                        values={"tokens_per_s": self.tokens_per_s, "context": float(self.context)},
+                        note=f"{self.tokens_per_s:.0f} tokens/s after {self.context} cached tokens")
+
+
+def _filled_caches(model: GPT, context: int, steps: int) -> list:
+    """Caches that hold ``context`` tokens, filled with random keys, values and states instead of a
+    prefill (a decoding step's cost does not depend on the values; a 16k prefill of every softmax
+    layer would cost minutes)."""
+    caches = model.new_cache(1, context + steps)
+    for cache in caches:
+        if isinstance(cache, RecurrentCache):
+            cache.advance(torch.randn_like(cache.conv), torch.randn_like(cache.state) * 0.1, num_new=context)
+        elif isinstance(cache, KVCache):
+            shape = (1, cache.num_kv_heads, context)
+            cache.update(torch.randn(*shape, cache.head_dim), torch.randn(*shape, cache.value_dim))
+        else:
+            raise TypeError(f"the context rows fill KVCache and RecurrentCache only, got {type(cache).__name__}")
+    return caches
+
+
+def context_rates(sizes: VariantSizes, *, seed: int = 0, names: tuple[str, ...] = CONTEXT_VARIANTS) -> list[ContextRow]:
+    """Tokens/s of ``sizes.context_steps`` decoding steps after each of ``sizes.contexts`` cached tokens.
+
+    Example:
+        >>> rows = context_rates(VariantSizes.for_run(quick=True), names=("Gated DeltaNet",))
+        >>> [row.context for row in rows]
+        [64, 256]
+    """
+    rows = []
+    for name in names:
+        options = VARIANTS[name](sizes)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = GPT(256, max_len=max(sizes.contexts) + sizes.context_steps, d_model=sizes.d_model,
+                        num_layers=sizes.layers, num_heads=sizes.heads, positions="rope", **options).eval()
+            for context in sizes.contexts:
+                caches = _filled_caches(model, context, sizes.context_steps)
+                token = torch.ones(1, 1, dtype=torch.long)
+                with torch.no_grad():
+                    model(token, caches=caches)  # warm-up: the step's route is planned once
+                    start = time.perf_counter()
+                    for _ in range(sizes.context_steps - 1):
+                        model(token, caches=caches)
+                rows.append(ContextRow(name, context, (sizes.context_steps - 1) / (time.perf_counter() - start)))
+    return rows
 
 
 def variants_suite(*, quick: bool = False, sizes: VariantSizes | None = None, seed: int = 0) -> list[VariantRow]:
@@ -259,4 +340,28 @@ def print_variants(rows: list[VariantRow], sizes: VariantSizes, *, console=None)
     for row in rows:
         table.add_row(row.name, f"{row.kv_bytes_measured:.0f}", f"{row.kv_bytes_formula:.0f}",
                       f"{row.peak_bytes / 2**20:.1f}", f"{row.tokens_per_s:.0f}", f"{row.held_out_loss:.3f}")
+    console.print(table)
+
+
+def print_context_rates(rows: list[ContextRow], sizes: VariantSizes, *, console=None) -> None:
+    """Print decoding tokens/s per variant (rows) and context (columns), and the longest over the shortest.
+
+    Example:
+        >>> print_context_rates([ContextRow("MHA", 64, 200.0), ContextRow("MHA", 256, 100.0)],
+        ...                     VariantSizes.for_run(quick=True))  # doctest: +SKIP
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if console is None else console
+    table = Table(title=(f"decoding after a long context: tokens/s of {sizes.context_steps - 1} steps, GPT "
+                         f"{sizes.layers} layers, d_model {sizes.d_model}, fp32; {machine_line()}"))
+    table.add_column("variant")
+    for context in sizes.contexts:
+        table.add_column(f"after {context}", justify="right")
+    table.add_column(f"{max(sizes.contexts)} / {min(sizes.contexts)}", justify="right")
+    for name in dict.fromkeys(row.name for row in rows):
+        rate = {row.context: row.tokens_per_s for row in rows if row.name == name}
+        table.add_row(name, *(f"{rate[c]:.0f}" for c in sizes.contexts),
+                      f"{rate[max(sizes.contexts)] / rate[min(sizes.contexts)]:.2f}")
     console.print(table)
