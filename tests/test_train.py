@@ -179,6 +179,23 @@ def test_resume_continues_at_the_same_step_with_the_same_losses_as_an_uninterrup
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("pattern", ["RG", "KG"])
+def test_a_hybrid_of_recurrent_and_softmax_layers_trains_and_resumes_as_an_uninterrupted_run(tmp_path, pattern):
+    """Gated DeltaNet (R) and KDA (K) layers beside a global one: the checkpoint holds their weights and
+    optimizer state, and a resumed run's losses equal an uninterrupted one's, step by step."""
+    options = {**TINY, "layers": 2, "layer_pattern": pattern}
+    whole = Trainer(TrainConfig(task="induction", steps=4, **options))
+    whole.train()
+    part = Trainer(TrainConfig(task="induction", steps=4, **options))
+    part.train(should_stop=lambda: part.step == 2, out=tmp_path)
+    resumed = Trainer.resume(tmp_path)
+    assert resumed.step == 2 and resumed.model.layer_kinds == tuple(pattern)
+    resumed.train()
+    assert resumed.history["train_loss"] == whole.history["train_loss"]
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
 def test_evaluate_scores_only_the_scored_positions():
     torch.manual_seed(0)
     model = GPT(vocab_size=6, max_len=5, d_model=8, num_layers=1, num_heads=2).eval()
