@@ -23,7 +23,7 @@ positions (``-1`` before the first token) and its ``n`` compressed entries (HCA:
 ``-1`` where not yet closed; CSA: the indexer's ``min(topk, N)``, ``-1`` where it found fewer).
 One ``attnlab.attention(q, keys, keys, indices=..., sinks=sinks)`` then runs the window, the
 entries and the sink as one softmax, in O(T * (window + n)) memory: no ``(T, T)`` mask or score
-matrix exists (queries go in blocks so that no block holds more than ``2**20`` scores, and the
+matrix exists (queries go in blocks so that no block holds more than ``2**18`` scores, and the
 indexer scores blocks of queries the same way). HCA's ``n = N = T / rate`` is dense over the
 entries by definition (64 per query at T = 8192 and rate 128).
 
@@ -67,7 +67,7 @@ from attnlab.nn.latent import _check_x
 
 __all__ = ["CompressedAttention", "CompressedCache"]
 
-BLOCK_SCORES = 2**20  # the most scores (attention or index) one block of queries holds at once
+BLOCK_SCORES = 2**18  # the most scores (attention or index) one block of queries holds at once
 KINDS = ("csa", "hca", "sliding")
 _LAYER_KINDS = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca",
                 "sliding_attention": "sliding"}
@@ -217,12 +217,8 @@ class _Indexer(nn.Module):
         weights = self.weights_proj(x) * self.heads ** -0.5  # (B, T, Hi)
         closed = (positions + 1) // self.rate  # (T,): entries closed for each query
         allowed = torch.arange(count, device=x.device) < closed[:, None]  # (T, N)
-        block = max(1, BLOCK_SCORES // (B * count * self.heads))
-        chosen = []
-        for s in range(0, T, block):  # (B, block, N) scores at a time, never (B, T, N)
-            scores = lightning_scores(q[:, s:s + block], entries, weights[:, s:s + block])  # (B, block, N)
-            chosen.append(select_topk(scores, self.topk, mask=allowed[None, s:s + block], causal=False)[:, 0])
-        return torch.cat(chosen, 1)  # (B, T, k)
+        scores = lightning_scores(q, entries, weights)  # (B, T, N), one index head at a time
+        return select_topk(scores, self.topk, mask=allowed[None], causal=False)[:, 0]  # (B, T, k)
 
 
 # ---------------------------------------------------------------------- the cache
@@ -441,50 +437,77 @@ class CompressedAttention(nn.Module):
         new = replace(state, length=state.length + T, window=keys[:, :, max(0, keys.shape[2] - self.window + 1):])
         if self.compressor is not None:
             new = replace(new, main=self.compressor.step(x, state.main, self._cos_sin))
-        new, chosen = self._index(x, q_latent, positions, cos, sin, new)
+        if self.indexer is not None:
+            new = replace(new, index=self.indexer.compressor.step(x, state.index, self._cos_sin))
         entries = new.main.entries
-        indices = self._indices(positions, past.shape[2], T, entries, chosen)  # (B|1, 1, T, w + n)
         if entries is not None:
             keys = torch.cat([keys, entries[:, None]], 2)  # (B, 1, Lw + T + N, D)
-        out = self._attend(q, keys, indices)  # (B, H, T, D)
+        out = self._attend(x, q_latent, q, keys, positions, cos, sin, past.shape[2], new)  # (B, H, T, D)
         out = rotate_pairs(out, cos, -sin).transpose(1, 2)  # (B, T, H, D): the values' rotation undone
         out = self._project_out(out.reshape(B, T, self.o_groups, -1))  # (B, T, d_model)
         if cache is not None:
             cache._state = new
         return out
 
-    def _index(self, x, q_latent, positions, cos, sin, new: _State) -> tuple[_State, Tensor | None]:
-        """CSA: the indexer's stream advanced and each query's chosen entries ``(B, T, k)``; else None."""
-        if self.indexer is None:
-            return new, None
-        index = self.indexer.compressor.step(x, new.index, self._cos_sin)
-        return replace(new, index=index), self.indexer.select(x, q_latent, positions, index.entries, cos, sin)
+    def _attend(self, x: Tensor, q_latent: Tensor, q: Tensor, keys: Tensor, positions: Tensor, cos: Tensor,
+                sin: Tensor, held: int, new: _State) -> Tensor:
+        """Per block of queries: CSA's chosen entries, the key lists, one top-k attention call.
 
-    def _indices(self, positions: Tensor, held: int, T: int, entries: Tensor | None,
-                 chosen: Tensor | None) -> Tensor:
-        """Each query's key list over ``[window keys | entries]``: ``(B|1, 1, T, w + n)``, ``-1`` = none."""
-        width = min(self.window, held + T)
-        window = held + torch.arange(T, device=positions.device)[:, None] - torch.arange(width, device=positions.device)
-        window = window.masked_fill(window < 0, -1)[None]  # (1, T, w)
-        if entries is None or entries.shape[1] == 0:
-            return window[:, None]  # (1, 1, T, w)
-        first = held + T  # the entries' offset among the keys
-        if chosen is None:  # HCA: every entry, -1 until it is closed
-            listed = torch.arange(entries.shape[1], device=positions.device)  # (N,)
-            closed = listed < ((positions + 1) // self.compress_rate)[:, None]  # (T, N)
-            entry_list = torch.where(closed, first + listed, -1)[None]  # (1, T, N)
-        else:
-            entry_list = torch.where(chosen >= 0, first + chosen, -1)  # (B, T, k)
-        window = window.expand(entry_list.shape[0], -1, -1)
-        return torch.cat([window, entry_list], -1)[:, None]  # (B|1, 1, T, w + n)
-
-    def _attend(self, q: Tensor, keys: Tensor, indices: Tensor) -> Tensor:
-        """One top-k attention call per block of queries (one call when it fits ``BLOCK_SCORES``)."""
+        A block holds at most ``BLOCK_SCORES`` attention scores (``B * H * (w + n)`` per query) and
+        index scores (``B * N`` per query and index head, one head at a time): one block, one call,
+        for a decoding step or a short prefill."""
         B, H, T, _ = q.shape
-        block = max(1, BLOCK_SCORES // (B * H * max(1, indices.shape[-1])))
-        outs = [attention(q[:, :, s:s + block], keys, keys, indices=indices[:, :, s:s + block],
-                          sinks=self.sinks, scale=self.head_dim ** -0.5) for s in range(0, T, block)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # (B, H, T, D)
+        count = new.main.count
+        listed = min(self.window, held + T) + (count if self.indexer is None else min(self.indexer.topk, count))
+        block = max(1, BLOCK_SCORES // (B * max(H * listed, count)))
+        if block >= T:
+            block = T
+        out = None if block == T else q.new_empty(B, H, T, self.head_dim)  # blocks written in place
+        for s in range(0, T, block):
+            part = slice(s, s + block)
+            chosen = None if self.indexer is None else self.indexer.select(
+                x[:, part], q_latent[:, part], positions[part], new.index.entries, cos[part], sin[part])
+            indices = self._indices(positions[part], held, s, T, count, chosen)  # (B|1, 1, block, w + n)
+            part_out = self._one_call(q[:, :, part], keys, indices)  # (B, H, Tb, D)
+            if out is None:
+                return part_out
+            out[:, :, part] = part_out
+        return out  # (B, H, T, D)
+
+    def _one_call(self, q: Tensor, keys: Tensor, indices: Tensor) -> Tensor:
+        """One top-k call with the heads as more queries of the one key head: their lists and keys
+        are shared, so the kernel never repeats the keys per head; the sink is a per-query logit.
+
+        Shapes:
+            q: ``(B, H, Tb, D)``; keys: ``(B, 1, Tk, D)``; indices: ``(B|1, 1, Tb, L)`` -> ``(B, H, Tb, D)``.
+        """
+        B, H, Tb, D = q.shape
+        rows = q.reshape(B, 1, H * Tb, D)  # (B, 1, H*Tb, D), head-major
+        lists = indices.expand(-1, H, -1, -1).reshape(indices.shape[0], 1, H * Tb, -1)  # (B|1, 1, H*Tb, L)
+        sinks = self.sinks[:, None].expand(H, Tb).reshape(1, 1, H * Tb)  # (1, 1, H*Tb)
+        out = attention(rows, keys, keys, indices=lists, sinks=sinks, scale=self.head_dim ** -0.5)
+        return out.view(B, H, Tb, D)
+
+    def _indices(self, positions: Tensor, held: int, first: int, T: int, count: int,
+                 chosen: Tensor | None) -> Tensor:
+        """Key lists over ``[window keys | entries]`` of the queries at ``positions`` (the call's
+        ``first``-th on): ``(B|1, 1, Tb, w + n)``, ``-1`` = none."""
+        device = positions.device
+        width = min(self.window, held + T)
+        mine = held + first + torch.arange(positions.shape[0], device=device)  # each query's own key
+        window = mine[:, None] - torch.arange(width, device=device)  # (Tb, w)
+        window = window.masked_fill(window < 0, -1)[None]  # (1, Tb, w)
+        if self.compressor is None or count == 0:
+            return window[:, None]  # (1, 1, Tb, w)
+        offset = held + T  # the entries' first key
+        if chosen is None:  # HCA: every entry, -1 until it is closed
+            listed = torch.arange(count, device=device)  # (N,)
+            closed = listed < ((positions + 1) // self.compress_rate)[:, None]  # (Tb, N)
+            entry_list = torch.where(closed, offset + listed, -1)[None]  # (1, Tb, N)
+        else:
+            entry_list = torch.where(chosen >= 0, offset + chosen, -1)  # (B, Tb, k)
+        window = window.expand(entry_list.shape[0], -1, -1)
+        return torch.cat([window, entry_list], -1)[:, None]  # (B|1, 1, Tb, w + n)
 
     def _project_out(self, grouped: Tensor) -> Tensor:
         """``o_a_proj`` per group then ``o_b_proj``: ``(B, T, G, H*D/G)`` -> ``(B, T, d_model)``."""
