@@ -232,6 +232,29 @@ def test_no_tokens():
     assert out.shape == (2, 0, 32) and _state(cache) is before
 
 
+@pytest.mark.parametrize("kind", ["csa", "hca", "sliding"])
+def test_nan_token_reaches_only_later_queries(kind):
+    """A NaN token is read only by the queries after it (transformers' eager adds its -inf mask to
+    the NaN scores and spreads NaN to every query, so the reference here is causality itself)."""
+    module = CompressedAttention.from_transformers(_layer(kind, 0))
+    x = torch.randn(2, 20, 32)
+    x[1, 11] = float("nan")
+    with torch.no_grad():
+        out = module(x)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, :11]).all()
+    assert out[1, 11].isnan().all()
+
+
+def test_bfloat16_close_to_float32():
+    module = CompressedAttention.from_transformers(_layer("hca", 0))
+    x = torch.randn(1, 19, 32)
+    with torch.no_grad():
+        exact = module(x)
+        low = module.to(torch.bfloat16)(x.bfloat16())
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), exact, rtol=0.05, atol=0.1)
+
+
 # ---------------------------------------------------------------------- memory: never T * T
 class _Largest(TorchDispatchMode):
     """The largest dense tensor any operator returns (elements). A sparse tensor (the top-k kernel's
