@@ -159,6 +159,36 @@ def test_cached_decoding_equals_full_forward(kind, splits):
         assert cache.entries.shape == (2, 29 // rate, 16)
 
 
+@pytest.mark.parametrize("kind", ["csa", "hca", "sliding"])
+def test_cached_decoding_equals_transformers_cached_decoding(kind):
+    """Prefill, decode, prefill, decode: our cache's steps equal transformers' with its own cache
+    (``DeepseekV4CSACache`` / ``DeepseekV4HCACache``), step by step."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    layer_type = {v: k for k, v in compressed._LAYER_KINDS.items()}[kind]
+    config = _config(num_hidden_layers=1, layer_types=[layer_type])
+    torch.manual_seed(4)
+    layer = DeepseekV4Attention(config, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+    ours = CompressedAttention.from_transformers(layer)
+    theirs_cache, ours_cache = DynamicCache(config=config), ours.new_cache(2)
+    rotary = DeepseekV4RotaryEmbedding(config)
+    x = torch.randn(2, 29, 32)
+    start = 0
+    with torch.no_grad():
+        for n in [7, 1, 1, 1, 9, 1, 1, 8]:
+            part, positions = x[:, start:start + n], torch.arange(start, start + n)[None]
+            mask = create_sliding_window_causal_mask(config=config, inputs_embeds=part, attention_mask=None,
+                                                     cache=theirs_cache, position_ids=positions)
+            embeddings = {name: rotary(part, positions, name) for name in ("main", "compress")}
+            theirs = layer(part, embeddings, positions, mask, cache=theirs_cache)[0]
+            torch.testing.assert_close(ours(part, cache=ours_cache), theirs, rtol=0, atol=1e-5)
+            start += n
+
+
 def test_query_blocks_equal_one_call(monkeypatch):
     """Long prefills run in blocks of queries: the same output as one call (blocks of 1 query here)."""
     module = CompressedAttention.from_transformers(_layer("csa", 6))
