@@ -146,7 +146,8 @@ def _split_run(module, x, splits):
 
 
 @pytest.mark.parametrize("kind", ["csa", "hca", "sliding"])
-@pytest.mark.parametrize("splits", [[7] + [1] * 22, [1] * 29, [3, 1, 1, 9, 1, 1, 13]], ids=["prefill-decode", "decode", "prefill-decode-prefill"])
+@pytest.mark.parametrize("splits", [[7] + [1] * 22, [1] * 29, [3, 1, 1, 9, 1, 1, 13]],
+                         ids=["prefill-decode", "decode", "prefill-decode-prefill"])
 def test_cached_decoding_equals_full_forward(kind, splits):
     module = CompressedAttention.from_transformers(_layer(kind, 5))
     x = torch.randn(2, 29, 32)

@@ -22,10 +22,13 @@ each query gets one index list ``(B|1, 1, T, w + n)``: its ``w = min(window, Lw 
 positions (``-1`` before the first token) and its ``n`` compressed entries (HCA: all ``N``,
 ``-1`` where not yet closed; CSA: the indexer's ``min(topk, N)``, ``-1`` where it found fewer).
 One ``attnlab.attention(q, keys, keys, indices=..., sinks=sinks)`` then runs the window, the
-entries and the sink as one softmax, in O(T * (window + n)) memory: no ``(T, T)`` mask or score
+entries and the sink as one softmax (the heads enter as more queries of the one key head, the sink
+as a per-query logit, so the kernel never repeats the keys per head), in O(T * (window + n)) memory: no ``(T, T)`` mask or score
 matrix exists (queries go in blocks so that no block holds more than ``2**18`` scores, and the
 indexer scores blocks of queries the same way). HCA's ``n = N = T / rate`` is dense over the
-entries by definition (64 per query at T = 8192 and rate 128).
+entries by definition (64 per query at T = 8192 and rate 128). Equal index scores keep the
+earlier entry (a ReLU score is exactly 0 when every index head's is; transformers' ``topk`` breaks
+such ties either way), so a prefill and a decoding step choose alike.
 
 The rest is DeepSeek-V4's: a low-rank query (``q_a_proj``, RMSNorm, ``q_b_proj``, then an
 unweighted RMSNorm per head), interleaved-pair RoPE on the last ``rope_dim`` features of queries,
@@ -46,7 +49,8 @@ Example:
     >>> cache = attn.new_cache(batch_size=1)
     >>> with torch.no_grad():
     ...     full = attn(x)
-    ...     steps = torch.cat([attn(x[:, :5], cache=cache)] + [attn(x[:, t:t + 1], cache=cache) for t in range(5, 9)], 1)
+    ...     prefill = attn(x[:, :5], cache=cache)                  # then one token at a time
+    ...     steps = torch.cat([prefill] + [attn(x[:, t:t + 1], cache=cache) for t in range(5, 9)], 1)
     >>> bool(torch.allclose(full, steps, atol=1e-5)), cache.length, cache.entries.shape
     (True, 9, torch.Size([1, 4, 16]))
 """
@@ -242,7 +246,8 @@ class CompressedCache(Cache):
         >>> cache = attn.new_cache(batch_size=1)
         >>> with torch.no_grad():
         ...     _ = attn(torch.randn(1, 10, 16), cache=cache)
-        >>> cache.length, cache.entries.shape, cache.nbytes   # (2 window keys + 2 entries + 2 pending x (kv, gate)) x 8 x 4 B
+        >>> # bytes: (2 window keys + 2 entries + 2 open-window tokens x (kv, gate)) x 8 features x 4
+        >>> cache.length, cache.entries.shape, cache.nbytes
         (10, torch.Size([1, 2, 8]), 256)
     """
 
