@@ -22,10 +22,10 @@ each query gets one index list ``(B|1, 1, T, w + n)``: its ``w = min(window, Lw 
 positions (``-1`` before the first token) and its ``n`` compressed entries (HCA: all ``N``,
 ``-1`` where not yet closed; CSA: the indexer's ``min(topk, N)``, ``-1`` where it found fewer).
 One ``attnlab.attention(q, keys, keys, indices=..., sinks=sinks)`` then runs the window, the
-entries and the sink as one softmax (the heads enter as more queries of the one key head, the sink
-as a per-query logit, so the kernel never repeats the keys per head), in O(T * (window + n)) memory: no ``(T, T)`` mask or score
-matrix exists (queries go in blocks so that no block holds more than ``2**18`` scores, and the
-indexer scores blocks of queries the same way). HCA's ``n = N = T / rate`` is dense over the
+entries and the sink as one softmax (the heads enter as more queries of the one key head, the
+sink as a per-query logit, so the kernel never repeats the keys per head), in O(T * (window + n))
+memory: no ``(T, T)`` mask or score matrix exists (queries go in blocks so that no block holds
+more than ``2**18`` scores, and the indexer scores blocks of queries the same way). HCA's ``n = N = T / rate`` is dense over the
 entries by definition (64 per query at T = 8192 and rate 128). Equal index scores keep the
 earlier entry (a ReLU score is exactly 0 when every index head's is; transformers' ``topk`` breaks
 such ties either way), so a prefill and a decoding step choose alike.
