@@ -338,6 +338,15 @@ def test_refusals_are_named():
         CompressedAttention(16, 2, **{**options, "rope_dim": 3})
     with pytest.raises(ValueError, match="rope_dim must be even and at most head_dim and index_dim = 2"):
         CompressedAttention(16, 2, kind="csa", index_dim=2, **options)
+    with pytest.raises(ValueError, match="topk=4 has no meaning for kind='hca'"):
+        CompressedAttention(16, 2, kind="hca", topk=4, **options)
+    with pytest.raises(ValueError, match="compress_rate=4 has no meaning for kind='sliding'"):
+        CompressedAttention(16, 2, kind="sliding", compress_rate=4, **options)
+    with pytest.raises(ValueError, match="compress_rate"):
+        CompressedAttention(16, 2, kind="hca", compress_rate=0, **options)
+    with pytest.raises(ValueError, match="rope_base"):
+        CompressedAttention(16, 2, kind="hca", rope_base=0.0, **options)
+    assert CompressedAttention(16, 2, kind="hca", **options).compress_rate == 128  # V4's default
     with pytest.raises(ValueError, match="o_groups=3"):
         CompressedAttention(16, 2, **{**options, "o_groups": 3})
     with pytest.raises(ValueError, match="window"):

@@ -25,10 +25,10 @@ One ``attnlab.attention(q, keys, keys, indices=..., sinks=sinks)`` then runs the
 entries and the sink as one softmax (the heads enter as more queries of the one key head, the
 sink as a per-query logit, so the kernel never repeats the keys per head), in O(T * (window + n))
 memory: no ``(T, T)`` mask or score matrix exists (queries go in blocks so that no block holds
-more than ``2**18`` scores, and the indexer scores blocks of queries the same way). HCA's ``n = N = T / rate`` is dense over the
-entries by definition (64 per query at T = 8192 and rate 128). Equal index scores keep the
-earlier entry (a ReLU score is exactly 0 when every index head's is; transformers' ``topk`` breaks
-such ties either way), so a prefill and a decoding step choose alike.
+more than ``2**18`` scores, and the indexer scores blocks of queries the same way). HCA's
+``n = N = T / rate`` is dense over the entries by definition (64 per query at T = 8192, rate 128).
+Equal index scores keep the earlier entry (a ReLU score is exactly 0 when every index head's is;
+transformers' ``topk`` breaks such ties either way), so a prefill and a decoding step choose alike.
 
 The rest is DeepSeek-V4's: a low-rank query (``q_a_proj``, RMSNorm, ``q_b_proj``, then an
 unweighted RMSNorm per head), interleaved-pair RoPE on the last ``rope_dim`` features of queries,
@@ -63,7 +63,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import instance_of, non_negative_number, one_of, positive_int
+from attnlab._checks import instance_of, non_negative_number, one_of, positive_int, positive_number
 from attnlab.functional import attention
 from attnlab.nn.cache import Cache, _dtype_device
 from attnlab.nn.indexer import lightning_scores, select_topk
@@ -325,10 +325,10 @@ class CompressedAttention(nn.Module):
         o_rank: each group's projected width.
         window: keys of the sliding window (the token itself included).
         kind: ``"csa"``, ``"hca"`` or ``"sliding"``.
-        compress_rate: tokens per compressed entry (CSA, HCA).
-        topk: compressed entries each query reads (CSA).
-        index_heads: the indexer's heads (CSA).
-        index_dim: the indexer's features per head (CSA).
+        compress_rate: tokens per compressed entry (CSA, HCA; default V4's 4 and 128; refused for sliding).
+        topk: compressed entries each query reads (CSA only; default 512).
+        index_heads: the indexer's heads (CSA only; default 64).
+        index_dim: the indexer's features per head (CSA only; default 128).
         rope_base: the rotary wavelength base (V4's ``compress_rope_theta`` for CSA/HCA).
         rope_scale: multiplier of the rotary cosines and sines (YaRN's attention factor; V4 uses 1).
         eps: the RMSNorms' epsilon.
@@ -341,14 +341,15 @@ class CompressedAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, *, head_dim: int, rope_dim: int, q_rank: int,
-                 o_groups: int, o_rank: int, window: int, kind: str = "csa", compress_rate: int = 4,
-                 topk: int = 512, index_heads: int = 4, index_dim: int = 128, rope_base: float = 160000.0,
-                 rope_scale: float = 1.0, eps: float = 1e-6):
+                 o_groups: int, o_rank: int, window: int, kind: str = "csa", compress_rate: int | None = None,
+                 topk: int | None = None, index_heads: int | None = None, index_dim: int | None = None,
+                 rope_base: float = 160000.0, rope_scale: float = 1.0, eps: float = 1e-6):
         super().__init__()
         self.d_model, self.num_heads = positive_int("d_model", d_model), positive_int("num_heads", num_heads)
         self.head_dim, self.window = positive_int("head_dim", head_dim), positive_int("window", window)
         self.kind = one_of("kind", kind, KINDS)
-        self.rope_dim = _rope_dim(rope_dim, head_dim, index_dim if kind == "csa" else None)
+        compress_rate, topk, index_heads, index_dim = _kind_options(kind, compress_rate, topk, index_heads, index_dim)
+        self.rope_dim = _rope_dim(rope_dim, head_dim, index_dim)
         self.o_groups, self.o_rank = positive_int("o_groups", o_groups), positive_int("o_rank", o_rank)
         if num_heads * head_dim % o_groups:
             raise ValueError(f"o_groups={o_groups} must divide num_heads * head_dim = {num_heads * head_dim}")
@@ -362,13 +363,12 @@ class CompressedAttention(nn.Module):
         self.o_a_proj = nn.Linear(num_heads * head_dim // o_groups, o_groups * o_rank, bias=False)
         self.o_b_proj = nn.Linear(o_groups * o_rank, d_model, bias=False)
         self.sinks = nn.Parameter(torch.zeros(num_heads))
-        self.compress_rate = positive_int("compress_rate", compress_rate) if kind != "sliding" else None
+        self.compress_rate = compress_rate
         self.compressor = (None if kind == "sliding" else
                            _Compressor(d_model, head_dim, compress_rate, overlap=kind == "csa", eps=eps))
-        self.indexer = (_Indexer(d_model, q_rank, heads=positive_int("index_heads", index_heads), dim=index_dim,
-                                 rate=compress_rate, topk=positive_int("topk", topk), eps=eps)
-                        if kind == "csa" else None)
-        base = non_negative_number("rope_base", rope_base)
+        self.indexer = (_Indexer(d_model, q_rank, heads=index_heads, dim=index_dim, rate=compress_rate, topk=topk,
+                                 eps=eps) if kind == "csa" else None)
+        base = positive_number("rope_base", rope_base)
         self.rope_scale = non_negative_number("rope_scale", rope_scale)
         self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, self.rope_dim, 2).float() / self.rope_dim),
                              persistent=False)
@@ -400,12 +400,13 @@ class CompressedAttention(nn.Module):
         if config.attention_dropout:
             raise ValueError(f"attention_dropout={config.attention_dropout}: CompressedAttention has no dropout")
         inv_freq, scale = _layer_rotary(layer)
-        rate = config.compress_rates.get(layer.layer_type, 4)
+        options = {} if kind == "sliding" else {"compress_rate": config.compress_rates[layer.layer_type]}
+        if kind == "csa":
+            options.update(topk=config.index_topk, index_heads=config.index_n_heads, index_dim=config.index_head_dim)
         module = cls(config.hidden_size, config.num_attention_heads, head_dim=config.head_dim,
                      rope_dim=2 * inv_freq.numel(), q_rank=config.q_lora_rank, o_groups=config.o_groups,
-                     o_rank=config.o_lora_rank, window=config.sliding_window, kind=kind, compress_rate=rate,
-                     topk=config.index_topk, index_heads=config.index_n_heads, index_dim=config.index_head_dim,
-                     rope_scale=scale, eps=config.rms_norm_eps)
+                     o_rank=config.o_lora_rank, window=config.sliding_window, kind=kind, rope_scale=scale,
+                     eps=config.rms_norm_eps, **options)
         module.to(device=layer.kv_proj.weight.device, dtype=layer.kv_proj.weight.dtype)
         module.load_state_dict({_our_name(name): value for name, value in layer.state_dict().items()})
         module.inv_freq = inv_freq.detach().clone().float().to(layer.kv_proj.weight.device)
@@ -566,9 +567,28 @@ class CompressedAttention(nn.Module):
                 f"rope_dim={self.rope_dim}, window={self.window}, kind={self.kind!r}{extra}")
 
 
+def _kind_options(kind: str, compress_rate, topk, index_heads, index_dim) -> tuple:
+    """``(compress_rate, topk, index_heads, index_dim)`` checked for ``kind``: V4's defaults where
+    None; an option the kind has no use for is refused rather than ignored."""
+    given = {"compress_rate": compress_rate, "topk": topk, "index_heads": index_heads, "index_dim": index_dim}
+    unused = [name for name, value in given.items()
+              if value is not None and (kind == "sliding" or (kind == "hca" and name != "compress_rate"))]
+    if unused:
+        raise ValueError(f"{unused[0]}={given[unused[0]]!r} has no meaning for kind={kind!r} "
+                         f"({'no compressed entries' if kind == 'sliding' else 'no indexer: HCA reads every entry'})")
+    if kind == "sliding":
+        return None, None, None, None
+    rate = positive_int("compress_rate", {"csa": 4, "hca": 128}[kind] if compress_rate is None else compress_rate)
+    if kind == "hca":
+        return rate, None, None, None
+    return (rate, positive_int("topk", 512 if topk is None else topk),
+            positive_int("index_heads", 64 if index_heads is None else index_heads),
+            positive_int("index_dim", 128 if index_dim is None else index_dim))
+
+
 def _rope_dim(rope_dim: int, head_dim: int, index_dim: int | None) -> int:
     positive_int("rope_dim", rope_dim)
-    limit = head_dim if index_dim is None else min(head_dim, positive_int("index_dim", index_dim))
+    limit = head_dim if index_dim is None else min(head_dim, index_dim)
     if rope_dim % 2 or rope_dim > limit:
         raise ValueError(f"rope_dim must be even and at most head_dim{'' if index_dim is None else ' and index_dim'} "
                          f"= {limit}, got {rope_dim}")
