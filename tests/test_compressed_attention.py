@@ -226,6 +226,23 @@ def test_nbytes_counts_what_the_cache_holds(kind):
     assert cache.nbytes == 0 and cache.length == 0
 
 
+@pytest.mark.parametrize("kind", ["csa", "hca", "sliding"])
+def test_cache_pins_no_larger_storage(kind):
+    """Regression: the open window's tokens, the overlap and the window keys were views of the whole
+    prefill's projections, so the cache kept all of them alive while nbytes counted the views. The
+    storages it holds now add up to nbytes."""
+    module = CompressedAttention.from_transformers(_layer(kind, 0))
+    cache = module.new_cache(2)
+    with torch.no_grad():
+        module(torch.randn(2, 27, 32), cache=cache)
+    state = cache._state
+    streams = [state.main] + ([state.index] if state.index is not None else [])
+    tensors = [state.window] + [getattr(stream, name) for stream in streams
+                                for name in ("pending_kv", "pending_gate", "carry_kv", "carry_gate", "entries")]
+    held = sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+    assert held == cache.nbytes > 0
+
+
 def _state(cache: CompressedCache):
     return cache._state
 

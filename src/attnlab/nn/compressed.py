@@ -163,7 +163,8 @@ class _Compressor(nn.Module):
             kv, gate = torch.cat([state.pending_kv, kv], 1), torch.cat([state.pending_gate, gate], 1)
         n = kv.shape[1] // self.rate
         used = n * self.rate
-        new = replace(state, pending_kv=kv[:, used:], pending_gate=gate[:, used:])
+        # copies, not views: a view would keep the whole call's projections alive in the cache
+        new = replace(state, pending_kv=kv[:, used:].clone(), pending_gate=gate[:, used:].clone())
         if n == 0:
             return new
         windows_kv = kv[:, :used].unflatten(1, (n, self.rate))  # (B, n, rate, width)
@@ -190,7 +191,8 @@ class _Compressor(nn.Module):
         previous_gate = torch.cat([before_gate, first_gate[:, :-1]], 1)
         slots_kv = torch.cat([previous_kv, kv[..., self.dim:]], 2)  # (B, n, 2 rate, dim)
         slots_gate = torch.cat([previous_gate, gate[..., self.dim:]], 2)
-        return slots_kv, slots_gate, replace(new, carry_kv=first_kv[:, -1], carry_gate=first_gate[:, -1])
+        return slots_kv, slots_gate, replace(new, carry_kv=first_kv[:, -1].clone(),
+                                                     carry_gate=first_gate[:, -1].clone())
 
 
 class _Indexer(nn.Module):
@@ -440,7 +442,8 @@ class CompressedAttention(nn.Module):
         kv = rotate_pairs(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)  # (B, 1, T, D)
         past = kv[:, :, :0] if state.window is None else state.window.to(kv.dtype)
         keys = torch.cat([past, kv], 2)  # (B, 1, Lw + T, D)
-        new = replace(state, length=state.length + T, window=keys[:, :, max(0, keys.shape[2] - self.window + 1):])
+        kept = keys[:, :, max(0, keys.shape[2] - self.window + 1):].clone()  # (B, 1, <= window - 1, D), a copy
+        new = replace(state, length=state.length + T, window=kept)
         if self.compressor is not None:
             new = replace(new, main=self.compressor.step(x, state.main, self._cos_sin))
         if self.indexer is not None:
@@ -449,6 +452,7 @@ class CompressedAttention(nn.Module):
         if entries is not None:
             keys = torch.cat([keys, entries[:, None]], 2)  # (B, 1, Lw + T + N, D)
         out = self._attend(x, q_latent, q, keys, positions, cos, sin, past.shape[2], new)  # (B, H, T, D)
+        del q, q_latent, keys  # freed before the output's copies (peak memory)
         out = rotate_pairs(out, cos, -sin).transpose(1, 2)  # (B, T, H, D): the values' rotation undone
         out = self._project_out(out.reshape(B, T, self.o_groups, -1))  # (B, T, d_model)
         if cache is not None:
