@@ -1,8 +1,8 @@
 """Production attention modules built on :func:`attnlab.attention`.
 
 Multi-head (grouped-query, cross, sliding-window) attention, multi-head latent attention (MLA),
-differential (DiffLlama) and gated (Qwen3-Next) attention, the recurrent (linear-attention)
-layers of the hybrids (Gated DeltaNet, Kimi Delta Attention),
+differential (DiffLlama) and gated (Qwen3-Next) attention, DeepSeek-V4's compressed attention,
+the recurrent (linear-attention) layers of the hybrids (Gated DeltaNet, Kimi Delta Attention),
 the KV caches (contiguous, windowed ring buffer, paged), positional encodings and transformer
 blocks. The tutorials' small teaching modules live in :mod:`attnlab.tutorial`.
 
@@ -16,6 +16,7 @@ Example:
 from attnlab.nn.blocks import FeedForward, TransformerBlock, TransformerDecoder, TransformerEncoder
 from attnlab.nn.cache import (BranchCache, Cache, ChunkedKVCache, KVCache, PagedKVCache, RecurrentCache,
                               WindowedKVCache)
+from attnlab.nn.compressed import CompressedAttention, CompressedCache
 from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
@@ -50,6 +51,8 @@ __all__ = [
     "NativeSparseAttention",
     "TopkAttention",
     "LightningIndexer",
+    "CompressedAttention",
+    "CompressedCache",
     "Cache",
     "KVCache",
     "WindowedKVCache",
