@@ -189,3 +189,20 @@ def test_auto_leaves_sdpa_when_its_math_kernel_would_run():
     torch.testing.assert_close(attnlab.attention(q, k, v, causal=True).double(), expected, atol=1e-5, rtol=1e-5)
     same = build_call(q, k, v[..., :8], causal=True)  # equal features: SDPA's fused kernel, still preferred
     assert dispatch.select(same).name == "sdpa"
+
+
+def test_under_no_grad_the_key_leaves_out_requires_grad_and_the_route_is_shared():
+    """Under no_grad no input's requires_grad changes the call: the key does not read them (a decoding
+    step saves the reads) and one route serves both; with grad on they are part of the key."""
+    from attnlab.backends.dispatch import argument_key
+
+    q = torch.randn(1, 2, 1, 8)
+    wanting = q.clone().requires_grad_()
+    options = dict(mask=None, causal=False, align="top_left", scale=None, dropout_p=0.0, generator=None,
+                   backend="auto", return_weights=False)
+    with torch.no_grad():
+        assert argument_key(q, q, q, **options) == argument_key(wanting, q, wanting, **options)
+        torch.testing.assert_close(attnlab.attention(wanting, q, q), attnlab.attention(q, q, q), rtol=0, atol=0)
+    assert argument_key(q, q, q, **options) != argument_key(wanting, q, q, **options)
+    out = attnlab.attention(wanting, q, q)
+    assert out.requires_grad  # the route with grad on was made for a call that wants one

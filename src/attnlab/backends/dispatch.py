@@ -434,9 +434,11 @@ def key_of(q: object, k: object, v: object, mask: object, causal: object, align:
     if tensor_mask:
         mask_key = (mask_shape, mask.dtype, mask.device, mask.requires_grad)
     # One flat tuple: this runs on every call, and each nested call or tuple costs a decoding step.
+    # Under no_grad no input's requires_grad changes the call (call.requires_grad is then False):
+    # None stands for all three, unread (a decoding step, under no_grad, saves their reads).
+    wants = (q.requires_grad, k.requires_grad, v.requires_grad) if torch.is_grad_enabled() else None
     key = (q_shape, k_shape, v_shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-           q.requires_grad, k.requires_grad, v.requires_grad, mask_key, causal, align, scale,
-           dropout_p, backend, return_weights, torch.is_grad_enabled(), _GENERATION[0], _BUDGET[0])
+           wants, mask_key, causal, align, scale, dropout_p, backend, return_weights, _GENERATION[0], _BUDGET[0])
     if score_mod is None and sinks is None:
         return key
     return _with_scores(key, score_mod, sinks)
