@@ -35,9 +35,9 @@ def _step(S, q_t, k_t, v_t, decay_t, beta_t, scale):
     if beta_t is None:
         S = S + k_t[..., :, None] * v_t[..., None, :]
     else:
-        predicted = (S * k_t[..., :, None]).sum(-2)  # S'ᵀ k: (N, Hv, Dv)
+        predicted = (k_t[..., None, :] @ S)[..., 0, :]  # S'ᵀ k: (N, Hv, Dv)
         S = S + k_t[..., :, None] * (beta_t[..., None] * (v_t - predicted))[..., None, :]
-    out = scale * (S * q_t[..., :, None]).sum(-2)  # Sᵀ q: (N, Hv, Dv)
+    out = scale * (q_t[..., None, :] @ S)[..., 0, :]  # Sᵀ q: (N, Hv, Dv)
     return S, out
 
 
