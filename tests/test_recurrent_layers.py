@@ -430,3 +430,51 @@ def test_the_short_convolution_is_the_same_by_products_and_by_conv1d():
         full = torch.randn(2, layer.channels, layer.kernel_size - 1 + T, dtype=torch.float64)
         want = F.conv1d(full, layer.conv1d.weight, groups=layer.channels)
         torch.testing.assert_close(layer._conv(full, None), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("decay", ["data", "fixed", "none"])
+def test_decayed_linear_attention_is_the_quadratic_causal_form_and_decodes_as_it_runs_whole(decay, monkeypatch):
+    """Mamba-2's, RetNet's and plain linear attention's rule: what the layer hands linear_attention
+    gives o_t = scale Σ_{j<=t} exp(G_t - G_j) (q_t·k_j) v_j (G the summed log-decays), written here as
+    one masked matrix product in fp64; decoding token by token equals the whole forward."""
+    import attnlab.linear as linear
+    from attnlab.nn import DecayedLinearAttention
+
+    torch.manual_seed(0)
+    layer = DecayedLinearAttention(D_MODEL, 4, num_key_heads=2, decay=decay).double()
+    seen = {}
+    run = linear._run
+
+    def spy(q, k, v, **options):
+        seen.update(q=q, k=k, v=v, decay=options["decay"], beta=options["beta"])
+        seen["out"] = run(q, k, v, **options)[0]
+        return run(q, k, v, **options)
+
+    monkeypatch.setattr(linear, "_run", spy)
+    x = _x(2, 9, dtype=torch.float64)
+    whole = layer(x)
+    q, k, v = (seen[n] for n in ("q", "k", "v"))
+    assert seen["beta"] is None
+    q, k = q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1)  # (B, Hv, T, Dk)
+    G = torch.zeros(v.shape[:3], dtype=torch.float64) if seen["decay"] is None else seen["decay"].cumsum(-1)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    weights = (q @ k.mT) * (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    torch.testing.assert_close(seen["out"], q.shape[-1] ** -0.5 * weights @ v, rtol=0, atol=1e-12)
+    if decay == "fixed":
+        gammas = 1 - 2.0 ** (-5 - torch.arange(4, dtype=torch.float64))
+        torch.testing.assert_close(seen["decay"][0, :, 0].exp(), gammas, rtol=0, atol=1e-6)
+    monkeypatch.undo()
+    cache = layer.new_cache(2)
+    with torch.no_grad():
+        steps = torch.cat([layer(x[:, :4], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(4, 9)], 1)
+    torch.testing.assert_close(steps, whole.detach(), rtol=0, atol=1e-10)
+
+
+def test_decayed_linear_attention_refuses_an_unknown_decay_and_learns_no_unused_parameter():
+    from attnlab.nn import DecayedLinearAttention
+
+    with pytest.raises(ValueError, match="decay"):
+        DecayedLinearAttention(D_MODEL, 4, decay="retnet")
+    names = {n for n, _ in DecayedLinearAttention(D_MODEL, 4, decay="fixed").named_parameters()}
+    assert not names & {"A_log", "dt_bias", "in_proj_a.weight"}
+    assert {"A_log", "dt_bias", "in_proj_a.weight"} <= {n for n, _ in DecayedLinearAttention(D_MODEL, 4).named_parameters()}

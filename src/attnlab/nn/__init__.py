@@ -20,7 +20,7 @@ from attnlab.nn.compressed import CompressedAttention, CompressedCache
 from attnlab.nn.indexer import LightningIndexer
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
-from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
+from attnlab.nn.recurrent import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.multihead import QKV, CallMask, Chunk, MultiHeadAttention, Window
 from attnlab.nn.native_sparse import NativeSparseAttention
@@ -47,6 +47,7 @@ __all__ = [
     "DifferentialAttention",
     "GatedAttention",
     "GatedDeltaNet",
+    "DecayedLinearAttention",
     "KimiDeltaAttention",
     "NativeSparseAttention",
     "TopkAttention",

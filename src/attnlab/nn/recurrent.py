@@ -47,7 +47,7 @@ from attnlab.nn.cache import RecurrentCache, _cache_options
 from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import _check_documents, _check_padding_type
 
-__all__ = ["GatedDeltaNet", "KimiDeltaAttention"]
+__all__ = ["GatedDeltaNet", "KimiDeltaAttention", "DecayedLinearAttention"]
 
 # The l2 norm of q and k: x / sqrt(sum x^2 + eps), as fla and transformers (Qwen's layers write it
 # x * rsqrt(...), Kimi's x / sqrt(...): the same number up to the last bit; this is Qwen's form).
@@ -62,13 +62,14 @@ class _Inputs(NamedTuple):
     """What a layer makes of ``x`` ``(B, T, d_model)`` before the shared path.
 
     mixed: ``(B, T, channels)`` q, k and v features before the convolution (q, then k, then v).
-    decay: ``(B, T, Hv)`` or ``(B, T, Hv, Dk)`` log-decays (<= 0). beta: ``(B, T, Hv)`` in [0, 1].
+    decay: None, ``(B, T, Hv)`` or ``(B, T, Hv, Dk)`` log-decays (<= 0). beta: None (the additive
+    update) or ``(B, T, Hv)`` in [0, 1] (the delta rule).
     gate: ``(B, T, Hv, Dv)`` the output gate's logits.
     """
 
     mixed: Tensor
-    decay: Tensor
-    beta: Tensor
+    decay: Tensor | None
+    beta: Tensor | None
     gate: Tensor
 
 
@@ -107,6 +108,11 @@ def _softplus_decay(A_log: Tensor, logits: Tensor) -> Tensor:
     """``-exp(A_log) * softplus(logits)``, the log-decay of Mamba-2's discretisation, in >= fp32."""
     work = torch.promote_types(logits.dtype, torch.float32)
     return -A_log.to(work).exp() * F.softplus(logits.to(work))
+
+
+def _heads_first(x: Tensor | None) -> Tensor | None:
+    """``(B, T, Hv[, Dk])`` -> ``(B, Hv, T[, Dk])`` (None stays None: no decay, or no beta)."""
+    return None if x is None else x.transpose(1, 2)
 
 
 def _init_dt_bias(size: int, low: float = 1e-3, high: float = 0.1) -> Tensor:
@@ -225,8 +231,8 @@ class _DeltaLayer(nn.Module):
         full = torch.cat([window, mixed.transpose(1, 2)], dim=2)  # (B, C, K - 1 + T)
         features = F.silu(self._conv(full, documents)).transpose(1, 2)  # (B, T, C)
         q, k, v = self._heads(features, padding_mask)  # (B, H, T, Dk), (B, H, T, Dk), (B, Hv, T, Dv)
-        decay = inputs.decay if padding_mask is None else self._skip(inputs.decay, padding_mask)
-        out, state = self._attend(q, k, v, decay.transpose(1, 2), inputs.beta.transpose(1, 2),
+        decay = inputs.decay if padding_mask is None or inputs.decay is None else self._skip(inputs.decay, padding_mask)
+        out, state = self._attend(q, k, v, _heads_first(decay), _heads_first(inputs.beta),
                                   None if cache is None else cache.state, documents)  # (B, Hv, T, Dv)
         out = self.norm(out.transpose(1, 2), inputs.gate).flatten(2)  # (B, T, Hv * Dv)
         out = self.out_proj(out)
@@ -279,8 +285,7 @@ class _DeltaLayer(nn.Module):
                                              **options))
         B = q.shape[0]
         cu_seqlens = _cu_seqlens(documents, B)
-        q, k, v, decay = (_packed(t) for t in (q, k, v, decay))  # (1, H, B * T, ...)
-        beta = beta.transpose(0, 1).flatten(1)[None]  # (1, Hv, B * T)
+        q, k, v, decay, beta = (None if t is None else _packed(t) for t in (q, k, v, decay, beta))  # (1, H, B * T, ...)
         out, _ = self._finite(*_linear._run(q, k, v, decay=decay, beta=beta, initial_state=None, cu_seqlens=cu_seqlens,
                                             **options))
         return _unpacked(out, B), None
@@ -570,3 +575,71 @@ class KimiDeltaAttention(_DeltaLayer):
                         "dt_bias": gate.dt_bias, "A_log": gate.A_log, "norm.weight": layer.o_norm.weight,
                         "out_proj.weight": layer.o_proj.weight})
         return _load(module, tensors, layer.o_proj.weight)
+
+
+DECAYS = ("data", "fixed", "none")
+
+
+class DecayedLinearAttention(_DeltaLayer):
+    """Linear attention with a scalar decay per head: Mamba-2's, RetNet's and lightning's rule in one layer.
+
+    The additive update of :func:`attnlab.linear_attention` (no ``beta``: ``S_t = exp(decay_t) S_{t-1} +
+    k_t v_tᵀ``) inside the same layer as :class:`GatedDeltaNet` (short convolution, l2-normalised q
+    and k, gated RMSNorm with ``silu(z)``, output projection, :class:`~attnlab.nn.RecurrentCache`);
+    ``decay`` picks the rule:
+
+    * ``"data"`` (Mamba-2's discretisation, as Gated DeltaNet's decay): ``-exp(A_log) ·
+      softplus(a + dt_bias)`` with ``a`` projected from x, one per head and token;
+    * ``"fixed"`` (RetNet's retention; lightning attention's constant per-head decays): head ``h``
+      keeps ``1 - 2^(-5-h)`` of its state a step (``log`` of it as the decay), not learned;
+    * ``"none"``: plain causal linear attention ("Transformers are RNNs").
+
+    Shapes:
+        x: ``(B, T, d_model)`` -> ``(B, T, d_model)``; its cache holds the conv window and the state
+        ``(B, Hv, Dk, Dv)`` whatever the length.
+
+    Args:
+        d_model, num_heads, num_key_heads, head_dim, value_dim, kernel_size, norm_eps, bias, backend:
+            as :class:`GatedDeltaNet`.
+        decay: ``"data"``, ``"fixed"`` or ``"none"`` (see above).
+
+    Example:
+        >>> layer = DecayedLinearAttention(32, 4, decay="fixed")
+        >>> [round(g, 4) for g in layer._inputs(torch.randn(1, 1, 32)).decay[0, 0].exp().tolist()]
+        [0.9688, 0.9844, 0.9922, 0.9961]
+        >>> cache, x = layer.new_cache(1), torch.randn(1, 5, 32)
+        >>> with torch.no_grad():
+        ...     steps = torch.cat([layer(x[:, t:t + 1], cache=cache) for t in range(5)], dim=1)
+        ...     torch.allclose(steps, layer(x), atol=1e-5)
+        True
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, decay: str = "data", num_key_heads: int | None = None,
+                 head_dim: int | None = None, value_dim: int | None = None, kernel_size: int = 4,
+                 norm_eps: float = 1e-6, bias: bool = False, backend: str = "auto"):
+        super().__init__(d_model, num_heads, num_key_heads=num_key_heads, head_dim=head_dim, value_dim=value_dim,
+                         kernel_size=kernel_size, norm_eps=norm_eps, bias=bias, backend=backend)
+        self.decay = one_of("decay", decay, DECAYS)
+        self.in_proj_qkv = nn.Linear(d_model, self.channels, bias=bias)
+        self.in_proj_z = nn.Linear(d_model, num_heads * self.value_dim, bias=bias)
+        if decay == "data":
+            self.in_proj_a = nn.Linear(d_model, num_heads, bias=bias)
+            self.dt_bias = nn.Parameter(_init_dt_bias(num_heads))
+        else:  # no learned decay: A_log would be a parameter no gradient reaches
+            del self.A_log
+        retention = torch.log1p(-torch.exp2(-5.0 - torch.arange(num_heads, dtype=torch.float64)))
+        self.register_buffer("fixed_decay", retention.float(), persistent=False)  # (Hv,) RetNet's log-gammas
+
+    def _inputs(self, x: Tensor) -> _Inputs:
+        gate = self.in_proj_z(x).unflatten(-1, (self.num_heads, self.value_dim))  # (B, T, Hv, Dv)
+        if self.decay == "data":
+            decay = _softplus_decay(self.A_log, self.in_proj_a(x) + self.dt_bias)  # (B, T, Hv)
+        elif self.decay == "fixed":
+            work = torch.promote_types(x.dtype, torch.float32)
+            decay = self.fixed_decay.to(work).expand(*x.shape[:2], self.num_heads)  # (B, T, Hv)
+        else:
+            decay = None
+        return _Inputs(self.in_proj_qkv(x), decay, None, gate)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, decay={self.decay!r}"
