@@ -39,6 +39,7 @@ from attnlab.models import _hub, _inputs
 from attnlab import masks as _masks
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.cache import Cache, KVCache, RecurrentCache, _restore_on_error, new_positions
+from attnlab.nn.compressed import CompressedAttention, CompressedCache, model_sizes
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
@@ -57,8 +58,9 @@ POSITIONS = ("learned", "rope", "alibi")
 class LayerKind(NamedTuple):
     """One ``layer_pattern`` letter: its name, the GPT option its layers need (and only they take),
     whether ``positions="rope"``/``"alibi"`` acts in its layers (False: NoPE), the attention
-    module its layers are built with (None: the block's own multi-head attention), and whether
-    they return one weight matrix (``return_weights``) and take attention dropout."""
+    module its layers are built with (None: the block's own multi-head attention), whether
+    they return one weight matrix (``return_weights``) and take attention dropout, and the other
+    GPT options they need (``extra``; an option may be needed by several letters)."""
 
     name: str
     option: str | None = None
@@ -66,6 +68,12 @@ class LayerKind(NamedTuple):
     module: str | None = None
     weights: bool = True
     dropout: bool = True
+    extra: tuple[str, ...] = ()
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Every GPT option this letter's layers need."""
+        return ((self.option,) if self.option else ()) + self.extra
 
 
 # layer_pattern letters, the one table every letter goes through (a new letter is a new row).
@@ -81,6 +89,10 @@ LAYER_TABLE = {
     "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse", weights=False, dropout=False),
     "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False),
     "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False),
+    "V": LayerKind("compressed sparse (DeepSeek-V4 CSA)", "compress_rate", module="csa", weights=False,
+                   dropout=False, extra=("window", "topk")),
+    "H": LayerKind("heavily compressed (DeepSeek-V4 HCA)", "compress_rate", module="hca", weights=False,
+                   dropout=False, extra=("window",)),
 }
 LAYER_KINDS = {letter: kind.name for letter, kind in LAYER_TABLE.items()}  # letter -> its name
 # transformers' activation_function names -> attnlab FeedForward activations.
@@ -146,16 +158,27 @@ class GPT(nn.Module):
             weights, no attention dropout, ``num_heads`` value heads and ``num_kv_heads`` query/key heads
             (the grouped value heads of Qwen3.5), a constant-size :class:`~attnlab.nn.RecurrentCache`.
             Llama 4's text model is ``"CCCN"``, Qwen3.5's ``"RRRQ"`` and Kimi Linear's ``"KKKM"``.
+            ``V`` compressed sparse (DeepSeek-V4's CSA) and ``H`` heavily compressed (HCA) layers are
+            :class:`~attnlab.nn.CompressedAttention` s sized by :func:`~attnlab.nn.compressed.model_sizes`
+            (one key/value head whatever ``num_kv_heads``, their own rotary whatever ``positions``, no
+            biases whatever ``bias``, no attention dropout): every ``compress_rate`` tokens pooled into
+            one entry, a sliding ``window`` and a sink; a ``V`` query reads its ``topk`` best entries
+            (a lightning indexer picks them), an ``H`` query every closed one. Their cache is a
+            :class:`~attnlab.nn.CompressedCache`; they take no ``padding_mask``, ``document_ids`` or
+            ``page_size`` (rows of one length). V4 alternates them: ``"VH"``.
             Default: every layer ``G``.
-        window: the local layers' sliding window (keys per query, the query's own included).
+        window: the local layers' sliding window (keys per query, the query's own included); the
+            ``V``/``H`` layers' window too.
         chunk: the ``C`` layers' chunk (tokens per block; a query sees its block's earlier keys).
         latent_dim: the ``M`` layers' latent width.
         latent_rope_dim: the ``M`` layers' decoupled rotary width (default: half a head, even).
-        topk: the ``T`` layers' keys per query.
+        topk: the ``T`` layers' keys per query; the ``V`` layers' compressed entries per query.
         nsa_block: the ``S`` layers' selection block ``l'`` (a multiple of 4); the rest keeps the
             NSA paper's proportions: compressed blocks of ``l'/2`` tokens every ``l'/4``, 16 selected
             blocks (block 0 and the 2 newest among them) and a window of ``8 l'`` tokens
             (``nsa_block=64`` is the paper's 32, 16, 64, 16, 512).
+        compress_rate: the ``V``/``H`` layers' tokens per compressed entry (DeepSeek-V4: 4 for CSA,
+            128 for HCA; one rate for both here).
 
     Attributes:
         config: the constructor's arguments, as saved in ``config.json``.
@@ -192,6 +215,7 @@ class GPT(nn.Module):
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
         latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
         chunk: int | None = None, topk: int | None = None, nsa_block: int | None = None,
+        compress_rate: int | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -210,13 +234,15 @@ class GPT(nn.Module):
             activation=activation, tie_embeddings=tie_embeddings, layer_pattern=layer_pattern, window=window,
             latent_dim=latent_dim, latent_rope_dim=latent_rope_dim,
         )
-        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk, "topk": topk, "nsa_block": nsa_block}
+        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk, "topk": topk, "nsa_block": nsa_block,
+                 "compress_rate": compress_rate}
         kinds = _layer_kinds(layer_pattern, num_layers, sizes, latent_rope_dim)
         _check_score_options(kinds, positions, softcap, sinks, dropout_p)
         if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
             self.config.update(softcap=softcap, sinks=sinks)
         # only when given: configs saved before these options stay as they were
-        self.config.update({name: sizes[name] for name in ("chunk", "topk", "nsa_block") if sizes[name] is not None})
+        self.config.update({name: sizes[name] for name in ("chunk", "topk", "nsa_block", "compress_rate")
+                            if sizes[name] is not None})
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -489,7 +515,8 @@ class GPT(nn.Module):
         one takes :meth:`forward`, which says so). Positions are the cached length."""
         first = caches[0]
         length = first.length if type(first) is KVCache else (
-            first.lengths[0] if type(first) is RecurrentCache and len(set(first.lengths)) == 1 else None)
+            first.lengths[0] if type(first) is RecurrentCache and len(set(first.lengths)) == 1 else
+            first.row_lengths[0] if type(first) is CompressedCache else None)
         if length is None or length + 1 > self.max_len or self.training:
             return self(token, caches=caches)[:, -1]
         x = self.tok_emb(token)  # (B, 1, d_model)
@@ -627,6 +654,10 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
     if module in ("gated_delta", "kda"):  # NoPE, no dropout: the table's row says so
         layer_class = GatedDeltaNet if module == "gated_delta" else KimiDeltaAttention
         return layer_class(d_model, heads, num_key_heads=num_kv_heads, bias=bias, backend=backend)
+    if module in ("csa", "hca"):  # one key/value head, their own rotary, no biases: DeepSeek-V4's layer
+        return CompressedAttention(d_model, heads, window=sizes["window"], kind=module,
+                                   compress_rate=sizes["compress_rate"], **model_sizes(d_model, heads, kind=module),
+                                   **({"topk": sizes["topk"]} if module == "csa" else {}))
     if module == "gated":
         return GatedAttention(d_model, heads, num_kv_heads=num_kv_heads, positions=rope, dropout_p=dropout_p,
                               bias=bias, backend=backend)
@@ -667,6 +698,20 @@ def _check_score_options(kinds: list[str], positions: str, softcap, sinks: bool,
                              "keys from position 0; use rope or learned positions with a layer_pattern")
 
 
+def option_letters() -> dict[str, list[str]]:
+    """Each GPT option a :data:`LAYER_TABLE` letter needs -> the letters that need it (table order).
+
+    Example:
+        >>> option_letters()["window"], option_letters()["compress_rate"]
+        (['L', 'V', 'H'], ['V', 'H'])
+    """
+    needed: dict[str, list[str]] = {}
+    for letter, kind in LAYER_TABLE.items():
+        for name in kind.options:
+            needed.setdefault(name, []).append(letter)
+    return needed
+
+
 def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim: object) -> tuple[str, ...]:
     """Each layer's letter of :data:`LAYER_TABLE`; ``sizes`` (``window``, ``latent_dim``, ``chunk``)
     checked against the letters that need them."""
@@ -679,13 +724,14 @@ def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim:
                          f"{', '.join(f'{k} ({v})' for k, v in LAYER_KINDS.items())}; got {pattern!r}"
                          + (f" with unknown {''.join(unknown)!r}" if unknown else ""))
     kinds = tuple(pattern[layer % len(pattern)] for layer in range(num_layers))
-    for letter, name in ((letter, kind.option) for letter, kind in LAYER_TABLE.items() if kind.option):
-        value = sizes[name]
-        if letter in kinds and value is None:
-            raise ValueError(f"layer_pattern {pattern!r} has {letter} layers: give {name}")
-        if letter not in kinds and value is not None:
-            raise ValueError(f"{name}={value!r} is for {letter} layers, and layer_pattern {pattern!r} has none "
-                             f"over {num_layers} layers")
+    for name, letters in option_letters().items():
+        value, present = sizes[name], [letter for letter in letters if letter in kinds]
+        if present and value is None:
+            raise ValueError(f"layer_pattern {pattern!r} has {present[0]} layers: give {name}")
+        if not present and value is not None:
+            others = f" (and {', '.join(letters[1:])} layers)" if len(letters) > 1 else ""
+            raise ValueError(f"{name}={value!r} is for {letters[0]} layers{others}, and layer_pattern {pattern!r} "
+                             f"has none over {num_layers} layers")
         if value is not None:
             positive_int(name, value)
     if sizes.get("nsa_block") is not None:

@@ -69,7 +69,7 @@ from attnlab.nn.cache import Cache, _dtype_device
 from attnlab.nn.indexer import lightning_scores, select_topk
 from attnlab.nn.latent import _check_x
 
-__all__ = ["CompressedAttention", "CompressedCache"]
+__all__ = ["CompressedAttention", "CompressedCache", "model_sizes"]
 
 BLOCK_SCORES = 2**18  # the most scores (attention or index) one block of queries holds at once
 KINDS = ("csa", "hca", "sliding")
@@ -415,13 +415,20 @@ class CompressedAttention(nn.Module):
         return module
 
     # ------------------------------------------------------------------ the path
-    def forward(self, x: Tensor, *, cache: CompressedCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, *, cache: CompressedCache | None = None, mask: None = None,
+                padding_mask: None = None, document_ids: None = None) -> Tensor:
         """Causal self-attention of ``x`` ``(B, T, d_model)`` over its window, entries and sink.
 
         Args:
             x: ``(B, T, d_model)``.
             cache: from :meth:`new_cache`: ``x`` continues the tokens it holds, and it is updated
                 (only if the whole call succeeds).
+            mask, padding_mask, document_ids: taken for a block's one call and refused unless None:
+                every row is one sequence of the same length (a padded key or a document boundary
+                would change which tokens a compressed entry pools).
+
+        Raises:
+            ValueError: ``mask``, ``padding_mask`` or ``document_ids`` given.
 
         Example:
             >>> attn = CompressedAttention(16, 2, head_dim=8, rope_dim=4, q_rank=8, o_groups=1, o_rank=8,
@@ -429,6 +436,11 @@ class CompressedAttention(nn.Module):
             >>> attn(torch.randn(1, 0, 16)).shape                 # no tokens, no work
             torch.Size([1, 0, 16])
         """
+        for name, value in (("mask", mask), ("padding_mask", padding_mask), ("document_ids", document_ids)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported by CompressedAttention (kind={self.kind!r}): its "
+                                 "compressed entries pool every token of a row; give rows of one length without "
+                                 f"{name}, got a {type(value).__name__}")
         _check_x(x, self.o_b_proj.weight, self.d_model)
         state = self._check_cache(cache, x)
         B, T, _ = x.shape
@@ -531,9 +543,13 @@ class CompressedAttention(nn.Module):
         return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
 
     # ------------------------------------------------------------------ the cache
-    def new_cache(self, batch_size: int, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> CompressedCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None, page_size: int | None = None) -> CompressedCache:
         """An empty :class:`CompressedCache` for this layer (the weights' dtype and device by default).
+
+        ``max_len`` (a model's one call for every layer) is checked and sizes nothing: the cache
+        grows with the tokens. ``page_size`` is refused: the cache has no pages, so prompts of
+        different lengths (a paged model's rows, prefilled alone) cannot share it.
 
         Example:
             >>> attn = CompressedAttention(16, 2, head_dim=8, rope_dim=4, q_rank=8, o_groups=1, o_rank=8,
@@ -541,6 +557,11 @@ class CompressedAttention(nn.Module):
             >>> attn.new_cache(2)
             CompressedCache(kind='csa', batch_size=2, length=0, entries=0, nbytes=0)
         """
+        if max_len is not None:
+            positive_int("max_len", max_len)
+        if page_size is not None:
+            raise ValueError(f"page_size={page_size!r}: a CompressedCache has no pages (its rows share one length); "
+                             "give prompts as one (B, T) tensor without page_size")
         weight = self.o_b_proj.weight
         return CompressedCache(batch_size, head_dim=self.head_dim, window=self.window, kind=self.kind,
                                index_dim=0 if self.indexer is None else self.indexer.dim,
@@ -569,6 +590,39 @@ class CompressedAttention(nn.Module):
             extra += f", topk={self.indexer.topk}, index_heads={self.indexer.heads}, index_dim={self.indexer.dim}"
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"rope_dim={self.rope_dim}, window={self.window}, kind={self.kind!r}{extra}")
+
+
+def model_sizes(d_model: int, num_heads: int, *, kind: str) -> dict:
+    """The sizes :class:`~attnlab.models.GPT` gives its compressed layers from its width and heads.
+
+    ``head_dim = d_model / num_heads``, half of each head rotated (``rope_dim``, even, at least 2),
+    a low-rank query and output of ``d_model / 2`` (``q_rank``, ``o_rank``), the heads' outputs in
+    two groups when ``num_heads`` is even (V4 groups them; one group otherwise) and, for CSA, an
+    indexer of ``num_heads`` heads of ``head_dim`` features. The window, ``compress_rate`` and
+    ``topk`` are the model's options, not derived.
+
+    Raises:
+        ValueError: ``num_heads`` does not divide ``d_model``, or a head of fewer than 2 features
+            (the rotation turns pairs).
+
+    Example:
+        >>> model_sizes(64, 4, kind="csa")
+        {'head_dim': 16, 'rope_dim': 8, 'q_rank': 32, 'o_groups': 2, 'o_rank': 32, 'index_heads': 4, 'index_dim': 16}
+        >>> model_sizes(64, 4, kind="hca")["rope_dim"], "index_dim" in model_sizes(64, 4, kind="hca")
+        (8, False)
+    """
+    one_of("kind", kind, ("csa", "hca"))
+    positive_int("d_model", d_model)
+    if d_model % positive_int("num_heads", num_heads):
+        raise ValueError(f"num_heads={num_heads} must divide d_model={d_model}")
+    head_dim = d_model // num_heads
+    if head_dim < 2:
+        raise ValueError(f"a compressed layer needs head_dim = d_model / num_heads >= 2 (its rotary turns pairs), "
+                         f"got {d_model} / {num_heads}")
+    rank = max(1, d_model // 2)
+    sizes = dict(head_dim=head_dim, rope_dim=max(2, head_dim // 4 * 2), q_rank=rank,
+                 o_groups=2 if num_heads % 2 == 0 else 1, o_rank=rank)
+    return {**sizes, **(dict(index_heads=num_heads, index_dim=head_dim) if kind == "csa" else {})}
 
 
 def _kind_options(kind: str, compress_rate, topk, index_heads, index_dim) -> tuple:
