@@ -4,7 +4,8 @@
 (:func:`layer_bytes_per_token`), times the tokens it holds, summed over the layers, for every
 layer kind of :class:`~attnlab.models.GPT` (global, sliding-window, chunked, latent, sparse); a
 recurrent layer (Gated DeltaNet, KDA) holds no tokens but a state of constant size
-(:func:`recurrent_state_bytes`), whatever the context.
+(:func:`recurrent_state_bytes`), whatever the context; a compressed layer (DeepSeek-V4's CSA, HCA)
+a window of keys and one entry per ``compress_rate`` tokens (:func:`compressed_cache_bytes`).
 
 Example:
     >>> kv_cache_bytes(context=131072, layers=35, kv_heads=8, head_dim=256, dtype_bytes=2) / 1e9
@@ -16,7 +17,8 @@ from __future__ import annotations
 from attnlab._checks import positive_int
 from attnlab.nn.native_sparse import paper_sizes
 
-__all__ = ["DTYPE_BYTES", "kv_cache_bytes", "layer_bytes_per_token", "recurrent_state_bytes"]
+__all__ = ["DTYPE_BYTES", "compressed_cache_bytes", "kv_cache_bytes", "layer_bytes_per_token",
+           "recurrent_state_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
@@ -53,10 +55,47 @@ def recurrent_state_bytes(*, value_heads: int, key_heads: int, head_dim: int, va
     return value_heads * head_dim * value_dim * 4 + channels * (kernel_size - 1) * dtype_bytes
 
 
+def compressed_cache_bytes(*, context: int, head_dim: int, window: int, compress_rate: int, index_dim: int = 0,
+                           dtype_bytes: int = 2) -> int:
+    """Bytes one :class:`~attnlab.nn.CompressedAttention` layer's cache holds for one sequence of
+    ``context`` tokens, as its :class:`~attnlab.nn.CompressedCache` holds them (all in the model's dtype).
+
+    With ``n = context // compress_rate`` closed windows and ``p = context % compress_rate`` tokens
+    of the open one, it holds the window's last ``min(window - 1, context)`` keys of ``head_dim``
+    and, for its compressor (and for CSA's indexer, at ``index_dim``), ``n`` entries of ``dim``
+    numbers, the open window's ``p`` projections and gates (``2 p width``, ``width = 2 dim`` for
+    CSA's two overlapping series, ``dim`` for HCA) and, for CSA once a window has closed, that
+    window's first series and gates (``2 compress_rate dim``). ``index_dim > 0`` means CSA, 0 HCA.
+
+    Example:
+        >>> compressed_cache_bytes(context=10, head_dim=8, window=3, compress_rate=4, dtype_bytes=4)  # HCA
+        256
+        >>> csa = compressed_cache_bytes(context=2**20, head_dim=512, window=128, compress_rate=4, index_dim=128)
+        >>> hca = compressed_cache_bytes(context=2**20, head_dim=512, window=128, compress_rate=128)
+        >>> round(csa / 2**20, 1), round(hca / 2**20, 1)         # MiB a sequence of 1M tokens, bf16
+        (320.1, 8.1)
+    """
+    for name, value in (("context", context), ("head_dim", head_dim), ("window", window),
+                        ("compress_rate", compress_rate), ("dtype_bytes", dtype_bytes)):
+        positive_int(name, value)
+    if index_dim < 0:
+        raise ValueError(f"index_dim must be >= 0 (0: HCA, no indexer), got {index_dim}")
+    closed, open_tokens = divmod(context, compress_rate)
+    csa = index_dim > 0
+
+    def stream(dim: int, overlap: bool) -> int:  # one compressor's entries, open window and overlap
+        carry = 2 * compress_rate * dim if overlap and closed else 0
+        return closed * dim + 2 * open_tokens * dim * (2 if overlap else 1) + carry
+
+    numbers = min(window - 1, context) * head_dim + stream(head_dim, csa) + (stream(index_dim, True) if csa else 0)
+    return numbers * dtype_bytes
+
+
 def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2,
                    batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
                    rope_dim: int = 0, kv_layers: int | None = None, chunk: int | None = None, index_dim: int = 0,
-                   index_bytes: int = 1, nsa_block: int | None = None, linear_state: int | None = None) -> int:
+                   index_bytes: int = 1, nsa_block: int | None = None, linear_state: int | None = None,
+                   compress_rate: int | None = None) -> int:
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
 
     ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
@@ -71,7 +110,10 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
     each branch: every token (selected), the last ``8 nsa_block`` (window), the newest ``nsa_block/2``
     (the block being compressed) and one per complete compressed block (every ``nsa_block/4`` tokens).
     An ``R`` or ``K`` (recurrent) layer holds ``linear_state`` bytes per sequence
-    (:func:`recurrent_state_bytes`) at any context.
+    (:func:`recurrent_state_bytes`) at any context. A ``V`` (DeepSeek-V4's CSA) or ``H`` (HCA) layer
+    holds :func:`compressed_cache_bytes` of ``window``, ``compress_rate`` and one key head of
+    ``head_dim`` (``kv_heads`` is for the other layers); a ``V`` layer's indexer keys have ``index_dim``
+    numbers of ``dtype_bytes`` (its cache keeps them in the model's dtype; ``index_bytes`` is DSA's).
 
     Example:
         >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
@@ -85,6 +127,10 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         >>> state = recurrent_state_bytes(value_heads=2, key_heads=1, head_dim=64)
         >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="RRRG", linear_state=state)
         1151488
+        >>> kv_cache_bytes(context=4096, layers=2, head_dim=64, pattern="VH", window=128, compress_rate=4,
+        ...                index_dim=64) == sum(compressed_cache_bytes(context=4096, head_dim=64, window=128,
+        ...                compress_rate=4, index_dim=i) for i in (64, 0))
+        True
     """
     for name, value in (("context", context), ("layers", layers), ("batch", batch), ("dtype_bytes", dtype_bytes)):
         positive_int(name, value)
@@ -99,6 +145,10 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         total += min(held, context) * index_dim * index_bytes
         if kind in RECURRENT:
             total += _needs("linear_state", linear_state)
+        if kind in COMPRESSED:
+            total += compressed_cache_bytes(context=context, head_dim=head_dim, window=_needs("window", window),
+                                            compress_rate=_needs("compress_rate", compress_rate),
+                                            index_dim=index_dim if kind == "V" else 0, dtype_bytes=dtype_bytes)
     return batch * total
 
 
@@ -121,8 +171,11 @@ LAYER_HELD = {
     "S": lambda context, *, nsa_block, **_: _nsa_held(context, _needs("nsa_block", nsa_block)),
     "R": lambda context, **_: 0,  # Gated DeltaNet: no tokens, a state of constant size (linear_state)
     "K": lambda context, **_: 0,  # Kimi Delta Attention: likewise
+    "V": lambda context, **_: 0,  # DeepSeek-V4's CSA: its window and entries (compressed_cache_bytes)
+    "H": lambda context, **_: 0,  # HCA: likewise, without the indexer
 }
 RECURRENT = ("R", "K")
+COMPRESSED = ("V", "H")
 
 
 def _nsa_held(context: int, block: int) -> int:

@@ -90,6 +90,10 @@ VARIANTS = {
     "Qwen3.5 hybrid": lambda s: dict(layer_pattern="R" * max(1, min(3, s.layers - 1)) + "Q", num_kv_heads=s.gqa_heads),
     "Kimi Linear hybrid": lambda s: dict(layer_pattern="K" * max(1, min(3, s.layers - 1)) + "M", latent_dim=s.latent_dim,
                                          latent_rope_dim=s.rope_dim),
+    # DeepSeek-V4's compressed layers (attnlab.nn.CompressedAttention): a window, one entry per 4 tokens
+    # (CSA "V": the indexer's best window/4; HCA "H": every entry), V4's CSA/HCA alternation.
+    "DeepSeek-V4 CSA/HCA": lambda s: dict(layer_pattern="VH", window=s.window, topk=max(1, s.window // 4),
+                                          compress_rate=4),
 }
 # The variants decoded again after contexts of growing length (VariantSizes.contexts): softmax layers
 # read every cached token a step, recurrent ones a state of constant size.
@@ -98,7 +102,8 @@ CONTEXT_VARIANTS = ("MHA", "Qwen3.5 hybrid", "Gated DeltaNet")
 
 def _train_options(options: dict) -> dict:
     names = {"num_kv_heads": "kv_heads", "layer_pattern": "layer_pattern", "window": "window",
-             "latent_dim": "latent_dim", "chunk": "chunk", "topk": "topk", "nsa_block": "nsa_block"}
+             "latent_dim": "latent_dim", "chunk": "chunk", "topk": "topk", "nsa_block": "nsa_block",
+             "compress_rate": "compress_rate"}
     return {names[k]: v for k, v in options.items() if k in names}
 
 
@@ -190,7 +195,8 @@ def _one_variant(name: str, sizes: VariantSizes, corpus: TextTask, seed: int) ->
                              head_dim=head_dim, dtype_bytes=4, pattern=options.get("layer_pattern", "G"),
                              window=options.get("window"), chunk=options.get("chunk"), latent_dim=sizes.latent_dim,
                              rope_dim=sizes.rope_dim, nsa_block=options.get("nsa_block"), index_bytes=4,
-                             index_dim=head_dim if "topk" in options else 0,  # TopkAttention's index keys: head_dim
+                             index_dim=head_dim if "topk" in options else 0,  # T's and V's index keys: head_dim
+                             compress_rate=options.get("compress_rate"),
                              linear_state=recurrent_state_bytes(value_heads=sizes.heads, key_heads=kv_heads,
                                                                 head_dim=head_dim, dtype_bytes=4))
     measured = _measured_kv(model, prompt, sizes.new_tokens)

@@ -28,7 +28,7 @@ from attnlab.lab.cli.train_cmd import DEFAULT_OUT
 from attnlab.distributed import METHODS, sequence_layout
 from attnlab.distributed import launch  # launch.run_local read at the call: tests stand in for the ranks
 from attnlab.distributed.layout import check_length
-from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE
+from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE, option_letters
 from attnlab.nn.native_sparse import paper_sizes
 from attnlab.lab.trained import format_heads
 
@@ -82,7 +82,8 @@ FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": 
          "attention_only": "--attention-only/--mlp", "steps": "--steps", "batch_size": "--batch-size", "lr": "--lr",
          "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks",
          "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
-         "latent_dim": "--latent-dim", "chunk": "--chunk", "topk": "--topk", "nsa_block": "--nsa-block"}
+         "latent_dim": "--latent-dim", "chunk": "--chunk", "topk": "--topk", "nsa_block": "--nsa-block",
+         "compress_rate": "--compress-rate"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -110,7 +111,7 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
             one_of("--task", given["task"], _train.TASKS)
         for name, value in (*given.items(), ("steps", steps)):
             if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim", "chunk",
-                        "topk", "nsa_block") \
+                        "topk", "nsa_block", "compress_rate") \
                     and value is not None:
                 positive_int(FLAGS[name], value)
         if "lr" in given:
@@ -226,7 +227,8 @@ def _check_heads(task: str, heads: int | tuple[int, ...] | None, layers: int | N
 
 def _check_variant(task: str, given: dict) -> None:
     """--kv-heads divides every layer's heads; --layer-pattern's letters, with --window, --latent-dim,
-    --chunk, --topk and --nsa-block for its L, M, C, T and S layers, none without them (over --layers)."""
+    --chunk, --topk, --nsa-block and --compress-rate for its L, M, C, T, S, V and H layers, none without them
+    (over --layers)."""
     layers = given.get("layers") or _train.TASK_DEFAULTS[task]["layers"]
     pattern = given.get("layer_pattern")
     if pattern is not None:
@@ -236,12 +238,14 @@ def _check_variant(task: str, given: dict) -> None:
                  f"got {pattern!r}" + (f" with unknown {unknown!r}" if unknown else ""))
     kinds = set((pattern or "G")[:layers])  # the letters the tiled pattern uses (--layers may be huge)
     shown = f"--layer-pattern {pattern}" if pattern is not None else "no --layer-pattern (every layer G)"
-    for letter, name in ((letter, kind.option) for letter, kind in LAYER_TABLE.items() if kind.option):
-        if letter in kinds and name not in given:
-            fail(f"{shown} has {LAYER_KINDS[letter]} layers: give {FLAGS[name]}")
-        if letter not in kinds and name in given:
-            fail(f"{_shown(name, given[name])} is for {letter} layers ({LAYER_KINDS[letter]}), and {shown} has none "
-                 f"over {layers} layer{'s' if layers > 1 else ''}")
+    for name, letters in option_letters().items():
+        present = [letter for letter in letters if letter in kinds]
+        if present and name not in given:
+            fail(f"{shown} has {LAYER_KINDS[present[0]]} layers: give {FLAGS[name]}")
+        if not present and name in given:
+            others = "".join(f" and {letter} ({LAYER_KINDS[letter]})" for letter in letters[1:])
+            fail(f"{_shown(name, given[name])} is for {letters[0]} layers ({LAYER_KINDS[letters[0]]}){others}, "
+                 f"and {shown} has none over {layers} layer{'s' if layers > 1 else ''}")
     _check_layer_options(kinds, shown, given)
     if "kv_heads" in given:
         heads = given.get("heads", _train.default_heads(task, layers))
@@ -278,7 +282,8 @@ def _variant_banner(config: _train.TrainConfig) -> str:
     if config.layer_pattern is not None:
         sizes = [f"{name} {value}" for name, value in (("window", config.window), ("latent", config.latent_dim),
                                                         ("chunk", config.chunk), ("topk", config.topk),
-                                                        ("nsa block", config.nsa_block)) if value is not None]
+                                                        ("nsa block", config.nsa_block),
+                                                        ("compress rate", config.compress_rate)) if value is not None]
         parts.append(f"layers {config.layer_pattern}" + (f" ({', '.join(sizes)})" if sizes else ""))
     return "".join(f", {part}" for part in parts)
 

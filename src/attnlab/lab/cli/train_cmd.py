@@ -84,18 +84,25 @@ def train(
                                            "(sliding --window), M latent (MLA, --latent-dim), C chunked local "
                                            "(--chunk), N global without positions (NoPE), D differential, "
                                            "Q gated, T sparse top-k (DSA, --topk), S native sparse (NSA, "
-                                           "--nsa-block); e.g. LLG or CCCN (default: all G)."),
+                                           "--nsa-block), V compressed sparse (DeepSeek-V4 CSA: "
+                                           "--compress-rate, --window, --topk), H heavily compressed "
+                                           "(HCA: --compress-rate, --window); e.g. LLG or CCCN "
+                                           "(default: all G)."),
     window: int = typer.Option(None, "--window", show_default=False,
-                               help="Keys per query of the L layers' sliding window."),
+                               help="Keys per query of the L layers' sliding window (and the V/H layers')."),
     latent_dim: int = typer.Option(None, "--latent-dim", show_default=False,
                                    help="Width of the M layers' key/value latent."),
     chunk: int = typer.Option(None, "--chunk", show_default=False,
                               help="Tokens per chunk of the C layers (a query sees its chunk's earlier keys)."),
     topk: int = typer.Option(None, "--topk", show_default=False,
-                             help="Keys per query of the T layers (their lightning indexer picks them)."),
+                             help="Keys per query of the T layers (their lightning indexer picks them); "
+                                  "compressed entries per query of the V layers."),
     nsa_block: int = typer.Option(None, "--nsa-block", show_default=False,
                                   help="Selection block of the S layers (a multiple of 4; the rest in the NSA "
                                        "paper's proportions)."),
+    compress_rate: int = typer.Option(None, "--compress-rate", show_default=False,
+                                      help="Tokens pooled into one compressed entry of the V/H layers "
+                                           "(DeepSeek-V4: 4 for CSA, 128 for HCA)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -105,7 +112,7 @@ def train(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
         layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk, topk=topk,
-        nsa_block=nsa_block).items() if value is not None}
+        nsa_block=nsa_block, compress_rate=compress_rate).items() if value is not None}
     from attnlab.lab.cli import _train_run
 
     _train_run.run(given, steps=steps, threads=threads, device=device, resume=resume, out=out,

@@ -20,9 +20,10 @@ from attnlab.lab.train.tasks import TASKS, TASK_DEFAULTS, default_heads
 class TrainConfig:
     """What to train and how; None means the task's default (see :meth:`resolved`).
 
-    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk`` and
-    ``nsa_block`` choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
-    differential, gated, sparse top-k and native sparse layers; see :class:`~attnlab.models.GPT`);
+    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk``, ``nsa_block`` and
+    ``compress_rate`` choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
+    differential, gated, sparse top-k, native sparse and DeepSeek-V4's compressed layers; see
+    :class:`~attnlab.models.GPT`);
     None trains plain multi-head attention.
 
     ``softcap`` caps every attention score with ``softcap * tanh(score / softcap)`` (Gemma 2) and
@@ -66,6 +67,7 @@ class TrainConfig:
     chunk: int | None = None
     topk: int | None = None
     nsa_block: int | None = None
+    compress_rate: int | None = None
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
