@@ -9,7 +9,10 @@ chunked-local ``C`` and NoPE global ``N`` layers (``--chunk``), DSA (``--index-d
 indexer's fp8 keys beside the model's cache), NSA (``--nsa-block``: its three branches' keys and
 values, sized in the paper's proportions) and hybrids of recurrent layers (``R`` Gated DeltaNet,
 ``K`` KDA in ``--layer-pattern``, sized by ``--linear-heads``): a state of constant size each,
-beside the attention layers' caches. GB are
+beside the attention layers' caches, and DeepSeek-V4's compressed layers (``V`` CSA, ``H`` HCA in
+``--layer-pattern``, with ``--compress-rate`` and ``--window``): the window's keys, one entry per
+``--compress-rate`` tokens and the open window's tokens, plus CSA's indexer keys (``--index-dim``
+numbers, default ``--head-dim``, in the model's dtype). GB are
 10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
 (docs/variants.md).
 """
@@ -46,7 +49,9 @@ def kv_memory(
                                                                    "layers; with --chunk: chunked-local (C) and "
                                                                    "NoPE global (N) layers (Llama 4); with "
                                                                    "--linear-heads: recurrent Gated DeltaNet (R) "
-                                                                   "and KDA (K) layers (RRRG: Qwen3.5's 3:1), "
+                                                                   "and KDA (K) layers (RRRG: Qwen3.5's 3:1); "
+                                                                   "with --compress-rate: DeepSeek-V4's CSA (V) "
+                                                                   "and HCA (H) layers (VH), "
                                                                    "repeated over --layers."),
     chunk: int = typer.Option(None, "--chunk", help="Chunk of the chunked-local C layers (tokens)."),
     index_dim: int = typer.Option(None, "--index-dim", help="DSA: lightning-indexer key numbers cached per token "
@@ -60,6 +65,9 @@ def kv_memory(
     nsa_block: int = typer.Option(None, "--nsa-block", help="NSA: the selection block (a multiple of 4; the "
                                                             "paper's 64): each branch's keys and values (every "
                                                             "token, a window of 8 blocks, compressed ones)."),
+    compress_rate: int = typer.Option(None, "--compress-rate", help="V/H layers (DeepSeek-V4): tokens pooled into "
+                                                                    "one compressed entry (V4: 4 for CSA, 128 for "
+                                                                    "HCA)."),
 ) -> None:
     """Print the KV-cache size of MHA, GQA, KV sharing, MLA, sliding-window and chunked layers, DSA, NSA and recurrent hybrids at --context."""
     from attnlab.nn.kv_memory import DTYPE_BYTES, kv_cache_bytes
@@ -82,7 +90,8 @@ def kv_memory(
             at_most("--latent-rope-dim", latent_rope_dim, _MAX_SIZE, "a size this large is a typo")
         for option, value in (("--window", window), ("--chunk", chunk), ("--index-dim", index_dim),
                               ("--nsa-block", nsa_block), ("--linear-heads", linear_heads),
-                              ("--linear-key-heads", linear_key_heads), ("--linear-head-dim", linear_head_dim)):
+                              ("--linear-key-heads", linear_key_heads), ("--linear-head-dim", linear_head_dim),
+                              ("--compress-rate", compress_rate)):
             if value is not None:
                 at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
         if nsa_block is not None:
@@ -90,9 +99,15 @@ def kv_memory(
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
-    if not layer_pattern or set(layer_pattern) - set("LGCNRK"):
+    if not layer_pattern or set(layer_pattern) - set("LGCNRKVH"):
         fail(f"--layer-pattern must be letters L (local), G (global), C (chunked-local), N (NoPE global), "
-             f"R (Gated DeltaNet) and K (KDA), got {layer_pattern!r}")
+             f"R (Gated DeltaNet), K (KDA), V (CSA) and H (HCA), got {layer_pattern!r}")
+    compressed = set(layer_pattern) & {"V", "H"}
+    if compressed and (compress_rate is None or window is None):
+        fail(f"--layer-pattern {layer_pattern} has DeepSeek-V4's compressed (V/H) layers: give "
+             f"{'--compress-rate' if compress_rate is None else '--window'}")
+    if compress_rate is not None and not compressed:
+        fail(f"--compress-rate {compress_rate} is for compressed layers: give --layer-pattern with V or H (e.g. VH)")
     linear_state = _linear_state(layer_pattern, linear_heads, linear_key_heads, linear_head_dim, head_dim, dtype)
     if "L" in layer_pattern and layer_pattern != "L" and window is None:
         fail("--layer-pattern has sliding-window L layers: give --window")
@@ -112,12 +127,14 @@ def kv_memory(
         rows.append((f"MLA (latent {latent_dim} + rope {latent_rope_dim})", kv_cache_bytes(
             pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim, **sizes)))
     if window is not None or chunk is not None or linear_state is not None:
-        spans = ", ".join(f"{name} {value}" for name, value in (("window", window), ("chunk", chunk)) if value)
+        spans = ", ".join(f"{name} {value}" for name, value in (("window", window), ("chunk", chunk),
+                                                                 ("compress rate", compress_rate)) if value)
         linear = f"{linear_heads} linear heads of {linear_head_dim or head_dim}" if linear_state else ""
         rows.append((", ".join(part for part in (spans, f"pattern {layer_pattern}", linear) if part)
                      + (f", {kv_heads} KV heads" if kv_heads else ""),
-                     kv_cache_bytes(kv_heads=kv_heads or heads, pattern=layer_pattern, window=window, chunk=chunk,
-                                    linear_state=linear_state, **sizes)))
+                     _pattern_bytes(layer_pattern, dict(kv_heads=kv_heads or heads, window=window, chunk=chunk,
+                                                        linear_state=linear_state, compress_rate=compress_rate),
+                                    index_dim or head_dim, sizes)))
     if index_dim is not None:  # DSA: the model's own cache (MLA when given) plus fp8 index keys
         base = dict(pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim) if latent_dim else \
             dict(kv_heads=kv_heads or heads)
@@ -128,6 +145,17 @@ def kv_memory(
         rows.append((f"NSA (block {nsa_block}, {kv_heads or heads} KV heads)", kv_cache_bytes(
             kv_heads=kv_heads or heads, pattern="S", nsa_block=nsa_block, **sizes)))
     _print(rows, sizes, heads, dtype)
+
+
+def _pattern_bytes(pattern: str, options: dict, index_dim: int, sizes: dict) -> int:
+    """The pattern's bytes layer by layer: CSA (V) layers with ``index_dim`` indexer keys, the others without."""
+    from attnlab.nn.kv_memory import kv_cache_bytes
+
+    layers = sizes["layers"]
+    kinds = [pattern[layer % len(pattern)] for layer in range(layers)]
+    return sum(kinds.count(letter) * kv_cache_bytes(**{**sizes, "layers": 1}, pattern=letter, **options,
+                                                    index_dim=index_dim if letter == "V" else 0)
+               for letter in set(kinds))
 
 
 def _linear_state(pattern: str, heads: int | None, key_heads: int | None, head_dim: int | None, default_dim: int,
