@@ -81,6 +81,31 @@ def test_kv_memory_prints_the_2026_variants():
     assert _figures(result.output)["chunk 8192, pattern CCCN, 8 KV heads"] == "7.65 GB"
 
 
+def test_kv_memory_prints_deepseek_v4s_compressed_layers():
+    """V4-sized (head 512, window 128, 61 layers): CSA (V) and HCA (H) alternating at one rate, layer by
+    layer against compressed_cache_bytes; a G layer beside them holds every token (and no index keys)."""
+    from attnlab.nn.kv_memory import compressed_cache_bytes
+
+    base = ["kv-memory", "--layers", "61", "--heads", "64", "--head-dim", "512", "--context", "1048576",
+            "--kv-heads", "1", "--window", "128", "--compress-rate", "4"]
+    layer = {kind: compressed_cache_bytes(context=2**20, head_dim=512, window=128, compress_rate=4, index_dim=index)
+             for kind, index in (("V", 128), ("H", 0))}
+    result = runner.invoke(app, [*base, "--layer-pattern", "VH", "--index-dim", "128"])
+    assert result.exit_code == 0, result.output
+    figures = _figures(result.output)
+    assert figures["window 128, compress rate 4, pattern VH, 1 KV heads"] == f"{(31 * layer['V'] + 30 * layer['H']) / 1e9:,.2f} GB"
+    result = runner.invoke(app, [*base, "--layer-pattern", "VG"])
+    v_default = compressed_cache_bytes(context=2**20, head_dim=512, window=128, compress_rate=4, index_dim=512)
+    assert _figures(result.output)["window 128, compress rate 4, pattern VG, 1 KV heads"] == \
+        f"{(31 * v_default + 30 * 2**20 * 2 * 512 * 2) / 1e9:,.2f} GB"
+    short = ["kv-memory", "--layers", "2", "--heads", "2", "--head-dim", "8", "--context", "16"]
+    assert_one_error_line(runner.invoke(app, [*short, "--layer-pattern", "VH", "--window", "4"]), "--compress-rate")
+    assert_one_error_line(runner.invoke(app, [*short, "--layer-pattern", "H", "--compress-rate", "4"]), "--window")
+    assert_one_error_line(runner.invoke(app, [*short, "--compress-rate", "4"]), "--compress-rate 4 is for compressed")
+    assert_one_error_line(runner.invoke(app, [*short, "--layer-pattern", "H", "--window", "4", "--compress-rate",
+                                              "0"]), "--compress-rate")
+
+
 @pytest.mark.parametrize("args, option", [
     (["--chunk", "8"], "--chunk 8 is for chunked-local layers"),
     (["--layer-pattern", "CN"], "give --chunk"),
@@ -159,6 +184,11 @@ def test_variants_suite_tiny_measures_what_the_formula_says():
     assert rows["Qwen3.5 hybrid"].kv_bytes_formula == state / 16 + rows["GQA"].kv_bytes_formula / 2
     kda_state = (4 * 4 * 4 + 3 * 48) * 4  # KDA's query/key heads are its 4 value heads: 3 x 4 x 4 channels
     assert rows["Kimi Linear hybrid"].kv_bytes_formula == kda_state / 16 + rows["MLA"].kv_bytes_formula / 2
+    # DeepSeek-V4 (window 4, an entry per 4 tokens, head_dim 4, fp32): over 16 tokens each layer holds 3
+    # window keys and 4 entries; CSA (V) also the closed window's first series and gates (2 x 4 x 4) and
+    # its indexer's 4 keys and overlap (index_dim 4); HCA (H) nothing more (no token of an open window)
+    csa, hca = (3 * 4 + 4 * 4 + 2 * 4 * 4) + (4 * 4 + 2 * 4 * 4), 3 * 4 + 4 * 4
+    assert rows["DeepSeek-V4 CSA/HCA"].kv_bytes_formula == (csa + hca) * 4 / 16
 
 
 def test_decoding_after_a_filled_context_reads_that_many_tokens():
