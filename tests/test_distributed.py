@@ -435,7 +435,8 @@ def test_context_parallel_wraps_every_self_attention_and_undoes_itself():
 @pytest.mark.parametrize("pattern, sizes, name", [
     ("GD", {}, "DifferentialAttention"), ("QG", {}, "GatedAttention"),
     ("GT", {"topk": 2}, "TopkAttention"), ("SG", {"nsa_block": 4}, "NativeSparseAttention"),
-    ("RG", {}, "GatedDeltaNet"), ("KG", {}, "KimiDeltaAttention")])  # regression: RRRG ran each shard from a zero state
+    ("RG", {}, "GatedDeltaNet"), ("KG", {}, "KimiDeltaAttention"),
+    ("VG", {"window": 2, "topk": 2, "compress_rate": 2}, "CompressedAttention")])  # regression: V was left on shards  # regression: RRRG ran each shard from a zero state
 def test_context_parallel_refuses_layers_that_would_attend_over_their_shard_only(pattern, sizes, name):
     """A layer that is not a MultiHeadAttention has no sharded part: left alone, it would attend
     over each rank's shard only, silently wrong. It is refused by name, and nothing is changed."""

@@ -51,6 +51,7 @@ from attnlab.distributed.layout import (LAYOUTS, ChunkLayout, check_layout, chec
 from attnlab.distributed.ring import RingPlan, ring_attention, ring_plan
 from attnlab.distributed.ulysses import ulysses_attention
 from attnlab.nn.gated import _ProjectedAttention
+from attnlab.nn.compressed import CompressedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.native_sparse import NativeSparseAttention
@@ -61,7 +62,8 @@ from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
 # _ProjectedAttention), and a recurrent layer would start each shard from a zero state with its
 # convolution blind to the previous rank's tokens (context_parallel_linear_attention is the
 # functional form for these; the layers' own path over shards is not built).
-_NOT_SHARDED = (LatentAttention, _ProjectedAttention, NativeSparseAttention, GatedDeltaNet, KimiDeltaAttention)
+_NOT_SHARDED = (LatentAttention, _ProjectedAttention, NativeSparseAttention, GatedDeltaNet, KimiDeltaAttention,
+                CompressedAttention)
 
 __all__ = ["context_parallel_attention", "context_parallel_linear_attention", "context_parallel", "ContextParallel", "ShardedAttention", "CommStats", "METHODS", "LAYOUTS",
            "ChunkLayout", "RingPlan", "ring_plan", "hybrid_layout", "shard", "unshard", "positions", "DEFAULT_TIMEOUT"]
