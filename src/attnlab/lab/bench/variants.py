@@ -2,8 +2,8 @@
 
 :func:`kv_cache_bytes` (from :mod:`attnlab.nn.kv_memory`) is the formula. :func:`variants_suite`
 builds the same small GPT with each attention variant (MHA, GQA, MQA, MLA, sliding window,
-local/global, chunked/NoPE, differential, gated, sparse top-k, native sparse, Gated DeltaNet and
-the Qwen3.5 and Kimi Linear hybrids) and measures, side by side:
+local/global, chunked/NoPE, differential, gated, sparse top-k, native sparse, Gated DeltaNet, the
+Qwen3.5 and Kimi Linear hybrids and DeepSeek-V4's compressed CSA/HCA layers) and measures, side by side:
 KV-cache bytes per token (what the caches hold after decoding, and the formula; a recurrent
 layer's constant state counted in), peak tensor memory and tokens/s while decoding after a long
 prompt, and the held-out loss after the same short training run on :func:`tiny_corpus`, a text
