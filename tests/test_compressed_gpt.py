@@ -244,3 +244,22 @@ def test_kv_cache_bytes_of_a_gpts_compressed_layers_at_two_contexts():
         kv_cache_bytes(context=8, layers=1, pattern="V", compress_rate=4)
     with pytest.raises(ValueError, match="index_dim must be >= 0"):
         compressed_cache_bytes(context=8, head_dim=4, window=2, compress_rate=2, index_dim=-1)
+
+
+def test_empty_input_and_bfloat16_decode_like_the_full_forward():
+    """No tokens: no logits and the caches untouched; in bf16 the caches hold bf16 and decoding step by
+    step stays within bf16's rounding of the full forward (the same ops on the same rows)."""
+    model = _noisy(tiny("VH"))
+    caches = model.new_cache(2)
+    with torch.no_grad():
+        assert model(torch.zeros(2, 0, dtype=torch.long), caches=caches).shape == (2, 0, 17)
+    assert {c.row_lengths for c in caches} == {(0, 0)} and all(c.nbytes == 0 for c in caches)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, 17, (1, 9))
+    with torch.no_grad():
+        full = model(ids)
+        caches = model.new_cache(1)
+        steps = torch.cat([model(ids[:, :4], caches=caches)] + [model(ids[:, t:t + 1], caches=caches)
+                                                                 for t in range(4, 9)], 1)
+    assert steps.dtype == torch.bfloat16 and caches[0].entries.dtype == torch.bfloat16
+    torch.testing.assert_close(steps.float(), full.float(), atol=0.05, rtol=0.02)
