@@ -1,5 +1,5 @@
 """Partial RoPE (``RotaryEmbedding(rotary_dim=)``, GPT ``rope_fraction``) and QK-norm
-(``MultiHeadAttention(qk_norm=QKNorm())``, GPT ``qk_norm``) against transformers' Qwen3, Qwen3.5 and
+(``MultiHeadAttention(qkv=QKV(qk_norm=QKNorm()))``, GPT ``qk_norm``) against transformers' Qwen3, Qwen3.5 and
 Qwen3-Next code, an fp64 definition, and the full forward for cached decoding (issue 44, item 3)."""
 
 import json
@@ -66,7 +66,7 @@ def test_partial_rotation_is_the_full_rotation_of_the_leading_features_in_fp64()
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_qk_norm_is_an_rms_norm_of_each_head(unit_offset, dtype):
-    mha = MultiHeadAttention(16, 16, num_heads=2, qk_norm=QKNorm(eps=1e-5, unit_offset=unit_offset))
+    mha = MultiHeadAttention(16, 16, num_heads=2, qkv=QKV(qk_norm=QKNorm(eps=1e-5, unit_offset=unit_offset)))
     _randomise_norms(mha)
     x = torch.randn(2, 3, 4, 8, dtype=dtype)
     weight = mha.q_norm.weight.detach().double()
@@ -78,7 +78,7 @@ def test_qk_norm_is_an_rms_norm_of_each_head(unit_offset, dtype):
 
 
 def test_a_zero_head_stays_zero_and_nan_spreads_only_in_its_head():
-    mha = MultiHeadAttention(8, 8, num_heads=2, qk_norm=QKNorm())
+    mha = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm()))
     x = torch.zeros(1, 2, 3, 4)
     assert torch.equal(mha.q_norm(x), x)  # eps keeps 0 / sqrt(0 + eps) finite
     x[0, 0, 0, 1] = math.nan
@@ -97,8 +97,8 @@ def _qwen3_pair(bias):
         theirs.q_norm.weight.uniform_(0.5, 1.5)
         theirs.k_norm.weight.uniform_(0.5, 1.5)
     rope = RotaryEmbedding(16, base=config.rope_parameters["rope_theta"])
-    ours = MultiHeadAttention(64, 64, num_heads=4, qkv=QKV(num_kv_heads=2, bias=bias, out_bias=bias),
-                              positions=rope, qk_norm=QKNorm(eps=config.rms_norm_eps)).eval()
+    ours = MultiHeadAttention(64, 64, num_heads=4, positions=rope, qkv=QKV(
+        num_kv_heads=2, bias=bias, out_bias=bias, qk_norm=QKNorm(eps=config.rms_norm_eps))).eval()
     state = {"in_proj_weight": torch.cat([theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight]),
              "out_proj.weight": theirs.o_proj.weight, "q_norm.weight": theirs.q_norm.weight,
              "k_norm.weight": theirs.k_norm.weight}
@@ -140,10 +140,10 @@ def test_multihead_with_partial_rope_and_unit_offset_qk_norm_equals_qwen3_5_atte
     rope = mod.Qwen3_5TextRotaryEmbedding(config)
     rotary = 2 * rope.inv_freq.numel()
     assert rotary == 4  # partial_rotary_factor 0.25 of 16
-    ours = MultiHeadAttention(64, 64, num_heads=4, qkv=QKV(num_kv_heads=2, out_bias=False),
+    norm = QKNorm(eps=config.rms_norm_eps, unit_offset=True)
+    ours = MultiHeadAttention(64, 64, num_heads=4, qkv=QKV(num_kv_heads=2, out_bias=False, qk_norm=norm),
                               positions=RotaryEmbedding(16, rotary_dim=rotary,
-                                                        base=config.rope_parameters["rope_theta"]),
-                              qk_norm=QKNorm(eps=config.rms_norm_eps, unit_offset=True)).eval()
+                                                        base=config.rope_parameters["rope_theta"])).eval()
     ours.load_state_dict({"in_proj_weight": torch.cat([rows[:, 0].reshape(64, 64), theirs.k_proj.weight,
                                                        theirs.v_proj.weight]),
                           "out_proj.weight": 0.5 * theirs.o_proj.weight,
@@ -161,7 +161,7 @@ def test_multihead_with_partial_rope_and_unit_offset_qk_norm_equals_qwen3_5_atte
 def test_gradients_reach_the_norm_weights_and_match_finite_differences():
     torch.manual_seed(4)
     mha = MultiHeadAttention(8, 8, num_heads=2, positions=RotaryEmbedding(4, rotary_dim=2),
-                             qk_norm=QKNorm()).double()
+                             qkv=QKV(qk_norm=QKNorm())).double()
     _randomise_norms(mha)
     x = torch.randn(1, 4, 8, dtype=torch.float64, requires_grad=True)
 
@@ -175,8 +175,8 @@ def test_gradients_reach_the_norm_weights_and_match_finite_differences():
 @pytest.mark.parametrize("pattern", ["causal", Window(3)])
 def test_multihead_cached_decoding_equals_the_full_forward(pattern):
     torch.manual_seed(5)
-    mha = MultiHeadAttention(32, 32, num_heads=4, qkv=QKV(num_kv_heads=1), pattern=pattern,
-                             positions=RotaryEmbedding(8, rotary_dim=6), qk_norm=QKNorm()).double().eval()
+    mha = MultiHeadAttention(32, 32, num_heads=4, qkv=QKV(num_kv_heads=1, qk_norm=QKNorm()), pattern=pattern,
+                             positions=RotaryEmbedding(8, rotary_dim=6)).double().eval()
     _randomise_norms(mha)
     x = torch.randn(3, 10, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -227,16 +227,16 @@ def test_state_dict_keys_are_unchanged_without_the_options_and_gain_the_norms_wi
     assert base == {"in_proj_weight", "out_proj.weight", "out_proj.bias"}
     partial = MultiHeadAttention(8, 8, num_heads=2, positions=RotaryEmbedding(4, rotary_dim=2))
     assert set(partial.state_dict()) == base
-    normed = MultiHeadAttention(8, 8, num_heads=2, qk_norm=QKNorm())
+    normed = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm()))
     assert set(normed.state_dict()) == base | {"q_norm.weight", "k_norm.weight"}
     assert torch.equal(normed.q_norm.weight, torch.ones(4))
-    assert torch.equal(MultiHeadAttention(8, 8, num_heads=2, qk_norm=QKNorm(unit_offset=True)).k_norm.weight,
+    assert torch.equal(MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm(unit_offset=True))).k_norm.weight,
                        torch.zeros(4))
     # the options draw no random numbers: the projections are those of a module without them
     torch.manual_seed(7)
     a = MultiHeadAttention(8, 8, num_heads=2)
     torch.manual_seed(7)
-    b = MultiHeadAttention(8, 8, num_heads=2, qk_norm=QKNorm(), positions=RotaryEmbedding(4, rotary_dim=2))
+    b = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm()), positions=RotaryEmbedding(4, rotary_dim=2))
     assert torch.equal(a.in_proj_weight, b.in_proj_weight) and torch.equal(a.out_proj.weight, b.out_proj.weight)
     gpt_keys = set(_gpt().state_dict())
     assert not any("norm.weight" in key and ("q_norm" in key or "k_norm" in key) for key in gpt_keys)
@@ -257,7 +257,7 @@ def test_gpt_saves_and_loads_both_options(tmp_path):
 
 
 def test_empty_sequences_pass_through():
-    mha = MultiHeadAttention(8, 8, num_heads=2, positions=RotaryEmbedding(4, rotary_dim=2), qk_norm=QKNorm())
+    mha = MultiHeadAttention(8, 8, num_heads=2, positions=RotaryEmbedding(4, rotary_dim=2), qkv=QKV(qk_norm=QKNorm()))
     assert mha(torch.randn(2, 0, 8)).shape == (2, 0, 8)
     assert RotaryEmbedding(4, rotary_dim=2)(torch.randn(1, 0, 4)).shape == (1, 0, 4)
 
@@ -274,12 +274,14 @@ def test_empty_sequences_pass_through():
     (lambda: QKNorm(eps=0), ValueError, "QKNorm eps must be a positive finite number, got 0"),
     (lambda: QKNorm(eps=math.nan), ValueError, "QKNorm eps"),
     (lambda: QKNorm(unit_offset=1), TypeError, "QKNorm unit_offset must be a bool, got int"),
-    (lambda: MultiHeadAttention(8, 8, num_heads=2, qk_norm=True), TypeError, "qk_norm must be an attnlab.nn.QKNorm"),
+    (lambda: QKV(qk_norm=True), TypeError, "qk_norm must be an attnlab.nn.QKNorm (or None), got bool"),
+    (lambda: MultiHeadAttention(8, 8, num_heads=2, qk_norm=QKNorm()), TypeError, "qk_norm"),
     (lambda: MultiHeadAttention(8, 8, num_heads=2, positions=RotaryEmbedding(8, rotary_dim=4)), ValueError,
      "RotaryEmbedding(head_dim=4)"),
     (lambda: TransformerBlock(8, 2, attn=torch.nn.Identity(), qk_norm=QKNorm()), ValueError,
      "qk_norm=QKNorm(eps=1e-06, unit_offset=False) is an option of the block's own MultiHeadAttention"),
-    (lambda: to_torch(MultiHeadAttention(8, 8, num_heads=2, pattern=None, qk_norm=QKNorm())), ValueError, "qk_norm="),
+    (lambda: to_torch(MultiHeadAttention(8, 8, num_heads=2, pattern=None, qkv=QKV(qk_norm=QKNorm()))), ValueError,
+     "qk_norm="),
     (lambda: _gpt(rope_fraction=0.3), ValueError, "rope_fraction=0.3 of head_dim=8 is 2.4 features"),
     (lambda: _gpt(rope_fraction=0.125), ValueError, "rope_fraction=0.125 of head_dim=8 is 1 features"),
     (lambda: _gpt(rope_fraction=0.0), ValueError, "rope_fraction must be a number in (0, 1], got 0.0"),
@@ -296,7 +298,7 @@ def test_empty_sequences_pass_through():
     (lambda: GPT(10, d_model=8, num_heads=2, num_layers=1, layer_pattern="R", qk_norm=True), ValueError,
      "has no multi-head layer"),
 ], ids=["rotary_odd", "rotary_wide", "rotary_zero", "rotary_float", "table_wide", "table_T", "table_empty",
-        "eps_zero", "eps_nan", "unit_offset_int", "qk_norm_bool", "rope_head_dim", "block_attn", "to_torch",
+        "eps_zero", "eps_nan", "unit_offset_int", "qk_norm_bool", "qk_norm_keyword", "rope_head_dim", "block_attn", "to_torch",
         "fraction_not_int", "fraction_odd", "fraction_zero", "fraction_big", "fraction_nan", "fraction_str",
         "gpt_qk_norm_str", "fraction_learned", "gpt_gated", "gpt_latent", "gpt_linear_only"])
 def test_bad_options_are_refused_naming_the_argument(make, error, words):

@@ -150,9 +150,10 @@ class TransformerBlock(nn.Module):
             self.attn = attn
         else:
             self.attn = MultiHeadAttention(
-                d_model, d_model, None, dropout_p, num_heads, qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias),
+                d_model, d_model, None, dropout_p, num_heads,
+                qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias, qk_norm=qk_norm),
                 pattern=pattern_of(causal, window, chunk), positions=positions, softcap=softcap, sinks=sinks,
-                backend=backend, qk_norm=qk_norm,
+                backend=backend,
             )
         self.norm_cross = self.cross_attn = None
         if cross_attention:

@@ -97,7 +97,7 @@ def _inexpressible(mha: MultiHeadAttention) -> list[str]:
     found = [] if mha.d_in == mha.d_out else [f"d_in={mha.d_in} != d_out={mha.d_out}"]
     if mha.num_kv_heads != mha.num_heads:
         found.append(f"num_kv_heads={mha.num_kv_heads} (grouped heads)")
-    for name in ("positions", "window", "chunk", "softcap", "sinks", "qk_norm"):
+    for name in ("positions", "window", "chunk", "softcap", "sinks", "qk_norm"):  # qk_norm: the QKV part's
         value = getattr(mha, name)
         if value is not None:
             found.append("sinks (learned)" if name == "sinks" else f"{name}={value!r}")

@@ -132,8 +132,11 @@ class MultiHeadAttention(nn.Module):
         dropout_p: dropout probability on the attention weights, applied in training only.
         num_heads: number of query heads.
         qkv: the projections part, a :class:`QKV` (key/value heads for grouped-query
-            attention, key and value input widths, the Q/K/V and output biases); None:
-            ``QKV()``, every head its own keys, inputs of width ``d_in``, no Q/K/V bias.
+            attention, key and value input widths, the Q/K/V and output biases, QK-norm); None:
+            ``QKV()``, every head its own keys, inputs of width ``d_in``, no Q/K/V bias, no norm.
+            ``QKV(qk_norm=QKNorm())`` (Qwen3, Gemma 3) normalises each projected query and key
+            head with an RMSNorm (parameters ``q_norm.weight``, ``k_norm.weight`` ``(head_dim,)``)
+            before the rotation; without it the module has no such parameters.
         pattern: the standing mask of self-attention: ``"causal"`` (the default, as in the
             tutorials), None (bidirectional), :class:`Window` ``(size)`` (a causal sliding
             window: query ``i`` sees keys ``i - size + 1 .. i``, which the block-sparse backend
@@ -149,9 +152,6 @@ class MultiHeadAttention(nn.Module):
             earlier tokens keep their distances; with a cache, a :class:`KVCache`). Partial RoPE
             (Qwen3.5, GLM): ``RotaryEmbedding(head_dim, rotary_dim=R)`` rotates the first ``R``
             features of each head.
-        qk_norm: the QK-norm part, a :class:`QKNorm` (Qwen3, Gemma 3): an RMSNorm of each query
-            and key head (parameters ``q_norm.weight``, ``k_norm.weight`` ``(head_dim,)``) after
-            the projections, before the rotation; None (the default): no norm, no parameters.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
         softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
         sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
@@ -206,7 +206,6 @@ class MultiHeadAttention(nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         attention: Callable = attention,
-        qk_norm: QKNorm | None = None,
     ):
         super().__init__()
         qkv = QKV() if qkv is None else instance_of("qkv", qkv, QKV, "an attnlab.nn.QKV (or None)")
@@ -229,7 +228,7 @@ class MultiHeadAttention(nn.Module):
         self._make_projections(qkv.bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=qkv.out_bias)
         self.positions = self._make_positions(positions)
-        self._make_qk_norm(qk_norm)
+        self._make_qk_norm(qkv.qk_norm)
         self.softcap = None if softcap is None else positive_number("softcap", softcap)
         instance_of("sinks", sinks, bool, "a bool")
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
@@ -243,7 +242,8 @@ class MultiHeadAttention(nn.Module):
     def qkv(self) -> QKV:
         """The projections part as given (heads and widths resolved)."""
         return QKV(num_kv_heads=self.num_kv_heads, kdim=self.kdim, vdim=self.vdim,
-                   bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None)
+                   bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None,
+                   qk_norm=self.qk_norm)
 
     def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
         """The positions part from its name or as given (its sizes checked)."""
@@ -261,12 +261,11 @@ class MultiHeadAttention(nn.Module):
         if part is None:
             self.q_norm = self.k_norm = None
             return
-        instance_of("qk_norm", part, QKNorm, "an attnlab.nn.QKNorm (or None)")
         self.q_norm, self.k_norm = HeadRMSNorm(self.head_dim, part), HeadRMSNorm(self.head_dim, part)
 
     @property
     def qk_norm(self) -> QKNorm | None:
-        """The QK-norm part as given, or None."""
+        """The projections part's QK-norm, or None."""
         norm = self.q_norm
         return None if norm is None else QKNorm(eps=norm.eps, unit_offset=norm.unit_offset)
 

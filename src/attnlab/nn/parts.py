@@ -32,6 +32,8 @@ class QKV:
             values' input as ``forward(..., value_input=...)``.
         bias: bias in the query/key/value projections (the old ``qkv_bias``).
         out_bias: bias in ``out_proj``.
+        qk_norm: a :class:`QKNorm` normalising each projected query and key head (Qwen3,
+            Gemma 3), or None (no norm, no parameters).
 
     Example:
         >>> from attnlab.nn import MultiHeadAttention
@@ -44,6 +46,7 @@ class QKV:
     vdim: int | None = None
     bias: bool = False
     out_bias: bool = True
+    qk_norm: QKNorm | None = None
 
     def __post_init__(self):
         for name in ("num_kv_heads", "kdim", "vdim"):
@@ -51,11 +54,13 @@ class QKV:
                 positive_int(name, getattr(self, name))
         instance_of("bias", self.bias, bool, "a bool")
         instance_of("out_bias", self.out_bias, bool, "a bool")
+        if self.qk_norm is not None:
+            instance_of("qk_norm", self.qk_norm, QKNorm, "an attnlab.nn.QKNorm (or None)")
 
 
 @dataclass(frozen=True)
 class QKNorm:
-    """QK-norm, as :class:`MultiHeadAttention`'s ``qk_norm`` part: an RMSNorm over each query and
+    """QK-norm, the ``qk_norm`` of :class:`MultiHeadAttention`'s projections part (:class:`QKV`): an RMSNorm over each query and
     key head's ``head_dim`` features with a learnable weight ``(head_dim,)`` (the parameters
     ``q_norm.weight`` and ``k_norm.weight``, shared by the heads), applied after the projections
     and before the rotary embedding, as transformers' Qwen3 does.
@@ -76,7 +81,7 @@ class QKNorm:
     Example:
         >>> import torch
         >>> from attnlab.nn import MultiHeadAttention
-        >>> mha = MultiHeadAttention(8, 8, num_heads=2, qk_norm=QKNorm(eps=1e-6), positions="rope")
+        >>> mha = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm(eps=1e-6)), positions="rope")
         >>> mha.q_norm.weight.shape, mha(torch.randn(1, 3, 8)).shape
         (torch.Size([4]), torch.Size([1, 3, 8]))
     """
