@@ -264,8 +264,10 @@ def test_empty_sequences_pass_through():
 
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("make, error, words", [
-    (lambda: RotaryEmbedding(8, rotary_dim=3), ValueError, "rotary_dim must be an even int of at most head_dim=8, got 3"),
-    (lambda: RotaryEmbedding(8, rotary_dim=10), ValueError, "rotary_dim must be an even int of at most head_dim=8, got 10"),
+    (lambda: RotaryEmbedding(8, rotary_dim=3), ValueError,
+     "rotary_dim must be an even int of at most head_dim=8, got 3"),
+    (lambda: RotaryEmbedding(8, rotary_dim=10), ValueError,
+     "rotary_dim must be an even int of at most head_dim=8, got 10"),
     (lambda: RotaryEmbedding(8, rotary_dim=0), ValueError, "rotary_dim"),
     (lambda: RotaryEmbedding(8, rotary_dim=2.0), TypeError, "rotary_dim must be a positive int, got 2.0"),
     (lambda: apply_rotary(torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(2, 3)), ValueError, "R/2 <= D/2"),
@@ -298,7 +300,8 @@ def test_empty_sequences_pass_through():
     (lambda: GPT(10, d_model=8, num_heads=2, num_layers=1, layer_pattern="R", qk_norm=True), ValueError,
      "has no multi-head layer"),
 ], ids=["rotary_odd", "rotary_wide", "rotary_zero", "rotary_float", "table_wide", "table_T", "table_empty",
-        "eps_zero", "eps_nan", "unit_offset_int", "qk_norm_bool", "qk_norm_keyword", "rope_head_dim", "block_attn", "to_torch",
+        "eps_zero", "eps_nan", "unit_offset_int", "qk_norm_bool", "qk_norm_keyword", "rope_head_dim", "block_attn",
+        "to_torch",
         "fraction_not_int", "fraction_odd", "fraction_zero", "fraction_big", "fraction_nan", "fraction_str",
         "gpt_qk_norm_str", "fraction_learned", "gpt_gated", "gpt_latent", "gpt_linear_only"])
 def test_bad_options_are_refused_naming_the_argument(make, error, words):

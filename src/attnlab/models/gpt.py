@@ -631,8 +631,9 @@ def _check_head_options(kinds: tuple[str, ...], heads: tuple[int, ...], d_model:
     used = [name for name, on in (("rope_fraction", rope_fraction is not None), ("qk_norm", qk_norm)) if on]
     own = sorted({k for k in kinds if LAYER_TABLE[k].module and LAYER_TABLE[k].positions})
     if used and own:
-        raise ValueError(f"{', '.join(used)}: options of the multi-head layers, not of {', '.join(LAYER_KINDS[k] for k in own)} "
-                         f"layers (their own attention modules); use a layer_pattern without {', '.join(repr(k) for k in own)}")
+        raise ValueError(f"{', '.join(used)}: options of the multi-head layers, not of "
+                         f"{', '.join(LAYER_KINDS[k] for k in own)} layers (their own attention modules); "
+                         f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
     if used and all(LAYER_TABLE[k].module for k in kinds):
         raise ValueError(f"{', '.join(used)}: layer_pattern {''.join(kinds)!r} has no multi-head layer to take it")
     if rope_fraction is None:

@@ -60,10 +60,10 @@ class QKV:
 
 @dataclass(frozen=True)
 class QKNorm:
-    """QK-norm, the ``qk_norm`` of :class:`MultiHeadAttention`'s projections part (:class:`QKV`): an RMSNorm over each query and
-    key head's ``head_dim`` features with a learnable weight ``(head_dim,)`` (the parameters
-    ``q_norm.weight`` and ``k_norm.weight``, shared by the heads), applied after the projections
-    and before the rotary embedding, as transformers' Qwen3 does.
+    """QK-norm, the ``qk_norm`` of :class:`MultiHeadAttention`'s projections part (:class:`QKV`):
+    an RMSNorm over each query and key head's ``head_dim`` features with a learnable weight
+    ``(head_dim,)`` (the parameters ``q_norm.weight`` and ``k_norm.weight``, shared by the heads),
+    applied after the projections and before the rotary embedding, as transformers' Qwen3 does.
 
     ``rms(x) = x / sqrt(mean(x**2) + eps)``, computed in fp32 for half-precision inputs; the output
     is ``weight * rms(x)`` (Qwen3; weight starts at 1) or, with ``unit_offset=True``,

@@ -192,8 +192,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         tensor([[0., 1., 5., 6.]])
     """
     D, half = x.shape[-1], cos.shape[-1] if cos.ndim else 0
-    if (D % 2 or x.ndim < 2 or cos.ndim < 2 or not 0 < half <= D // 2 or cos.shape[-2:-1] != x.shape[-2:-1] or cos.shape != sin.shape
-            or cos.ndim > max(x.ndim, 2)):
+    if (D % 2 or x.ndim < 2 or cos.ndim < 2 or not 0 < half <= D // 2 or cos.shape[-2:-1] != x.shape[-2:-1]
+            or cos.shape != sin.shape or cos.ndim > max(x.ndim, 2)):
         raise ValueError(
             f"apply_rotary needs x (..., T, D) with D even and cos, sin (..., T, R/2) with 1 <= R/2 <= D/2, "
             f"T = {x.shape[-2] if x.ndim > 1 else None}; got x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
