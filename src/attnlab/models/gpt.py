@@ -43,9 +43,9 @@ from attnlab.nn.compressed import CompressedAttention, CompressedCache, model_si
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
-from attnlab.nn.multihead import _check_documents, _check_padding_type
+from attnlab.nn.multihead import QKNorm, _check_documents, _check_padding_type
 from attnlab.nn.native_sparse import NativeSparseAttention, paper_sizes
-from attnlab.nn.positional import LearnedPositionalEmbedding
+from attnlab.nn.positional import LearnedPositionalEmbedding, RotaryEmbedding
 from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.topk_attention import TopkAttention
 
@@ -133,6 +133,11 @@ class GPT(nn.Module):
             or ``"alibi"`` (a linear distance penalty on the scores, BLOOM's; no embedding).
         softcap: cap attention scores with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
         sinks: a learnable sink logit per head in every layer (gpt-oss).
+        rope_fraction: partial RoPE (``positions="rope"`` only): rotate the first
+            ``rope_fraction * head_dim`` features of each head, which must be an even int in every
+            layer (Qwen3.5: 0.25); the rest carry no position. None: the whole head.
+        qk_norm: QK-norm (Qwen3): an RMSNorm of ``norm_eps`` with a learnable weight over each query
+            and key head, after the projections and before the rotation (:class:`~attnlab.nn.QKNorm`).
         dropout_p: embedding, attention and residual dropout (training only).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
@@ -215,7 +220,7 @@ class GPT(nn.Module):
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
         latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
         chunk: int | None = None, topk: int | None = None, nsa_block: int | None = None,
-        compress_rate: int | None = None,
+        compress_rate: int | None = None, rope_fraction: float | None = None, qk_norm: bool = False,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -240,6 +245,9 @@ class GPT(nn.Module):
         _check_score_options(kinds, positions, softcap, sinks, dropout_p)
         if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
             self.config.update(softcap=softcap, sinks=sinks)
+        rotary_dims = _check_head_options(kinds, heads, d_model, positions, rope_fraction, qk_norm)
+        self.config.update({name: value for name, value in (("rope_fraction", rope_fraction), ("qk_norm", qk_norm))
+                            if value not in (None, False)})  # only when set, as above
         # only when given: configs saved before these options stay as they were
         self.config.update({name: sizes[name] for name in ("chunk", "topk", "nsa_block", "compress_rate")
                             if sizes[name] is not None})
@@ -256,8 +264,10 @@ class GPT(nn.Module):
                                                     positions=positions, sizes=sizes,
                                                     latent_rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
                                                     backend=backend),
-                             softcap=softcap, sinks=sinks, **_layer_options(kind, sizes, positions))
-            for layer, (layer_heads, kind) in enumerate(zip(heads, kinds))
+                             softcap=softcap, sinks=sinks, **{**_layer_options(kind, sizes, positions),
+                                                              **_head_options(kind, d_model // layer_heads, rotary,
+                                                                              qk_norm, norm_eps)})
+            for layer, (layer_heads, kind, rotary) in enumerate(zip(heads, kinds, rotary_dims))
         )
         self.layer_kinds = kinds
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
@@ -631,6 +641,49 @@ def _layer_options(letter: str, sizes: dict, positions: str) -> dict:
     rotates = kind.positions and positions in ("rope", "alibi")
     return {**{name: sizes[name] if kind.option == name else None for name in ("window", "chunk")},
             "positions": positions if rotates else None}
+
+
+def _check_head_options(kinds: tuple[str, ...], heads: tuple[int, ...], d_model: int, positions: str,
+                        rope_fraction: object, qk_norm: object) -> list[int | None]:
+    """Each layer's rotary width for ``rope_fraction`` (None: the whole head), with the checks of
+    ``rope_fraction`` and ``qk_norm``: options of the multi-head layers (the rows without a module
+    of their own, or without positions), ``rope_fraction`` with ``positions="rope"`` only."""
+    instance_of("qk_norm", qk_norm, bool, "a bool")
+    if rope_fraction is not None:
+        if positions != "rope":
+            raise ValueError(f"rope_fraction={rope_fraction!r} needs positions='rope', got positions={positions!r}")
+        if isinstance(rope_fraction, bool) or not 0 < finite_number("rope_fraction", rope_fraction) <= 1:
+            raise ValueError(f"rope_fraction must be a number in (0, 1], got {rope_fraction!r}")
+    used = [name for name, on in (("rope_fraction", rope_fraction is not None), ("qk_norm", qk_norm)) if on]
+    own = sorted({k for k in kinds if LAYER_TABLE[k].module and LAYER_TABLE[k].positions})
+    if used and own:
+        raise ValueError(f"{', '.join(used)}: options of the multi-head layers, not of "
+                         f"{', '.join(LAYER_KINDS[k] for k in own)} layers (their own attention modules); "
+                         f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
+    if used and all(LAYER_TABLE[k].module for k in kinds):
+        raise ValueError(f"{', '.join(used)}: layer_pattern {''.join(kinds)!r} has no multi-head layer to take it")
+    if rope_fraction is None:
+        return [None] * len(kinds)
+    dims = []
+    for layer_heads in heads:
+        head_dim = d_model // layer_heads
+        rotary = head_dim * rope_fraction
+        if rotary != int(rotary) or int(rotary) % 2:
+            raise ValueError(f"rope_fraction={rope_fraction!r} of head_dim={head_dim} is {rotary:g} features; it "
+                             "must give an even int (rotary embeddings turn features in pairs)")
+        dims.append(int(rotary))
+    return dims
+
+
+def _head_options(letter: str, head_dim: int, rotary_dim: int | None, qk_norm: bool, norm_eps: float) -> dict:
+    """A multi-head layer's partial rotary part and QK-norm part (none for the other rows)."""
+    kind = LAYER_TABLE[letter]
+    if kind.module:
+        return {}
+    options = {"qk_norm": QKNorm(eps=norm_eps)} if qk_norm else {}
+    if rotary_dim is not None and kind.positions:
+        options["positions"] = RotaryEmbedding(head_dim, rotary_dim=rotary_dim)
+    return options
 
 
 def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_kv_heads, positions: str,

@@ -22,7 +22,7 @@ from attnlab.nn.latent import LatentAttention
 from attnlab.nn.gated import GatedAttention
 from attnlab.nn.recurrent import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.differential import DifferentialAttention
-from attnlab.nn.multihead import QKV, CallMask, Chunk, MultiHeadAttention, Window
+from attnlab.nn.multihead import QKV, CallMask, Chunk, MultiHeadAttention, QKNorm, Window
 from attnlab.nn.native_sparse import NativeSparseAttention
 from attnlab.nn.topk_attention import TopkAttention
 from attnlab.nn.convert import from_torch, to_torch
@@ -38,6 +38,7 @@ from attnlab.nn.positional import (
 __all__ = [
     "MultiHeadAttention",
     "QKV",
+    "QKNorm",
     "Window",
     "Chunk",
     "CallMask",

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.nn.cache import Cache, KVCache, _restore_on_error
-from attnlab.nn.multihead import QKV, CallMask, MultiHeadAttention, pattern_of
+from attnlab.nn.multihead import QKV, CallMask, MultiHeadAttention, QKNorm, pattern_of
 
 __all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
 
@@ -114,6 +114,8 @@ class TransformerBlock(nn.Module):
         positions, softcap, sinks: self-attention's positions part (``"rope"``, ``"alibi"``, a
             ``RotaryEmbedding`` or an ``ALiBi``; see :class:`MultiHeadAttention`), score softcap and
             learnable sinks (see :class:`~attnlab.nn.MultiHeadAttention`).
+        qk_norm: the self-attention's QK-norm part, a :class:`~attnlab.nn.QKNorm` (Qwen3), or None;
+            an option of the block's own ``MultiHeadAttention`` (refused with ``attn``).
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -134,7 +136,7 @@ class TransformerBlock(nn.Module):
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
         mlp: bool = True, window: int | None = None,
         attn: nn.Module | None = None, positions: str | nn.Module | None = None, softcap: float | None = None,
-        sinks: bool = False, chunk: int | None = None,
+        sinks: bool = False, chunk: int | None = None, qk_norm: QKNorm | None = None,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -142,10 +144,14 @@ class TransformerBlock(nn.Module):
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         if attn is not None:
             instance_of("attn", attn, nn.Module, "an attention nn.Module (e.g. LatentAttention) or None")
+            if qk_norm is not None:
+                raise ValueError(f"qk_norm={qk_norm!r} is an option of the block's own MultiHeadAttention; "
+                                 f"the given attn ({type(attn).__name__}) has its own projections")
             self.attn = attn
         else:
             self.attn = MultiHeadAttention(
-                d_model, d_model, None, dropout_p, num_heads, qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias),
+                d_model, d_model, None, dropout_p, num_heads,
+                qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias, qk_norm=qk_norm),
                 pattern=pattern_of(causal, window, chunk), positions=positions, softcap=softcap, sinks=sinks,
                 backend=backend,
             )

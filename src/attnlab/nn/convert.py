@@ -59,7 +59,7 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
         TypeError: ``mha`` is not a :class:`~attnlab.nn.MultiHeadAttention`.
         ValueError: a setting torch's module cannot express, each named with its value:
             ``d_in != d_out``, grouped-query heads, a positions part (RoPE, ALiBi), a
-            ``window``, a ``chunk``, a ``softcap``, learned ``sinks``, or an attention part
+            ``window``, a ``chunk``, a ``softcap``, learned ``sinks``, a ``qk_norm``, or an attention part
             other than :func:`attnlab.attention` (context parallelism's). ``context_length``
             (a length check) and ``backend`` do not change outputs and are not carried.
 
@@ -76,7 +76,7 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     if inexpressible:
         raise ValueError(f"torch.nn.MultiheadAttention cannot express {', '.join(inexpressible)} "
                          f"of this module (it needs d_in == d_out, num_kv_heads == num_heads, no positions, "
-                         "window, chunk, softcap or sinks, and attnlab.attention as the attention part)")
+                         "window, chunk, softcap, sinks or qk_norm, and attnlab.attention as the attention part)")
     weight = mha.out_proj.weight
     has_bias = mha.in_proj_bias is not None or mha.out_proj.bias is not None
     module = nn.MultiheadAttention(
@@ -97,7 +97,7 @@ def _inexpressible(mha: MultiHeadAttention) -> list[str]:
     found = [] if mha.d_in == mha.d_out else [f"d_in={mha.d_in} != d_out={mha.d_out}"]
     if mha.num_kv_heads != mha.num_heads:
         found.append(f"num_kv_heads={mha.num_kv_heads} (grouped heads)")
-    for name in ("positions", "window", "chunk", "softcap", "sinks"):
+    for name in ("positions", "window", "chunk", "softcap", "sinks", "qk_norm"):  # qk_norm: the QKV part's
         value = getattr(mha, name)
         if value is not None:
             found.append("sinks (learned)" if name == "sinks" else f"{name}={value!r}")

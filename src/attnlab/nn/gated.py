@@ -32,31 +32,11 @@ from attnlab._checks import divisible, instance_of, one_of, positive_int, positi
 from attnlab.backends import check_backend_name
 from attnlab.nn.cache import Cache, _cache_options, _restore_on_error, new_positions
 from attnlab.nn.latent import _check_x
-from attnlab.nn.multihead import (_check_cache, _check_cache_options, _check_documents, _check_window,
-                                  _combine_masks, _with_documents, attend_causal, make_cache)
+from attnlab.nn.multihead import (HeadRMSNorm, QKNorm, _check_cache, _check_cache_options, _check_documents,
+                                  _check_window, _combine_masks, _with_documents, attend_causal, make_cache)
 from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["GatedAttention"]
-
-
-class _OffsetRMSNorm(nn.Module):
-    """RMSNorm over the last axis scaled by ``1 + weight`` (weight starts at 0), as Qwen3-Next's.
-
-    Example:
-        >>> _OffsetRMSNorm(4, 0.0)(torch.tensor([[2.0, -2.0, 2.0, 2.0]])).tolist()   # weight 0: scale 1
-        [[1.0, -1.0, 1.0, 1.0]]
-    """
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        work = torch.promote_types(x.dtype, torch.float32)  # half precision computes in fp32, as Qwen3-Next
-        x32 = x.to(work)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.to(work))).type_as(x)
 
 
 class _ProjectedAttention(nn.Module):
@@ -274,8 +254,8 @@ class GatedAttention(_ProjectedAttention):
         self.gate = gate
         if qk_norm:
             positive_number("norm_eps", norm_eps)
-            self.q_norm = _OffsetRMSNorm(self.head_dim, norm_eps)
-            self.k_norm = _OffsetRMSNorm(self.head_dim, norm_eps)
+            norm = QKNorm(eps=norm_eps, unit_offset=True)  # Qwen3-Next's (1 + weight) form
+            self.q_norm, self.k_norm = HeadRMSNorm(self.head_dim, norm), HeadRMSNorm(self.head_dim, norm)
         self.qk_norm = qk_norm
 
     def forward(self, x: Tensor, *, mask: Tensor | Callable | None = None, padding_mask: Tensor | None = None,

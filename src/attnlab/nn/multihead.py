@@ -32,10 +32,10 @@ from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, Wind
                                _restore_on_error, new_positions)
 from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
 
-from attnlab.nn.parts import (QKV, CallMask, Chunk, Window, _check_chunk, _check_pattern, _check_window,  # noqa: F401
-                               _mask_parts, _refuse_removed, pattern_of)
+from attnlab.nn.parts import (QKV, CallMask, Chunk, QKNorm, Window, _check_chunk, _check_pattern,  # noqa: F401
+                               _check_window, _mask_parts, _refuse_removed, pattern_of)
 
-__all__ = ["MultiHeadAttention", "QKV", "Window", "Chunk", "CallMask", "pattern_of"]
+__all__ = ["MultiHeadAttention", "QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of"]
 
 _PARTS = ("query", "key", "value")
 
@@ -48,6 +48,38 @@ class _KeyPaddingMod(_masks.MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.padding_mask[b, kv_idx]
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last axis (a head's features), a :class:`QKNorm`'s ``q_norm``/``k_norm``.
+
+    ``weight * x / sqrt(mean(x**2) + eps)`` (or ``(1 + weight) * ...`` with ``unit_offset``),
+    normalised in fp32 for half-precision inputs, each form rounded where its model rounds:
+    Qwen3 casts the normalised ``x`` back before the weight, Gemma 3 / Qwen3.5 after the scale.
+
+    Shapes:
+        x: ``(..., dim)`` -> same shape.
+
+    Example:
+        >>> HeadRMSNorm(4, QKNorm(eps=1e-12))(torch.tensor([2.0, -2.0, 2.0, 2.0]))
+        tensor([ 1., -1.,  1.,  1.], grad_fn=<MulBackward0>)
+    """
+
+    def __init__(self, dim: int, part: QKNorm):
+        super().__init__()
+        self.eps, self.unit_offset = part.eps, part.unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if part.unit_offset else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        work = torch.promote_types(x.dtype, torch.float32)  # half precision normalises in fp32
+        x32 = x.to(work)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.to(work))).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
 
 
 class MultiHeadAttention(nn.Module):
@@ -100,8 +132,11 @@ class MultiHeadAttention(nn.Module):
         dropout_p: dropout probability on the attention weights, applied in training only.
         num_heads: number of query heads.
         qkv: the projections part, a :class:`QKV` (key/value heads for grouped-query
-            attention, key and value input widths, the Q/K/V and output biases); None:
-            ``QKV()``, every head its own keys, inputs of width ``d_in``, no Q/K/V bias.
+            attention, key and value input widths, the Q/K/V and output biases, QK-norm); None:
+            ``QKV()``, every head its own keys, inputs of width ``d_in``, no Q/K/V bias, no norm.
+            ``QKV(qk_norm=QKNorm())`` (Qwen3, Gemma 3) normalises each projected query and key
+            head with an RMSNorm (parameters ``q_norm.weight``, ``k_norm.weight`` ``(head_dim,)``)
+            before the rotation; without it the module has no such parameters.
         pattern: the standing mask of self-attention: ``"causal"`` (the default, as in the
             tutorials), None (bidirectional), :class:`Window` ``(size)`` (a causal sliding
             window: query ``i`` sees keys ``i - size + 1 .. i``, which the block-sparse backend
@@ -114,7 +149,9 @@ class MultiHeadAttention(nn.Module):
             :class:`~attnlab.nn.positional.RotaryEmbedding` of ``head_dim``) rotates queries and
             keys; ``"alibi"`` (or an :class:`~attnlab.nn.positional.ALiBi` of ``num_heads``) adds
             ALiBi to the scores (causal or, for a non-causal module, symmetric; a KV cache's
-            earlier tokens keep their distances; with a cache, a :class:`KVCache`).
+            earlier tokens keep their distances; with a cache, a :class:`KVCache`). Partial RoPE
+            (Qwen3.5, GLM): ``RotaryEmbedding(head_dim, rotary_dim=R)`` rotates the first ``R``
+            features of each head.
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
         softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
         sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
@@ -191,6 +228,7 @@ class MultiHeadAttention(nn.Module):
         self._make_projections(qkv.bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=qkv.out_bias)
         self.positions = self._make_positions(positions)
+        self._make_qk_norm(qkv.qk_norm)
         self.softcap = None if softcap is None else positive_number("softcap", softcap)
         instance_of("sinks", sinks, bool, "a bool")
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
@@ -204,7 +242,8 @@ class MultiHeadAttention(nn.Module):
     def qkv(self) -> QKV:
         """The projections part as given (heads and widths resolved)."""
         return QKV(num_kv_heads=self.num_kv_heads, kdim=self.kdim, vdim=self.vdim,
-                   bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None)
+                   bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None,
+                   qk_norm=self.qk_norm)
 
     def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
         """The positions part from its name or as given (its sizes checked)."""
@@ -216,6 +255,19 @@ class MultiHeadAttention(nn.Module):
             return positions
         raise ValueError(f"positions must be None, 'rope', 'alibi', a RotaryEmbedding(head_dim={self.head_dim}) "
                          f"or an ALiBi(num_heads={self.num_heads}); got {positions!r}")
+
+    def _make_qk_norm(self, part: object) -> None:
+        """``q_norm`` and ``k_norm`` of ``head_dim`` from a :class:`QKNorm`; None for None (no parameters)."""
+        if part is None:
+            self.q_norm = self.k_norm = None
+            return
+        self.q_norm, self.k_norm = HeadRMSNorm(self.head_dim, part), HeadRMSNorm(self.head_dim, part)
+
+    @property
+    def qk_norm(self) -> QKNorm | None:
+        """The projections part's QK-norm, or None."""
+        norm = self.q_norm
+        return None if norm is None else QKNorm(eps=norm.eps, unit_offset=norm.unit_offset)
 
     @property
     def rope(self) -> RotaryEmbedding | None:
@@ -337,8 +389,11 @@ class MultiHeadAttention(nn.Module):
         hd, d_out, d_kv = self.head_dim, self.d_out, self.d_kv
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, T, d_out + 2 d_kv)
         q, k, v = qkv.split((d_out, d_kv, d_kv), dim=-1)
-        return (q.view(B, T, self.num_heads, hd).transpose(1, 2),  # (B, H, T, hd)
-                k.view(B, T, self.num_kv_heads, hd).transpose(1, 2),  # (B, Hkv, T, hd)
+        q, k = q.view(B, T, self.num_heads, hd), k.view(B, T, self.num_kv_heads, hd)  # (B, T, H|Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (q.transpose(1, 2),  # (B, H, T, hd)
+                k.transpose(1, 2),  # (B, Hkv, T, hd)
                 v.view(B, T, self.num_kv_heads, hd).transpose(1, 2))
 
     def project_q(self, x: Tensor) -> Tensor:
@@ -349,8 +404,8 @@ class MultiHeadAttention(nn.Module):
             torch.Size([1, 4, 3, 2])
         """
         B, T, _ = x.shape
-        q = F.linear(x, *self.projection("query"))  # (B, T, d_out)
-        return q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        q = F.linear(x, *self.projection("query")).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, hd)
+        return (q if self.q_norm is None else self.q_norm(q)).transpose(1, 2)  # (B, H, T, hd)
 
     def project_kv(self, context: Tensor, value_input: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Key and value projections of ``context`` (values of ``value_input`` if given).
@@ -372,7 +427,8 @@ class MultiHeadAttention(nn.Module):
             k = F.linear(context, *self.projection("key"))
             v = F.linear(context if value_input is None else value_input, *self.projection("value"))
         B, T, _ = k.shape
-        return (k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2),  # (B, Hkv, Tk, hd)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # (B, Tk, Hkv, hd)
+        return ((k if self.k_norm is None else self.k_norm(k)).transpose(1, 2),  # (B, Hkv, Tk, hd)
                 v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2))
 
     # --------------------------------------------------------------------- forward
@@ -486,6 +542,8 @@ class MultiHeadAttention(nn.Module):
         B, H, qk = x.shape[0], self.num_heads, self.num_heads + self.num_kv_heads
         heads = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(B, qk + self.num_kv_heads, 1, self.head_dim)
         # (B, H + 2 Hkv, 1, hd): query, key, value heads in the fused rows' order (T = 1: no transpose)
+        if self.q_norm is not None:  # normed heads, then rotated: H + Hkv new rows
+            heads = torch.cat((self.q_norm(heads[:, :H]), self.k_norm(heads[:, H:qk]), heads[:, qk:]), dim=1)
         if self.positions is not None:  # queries and keys rotated in one call
             cos, sin = self.positions.cos_sin(1, offset=length, dtype=x.dtype, device=x.device)  # (1, hd/2)
             rotated = apply_rotary(heads[:, :qk], cos, sin)  # (B, H + Hkv, 1, hd)

@@ -1,6 +1,7 @@
 """The parts :class:`~attnlab.nn.MultiHeadAttention` is built from: its projections (:class:`QKV`),
-its standing pattern (``"causal"``, None, :class:`Window`, :class:`Chunk`) and one call's mask in
-parts (:class:`CallMask`), with the checks of each and the refusal of the keywords they replaced.
+its standing pattern (``"causal"``, None, :class:`Window`, :class:`Chunk`), its query/key
+normalisation (:class:`QKNorm`) and one call's mask in parts (:class:`CallMask`), with the checks
+of each and the refusal of the keywords they replaced.
 
 Example:
     >>> pattern_of(causal=True, window=4), QKV(num_kv_heads=2).num_kv_heads
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import instance_of, positive_int
+from attnlab._checks import instance_of, positive_int, positive_number
 
-__all__ = ["QKV", "Window", "Chunk", "CallMask", "pattern_of"]
+__all__ = ["QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class QKV:
             values' input as ``forward(..., value_input=...)``.
         bias: bias in the query/key/value projections (the old ``qkv_bias``).
         out_bias: bias in ``out_proj``.
+        qk_norm: a :class:`QKNorm` normalising each projected query and key head (Qwen3,
+            Gemma 3), or None (no norm, no parameters).
 
     Example:
         >>> from attnlab.nn import MultiHeadAttention
@@ -43,6 +46,7 @@ class QKV:
     vdim: int | None = None
     bias: bool = False
     out_bias: bool = True
+    qk_norm: QKNorm | None = None
 
     def __post_init__(self):
         for name in ("num_kv_heads", "kdim", "vdim"):
@@ -50,6 +54,44 @@ class QKV:
                 positive_int(name, getattr(self, name))
         instance_of("bias", self.bias, bool, "a bool")
         instance_of("out_bias", self.out_bias, bool, "a bool")
+        if self.qk_norm is not None:
+            instance_of("qk_norm", self.qk_norm, QKNorm, "an attnlab.nn.QKNorm (or None)")
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """QK-norm, the ``qk_norm`` of :class:`MultiHeadAttention`'s projections part (:class:`QKV`):
+    an RMSNorm over each query and key head's ``head_dim`` features with a learnable weight
+    ``(head_dim,)`` (the parameters ``q_norm.weight`` and ``k_norm.weight``, shared by the heads),
+    applied after the projections and before the rotary embedding, as transformers' Qwen3 does.
+
+    ``rms(x) = x / sqrt(mean(x**2) + eps)``, computed in fp32 for half-precision inputs; the output
+    is ``weight * rms(x)`` (Qwen3; weight starts at 1) or, with ``unit_offset=True``,
+    ``(1 + weight) * rms(x)`` (Gemma 3, Qwen3.5, Qwen3-Next; weight starts at 0).
+
+    Models: Qwen3 and Qwen3-MoE match ``QKNorm()``; Gemma 3, Qwen3.5 and Qwen3-Next (without their
+    output gate) ``QKNorm(unit_offset=True)``. Not these: OLMo-2 and OLMo-3 normalise the whole
+    projection (``num_heads * head_dim`` features at once), Gemma 4 adds a weightless norm of the
+    values and scores with scale 1.
+
+    Args:
+        eps: the epsilon inside the square root (Qwen3's ``rms_norm_eps``).
+        unit_offset: scale by ``1 + weight`` (weight initialised to 0) instead of ``weight``.
+
+    Example:
+        >>> import torch
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm(eps=1e-6)), positions="rope")
+        >>> mha.q_norm.weight.shape, mha(torch.randn(1, 3, 8)).shape
+        (torch.Size([4]), torch.Size([1, 3, 8]))
+    """
+
+    eps: float = 1e-6
+    unit_offset: bool = False
+
+    def __post_init__(self):
+        positive_number("QKNorm eps", self.eps)
+        instance_of("QKNorm unit_offset", self.unit_offset, bool, "a bool")
 
 
 @dataclass(frozen=True)

@@ -168,24 +168,40 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate feature pairs ``(i, i + D/2)`` of ``x`` by the angles whose cos/sin are given.
+    """Rotate feature pairs ``(i, i + R/2)`` of the first ``R = 2 * cos.shape[-1]`` features of
+    ``x`` by the angles whose cos/sin are given; features ``R..D-1`` pass through (partial RoPE).
+
+    ``R = D`` is the usual rotation; a narrower table rotates the first ``R`` features only, in
+    the layout of transformers' ``apply_rotary_pos_emb`` with a ``partial_rotary_factor``
+    (Qwen3.5, Qwen3-Next, GLM, Phi): "rotate half" over ``x[..., :R]``, ``x[..., R:]`` unchanged.
 
     Shapes:
-        x: ``(..., T, D)``; cos, sin: ``(T, D/2)``, or with leading dims that broadcast against
-        ``x``'s (``(B, 1, T, D/2)``: each batch row at its own positions) -> ``(..., T, D)``.
+        x: ``(..., T, D)``; cos, sin: ``(T, R/2)`` with ``1 <= R/2 <= D/2``, or with leading dims
+        that broadcast against ``x``'s (``(B, 1, T, R/2)``: each batch row at its own positions)
+        -> ``(..., T, D)``.
+
+    Raises:
+        ValueError: ``D`` or ``R`` odd, ``R > D``, or the tables' shapes do not match ``x``'s.
 
     Example:
         >>> x = torch.tensor([[1.0, 0.0]])                 # one position, one pair
         >>> apply_rotary(x, torch.zeros(1, 1), torch.ones(1, 1))   # 90 degrees
         tensor([[0., 1.]])
+        >>> x = torch.tensor([[1.0, 0.0, 5.0, 6.0]])       # R = 2 of D = 4: the last two pass
+        >>> apply_rotary(x, torch.zeros(1, 1), torch.ones(1, 1))
+        tensor([[0., 1., 5., 6.]])
     """
-    half = (x.shape[-2], x.shape[-1] // 2)
-    if (x.shape[-1] % 2 or tuple(cos.shape[-2:]) != half or cos.shape != sin.shape
-            or cos.ndim > max(x.ndim, 2)):
+    D, half = x.shape[-1], cos.shape[-1] if cos.ndim else 0
+    if (D % 2 or x.ndim < 2 or cos.ndim < 2 or not 0 < half <= D // 2 or cos.shape[-2:-1] != x.shape[-2:-1]
+            or cos.shape != sin.shape or cos.ndim > max(x.ndim, 2)):
         raise ValueError(
-            f"apply_rotary needs x (..., T, D) with D even and cos, sin (..., T, D/2) with T, D/2 = {half}; "
-            f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+            f"apply_rotary needs x (..., T, D) with D even and cos, sin (..., T, R/2) with 1 <= R/2 <= D/2, "
+            f"T = {x.shape[-2] if x.ndim > 1 else None}; got x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)}"
         )
+    if 2 * half < D:  # partial: rotate the first R features, pass the rest
+        rotated = apply_rotary(x[..., : 2 * half], cos, sin)  # (..., T, R)
+        return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)  # (..., T, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -193,35 +209,48 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE) for query and key heads.
 
-    Pair ``(i, i + D/2)`` of the vector at position ``p`` is rotated by ``p * base**(-2i/D)``,
-    so the dot product of a rotated query at ``m`` and key at ``n`` depends only on ``m - n``.
-    The module has no parameters; angles are computed in fp64 (fp32 on MPS) and cast to the
-    input's dtype.
+    Pair ``(i, i + R/2)`` of the first ``R = rotary_dim`` features of the vector at position
+    ``p`` is rotated by ``p * base**(-2i/R)``, so the dot product of a rotated query at ``m`` and
+    key at ``n`` depends only on ``m - n``; features ``R..D-1`` pass through unchanged (partial
+    RoPE: Qwen3.5 and Qwen3-Next rotate a quarter of each head, GLM and Phi a fraction; the
+    layout and frequencies of transformers' ``partial_rotary_factor``). The module has no
+    parameters; angles are computed in fp64 (fp32 on MPS) and cast to the input's dtype.
 
     Shapes:
         x: ``(..., T, D)`` (typically ``(B, H, T, D)``) -> same shape, positions
         ``offset .. offset + T - 1``. With a KV cache, ``offset`` is the cache length.
+        :meth:`cos_sin` gives ``(T, R/2)`` tables.
 
     Args:
         head_dim: ``D``, even.
         base: the wavelength base (10000 in RoFormer and Llama 2).
+        rotary_dim: ``R``, the leading features that rotate: even, ``2 <= R <= D``; None: ``D``.
+
+    Raises:
+        ValueError: ``head_dim`` or ``rotary_dim`` not a positive even int, or ``rotary_dim > head_dim``.
 
     Example:
         >>> rope = RotaryEmbedding(4)
         >>> x = torch.randn(1, 1, 6, 4)
         >>> torch.allclose(rope(x)[..., 2:, :], rope(x[..., 2:, :], offset=2))
         True
+        >>> quarter = RotaryEmbedding(8, rotary_dim=2)          # Qwen3.5: a quarter of each head
+        >>> torch.equal(quarter(x.repeat(1, 1, 1, 2), offset=5)[..., 2:], x.repeat(1, 1, 1, 2)[..., 2:])
+        True
     """
 
-    def __init__(self, head_dim: int, *, base: float = 10000.0):
+    def __init__(self, head_dim: int, *, base: float = 10000.0, rotary_dim: int | None = None):
         super().__init__()
         positive_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
         self.head_dim, self.base = head_dim, positive_number("base", base)
+        if rotary_dim is not None and (positive_int("rotary_dim", rotary_dim) % 2 or rotary_dim > head_dim):
+            raise ValueError(f"rotary_dim must be an even int of at most head_dim={head_dim}, got {rotary_dim}")
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
 
     def cos_sin(self, num_positions: int, *, offset: int = 0, dtype=torch.float32, device=None):
-        """``(cos, sin)`` tables of shape ``(num_positions, D/2)`` for positions from ``offset``.
+        """``(cos, sin)`` tables of shape ``(num_positions, R/2)`` for positions from ``offset``.
 
         The tables are built once per dtype and device for the first :data:`TABLE_CACHE` positions
         (grown by doubling, never past that bound) and sliced per call: a decoding step reads
@@ -250,15 +279,15 @@ class RotaryEmbedding(nn.Module):
             size = min(TABLE_CACHE, max(stop, 64, 2 * (0 if table is None else table[0].shape[0])))
             with torch.inference_mode(False), torch.no_grad():  # usable outside inference mode too
                 table = tables[(dtype, device)] = self._angles(size, 0, dtype, device)
-        return table[0][offset:stop], table[1][offset:stop]  # (num_positions, D/2) each
+        return table[0][offset:stop], table[1][offset:stop]  # (num_positions, R/2) each
 
     def _angles(self, num_positions: int, offset: int, dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(cos, sin)`` ``(num_positions, D/2)`` computed: fp64 angles (fp32 on MPS), cast to ``dtype``."""
+        """``(cos, sin)`` ``(num_positions, R/2)`` computed: fp64 angles (fp32 on MPS), cast to ``dtype``."""
         work = _angle_dtype(device)
         pos = torch.arange(offset, offset + num_positions, dtype=work, device=device)
-        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=work, device=device)
-                                 / self.head_dim)  # (D/2,)
-        angles = pos[:, None] * inv_freq[None, :]  # (T, D/2)
+        inv_freq = self.base ** (-torch.arange(0, self.rotary_dim, 2, dtype=work, device=device)
+                                 / self.rotary_dim)  # (R/2,)
+        angles = pos[:, None] * inv_freq[None, :]  # (T, R/2)
         return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
 
     def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
@@ -290,11 +319,12 @@ class RotaryEmbedding(nn.Module):
             span = positions.shape[-1]
         else:
             span = int(positions.max()) + 1 if positions.numel() else 0
-        cos, sin = self.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, D/2)
-        return apply_rotary(x, cos[positions][:, None], sin[positions][:, None])  # (B|1, 1, T, D/2) per row
+        cos, sin = self.cos_sin(span, dtype=x.dtype, device=x.device)  # (span, R/2)
+        return apply_rotary(x, cos[positions][:, None], sin[positions][:, None])  # (B|1, 1, T, R/2) per row
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
+        partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
+        return f"head_dim={self.head_dim}, base={self.base}{partial}"
 
 
 class ALiBi(nn.Module):
