@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from attnlab.lab.viz.page import _VIRIDIS
 
-__all__ = ["Panel", "Picture", "colours", "hex_rgb", "figure", "save_picture", "VECTOR_CELLS", "LABELS"]
+__all__ = ["Panel", "Picture", "colours", "hex_rgb", "figure", "origins", "save_picture", "VECTOR_CELLS", "LABELS"]
 
 VECTOR_CELLS = 20_000  # cells drawn as SVG paths (one each); a larger picture embeds an image per panel
 LABELS = 64  # the most labels an axis gets (every one up to this many rows or columns, else every k-th)
@@ -112,9 +113,34 @@ class Picture:
     note: str = ""
 
 
+def _slots(picture: Picture) -> tuple[int, int, int, float]:
+    """The grid every panel sits in: ``(columns, rows a slot, columns a slot, inches a cell)``."""
+    n = len(picture.panels)
+    rows = max(p.colours.shape[0] for p in picture.panels)
+    cols = max(p.colours.shape[1] for p in picture.panels)
+    side = 4.2 if n <= 4 else 2.6 if n <= 16 else 1.4  # inches of a panel's longer side
+    return picture.columns or min(n, 3), rows, cols, side / max(rows, cols)
+
+
+def origins(picture: Picture) -> list[tuple[float, float]]:
+    """Where each panel's cell ``(0, 0)`` is centred in the figure's one axes: cell ``(r, c)`` of
+    panel ``i`` is at data ``(x + c, y + r)`` with ``(x, y) = origins(picture)[i]`` (y grows down).
+
+    Example:
+        >>> pic = Picture("t", (Panel(torch.zeros(2, 3, 3, dtype=torch.uint8)),) * 2)
+        >>> origins(pic)[0], origins(pic)[1][1]
+        ((0.0, 0.0), 0.0)
+    """
+    columns, rows, cols, inch = _slots(picture)
+    gap_x = 0.25 / inch  # a quarter inch between panels, a title's line more above each line of them
+    gap_y = gap_x + (0.22 / inch if any(p.title for p in picture.panels) else 0.0)
+    return [((i % columns) * (cols + gap_x), (i // columns) * (rows + gap_y)) for i in range(len(picture.panels))]
+
+
 def figure(picture: Picture):
-    """The picture as a matplotlib ``Figure`` (Agg, no pyplot): ``fig.axes[i]`` draws panel ``i``,
-    cell ``(r, c)`` centred at data coordinates ``(c, r)`` (row 0 on top).
+    """The picture as a matplotlib ``Figure`` (Agg, no pyplot) of one axes, ``fig.axes[0]``: every panel
+    in a grid (:func:`origins`), its title above it; the first column's row labels on the left, each
+    column's last panel's labels at the bottom (every k-th past :data:`LABELS`).
 
     Example:
         >>> pic = Picture("t", (Panel(colours(torch.eye(2), "viridis"), ("a", "b"), ("a", "b"), "head 0"),))
@@ -124,59 +150,73 @@ def figure(picture: Picture):
     from matplotlib.figure import Figure
 
     n = len(picture.panels)
-    columns = picture.columns or min(n, 3)
+    columns, rows, cols, inch = _slots(picture)
+    places = origins(picture)
     lines = math.ceil(n / columns)
-    side = 4.2 if n <= 4 else 2.6 if n <= 16 else 1.6  # inches of a panel's longer side
-    extra = 0.5 + 0.25 * math.ceil(len(picture.legend) / 4) + (0.3 if picture.note else 0)
-    fig = Figure(figsize=(columns * (side + 1.2), lines * (side + 1.1) + extra), layout="constrained", dpi=100)
+    width = places[min(n, columns) - 1][0] + cols
+    height = places[-1][1] + rows
+    size = 8 if max(rows, cols) <= 24 and n <= 4 else 6  # points, of the labels
+    char = size * 0.62 / 72  # inches of a label's character
+    note = textwrap.fill(picture.note, max(40, int((width * inch + 1.0) / 0.062))) if picture.note else ""
+    longest = max((len(t) for p in picture.panels for t in p.rows), default=0)
+    left = 0.2 + longest * char
+    bottom = 0.2 + max((len(t) for p in picture.panels for t in p.cols), default=0) * char * 0.87 \
+        + 0.14 * (note.count("\n") + 1 if note else 0)
+    top = 0.45 + (0.3 if picture.legend else 0.0) + (0.22 if picture.panels[0].title else 0.0)
+    axes_w, axes_h = width * inch, height * inch  # the cells' inches
+    fig = Figure(figsize=(left + axes_w + 0.25, bottom + axes_h + top), dpi=100)
+    fig_w, fig_h = fig.get_size_inches()
+    ax = fig.add_axes((left / fig_w, bottom / fig_h, axes_w / fig_w, axes_h / fig_h))
     vector = sum(p.colours.shape[0] * p.colours.shape[1] for p in picture.panels) <= VECTOR_CELLS
-    for index, panel in enumerate(picture.panels):
-        _draw(fig.add_subplot(lines, columns, index + 1), panel, index, vector=vector, small=n > 4)
-    fig.suptitle(picture.title, fontsize=11)
-    if picture.legend or picture.note:
-        _legend(fig, picture)
+    for index, (panel, (x, y)) in enumerate(zip(picture.panels, places)):
+        _cells(ax, panel, index, x, y, vector=vector)
+        if panel.title:
+            ax.text(x - 0.5 + panel.colours.shape[1] / 2, y - 0.6, panel.title, ha="center", va="bottom",
+                    fontsize=10 if n <= 4 else 7)
+    ax.set_xlim(-0.5, width - 0.5)
+    ax.set_ylim(height - 0.5, -0.5)
+    yticks = [(places[line * columns][1] + r, panel.rows[r]) for line in range(lines)
+              for panel in [picture.panels[line * columns]] for r in _every(len(panel.rows), n)]
+    bottom = [max(range(c, n, columns)) for c in range(min(n, columns))]  # each column's last panel
+    xticks = [(places[i][0] + c, picture.panels[i].cols[c]) for i in bottom for c in _every(len(picture.panels[i].cols), n)]
+    ax.set_yticks([t for t, _ in yticks], [t for _, t in yticks], fontsize=size)
+    ax.set_xticks([t for t, _ in xticks], [t for _, t in xticks], fontsize=size, rotation=60, ha="right",
+                  rotation_mode="anchor")
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title(picture.title, fontsize=11, pad=20 if picture.panels[0].title else 6)
+    if picture.legend:
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor=colour, edgecolor="#64748b", label=label) for label, colour in picture.legend]
+        fig.legend(handles=handles, loc="upper center", ncols=min(5, len(handles)), fontsize=8, frameon=False)
+    if note:
+        fig.text(0.5, 0.02 / fig_h, note, ha="center", va="bottom", fontsize=7, color="#555555")
     return fig
 
 
-def _draw(ax, panel: Panel, index: int, *, vector: bool, small: bool) -> None:
-    """One panel: its cells (paths, or one image), its labels every k-th past :data:`LABELS`, its title."""
+def _every(count: int, panels: int) -> range:
+    """Which of ``count`` labels are drawn: all up to :data:`LABELS` (a quarter as many when many panels)."""
+    return range(0, count, max(1, math.ceil(count / (LABELS // 4 if panels > 4 else LABELS)))) if count else range(0)
+
+
+def _cells(ax, panel: Panel, index: int, x: float, y: float, *, vector: bool) -> None:
+    """One panel's cells at ``(x, y)``: a path per cell (gid ``attnlab-cells-<index>``) or one image."""
     from matplotlib.collections import PolyCollection
 
     rgb = panel.colours.numpy()
     n_rows, n_cols = rgb.shape[:2]
     if vector:
-        corners = [[(c - .5, r - .5), (c + .5, r - .5), (c + .5, r + .5), (c - .5, r + .5)]
+        corners = [[(x + c - .5, y + r - .5), (x + c + .5, y + r - .5), (x + c + .5, y + r + .5), (x + c - .5, y + r + .5)]
                    for r in range(n_rows) for c in range(n_cols)]
         cells = PolyCollection(corners, facecolors=rgb.reshape(-1, 3) / 255, edgecolors="none", linewidths=0,
                                antialiaseds=False)
         cells.set_gid(f"attnlab-cells-{index}")
         ax.add_collection(cells)
     else:
-        ax.imshow(rgb, interpolation="nearest", aspect="auto", gid=f"attnlab-image-{index}")
-    ax.set_xlim(-0.5, n_cols - 0.5)
-    ax.set_ylim(n_rows - 0.5, -0.5)
-    ax.set_aspect("equal" if max(n_rows, n_cols) <= 4 * min(n_rows, n_cols) else "auto")
-    size = 6 if small else 8 if max(n_rows, n_cols) <= 24 else 6
-    for labels, count, setter, rotate in ((panel.rows, n_rows, ax.set_yticks, 0),
-                                          (panel.cols, n_cols, ax.set_xticks, 60)):
-        step = max(1, math.ceil(count / (LABELS // 4 if small else LABELS))) if labels else 0
-        ticks = list(range(0, count, step)) if step else []
-        extra = {"rotation": rotate, "ha": "right", "rotation_mode": "anchor"} if rotate else {}
-        setter(ticks, [labels[i] for i in ticks], fontsize=size, **extra)
-    ax.set_title(panel.title, fontsize=8 if small else 10)
-    ax.tick_params(length=0)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
-
-
-def _legend(fig, picture: Picture) -> None:
-    from matplotlib.patches import Patch
-
-    handles = [Patch(facecolor=colour, edgecolor="#64748b", label=label) for label, colour in picture.legend]
-    if handles:
-        fig.legend(handles=handles, loc="outside lower center", ncols=min(4, len(handles)), fontsize=8, frameon=False)
-    if picture.note:
-        fig.text(0.01, 0.005, picture.note, fontsize=7, color="#555555")
+        ax.imshow(rgb, interpolation="nearest", extent=(x - .5, x + n_cols - .5, y + n_rows - .5, y - .5),
+                  gid=f"attnlab-image-{index}")
 
 
 FORMATS = ("png", "svg")
