@@ -300,3 +300,51 @@ def test_the_png_matches_the_page_chromium_draws(kind, tmp_path):
         drawn = picture_pixels[py, px]
         worst = max(worst, int(abs(seen - drawn).max()))
     assert worst <= 6, f"a cell's colour differs by {worst} of 255 between the page and the PNG"
+
+
+# ---- the command line and the docs -----------------------------------------------------------------
+
+def _explain_mask(tmp_path, *extra):
+    from typer.testing import CliRunner
+
+    from attnlab.lab.cli import app
+
+    return CliRunner().invoke(app, ["explain", "--mask", "causal&window:64", "--size", "512", "--out",
+                                    str(tmp_path), *extra])
+
+
+@pytest.mark.parametrize("fmt", ["png", "svg", "html"])
+def test_explain_mask_writes_the_format_asked_for_only(fmt, tmp_path):
+    result = _explain_mask(tmp_path, "--format", fmt)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"mask.{fmt}"]
+    data = (tmp_path / f"mask.{fmt}").read_bytes()
+    if fmt == "png":
+        assert data[:8] == PNG_MAGIC
+    elif fmt == "svg":
+        assert len(_svg_cells(data.decode("utf-8"))[0]) == 16  # 4 x 4 blocks of 128
+    else:
+        assert b"data-attnlab-mask" in data
+    assert f"wrote {tmp_path / f'mask.{fmt}'}" in result.output
+
+
+def test_explain_mask_writes_all_three_by_default_and_refuses_another_format(tmp_path):
+    result = _explain_mask(tmp_path / "all")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["mask.html", "mask.png", "mask.svg"]
+    result = _explain_mask(tmp_path / "bad", "--format", "jpg")
+    assert result.exit_code == 2 and "--format must be one of" in result.output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_docs_example_saves_every_view_kind(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text(encoding="utf-8")
+    start = text.index("### Keeping a view")
+    section = text[start:text.index("\n## ", start)]
+    code = section.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/explain.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == str(sorted(
+        ["alibi.png", "diff.svg", "generation.svg", "mask.png", "model.png", "walk.svg", "weights.html", "weights.png"]))
