@@ -29,9 +29,11 @@ import secrets
 from importlib import resources
 from pathlib import Path
 
+from attnlab.lab.viz.picture import VIRIDIS as _VIRIDIS
+from attnlab.lab.viz.picture import save_picture
+
 __all__ = ["View", "SAVE_FORMATS", "asset", "escape", "visible", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
 
-_VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
 _SESSION = secrets.token_hex(3)  # views of two kernels pasted into one page still differ
 _COUNTER = itertools.count()
 
@@ -242,8 +244,6 @@ class View:
         if suffix in (".html", ".htm"):
             path.write_text(document(self.title, self._render()), encoding="utf-8")
             return path
-        from attnlab.lab.viz.picture import save_picture
-
         return save_picture(self.picture(), path)
 
     def __repr__(self) -> str:

@@ -30,9 +30,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnlab.lab.viz.page import _VIRIDIS
+from attnlab.lab.viz.heatmap import aggregate_blocks
 
-__all__ = ["Panel", "Picture", "colours", "hex_rgb", "figure", "origins", "save_picture", "VECTOR_CELLS", "LABELS"]
+# viridis at 9 anchors: the page's colours (page.viridis, the scripts' tables) and the picture's
+VIRIDIS = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725")
+_VIRIDIS = VIRIDIS
+
+__all__ = ["VIRIDIS", "Panel", "Picture", "colours", "hex_rgb", "figure", "origins", "save_picture", "VECTOR_CELLS", "LABELS"]
 
 VECTOR_CELLS = 20_000  # cells drawn as SVG paths (one each); a larger picture embeds an image per panel
 LABELS = 64  # the most labels an axis gets (every one up to this many rows or columns, else every k-th)
@@ -251,8 +255,6 @@ def heatmap_picture(weights: Tensor, rows, cols, *, allowed: Tensor | None = Non
         >>> pic.panels[0].colours[0].tolist()
         [[253, 231, 37], [236, 239, 243]]
     """
-    from attnlab.lab.viz.heatmap import aggregate_blocks
-
     blocks = aggregate_blocks(weights.detach().float().cpu(), rows=list(rows), cols=list(cols), allowed=allowed)
     vmax = max(float(blocks.weights.max()), 1e-12)
     heads = blocks.weights.shape[0]
