@@ -348,3 +348,21 @@ def test_the_docs_example_saves_every_view_kind(tmp_path, monkeypatch, capsys):
     exec(compile(code, "docs/explain.md", "exec"), {})
     assert capsys.readouterr().out.strip() == str(sorted(
         ["alibi.png", "diff.svg", "generation.svg", "mask.png", "model.png", "walk.svg", "weights.html", "weights.png"]))
+
+
+def test_a_model_of_ragged_layers_leaves_the_missing_heads_blank(tmp_path):
+    weights = torch.softmax(torch.randn(2, 2, 4, 4), -1)
+    weights[1, 1] = float("nan")  # layer 1 has one head (attnlab.lab.trained.pad_heads)
+    view = views.model_view(weights)
+    picture = view.picture()
+    assert [p.title for p in picture.panels] == ["layer 0, head 0", "layer 0, head 1", "layer 1, head 0", ""]
+    assert bool((picture.panels[3].colours == 255).all())
+    svg = view.save(tmp_path / "r.svg").read_text(encoding="utf-8")
+    assert "layer 1, head 1" not in svg and len(_svg_cells(svg)) == 4
+
+
+def test_an_unknown_colour_scale_is_refused_by_name():
+    from attnlab.lab.viz.picture import colours
+
+    with pytest.raises(ValueError, match="scale must be one of .*'log'"):
+        colours(torch.zeros(2, 2), "log")
