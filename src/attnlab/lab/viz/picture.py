@@ -97,7 +97,12 @@ def colours(values: Tensor, scale: str, *, vmax: float | None = None) -> Tensor:
 
 @dataclass(frozen=True)
 class Panel:
-    """One grid of cells: ``colours`` uint8 ``(R, C, 3)``, a label per row and column (or none), a title."""
+    """One grid of cells: ``colours`` uint8 ``(R, C, 3)``, a label per row and column (or none), a title.
+
+    Example:
+        >>> Panel(colours(torch.eye(3), "viridis"), ("a", "b", "c"), ("a", "b", "c"), "head 0").colours.shape
+        torch.Size([3, 3, 3])
+    """
 
     colours: Tensor
     rows: tuple[str, ...] = ()
@@ -108,7 +113,13 @@ class Panel:
 @dataclass(frozen=True)
 class Picture:
     """What a view draws as a picture: its title, panels (``columns`` to a line), a legend of
-    ``(label, "#rrggbb")`` and a note under it."""
+    ``(label, "#rrggbb")`` and a note under it.
+
+    Example:
+        >>> cells = Panel(colours(torch.rand(2, 2), "range"))
+        >>> len(origins(Picture("two heads", (cells, cells), columns=1)))
+        2
+    """
 
     title: str
     panels: tuple[Panel, ...]
@@ -227,7 +238,14 @@ FORMATS = ("png", "svg")
 
 
 def save_picture(picture: Picture, path: str | Path) -> Path:
-    """Write ``picture`` to ``path`` as PNG or SVG, by its extension (SVG bytes deterministic)."""
+    """Write ``picture`` to ``path`` as PNG or SVG, by its extension (SVG bytes deterministic).
+
+    Example:
+        >>> import tempfile
+        >>> pic = Picture("t", (Panel(colours(torch.eye(2), "viridis")),))
+        >>> save_picture(pic, Path(tempfile.mkdtemp()) / "t.png").read_bytes()[:4]
+        b'\\x89PNG'
+    """
     import matplotlib
 
     path = Path(path)
