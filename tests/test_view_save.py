@@ -366,3 +366,13 @@ def test_an_unknown_colour_scale_is_refused_by_name():
 
     with pytest.raises(ValueError, match="scale must be one of .*'log'"):
         colours(torch.zeros(2, 2), "log")
+
+
+@pytest.mark.filterwarnings("ignore:Glyph 9216")  # DejaVu Sans has no U+2400: the PNG shows a box there
+def test_tokens_are_text_not_tex_and_control_characters_do_not_break_the_svg(tmp_path):
+    tokens = ["$x^$", "cost $5", "a\\b", "\x00nul"]
+    view = attnlab.show(_weights(1, 4), tokens, title="$ money $")
+    assert view.save(tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+    texts = _svg_texts(view.save(tmp_path / "t.svg").read_text(encoding="utf-8"))
+    assert "$ money $" in texts and "$x^$" in texts and "cost $5" in texts and "a\\b" in texts
+    assert "\u2400nul" in texts  # a NUL (not XML) as its control picture, as the page shows it

@@ -244,7 +244,7 @@ class View:
         if suffix in (".html", ".htm"):
             path.write_text(document(self.title, self._render()), encoding="utf-8")
             return path
-        return save_picture(self.picture(), path)
+        return save_picture(self.picture().with_text(visible), path)  # control characters as the page shows them
 
     def __repr__(self) -> str:
         return f"<attnlab view: {self.title}>"

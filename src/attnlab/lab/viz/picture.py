@@ -34,7 +34,6 @@ from attnlab.lab.viz.heatmap import aggregate_blocks
 
 # viridis at 9 anchors: the page's colours (page.viridis, the scripts' tables) and the picture's
 VIRIDIS = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725")
-_VIRIDIS = VIRIDIS
 
 __all__ = ["VIRIDIS", "Panel", "Picture", "colours", "hex_rgb", "figure", "origins", "save_picture", "VECTOR_CELLS", "LABELS"]
 
@@ -53,13 +52,13 @@ def hex_rgb(colour: str) -> tuple[int, int, int]:
     return tuple(int(colour[k:k + 2], 16) for k in (1, 3, 5))
 
 
-_ANCHORS = torch.tensor([hex_rgb(c) for c in _VIRIDIS], dtype=torch.float64)  # (9, 3)
+_ANCHORS = torch.tensor([hex_rgb(c) for c in VIRIDIS], dtype=torch.float64)  # (9, 3)
 
 
 def _viridis(t: Tensor) -> Tensor:
     """:func:`attnlab.lab.viz.page.viridis` of every value of ``t`` (..., ) -> uint8 ``(..., 3)``."""
-    t = t.double().clamp(0, 1) * (len(_VIRIDIS) - 1)
-    i = t.floor().clamp(max=len(_VIRIDIS) - 2).long()
+    t = t.double().clamp(0, 1) * (len(VIRIDIS) - 1)
+    i = t.floor().clamp(max=len(VIRIDIS) - 2).long()
     f = (t - i)[..., None]
     return (_ANCHORS[i] * (1 - f) + _ANCHORS[i + 1] * f).round().to(torch.uint8)
 
@@ -127,6 +126,18 @@ class Picture:
     legend: tuple[tuple[str, str], ...] = ()
     note: str = ""
 
+    def with_text(self, show) -> "Picture":
+        """The picture with ``show`` applied to every text it draws (title, note, legend, labels).
+
+        Example:
+            >>> Picture("a\\x00", (Panel(torch.zeros(1, 1, 3, dtype=torch.uint8), ("b",)),)).with_text(str.upper).title
+            'A\\x00'
+        """
+        panels = tuple(Panel(p.colours, tuple(map(show, p.rows)), tuple(map(show, p.cols)), show(p.title))
+                       for p in self.panels)
+        legend = tuple((show(label), colour) for label, colour in self.legend)
+        return Picture(show(self.title), panels, self.columns, legend, show(self.note))
+
 
 def _slots(picture: Picture) -> tuple[int, int, int, float]:
     """The grid every panel sits in: ``(columns, rows a slot, columns a slot, inches a cell)``."""
@@ -187,27 +198,28 @@ def figure(picture: Picture):
         _cells(ax, panel, index, x, y, vector=vector)
         if panel.title:
             ax.text(x - 0.5 + panel.colours.shape[1] / 2, y - 0.6, panel.title, ha="center", va="bottom",
-                    fontsize=10 if n <= 4 else 7)
+                    fontsize=10 if n <= 4 else 7, parse_math=False)
     ax.set_xlim(-0.5, width - 0.5)
     ax.set_ylim(height - 0.5, -0.5)
     yticks = [(places[line * columns][1] + r, panel.rows[r]) for line in range(lines)
               for panel in [picture.panels[line * columns]] for r in _every(len(panel.rows), n)]
     bottom = [max(range(c, n, columns)) for c in range(min(n, columns))]  # each column's last panel
     xticks = [(places[i][0] + c, picture.panels[i].cols[c]) for i in bottom for c in _every(len(picture.panels[i].cols), n)]
-    ax.set_yticks([t for t, _ in yticks], [t for _, t in yticks], fontsize=size)
+    # a token is text, never TeX: "$5" or "$x^$" print as written (parse_math=False everywhere)
+    ax.set_yticks([t for t, _ in yticks], [t for _, t in yticks], fontsize=size, parse_math=False)
     ax.set_xticks([t for t, _ in xticks], [t for _, t in xticks], fontsize=size, rotation=60, ha="right",
-                  rotation_mode="anchor")
+                  rotation_mode="anchor", parse_math=False)
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
-    ax.set_title(picture.title, fontsize=11, pad=20 if picture.panels[0].title else 6)
+    ax.set_title(picture.title, fontsize=11, pad=20 if picture.panels[0].title else 6, parse_math=False)
     if picture.legend:
         from matplotlib.patches import Patch
 
         handles = [Patch(facecolor=colour, edgecolor="#64748b", label=label) for label, colour in picture.legend]
         fig.legend(handles=handles, loc="upper center", ncols=min(5, len(handles)), fontsize=8, frameon=False)
     if note:
-        fig.text(0.5, 0.02 / fig_h, note, ha="center", va="bottom", fontsize=7, color="#555555")
+        fig.text(0.5, 0.02 / fig_h, note, ha="center", va="bottom", fontsize=7, color="#555555", parse_math=False)
     return fig
 
 
@@ -283,7 +295,7 @@ def heatmap_picture(weights: Tensor, rows, cols, *, allowed: Tensor | None = Non
             rgb[~blocks.allowed] = torch.tensor(hex_rgb(MASKED), dtype=torch.uint8)
         name = head_titles[h] if head_titles else (f"head {h}" if heads > 1 else "attention weights")
         panels.append(Panel(rgb, blocks.rows, blocks.cols, name))
-    legend = [("0", _VIRIDIS[0]), (f"{vmax:.2f}", _VIRIDIS[-1])] + ([("masked", MASKED)] if allowed is not None else [])
+    legend = [("0", VIRIDIS[0]), (f"{vmax:.2f}", VIRIDIS[-1])] + ([("masked", MASKED)] if allowed is not None else [])
     if blocks.size != (1, 1):
         note = (note + " " if note else "") + (f"{len(rows)} x {len(cols)} tokens drawn in blocks of "
                                                f"{blocks.size[0]} x {blocks.size[1]}")
@@ -310,7 +322,7 @@ def grid_picture(values: Tensor, heads, rows, *, title: str, note: str = "") -> 
                                 torch.full((values.shape[1], values.shape[2], 3), 255, dtype=torch.uint8),
                                 tuple(rows), tuple(rows), names[at + h] if h < count else ""))
         at += count
-    legend = (("0", _VIRIDIS[0]), ("0.25", "#21918c"), ("1", _VIRIDIS[-1]))  # sqrt scale: 0.25 sits mid-way
+    legend = (("0", VIRIDIS[0]), ("0.25", "#21918c"), ("1", VIRIDIS[-1]))  # sqrt scale: 0.25 sits mid-way
     return Picture(title, tuple(panels), columns=max(heads), legend=legend,
                    note=(note + " " if note else "") + "Row = query, column = key; square-root colour scale.")
 
