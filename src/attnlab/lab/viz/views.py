@@ -162,7 +162,8 @@ def word_attention_view(words: WordAttention, *, layer: int | None = None, head:
     if not 0 <= focus < len(words.words):
         raise ValueError(f"row must be a word position in [0, {len(words.words)}), got {focus}")
     section = html.TrainedSection(title or "model", words, focus=focus, layer=layer, heads=(head,))
-    def picture():
+
+    def picture():  # the head as a heatmap: the page draws the same weights as lines
         return picture_.heatmap_picture(words.weights[layer, head:head + 1], words.words, words.words,
                                         title=title or "head view", head_titles=[f"layer {layer}, head {head}"],
                                         note="The page draws these weights as lines between the words.")
