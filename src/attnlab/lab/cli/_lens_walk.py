@@ -5,8 +5,9 @@ A directory whose ``config.json`` names a model type attnlab's own models do not
 (:mod:`attnlab.lab.lens`): GPT-2, Llama, Qwen2, Mistral, ... It prints the tokens and, per layer, the
 head with the strongest link from the query token, and writes ``model.html`` (every layer x head,
 click to enlarge); with ``--generate N`` a decoder generates N tokens greedily and
-``generation.html`` shows, per generated token, where each head looked. ``--format png``/``all``
-adds the layers x heads grid as ``heads.png``.
+``generation.html`` shows, per generated token, where each head looked. ``--format png`` or ``svg``
+writes those views as ``model.png``/``generation.png`` (or ``.svg``) instead, ``all`` in the three
+formats; any but ``html`` adds the layers x heads grid as ``heads.png``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from safetensors import SafetensorError
 
 from attnlab.lab.cli import _kernel as kernel
 from attnlab.lab.cli._errors import fail
-from attnlab.lab.cli._trained_walk import truncation_note
+from attnlab.lab.cli._trained_walk import truncation_note, view_formats
 from attnlab.lab.lens import ModelLens, open_model
 from attnlab.lab.trained import best_head, pad_heads
 from attnlab.lab.viz.heatmap import block_labels
@@ -165,14 +166,13 @@ def _write(console, lens: ModelLens, weights, tokens: list[str], prompt: int | N
     title = f"{lens.name}: every layer and head"
     written = []
     try:
-        if fmt in ("html", "all"):
-            with _progress(console, weights) as progress:
-                view = model_view(weights, None if prompt is None else tokens, title=title, progress=progress)
-            written.append(view.save(out / "model.html"))
-            if prompt is not None:
-                view = generation_view(weights, tokens, prompt_length=prompt,
-                                       title=f"{lens.name}: {len(tokens) - prompt} generated tokens")
-                written.append(view.save(out / "generation.html"))
+        with _progress(console, weights) as progress:
+            view = model_view(weights, None if prompt is None else tokens, title=title, progress=progress)
+        written += [view.save(out / f"model.{ext}") for ext in view_formats(fmt)]
+        if prompt is not None:
+            view = generation_view(weights, tokens, prompt_length=prompt,
+                                   title=f"{lens.name}: {len(tokens) - prompt} generated tokens")
+            written += [view.save(out / f"generation.{ext}") for ext in view_formats(fmt)]
         if fmt != "html":  # png, svg or all: the grid as a PNG
             from attnlab.lab.viz.headview import head_grid
             from attnlab.lab.viz.heatmap import save_figure

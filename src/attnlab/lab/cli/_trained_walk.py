@@ -27,6 +27,16 @@ HEAD_VIEW_HEADS = 3  # heads drawn by default: the layer's three strongest links
 TABLE_ROWS = 24  # rows printed of the per-piece and per-word lists; the pages written to --out have every one
 
 
+def view_formats(fmt: str) -> tuple[str, ...]:
+    """The extensions a view is saved with for ``--format fmt``: that one, or all three for ``all``.
+
+    Example:
+        >>> view_formats("svg"), view_formats("all")
+        (('svg',), ('html', 'png', 'svg'))
+    """
+    return ("html", "png", "svg") if fmt == "all" else (fmt,)
+
+
 def display_name(model: str) -> str:
     """The name a reader knows the model by: MiniLM's own, or the directory's name."""
     return DISPLAY_NAMES.get(model, Path(model).name or model)
@@ -308,6 +318,7 @@ def write_files(view: WordAttention, query: int, *, model: str, layer: int, head
         section = TrainedSection(display_name(model), view, focus=query, layer=layer, heads=heads,
                                  hide_special=hide_special, sinks=sinks)
         written.append(write_report(None, out / "report.html", trained=section))
-        written.append(model_view(view.weights, view.words, layer=layer, head=heads[0], row=query,
-                                  title=f"{display_name(model)}: every layer and head").save(out / "model.html"))
+    grid = model_view(view.weights, view.words, layer=layer, head=heads[0], row=query,
+                      title=f"{display_name(model)}: every layer and head")
+    written += [grid.save(out / f"model.{ext}") for ext in view_formats(fmt)]
     return written

@@ -30,6 +30,7 @@ from attnlab.lab.cli._errors import MAX_SEED, at_most, check_seed, fail, option_
 from attnlab.lab.cli._help import command_class
 
 FORMATS = ("png", "svg", "html", "all")
+
 TUTORIAL = "tutorial"
 TERMINAL_MAX = 24  # rows/columns printed per table; the report has the rest
 # explain is for reading every number: sizes past these print nothing more useful, and the
@@ -137,7 +138,8 @@ def explain(
                                  help="A decoder checkpoint (transformers): generate N tokens and write "
                                       "generation.html, where each head looked for each of them."),
     mask: str = typer.Option(None, "--mask", help="Draw a mask's block map instead: causal, window:N, chunk:N, "
-                                                  "prefix:N or document:L1,L2,... (joined by &); writes mask.html."),
+                                                  "prefix:N or document:L1,L2,... (joined by &); writes mask.html, .png, .svg "
+                                                  "(--format)."),
     size: int = typer.Option(None, "--size", show_default=str(MASK_SIZE),
                              help=f"With --mask: queries and keys (at most {MAX_MASK_SIZE})."),
     out: Path = typer.Option(Path("attnlab-report"), "--out", help="Folder for the pictures and the report."),
@@ -167,7 +169,9 @@ def explain(
                             "--precision": precision, "--query": query, "--layer": layer, "--head": head,
                             "--hide-special": hide_special, "--truncate": truncate, "--generate": generate,
                             "--model": None if model == TUTORIAL else model}, "a sentence's walk, not --mask")
-            _explain_mask(mask, size=MASK_SIZE if size is None else size, out=out)
+            if fmt not in FORMATS:
+                fail(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+            _explain_mask(mask, size=MASK_SIZE if size is None else size, out=out, fmt=fmt)
             return
         _refuse_unused({"--size": size}, "--mask")
         fast = {"--walk": walk, "--tile": tile, "--window": window, "--pad": pad, "--backward": backward,
@@ -257,8 +261,10 @@ def read_text_file(path: Path) -> str:
     return text.removeprefix("\ufeff").strip()
 
 
-def _explain_mask(spec: str, *, size: int, out: Path) -> None:
-    """``--mask SPEC``: the mask's block map as ``mask.html`` and its counts on one line each."""
+def _explain_mask(spec: str, *, size: int, out: Path, fmt: str = "all") -> None:
+    """``--mask SPEC``: the mask's block map as ``mask.html``, ``mask.png`` and ``mask.svg`` (those
+    ``--format`` names, ``all``: the three) and its counts on one line each."""
+    from attnlab.lab.cli._trained_walk import view_formats
     from attnlab.lab.viz import maskview
 
     with option_errors():
@@ -267,15 +273,17 @@ def _explain_mask(spec: str, *, size: int, out: Path) -> None:
     with option_errors():
         bmap = maskview.block_map(maskview.parse_mask(spec, size=size), size=(size, size))
     _make_out(out)
+    view = maskview.map_view(bmap, title=f"--mask {spec} at {size} x {size}")
     try:
-        path = maskview.map_view(bmap, title=f"--mask {spec} at {size} x {size}").save(out / "mask.html")
+        paths = [view.save(out / f"mask.{ext}") for ext in view_formats(fmt)]
     except OSError as err:
         fail(f"cannot write to --out {str(out)!r}: {err.strerror or err}")
     counts = bmap.counts()
     print(f"mask {spec} at {size} x {size}, blocks of {bmap.block}: {counts['full']} full, {counts['partial']} partial, "
           f"{counts['empty']} empty")
     print(f"a block-sparse kernel visits {bmap.visited:.1%} of the blocks; {bmap.density:.1%} of the cells are allowed")
-    print(f"wrote {path}")
+    for path in paths:
+        print(f"wrote {path}")
 
 
 def _print_written(console, written: list[Path], out: Path) -> None:

@@ -38,6 +38,7 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.masks import block_spans
 from attnlab.lab.viz.page import View, asset, escape, fragment, new_prefix, to_json, viridis
+from attnlab.lab.viz.picture import Panel, Picture, block_picture, colours
 
 __all__ = ["mask_view", "map_view", "mask_diff_view", "score_mod_view", "show", "shows", "parse_mask",
            "BlockMap", "block_map", "map_width", "score_mod_values", "DEFAULT_BLOCK", "TILE_BUDGET", "MAX_EVALUATED", "EMPTY",
@@ -458,7 +459,9 @@ def map_view(bmap: BlockMap, *, title: str | None = None) -> View:
     title = title or f"mask: {bmap.source.label}"
     data = {"kind": "mask", "n": list(bmap.states.shape), "block": bmap.block, "size": [bmap.source.tq, bmap.source.tk],
             "a": _side(bmap), "summary": _summary(bmap), "skips": _skipping(bmap.source, bmap)}
-    return View(lambda: _fragment(data, title), title=title)
+    states = bmap.states.clone()
+    return View(lambda: _fragment(data, title), title=title,
+                picture=lambda: block_picture(states, diff=False, title=title, note=data["summary"]))
 
 
 def _diff_states(a: BlockMap, b: BlockMap) -> tuple[Tensor, dict[str, int]]:
@@ -512,7 +515,8 @@ def mask_diff_view(mask_a, mask_b, *, size=None, block: int = DEFAULT_BLOCK, bat
     data = {"kind": "diff", "n": list(bits.shape), "block": block, "size": [src_a.tq, src_a.tk], "a": _side(a),
             "b": _side(b), "diff": _b64(bits), "counts": counts, "summary": summary,
             "skips": []}
-    return View(lambda: _fragment(data, title), title=title)
+    return View(lambda: _fragment(data, title), title=title,
+                picture=lambda: block_picture(bits, diff=True, title=title, note=summary))
 
 
 def map_width(nq: int, nk: int) -> int:
@@ -623,6 +627,14 @@ def _cells(values: Tensor, *, signed: bool) -> str:
     return f'<table class="sm-grid" style="border-collapse:collapse">{"".join(rows)}</table>'
 
 
+def _panels(values: dict[str, Tensor]) -> list[tuple[str, Tensor, bool]]:
+    """A score mod view's six panels: ``(label, values, signed)`` each, as the page and picture draw them."""
+    change, moved = values["modded"] - values["scores"], values["modded_weights"] - values["weights"]
+    return [("scores before", values["scores"], False), ("scores after", values["modded"], False),
+            ("score change", change, True), ("weights before", values["weights"], False),
+            ("weights after", values["modded_weights"], False), ("weight change", moved, True)]
+
+
 def score_mod_view(score_mod, *, q=None, k=None, size=None, head_dim: int = 16, head: int = 0, seed: int = 0,
                    title: str | None = None) -> View:
     """What a score mod does to one head: its scores and weights before and after, and the difference.
@@ -652,18 +664,21 @@ def score_mod_view(score_mod, *, q=None, k=None, size=None, head_dim: int = 16, 
 
     def render() -> str:
         prefix = new_prefix()
-        panels = [("scores before", values["scores"], False), ("scores after", values["modded"], False),
-                  ("score change", change, True), ("weights before", values["weights"], False),
-                  ("weights after", values["modded_weights"], False), ("weight change", moved, True)]
         grid = "".join(f'<div><p class="muted">{escape(label)}</p>{_cells(v, signed=signed)}</div>'
-                       for label, v, signed in panels)
+                       for label, v, signed in _panels(values))
         body = (f'<section class="card"><h2>{escape(title)}</h2><p class="summary">{escape(summary)}</p>'
                 '<p class="muted">Row = query, column = key; hover a cell for its value. Changes: blue up, '
                 f'red down.</p><div class="sm-panels">{grid}</div></section>')
         scripts = f'<script id="{prefix}attnlab-scoremod" type="application/json">{to_json(data)}</script>'
         return fragment(body, prefix=prefix, roles=("scoremod",), scripts=scripts)
 
-    return View(render, title=title)
+    def picture() -> Picture:
+        tq, tk = values["scores"].shape
+        rows, cols = tuple(map(str, range(tq))), tuple(map(str, range(tk)))
+        return Picture(title, tuple(Panel(colours(v, "signed" if signed else "range"), rows, cols, label)
+                                    for label, v, signed in _panels(values)), note=summary)
+
+    return View(render, title=title, picture=picture)
 
 
 def show(obj, other=None, *, title: str | None = None, head: int = 0, **options) -> View:

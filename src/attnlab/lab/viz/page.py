@@ -29,9 +29,11 @@ import secrets
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["View", "asset", "escape", "visible", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
+from attnlab.lab.viz.picture import VIRIDIS as _VIRIDIS
+from attnlab.lab.viz.picture import save_picture
 
-_VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#fde725"]
+__all__ = ["View", "SAVE_FORMATS", "asset", "escape", "visible", "to_json", "viridis", "format_value", "new_prefix", "fragment", "document"]
+
 _SESSION = secrets.token_hex(3)  # views of two kernels pasted into one page still differ
 _COUNTER = itertools.count()
 
@@ -184,11 +186,17 @@ def document(title: str, body: str, *, roles=(), scripts: str = "") -> str:
     )
 
 
-class View:
-    """One rendered view: shown inline by a notebook, or saved as a self-contained page.
+SAVE_FORMATS = (".html", ".htm", ".png", ".svg")  # what View.save writes, chosen by the path's extension
 
-    Attributes:
+
+class View:
+    """One rendered view: shown inline by a notebook, or saved as a page (HTML) or a picture (PNG, SVG).
+
+    Args:
+        render: returns the inline HTML (called at each display: every copy gets ids of its own).
         title: what the page is called when saved.
+        picture: returns the :class:`~attnlab.lab.viz.picture.Picture` of what the page shows (its
+            cells in the page's colours), drawn when the view is saved as PNG or SVG.
 
     Example:
         >>> import tempfile, torch
@@ -198,18 +206,45 @@ class View:
         (True, 1)
     """
 
-    def __init__(self, render, *, title: str):
+    def __init__(self, render, *, title: str, picture=None):
         self._render = render
+        self._picture = picture
         self.title = title
 
     def _repr_html_(self) -> str:
         return self._render()  # rendered at each display: every copy gets ids of its own
 
+    def picture(self):
+        """What the view draws as a PNG or SVG (:class:`~attnlab.lab.viz.picture.Picture`).
+
+        Raises:
+            ValueError: the view has no picture (it saves as HTML only).
+        """
+        if self._picture is None:
+            raise ValueError(f"the view {self.title!r} has no picture: save it as .html or .htm")
+        return self._picture()
+
     def save(self, path: str | Path) -> Path:
-        """Write the view as one offline HTML page (UTF-8) and return its path."""
+        """Write the view to ``path`` by its extension and return the path.
+
+        ``.html``/``.htm``: the self-contained page (UTF-8, nothing fetched); ``.png``/``.svg``: a
+        picture of what the page shows, drawn with matplotlib (:mod:`attnlab.lab.viz.picture`).
+
+        Raises:
+            ValueError: another extension (nothing is written), naming ``path``.
+            FileNotFoundError: the folder ``path`` names does not exist.
+        """
         path = Path(path)
-        path.write_text(document(self.title, self._render()), encoding="utf-8")
-        return path
+        suffix = path.suffix.lower()
+        if suffix not in SAVE_FORMATS:
+            raise ValueError(f"path must end in one of {', '.join(SAVE_FORMATS)} (the format is chosen by the "
+                             f"extension), got {str(path)!r}")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"path {str(path)!r}: the folder {str(path.parent)!r} does not exist")
+        if suffix in (".html", ".htm"):
+            path.write_text(document(self.title, self._render()), encoding="utf-8")
+            return path
+        return save_picture(self.picture().with_text(visible), path)  # control characters as the page shows them
 
     def __repr__(self) -> str:
         return f"<attnlab view: {self.title}>"

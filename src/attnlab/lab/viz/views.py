@@ -40,6 +40,7 @@ from torch import Tensor
 from attnlab.lab.trained import WordAttention, count_heads
 from attnlab.lab.viz import html
 from attnlab.lab.viz import maskview
+from attnlab.lab.viz import picture as picture_
 from attnlab.lab.viz.heatmap import block_labels
 from attnlab.lab.viz.page import View, asset, escape, fragment, new_prefix, to_json
 from attnlab.lab.viz.recompute import REDUCTIONS, LazyWeights, reduce_blocks
@@ -97,7 +98,8 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int | None = None,
     if maskview.shows(weights) or options:  # a mask (two: their difference) or a score mod; options are theirs
         return maskview.show(weights, tokens, title=title, head=head or 0, **options)
     if hasattr(weights, "steps") and hasattr(weights, "_repr_html_"):  # an explain trace
-        return View(weights._repr_html_, title=title or f"attnlab explain: {weights.sentence}")
+        title = title or f"attnlab explain: {weights.sentence}"
+        return View(weights._repr_html_, title=title, picture=lambda: _weights_picture(html._of_trace(weights), title))
     if not isinstance(weights, Tensor):
         raise TypeError(f"weights must be a torch.Tensor, a Trace or a WordAttention, got {type(weights).__name__}")
     _check_not_empty(weights)
@@ -119,7 +121,8 @@ def show(weights, tokens=None, *, context_tokens=None, layer: int | None = None,
     if row is not None and not (isinstance(row, int) and not isinstance(row, bool) and 0 <= row < len(view.tokens)):
         raise ValueError(f"row must be a query position in [0, {len(view.tokens)}), got {row!r}")
     if max(len(view.tokens), len(view.context_tokens)) <= WALK_TOKENS:
-        return View(lambda: _titled(title, html.heads_view(view, focus=row)), title=title or "attention weights")
+        return View(lambda: _titled(title, html.heads_view(view, focus=row)), title=title or "attention weights",
+                    picture=lambda: _weights_picture(view, title or "attention weights"))
     if view.mode == "cross":
         raise ValueError(f"cross-attention weights are shown up to {WALK_TOKENS} tokens a side, "
                          f"got {tuple(view.weights.shape[1:])}")
@@ -159,13 +162,43 @@ def word_attention_view(words: WordAttention, *, layer: int | None = None, head:
     if not 0 <= focus < len(words.words):
         raise ValueError(f"row must be a word position in [0, {len(words.words)}), got {focus}")
     section = html.TrainedSection(title or "model", words, focus=focus, layer=layer, heads=(head,))
-    return View(lambda: html.trained_view(section), title=title or "head view")
+
+    def picture():  # the head as a heatmap: the page draws the same weights as lines
+        return picture_.heatmap_picture(words.weights[layer, head:head + 1], words.words, words.words,
+                                        title=title or "head view", head_titles=[f"layer {layer}, head {head}"],
+                                        note="The page draws these weights as lines between the words.")
+
+    return View(lambda: html.trained_view(section), title=title or "head view", picture=picture)
 
 
 def _check_not_empty(weights: Tensor) -> None:
     """A view draws at least one head, query and key: an empty size is refused naming ``weights``."""
     if weights.numel() == 0:
         raise ValueError(f"weights must hold at least one head, query and key, got shape {tuple(weights.shape)}")
+
+
+def _weights_picture(view: html.Weights, title: str) -> picture_.Picture:
+    """The walk's heatmap card of ``view`` as a picture (every head a panel)."""
+    return picture_.heatmap_picture(view.weights, view.tokens, view.context_tokens, allowed=view.allowed, title=title)
+
+
+def decode_weights(text: str, shape) -> Tensor:
+    """What :func:`encode_weights` wrote, read back as the page's scripts do (``uint16 / 65535``).
+
+    Example:
+        >>> [round(w, 4) for w in decode_weights(encode_weights(torch.tensor([0.25, 1.0])), (2,)).tolist()]
+        [0.25, 1.0]
+    """
+    raw = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.int16).to(torch.int32) & 0xFFFF
+    return (raw.double() / 65535).reshape(shape)
+
+
+def _grid_picture(data: dict, title: str, *, note: str = "") -> picture_.Picture:
+    """The model view's thumbnails (``data`` of :func:`_model_data`) as a picture."""
+    values = decode_weights(data["data"], (sum(data["heads"]), data["n"], data["n"]))  # (heads, n, n)
+    if data["block"] > 1:
+        note = (note + " " if note else "") + f"{len(data['tokens'])} tokens in blocks of {data['block']}."
+    return picture_.grid_picture(values, data["heads"], data["rows"], title=title, note=note)
 
 
 def _titled(title: str | None, view: str) -> str:
@@ -344,7 +377,8 @@ def model_view(weights: Tensor | LazyWeights, tokens=None, *, layer: int = 0, he
         raise ValueError(f"row must be a query position in [0, {len(data['tokens'])}), got {row!r}")
     data.update(layer=layer, head=head, row=None if row is None else row // data["block"])
     title = title or f"{len(data['heads'])} layers x {max(data['heads'])} heads, {len(data['tokens'])} tokens"
-    return View(lambda: _model_fragment(data, title, roles=("model",)), title=title)
+    return View(lambda: _model_fragment(data, title, roles=("model",)), title=title,
+                picture=lambda: _grid_picture(data, title))
 
 
 def _check_focus(weights, layer: int, head: int) -> None:
@@ -383,7 +417,8 @@ def generation_view(weights: Tensor, tokens, *, prompt_length: int, title: str |
         raise ValueError(f"prompt_length must be in [1, {len(data['tokens'])}), got {prompt_length}")
     data.update(layer=0, head=0, prompt=prompt_length)
     title = title or f"{len(data['tokens']) - prompt_length} generated tokens"
-    return View(lambda: _model_fragment(data, title, roles=("model", "generation")), title=title)
+    return View(lambda: _model_fragment(data, title, roles=("model", "generation")), title=title,
+                picture=lambda: _grid_picture(data, title, note=f"Tokens 0-{prompt_length - 1} are the prompt."))
 
 
 def _zoom_box(data: dict, prefix: str) -> str:
