@@ -28,12 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from attnlab import masks as _masks
-from attnlab._checks import divisible, instance_of, one_of, positive_int, positive_number, probability
+from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.backends import check_backend_name
 from attnlab.nn.cache import Cache, _cache_options, _restore_on_error, new_positions
 from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import (HeadRMSNorm, QKNorm, _check_cache, _check_cache_options, _check_documents,
                                   _check_window, _combine_masks, _with_documents, attend_causal, make_cache)
+from attnlab.nn.parts import head_sizes
 from attnlab.nn.positional import RotaryEmbedding
 
 __all__ = ["GatedAttention"]
@@ -50,14 +51,7 @@ class _ProjectedAttention(nn.Module):
                  q_parts: int, bias: bool, positions: str | None, rotary_dim: int | None, rope_base: float,
                  causal: bool, window: int | None, dropout_p: float, backend: str):
         super().__init__()
-        positive_int("d_model", d_model)
-        positive_int("num_heads", num_heads)
-        num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
-        divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
-        if head_dim is None:
-            divisible("d_model", d_model, "num_heads", num_heads)
-            head_dim = d_model // num_heads
-        positive_int("head_dim", head_dim)
+        num_kv_heads, head_dim = head_sizes(d_model, num_heads, num_kv_heads, head_dim, group_name="num_kv_heads")
         instance_of("bias", bias, bool, "a bool")
         instance_of("causal", causal, bool, "a bool")
         check_backend_name(backend)

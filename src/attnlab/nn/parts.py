@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import instance_of, positive_int, positive_number
+from attnlab._checks import divisible, instance_of, positive_int, positive_number
 
-__all__ = ["QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of"]
+__all__ = ["QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of", "head_sizes"]
 
 
 @dataclass(frozen=True)
@@ -237,3 +237,27 @@ def _check_chunk(chunk: object, causal: bool, window: object) -> int | None:
     if window is not None:
         raise ValueError(f"chunk={chunk} with window={window}: a layer is chunked or sliding, not both")
     return chunk
+
+
+def head_sizes(d_model: int, num_heads: int, group_heads: int | None, head_dim: int | None, *,
+               group_name: str) -> tuple[int, int]:
+    """``(group_heads, head_dim)`` of a layer whose ``num_heads`` share ``group_heads`` heads (key/value
+    heads, or query/key heads of a recurrent layer) of ``head_dim`` features, checked and defaulted:
+    ``group_heads`` to ``num_heads``, ``head_dim`` to ``d_model // num_heads``.
+
+    Example:
+        >>> head_sizes(64, 8, 2, None, group_name="num_kv_heads")
+        (2, 8)
+        >>> head_sizes(64, 8, 3, None, group_name="num_kv_heads")
+        Traceback (most recent call last):
+        ...
+        ValueError: num_heads (8) must be a multiple of num_kv_heads (3)
+    """
+    positive_int("d_model", d_model)
+    positive_int("num_heads", num_heads)
+    group_heads = num_heads if group_heads is None else positive_int(group_name, group_heads)
+    divisible("num_heads", num_heads, group_name, group_heads)
+    if head_dim is None:
+        divisible("d_model", d_model, "num_heads", num_heads)
+        head_dim = d_model // num_heads
+    return group_heads, positive_int("head_dim", head_dim)

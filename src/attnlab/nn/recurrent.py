@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab import linear as _linear
-from attnlab._checks import divisible, instance_of, one_of, positive_int, positive_number
+from attnlab._checks import instance_of, one_of, positive_int, positive_number
 from attnlab.nn.cache import RecurrentCache, _cache_options
 from attnlab.nn.latent import _check_x
 from attnlab.nn.multihead import _check_documents, _check_padding_type
+from attnlab.nn.parts import head_sizes
 
 __all__ = ["GatedDeltaNet", "KimiDeltaAttention", "DecayedLinearAttention"]
 
@@ -178,15 +179,9 @@ class _DeltaLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_key_heads: int | None, head_dim: int | None,
                  value_dim: int | None, kernel_size: int, norm_eps: float, bias: bool, backend: str):
         super().__init__()
-        positive_int("d_model", d_model)
-        positive_int("num_heads", num_heads)
-        num_key_heads = num_heads if num_key_heads is None else positive_int("num_key_heads", num_key_heads)
-        divisible("num_heads", num_heads, "num_key_heads", num_key_heads)
-        if head_dim is None:
-            divisible("d_model", d_model, "num_heads", num_heads)
-            head_dim = d_model // num_heads
+        num_key_heads, head_dim = head_sizes(d_model, num_heads, num_key_heads, head_dim, group_name="num_key_heads")
         value_dim = head_dim if value_dim is None else value_dim
-        for name, size in (("head_dim", head_dim), ("value_dim", value_dim), ("kernel_size", kernel_size)):
+        for name, size in (("value_dim", value_dim), ("kernel_size", kernel_size)):
             positive_int(name, size)
         positive_number("norm_eps", norm_eps)
         instance_of("bias", bias, bool, "a bool")

@@ -17,8 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import random
 import time
 from dataclasses import dataclass
