@@ -15,14 +15,16 @@ from attnlab.lab.cli._errors import OneLineErrorsGroup
 HELP = """attnlab: attention mechanisms on PyTorch, readable, proven fast, and visible.
 
 Start with `attnlab explain` to watch a sentence go through self-attention step by step
-(it also writes heatmaps and an offline HTML report), then see what a trained model's heads do
-with it (`attnlab explain --model minilm`). `attnlab verify` checks every fast
-backend against the fp64 reference on this machine, `attnlab backends` says which backend
+(it also writes heatmaps and an offline HTML report; `--walk flash` computes it tile by tile as
+FlashAttention does), then see what a trained model's heads do with it (`attnlab explain --model
+minilm`). `attnlab verify` checks every fast backend, and linear attention's, against the fp64
+reference on this machine, `attnlab backends` says which backend
 a call would use and why, and `attnlab bench` times them. `attnlab train` trains a small GPT
 on your CPU and names the heads that learned the task; `attnlab generate` continues a prompt with it.
 `attnlab context-parallel` runs ring and Ulysses attention across processes and checks them
-against one process. `attnlab kv-memory` works out the KV-cache size of MHA, GQA, MLA and
-sliding-window layers at a context length. `attnlab COMMAND --help` for more.
+against one process. `attnlab kv-memory` works out the KV-cache size of MHA, GQA, MLA,
+sliding-window and compressed layers, and the constant state of recurrent (linear-attention)
+hybrids, at a context length. `attnlab COMMAND --help` for more.
 """
 
 app = typer.Typer(
