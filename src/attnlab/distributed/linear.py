@@ -35,7 +35,7 @@ from torch import Tensor
 
 from attnlab.distributed._agreement import check_agreement
 from attnlab.distributed._comm import CommStats, all_gather, peers
-from attnlab.linear import linear_attention
+from attnlab.linear import _run
 from attnlab.linear._call import linear_call
 
 __all__ = ["context_parallel_linear_attention"]
@@ -104,21 +104,17 @@ def context_parallel_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, decay:
                      "initial_state": initial_state, "backend": backend, "return_state": return_state,
                      "grad": torch.is_grad_enabled()}, who, q.device)
     B, _, Hv, T, Dk, Dv = call.sizes
-    options = dict(decay=decay, beta=beta, scale=call.scale, return_state=True, backend=backend)
-    own, writes = linear_attention(q, k, v, **options)  # from a zero state: o(0), B
+    # The arguments were checked above: the two runs read no values again (_run(values=False)).
+    options = dict(decay=decay, beta=beta, scale=call.scale, cu_seqlens=None, backend=backend, values=False)
+    own, writes = _run(q, k, v, initial_state=None, **options)  # from a zero state: o(0), B
     eye = torch.eye(Dk, dtype=call.state_dtype, device=q.device).expand(B, Hv, Dk, Dk)
-    reads, transition = linear_attention(q, k, q.new_zeros(B, Hv, T, Dk), initial_state=eye, **options)  # r, A
+    reads, transition = _run(q, k, q.new_zeros(B, Hv, T, Dk), initial_state=eye, **options)  # r, A
     table = all_gather(torch.cat([transition, writes], dim=-1), who, what="linear attention: the chunk states",
                        stats=stats)  # (P, B, Hv, Dk, Dk + Dv)
-    state = (initial_state.to(call.state_dtype) if initial_state is not None
-             else writes.new_zeros(B, Hv, Dk, Dv))
-    incoming = None
-    for rank in range(who.world):
-        if rank == who.rank:
-            incoming = state
-            if not return_state:
-                break
-        state = table[rank, ..., :Dk] @ state + table[rank, ..., Dk:]  # A_r S + B_r: (B, Hv, Dk, Dv)
-    out = own + (reads.to(call.state_dtype) @ incoming).to(own.dtype)  # (B, Hv, T, Dk) @ (B, Hv, Dk, Dv)
+    # The state entering rank 0, 1, ...: S_in(r + 1) = A_r S_in(r) + B_r, up to this rank (or past the last).
+    states = [initial_state.to(call.state_dtype) if initial_state is not None else writes.new_zeros(B, Hv, Dk, Dv)]
+    for rank in range(who.world if return_state else who.rank):
+        states.append(table[rank, ..., :Dk] @ states[-1] + table[rank, ..., Dk:])  # (B, Hv, Dk, Dv)
+    out = own + (reads.to(call.state_dtype) @ states[who.rank]).to(own.dtype)  # (B, Hv, T, Dk) @ (B, Hv, Dk, Dv)
     out = _Joined.apply(out, table)
-    return (out, state) if return_state else out
+    return (out, states[-1]) if return_state else out

@@ -49,9 +49,12 @@ def _recurrent(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor]:
 BACKENDS: dict[str, Run] = {"reference": run_reference, "recurrent": _recurrent, "chunked": run_chunked}
 
 
+STEPS_UP_TO = 16  # "auto" runs up to this many tokens a step at a time (decoding), more in chunks
+
+
 def _choose(call: LinearCall) -> str:
     """``auto``: a step at a time for a few tokens (decoding), the chunked form for more."""
-    return "chunked" if "chunked" in BACKENDS and call.q.shape[2] > 16 else "recurrent"
+    return "chunked" if call.q.shape[2] > STEPS_UP_TO else "recurrent"
 
 
 def linear_attention(q, k, v, *, decay=None, beta=None, scale=None, initial_state=None, return_state=False,
@@ -106,7 +109,8 @@ def _run(q, k, v, *, decay, beta, scale, initial_state, cu_seqlens, backend, val
     """:func:`linear_attention` returning ``(out, state)``; ``values=False`` leaves out the checks
     that read values (for a layer whose decay, beta and state are valid by construction and whose
     input it checked itself: a decoding step pays no NaN scan of its own tensors)."""
-    one_of("backend", backend, ["auto", *BACKENDS])
+    if backend != "auto" and backend not in BACKENDS:  # (a list built only to word the error)
+        one_of("backend", backend, ["auto", *BACKENDS])
     call = linear_call(q, k, v, decay=decay, beta=beta, scale=scale, initial_state=initial_state,
                        cu_seqlens=cu_seqlens, values=values)
     if call.q.shape[2] == 0:

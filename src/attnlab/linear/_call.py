@@ -70,14 +70,6 @@ class LinearCall:
         B, _, Hv, _, Dk, Dv = self.sizes
         return (len(self.starts) - 1 if self.cu_seqlens is not None else B), Hv, Dk, Dv
 
-    @property
-    def documents(self) -> list[tuple[int, int, int]]:
-        """``(batch row, start, end)`` of each sequence whose state starts at ``initial_state[i]``."""
-        if self.cu_seqlens is None:
-            T = self.q.shape[2]
-            return [(b, 0, T) for b in range(self.q.shape[0])]
-        return [(0, s, e) for s, e in zip(self.starts[:-1], self.starts[1:])]
-
 
 RULES = {(False, False, False): "additive", (True, False, False): "decay", (True, True, False): "channel",
          (False, False, True): "delta", (True, False, True): "gated_delta", (True, True, True): "kda"}
