@@ -1,13 +1,14 @@
-"""Recurrent (linear-attention) layers of 2026's hybrid models: Gated DeltaNet and Kimi Delta Attention.
+"""Recurrent (linear-attention) layers of 2026's hybrid models: Gated DeltaNet, Kimi Delta Attention and
+the scalar-decay layer of Mamba-2 and RetNet.
 
-Both layers are one mechanism, :class:`_DeltaLayer`; each says only how it makes its inputs:
+The layers are one mechanism, :class:`_DeltaLayer`; each says only how it makes its inputs:
 
 1. project ``x`` ``(B, T, d_model)`` to the features of q, k and v (``(B, T, channels)``);
 2. a short causal depthwise convolution over them, then SiLU (its last ``kernel_size - 1``
    inputs are the cache's window);
 3. split into heads, l2-normalise q and k;
-4. :func:`attnlab.linear_attention` with the layer's ``decay`` and ``beta`` (the delta rule),
-   from the cache's state ``S`` and back into it;
+4. :func:`attnlab.linear_attention` with the layer's ``decay`` and ``beta`` (the delta rule; no
+   beta: the additive update), from the cache's state ``S`` and back into it;
 5. a gated RMSNorm per value head (normalise, ``* weight``, ``* act(gate)``) and the output projection.
 
 * :class:`GatedDeltaNet` (Qwen3-Next, Qwen3.5): one log-decay per value head and step,
@@ -166,7 +167,7 @@ def _unpacked(x: Tensor, B: int) -> Tensor:
 
 
 class _DeltaLayer(nn.Module):
-    """The shared path of the delta-rule layers (see the module docstring); a subclass defines
+    """The shared path of the recurrent layers (see the module docstring); a subclass defines
     :meth:`_inputs` (its projections, decay, beta and gate) and ``_gate_activation``.
 
     Attributes:
@@ -226,7 +227,7 @@ class _DeltaLayer(nn.Module):
         full = torch.cat([window, mixed.transpose(1, 2)], dim=2)  # (B, C, K - 1 + T)
         features = F.silu(self._conv(full, documents)).transpose(1, 2)  # (B, T, C)
         q, k, v = self._heads(features, padding_mask)  # (B, H, T, Dk), (B, H, T, Dk), (B, Hv, T, Dv)
-        decay = inputs.decay if padding_mask is None or inputs.decay is None else self._skip(inputs.decay, padding_mask)
+        decay = self._skip(inputs.decay, padding_mask)
         out, state = self._attend(q, k, v, _heads_first(decay), _heads_first(inputs.beta),
                                   None if cache is None else cache.state, documents)  # (B, Hv, T, Dv)
         out = self.norm(out.transpose(1, 2), inputs.gate).flatten(2)  # (B, T, Hv * Dv)
@@ -259,16 +260,19 @@ class _DeltaLayer(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
-    def _skip(decay: Tensor, padding_mask: Tensor) -> Tensor:
-        """No decay at padded tokens ``(B, T, Hv[, Dk])``: the state passes them unchanged."""
+    def _skip(decay: Tensor | None, padding_mask: Tensor | None) -> Tensor | None:
+        """No decay at padded tokens ``(B, T, Hv[, Dk])``: the state passes them unchanged (None: nothing to do)."""
+        if decay is None or padding_mask is None:
+            return decay
         keep = padding_mask.reshape(*padding_mask.shape, *([1] * (decay.dim() - 2)))
         return decay * keep.to(decay.dtype)
 
     def _attend(self, q, k, v, decay, beta, state, documents):
-        """:func:`attnlab.linear_attention` (the delta rule), packing documents' rows end to end.
+        """:func:`attnlab.linear_attention` (the layer's rule), packing documents' rows end to end.
 
         Shapes:
-            q, k: ``(B, H, T, Dk)``; v: ``(B, Hv, T, Dv)``; decay ``(B, Hv, T[, Dk])``; beta ``(B, Hv, T)``;
+            q, k: ``(B, H, T, Dk)``; v: ``(B, Hv, T, Dv)``; decay None or ``(B, Hv, T[, Dk])``; beta None or
+            ``(B, Hv, T)``;
             state: None or ``(B, Hv, Dk, Dv)`` -> ``out (B, Hv, T, Dv)``, ``state (B, Hv, Dk, Dv)``.
         """
         # decay <= 0 and beta in [0, 1] hold by construction and x was checked finite: linear_attention's
