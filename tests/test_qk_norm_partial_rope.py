@@ -281,7 +281,7 @@ def test_empty_sequences_pass_through():
     (lambda: MultiHeadAttention(8, 8, num_heads=2, positions=RotaryEmbedding(8, rotary_dim=4)), ValueError,
      "RotaryEmbedding(head_dim=4)"),
     (lambda: TransformerBlock(8, 2, attn=torch.nn.Identity(), qk_norm=QKNorm()), ValueError,
-     "qk_norm=QKNorm(eps=1e-06, unit_offset=False) is an option of the block's own MultiHeadAttention"),
+     "qk_norm=QKNorm(eps=1e-06, unit_offset=False, over='head') is an option of the block's own MultiHeadAttention"),
     (lambda: to_torch(MultiHeadAttention(8, 8, num_heads=2, pattern=None, qkv=QKV(qk_norm=QKNorm()))), ValueError,
      "qk_norm="),
     (lambda: _gpt(rope_fraction=0.3), ValueError, "rope_fraction=0.3 of head_dim=8 is 2.4 features"),

@@ -95,6 +95,8 @@ def _inexpressible(mha: MultiHeadAttention) -> list[str]:
     an argument of torch's call (``attn_mask``), ``context_length`` a length check only, and
     ``backend`` where attnlab computes, none of them a change of the output."""
     found = [] if mha.d_in == mha.d_out else [f"d_in={mha.d_in} != d_out={mha.d_out}"]
+    if mha.d_q != mha.d_out:
+        found.append(f"head_dim={mha.head_dim} (num_heads * head_dim = {mha.d_q}, not d_out={mha.d_out})")
     if mha.num_kv_heads != mha.num_heads:
         found.append(f"num_kv_heads={mha.num_kv_heads} (grouped heads)")
     for name in ("positions", "window", "chunk", "softcap", "sinks", "qk_norm"):  # qk_norm: the QKV part's

@@ -51,50 +51,63 @@ class _KeyPaddingMod(_masks.MaskMod):
 
 
 class HeadRMSNorm(nn.Module):
-    """RMSNorm over the last axis (a head's features), a :class:`QKNorm`'s ``q_norm``/``k_norm``.
+    """RMSNorm of a :class:`QKNorm`, its ``q_norm``/``k_norm``: over the last axis (a head's
+    ``dim`` features) or, for ``QKNorm(over="all")``, over the last two (a token's ``heads`` heads).
 
     ``weight * x / sqrt(mean(x**2) + eps)`` (or ``(1 + weight) * ...`` with ``unit_offset``),
     normalised in fp32 for half-precision inputs, each form rounded where its model rounds:
-    Qwen3 casts the normalised ``x`` back before the weight, Gemma 3 / Qwen3.5 after the scale.
+    Qwen3 casts the normalised ``x`` back before the weight, Gemma 3 / Qwen3.5 / OLMo-2 after it.
 
     Shapes:
-        x: ``(..., dim)`` -> same shape.
+        x: ``(..., dim)`` (``(..., heads, dim)`` over all heads) -> same shape; weight ``(dim,)``
+        (``(heads * dim,)``).
 
     Example:
         >>> HeadRMSNorm(4, QKNorm(eps=1e-12))(torch.tensor([2.0, -2.0, 2.0, 2.0]))
         tensor([ 1., -1.,  1.,  1.], grad_fn=<MulBackward0>)
+        >>> HeadRMSNorm(2, QKNorm(eps=1e-12, over="all"), heads=2)(torch.tensor([[4.0, 4.0], [0.0, 0.0]]))
+        tensor([[1.4142, 1.4142],
+                [0.0000, 0.0000]], grad_fn=<MulBackward0>)
     """
 
-    def __init__(self, dim: int, part: QKNorm):
+    def __init__(self, dim: int, part: QKNorm, *, heads: int = 1):
         super().__init__()
-        self.eps, self.unit_offset = part.eps, part.unit_offset
-        self.weight = nn.Parameter(torch.zeros(dim) if part.unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset, self.over = part.eps, part.unit_offset, part.over
+        size = dim * heads if part.over == "all" else dim
+        self.weight = nn.Parameter(torch.zeros(size) if part.unit_offset else torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
         work = torch.promote_types(x.dtype, torch.float32)  # half precision normalises in fp32
         x32 = x.to(work)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        every = self.over == "all"
+        normed = x32 * torch.rsqrt(x32.pow(2).mean((-2, -1) if every else -1, keepdim=True) + self.eps)
+        weight = self.weight.view(x.shape[-2:]) if every else self.weight  # (heads, dim) or (dim,)
         if self.unit_offset:
-            return (normed * (1.0 + self.weight.to(work))).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+            return (normed * (1.0 + weight.to(work))).to(x.dtype)
+        if every:  # OLMo-2 rounds after the weight
+            return (weight.to(work) * normed).to(x.dtype)
+        return weight * normed.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
+        return (f"{self.weight.shape[0]}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
+                + (", over='all'" if self.over == "all" else ""))
 
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: self-attention (causal by default) or cross-attention.
 
     ``x`` is projected to ``num_heads`` query heads and ``num_kv_heads`` key/value heads of
-    ``head_dim = d_out // num_heads`` features, each query head attends (through
+    ``head_dim`` features (``d_out // num_heads`` unless ``QKV(head_dim=)`` sets it), each query head attends (through
     :func:`attnlab.attention`, on ``backend``), the heads are concatenated and projected by
     ``out_proj``. With ``context`` the keys and values come from ``context`` instead
     (cross-attention).
 
     **Weights.** When keys and values have the input's width (``kdim == vdim == d_in``) the
-    three projections are stored fused in ``in_proj_weight`` ``(d_out + 2 * d_kv, d_in)``
-    (rows: query, key, value; ``d_kv = num_kv_heads * head_dim``) and ``in_proj_bias``, so
-    self-attention is one matmul. Otherwise they are ``q_proj_weight`` ``(d_out, d_in)``,
+    three projections are stored fused in ``in_proj_weight`` ``(d_q + 2 * d_kv, d_in)``
+    (rows: query, key, value; ``d_q = num_heads * head_dim``, which is ``d_out`` unless
+    ``QKV(head_dim=)`` sets the heads' width; ``d_kv = num_kv_heads * head_dim``) and
+    ``in_proj_bias``, so self-attention is one matmul; ``out_proj`` maps ``d_q`` to ``d_out``.
+    Otherwise they are ``q_proj_weight`` ``(d_q, d_in)``,
     ``k_proj_weight`` ``(d_kv, kdim)``, ``v_proj_weight`` ``(d_kv, vdim)`` plus
     ``in_proj_bias`` -- the layout of ``torch.nn.MultiheadAttention``; :meth:`projection`
     gives one part's ``(weight, bias)``. The parameters are initialised exactly as the
@@ -127,7 +140,8 @@ class MultiHeadAttention(nn.Module):
 
     Args:
         d_in: width of ``x`` (the query input).
-        d_out: width of the output; ``num_heads`` heads of ``d_out // num_heads`` features.
+        d_out: width of the output; ``num_heads`` heads of ``d_out // num_heads`` features (or of
+            ``QKV(head_dim=)``).
         context_length: optional bound on the number of (cached + new) tokens.
         dropout_p: dropout probability on the attention weights, applied in training only.
         num_heads: number of query heads.
@@ -212,7 +226,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if qkv.num_kv_heads is None else qkv.num_kv_heads
         kdim = d_in if qkv.kdim is None else qkv.kdim
         vdim = kdim if qkv.vdim is None else qkv.vdim
-        self._check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim)
+        self._check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim, qkv.head_dim)
         check_backend_name(backend)
         self.pattern = _check_pattern(pattern)
         self.causal = pattern is not None
@@ -220,13 +234,13 @@ class MultiHeadAttention(nn.Module):
         self.chunk = pattern.size if isinstance(pattern, Chunk) else None
         self.d_in, self.d_out, self.kdim, self.vdim = d_in, d_out, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = d_out // num_heads
-        self.d_kv = num_kv_heads * self.head_dim
+        self.head_dim = d_out // num_heads if qkv.head_dim is None else qkv.head_dim
+        self.d_q, self.d_kv = num_heads * self.head_dim, num_kv_heads * self.head_dim  # d_q: d_out unless head_dim
         self.context_length, self.dropout_p = context_length, float(dropout_p)
         self.backend = backend
         self.fused = kdim == d_in and vdim == d_in
         self._make_projections(qkv.bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=qkv.out_bias)
+        self.out_proj = nn.Linear(self.d_q, d_out, bias=qkv.out_bias)
         self.positions = self._make_positions(positions)
         self._make_qk_norm(qkv.qk_norm)
         self.softcap = None if softcap is None else positive_number("softcap", softcap)
@@ -243,7 +257,7 @@ class MultiHeadAttention(nn.Module):
         """The projections part as given (heads and widths resolved)."""
         return QKV(num_kv_heads=self.num_kv_heads, kdim=self.kdim, vdim=self.vdim,
                    bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None,
-                   qk_norm=self.qk_norm)
+                   qk_norm=self.qk_norm, head_dim=None if self.d_q == self.d_out else self.head_dim)
 
     def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
         """The positions part from its name or as given (its sizes checked)."""
@@ -261,13 +275,14 @@ class MultiHeadAttention(nn.Module):
         if part is None:
             self.q_norm = self.k_norm = None
             return
-        self.q_norm, self.k_norm = HeadRMSNorm(self.head_dim, part), HeadRMSNorm(self.head_dim, part)
+        self.q_norm = HeadRMSNorm(self.head_dim, part, heads=self.num_heads)
+        self.k_norm = HeadRMSNorm(self.head_dim, part, heads=self.num_kv_heads)
 
     @property
     def qk_norm(self) -> QKNorm | None:
         """The projections part's QK-norm, or None."""
         norm = self.q_norm
-        return None if norm is None else QKNorm(eps=norm.eps, unit_offset=norm.unit_offset)
+        return None if norm is None else QKNorm(eps=norm.eps, unit_offset=norm.unit_offset, over=norm.over)
 
     @property
     def rope(self) -> RotaryEmbedding | None:
@@ -310,11 +325,12 @@ class MultiHeadAttention(nn.Module):
         return _scores.compose(*mods) if mods else None
 
     @staticmethod
-    def _check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim):
+    def _check_args(d_in, d_out, context_length, dropout_p, num_heads, num_kv_heads, kdim, vdim, head_dim):
         for name, size in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads),
                            ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
             positive_int(name, size)
-        divisible("d_out", d_out, "num_heads", num_heads)
+        if head_dim is None:  # heads of their own width need not divide d_out
+            divisible("d_out", d_out, "num_heads", num_heads)
         divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
         if context_length is not None:
             positive_int("context_length", context_length)
@@ -322,11 +338,11 @@ class MultiHeadAttention(nn.Module):
 
     def _make_projections(self, qkv_bias: bool) -> None:
         """Create the Q/K/V parameters and initialise them as three ``nn.Linear`` in order."""
-        sizes = (self.d_out, self.d_kv, self.d_kv)
+        sizes = (self.d_q, self.d_kv, self.d_kv)
         if self.fused:
             self.in_proj_weight = nn.Parameter(torch.empty(sum(sizes), self.d_in))
         else:
-            self.q_proj_weight = nn.Parameter(torch.empty(self.d_out, self.d_in))
+            self.q_proj_weight = nn.Parameter(torch.empty(self.d_q, self.d_in))
             self.k_proj_weight = nn.Parameter(torch.empty(self.d_kv, self.kdim))
             self.v_proj_weight = nn.Parameter(torch.empty(self.d_kv, self.vdim))
         self.in_proj_bias = nn.Parameter(torch.empty(sum(sizes))) if qkv_bias else None
@@ -350,7 +366,8 @@ class MultiHeadAttention(nn.Module):
         edits the module. The projection is ``F.linear(x, weight, bias)``.
 
         Shapes:
-            query: weight ``(d_out, d_in)``, bias ``(d_out,)``; key: ``(d_kv, kdim)``,
+            query: weight ``(d_q, d_in)``, bias ``(d_q,)`` (``d_q = num_heads * head_dim``, ``d_out`` unless
+            ``QKV(head_dim=)`` says otherwise); key: ``(d_kv, kdim)``,
             ``(d_kv,)``; value: ``(d_kv, vdim)``, ``(d_kv,)``. ``bias`` is None without
             ``qkv_bias``.
 
@@ -361,7 +378,7 @@ class MultiHeadAttention(nn.Module):
             (torch.Size([3, 4]), True, torch.Size([3]))
         """
         index = _PARTS.index(one_of("part", part, _PARTS))
-        starts = (0, self.d_out, self.d_out + self.d_kv, self.d_out + 2 * self.d_kv)
+        starts = (0, self.d_q, self.d_q + self.d_kv, self.d_q + 2 * self.d_kv)
         rows = slice(starts[index], starts[index + 1])
         if self.fused:
             weight = self.in_proj_weight[rows]
@@ -386,9 +403,9 @@ class MultiHeadAttention(nn.Module):
         if not self.fused:
             return self.project_q(x), *self.project_kv(x)
         B, T, _ = x.shape
-        hd, d_out, d_kv = self.head_dim, self.d_out, self.d_kv
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, T, d_out + 2 d_kv)
-        q, k, v = qkv.split((d_out, d_kv, d_kv), dim=-1)
+        hd, d_q, d_kv = self.head_dim, self.d_q, self.d_kv
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, T, d_q + 2 d_kv)
+        q, k, v = qkv.split((d_q, d_kv, d_kv), dim=-1)
         q, k = q.view(B, T, self.num_heads, hd), k.view(B, T, self.num_kv_heads, hd)  # (B, T, H|Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -419,9 +436,9 @@ class MultiHeadAttention(nn.Module):
             torch.Size([1, 2, 3, 4])
         """
         if self.fused and value_input is None:
-            weight, bias = self.in_proj_weight[self.d_out :], None
+            weight, bias = self.in_proj_weight[self.d_q :], None
             if self.in_proj_bias is not None:
-                bias = self.in_proj_bias[self.d_out :]
+                bias = self.in_proj_bias[self.d_q :]
             k, v = F.linear(context, weight, bias).split((self.d_kv, self.d_kv), dim=-1)
         else:
             k = F.linear(context, *self.projection("key"))
@@ -475,7 +492,7 @@ class MultiHeadAttention(nn.Module):
             if step is not None:  # the one query is the newest token: it sees every cached key, no mask
                 out = self.attention(*step, causal=False, dropout_p=0.0, backend=self.backend,
                                      sinks=self.sinks)  # (B, H, 1, hd)
-                return self.out_proj(out.reshape(x.shape[0], 1, self.d_out))  # (B, 1, d_out); T = 1: no transpose
+                return self.out_proj(out.reshape(x.shape[0], 1, self.d_q))  # (B, 1, d_out); T = 1: no transpose
         self._check_inputs(x, context, value_input)
         if (context is None and mask is None and cache is None
                 and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
@@ -489,7 +506,7 @@ class MultiHeadAttention(nn.Module):
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = self.attention(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0,
                                  backend=self.backend, sinks=self.sinks)  # (B, H, T, hd)
-            return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_out))  # (B, T, d_out)
+            return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_q))  # (B, T, d_out)
         mask, padding_mask, document_ids = _mask_parts(mask, self.causal)
         unbatched = x.ndim == 2
         x, context, value_input, mask, padding_mask = _batch_inputs(x, context, value_input, mask, padding_mask,
@@ -511,7 +528,7 @@ class MultiHeadAttention(nn.Module):
                                                  return_weights, documents)
                 result = self.attention(q, k, v, **options)  # (B, H, Tq, hd), weights (B, H, Tq, Tk)
                 out, weights = result if return_weights else (result, None)
-                out = self.out_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.d_out))  # (B, Tq, d_out)
+                out = self.out_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.d_q))  # (B, Tq, d_out)
         if unbatched:
             out, weights = out[0], None if weights is None else weights[0]
         return (out, weights) if return_weights else out
@@ -542,8 +559,9 @@ class MultiHeadAttention(nn.Module):
         B, H, qk = x.shape[0], self.num_heads, self.num_heads + self.num_kv_heads
         heads = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(B, qk + self.num_kv_heads, 1, self.head_dim)
         # (B, H + 2 Hkv, 1, hd): query, key, value heads in the fused rows' order (T = 1: no transpose)
-        if self.q_norm is not None:  # normed heads, then rotated: H + Hkv new rows
-            heads = torch.cat((self.q_norm(heads[:, :H]), self.k_norm(heads[:, H:qk]), heads[:, qk:]), dim=1)
+        if self.q_norm is not None:  # normed heads, then rotated: H + Hkv new rows; (B, 1, H|Hkv, hd) for the norms
+            heads = torch.cat((self.q_norm(heads[:, :H].transpose(1, 2)).transpose(1, 2),
+                               self.k_norm(heads[:, H:qk].transpose(1, 2)).transpose(1, 2), heads[:, qk:]), dim=1)
         if self.positions is not None:  # queries and keys rotated in one call
             cos, sin = self.positions.cos_sin(1, offset=length, dtype=x.dtype, device=x.device)  # (1, hd/2)
             rotated = apply_rotary(heads[:, :qk], cos, sin)  # (B, H + Hkv, 1, hd)
@@ -629,7 +647,7 @@ class MultiHeadAttention(nn.Module):
             window = _masks.chunked_local_mod(T, T, self.chunk)
         out = self.attention(q, k, v, causal=self.causal, mask=window, score_mod=self._score_mod(0, False),
                              sinks=self.sinks)  # (B, H, T_local, hd)
-        out = out.transpose(1, 2).reshape(B, T, self.d_out)  # (B, T_local, d_out)
+        out = out.transpose(1, 2).reshape(B, T, self.d_q)  # (B, T_local, H * hd)
         return self.out_proj(out), None
 
     def _qkv(self, x, context, value_input, cache, documents=None):
@@ -720,6 +738,7 @@ class MultiHeadAttention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
             f"causal={self.causal}, dropout_p={self.dropout_p}, backend={self.backend!r}"
             + (f", window={self.window}" if self.window is not None else "")
+            + (f", head_dim={self.head_dim}" if self.d_q != self.d_out else "")
             + (f", chunk={self.chunk}" if self.chunk is not None else "")
         )
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from attnlab import masks as _masks
-from attnlab._checks import divisible, instance_of, positive_int, positive_number
+from attnlab._checks import divisible, instance_of, one_of, positive_int, positive_number
 
 __all__ = ["QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of", "head_sizes"]
 
@@ -33,12 +33,20 @@ class QKV:
         bias: bias in the query/key/value projections (the old ``qkv_bias``).
         out_bias: bias in ``out_proj``.
         qk_norm: a :class:`QKNorm` normalising each projected query and key head (Qwen3,
-            Gemma 3), or None (no norm, no parameters).
+            Gemma 3) or the whole projection (OLMo-2), or None (no norm, no parameters).
+        head_dim: features of each query/key/value head; None: ``d_out // num_heads``. Given,
+            ``num_heads * head_dim`` need not be ``d_out``: the queries project to
+            ``num_heads * head_dim`` features, the keys and values to ``num_kv_heads * head_dim``,
+            and ``out_proj`` maps the heads' ``num_heads * head_dim`` back to ``d_out`` (Gemma 3,
+            Gemma 4, Llama 4, Qwen3 size heads so).
 
     Example:
         >>> from attnlab.nn import MultiHeadAttention
         >>> MultiHeadAttention(8, 8, num_heads=4, qkv=QKV(num_kv_heads=2, bias=True)).in_proj_bias.shape
         torch.Size([16])
+        >>> wide = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(head_dim=512))   # Gemma 4's global heads
+        >>> wide.in_proj_weight.shape, wide.out_proj.weight.shape
+        (torch.Size([3072, 8]), torch.Size([8, 1024]))
     """
 
     num_kv_heads: int | None = None
@@ -47,9 +55,10 @@ class QKV:
     bias: bool = False
     out_bias: bool = True
     qk_norm: QKNorm | None = None
+    head_dim: int | None = None
 
     def __post_init__(self):
-        for name in ("num_kv_heads", "kdim", "vdim"):
+        for name in ("num_kv_heads", "kdim", "vdim", "head_dim"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         instance_of("bias", self.bias, bool, "a bool")
@@ -61,22 +70,26 @@ class QKV:
 @dataclass(frozen=True)
 class QKNorm:
     """QK-norm, the ``qk_norm`` of :class:`MultiHeadAttention`'s projections part (:class:`QKV`):
-    an RMSNorm over each query and key head's ``head_dim`` features with a learnable weight
-    ``(head_dim,)`` (the parameters ``q_norm.weight`` and ``k_norm.weight``, shared by the heads),
-    applied after the projections and before the rotary embedding, as transformers' Qwen3 does.
+    an RMSNorm of the projected queries and keys with a learnable weight, applied after the
+    projections and before the rotary embedding, as transformers' Qwen3 and OLMo-2 do. With
+    ``over="head"`` it normalises each head's ``head_dim`` features, with a weight ``(head_dim,)``
+    shared by the heads (the parameters ``q_norm.weight`` and ``k_norm.weight``); with
+    ``over="all"`` the whole projection at once (OLMo-2: the ``num_heads * head_dim`` query
+    features of a token, before they are split into heads), with weights
+    ``(num_heads * head_dim,)`` and ``(num_kv_heads * head_dim,)``.
 
     ``rms(x) = x / sqrt(mean(x**2) + eps)``, computed in fp32 for half-precision inputs; the output
-    is ``weight * rms(x)`` (Qwen3; weight starts at 1) or, with ``unit_offset=True``,
+    is ``weight * rms(x)`` (Qwen3, OLMo-2; weight starts at 1) or, with ``unit_offset=True``,
     ``(1 + weight) * rms(x)`` (Gemma 3, Qwen3.5, Qwen3-Next; weight starts at 0).
 
     Models: Qwen3 and Qwen3-MoE match ``QKNorm()``; Gemma 3, Qwen3.5 and Qwen3-Next (without their
-    output gate) ``QKNorm(unit_offset=True)``. Not these: OLMo-2 and OLMo-3 normalise the whole
-    projection (``num_heads * head_dim`` features at once), Gemma 4 adds a weightless norm of the
-    values and scores with scale 1.
+    output gate) ``QKNorm(unit_offset=True)``; OLMo-2 and OLMo-3 ``QKNorm(over="all")``. Not
+    these: Gemma 4 adds a weightless norm of the values and scores with scale 1.
 
     Args:
         eps: the epsilon inside the square root (Qwen3's ``rms_norm_eps``).
         unit_offset: scale by ``1 + weight`` (weight initialised to 0) instead of ``weight``.
+        over: ``"head"`` (each head's features) or ``"all"`` (the token's whole projection).
 
     Example:
         >>> import torch
@@ -84,14 +97,19 @@ class QKNorm:
         >>> mha = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(qk_norm=QKNorm(eps=1e-6)), positions="rope")
         >>> mha.q_norm.weight.shape, mha(torch.randn(1, 3, 8)).shape
         (torch.Size([4]), torch.Size([1, 3, 8]))
+        >>> olmo2 = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(num_kv_heads=1, qk_norm=QKNorm(over="all")))
+        >>> olmo2.q_norm.weight.shape, olmo2.k_norm.weight.shape
+        (torch.Size([8]), torch.Size([4]))
     """
 
     eps: float = 1e-6
     unit_offset: bool = False
+    over: str = "head"
 
     def __post_init__(self):
         positive_number("QKNorm eps", self.eps)
         instance_of("QKNorm unit_offset", self.unit_offset, bool, "a bool")
+        one_of("QKNorm over", self.over, ("head", "all"))
 
 
 @dataclass(frozen=True)
