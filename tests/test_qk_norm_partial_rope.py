@@ -290,7 +290,8 @@ def test_empty_sequences_pass_through():
     (lambda: _gpt(rope_fraction=2), ValueError, "rope_fraction must be a number in (0, 1], got 2"),
     (lambda: _gpt(rope_fraction=math.nan), ValueError, "rope_fraction"),
     (lambda: _gpt(rope_fraction="1/4"), TypeError, "rope_fraction"),
-    (lambda: _gpt(qk_norm="yes"), TypeError, "qk_norm must be a bool, got str"),
+    (lambda: _gpt(qk_norm="yes"), ValueError, "qk_norm must be one of 'qwen3', 'olmo2', 'gemma'; got 'yes'"),
+    (lambda: _gpt(qk_norm=1), TypeError, "qk_norm must be a bool or one of 'qwen3', 'olmo2', 'gemma', got int"),
     (lambda: GPT(10, d_model=8, num_heads=2, rope_fraction=0.5), ValueError,
      "rope_fraction=0.5 needs positions='rope', got positions='learned'"),
     (lambda: GPT(10, d_model=8, num_heads=2, positions="rope", layer_pattern="GQ", qk_norm=True), ValueError,
@@ -303,7 +304,7 @@ def test_empty_sequences_pass_through():
         "eps_zero", "eps_nan", "unit_offset_int", "qk_norm_bool", "qk_norm_keyword", "rope_head_dim", "block_attn",
         "to_torch",
         "fraction_not_int", "fraction_odd", "fraction_zero", "fraction_big", "fraction_nan", "fraction_str",
-        "gpt_qk_norm_str", "fraction_learned", "gpt_gated", "gpt_latent", "gpt_linear_only"])
+        "gpt_qk_norm_str", "gpt_qk_norm_int", "fraction_learned", "gpt_gated", "gpt_latent", "gpt_linear_only"])
 def test_bad_options_are_refused_naming_the_argument(make, error, words):
     with pytest.raises(error, match=re.escape(words)):
         make()

@@ -45,7 +45,7 @@ from attnlab.nn.gated import GatedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import QKNorm, _check_documents, _check_padding_type
 from attnlab.nn.native_sparse import NativeSparseAttention, paper_sizes
-from attnlab.nn.positional import LearnedPositionalEmbedding, RotaryEmbedding
+from attnlab.nn.positional import LearnedPositionalEmbedding, QueryTemperature, RotaryEmbedding
 from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.topk_attention import TopkAttention
 
@@ -220,13 +220,19 @@ class GPT(nn.Module):
         layer_pattern: str | None = None, window: int | None = None, latent_dim: int | None = None,
         latent_rope_dim: int | None = None, softcap: float | None = None, sinks: bool = False,
         chunk: int | None = None, topk: int | None = None, nsa_block: int | None = None,
-        compress_rate: int | None = None, rope_fraction: float | None = None, qk_norm: bool = False,
+        compress_rate: int | None = None, rope_fraction: float | None = None, qk_norm: bool | str = False,
+        head_dim: int | None = None, global_head_dim: int | None = None,
+        nope_temperature: Sequence[float] | None = None,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
                             ("num_layers", num_layers)):
             positive_int(name, value)
-        heads = _check_heads(num_heads, num_layers, d_model, num_kv_heads)
+        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk, "topk": topk, "nsa_block": nsa_block,
+                 "compress_rate": compress_rate}
+        kinds = _layer_kinds(layer_pattern, num_layers, sizes, latent_rope_dim)
+        head_dims = _head_dims(kinds, layer_pattern, head_dim, global_head_dim)
+        heads = _check_heads(num_heads, num_layers, d_model, num_kv_heads, head_dims)
         one_of("positions", positions, POSITIONS)
         probability("dropout_p", dropout_p)
         for name, value in (("attention_only", attention_only), ("tie_embeddings", tie_embeddings), ("bias", bias)):
@@ -239,15 +245,17 @@ class GPT(nn.Module):
             activation=activation, tie_embeddings=tie_embeddings, layer_pattern=layer_pattern, window=window,
             latent_dim=latent_dim, latent_rope_dim=latent_rope_dim,
         )
-        sizes = {"window": window, "latent_dim": latent_dim, "chunk": chunk, "topk": topk, "nsa_block": nsa_block,
-                 "compress_rate": compress_rate}
-        kinds = _layer_kinds(layer_pattern, num_layers, sizes, latent_rope_dim)
         _check_score_options(kinds, positions, softcap, sinks, dropout_p)
         if softcap is not None or sinks:  # only then: configs saved before these options stay as they were
             self.config.update(softcap=softcap, sinks=sinks)
-        rotary_dims = _check_head_options(kinds, heads, d_model, positions, rope_fraction, qk_norm)
-        self.config.update({name: value for name, value in (("rope_fraction", rope_fraction), ("qk_norm", qk_norm))
-                            if value not in (None, False)})  # only when set, as above
+        widths = [d_model // count if own is None else own for count, own in zip(heads, head_dims)]
+        rotary_dims = _check_head_options(kinds, widths, positions, rope_fraction, qk_norm)
+        temperature = _nope_temperature(nope_temperature, kinds, layer_pattern)
+        self.config.update({name: value for name, value in (
+            ("rope_fraction", rope_fraction), ("qk_norm", qk_norm), ("head_dim", head_dim),
+            ("global_head_dim", global_head_dim),
+            ("nope_temperature", None if temperature is None else list(nope_temperature)))
+            if value is not None and value is not False})  # only when set, as above
         # only when given: configs saved before these options stay as they were
         self.config.update({name: sizes[name] for name in ("chunk", "topk", "nsa_block", "compress_rate")
                             if sizes[name] is not None})
@@ -265,9 +273,10 @@ class GPT(nn.Module):
                                                     latent_rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
                                                     backend=backend),
                              softcap=softcap, sinks=sinks, **{**_layer_options(kind, sizes, positions),
-                                                              **_head_options(kind, d_model // layer_heads, rotary,
-                                                                              qk_norm, norm_eps)})
-            for layer, (layer_heads, kind, rotary) in enumerate(zip(heads, kinds, rotary_dims))
+                                                              **_head_options(kind, width, own, rotary, qk_norm,
+                                                                              norm_eps, temperature)})
+            for layer, (layer_heads, kind, rotary, width, own) in enumerate(
+                zip(heads, kinds, rotary_dims, widths, head_dims))
         )
         self.layer_kinds = kinds
         self.norm = nn.LayerNorm(d_model, eps=norm_eps)
@@ -643,18 +652,21 @@ def _layer_options(letter: str, sizes: dict, positions: str) -> dict:
             "positions": positions if rotates else None}
 
 
-def _check_head_options(kinds: tuple[str, ...], heads: tuple[int, ...], d_model: int, positions: str,
+def _check_head_options(kinds: tuple[str, ...], widths: list[int], positions: str,
                         rope_fraction: object, qk_norm: object) -> list[int | None]:
-    """Each layer's rotary width for ``rope_fraction`` (None: the whole head), with the checks of
-    ``rope_fraction`` and ``qk_norm``: options of the multi-head layers (the rows without a module
-    of their own, or without positions), ``rope_fraction`` with ``positions="rope"`` only."""
-    instance_of("qk_norm", qk_norm, bool, "a bool")
+    """Each layer's rotary width for ``rope_fraction`` of its head ``widths`` (None: the whole head),
+    with the checks of ``rope_fraction`` and ``qk_norm``: options of the multi-head layers (the rows
+    without a module of their own, or without positions), ``rope_fraction`` with ``positions="rope"`` only."""
+    if not isinstance(qk_norm, bool):
+        instance_of("qk_norm", qk_norm, str, f"a bool or one of {', '.join(map(repr, QK_NORMS))}")
+        one_of("qk_norm", qk_norm, QK_NORMS)
     if rope_fraction is not None:
         if positions != "rope":
             raise ValueError(f"rope_fraction={rope_fraction!r} needs positions='rope', got positions={positions!r}")
         if isinstance(rope_fraction, bool) or not 0 < finite_number("rope_fraction", rope_fraction) <= 1:
             raise ValueError(f"rope_fraction must be a number in (0, 1], got {rope_fraction!r}")
-    used = [name for name, on in (("rope_fraction", rope_fraction is not None), ("qk_norm", qk_norm)) if on]
+    used = [name for name, on in (("rope_fraction", rope_fraction is not None), ("qk_norm", qk_norm is not False))
+            if on]
     own = sorted({k for k in kinds if LAYER_TABLE[k].module and LAYER_TABLE[k].positions})
     if used and own:
         raise ValueError(f"{', '.join(used)}: options of the multi-head layers, not of "
@@ -665,8 +677,7 @@ def _check_head_options(kinds: tuple[str, ...], heads: tuple[int, ...], d_model:
     if rope_fraction is None:
         return [None] * len(kinds)
     dims = []
-    for layer_heads in heads:
-        head_dim = d_model // layer_heads
+    for head_dim in widths:
         rotary = head_dim * rope_fraction
         if rotary != int(rotary) or int(rotary) % 2:
             raise ValueError(f"rope_fraction={rope_fraction!r} of head_dim={head_dim} is {rotary:g} features; it "
@@ -675,15 +686,59 @@ def _check_head_options(kinds: tuple[str, ...], heads: tuple[int, ...], d_model:
     return dims
 
 
-def _head_options(letter: str, head_dim: int, rotary_dim: int | None, qk_norm: bool, norm_eps: float) -> dict:
-    """A multi-head layer's partial rotary part and QK-norm part (none for the other rows)."""
+# GPT's qk_norm forms (True: "qwen3") -> the QKNorm fields of each (the eps is norm_eps).
+QK_NORMS = {"qwen3": {}, "olmo2": {"over": "all"}, "gemma": {"unit_offset": True}}
+
+
+def _head_options(letter: str, head_dim: int, own_dim: int | None, rotary_dim: int | None, qk_norm: bool | str,
+                  norm_eps: float, temperature: QueryTemperature | None) -> dict:
+    """A multi-head layer's head width (when set), partial rotary part, QK-norm part and NoPE
+    temperature (none for the other rows)."""
     kind = LAYER_TABLE[letter]
     if kind.module:
         return {}
-    options = {"qk_norm": QKNorm(eps=norm_eps)} if qk_norm else {}
+    options = {} if own_dim is None else {"head_dim": own_dim}
+    if qk_norm is not False:
+        options["qk_norm"] = QKNorm(eps=norm_eps, **QK_NORMS["qwen3" if qk_norm is True else qk_norm])
     if rotary_dim is not None and kind.positions:
         options["positions"] = RotaryEmbedding(head_dim, rotary_dim=rotary_dim)
+    if temperature is not None and not kind.positions:
+        options["positions"] = temperature
     return options
+
+
+def _head_dims(kinds: tuple[str, ...], pattern: object, head_dim: object, global_head_dim: object) -> list[int | None]:
+    """Each layer's own head width (None: ``d_model // heads``): ``global_head_dim`` for the G
+    layers, ``head_dim`` for the other multi-head layers (the rows without a module of their own)."""
+    multi = sorted({k for k in kinds if not LAYER_TABLE[k].module}, key=list(LAYER_TABLE).index)
+    own = sorted({k for k in kinds if LAYER_TABLE[k].module}, key=list(LAYER_TABLE).index)
+    for name, value, letters in (("head_dim", head_dim, multi), ("global_head_dim", global_head_dim,
+                                                                  [k for k in multi if k == "G"])):
+        if value is None:
+            continue
+        positive_int(name, value)
+        if own:
+            raise ValueError(f"{name}={value!r} sizes the heads of the multi-head layers (G, L, C, N), not of "
+                             f"{', '.join(LAYER_KINDS[k] for k in own)} layers (their own attention modules); "
+                             f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
+        if not letters:
+            raise ValueError(f"{name}={value!r} is for {'G' if name == 'global_head_dim' else 'multi-head'} layers, "
+                             f"and layer_pattern {pattern!r} has none")
+    return [global_head_dim if k == "G" and global_head_dim is not None else
+            None if LAYER_TABLE[k].module else head_dim for k in kinds]
+
+
+def _nope_temperature(value: object, kinds: tuple[str, ...], pattern: object) -> QueryTemperature | None:
+    """The N layers' :class:`~attnlab.nn.positional.QueryTemperature` from ``(floor_scale, attn_scale)``."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise TypeError(f"nope_temperature must be a pair (floor_scale, attn_scale), e.g. (8192, 0.1) as Llama 4; "
+                        f"got {value!r}")
+    if "N" not in kinds:
+        raise ValueError(f"nope_temperature={value!r} scales the queries of N layers (NoPE), and layer_pattern "
+                         f"{pattern!r} has none")
+    return QueryTemperature(*value)
 
 
 def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_kv_heads, positions: str,
@@ -797,14 +852,17 @@ def _layer_kinds(pattern: object, num_layers: int, sizes: dict, latent_rope_dim:
     return kinds
 
 
-def _check_heads(num_heads: object, num_layers: int, d_model: int, num_kv_heads: object) -> tuple[int, ...]:
-    """Each layer's head count, checked: it divides ``d_model``, and ``num_kv_heads`` divides it."""
+def _check_heads(num_heads: object, num_layers: int, d_model: int, num_kv_heads: object,
+                 head_dims: Sequence[int | None]) -> tuple[int, ...]:
+    """Each layer's head count, checked: it divides ``d_model`` (unless the layer's ``head_dims``
+    entry gives its heads their own width), and ``num_kv_heads`` divides it."""
     heads = per_layer("num_heads", num_heads, num_layers)
     if num_kv_heads is not None:
         positive_int("num_kv_heads", num_kv_heads)
     for layer, count in enumerate(heads):
         name = "num_heads" if isinstance(num_heads, int) else f"num_heads[{layer}]"
-        divisible("d_model", d_model, name, count)
+        if head_dims[layer] is None:
+            divisible("d_model", d_model, name, count)
         if num_kv_heads is not None:
             divisible(name, count, "num_kv_heads", num_kv_heads)
     return heads

@@ -29,6 +29,7 @@ from attnlab.nn.convert import from_torch, to_torch
 from attnlab.nn.positional import (
     ALiBi,
     LearnedPositionalEmbedding,
+    QueryTemperature,
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
     alibi_bias,
@@ -64,6 +65,7 @@ __all__ = [
     "RecurrentCache",
     "RotaryEmbedding",
     "ALiBi",
+    "QueryTemperature",
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "alibi_bias",

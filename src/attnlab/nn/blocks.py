@@ -116,6 +116,8 @@ class TransformerBlock(nn.Module):
             learnable sinks (see :class:`~attnlab.nn.MultiHeadAttention`).
         qk_norm: the self-attention's QK-norm part, a :class:`~attnlab.nn.QKNorm` (Qwen3), or None;
             an option of the block's own ``MultiHeadAttention`` (refused with ``attn``).
+        head_dim: the self-attention's head width (``QKV(head_dim=)``; None: ``d_model // num_heads``);
+            an option of the block's own ``MultiHeadAttention`` (refused with ``attn``).
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -136,7 +138,7 @@ class TransformerBlock(nn.Module):
         norm_eps: float = 1e-5, norm_first: bool = True, activation: str = "gelu", backend: str = "auto",
         mlp: bool = True, window: int | None = None,
         attn: nn.Module | None = None, positions: str | nn.Module | None = None, softcap: float | None = None,
-        sinks: bool = False, chunk: int | None = None, qk_norm: QKNorm | None = None,
+        sinks: bool = False, chunk: int | None = None, qk_norm: QKNorm | None = None, head_dim: int | None = None,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
@@ -144,14 +146,15 @@ class TransformerBlock(nn.Module):
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
         if attn is not None:
             instance_of("attn", attn, nn.Module, "an attention nn.Module (e.g. LatentAttention) or None")
-            if qk_norm is not None:
-                raise ValueError(f"qk_norm={qk_norm!r} is an option of the block's own MultiHeadAttention; "
-                                 f"the given attn ({type(attn).__name__}) has its own projections")
+            for name, value in (("qk_norm", qk_norm), ("head_dim", head_dim)):
+                if value is not None:
+                    raise ValueError(f"{name}={value!r} is an option of the block's own MultiHeadAttention; "
+                                     f"the given attn ({type(attn).__name__}) has its own projections")
             self.attn = attn
         else:
             self.attn = MultiHeadAttention(
                 d_model, d_model, None, dropout_p, num_heads,
-                qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias, qk_norm=qk_norm),
+                qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias, qk_norm=qk_norm, head_dim=head_dim),
                 pattern=pattern_of(causal, window, chunk), positions=positions, softcap=softcap, sinks=sinks,
                 backend=backend,
             )

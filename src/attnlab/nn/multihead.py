@@ -30,7 +30,7 @@ from attnlab import scores as _scores
 from attnlab.functional import attention
 from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, WindowedKVCache, _cache_options,
                                _restore_on_error, new_positions)
-from attnlab.nn.positional import ALiBi, RotaryEmbedding, apply_rotary
+from attnlab.nn.positional import ALiBi, QueryTemperature, RotaryEmbedding, apply_rotary
 
 from attnlab.nn.parts import (QKV, CallMask, Chunk, QKNorm, Window, _check_chunk, _check_pattern,  # noqa: F401
                                _check_window, _mask_parts, _refuse_removed, pattern_of)
@@ -165,7 +165,8 @@ class MultiHeadAttention(nn.Module):
             ALiBi to the scores (causal or, for a non-causal module, symmetric; a KV cache's
             earlier tokens keep their distances; with a cache, a :class:`KVCache`). Partial RoPE
             (Qwen3.5, GLM): ``RotaryEmbedding(head_dim, rotary_dim=R)`` rotates the first ``R``
-            features of each head.
+            features of each head. A :class:`~attnlab.nn.positional.QueryTemperature` (Llama 4's
+            NoPE layers) scales each query by a step function of its position (self-attention only).
         backend: ``"auto"`` or an attention backend name passed to :func:`attnlab.attention`.
         softcap: cap every score with ``softcap * tanh(score / softcap)`` (Gemma 2), or None.
         sinks: give each query head a learnable sink logit (gpt-oss), the parameter ``sinks``
@@ -259,16 +260,17 @@ class MultiHeadAttention(nn.Module):
                    bias=self.in_proj_bias is not None, out_bias=self.out_proj.bias is not None,
                    qk_norm=self.qk_norm, head_dim=None if self.d_q == self.d_out else self.head_dim)
 
-    def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | None:
+    def _make_positions(self, positions) -> RotaryEmbedding | ALiBi | QueryTemperature | None:
         """The positions part from its name or as given (its sizes checked)."""
         if isinstance(positions, str):
             one_of("positions", positions, ("rope", "alibi"))
             return RotaryEmbedding(self.head_dim) if positions == "rope" else ALiBi(self.num_heads)
         if (positions is None or (isinstance(positions, RotaryEmbedding) and positions.head_dim == self.head_dim)
-                or (isinstance(positions, ALiBi) and positions.num_heads == self.num_heads)):
+                or (isinstance(positions, ALiBi) and positions.num_heads == self.num_heads)
+                or isinstance(positions, QueryTemperature)):
             return positions
-        raise ValueError(f"positions must be None, 'rope', 'alibi', a RotaryEmbedding(head_dim={self.head_dim}) "
-                         f"or an ALiBi(num_heads={self.num_heads}); got {positions!r}")
+        raise ValueError(f"positions must be None, 'rope', 'alibi', a RotaryEmbedding(head_dim={self.head_dim}), "
+                         f"an ALiBi(num_heads={self.num_heads}) or a QueryTemperature; got {positions!r}")
 
     def _make_qk_norm(self, part: object) -> None:
         """``q_norm`` and ``k_norm`` of ``head_dim`` from a :class:`QKNorm`; None for None (no parameters)."""
@@ -495,7 +497,8 @@ class MultiHeadAttention(nn.Module):
                 return self.out_proj(out.reshape(x.shape[0], 1, self.d_q))  # (B, 1, d_out); T = 1: no transpose
         self._check_inputs(x, context, value_input)
         if (context is None and mask is None and cache is None
-                and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
+                and not return_weights and x.ndim == 3 and self.fused
+                and (self.positions is None or type(self.positions) is RotaryEmbedding)
                 and self.window is None and self.chunk is None and self.softcap is None
                 and (self.context_length is None or x.shape[1] <= self.context_length)
                 and not getattr(self.attention, "shards", False)):
@@ -550,7 +553,7 @@ class MultiHeadAttention(nn.Module):
         length = cache.length
         if not (isinstance(x, Tensor) and x.ndim == 3 and x.shape[1] == 1 and x.shape[2] == self.d_in and self.fused
                 and x.dtype == weight.dtype and x.device == weight.device and self.pattern == "causal"
-                and self.softcap is None and (self.positions is None or type(self.positions) is RotaryEmbedding)
+                and self.softcap is None and type(self.positions) in (type(None), RotaryEmbedding, QueryTemperature)
                 and (not self.training or self.dropout_p == 0.0) and not getattr(self.attention, "shards", False)
                 and cache.keys.shape[:2] == (x.shape[0], self.num_kv_heads) and cache.keys.dtype == x.dtype
                 and cache.keys.device == x.device and length < cache.keys.shape[2]
@@ -562,12 +565,14 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:  # normed heads, then rotated: H + Hkv new rows; (B, 1, H|Hkv, hd) for the norms
             heads = torch.cat((self.q_norm(heads[:, :H].transpose(1, 2)).transpose(1, 2),
                                self.k_norm(heads[:, H:qk].transpose(1, 2)).transpose(1, 2), heads[:, qk:]), dim=1)
-        if self.positions is not None:  # queries and keys rotated in one call
+        if self.rope is not None:  # queries and keys rotated in one call
             cos, sin = self.positions.cos_sin(1, offset=length, dtype=x.dtype, device=x.device)  # (1, hd/2)
             rotated = apply_rotary(heads[:, :qk], cos, sin)  # (B, H + Hkv, 1, hd)
             q, k = rotated[:, :H], rotated[:, H:]
         else:
             q, k = heads[:, :H], heads[:, H:qk]
+            if self.positions is not None:  # a QueryTemperature: the query scaled at its position
+                q = self.positions.at(q, length)
         return (q, *cache.append(k, heads[:, qk:]))  # keys, values (B, Hkv, length + 1, hd)
 
     def _prepare(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
@@ -640,6 +645,8 @@ class MultiHeadAttention(nn.Module):
         positions = self.attention.positions(T, device=x.device)  # (T_local,) global positions
         if self.rope is not None:
             q, k = self.rope.at(q, positions[None]), self.rope.at(k, positions[None])
+        elif isinstance(self.positions, QueryTemperature):
+            q = self.positions.at(q, positions[None])
         # A window is a mask mod over global positions: with top-left alignment and Tq == Tk its
         # offset is 0, whatever the length, so the part evaluates it at global positions.
         window = None if self.window is None else _masks.sliding_window_mod(T, T, self.window)
@@ -671,14 +678,19 @@ class MultiHeadAttention(nn.Module):
                     f"value_input must be (B, Tk, vdim) = {expected} to match context "
                     f"{tuple(context.shape)}; got {tuple(value_input.shape)}"
                 )
+            if isinstance(self.positions, QueryTemperature):
+                raise ValueError("positions=QueryTemperature applies to self-attention; cross-attention "
+                                 "(context=) has no query positions")
             return self.project_q(x), *self.project_kv(context, value_input)
-        if self.rope is not None and documents is not None:
+        if self.rope is None and not isinstance(self.positions, QueryTemperature):
+            return q, k, v
+        if documents is not None:
             positions = _masks.document_positions(documents)  # (B|1, T), 0 at each document start
-            q, k = self.rope.at(q, positions), self.rope.at(k, positions)
-        elif self.rope is not None:
-            offset = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
-            q, k = self.rope.at(q, offset), self.rope.at(k, offset)
-        return q, k, v  # k, v: the new tokens' only; the cache adds what it holds
+        else:
+            positions = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
+        if self.rope is not None:
+            return self.rope.at(q, positions), self.rope.at(k, positions), v
+        return self.positions.at(q, positions), k, v  # a QueryTemperature scales the queries only  # k, v: the new tokens' only; the cache adds what it holds
 
     def _check_inputs(self, x, context, value_input) -> None:
         """Tensors of the module's floating dtype (or any float under autocast), on its device,

@@ -9,6 +9,8 @@
   the cache length (``offset``).
 * **ALiBi** (Press et al., 2022) adds ``-slope_h * |i - j|`` to the scores of head ``h``; pass
   :func:`alibi_bias` as a float ``mask`` (any backend that accepts float masks serves it).
+* **Query temperature** (Llama 4's NoPE layers): :class:`QueryTemperature` scales each query
+  by a step function of its position, the positions part of a layer without rotary positions.
 
 Example:
     >>> rope = RotaryEmbedding(8)
@@ -18,6 +20,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +36,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
     "ALiBi",
+    "QueryTemperature",
     "apply_rotary",
     "alibi_slopes",
     "alibi_bias",
@@ -325,6 +330,64 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
         return f"head_dim={self.head_dim}, base={self.base}{partial}"
+
+
+class QueryTemperature(nn.Module):
+    """Llama 4's attention temperature tuning, as the positions part of a layer without rotary
+    positions (NoPE): the query at position ``p`` is multiplied by
+    ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1`` (transformers'
+    ``Llama4TextAttention`` with ``attn_temperature_tuning``), so attention sharpens as the
+    context grows: scale 1 up to position ``floor_scale - 2``, then a step at each multiple.
+    Keys and values are unchanged; the module has no parameters. The scale is computed in fp32
+    (fp64 for fp64 queries) and the product cast back to the queries' dtype, as transformers does.
+
+    Args:
+        floor_scale: the positions per step (Llama 4: 8192).
+        attn_scale: the log's factor (Llama 4: 0.1), >= 0.
+
+    Shapes:
+        x: ``(B, H, T, D)`` at positions ``offset .. offset + T - 1`` or per-token ``(B|1, T)``
+        positions (:meth:`at`) -> same shape.
+
+    Example:
+        >>> part = QueryTemperature(floor_scale=2, attn_scale=0.5)
+        >>> part.scales(torch.arange(5))
+        tensor([1.0000, 1.3466, 1.3466, 1.5493, 1.5493])
+        >>> part.at(torch.ones(1, 1, 5, 2), 0)[0, 0, :, 0]
+        tensor([1.0000, 1.3466, 1.3466, 1.5493, 1.5493])
+    """
+
+    def __init__(self, floor_scale: float, attn_scale: float):
+        super().__init__()
+        self.floor_scale = positive_number("floor_scale", floor_scale)
+        if isinstance(attn_scale, bool) or not isinstance(attn_scale, (int, float)) or not (
+                math.isfinite(attn_scale) and attn_scale >= 0):
+            raise ValueError(f"attn_scale must be a finite number >= 0, got {attn_scale!r}")
+        self.attn_scale = attn_scale
+
+    def scales(self, positions: Tensor, dtype=torch.float32) -> Tensor:
+        """The query scales at integer ``positions`` (any shape), in ``dtype``."""
+        pos = positions.to(dtype)
+        return torch.log1p(torch.floor((pos + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+    def at(self, x: Tensor, positions: int | Tensor) -> Tensor:
+        """Scale the queries ``x`` ``(B, H, T, D)`` from an int offset, or at per-token
+        ``(B|1, T)`` positions.
+
+        Example:
+            >>> part, x = QueryTemperature(1, 1.0), torch.ones(2, 1, 3, 4)
+            >>> torch.equal(part.at(x, 2), part.at(x, torch.arange(2, 5).expand(2, 3)))
+            True
+        """
+        work = torch.promote_types(x.dtype, torch.float32)
+        if isinstance(positions, int):
+            scale = self.scales(torch.arange(positions, positions + x.shape[-2], device=x.device), work)[:, None]
+        else:
+            scale = self.scales(positions, work)[:, None, :, None]  # (B|1, 1, T, 1)
+        return (x * scale).to(x.dtype)  # (T, 1) or (B|1, 1, T, 1) scales
+
+    def extra_repr(self) -> str:
+        return f"floor_scale={self.floor_scale}, attn_scale={self.attn_scale}"
 
 
 class ALiBi(nn.Module):
