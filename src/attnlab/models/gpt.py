@@ -123,7 +123,8 @@ class GPT(nn.Module):
         d_model: width of the residual stream.
         num_layers: depth.
         num_heads: heads of every layer (an int), or one count per layer (a sequence of
-            ``num_layers`` ints, e.g. ``(2, 1)``); each must divide ``d_model``. A sequence is
+            ``num_layers`` ints, e.g. ``(2, 1)``); each must divide ``d_model`` in the layers whose
+            heads have no width of their own (``head_dim``, ``global_head_dim``). A sequence is
             stored in :attr:`config` as a list, an int as an int.
         num_kv_heads: grouped-query key/value heads (default: each layer's ``num_heads``); must
             divide every layer's head count.
@@ -136,8 +137,21 @@ class GPT(nn.Module):
         rope_fraction: partial RoPE (``positions="rope"`` only): rotate the first
             ``rope_fraction * head_dim`` features of each head, which must be an even int in every
             layer (Qwen3.5: 0.25); the rest carry no position. None: the whole head.
-        qk_norm: QK-norm (Qwen3): an RMSNorm of ``norm_eps`` with a learnable weight over each query
-            and key head, after the projections and before the rotation (:class:`~attnlab.nn.QKNorm`).
+        qk_norm: QK-norm of the multi-head layers, an RMSNorm of ``norm_eps`` with a learnable weight
+            after the projections and before the rotation (:class:`~attnlab.nn.QKNorm`), in one of
+            three forms: ``True`` or ``"qwen3"`` (each query and key head, ``weight``), ``"gemma"``
+            (each head, ``1 + weight``: Gemma 3, Qwen3.5) or ``"olmo2"`` (a token's whole query and
+            whole key projection at once). False: none.
+        head_dim: the head width of every multi-head layer (``G``, ``L``, ``C``, ``N``; the layers
+            with their own attention module refuse it): queries project to ``heads * head_dim``,
+            keys and values to ``num_kv_heads * head_dim``, the output back to ``d_model``
+            (``QKV(head_dim=)``). None: ``d_model // heads``.
+        global_head_dim: the ``G`` layers' head width, over ``head_dim`` (Gemma 4: 512 on its
+            full-attention layers, ``head_dim=256`` on its sliding ones).
+        nope_temperature: ``(floor_scale, attn_scale)``: Llama 4's attention temperature tuning on
+            the ``N`` layers (:class:`~attnlab.nn.QueryTemperature`; Llama 4: ``(8192, 0.1)``):
+            the query at position ``p`` scaled by ``log(floor((p + 1) / floor_scale) + 1) *
+            attn_scale + 1``. None: no scaling.
         dropout_p: embedding, attention and residual dropout (training only).
         bias: biases in the linear layers.
         norm_eps: LayerNorm epsilon.
@@ -206,6 +220,10 @@ class GPT(nn.Module):
         ...              positions="rope", layer_pattern="CCCN", chunk=4)
         >>> [type(c).__name__ for c in llama4.new_cache(1)], llama4.blocks[3].attn.rope
         (['ChunkedKVCache', 'ChunkedKVCache', 'ChunkedKVCache', 'KVCache'], None)
+        >>> gemma4 = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=2, num_heads=2, layer_pattern="LG",
+        ...              window=4, head_dim=16, global_head_dim=32, qk_norm="gemma")
+        >>> [block.attn.head_dim for block in gemma4.blocks], gemma4.blocks[1].attn.out_proj.weight.shape
+        ([16, 32], torch.Size([8, 64]))
         >>> qwen35 = GPT(vocab_size=10, max_len=8, d_model=8, num_layers=4, num_heads=2, layer_pattern="RRRQ")
         >>> [type(c).__name__ for c in qwen35.new_cache(1)]
         ['RecurrentCache', 'RecurrentCache', 'RecurrentCache', 'KVCache']
