@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from attnlab.lab.cli.train_cmd import DEFAULT_OUT
 from attnlab.distributed import METHODS, sequence_layout
 from attnlab.distributed import launch  # launch.run_local read at the call: tests stand in for the ranks
 from attnlab.distributed.layout import check_length
-from attnlab.models.gpt import LAYER_KINDS, LAYER_TABLE, option_letters
+from attnlab.models.gpt import GPT, LAYER_KINDS, LAYER_TABLE, QK_NORMS, option_letters
 from attnlab.nn.native_sparse import paper_sizes
 from attnlab.lab.trained import format_heads
 
@@ -83,7 +84,8 @@ FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": 
          "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks",
          "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
          "latent_dim": "--latent-dim", "chunk": "--chunk", "topk": "--topk", "nsa_block": "--nsa-block",
-         "compress_rate": "--compress-rate"}
+         "compress_rate": "--compress-rate", "rope_fraction": "--rope-fraction", "qk_norm": "--qk-norm",
+         "head_dim": "--head-dim", "global_head_dim": "--global-head-dim", "nope_temperature": "--nope-temperature"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -98,6 +100,8 @@ def _shown(name: str, value) -> str:
         return "--sinks" if value else "no --sinks"
     if name == "heads":
         return f"--heads {format_heads(value if isinstance(value, tuple) else (value,))}"
+    if name == "nope_temperature":
+        return f"--nope-temperature {','.join(f'{part:g}' for part in value)}"
     return f"{FLAGS[name]} {value}"
 
 
@@ -111,7 +115,7 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
             one_of("--task", given["task"], _train.TASKS)
         for name, value in (*given.items(), ("steps", steps)):
             if name in ("layers", "d_model", "batch_size", "steps", "kv_heads", "window", "latent_dim", "chunk",
-                        "topk", "nsa_block", "compress_rate") \
+                        "topk", "nsa_block", "compress_rate", "head_dim", "global_head_dim") \
                     and value is not None:
                 positive_int(FLAGS[name], value)
         if "lr" in given:
@@ -120,9 +124,15 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
             one_of("--positions", given["positions"], _train.POSITIONS)
         if "softcap" in given:
             positive_number("--softcap", given["softcap"])
+        if "rope_fraction" in given and not 0 < positive_number("--rope-fraction", given["rope_fraction"]) <= 1:
+            raise ValueError(f"--rope-fraction must be a number in (0, 1], got {given['rope_fraction']}")
+        if "qk_norm" in given:
+            one_of("--qk-norm", given["qk_norm"], QK_NORMS)
     at_most("--threads", threads, os.cpu_count() or 1, "this machine's CPUs")
     if "heads" in given:
         given["heads"] = _parse_heads(given["heads"])
+    if "nope_temperature" in given:
+        given["nope_temperature"] = _parse_temperature(given["nope_temperature"])
 
 
 def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
@@ -130,7 +140,8 @@ def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
     task_name = given.get("task", "induction")
     if task_name != "text" and "text" in given:
         fail(f"--text is only for --task text (got --task {task_name})")
-    _check_heads(task_name, given.get("heads"), given.get("layers"), given.get("d_model"))
+    if "head_dim" not in given and "global_head_dim" not in given:  # else GPT's check, in _check_model
+        _check_heads(task_name, given.get("heads"), given.get("layers"), given.get("d_model"))
     _check_variant(task_name, given)
     options = {name: value for name, value in given.items() if name != "text"}
     config = _train.TrainConfig(**{**options, "task": task_name}, steps=steps, device=device,
@@ -138,7 +149,45 @@ def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
     with option_errors():  # the options are checked above: what is left is the --text file
         task = _train.make_task(config.task, text=config.text)
     _check_memory(config, task, given, device)  # before resolving: --layers 10**11 would build a 10**11-tuple
+    _check_model(config, task)
     return _train.Trainer(config.resolved(), task=task)
+
+
+# GPT's parameter names in its refusals -> the options that set them.
+_GPT_NAMES = {"rope_fraction": "--rope-fraction", "qk_norm": "--qk-norm", "global_head_dim": "--global-head-dim",
+              "head_dim": "--head-dim", "nope_temperature": "--nope-temperature", "num_heads": "--heads",
+              "d_model": "--d-model", "layer_pattern": "--layer-pattern", "floor_scale": "--nope-temperature FLOOR",
+              "attn_scale": "--nope-temperature SCALE"}
+
+
+def _check_model(config: _train.TrainConfig, task: _train.Task) -> None:
+    """Build the model on the meta device (no memory): a refusal of GPT's, with its parameters
+    named by their options, for what the options' own checks cannot see (each layer's head width)."""
+    if not any(getattr(config, name) is not None for name in
+               ("rope_fraction", "qk_norm", "head_dim", "global_head_dim", "nope_temperature")):
+        return
+    try:
+        with torch.device("meta"):
+            GPT(task.vocab_size, max_len=task.seq_len, **config.resolved().model_options())
+    except (ValueError, TypeError) as err:
+        message = str(err).replace(" of head_dim=", " of heads of width ")  # a width --head-dim may not have set
+        for name, flag in _GPT_NAMES.items():
+            message = re.sub(rf"(?<![\w-]){name}=(\S+?)(?=[\s,;:)]|$)", rf"{flag} \1", message)
+            message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
+        fail(message)
+
+
+def _parse_temperature(text: str) -> tuple[float, float]:
+    """``--nope-temperature 8192,0.1`` -> ``(8192.0, 0.1)``; anything else is one error line."""
+    parts = text.split(",")
+    try:
+        pair = tuple(float(part) for part in parts)
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or not all(math.isfinite(part) for part in pair) or pair[0] <= 0 or pair[1] < 0:
+        fail(f"--nope-temperature must be FLOOR,SCALE with FLOOR > 0 and SCALE >= 0 (Llama 4: 8192,0.1), "
+             f"got {text!r}")
+    return pair
 
 
 def _check_memory(config: _train.TrainConfig, task: _train.Task, given: dict, device: str) -> None:
@@ -247,6 +296,7 @@ def _check_variant(task: str, given: dict) -> None:
             fail(f"{_shown(name, given[name])} is for {letters[0]} layers ({LAYER_KINDS[letters[0]]}){others}, "
                  f"and {shown} has none over {layers} layer{'s' if layers > 1 else ''}")
     _check_layer_options(kinds, shown, given)
+    _check_head_options(kinds, shown, given, given.get("positions") or _train.TASK_DEFAULTS[task]["positions"])
     if "kv_heads" in given:
         heads = given.get("heads", _train.default_heads(task, layers))
         counts = heads if isinstance(heads, tuple) else (heads,)
@@ -276,6 +326,25 @@ def _check_layer_options(kinds: set[str], shown: str, given: dict) -> None:
                  f"keys from position 0), and {shown} has some; use --positions rope or learned")
 
 
+def _check_head_options(kinds: set[str], shown: str, given: dict, positions: str) -> None:
+    """--head-dim, --qk-norm and --rope-fraction size or normalise the multi-head layers (G, L, C, N),
+    --global-head-dim the G layers, --nope-temperature the N layers: each refused without its layers,
+    and the first three with layers of their own module."""
+    own = sorted(letter for letter in kinds if LAYER_TABLE[letter].module)
+    multi_head = [flag for flag, name in (("--head-dim", "head_dim"), ("--global-head-dim", "global_head_dim"),
+                                          ("--qk-norm", "qk_norm")) if name in given]
+    if multi_head and own:
+        fail(f"{', '.join(multi_head)}: options of the multi-head layers (G, L, C, N), not of "
+             f"{', '.join(LAYER_KINDS[k] for k in own)} layers, and {shown} has some; use a --layer-pattern "
+             f"without {', '.join(own)}")
+    for name, letter in (("global_head_dim", "G"), ("nope_temperature", "N")):
+        if name in given and letter not in kinds:
+            fail(f"{_shown(name, given[name])} is for {letter} layers ({LAYER_KINDS[letter]}), and {shown} has none")
+    if "rope_fraction" in given and positions != "rope":
+        fail(f"{_shown('rope_fraction', given['rope_fraction'])} needs --positions rope, got "
+             f"{_shown('positions', positions)}{'' if 'positions' in given else ' (the default)'}")
+
+
 def _variant_banner(config: _train.TrainConfig) -> str:
     """``, GQA 2 kv heads, layers LLG (window 8)`` for a variant; empty for plain multi-head attention."""
     parts = [f"{config.kv_heads} kv heads"] if config.kv_heads is not None else []
@@ -285,6 +354,11 @@ def _variant_banner(config: _train.TrainConfig) -> str:
                                                         ("nsa block", config.nsa_block),
                                                         ("compress rate", config.compress_rate)) if value is not None]
         parts.append(f"layers {config.layer_pattern}" + (f" ({', '.join(sizes)})" if sizes else ""))
+    parts += [f"{label} {value}" for label, value in (
+        ("head dim", config.head_dim), ("global head dim", config.global_head_dim),
+        ("rope fraction", config.rope_fraction), ("qk-norm", config.qk_norm),
+        ("NoPE temperature", None if config.nope_temperature is None else
+         ",".join(f"{part:g}" for part in config.nope_temperature))) if value is not None]
     return "".join(f", {part}" for part in parts)
 
 

@@ -16,6 +16,11 @@ with letters other than G, L, M, C, N, D, Q, T and S, a ``--window``, ``--latent
 ``--topk`` or ``--nsa-block`` missing for the pattern's L, M, C, T or S layers, or given without
 them, is one ``error:`` line naming the option.
 
+``--rope-fraction F``, ``--qk-norm FORM``, ``--head-dim D``, ``--global-head-dim D`` and
+``--nope-temperature FLOOR,SCALE`` set the GPT options of the same names (partial RoPE, the QK-norm
+form, the multi-head layers' and the G layers' head width, Llama 4's temperature on the N layers):
+a bad value, or one the layer pattern has no layers for, is one ``error:`` line naming the option.
+
 ``--context-parallel P`` shards every sequence over P ranks; each layer keeps its whole
 attention (L layers their ``--window``, ``--softcap``, ``--sinks``, positions), and what cannot
 run sharded (latent M layers, a sequence length or head count the method cannot split) is one
@@ -84,9 +89,10 @@ def train(
                                            "(sliding --window), M latent (MLA, --latent-dim), C chunked local "
                                            "(--chunk), N global without positions (NoPE), D differential, "
                                            "Q gated, T sparse top-k (DSA, --topk), S native sparse (NSA, "
-                                           "--nsa-block), V compressed sparse (DeepSeek-V4 CSA: "
+                                           "--nsa-block), R Gated DeltaNet, K Kimi Delta Attention (linear, "
+                                           "no positions), V compressed sparse (DeepSeek-V4 CSA: "
                                            "--compress-rate, --window, --topk), H heavily compressed "
-                                           "(HCA: --compress-rate, --window); e.g. LLG or CCCN "
+                                           "(HCA: --compress-rate, --window); e.g. LLG, CCCN or RRRQ "
                                            "(default: all G)."),
     window: int = typer.Option(None, "--window", show_default=False,
                                help="Keys per query of the L layers' sliding window (and the V/H layers')."),
@@ -103,6 +109,20 @@ def train(
     compress_rate: int = typer.Option(None, "--compress-rate", show_default=False,
                                       help="Tokens pooled into one compressed entry of the V/H layers "
                                            "(DeepSeek-V4: 4 for CSA, 128 for HCA)."),
+    rope_fraction: float = typer.Option(None, "--rope-fraction", show_default=False,
+                                        help="Partial RoPE (with --positions rope): rotate this fraction of each "
+                                             "head (Qwen3.5: 0.25); it must give an even number of features."),
+    qk_norm: str = typer.Option(None, "--qk-norm", show_default=False,
+                                help="QK-norm of the multi-head layers: qwen3 (each head), gemma (each head, "
+                                     "1 + weight) or olmo2 (the whole projection)."),
+    head_dim: int = typer.Option(None, "--head-dim", show_default=False,
+                                 help="Features per head of the multi-head layers (G, L, C, N; default "
+                                      "--d-model / --heads); heads x head-dim need not be --d-model."),
+    global_head_dim: int = typer.Option(None, "--global-head-dim", show_default=False,
+                                        help="Features per head of the G layers, over --head-dim (Gemma 4: 512)."),
+    nope_temperature: str = typer.Option(None, "--nope-temperature", show_default=False,
+                                         help="FLOOR,SCALE: Llama 4's temperature on the N layers' queries, "
+                                              "log(floor((p+1)/FLOOR)+1)*SCALE+1 at position p (Llama 4: 8192,0.1)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -112,7 +132,9 @@ def train(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
         layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk, topk=topk,
-        nsa_block=nsa_block, compress_rate=compress_rate).items() if value is not None}
+        nsa_block=nsa_block, compress_rate=compress_rate, rope_fraction=rope_fraction, qk_norm=qk_norm,
+        head_dim=head_dim, global_head_dim=global_head_dim, nope_temperature=nope_temperature).items()
+        if value is not None}
     from attnlab.lab.cli import _train_run
 
     _train_run.run(given, steps=steps, threads=threads, device=device, resume=resume, out=out,

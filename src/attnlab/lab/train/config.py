@@ -26,6 +26,11 @@ class TrainConfig:
     :class:`~attnlab.models.GPT`);
     None trains plain multi-head attention.
 
+    ``rope_fraction``, ``qk_norm`` (a form: ``"qwen3"``, ``"olmo2"``, ``"gemma"``), ``head_dim``,
+    ``global_head_dim`` and ``nope_temperature`` (``(floor_scale, attn_scale)``) are the GPT options
+    of the same names; with ``head_dim`` or ``global_head_dim`` the heads need not divide ``d_model``
+    where they have their own width (:class:`~attnlab.models.GPT` checks the layers that do not).
+
     ``softcap`` caps every attention score with ``softcap * tanh(score / softcap)`` (Gemma 2) and
     ``sinks`` gives every head a learnable sink logit (gpt-oss); :func:`analyze` then reports each
     head's sink share, where the mass it does not give to tokens goes.
@@ -68,6 +73,11 @@ class TrainConfig:
     topk: int | None = None
     nsa_block: int | None = None
     compress_rate: int | None = None
+    rope_fraction: float | None = None
+    qk_norm: str | None = None
+    head_dim: int | None = None
+    global_head_dim: int | None = None
+    nope_temperature: tuple[float, float] | None = None
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
@@ -80,7 +90,7 @@ class TrainConfig:
         for name in ("layers", "d_model", "steps", "batch_size", "eval_every", "eval_sequences"):
             positive_int(name, getattr(config, name))
         counts = per_layer("heads", config.heads, config.layers)
-        for layer, count in enumerate(counts):
+        for layer, count in enumerate(counts if config.head_dim is None and config.global_head_dim is None else ()):
             divisible("d_model", config.d_model, "heads" if isinstance(config.heads, int) else f"heads[{layer}]",
                       count)
         if not isinstance(config.heads, int):
@@ -90,7 +100,25 @@ class TrainConfig:
         if config.softcap is not None:
             config.softcap = positive_number("softcap", config.softcap)
         instance_of("sinks", config.sinks, bool, "a bool")
+        if config.nope_temperature is not None:  # a list read back from config.json becomes the pair it was
+            config.nope_temperature = tuple(config.nope_temperature)
         return config
+
+    def model_options(self) -> dict:
+        """The :class:`~attnlab.models.GPT` keywords this (resolved) config sets, all but the
+        vocabulary and length, which are the task's.
+
+        Example:
+            >>> TrainConfig(task="sort", qk_norm="olmo2").resolved().model_options()["qk_norm"]
+            'olmo2'
+        """
+        return dict(d_model=self.d_model, num_layers=self.layers, num_heads=self.heads,
+                    attention_only=self.attention_only, positions=self.positions, num_kv_heads=self.kv_heads,
+                    layer_pattern=self.layer_pattern, window=self.window, latent_dim=self.latent_dim,
+                    softcap=self.softcap, sinks=self.sinks, chunk=self.chunk, topk=self.topk,
+                    nsa_block=self.nsa_block, compress_rate=self.compress_rate, rope_fraction=self.rope_fraction,
+                    qk_norm=False if self.qk_norm is None else self.qk_norm, head_dim=self.head_dim,
+                    global_head_dim=self.global_head_dim, nope_temperature=self.nope_temperature)
 
     def _filled(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults; only the task is checked."""
@@ -131,7 +159,9 @@ def memory_estimate(config: TrainConfig, *, vocab_size: int, seq_len: int) -> di
     c = config._filled()
     layers, d, batch = c.layers, c.d_model, c.batch_size
     most_heads = c.heads if isinstance(c.heads, int) else max(c.heads)
-    per_block = 4 * d * d + 6 * d + (0 if c.attention_only else 8 * d * d + 7 * d)
+    widest = max(c.head_dim or 0, c.global_head_dim or 0)  # heads of their own width: q, k, v, o of H * D
+    attention = 4 * d * d if not widest else 4 * d * most_heads * widest
+    per_block = attention + 6 * d + (0 if c.attention_only else 8 * d * d + 7 * d)
     parameters = vocab_size * d + (seq_len * d if c.positions == "learned" else 0) + layers * per_block + 2 * d
     kept = batch * seq_len * (layers * _KEPT_PER_LAYER[bool(c.attention_only)] * d + 2 * vocab_size)
     weights = 2 * batch * layers * most_heads * seq_len * seq_len  # scores and probabilities

@@ -85,12 +85,7 @@ class Trainer:
         self.task = task if task is not None else make_task(c.task, text=c.text)
         with torch.random.fork_rng(devices=[]):  # the seed decides the initial weights, nothing else
             torch.manual_seed(c.seed)
-            self.model = GPT(self.task.vocab_size, max_len=self.task.seq_len, d_model=c.d_model,
-                             num_layers=c.layers, num_heads=c.heads, attention_only=c.attention_only,
-                             positions=c.positions, num_kv_heads=c.kv_heads, layer_pattern=c.layer_pattern,
-                             window=c.window, latent_dim=c.latent_dim, softcap=c.softcap,
-                             sinks=c.sinks, chunk=c.chunk, topk=c.topk, nsa_block=c.nsa_block,
-                             compress_rate=c.compress_rate).to(c.device)
+            self.model = GPT(self.task.vocab_size, max_len=self.task.seq_len, **c.model_options()).to(c.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.step = 0
         self.seconds = 0.0
