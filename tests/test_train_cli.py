@@ -587,3 +587,96 @@ def test_a_learning_rate_that_diverges_is_one_error_line(tmp_path, small_eval, l
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("error: training diverged") and "smaller --lr" in last, result.output
     assert "Traceback" not in result.output
+
+
+# ------------------------------------------------------------------ GPT options of 2026 (issue 44, item 3)
+HEAD_OPTIONS = ["--layer-pattern", "GN", "--head-dim", "4", "--global-head-dim", "16", "--rope-fraction", "0.5",
+                "--qk-norm", "olmo2", "--nope-temperature", "4,0.1"]
+
+
+@pytest.fixture(scope="module")
+def head_checkpoint(tmp_path_factory):
+    """A 2-step run with every head option: heads of 4 (G: 16) features on a 16-wide model, half
+    of each head rotated, OLMo-2's QK-norm, Llama 4's temperature on the N layer."""
+    out = tmp_path_factory.mktemp("heads")
+    with pytest.MonkeyPatch.context() as patch:
+        for task, defaults in _train.TASK_DEFAULTS.items():
+            patch.setitem(_train.TASK_DEFAULTS, task, {**defaults, "eval_sequences": 16})
+        result = runner.invoke(app, ["train", "--steps", "2", *TINY, "--heads", "3", *HEAD_OPTIONS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_head_options_reach_the_model_and_the_banner(head_checkpoint):
+    out, output = head_checkpoint
+    assert ("layers GN, head dim 4, global head dim 16, rope fraction 0.5, qk-norm olmo2, NoPE temperature 4,0.1"
+            in output), output
+    model = GPT.from_pretrained(out)
+    g, n = (block.attn for block in model.blocks)
+    assert (g.head_dim, n.head_dim, g.num_heads) == (16, 4, 3)  # 3 heads need not divide --d-model 16
+    assert g.rope.rotary_dim == 8 and g.q_norm.weight.shape == (48,) and n.k_norm.weight.shape == (12,)
+    assert (type(n.positions).__name__, n.positions.floor_scale, n.positions.attn_scale) == ("QueryTemperature", 4, 0.1)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["train"]["nope_temperature"] == [4, 0.1] and saved["qk_norm"] == "olmo2"
+
+
+def test_resume_takes_the_head_options_it_was_trained_with_and_refuses_others(head_checkpoint, tmp_path,
+                                                                              small_eval):
+    out, _ = head_checkpoint
+    more = tmp_path / "more"
+    result = runner.invoke(app, ["train", "--resume", str(out), "--steps", "3", *HEAD_OPTIONS, "--out", str(more)])
+    assert result.exit_code == 0, result.output
+    before = _files(out)
+    for args, given, saved in ((["--head-dim", "8"], "--head-dim 8", "--head-dim 4"),
+                               (["--qk-norm", "gemma"], "--qk-norm gemma", "--qk-norm olmo2"),
+                               (["--nope-temperature", "8,0.1"], "--nope-temperature 8,0.1",
+                                "--nope-temperature 4,0.1")):
+        result = runner.invoke(app, ["train", "--resume", str(out), "--steps", "3", *args])
+        assert_one_error_line(result, f"{given} conflicts with the checkpoint", f"trained with {saved}")
+    assert _files(out) == before
+
+
+def test_resume_of_a_checkpoint_without_the_head_options_refuses_them(checkpoint):
+    result = runner.invoke(app, ["train", "--resume", str(checkpoint), "--steps", "8", "--head-dim", "8"])
+    assert_one_error_line(result, "--head-dim 8 conflicts with the checkpoint", "trained with no --head-dim")
+
+
+@pytest.mark.parametrize("args, option, words", [
+    (["--rope-fraction", "0.3"], "--rope-fraction", "0.3 of heads of width 8 is 2.4 features"),
+    (["--rope-fraction", "0"], "--rope-fraction", "positive"),
+    (["--rope-fraction", "1.5"], "--rope-fraction", "(0, 1]"),
+    (["--rope-fraction", "nan"], "--rope-fraction", ""),
+    (["--rope-fraction", "0.5", "--positions", "learned"], "--rope-fraction", "needs --positions rope"),
+    (["--qk-norm", "olmo3"], "--qk-norm", "'qwen3', 'olmo2', 'gemma'"),
+    (["--head-dim", "0"], "--head-dim", "positive"),
+    (["--head-dim", "x"], "--head-dim", ""),
+    (["--head-dim", "5"], "--head-dim", "even for rotary"),
+    (["--head-dim", "8", "--layer-pattern", "GQ"], "--head-dim", "not of gated output"),
+    (["--qk-norm", "gemma", "--layer-pattern", "GD"], "--qk-norm", "not of differential"),
+    (["--global-head-dim", "8", "--layer-pattern", "L", "--window", "2"], "--global-head-dim", "G layers"),
+    (["--global-head-dim", "-8"], "--global-head-dim", "positive"),
+    (["--heads", "3", "--global-head-dim", "8", "--layer-pattern", "LG", "--window", "2"], "--heads",
+     "--d-model (16) must be a multiple of --heads (3)"),
+    (["--nope-temperature", "4"], "--nope-temperature", "FLOOR,SCALE"),
+    (["--nope-temperature", "4,x"], "--nope-temperature", "FLOOR,SCALE"),
+    (["--nope-temperature", "0,0.1", "--layer-pattern", "N"], "--nope-temperature", "FLOOR > 0"),
+    (["--nope-temperature", "4,inf", "--layer-pattern", "N"], "--nope-temperature", "FLOOR,SCALE"),
+    (["--nope-temperature", "4,0.1"], "--nope-temperature", "N layers"),
+])
+def test_bad_head_options_are_refused_by_their_flag_names(tmp_path, args, option, words):
+    out = tmp_path / "out"
+    line = assert_one_error_line(runner.invoke(app, ["train", *TINY, *args, "--out", str(out)]), option, words)
+    for name in ("rope_fraction", "qk_norm", "head_dim", "nope_temperature", "num_heads", "d_model", "positions="):
+        assert name not in line, line
+    assert not out.exists()
+
+
+def test_train_help_names_every_layer_pattern_letter_gpt_accepts():
+    import inspect
+
+    from attnlab.lab.cli.train_cmd import train
+    from attnlab.models.gpt import LAYER_TABLE
+
+    text = inspect.signature(train).parameters["layer_pattern"].default.help
+    missing = [letter for letter in LAYER_TABLE if not re.search(rf"(: |, ){letter} ", text)]
+    assert missing == [], text
