@@ -269,8 +269,8 @@ class MultiHeadAttention(nn.Module):
                 or (isinstance(positions, ALiBi) and positions.num_heads == self.num_heads)
                 or isinstance(positions, QueryTemperature)):
             return positions
-        raise ValueError(f"positions must be None, 'rope', 'alibi', a RotaryEmbedding(head_dim={self.head_dim}), "
-                         f"an ALiBi(num_heads={self.num_heads}) or a QueryTemperature; got {positions!r}")
+        raise ValueError(f"positions must be None, 'rope', 'alibi', a QueryTemperature, a RotaryEmbedding(head_dim="
+                         f"{self.head_dim}) or an ALiBi(num_heads={self.num_heads}); got {positions!r}")
 
     def _make_qk_norm(self, part: object) -> None:
         """``q_norm`` and ``k_norm`` of ``head_dim`` from a :class:`QKNorm`; None for None (no parameters)."""
@@ -498,7 +498,7 @@ class MultiHeadAttention(nn.Module):
         self._check_inputs(x, context, value_input)
         if (context is None and mask is None and cache is None
                 and not return_weights and x.ndim == 3 and self.fused
-                and (self.positions is None or type(self.positions) is RotaryEmbedding)
+                and (self.positions is None or isinstance(self.positions, RotaryEmbedding))
                 and self.window is None and self.chunk is None and self.softcap is None
                 and (self.context_length is None or x.shape[1] <= self.context_length)
                 and not getattr(self.attention, "shards", False)):
@@ -683,14 +683,14 @@ class MultiHeadAttention(nn.Module):
                                  "(context=) has no query positions")
             return self.project_q(x), *self.project_kv(context, value_input)
         if self.rope is None and not isinstance(self.positions, QueryTemperature):
-            return q, k, v
+            return q, k, v  # k, v: the new tokens' only; the cache adds what it holds
         if documents is not None:
             positions = _masks.document_positions(documents)  # (B|1, T), 0 at each document start
         else:
             positions = new_positions(cache, x.shape[1], device=x.device)  # int, or (B, T) for ragged rows
         if self.rope is not None:
             return self.rope.at(q, positions), self.rope.at(k, positions), v
-        return self.positions.at(q, positions), k, v  # a QueryTemperature scales the queries only  # k, v: the new tokens' only; the cache adds what it holds
+        return self.positions.at(q, positions), k, v  # a QueryTemperature scales the queries only
 
     def _check_inputs(self, x, context, value_input) -> None:
         """Tensors of the module's floating dtype (or any float under autocast), on its device,
