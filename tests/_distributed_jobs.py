@@ -18,7 +18,8 @@ import attnlab
 from attnlab import masks, scores
 from attnlab.distributed import CommStats, context_parallel_attention, sequence_layout, shard, unshard
 from attnlab.distributed.balance import balanced_layout
-from attnlab.nn.multihead import QKV, Window
+from attnlab.nn.multihead import QKV, QKNorm, Window
+from attnlab.nn.positional import QueryTemperature
 from attnlab.lab.verify import allowed_error
 
 CASES = {
@@ -454,6 +455,10 @@ MODULES = {
                                           positions="rope", softcap=5.0, sinks=True),
     "window-alibi-sinks": dict(num_heads=8, pattern=Window(5), positions="alibi", sinks=True),
     "bidirectional-alibi-softcap": dict(num_heads=8, pattern=None, positions="alibi", softcap=3.0),
+    # Llama 4's NoPE temperature at global positions, heads wider than d_out / heads, OLMo-2's QK-norm
+    "temperature-head-dim-qk-norm-all": dict(num_heads=8, qkv=QKV(num_kv_heads=4, head_dim=12,
+                                                                  qk_norm=QKNorm(over="all")),
+                                             positions=QueryTemperature(3, 0.5)),
 }
 
 
