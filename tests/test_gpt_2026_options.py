@@ -295,6 +295,8 @@ def test_gpt_qk_norm_forms_build_the_matching_qk_norm(form, part):
     (lambda: GPT(10, d_model=8, num_heads=2, layer_pattern="L", window=2, global_head_dim=8), ValueError,
      "global_head_dim=8 is for G layers, and layer_pattern 'L' has none"),
     (lambda: GPT(10, d_model=8, num_heads=2, head_dim=-1), ValueError, "head_dim"),
+    (lambda: GPT(10, d_model=8, num_heads=2, head_dim=8, global_head_dim=16), ValueError,
+     "head_dim=8 is for L, C, N and G layers (global_head_dim sizes the G ones), and layer_pattern None has none"),
     (lambda: GPT(10, d_model=8, num_heads=3), ValueError, "d_model"),  # no head_dim: heads still divide d_model
     (lambda: GPT(10, d_model=8, num_heads=3, num_layers=2, layer_pattern="LG", window=2, global_head_dim=4),
      ValueError, "d_model"),  # the L layer has no width of its own
@@ -312,7 +314,7 @@ def test_gpt_qk_norm_forms_build_the_matching_qk_norm(form, part):
     (lambda: GPT(10, d_model=8, num_heads=2, qk_norm="olmo3"), ValueError,
      "qk_norm must be one of 'qwen3', 'olmo2', 'gemma'; got 'olmo3'"),
 ], ids=["qkv_zero", "qkv_float", "over", "floor_zero", "scale_nan", "scale_negative", "to_torch", "cross",
-        "block_attn", "gpt_gated", "global_no_g", "gpt_negative", "gpt_divide", "gpt_divide_local", "gpt_fraction",
+        "block_attn", "gpt_gated", "global_no_g", "gpt_negative", "head_dim_unused", "gpt_divide", "gpt_divide_local", "gpt_fraction",
         "gpt_odd_rope", "nope_no_n", "nope_int", "nope_three", "nope_floor", "qk_form"])
 def test_bad_options_are_refused_naming_the_argument(make, error, words):
     with pytest.raises(error, match=re.escape(words)):

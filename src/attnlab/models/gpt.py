@@ -730,7 +730,8 @@ def _head_dims(kinds: tuple[str, ...], pattern: object, head_dim: object, global
     layers, ``head_dim`` for the other multi-head layers (the rows without a module of their own)."""
     multi = sorted({k for k in kinds if not LAYER_TABLE[k].module}, key=list(LAYER_TABLE).index)
     own = sorted({k for k in kinds if LAYER_TABLE[k].module}, key=list(LAYER_TABLE).index)
-    for name, value, letters in (("head_dim", head_dim, multi), ("global_head_dim", global_head_dim,
+    sized = [k for k in multi if k != "G" or global_head_dim is None]  # global_head_dim sizes the G layers over it
+    for name, value, letters in (("head_dim", head_dim, sized), ("global_head_dim", global_head_dim,
                                                                   [k for k in multi if k == "G"])):
         if value is None:
             continue
@@ -740,8 +741,8 @@ def _head_dims(kinds: tuple[str, ...], pattern: object, head_dim: object, global
                              f"{', '.join(LAYER_KINDS[k] for k in own)} layers (their own attention modules); "
                              f"use a layer_pattern without {', '.join(repr(k) for k in own)}")
         if not letters:
-            raise ValueError(f"{name}={value!r} is for {'G' if name == 'global_head_dim' else 'multi-head'} layers, "
-                             f"and layer_pattern {pattern!r} has none")
+            what = "G layers" if name == "global_head_dim" else "L, C, N and G layers (global_head_dim sizes the G ones)"
+            raise ValueError(f"{name}={value!r} is for {what}, and layer_pattern {pattern!r} has none")
     return [global_head_dim if k == "G" and global_head_dim is not None else
             None if LAYER_TABLE[k].module else head_dim for k in kinds]
 

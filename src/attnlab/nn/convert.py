@@ -58,7 +58,8 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     Raises:
         TypeError: ``mha`` is not a :class:`~attnlab.nn.MultiHeadAttention`.
         ValueError: a setting torch's module cannot express, each named with its value:
-            ``d_in != d_out``, grouped-query heads, a positions part (RoPE, ALiBi), a
+            ``d_in != d_out``, heads of their own width (``QKV(head_dim=)``), grouped-query heads,
+            a positions part (RoPE, ALiBi, a query temperature), a
             ``window``, a ``chunk``, a ``softcap``, learned ``sinks``, a ``qk_norm``, or an attention part
             other than :func:`attnlab.attention` (context parallelism's). ``context_length``
             (a length check) and ``backend`` do not change outputs and are not carried.
