@@ -17,10 +17,8 @@ Example:
     >>> reader = SharedKVAttention(8, 8, num_heads=2, positions="rope")
     >>> share, x = KVShare(), torch.randn(1, 3, 8)
     >>> _ = source(x, kv=share)          # fills share with its keys and values
-    >>> reader(x, kv=share).shape, "in_proj_weight" in dict(reader.named_parameters())
-    (torch.Size([1, 3, 8]), True)
-    >>> reader.in_proj_weight.shape      # the query rows only: no key/value projections
-    torch.Size([8, 8])
+    >>> reader(x, kv=share).shape, reader.in_proj_weight.shape   # the query rows only
+    (torch.Size([1, 3, 8]), torch.Size([8, 8]))
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ __all__ = ["KVShare", "SharedKVAttention", "kv_shares", "kv_sharing_plan"]
 
 
 def kv_sharing_plan(kinds: Sequence[str], num_shared: object, *, shareable: str = "GLCN",
-                    heads: Sequence[int] | None = None) -> tuple[int | None, ...]:
+                    heads: Sequence[int] | None = None, name: str = "num_kv_shared_layers") -> tuple[int | None, ...]:
     """Each layer's source layer (None: it computes its own keys and values) for ``num_shared`` shared layers.
 
     Gemma 3n's and Gemma 4's rule: the last ``num_shared`` layers read the last earlier layer of
@@ -50,6 +48,7 @@ def kv_sharing_plan(kinds: Sequence[str], num_shared: object, *, shareable: str 
         shareable: the letters whose keys and values are plain per-token heads (the others are
             refused: latent, recurrent, compressed, sparse layers make theirs their own way).
         heads: each layer's head count; a reader must have its source's.
+        name: the option the errors name.
 
     Raises:
         ValueError: ``num_shared`` out of range, a shared layer's letter not shareable, no earlier
@@ -57,29 +56,35 @@ def kv_sharing_plan(kinds: Sequence[str], num_shared: object, *, shareable: str 
         TypeError: ``num_shared`` not an int.
 
     Example:
-        >>> kv_sharing_plan("LLLLG", 0, heads=None), kv_sharing_plan("LLLLG", 3)[-3:]
-        ((None, None, None, None, None), (1, 1, None))
+        >>> kv_sharing_plan("LLLLG", 0)
+        (None, None, None, None, None)
+        >>> kv_sharing_plan("LLLLG" * 2, 4)[6:]     # layers 6-8 (L) read layer 5, layer 9 (G) layer 4
+        (5, 5, 5, 4)
+        >>> kv_sharing_plan("LLLLG", 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: num_kv_shared_layers=3: shared layer 4 ('G') has no earlier 'G' layer among the first 2 to read keys and values from
     """
     if isinstance(num_shared, bool) or not isinstance(num_shared, int):
-        raise TypeError(f"num_kv_shared_layers must be an int, got {type(num_shared).__name__} {num_shared!r}")
+        raise TypeError(f"{name} must be an int, got {type(num_shared).__name__} {num_shared!r}")
     layers = len(kinds)
     if not 0 <= num_shared < layers:
-        raise ValueError(f"num_kv_shared_layers must be in [0, num_layers - 1] = [0, {layers - 1}] (at least one "
+        raise ValueError(f"{name} must be in [0, num_layers - 1] = [0, {layers - 1}] (at least one "
                          f"layer computes keys and values), got {num_shared}")
     first = layers - num_shared
     plan: list[int | None] = [None] * layers
     for layer in range(first, layers):
         letter = kinds[layer]
         if letter not in shareable:
-            raise ValueError(f"num_kv_shared_layers={num_shared}: layer {layer} is {letter!r}, whose keys and values "
+            raise ValueError(f"{name}={num_shared}: layer {layer} is {letter!r}, whose keys and values "
                              f"are not plain heads; only {', '.join(repr(k) for k in shareable)} layers share theirs")
         earlier = [i for i in range(first) if kinds[i] == letter]
         if not earlier:
-            raise ValueError(f"num_kv_shared_layers={num_shared}: shared layer {layer} ({letter!r}) has no earlier "
+            raise ValueError(f"{name}={num_shared}: shared layer {layer} ({letter!r}) has no earlier "
                              f"{letter!r} layer among the first {first} to read keys and values from")
         plan[layer] = earlier[-1]
         if heads is not None and heads[layer] != heads[plan[layer]]:
-            raise ValueError(f"num_kv_shared_layers={num_shared}: layer {layer} has {heads[layer]} heads and its "
+            raise ValueError(f"{name}={num_shared}: layer {layer} has {heads[layer]} heads and its "
                              f"source layer {plan[layer]} {heads[plan[layer]]}; a shared layer needs its source's heads")
     return tuple(plan)
 
