@@ -277,6 +277,14 @@ class KVShare:
         lengths: ``(B,)`` each row's real keys when the rows of a paged batch differ, else None.
         positions: the call's query positions: an int offset, or ``(B|1, Tq)`` (ragged rows,
             packed documents).
+
+    Example:
+        >>> import torch
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> share = KVShare()
+        >>> _ = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(num_kv_heads=1))(torch.randn(1, 3, 8), kv=share)
+        >>> share.filled, share.keys.shape, share.positions
+        (True, torch.Size([1, 1, 3, 4]), 0)
     """
 
     keys: Tensor | None = None
