@@ -278,3 +278,16 @@ def test_parameter_count_drops_by_the_key_value_projections():
         per_layer = 2 * (d_kv * 16 + d_kv) + (4 if qk_norm else 0)  # k, v weights and biases, k_norm
         assert count(plain) - count(shared) == 2 * per_layer
         assert all(b.attn.k_norm is None for b in shared.blocks[3:])
+
+
+def test_the_docs_example_runs_and_prints_what_it_says(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "modules.md").read_text()
+    section = text.split("## Cross-layer KV sharing (Gemma 3n, Gemma 4)")[1].split("\n## ")[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    exec(compile(code, "docs/modules.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    said = [line.split("#")[1].split(":")[0].strip() for line in code.splitlines() if line.startswith("print(")]
+    assert printed == said
