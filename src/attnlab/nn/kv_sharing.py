@@ -72,17 +72,17 @@ def kv_sharing_plan(kinds: Sequence[str], num_shared: object, *, shareable: str 
         raise ValueError(f"{name} must be in [0, num_layers - 1] = [0, {layers - 1}] (at least one "
                          f"layer computes keys and values), got {num_shared}")
     first = layers - num_shared
+    last = {letter: layer for layer, letter in enumerate(kinds[:first])}  # each letter's last unshared layer
     plan: list[int | None] = [None] * layers
     for layer in range(first, layers):
         letter = kinds[layer]
         if letter not in shareable:
             raise ValueError(f"{name}={num_shared}: layer {layer} is {letter!r}, whose keys and values "
                              f"are not plain heads; only {', '.join(repr(k) for k in shareable)} layers share theirs")
-        earlier = [i for i in range(first) if kinds[i] == letter]
-        if not earlier:
+        if letter not in last:
             raise ValueError(f"{name}={num_shared}: shared layer {layer} ({letter!r}) has no earlier "
                              f"{letter!r} layer among the first {first} to read keys and values from")
-        plan[layer] = earlier[-1]
+        plan[layer] = last[letter]
         if heads is not None and heads[layer] != heads[plan[layer]]:
             raise ValueError(f"{name}={num_shared}: layer {layer} has {heads[layer]} heads and its "
                              f"source layer {plan[layer]} {heads[plan[layer]]}; a shared layer needs its source's heads")

@@ -83,7 +83,7 @@ FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": 
          "seed": "--seed", "positions": "--positions", "text": "--text", "softcap": "--softcap", "sinks": "--sinks",
          "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
          "latent_dim": "--latent-dim", "chunk": "--chunk", "topk": "--topk", "nsa_block": "--nsa-block",
-         "compress_rate": "--compress-rate"}
+         "compress_rate": "--compress-rate", "kv_shared_layers": "--kv-shared-layers"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -114,6 +114,8 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
                         "topk", "nsa_block", "compress_rate") \
                     and value is not None:
                 positive_int(FLAGS[name], value)
+        if given.get("kv_shared_layers", 0) < 0:
+            raise ValueError(f"--kv-shared-layers must be >= 0, got {given['kv_shared_layers']}")
         if "lr" in given:
             positive_number("--lr", given["lr"])
         if "positions" in given:
@@ -138,7 +140,21 @@ def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
     with option_errors():  # the options are checked above: what is left is the --text file
         task = _train.make_task(config.task, text=config.text)
     _check_memory(config, task, given, device)  # before resolving: --layers 10**11 would build a 10**11-tuple
+    if "kv_shared_layers" in given:
+        _check_sharing(config.resolved())
     return _train.Trainer(config.resolved(), task=task)
+
+
+def _check_sharing(config: _train.TrainConfig) -> None:
+    """--kv-shared-layers: Gemma's plan over the model's layers (their letters and heads), as the GPT checks it."""
+    from attnlab.nn.kv_sharing import kv_sharing_plan
+
+    pattern = config.layer_pattern or "G"
+    kinds = [pattern[layer % len(pattern)] for layer in range(config.layers)]
+    with option_errors():
+        kv_sharing_plan(kinds, config.kv_shared_layers, heads=per_layer("heads", config.heads, config.layers),
+                        shareable="".join(k for k, row in LAYER_TABLE.items() if not row.module),
+                        name="--kv-shared-layers")
 
 
 def _check_memory(config: _train.TrainConfig, task: _train.Task, given: dict, device: str) -> None:
@@ -285,6 +301,8 @@ def _variant_banner(config: _train.TrainConfig) -> str:
                                                         ("nsa block", config.nsa_block),
                                                         ("compress rate", config.compress_rate)) if value is not None]
         parts.append(f"layers {config.layer_pattern}" + (f" ({', '.join(sizes)})" if sizes else ""))
+    if config.kv_shared_layers:
+        parts.append(f"last {config.kv_shared_layers} layers sharing K/V")
     return "".join(f", {part}" for part in parts)
 
 
@@ -382,6 +400,9 @@ def _check_shardable(trainer: _train.Trainer, sharding: _Sharding) -> None:
     runs its whole attention sharded (global and local layers: window, softcap, sinks, ALiBi,
     RoPE); latent (MLA) layers do not run context-parallel."""
     c = trainer.config
+    if c.kv_shared_layers:
+        fail(f"--context-parallel {sharding.world}: --kv-shared-layers {c.kv_shared_layers} does not run "
+             "context-parallel (a shared layer reads its source's keys of one process); train on one process")
     if "M" in trainer.model.layer_kinds:
         fail(f"--context-parallel {sharding.world}: --layer-pattern {c.layer_pattern} has latent (M) layers, which "
              "do not run context-parallel; use G and L layers, or train on one process")

@@ -103,6 +103,10 @@ def train(
     compress_rate: int = typer.Option(None, "--compress-rate", show_default=False,
                                       help="Tokens pooled into one compressed entry of the V/H layers "
                                            "(DeepSeek-V4: 4 for CSA, 128 for HCA)."),
+    kv_shared_layers: int = typer.Option(None, "--kv-shared-layers", show_default=False,
+                                         help="Cross-layer KV sharing (Gemma 3n/4): the last N layers have no "
+                                              "key/value projections and read the last earlier layer of their "
+                                              "letter (G, L, C, N)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -112,7 +116,8 @@ def train(
         task=task, layers=layers, heads=heads, d_model=d_model, attention_only=attention_only, batch_size=batch_size,
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
         layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk, topk=topk,
-        nsa_block=nsa_block, compress_rate=compress_rate).items() if value is not None}
+        nsa_block=nsa_block, compress_rate=compress_rate, kv_shared_layers=kv_shared_layers).items()
+        if value is not None}
     from attnlab.lab.cli import _train_run
 
     _train_run.run(given, steps=steps, threads=threads, device=device, resume=resume, out=out,

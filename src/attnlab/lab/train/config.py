@@ -20,8 +20,8 @@ from attnlab.lab.train.tasks import TASKS, TASK_DEFAULTS, default_heads
 class TrainConfig:
     """What to train and how; None means the task's default (see :meth:`resolved`).
 
-    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk``, ``nsa_block`` and
-    ``compress_rate`` choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
+    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk``, ``nsa_block``,
+    ``compress_rate`` and ``kv_shared_layers`` (the GPT's ``num_kv_shared_layers``) choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
     differential, gated, sparse top-k, native sparse and DeepSeek-V4's compressed layers; see
     :class:`~attnlab.models.GPT`);
     None trains plain multi-head attention.
@@ -68,6 +68,7 @@ class TrainConfig:
     topk: int | None = None
     nsa_block: int | None = None
     compress_rate: int | None = None
+    kv_shared_layers: int = 0
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.

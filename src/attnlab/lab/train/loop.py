@@ -90,7 +90,7 @@ class Trainer:
                              positions=c.positions, num_kv_heads=c.kv_heads, layer_pattern=c.layer_pattern,
                              window=c.window, latent_dim=c.latent_dim, softcap=c.softcap,
                              sinks=c.sinks, chunk=c.chunk, topk=c.topk, nsa_block=c.nsa_block,
-                             compress_rate=c.compress_rate).to(c.device)
+                             compress_rate=c.compress_rate, num_kv_shared_layers=c.kv_shared_layers).to(c.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.step = 0
         self.seconds = 0.0
