@@ -160,6 +160,19 @@ def test_shared_layer_is_attention_over_its_source_keys(pattern):
                                                   attn.out_proj.weight.double(), attn.out_proj.bias.double())
             torch.testing.assert_close(outputs[layer].double(), expected, atol=1e-5, rtol=1e-5)
             assert model.layer_kinds[layer] == model.layer_kinds[source]
+        _, weights = model(ids, return_weights=True)
+        for layer, source in enumerate(model.kv_sources):
+            if source is not None:  # the shared layer's weights: its queries over its source's keys
+                attn = model.blocks[layer].attn
+                q = attn.rope.at(attn.project_q(inputs[layer]), 0).double()
+                k = model.blocks[source].attn.project_kv(inputs[source])[0]
+                k = model.blocks[source].attn.rope.at(k, 0).double().repeat_interleave(2, 1)
+                scores = q @ k.transpose(-1, -2) / 2.0  # head_dim 4
+                T = scores.shape[-1]
+                i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+                allowed = (j <= i) & ((i - j < attn.window) if attn.window else True)
+                expected = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+                torch.testing.assert_close(weights[layer].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_no_sharing_model_with_copied_projections_matches_when_inputs_match():
@@ -180,6 +193,28 @@ def test_no_sharing_model_with_copied_projections_matches_when_inputs_match():
     with torch.no_grad():
         shared.blocks[1].attn(x, kv=share)
         torch.testing.assert_close(shared.blocks[2].attn(x, kv=share), plain.blocks[2].attn(x), atol=1e-6, rtol=1e-6)
+
+
+def test_a_source_fills_the_same_share_on_its_fast_and_general_paths():
+    """The common call and the KVCache decoding step (fast paths) hand over what the general path does."""
+    from attnlab.nn import CallMask
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 16, num_heads=4, qkv=QKV(num_kv_heads=2), positions="rope").eval()
+    x = torch.randn(2, 5, 16)
+    fast, general = KVShare(), KVShare()
+    with torch.no_grad():
+        mha(x, kv=fast)
+        mha(x, mask=CallMask(padding=torch.ones(2, 5, dtype=torch.bool)), kv=general)
+        assert (fast.positions, general.positions) == (0, 0)
+        torch.testing.assert_close((fast.keys, fast.values), (general.keys, general.values), atol=0, rtol=0)
+        caches = [mha.new_cache(2, 8), mha.new_cache(2, 8)]
+        for cache in caches:
+            mha(x[:, :4], cache=cache)
+        mha(x[:, 4:], cache=caches[0], kv=fast)  # the decoding step
+        mha(x[:, 4:], cache=caches[1], kv=general, return_weights=True)  # weights: the general path
+        assert fast.positions == general.positions == 4
+        torch.testing.assert_close((fast.keys, fast.values), (general.keys, general.values), atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------- (d) bytes against the allocated caches
@@ -291,3 +326,17 @@ def test_the_docs_example_runs_and_prints_what_it_says(capsys):
     printed = capsys.readouterr().out.splitlines()
     said = [line.split("#")[1].split(":")[0].strip() for line in code.splitlines() if line.startswith("print(")]
     assert printed == said
+
+
+def test_train_builds_and_checks_the_option():
+    from typer.testing import CliRunner
+
+    from attnlab.lab import train as _train
+    from attnlab.lab.cli import app
+
+    trainer = _train.Trainer(_train.TrainConfig(task="induction", layers=3, heads=2, kv_shared_layers=1, steps=1))
+    assert trainer.model.kv_sources == (None, None, 1)
+    refused = CliRunner().invoke(app, ["train", "--layers", "2", "--kv-shared-layers", "1"])  # heads (2, 1)
+    assert refused.exit_code != 0 and "--kv-shared-layers=1: layer 1 has 1 heads" in refused.output
+    refused = CliRunner().invoke(app, ["train", "--kv-shared-layers", "-1"])
+    assert refused.exit_code != 0 and "--kv-shared-layers must be >= 0" in refused.output

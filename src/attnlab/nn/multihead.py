@@ -474,14 +474,17 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
-        if cache.__class__ is KVCache and mask is None and context is None and not return_weights and kv is None:
+        shared = kv is None or kv.__class__ is KVShare  # anything else: the general path refuses it
+        if cache.__class__ is KVCache and mask is None and context is None and not return_weights and shared:
             step = self._decode_step(x, cache)  # None: not a plain decoding step, the general path below
             if step is not None:  # the one query is the newest token: it sees every cached key, no mask
+                if kv is not None:  # a source layer: its readers attend over these keys, at its position
+                    kv.keys, kv.values, kv.lengths, kv.positions = step[1], step[2], None, cache.length - 1
                 out = self.attention(*step, causal=False, dropout_p=0.0, backend=self.backend,
                                      sinks=self.sinks)  # (B, H, 1, hd)
                 return self.out_proj(out.reshape(x.shape[0], 1, self.d_out))  # (B, 1, d_out); T = 1: no transpose
         self._check_inputs(x, context, value_input)
-        if (context is None and mask is None and cache is None and kv is None
+        if (context is None and mask is None and cache is None and shared
                 and not return_weights and x.ndim == 3 and self.fused and not isinstance(self.positions, ALiBi)
                 and self.window is None and self.chunk is None and self.softcap is None
                 and (self.context_length is None or x.shape[1] <= self.context_length)
@@ -491,6 +494,8 @@ class MultiHeadAttention(nn.Module):
             if self.positions is not None:  # rotary, positions 0 .. T - 1
                 cos, sin = self.positions.cos_sin(T, dtype=q.dtype, device=q.device)  # (T, hd/2)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if kv is not None:  # a source layer: its readers attend over these keys, positions from 0
+                kv.keys, kv.values, kv.lengths, kv.positions = k, v, None, 0
             out = self.attention(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0,
                                  backend=self.backend, sinks=self.sinks)  # (B, H, T, hd)
             return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_out))  # (B, T, d_out)
