@@ -285,6 +285,8 @@ def test_refusals_of_the_calls():
     sharded.shards = True
     with pytest.raises(ValueError, match="sharded"):
         SharedKVAttention(16, 16, num_heads=4, attention=sharded)(torch.randn(1, 2, 16), kv=KVShare())
+    with pytest.raises(ValueError, match="cannot express shared keys and values"):
+        attnlab.nn.to_torch(SharedKVAttention(16, 16, num_heads=4, pattern=None))
     with pytest.raises(ValueError, match="shared_kv is an option"):
         TransformerBlock(16, 4, attn=MultiHeadAttention(16, 16, num_heads=4), shared_kv=True)
     share = KVShare()
