@@ -5,7 +5,7 @@ against the tensors ``new_cache`` allocates, the refusals, saving and the parame
 
 Whole Gemma 4 models are not compared: their decoder layers have parts attnlab's GPT lacks (sandwich
 RMSNorms, gated MLPs, scaled embeddings, a weightless value norm, per-layer inputs). What is compared
-is the sharing itself: which layer each shared layer reads (transformers' ``kv_sharing_modes``) and
+is the sharing itself: which layer each shared layer reads (``kv_sharing_modes`` of Gemma 4 and Gemma 3n) and
 a shared layer's attention output given its source's keys and values (transformers'
 ``Gemma4TextAttention`` with ``shared_kv_states``).
 """
@@ -53,12 +53,20 @@ def _gemma4(layer_types, shared):
     return config, model
 
 
+@pytest.mark.parametrize("family", ["gemma4", "gemma3n"])
 @pytest.mark.parametrize("layer_types, shared", [
     (("sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"), 3),
     (("sliding_attention",) * 3 + ("full_attention",) + ("sliding_attention",) * 3 + ("full_attention",), 4),
+    (("sliding_attention",) * 4 + ("full_attention",) + ("sliding_attention",) * 4 + ("full_attention",), 4),
 ])
-def test_plan_is_transformers_kv_sharing_modes(layer_types, shared):
-    config, _ = _gemma4(layer_types, shared)
+def test_plan_is_transformers_kv_sharing_modes(family, layer_types, shared):
+    if family == "gemma4":
+        config = transformers.Gemma4TextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                                               num_kv_shared_layers=shared)
+    else:
+        config = transformers.Gemma3nTextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                                                num_kv_shared_layers=shared,
+                                                activation_sparsity_pattern=[0.0] * len(layer_types))
     modes = config.kv_sharing_modes
     stores = {layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
     expected = tuple(stores[kind] if mode == "reuse" else None for kind, mode in zip(layer_types, modes))
