@@ -255,6 +255,11 @@ def test_kv_memory_cli_reports_the_layers_holding_a_cache():
     refused = CliRunner().invoke(app, ["kv-memory", "--layers", "12", "--heads", "8", "--head-dim", "64", "--context",
                                        "4096", "--window", "512", "--layer-pattern", "LLLLLG", "--kv-shared-layers", "8"])
     assert refused.exit_code != 0 and "no earlier 'G' layer" in refused.output
+    both = CliRunner().invoke(app, ["kv-memory", "--layers", "12", "--heads", "8", "--head-dim", "64", "--context",
+                                    "4096", "--kv-layers", "6", "--kv-shared-layers", "6"])
+    assert both.exit_code != 0 and "give one" in both.output
+    with pytest.raises(ValueError, match="give one"):
+        kv_cache_bytes(context=8, layers=4, kv_layers=2, kv_shared_layers=2)
 
 
 # ----------------------------------------------------------------- (e) refusals, saving, parameters
@@ -293,6 +298,8 @@ def test_refusals_of_the_calls():
     sharded.shards = True
     with pytest.raises(ValueError, match="sharded"):
         SharedKVAttention(16, 16, num_heads=4, attention=sharded)(torch.randn(1, 2, 16), kv=KVShare())
+    with pytest.raises(ValueError, match="unsharded attention part; got the sharded part"):  # context parallelism
+        MultiHeadAttention(16, 16, num_heads=4, attention=sharded)(torch.randn(1, 2, 16), kv=KVShare())
     with pytest.raises(ValueError, match="cannot express shared keys and values"):
         attnlab.nn.to_torch(SharedKVAttention(16, 16, num_heads=4, pattern=None))
     with pytest.raises(ValueError, match="shared_kv is an option"):
