@@ -345,7 +345,7 @@ def test_the_docs_example_runs_and_prints_what_it_says(capsys):
     assert printed == said
 
 
-def test_train_builds_and_checks_the_option():
+def test_train_builds_and_checks_the_option(tmp_path):
     from typer.testing import CliRunner
 
     from attnlab.lab import train as _train
@@ -357,3 +357,7 @@ def test_train_builds_and_checks_the_option():
     assert refused.exit_code != 0 and "--kv-shared-layers=1: layer 1 has 1 heads" in refused.output
     refused = CliRunner().invoke(app, ["train", "--kv-shared-layers", "-1"])
     assert refused.exit_code != 0 and "--kv-shared-layers must be >= 0" in refused.output
+    refused = CliRunner().invoke(app, ["train", "--layers", "2", "--heads", "2", "--kv-shared-layers", "1",
+                                       "--context-parallel", "2", "--out", str(tmp_path / "cp")])
+    assert refused.exit_code != 0 and "does not run context-parallel" in refused.output
+    assert not (tmp_path / "cp").exists()
