@@ -410,7 +410,7 @@ def test_at_most_twelve_constructor_parameters_and_the_tutorials_five_first():
     assert len(parameters) <= 12, parameters
     assert parameters[:5] == ["d_in", "d_out", "context_length", "dropout_p", "num_heads"]
     assert list(inspect.signature(MultiHeadAttention.forward).parameters)[1:] == [
-        "x", "context", "mask", "cache", "return_weights", "value_input"]
+        "x", "context", "mask", "cache", "return_weights", "value_input", "kv"]  # kv: cross-layer KV sharing
 
 
 @pytest.mark.parametrize("old, new", [

@@ -42,6 +42,7 @@ from attnlab.nn.cache import Cache, KVCache, RecurrentCache, _restore_on_error, 
 from attnlab.nn.compressed import CompressedAttention, CompressedCache, model_sizes
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.gated import GatedAttention
+from attnlab.nn.kv_sharing import kv_shares, kv_sharing_plan
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import QKNorm, _check_documents, _check_padding_type
 from attnlab.nn.native_sparse import NativeSparseAttention, paper_sizes
@@ -198,6 +199,11 @@ class GPT(nn.Module):
             (``nsa_block=64`` is the paper's 32, 16, 64, 16, 512).
         compress_rate: the ``V``/``H`` layers' tokens per compressed entry (DeepSeek-V4: 4 for CSA,
             128 for HCA; one rate for both here).
+        num_kv_shared_layers: cross-layer KV sharing (Gemma 3n, Gemma 4): the last this many layers
+            have no key/value projections and attend with the keys and values of the last earlier
+            layer of their own letter that is not shared (:func:`~attnlab.nn.kv_sharing.kv_sharing_plan`;
+            ``G``, ``L``, ``C``, ``N`` layers, each with its source's head count). Their cache is
+            their source's cache object (:meth:`new_cache`), written once per step. 0: none.
 
     Attributes:
         config: the constructor's arguments, as saved in ``config.json``.
@@ -240,7 +246,7 @@ class GPT(nn.Module):
         chunk: int | None = None, topk: int | None = None, nsa_block: int | None = None,
         compress_rate: int | None = None, rope_fraction: float | None = None, qk_norm: bool | str = False,
         head_dim: int | None = None, global_head_dim: int | None = None,
-        nope_temperature: Sequence[float] | None = None,
+        nope_temperature: Sequence[float] | None = None, num_kv_shared_layers: int = 0,
     ):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model),
@@ -277,6 +283,10 @@ class GPT(nn.Module):
         # only when given: configs saved before these options stay as they were
         self.config.update({name: sizes[name] for name in ("chunk", "topk", "nsa_block", "compress_rate")
                             if sizes[name] is not None})
+        self.kv_sources = kv_sharing_plan(kinds, num_kv_shared_layers, heads=heads,
+                                          shareable="".join(k for k, row in LAYER_TABLE.items() if not row.module))
+        if num_kv_shared_layers:  # only when set, as above
+            self.config["num_kv_shared_layers"] = num_kv_shared_layers
         self.extra: dict = {}
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = LearnedPositionalEmbedding(max_len, d_model) if positions == "learned" else None
@@ -290,9 +300,9 @@ class GPT(nn.Module):
                                                     positions=positions, sizes=sizes,
                                                     latent_rope_dim=latent_rope_dim, dropout_p=dropout_p, bias=bias,
                                                     backend=backend),
-                             softcap=softcap, sinks=sinks, **{**_layer_options(kind, sizes, positions),
-                                                              **_head_options(kind, width, own, rotary, qk_norm,
-                                                                              norm_eps, temperature)})
+                             softcap=softcap, sinks=sinks, shared_kv=self.kv_sources[layer] is not None,
+                             **{**_layer_options(kind, sizes, positions),
+                                **_head_options(kind, width, own, rotary, qk_norm, norm_eps, temperature)})
             for layer, (layer_heads, kind, rotary, width, own) in enumerate(
                 zip(heads, kinds, rotary_dims, widths, head_dims))
         )
@@ -381,14 +391,19 @@ class GPT(nn.Module):
         weights = []
         # A block failing after earlier blocks wrote their caches puts every cache back.
         with _restore_on_error(caches or [], input_ids.shape[1]):
-            for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
+            for block, cache, kv in zip(self.blocks, self._own_caches(caches), kv_shares(self.kv_sources)):
                 x = block(x, cache=cache, return_weights=return_weights, document_ids=document_ids,
-                          padding_mask=padding_mask)
+                          padding_mask=padding_mask, kv=kv)
                 if return_weights:
                     x, layer_weights = x
                     weights.append(layer_weights)
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         return (logits, tuple(weights)) if return_weights else logits
+
+    def _own_caches(self, caches: list[Cache] | None) -> list[Cache | None]:
+        """Each layer's cache to write: None for a shared layer (its source writes the cache it reads)."""
+        caches = caches or [None] * len(self.blocks)
+        return [None if source is not None else cache for cache, source in zip(caches, self.kv_sources)]
 
     def _check_ids(self, input_ids: object, caches: list[Cache] | None) -> int | Tensor:
         """The positions of the new tokens (an int offset, or ``(B, T)`` for a ragged paged batch);
@@ -401,8 +416,11 @@ class GPT(nn.Module):
             instance_of("caches", caches, (list, tuple), "a list of one cache per layer")
             if len(caches) != len(self.blocks):
                 raise ValueError(f"caches must hold one cache per layer ({len(self.blocks)}), got {len(caches)}")
-            for layer, cache in enumerate(caches):
+            for layer, (cache, source) in enumerate(zip(caches, self.kv_sources)):
                 instance_of(f"caches[{layer}]", cache, Cache, "a cache (from GPT.new_cache)")
+                if source is not None and cache is not caches[source]:
+                    raise ValueError(f"caches[{layer}] must be caches[{source}]: layer {layer} shares the keys and "
+                                     f"values of layer {source} (num_kv_shared_layers; GPT.new_cache does this)")
             if len({cache.row_lengths for cache in caches}) > 1:
                 raise ValueError("caches hold different lengths: they must come from one new_cache call "
                                  "and be used together")
@@ -420,7 +438,8 @@ class GPT(nn.Module):
         :class:`~attnlab.nn.WindowedKVCache` of ``window`` slots per local layer and a
         :class:`~attnlab.nn.ChunkedKVCache` of ``chunk`` slots per chunked layer (a
         :class:`~attnlab.nn.KVCache` of ``max_len`` slots if the window or chunk is wider), a
-        :class:`~attnlab.nn.RecurrentCache` (constant bytes) per linear layer (``R``, ``K``); with
+        :class:`~attnlab.nn.RecurrentCache` (constant bytes) per linear layer (``R``, ``K``); a
+        shared layer (``num_kv_shared_layers``) gets its source layer's cache object, nothing of its own; with
         ``page_size``, a :class:`~attnlab.nn.PagedKVCache` per layer whose pool holds
         ``batch_size * max_len`` slots (rounded up to whole pages) shared by the rows (a linear
         layer's state has no pages: its cache is a :class:`~attnlab.nn.RecurrentCache` there too).
@@ -431,9 +450,11 @@ class GPT(nn.Module):
         """
         max_len = self.max_len if max_len is None else positive_int("max_len", max_len)
         weight = self.tok_emb.weight
-        return [block.attn.new_cache(batch_size, max_len, dtype=weight.dtype, device=weight.device,
-                                     page_size=page_size)
-                for block in self.blocks]
+        caches: list[Cache] = []
+        for block, source in zip(self.blocks, self.kv_sources):
+            caches.append(caches[source] if source is not None else block.attn.new_cache(
+                batch_size, max_len, dtype=weight.dtype, device=weight.device, page_size=page_size))
+        return caches
 
     # --------------------------------------------------------------- generation
     def generate(self, input_ids: Tensor | Sequence[Tensor], max_new_tokens: int, *, temperature: float = 0.0,
@@ -559,8 +580,8 @@ class GPT(nn.Module):
         x = self.tok_emb(token)  # (B, 1, d_model)
         if self.pos_emb is not None:
             x = x + self.pos_emb.embedding.weight[length:length + 1]  # the token's position
-        for block, cache in zip(self.blocks, caches):
-            x = block.decode_step(x, cache)
+        for block, cache, kv in zip(self.blocks, self._own_caches(caches), kv_shares(self.kv_sources)):
+            x = block.decode_step(x, cache, kv)
         return self.lm_head(self.norm(x))[:, -1]  # (B, vocab), as forward computes it
 
     def _decode_ragged(self, prompts, max_new_tokens, temperature, top_k, generator, page_size):
@@ -568,8 +589,7 @@ class GPT(nn.Module):
         pages = sum(-(-(len(prompt) + max_new_tokens) // page_size) for prompt in prompts)
         per_row = -(-pages // len(prompts)) * page_size  # the pool: the pages the rows will fill
         caches = self.new_cache(len(prompts), per_row, page_size=page_size)
-        last = [self(prompt[None], caches=[cache.select([b]) for cache in caches])[:, -1]
-                for b, prompt in enumerate(prompts)]  # each (1, vocab)
+        last = [self(prompt[None], caches=_select(caches, b))[:, -1] for b, prompt in enumerate(prompts)]  # (1, vocab)
         token = _next_token(torch.cat(last), temperature, top_k, generator)  # (B, 1)
         yield token
         for _ in range(max_new_tokens - 1):
@@ -648,6 +668,12 @@ def _attnlab_sizes(config: dict) -> dict[str, _hub.Dim | _hub.Count | None]:
     if config["num_kv_heads"] is not None:
         sizes["num_kv_heads"] = None
     return sizes
+
+
+def _select(caches: list[Cache], row: int) -> list[Cache]:
+    """Row ``row`` of each cache, one view per cache object (a shared layer's is its source's)."""
+    views: dict[int, Cache] = {}
+    return [views.setdefault(id(cache), cache.select([row])) for cache in caches]
 
 
 def _check_prompts(prompts: object) -> list[Tensor]:

@@ -23,6 +23,7 @@ from attnlab.nn.gated import GatedAttention
 from attnlab.nn.recurrent import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.differential import DifferentialAttention
 from attnlab.nn.multihead import QKV, CallMask, Chunk, MultiHeadAttention, QKNorm, Window
+from attnlab.nn.kv_sharing import KVShare, SharedKVAttention
 from attnlab.nn.native_sparse import NativeSparseAttention
 from attnlab.nn.topk_attention import TopkAttention
 from attnlab.nn.convert import from_torch, to_torch
@@ -43,6 +44,8 @@ __all__ = [
     "Window",
     "Chunk",
     "CallMask",
+    "KVShare",
+    "SharedKVAttention",
     "from_torch",
     "to_torch",
     "LatentAttention",

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import instance_of, one_of, positive_int, positive_number, probability
 from attnlab.nn.cache import Cache, KVCache, _restore_on_error
+from attnlab.nn.kv_sharing import KVShare, SharedKVAttention
 from attnlab.nn.multihead import QKV, CallMask, MultiHeadAttention, QKNorm, pattern_of
 
 __all__ = ["FeedForward", "TransformerBlock", "TransformerEncoder", "TransformerDecoder"]
@@ -118,6 +119,9 @@ class TransformerBlock(nn.Module):
             an option of the block's own ``MultiHeadAttention`` (refused with ``attn``).
         head_dim: the self-attention's head width (``QKV(head_dim=)``; None: ``d_model // num_heads``);
             an option of the block's own ``MultiHeadAttention`` (refused with ``attn``).
+        shared_kv: the block's self-attention is a :class:`~attnlab.nn.SharedKVAttention` (the
+            same options, a query projection only): it reads an earlier layer's keys and values,
+            handed over as ``kv=`` (cross-layer KV sharing; refused with ``attn``).
 
     Example:
         >>> TransformerBlock(16, 2, mlp=False).mlp is None
@@ -139,20 +143,22 @@ class TransformerBlock(nn.Module):
         mlp: bool = True, window: int | None = None,
         attn: nn.Module | None = None, positions: str | nn.Module | None = None, softcap: float | None = None,
         sinks: bool = False, chunk: int | None = None, qk_norm: QKNorm | None = None, head_dim: int | None = None,
+        shared_kv: bool = False,
     ):
         super().__init__()
         positive_number("norm_eps", norm_eps)
         self.norm_first = bool(norm_first)
         self.norm_attn = nn.LayerNorm(d_model, eps=norm_eps)
+        instance_of("shared_kv", shared_kv, bool, "a bool")
         if attn is not None:
             instance_of("attn", attn, nn.Module, "an attention nn.Module (e.g. LatentAttention) or None")
-            for name, value in (("qk_norm", qk_norm), ("head_dim", head_dim)):
+            for name, value in (("qk_norm", qk_norm), ("head_dim", head_dim), ("shared_kv", shared_kv or None)):
                 if value is not None:
                     raise ValueError(f"{name}={value!r} is an option of the block's own MultiHeadAttention; "
                                      f"the given attn ({type(attn).__name__}) has its own projections")
             self.attn = attn
         else:
-            self.attn = MultiHeadAttention(
+            self.attn = (SharedKVAttention if shared_kv else MultiHeadAttention)(
                 d_model, d_model, None, dropout_p, num_heads,
                 qkv=QKV(num_kv_heads=num_kv_heads, bias=bias, out_bias=bias, qk_norm=qk_norm, head_dim=head_dim),
                 pattern=pattern_of(causal, window, chunk), positions=positions, softcap=softcap, sinks=sinks,
@@ -176,14 +182,16 @@ class TransformerBlock(nn.Module):
         self, x: Tensor, *, padding_mask: Tensor | None = None, mask: Tensor | Callable | None = None,
         context: Tensor | None = None, context_padding_mask: Tensor | None = None,
         cache: Cache | None = None, return_weights: bool = False,
-        document_ids: Tensor | None = None,
+        document_ids: Tensor | None = None, kv: KVShare | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run the layer; with ``return_weights`` also the self-attention weights ``(B, H, T, Tk)``.
 
         The weights come from the attention call that produces the output (see
         :meth:`MultiHeadAttention.forward`), so asking for them does not change the output.
         ``document_ids`` ``(T,)``/``(B, T)`` packs documents: self-attention stays inside each
-        one and rotary positions restart (see :meth:`MultiHeadAttention.forward`).
+        one and rotary positions restart (see :meth:`MultiHeadAttention.forward`). ``kv``: the
+        :class:`~attnlab.nn.KVShare` the self-attention fills (a source layer) or reads (a
+        ``shared_kv`` block), see :mod:`attnlab.nn.kv_sharing`.
 
         Example:
             >>> TransformerBlock(8, 2)(torch.randn(1, 3, 8)).shape
@@ -201,9 +209,9 @@ class TransformerBlock(nn.Module):
         # Self-attention writes the cache; a failing cross-attention or MLP must undo that.
         with _restore_on_error([cache], _num_new(x)):
             return self._layers(x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
-                                document_ids)
+                                document_ids, kv)
 
-    def decode_step(self, x: Tensor, cache: Cache) -> Tensor:
+    def decode_step(self, x: Tensor, cache: Cache | None, kv: KVShare | None = None) -> Tensor:
         """The block on one decoding step's ``x`` ``(B, 1, d_model)``, writing ``cache``: what
         ``self(x, cache=cache)`` computes, without the checks and the cache guard of a user's
         call (the caller owns the cache, as :meth:`attnlab.models.GPT.generate` does). A
@@ -216,16 +224,21 @@ class TransformerBlock(nn.Module):
             True
         """
         if not self.norm_first or self.cross_attn is not None or self.training:
-            return self(x, cache=cache)
-        x = x + self.attn(self.norm_attn(x), cache=cache)  # (B, 1, d_model)
+            return self(x, cache=cache, kv=kv)
+        shared = {} if kv is None else {"kv": kv}  # attention modules of their own take no kv
+        x = x + self.attn(self.norm_attn(x), cache=cache, **shared)  # (B, 1, d_model)
         mlp = self.mlp  # its dropout is the identity out of training
         if type(mlp) is not FeedForward:
             return x if mlp is None else x + mlp(self.norm_mlp(x))
         return x + mlp.fc_out(mlp.act(mlp.fc_in(self.norm_mlp(x))))
 
     def _layers(self, x, padding_mask, mask, context, context_padding_mask, cache, return_weights,
-                document_ids=None):
+                document_ids=None, kv=None):
         weights = None
+        shared = {} if kv is None else {"kv": kv}
+        if kv is not None and not isinstance(self.attn, MultiHeadAttention):
+            raise ValueError(f"kv (cross-layer KV sharing) is for multi-head self-attention; this block's attention "
+                             f"is a {type(self.attn).__name__}")
 
         def self_attention(h: Tensor) -> Tensor:
             nonlocal weights
@@ -234,7 +247,8 @@ class TransformerBlock(nn.Module):
                 result = self.attn(h, mask=mask, padding_mask=padding_mask, cache=cache, document_ids=document_ids,
                                    **weights_asked)
             else:
-                result = self.attn(h, mask=_call_mask(mask, padding_mask, document_ids), cache=cache, **weights_asked)
+                result = self.attn(h, mask=_call_mask(mask, padding_mask, document_ids), cache=cache, **weights_asked,
+                                   **shared)
             if not return_weights:
                 return result
             result, weights = result

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from attnlab.functional import attention
+from attnlab.nn.kv_sharing import SharedKVAttention
 from attnlab.nn.multihead import QKV, MultiHeadAttention
 
 __all__ = ["from_torch", "to_torch"]
@@ -61,7 +62,8 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
             ``d_in != d_out``, heads of their own width (``QKV(head_dim=)``), grouped-query heads,
             a positions part (RoPE, ALiBi, a query temperature), a
             ``window``, a ``chunk``, a ``softcap``, learned ``sinks``, a ``qk_norm``, or an attention part
-            other than :func:`attnlab.attention` (context parallelism's). ``context_length``
+            other than :func:`attnlab.attention` (context parallelism's), a
+            :class:`~attnlab.nn.SharedKVAttention` (no key/value projections). ``context_length``
             (a length check) and ``backend`` do not change outputs and are not carried.
 
     Example:
@@ -104,6 +106,8 @@ def _inexpressible(mha: MultiHeadAttention) -> list[str]:
         value = getattr(mha, name)
         if value is not None:
             found.append("sinks (learned)" if name == "sinks" else f"{name}={value!r}")
+    if isinstance(mha, SharedKVAttention):
+        found.append("shared keys and values (a SharedKVAttention projects queries only)")
     if mha.attention is not attention:
         found.append(f"attention={getattr(mha.attention, '__qualname__', mha.attention)!r}")
     return found

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from attnlab._checks import positive_int
+from attnlab.nn.kv_sharing import kv_sharing_plan
 from attnlab.nn.native_sparse import paper_sizes
 
 __all__ = ["DTYPE_BYTES", "compressed_cache_bytes", "kv_cache_bytes", "layer_bytes_per_token",
@@ -95,7 +96,7 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
                    batch: int = 1, pattern: str = "G", window: int | None = None, latent_dim: int = 0,
                    rope_dim: int = 0, kv_layers: int | None = None, chunk: int | None = None, index_dim: int = 0,
                    index_bytes: int = 1, nsa_block: int | None = None, linear_state: int | None = None,
-                   compress_rate: int | None = None) -> int:
+                   compress_rate: int | None = None, kv_shared_layers: int = 0) -> int:
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens.
 
     ``pattern`` gives each layer's kind as in :class:`~attnlab.models.GPT` (tiled over ``layers``):
@@ -103,7 +104,11 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
     ``min(window, context)``, a ``C`` (chunked-local, Llama 4) layer its current chunk,
     ``min(chunk, context)``, an ``M`` layer ``context`` latents. ``kv_layers`` counts the layers that
     produce (and cache) keys and values when later layers reuse an earlier layer's (cross-layer KV
-    sharing); the first ``kv_layers`` layers of the pattern are those. A ``T`` (sparse top-k) layer
+    sharing); the first ``kv_layers`` layers of the pattern are those. ``kv_shared_layers`` says the
+    same as :class:`~attnlab.models.GPT`'s ``num_kv_shared_layers`` (Gemma 3n, Gemma 4): the last that
+    many layers hold no cache, each reading the last earlier layer of its letter (``G``, ``L``, ``C``,
+    ``N``; :func:`~attnlab.nn.kv_sharing.kv_sharing_plan` refuses the rest), so the first
+    ``layers - kv_shared_layers`` are counted once. A ``T`` (sparse top-k) layer
     holds every token, as a global one; ``index_dim`` adds that many numbers of ``index_bytes`` a token
     a layer (DeepSeek-V3.2's lightning-indexer keys, fp8 there). An ``S`` (native sparse) layer of
     ``nsa_block`` (sizes as :func:`attnlab.nn.native_sparse.paper_sizes`) holds keys and values for
@@ -119,6 +124,9 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         >>> kv_cache_bytes(context=8192, layers=48, pattern="M", latent_dim=1024) / 1e9     # MLA
         0.805306368
         >>> kv_cache_bytes(context=4096, layers=6, kv_heads=1, head_dim=64, pattern="LLLLLG", window=1024)
+        2359296
+        >>> kv_cache_bytes(context=4096, layers=12, kv_heads=1, head_dim=64, pattern="LLLLLG", window=1024,
+        ...                kv_shared_layers=6)        # Gemma's rule: layers 6-11 read layers 4 (L) and 5 (G)
         2359296
         >>> kv_cache_bytes(context=4096, layers=4, kv_heads=1, head_dim=64, pattern="CCCN", chunk=1024)
         1835008
@@ -136,7 +144,12 @@ def kv_cache_bytes(*, context: int, layers: int, kv_heads: int = 1, head_dim: in
         positive_int(name, value)
     if set(pattern) - set(LAYER_HELD):
         raise ValueError(f"pattern must be letters of {''.join(LAYER_HELD)}, got {pattern!r}")
-    kinds = [pattern[layer % len(pattern)] for layer in range(layers)][: layers if kv_layers is None else kv_layers]
+    kinds = [pattern[layer % len(pattern)] for layer in range(layers)]
+    if kv_shared_layers and kv_layers is not None:
+        raise ValueError(f"kv_layers={kv_layers} and kv_shared_layers={kv_shared_layers} both say which layers hold a "
+                         "cache; give one")
+    kv_sharing_plan(kinds, kv_shared_layers, name="kv_shared_layers")  # refuses what a GPT refuses (letters, no earlier layer of the kind)
+    kinds = kinds[: layers - kv_shared_layers if kv_layers is None else kv_layers]
     total = 0
     for kind in kinds:
         held = LAYER_HELD[kind](context, window=window, chunk=chunk, nsa_block=nsa_block)

@@ -32,7 +32,7 @@ from attnlab.nn.cache import (Cache, ChunkedKVCache, KVCache, PagedKVCache, Wind
                                _restore_on_error, new_positions)
 from attnlab.nn.positional import ALiBi, QueryTemperature, RotaryEmbedding, apply_rotary
 
-from attnlab.nn.parts import (QKV, CallMask, Chunk, QKNorm, Window, _check_chunk, _check_pattern,  # noqa: F401
+from attnlab.nn.parts import (QKV, CallMask, Chunk, KVShare, QKNorm, Window, _check_chunk, _check_pattern,  # noqa: F401
                                _check_window, _mask_parts, _refuse_removed, pattern_of)
 
 __all__ = ["MultiHeadAttention", "QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of"]
@@ -460,6 +460,7 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         return_weights: bool = False,
         value_input: Tensor | None = None,
+        kv: KVShare | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend and project; see the class docstring for shapes and mask polarity.
 
@@ -485,18 +486,24 @@ class MultiHeadAttention(nn.Module):
             return_weights: also return the per-head attention weights ``(B, H, Tq, Tk)``
                 (before dropout); ``out`` is computed exactly as without them.
             value_input: values' input ``(B, Tk, vdim)`` when it differs from ``context``.
+            kv: a :class:`~attnlab.nn.kv_sharing.KVShare` to fill with the keys and values this
+                call attends with (cached + new) and its query positions, for the later layers
+                that read them (cross-layer KV sharing; self-attention, unsharded).
 
         Returns:
             ``out`` ``(B, Tq, d_out)``, or ``(out, weights)`` when ``return_weights``.
         """
-        if cache.__class__ is KVCache and mask is None and context is None and not return_weights:
+        shared = kv is None or kv.__class__ is KVShare  # anything else: the general path refuses it
+        if cache.__class__ is KVCache and mask is None and context is None and not return_weights and shared:
             step = self._decode_step(x, cache)  # None: not a plain decoding step, the general path below
             if step is not None:  # the one query is the newest token: it sees every cached key, no mask
+                if kv is not None:  # a source layer: its readers attend over these keys, at its position
+                    kv.keys, kv.values, kv.lengths, kv.positions = step[1], step[2], None, cache.length - 1
                 out = self.attention(*step, causal=False, dropout_p=0.0, backend=self.backend,
                                      sinks=self.sinks)  # (B, H, 1, hd)
                 return self.out_proj(out.reshape(x.shape[0], 1, self.d_q))  # (B, 1, d_out); T = 1: no transpose
         self._check_inputs(x, context, value_input)
-        if (context is None and mask is None and cache is None
+        if (context is None and mask is None and cache is None and shared
                 and not return_weights and x.ndim == 3 and self.fused
                 and (self.positions is None or isinstance(self.positions, RotaryEmbedding))
                 and self.window is None and self.chunk is None and self.softcap is None
@@ -507,6 +514,8 @@ class MultiHeadAttention(nn.Module):
             if self.positions is not None:  # rotary, positions 0 .. T - 1
                 cos, sin = self.positions.cos_sin(T, dtype=q.dtype, device=q.device)  # (T, hd/2)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if kv is not None:  # a source layer: its readers attend over these keys, positions from 0
+                kv.keys, kv.values, kv.lengths, kv.positions = k, v, None, 0
             out = self.attention(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0,
                                  backend=self.backend, sinks=self.sinks)  # (B, H, T, hd)
             return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_q))  # (B, T, d_out)
@@ -514,6 +523,8 @@ class MultiHeadAttention(nn.Module):
         unbatched = x.ndim == 2
         x, context, value_input, mask, padding_mask = _batch_inputs(x, context, value_input, mask, padding_mask,
                                                                      unbatched)
+        if kv is not None:
+            _check_share(kv, context, self.attention)
         if getattr(self.attention, "shards", False):
             out, weights = self._attend_shards(x, context, mask, padding_mask, cache, return_weights, document_ids)
         else:
@@ -528,7 +539,7 @@ class MultiHeadAttention(nn.Module):
             # puts the cache back if attention itself fails afterwards.
             with _restore_on_error([cache], x.shape[1]):
                 q, k, v, options = self._prepare(x, context, value_input, mask, padding_mask, cache,
-                                                 return_weights, documents)
+                                                 return_weights, documents, kv)
                 result = self.attention(q, k, v, **options)  # (B, H, Tq, hd), weights (B, H, Tq, Tk)
                 out, weights = result if return_weights else (result, None)
                 out = self.out_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.d_q))  # (B, Tq, d_out)
@@ -575,11 +586,13 @@ class MultiHeadAttention(nn.Module):
                 q = self.positions.at(q, length)
         return (q, *cache.append(k, heads[:, qk:]))  # keys, values (B, Hkv, length + 1, hd)
 
-    def _prepare(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None):
+    def _prepare(self, x, context, value_input, mask, padding_mask, cache, return_weights, documents=None,
+                 kv=None):
         """Project, rotate and cache; ``(q, k, v, options)`` for the attention part (the module's rule).
 
         Kept out of the call itself, so the part runs one frame below :meth:`forward`.
-        ``documents``: ``(B|1, T)`` int64 document ids of a packed batch, or None."""
+        ``documents``: ``(B|1, T)`` int64 document ids of a packed batch, or None. ``kv``: a
+        :class:`~attnlab.nn.kv_sharing.KVShare` to fill with the keys and values the rule gets."""
         B, Tq, _ = x.shape
         cached = 0 if cache is None else max(cache.row_lengths, default=0)
         Tk = cached + Tq if context is None else context.shape[1]
@@ -592,8 +605,13 @@ class MultiHeadAttention(nn.Module):
         score_mod = self._score_mod(alibi_offset, context is not None)
         q, k, v = self._qkv(x, context, value_input, cache, documents)
         lengths = None
+        if kv is not None:  # the queries' positions, read before the cache grows
+            kv.positions = (_masks.document_positions(documents) if documents is not None
+                            else new_positions(cache, Tq, device=x.device))
         if cache is not None:
             k, v, lengths = cache.extend(k, v)  # every key the new queries may see
+        if kv is not None:
+            kv.keys, kv.values, kv.lengths = k, v, lengths
         own = context is None
         k, v, rule = causal_rule(q, k, v, mask=mask, causal=self.causal and own, window=self.window if own else None,
                                  chunk=self.chunk if own else None, key_lengths=lengths,
@@ -753,6 +771,14 @@ class MultiHeadAttention(nn.Module):
             + (f", head_dim={self.head_dim}" if self.d_q != self.d_out else "")
             + (f", chunk={self.chunk}" if self.chunk is not None else "")
         )
+
+
+def _check_share(kv: object, context: object, attention: object) -> None:
+    """``kv=``: a :class:`~attnlab.nn.kv_sharing.KVShare`, for self-attention with an unsharded part."""
+    instance_of("kv", kv, KVShare, "an attnlab.nn.KVShare (or None)")
+    if context is not None or getattr(attention, "shards", False):
+        raise ValueError("kv (cross-layer KV sharing) is for self-attention with an unsharded attention part; got "
+                         + ("context" if context is not None else f"the sharded part {attention!r}"))
 
 
 def _batch_inputs(x, context, value_input, mask, padding_mask, unbatched):

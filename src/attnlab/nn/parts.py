@@ -17,7 +17,7 @@ from torch import Tensor
 from attnlab import masks as _masks
 from attnlab._checks import divisible, instance_of, one_of, positive_int, positive_number
 
-__all__ = ["QKV", "QKNorm", "Window", "Chunk", "CallMask", "pattern_of", "head_sizes"]
+__all__ = ["QKV", "QKNorm", "Window", "Chunk", "CallMask", "KVShare", "pattern_of", "head_sizes"]
 
 
 @dataclass(frozen=True)
@@ -279,3 +279,38 @@ def head_sizes(d_model: int, num_heads: int, group_heads: int | None, head_dim: 
         divisible("d_model", d_model, "num_heads", num_heads)
         head_dim = d_model // num_heads
     return group_heads, positive_int("head_dim", head_dim)
+
+
+@dataclass
+class KVShare:
+    """One source layer's keys and values of one call, for the layers that read them.
+
+    The source (a :class:`~attnlab.nn.MultiHeadAttention` called with ``kv=``) fills it; each
+    :class:`~attnlab.nn.SharedKVAttention` called with the same object reads it
+    (:mod:`attnlab.nn.kv_sharing`).
+
+    Attributes:
+        keys: ``(B, Hkv, Tk, hd)`` rotated keys every query of the call may see (cached + new).
+        values: ``(B, Hkv, Tk, hd)``.
+        lengths: ``(B,)`` each row's real keys when the rows of a paged batch differ, else None.
+        positions: the call's query positions: an int offset, or ``(B|1, Tq)`` (ragged rows,
+            packed documents).
+
+    Example:
+        >>> import torch
+        >>> from attnlab.nn import MultiHeadAttention
+        >>> share = KVShare()
+        >>> _ = MultiHeadAttention(8, 8, num_heads=2, qkv=QKV(num_kv_heads=1))(torch.randn(1, 3, 8), kv=share)
+        >>> share.filled, share.keys.shape, share.positions
+        (True, torch.Size([1, 1, 3, 4]), 0)
+    """
+
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    lengths: Tensor | None = None
+    positions: int | Tensor = 0
+
+    @property
+    def filled(self) -> bool:
+        """Whether a source layer has written this call's keys and values."""
+        return self.keys is not None

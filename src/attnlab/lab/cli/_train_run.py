@@ -85,7 +85,8 @@ FLAGS = {"task": "--task", "layers": "--layers", "heads": "--heads", "d_model": 
          "kv_heads": "--kv-heads", "layer_pattern": "--layer-pattern", "window": "--window",
          "latent_dim": "--latent-dim", "chunk": "--chunk", "topk": "--topk", "nsa_block": "--nsa-block",
          "compress_rate": "--compress-rate", "rope_fraction": "--rope-fraction", "qk_norm": "--qk-norm",
-         "head_dim": "--head-dim", "global_head_dim": "--global-head-dim", "nope_temperature": "--nope-temperature"}
+         "head_dim": "--head-dim", "global_head_dim": "--global-head-dim", "nope_temperature": "--nope-temperature",
+         "kv_shared_layers": "--kv-shared-layers"}
 # The options that size the model and its batch, in the order a refusal for memory considers them.
 SIZES = ("d_model", "layers", "heads", "batch_size")
 
@@ -118,6 +119,8 @@ def _check_options(given: dict, steps: int | None, threads: int) -> None:
                         "topk", "nsa_block", "compress_rate", "head_dim", "global_head_dim") \
                     and value is not None:
                 positive_int(FLAGS[name], value)
+        if given.get("kv_shared_layers", 0) < 0:
+            raise ValueError(f"--kv-shared-layers must be >= 0, got {given['kv_shared_layers']}")
         if "lr" in given:
             positive_number("--lr", given["lr"])
         if "positions" in given:
@@ -150,6 +153,8 @@ def _new_trainer(given: dict, steps: int | None, device: str) -> _train.Trainer:
         task = _train.make_task(config.task, text=config.text)
     _check_memory(config, task, given, device)  # before resolving: --layers 10**11 would build a 10**11-tuple
     _check_model(config, task)
+    if "kv_shared_layers" in given:
+        _check_sharing(config.resolved())
     return _train.Trainer(config.resolved(), task=task)
 
 
@@ -188,6 +193,18 @@ def _parse_temperature(text: str) -> tuple[float, float]:
         fail(f"--nope-temperature must be FLOOR,SCALE with FLOOR > 0 and SCALE >= 0 (Llama 4: 8192,0.1), "
              f"got {text!r}")
     return pair
+
+
+def _check_sharing(config: _train.TrainConfig) -> None:
+    """--kv-shared-layers: Gemma's plan over the model's layers (their letters and heads), as the GPT checks it."""
+    from attnlab.nn.kv_sharing import kv_sharing_plan
+
+    pattern = config.layer_pattern or "G"
+    kinds = [pattern[layer % len(pattern)] for layer in range(config.layers)]
+    with option_errors():
+        kv_sharing_plan(kinds, config.kv_shared_layers, heads=per_layer("heads", config.heads, config.layers),
+                        shareable="".join(k for k, row in LAYER_TABLE.items() if not row.module),
+                        name="--kv-shared-layers")
 
 
 def _check_memory(config: _train.TrainConfig, task: _train.Task, given: dict, device: str) -> None:
@@ -359,6 +376,8 @@ def _variant_banner(config: _train.TrainConfig) -> str:
         ("rope fraction", config.rope_fraction), ("qk-norm", config.qk_norm),
         ("NoPE temperature", None if config.nope_temperature is None else
          ",".join(f"{part:g}" for part in config.nope_temperature))) if value is not None]
+    if config.kv_shared_layers:
+        parts.append(f"last {config.kv_shared_layers} layers sharing K/V")
     return "".join(f", {part}" for part in parts)
 
 
@@ -456,6 +475,9 @@ def _check_shardable(trainer: _train.Trainer, sharding: _Sharding) -> None:
     runs its whole attention sharded (global and local layers: window, softcap, sinks, ALiBi,
     RoPE); latent (MLA) layers do not run context-parallel."""
     c = trainer.config
+    if c.kv_shared_layers:
+        fail(f"--context-parallel {sharding.world}: --kv-shared-layers {c.kv_shared_layers} does not run "
+             "context-parallel (a shared layer reads its source's keys of one process); train on one process")
     if "M" in trainer.model.layer_kinds:
         fail(f"--context-parallel {sharding.world}: --layer-pattern {c.layer_pattern} has latent (M) layers, which "
              "do not run context-parallel; use G and L layers, or train on one process")

@@ -12,7 +12,10 @@ values, sized in the paper's proportions) and hybrids of recurrent layers (``R``
 beside the attention layers' caches, and DeepSeek-V4's compressed layers (``V`` CSA, ``H`` HCA in
 ``--layer-pattern``, with ``--compress-rate`` and ``--window``): the window's keys, one entry per
 ``--compress-rate`` tokens and the open window's tokens, plus CSA's indexer keys (``--index-dim``
-numbers, default ``--head-dim``, in the model's dtype). GB are
+numbers, default ``--head-dim``, in the model's dtype). ``--kv-shared-layers N`` is a GPT's
+``num_kv_shared_layers`` (Gemma 3n, Gemma 4): the last ``N`` layers hold no cache, each reading
+the last earlier layer of its letter, so the MHA, GQA and ``--layer-pattern`` rows count the
+other layers once, and the report says how many layers hold a cache. GB are
 10^9 bytes, as in rasbt/LLMs-from-scratch ch04's memory estimators, whose figures it reproduces
 (docs/variants.md).
 """
@@ -40,6 +43,10 @@ def kv_memory(
     dtype: str = typer.Option("bf16", "--dtype", help="fp32, fp16, bf16, fp8 or int8."),
     kv_layers: int = typer.Option(None, "--kv-layers", help="Layers that produce and cache K/V when later "
                                                             "layers reuse them (cross-layer KV sharing)."),
+    kv_shared_layers: int = typer.Option(None, "--kv-shared-layers", show_default=False,
+                                         help="A GPT's num_kv_shared_layers (Gemma 3n/4): the last N layers hold "
+                                              "no cache and read the last earlier layer of their letter (G, L, "
+                                              "C, N); the MHA, GQA and --layer-pattern rows count each cache once."),
     latent_dim: int = typer.Option(None, "--latent-dim", help="MLA: latent numbers cached per token and layer."),
     latent_rope_dim: int = typer.Option(None, "--latent-rope-dim", show_default=False,
                                         help="MLA (with --latent-dim): decoupled RoPE key numbers cached beside "
@@ -96,6 +103,10 @@ def kv_memory(
                 at_most(option, positive_int(option, value), _MAX_SIZE, "a size this large is a typo")
         if nsa_block is not None:
             paper_sizes(nsa_block, name="--nsa-block")
+        if kv_shared_layers is not None:
+            at_most("--kv-shared-layers", positive_int("--kv-shared-layers", kv_shared_layers), layers - 1,
+                    "--layers - 1: one layer at least computes keys and values")
+    _check_shared(kv_shared_layers, kv_layers, latent_dim, index_dim, nsa_block)
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
@@ -119,6 +130,10 @@ def kv_memory(
     rows = [("MHA", kv_cache_bytes(kv_heads=heads, **sizes))]
     if kv_heads is not None:
         rows.append((f"GQA ({kv_heads} KV heads)", kv_cache_bytes(kv_heads=kv_heads, **sizes)))
+    if kv_shared_layers:
+        rows += [(f"{name} + {kv_shared_layers} shared layers", kv_cache_bytes(
+            kv_heads=count, kv_shared_layers=kv_shared_layers, **sizes)) for name, count in
+            (("MHA", heads), *([(f"GQA ({kv_heads} KV heads)", kv_heads)] if kv_heads is not None else []))]
     if kv_layers is not None:
         rows += [(f"{name} + KV sharing ({kv_layers} of {layers} layers)", kv_cache_bytes(
             kv_heads=count, kv_layers=kv_layers, **sizes)) for name, count in
@@ -131,10 +146,11 @@ def kv_memory(
                                                                  ("compress rate", compress_rate)) if value)
         linear = f"{linear_heads} linear heads of {linear_head_dim or head_dim}" if linear_state else ""
         rows.append((", ".join(part for part in (spans, f"pattern {layer_pattern}", linear) if part)
-                     + (f", {kv_heads} KV heads" if kv_heads else ""),
+                     + (f", {kv_heads} KV heads" if kv_heads else "")
+                     + (f", {kv_shared_layers} shared layers" if kv_shared_layers else ""),
                      _pattern_bytes(layer_pattern, dict(kv_heads=kv_heads or heads, window=window, chunk=chunk,
                                                         linear_state=linear_state, compress_rate=compress_rate),
-                                    index_dim or head_dim, sizes)))
+                                    index_dim or head_dim, sizes, kv_shared_layers or 0)))
     if index_dim is not None:  # DSA: the model's own cache (MLA when given) plus fp8 index keys
         base = dict(pattern="M", latent_dim=latent_dim, rope_dim=latent_rope_dim) if latent_dim else \
             dict(kv_heads=kv_heads or heads)
@@ -145,14 +161,35 @@ def kv_memory(
         rows.append((f"NSA (block {nsa_block}, {kv_heads or heads} KV heads)", kv_cache_bytes(
             kv_heads=kv_heads or heads, pattern="S", nsa_block=nsa_block, **sizes)))
     _print(rows, sizes, heads, dtype)
+    if kv_shared_layers:
+        typer.echo(f"  layers holding a cache: {layers - kv_shared_layers} of {layers} (the last {kv_shared_layers} "
+                   "read an earlier layer's keys and values)")
 
 
-def _pattern_bytes(pattern: str, options: dict, index_dim: int, sizes: dict) -> int:
-    """The pattern's bytes layer by layer: CSA (V) layers with ``index_dim`` indexer keys, the others without."""
+def _check_shared(shared: int | None, kv_layers: int | None, latent_dim, index_dim, nsa_block) -> None:
+    """``--kv-shared-layers`` goes with the multi-head rows only, and not with ``--kv-layers``."""
+    if shared is None:
+        return
+    if kv_layers is not None:
+        fail(f"--kv-shared-layers {shared} and --kv-layers {kv_layers} both say which layers hold a cache; give one")
+    others = [name for name, value in (("--latent-dim", latent_dim), ("--index-dim", index_dim),
+                                       ("--nsa-block", nsa_block)) if value is not None]
+    if others:
+        fail(f"--kv-shared-layers {shared} is for multi-head layers (G, L, C, N); {others[0]}'s layers make their "
+             "keys their own way and share none")
+
+
+def _pattern_bytes(pattern: str, options: dict, index_dim: int, sizes: dict, shared: int = 0) -> int:
+    """The pattern's bytes layer by layer: CSA (V) layers with ``index_dim`` indexer keys, the others without;
+    the last ``shared`` layers (cross-layer KV sharing) hold none."""
     from attnlab.nn.kv_memory import kv_cache_bytes
+    from attnlab.nn.kv_sharing import kv_sharing_plan
 
     layers = sizes["layers"]
     kinds = [pattern[layer % len(pattern)] for layer in range(layers)]
+    with option_errors():  # the GPT's refusals: letters that share nothing, no earlier layer of the letter
+        kv_sharing_plan(kinds, shared, name="--kv-shared-layers")
+    kinds = kinds[: layers - shared]
     return sum(kinds.count(letter) * kv_cache_bytes(**{**sizes, "layers": 1}, pattern=letter, **options,
                                                     index_dim=index_dim if letter == "V" else 0)
                for letter in set(kinds))

@@ -123,6 +123,10 @@ def train(
     nope_temperature: str = typer.Option(None, "--nope-temperature", show_default=False,
                                          help="FLOOR,SCALE: Llama 4's temperature on the N layers' queries, "
                                               "log(floor((p+1)/FLOOR)+1)*SCALE+1 at position p (Llama 4: 8192,0.1)."),
+    kv_shared_layers: int = typer.Option(None, "--kv-shared-layers", show_default=False,
+                                         help="Cross-layer KV sharing (Gemma 3n/4): the last N layers have no "
+                                              "key/value projections and read the last earlier layer of their "
+                                              "letter (G, L, C, N)."),
 ) -> None:
     """Train a GPT built from attnlab modules on a synthetic task (default: induction) on this
     machine, with a progress bar; evaluate on held-out data; write a checkpoint, config.json,
@@ -133,7 +137,8 @@ def train(
         lr=lr, seed=seed, positions=positions, text=text, softcap=softcap, sinks=sinks or None, kv_heads=kv_heads,
         layer_pattern=layer_pattern, window=window, latent_dim=latent_dim, chunk=chunk, topk=topk,
         nsa_block=nsa_block, compress_rate=compress_rate, rope_fraction=rope_fraction, qk_norm=qk_norm,
-        head_dim=head_dim, global_head_dim=global_head_dim, nope_temperature=nope_temperature).items()
+        head_dim=head_dim, global_head_dim=global_head_dim, nope_temperature=nope_temperature,
+        kv_shared_layers=kv_shared_layers).items()
         if value is not None}
     from attnlab.lab.cli import _train_run
 

@@ -20,8 +20,8 @@ from attnlab.lab.train.tasks import TASKS, TASK_DEFAULTS, default_heads
 class TrainConfig:
     """What to train and how; None means the task's default (see :meth:`resolved`).
 
-    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk``, ``nsa_block`` and
-    ``compress_rate`` choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
+    ``kv_heads``, ``layer_pattern``, ``window``, ``latent_dim``, ``chunk``, ``topk``, ``nsa_block``,
+    ``compress_rate`` and ``kv_shared_layers`` (the GPT's ``num_kv_shared_layers``) choose the attention variant (grouped-query heads, local/global/latent/chunked/NoPE,
     differential, gated, sparse top-k, native sparse and DeepSeek-V4's compressed layers; see
     :class:`~attnlab.models.GPT`);
     None trains plain multi-head attention.
@@ -78,6 +78,7 @@ class TrainConfig:
     head_dim: int | None = None
     global_head_dim: int | None = None
     nope_temperature: tuple[float, float] | None = None
+    kv_shared_layers: int = 0
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults, checked.
@@ -118,7 +119,8 @@ class TrainConfig:
                     softcap=self.softcap, sinks=self.sinks, chunk=self.chunk, topk=self.topk,
                     nsa_block=self.nsa_block, compress_rate=self.compress_rate, rope_fraction=self.rope_fraction,
                     qk_norm=False if self.qk_norm is None else self.qk_norm, head_dim=self.head_dim,
-                    global_head_dim=self.global_head_dim, nope_temperature=self.nope_temperature)
+                    global_head_dim=self.global_head_dim, nope_temperature=self.nope_temperature,
+                    num_kv_shared_layers=self.kv_shared_layers)
 
     def _filled(self) -> "TrainConfig":
         """A copy with every None filled from the task's defaults; only the task is checked."""
