@@ -16,8 +16,9 @@ varlen causal      :func:`varlen_causal_mod`   :func:`materialize` the mod
 packed documents   :func:`document_mod`        :func:`materialize` the mod
 prefix-LM          :func:`prefix_lm_mod`       :func:`materialize` the mod
 chunked local      :func:`chunked_local_mod`   :func:`materialize` the mod
-combination        :func:`and_masks` / :func:`or_masks` (either form)
-prepared per shape :func:`prepare` (a mod, or an AND of them)
+combination        :func:`and_masks`,          either form
+                   :func:`or_masks`
+prepared per shape :func:`prepare`             a mod, or an AND of them
 =================  ==========================  ===========================
 
 The modules: :mod:`~attnlab.masks.evaluation` (a mod on index grids), :mod:`~attnlab.masks.mods`
