@@ -41,9 +41,12 @@ test: $(VENV)/.installed-test
 notebooks: $(VENV)/.installed-notebooks
 	$(VENV)/bin/jupyter lab notebooks
 
-# Warnings are errors (-W, all of them listed by --keep-going) and every cross-reference must resolve (-n);
-# then tools/check_site.py: internal links and anchors, and pages opened in headless chromium.
+# The site is built anew each time: a docstring edit is seen, no page of an older build or of a removed
+# API name is left; the notebooks run again only when they changed (cached in docs/_build/.jupyter_cache).
+# Warnings are errors (-W, all listed by --keep-going) and every cross-reference must resolve (-n); then
+# tools/check_site.py: internal links and anchors, and pages opened in headless chromium.
 docs: $(VENV)/.installed-docs
+	rm -rf docs/_build/html docs/api/generated
 	$(PY) -m sphinx -b html -W --keep-going -n docs docs/_build/html
 	$(PY) tools/check_site.py docs/_build/html
 

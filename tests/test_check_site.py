@@ -76,3 +76,19 @@ def test_console_errors_and_failed_requests_are_reported(tmp_path):
     assert any("console error: boom" in p for p in noisy)
     assert any("request failed" in p and "absent.png" in p for p in noisy)
     assert any("exception" in p and "undefinedFunction" in p for p in problems if "throws.html" in p)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(find_browser() is None, reason="no chromium")
+def test_an_inline_view_left_undrawn_is_reported(tmp_path):
+    """A notebook output's view: drawn (its script marked it) passes; empty, or never drawn, is reported."""
+    site = _write(tmp_path, {
+        "drawn.html": "<div class='attnlab inline' data-attnlab-walk><p>view</p></div>"
+                      "<script>document.querySelector('[data-attnlab-walk]').dataset.walkReady = '1'</script>",
+        "undrawn.html": "<div class='attnlab inline' data-attnlab-model><p>view</p></div>"
+                        "<div class='attnlab inline'></div>",
+    })
+    problems = check_site.browser_problems([site / "drawn.html", site / "undrawn.html"])
+    assert sorted(p.split(": ", 1)[1] for p in problems) == ["inline view 1 model view not drawn",
+                                                             "inline view 2 is empty"]
+    assert all("undrawn.html" in p for p in problems)

@@ -6,7 +6,8 @@ Two checks, each a list of problems (empty: passed):
   names an existing file, and its ``#anchor`` an ``id`` (or ``name``) of that page;
 * :func:`browser_problems` -- each page given is opened in a headless chromium (driven by
   tests/_cdp.py over the DevTools protocol): an uncaught exception, a console error, an error
-  log entry or a failed request is a problem.
+  log entry, a failed request, or an attnlab inline view (a notebook's output) that is empty or
+  whose script did not finish drawing it is a problem.
 
 Usage: ``python tools/check_site.py [SITE] [--no-browser]`` (SITE: docs/_build/html); it prints the
 problems and exits 1 if there are any. The pages opened are :func:`pages_to_open`'s.
@@ -92,15 +93,26 @@ def _why_broken(site: Path, page: Path, link: str, pages: dict[Path, _Page]) -> 
 
 
 def pages_to_open(site: Path) -> list[Path]:
-    """The entry page, every guide and notebook page, the API index and module pages, and one in
-    SAMPLE_EVERY of the per-name API pages (search and index pages aside)."""
-    every = sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
+    """The entry page, every guide and notebook page, the API index and the module pages (those with an
+    autosummary table), the search and index pages, and one in SAMPLE_EVERY of the per-name API pages."""
+    every = [p for p in site_pages(site) if not p.relative_to(site).parts[0].startswith("_")]
     named = [p for p in every if p.parent.name == "generated"]
-    modules = [p for p in named if p.stem.count(".") <= 2 and (p.stem == "attnlab" or p.stem.split(".")[1]
-               in {"nn", "masks", "scores", "backends", "linear", "models", "distributed", "io", "integrations"}
-               and p.stem.count(".") == 1) or p.stem in {"modules", "attnlab.integrations.transformers"}]
+    modules = [p for p in named if 'class="autosummary' in p.read_text(encoding="utf-8", errors="replace")
+               or p.stem == "modules"]
     rest = [p for p in named if p not in modules]
     return [p for p in every if p not in named] + modules + rest[::SAMPLE_EVERY]
+
+
+# attnlab's inline views on the page (a notebook's outputs): each must take room, and a walk, model or
+# mask view must have finished drawing (its script sets walkReady / renderMs on the element of its role).
+VIEWS_WORK = """[...document.querySelectorAll('div.attnlab.inline')].flatMap((root, i) => {
+  const why = root.getBoundingClientRect().height > 0 ? [] : ['is empty'];
+  for (const [role, mark] of [['walk', 'walkReady'], ['model', 'renderMs'], ['mask', 'renderMs']]) {
+    const drawn = [root, ...root.querySelectorAll('*')].filter(e => e.hasAttribute('data-attnlab-' + role));
+    if (drawn.some(e => !e.dataset[mark])) why.push(role + ' view not drawn');
+  }
+  return why.map(w => `inline view ${i + 1} ${w}`);
+})"""
 
 
 def browser_problems(pages: list[Path], *, browser_path: str | None = None, timeout: float = 30.0) -> list[str]:
@@ -116,6 +128,7 @@ def browser_problems(pages: list[Path], *, browser_path: str | None = None, time
         for page in pages:
             open_page(browser, page)
             problems += [f"{page}: {_describe(e)}" for e in page_errors(browser.events)]
+            problems += [f"{page}: {why}" for why in browser.evaluate(VIEWS_WORK)]
             problems += [f"{page}: request failed: {e['params'].get('errorText')} ({_url(browser.events, e)})"
                          for e in browser.events if e.get("method") == "Network.loadingFailed"
                          and not e["params"].get("canceled")]
@@ -143,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("site", nargs="?", default=str(ROOT / "docs" / "_build" / "html"), type=Path)
     parser.add_argument("--no-browser", action="store_true", help="check the links only")
     args = parser.parse_args(argv)
+    args.site = args.site.resolve()
     if not (args.site / "index.html").is_file():
         print(f"check_site: no index.html in {args.site} (run make docs)", file=sys.stderr)
         return 2
