@@ -33,7 +33,7 @@ extensions = [
     "myst_nb",  # MyST Markdown (the guides) and executed notebooks
 ]
 templates_path = ["_templates"]
-exclude_patterns = ["_build", "images/README*", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 
 # The API reference: one page per public name, generated at build time into api/generated (ignored by git).
 autosummary_generate = True
@@ -76,6 +76,7 @@ html_static_path: list[str] = []
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    "header_links_before_dropdown": 5,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": [],
