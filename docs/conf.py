@@ -160,7 +160,9 @@ def shadowed_entries(target: Path, module_name: str, names: list[str]) -> list[s
         if not page.exists() or page.read_text() != text:
             page.write_text(text)
         lines += [f"* :func:`{title}`"]
-    return [*lines, "", ".. toctree::", "   :hidden:", "", *(f"   {module_name}.{n}" for n in names), ""] if names else []
+    if not names:
+        return []
+    return [*lines, "", ".. toctree::", "   :hidden:", "", *(f"   {module_name}.{n}" for n in names), ""]
 
 
 def write_api_pages(target: Path) -> None:
