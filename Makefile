@@ -1,5 +1,5 @@
 # attnlab: the two commands a newcomer needs are `make demo` and `make test`; `make notebooks` opens
-# the tutorials as notebooks in JupyterLab.
+# the tutorials as notebooks in JupyterLab; `make docs` builds the site into docs/_build/html and checks it.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 # override with `make TORCH_SPEC=torch demo` to take whatever your index serves.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install install-test notebooks bench clean
+.PHONY: demo test install install-test notebooks docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ $(VENV)/.installed-notebooks: $(VENV)/.installed
 	$(PIP) install -q -e ".[notebooks]"
 	@touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) install -q -e ".[docs]"
+	@touch $@
+
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
@@ -37,8 +41,17 @@ test: $(VENV)/.installed-test
 notebooks: $(VENV)/.installed-notebooks
 	$(VENV)/bin/jupyter lab notebooks
 
+# The site is built anew each time: a docstring edit is seen, no page of an older build or of a removed
+# API name is left; the notebooks run again only when they changed (cached in docs/_build/.jupyter_cache).
+# Warnings are errors (-W, all listed by --keep-going) and every cross-reference must resolve (-n); then
+# tools/check_site.py: internal links and anchors, and pages opened in headless chromium.
+docs: $(VENV)/.installed-docs
+	rm -rf docs/_build/html docs/api/generated
+	$(PY) -m sphinx -b html -W --keep-going -n docs docs/_build/html
+	$(PY) tools/check_site.py docs/_build/html
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/attnlab bench
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis docs/_build docs/notebooks docs/api/generated

@@ -46,6 +46,7 @@ def attention(
     Shapes (``...`` is nothing, ``B``, ``B, H`` or ``A, B, H``; lower ranks align from the
     right and batch dims broadcast, as in ``F.scaled_dot_product_attention``; the contract in
     full is docs/design.md, "The contract"):
+
         q ``(..., Tq, D)``, k ``(..., Tk, D)``, v ``(..., Tk, Dv)`` -> out ``(..., Tq, Dv)``.
         With heads (rank 4, 5), k and v may have fewer (grouped-query): ``Hq`` a multiple of
         ``Hkv``, query head ``h`` reads key/value head ``h // (Hq // Hkv)``.

@@ -451,7 +451,8 @@ def relative_bias(table: Tensor, *, num_buckets: int, max_distance: int, bidirec
         offset: position of query 0 (T5's cache position when decoding).
 
     Raises:
-        TypeError / ValueError: a table of another kind, dtype or shape, sizes out of range.
+        TypeError: a table of another kind or dtype.
+        ValueError: a table of another shape, sizes out of range.
 
     Example:
         >>> table = torch.arange(8.0)[:, None]              # bucket b has bias b, one head
@@ -751,7 +752,9 @@ def check_function(mod: ScoreMod, *, tq: int, tk: int, device: torch.device, dty
     returns another shape, a non-float, or mixes positions (``score.sum()``, ``score[..., :1]``).
 
     Raises:
-        ValueError / TypeError: naming ``score_mod``.
+        ValueError: naming ``score_mod``: a function that does not map each score on its own, or
+            (from :func:`apply_tile`) returns a shape that does not broadcast to the tile's.
+        TypeError: from :func:`apply_tile`: it returns a non-tensor or a non-float tensor.
 
     Example:
         >>> check_function(as_score_mod(lambda s, b, h, i, j: s.mean()), tq=4, tk=4,

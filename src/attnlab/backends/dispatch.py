@@ -1,4 +1,4 @@
-"""Dispatch: which backend runs a call, from what the backends declare; it names none.
+"""Dispatch: which backend runs a call, from what the backends declare; it names none::
 
     backend="auto"                                     backend="sdpa" (a name)
          |                                                  |

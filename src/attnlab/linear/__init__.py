@@ -46,6 +46,7 @@ def _recurrent(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # name -> run(call) -> (out (B, Hv, T, Dv) in q's dtype, final state in call.state_dtype)
+#: The backends by name (``backend=``); "auto" chooses between "recurrent" and "chunked".
 BACKENDS: dict[str, Run] = {"reference": run_reference, "recurrent": _recurrent, "chunked": run_chunked}
 
 

@@ -66,7 +66,7 @@ class LinearCall:
 
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
-        """The state's shape: ``(B, Hv, Dk, Dv)``, or ``(N, Hv, Dk, Dv)`` for N packed documents."""
+        """The state's shape, ``(B, Hv, Dk, Dv)``, or ``(N, Hv, Dk, Dv)`` for N packed documents."""
         B, _, Hv, _, Dk, Dv = self.sizes
         return (len(self.starts) - 1 if self.cu_seqlens is not None else B), Hv, Dk, Dv
 

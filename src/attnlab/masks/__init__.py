@@ -6,19 +6,20 @@ means what it returns for one position (FlexAttention's rule, so FlexAttention's
 unchanged); attnlab's mods also know which keys a block of queries can reach, so tiled backends
 skip whole tiles. One constructor per pattern:
 
-=================  ==========================  ===========================
-pattern            mask mod                    dense bool tensor
-=================  ==========================  ===========================
-causal             :func:`causal_mod`          :func:`causal_mask`
-sliding window     :func:`sliding_window_mod`  :func:`sliding_window_mask`
-key padding        :func:`padding_mod`         :func:`padding_mask`
-varlen causal      :func:`varlen_causal_mod`   :func:`materialize` the mod
-packed documents   :func:`document_mod`        :func:`materialize` the mod
-prefix-LM          :func:`prefix_lm_mod`       :func:`materialize` the mod
-chunked local      :func:`chunked_local_mod`   :func:`materialize` the mod
-combination        :func:`and_masks` / :func:`or_masks` (either form)
-prepared per shape :func:`prepare` (a mod, or an AND of them)
-=================  ==========================  ===========================
+==================  ==========================  ===========================
+pattern             mask mod                    dense bool tensor
+==================  ==========================  ===========================
+causal              :func:`causal_mod`          :func:`causal_mask`
+sliding window      :func:`sliding_window_mod`  :func:`sliding_window_mask`
+key padding         :func:`padding_mod`         :func:`padding_mask`
+varlen causal       :func:`varlen_causal_mod`   :func:`materialize` the mod
+packed documents    :func:`document_mod`        :func:`materialize` the mod
+prefix-LM           :func:`prefix_lm_mod`       :func:`materialize` the mod
+chunked local       :func:`chunked_local_mod`   :func:`materialize` the mod
+combination         :func:`and_masks`,          either form
+                    :func:`or_masks`
+prepared per shape  :func:`prepare`             a mod, or an AND of them
+==================  ==========================  ===========================
 
 The modules: :mod:`~attnlab.masks.evaluation` (a mod on index grids), :mod:`~attnlab.masks.mods`
 (:class:`MaskMod`, its bounds and value key, and/or), :mod:`~attnlab.masks.patterns` (the

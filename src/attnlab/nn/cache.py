@@ -71,7 +71,7 @@ class Cache:
     """The interface every KV cache offers the attention modules (see the module docstring).
 
     A subclass holds ``keys``-like buffers of ``dtype`` on ``device`` and implements
-    :attr:`row_lengths`, :meth:`check_room`, :meth:`extend`, :meth:`reset`, :attr:`nbytes`
+    :attr:`row_lengths`, :meth:`check_room`, :meth:`extend`, ``reset``, :attr:`nbytes`
     and :meth:`_snapshot`.
 
     Example:
@@ -1021,7 +1021,7 @@ class RecurrentCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the window and the state: the same at every length."""
+        """Bytes of the window and the state, the same at every length."""
         return self.conv.nbytes + self.state.nbytes
 
     def check_room(self, num_new: int) -> None:

@@ -121,7 +121,7 @@ class LatentAttention(nn.Module):
 
     @property
     def cache_features(self) -> int:
-        """Numbers cached per token: the latent and the shared rotary key.
+        """Numbers cached per token, the latent and the shared rotary key.
 
         Example:
             >>> LatentAttention(32, 4, latent_dim=16, rope_dim=4).cache_features

@@ -115,7 +115,7 @@ class QKNorm:
 @dataclass(frozen=True)
 class Window:
     """A causal sliding window of ``size`` keys, as :class:`MultiHeadAttention`'s ``pattern``:
-    query ``i`` sees keys ``i - size + 1 .. i`` (:func:`attnlab.masks.sliding_window_mod`); a
+    query ``i`` sees keys ``i - size + 1`` to ``i`` (:func:`attnlab.masks.sliding_window_mod`); a
     :class:`~attnlab.nn.WindowedKVCache` of ``size`` slots is then its whole cache.
 
     Example:

@@ -11,7 +11,7 @@ In one run, with the same weights in every module, causal self-attention on ``(B
   (:class:`NanoGPTAttention`).
 
 Each is timed forward (``torch.no_grad()``) and forward+backward (gradients of the input and
-every weight) with :func:`attnlab.compare`: rounds are interleaved across the modules so
+every weight) with :func:`~attnlab.lab.bench.timing.compare`: rounds are interleaved across the modules so
 that a change in machine load hits them alike, and the median is reported beside the fp32
 matmul rate measured in the same run (:func:`attnlab.lab.bench.timing.matmul_peak`). FLOPs count the module: projections
 ``2*B*T*C*4C`` plus causal attention ``4*B*H*T*T*D / 2`` forward; forward+backward is 3x the
