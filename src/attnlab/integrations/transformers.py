@@ -77,6 +77,7 @@ from torch import Tensor, nn
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
+from attnlab.integrations import deepseek_v4
 
 __all__ = ["register", "attention_forward", "recording", "DEFAULT_NAME", "TESTED_VERSIONS", "HONOURED_KEYWORDS",
            "IGNORED_KEYWORDS", "REFUSAL"]
@@ -160,6 +161,11 @@ def attention_forward(
     """
     _check_kinds(module, query, key, value, attention_mask)
     _check_keywords(module, kwargs)
+    if attention_mask is None and deepseek_v4.unadapted(module):
+        raise _refusal(type(module).__name__, "its model's mask was left out for attnlab's compressed path, but this "
+                                              "layer is not on it (its model shares the config of one built with "
+                                              "attnlab?), so its compressed entries would come without their block "
+                                              "mask; give each model its own config")
     tq, tk = query.shape[2], key.shape[2]
     mask = attention_mask
     if mask is not None and mask.shape[-1] > tk:
@@ -548,6 +554,22 @@ def _check_model(model: nn.Module) -> None:
     if reason is not None:
         raise _refusal(type(model).__name__, reason + "; load it with attn_implementation='eager'")
     _remember_masks(model.config, eager=not getattr(model, "_supports_sdpa", False))
+    if type(model).__module__.endswith(".modeling_deepseek_v4"):
+        _compressed_layers(model)
+
+
+def _compressed_layers(model: nn.Module) -> None:
+    """DeepSeek-V4's layers on CompressedAttention (:mod:`attnlab.integrations.deepseek_v4`): now if
+    they exist (``set_attn_implementation``), else on the model's first forward (a hook that then
+    removes itself), since transformers checks the implementation before it builds the layers."""
+    if deepseek_v4.adapt(model) or getattr(model, "_attnlab_adapt_hook", None) is not None:
+        return
+
+    def adapt_once(module: nn.Module, args: tuple) -> None:
+        deepseek_v4.adapt(module)
+        module.__dict__.pop("_attnlab_adapt_hook").remove()
+
+    model.__dict__["_attnlab_adapt_hook"] = model.register_forward_pre_hook(adapt_once)
 
 
 def _install_build_check(pretrained_model: type, names: set) -> None:
@@ -574,11 +596,30 @@ def _install_build_check(pretrained_model: type, names: set) -> None:
 
 def _mask_builder(sdpa_mask, eager_mask):
     """transformers' mask builder for a registered name: eager's for the configs
-    :func:`_check_model` gave eager's convention, sdpa's otherwise."""
+    :func:`_check_model` gave eager's convention, sdpa's otherwise; none at all for a DeepSeek-V4
+    model on attnlab's compressed path when the mask would be the plain sliding-window one
+    (:func:`_plain_compressed_call`)."""
     def attnlab_mask(*args, config=None, **kwargs):
+        if _plain_compressed_call(config, kwargs):
+            return None
         build = eager_mask if _eager_masks(config) else sdpa_mask
         return build(*args, config=config, **kwargs)
     return attnlab_mask
+
+
+def _plain_compressed_call(config: object, kwargs: dict) -> bool:
+    """Whether a mask for ``config`` can be left out because its layers compute it themselves:
+    every DeepSeek-V4 layer is on the compressed path, transformers allows the skip (no packed
+    sequences, no mask overlays), no row is padded and no attention weights are asked for."""
+    if not deepseek_v4.served(config) or not kwargs.get("allow_is_causal_skip", True):
+        return False
+    padding = kwargs.get("attention_mask")
+    if isinstance(padding, Tensor) and not bool(padding.all()):
+        return False
+    recording = _recorded_outputs()
+    if recording is not None:
+        return not any(key.endswith("attentions") for key in recording)
+    return not getattr(config, "output_attentions", False)
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -617,6 +658,7 @@ def register(name: str = DEFAULT_NAME) -> str:
             f"register needs transformers 5.x (tested {', '.join(TESTED_VERSIONS)}): "
             f"pip install 'attnlab[hf]' ({exc})"
         ) from None
+    deepseek_v4.NAMES.add(name)
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, _mask_builder(sdpa_mask, eager_mask))
     _install_build_check(PreTrainedModel, {name})
