@@ -150,18 +150,6 @@ class AttnlabDeepseekV4Attention(nn.Module):
                                    cache=cache, **kwargs)
         return _compressed_forward(self, hidden_states, position_ids, cache, kwargs), None
 
-    def __reduce_ex__(self, protocol):
-        """Pickled as the transformers class it adapts (the adaptation is redone on load)."""
-        plain = type(self).__mro__[2]
-        state = self.__dict__.copy()
-        return (_rebuild, (plain, state))
-
-
-def _rebuild(cls: type, state: dict) -> nn.Module:
-    module = cls.__new__(cls)
-    module.__dict__.update(state)
-    return module
-
 
 def _compressed_forward(layer: nn.Module, x: Tensor, position_ids: Tensor | None, cache, kwargs: dict) -> Tensor:
     """CompressedAttention's forward on ``layer``'s parameters, reading and writing its cache layer."""

@@ -493,31 +493,43 @@ def _recorded_outputs() -> dict | None:
 # there was written into config.json by save_pretrained (a config is unhashable, so no
 # WeakKeyDictionary). An entry goes with its config.
 _EAGER_CONFIGS: dict[int, weakref.ref] = {}
+_SDPA_CONFIGS: dict[int, weakref.ref] = {}  # and those given sdpa's
+# The convention last given to each config class: a config no model was checked with (``copy.deepcopy``
+# of a model copies its config) gets its class's, not sdpa's by default.
+_EAGER_CLASSES: dict[type, bool] = {}
 # A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
 _CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
 _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
 
 
 def _eager_masks(config: object) -> bool:
-    """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`)."""
-    ref = _EAGER_CONFIGS.get(id(config))
+    """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`);
+    a config no model was checked with gets its class's last convention (:data:`_EAGER_CLASSES`)."""
+    if _known(_EAGER_CONFIGS, config):
+        return True
+    return _EAGER_CLASSES.get(type(config), False) and not _known(_SDPA_CONFIGS, config)
+
+
+def _known(table: dict, config: object) -> bool:
+    ref = table.get(id(config))
     return ref is not None and ref() is config
 
 
 def _remember_masks(config: object, *, eager: bool) -> None:
-    """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it)."""
+    """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it),
+    and its class's."""
+    _EAGER_CLASSES[type(config)] = eager
     key = id(config)
-    if not eager:
-        _EAGER_CONFIGS.pop(key, None)
-        return
-    if not _eager_masks(config):
-        _EAGER_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(key, dead))
+    table, other = (_EAGER_CONFIGS, _SDPA_CONFIGS) if eager else (_SDPA_CONFIGS, _EAGER_CONFIGS)
+    other.pop(key, None)
+    if not _known(table, config):
+        table[key] = weakref.ref(config, lambda dead, key=key, table=table: _forget(table, key, dead))
 
 
-def _forget(key: int, dead: weakref.ref) -> None:
+def _forget(table: dict, key: int, dead: weakref.ref) -> None:
     """Drop a dead config's entry (unless its id already serves a newer config)."""
-    if _EAGER_CONFIGS.get(key) is dead:
-        del _EAGER_CONFIGS[key]
+    if table.get(key) is dead:
+        del table[key]
 
 
 def _attention_outside_interface(model_class: type) -> str | None:
