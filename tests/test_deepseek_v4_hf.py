@@ -89,12 +89,12 @@ def test_greedy_generation_and_cached_steps_equal_eager(pair):
     eager, ours = pair
     prompt, mask = IDS[:, :21], torch.ones(2, 21, dtype=torch.long)
     with torch.no_grad():
-        generated = [m.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False) for m in pair]
+        generated = [m.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False) for m in pair]
         assert torch.equal(*generated)
         caches = DynamicCache(config=eager.config), DynamicCache(config=ours.config)
         want, got = (m(prompt, cache=c, use_cache=True).logits for m, c in zip(pair, caches))
         assert _largest(want, got) <= 1e-4
-        for t in range(21, 36):  # one token at a time: CSA entries close at 24, 28, 32, an HCA entry at 32
+        for t in range(21, 33):  # one token at a time: CSA entries close at 24, 28, 32, an HCA entry at 32
             want, got = (m(IDS[:, t:t + 1], cache=c, use_cache=True).logits for m, c in zip(pair, caches))
             assert _largest(want, got) <= 1e-4, t
     layers = [c.layers[0] for c in caches]

@@ -36,11 +36,19 @@ would not ignore.
 
 Example:
     >>> import torch
-    >>> from transformers import AutoModelForCausalLM, DeepseekV4Config   # doctest: +SKIP
+    >>> from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     >>> from attnlab.integrations.transformers import register
-    >>> _ = register()                                                     # doctest: +SKIP
-    >>> model = AutoModelForCausalLM.from_config(DeepseekV4Config(...), attn_implementation="attnlab")  # doctest: +SKIP
-    >>> model(torch.randint(0, 100, (1, 8192))).logits                     # doctest: +SKIP
+    >>> config = DeepseekV4Config(
+    ...     vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, head_dim=8, q_lora_rank=8,
+    ...     o_groups=1, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2, n_routed_experts=2,
+    ...     num_experts_per_tok=1, moe_intermediate_size=8, sliding_window=4, mlp_layer_types=["moe", "moe"],
+    ...     compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    ...     layer_types=["compressed_sparse_attention", "heavily_compressed_attention"])
+    >>> model = DeepseekV4ForCausalLM._from_config(config, attn_implementation=register()).eval()
+    >>> model(torch.randint(0, 32, (1, 12))).logits.shape
+    torch.Size([1, 12, 32])
+    >>> served(model.config), type(model.model.layers[0].self_attn).__name__
+    (True, 'AttnlabDeepseekV4Attention')
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from attnlab.integrations._refusals import IGNORED_KEYWORDS, describe, refusal
 from attnlab.nn.compressed import CompressedAttention, CompressedCache
 
 __all__ = ["AttnlabDeepseekV4Attention", "adapt", "view", "served", "unadapted", "LAYER_CLASS"]
@@ -153,12 +162,10 @@ class AttnlabDeepseekV4Attention(nn.Module):
 
 def _compressed_forward(layer: nn.Module, x: Tensor, position_ids: Tensor | None, cache, kwargs: dict) -> Tensor:
     """CompressedAttention's forward on ``layer``'s parameters, reading and writing its cache layer."""
-    from attnlab.integrations.transformers import IGNORED_KEYWORDS, _describe, _refusal
-
     for name, value in kwargs.items():
         if value is not None and name not in IGNORED_KEYWORDS:
-            raise _refusal(type(layer).__name__, f"it passes the keyword {name}, which attnlab's compressed path "
-                                                  f"does not apply (its value: {_describe(value)})")
+            raise refusal(type(layer).__name__, f"it passes the keyword {name}, which attnlab's compressed path "
+                                                  f"does not apply (its value: {describe(value)})")
     module = view(layer)
     cache_layer = None if cache is None else cache.layers[layer.layer_idx]
     ours = None if cache_layer is None else CompressedCache.from_transformers(
@@ -176,9 +183,7 @@ def _check_positions(layer: nn.Module, position_ids: object, past: int, T: int) 
         return
     expected = past + torch.arange(T, device=position_ids.device)
     if position_ids.shape[-1] != T or not bool((position_ids == expected).all()):
-        from attnlab.integrations.transformers import _refusal
-
-        raise _refusal(type(layer).__name__, f"its position_ids do not run from the cache length {past} by one "
+        raise refusal(type(layer).__name__, f"its position_ids do not run from the cache length {past} by one "
                                               "in every row; with no mask (no padding), attnlab's compressed path "
                                               "places tokens by the cache alone; pass an attention_mask for "
                                               "padded rows, or use attn_implementation='eager'")

@@ -78,6 +78,9 @@ from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
 from attnlab.integrations import deepseek_v4
+from attnlab.integrations._refusals import IGNORED_KEYWORDS, REFUSAL
+from attnlab.integrations._refusals import describe as _describe
+from attnlab.integrations._refusals import refusal as _refusal
 
 __all__ = ["register", "attention_forward", "recording", "DEFAULT_NAME", "TESTED_VERSIONS", "HONOURED_KEYWORDS",
            "IGNORED_KEYWORDS", "REFUSAL"]
@@ -87,8 +90,6 @@ TESTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
-# The phrase every refusal of a model or a keyword carries (attnlab.lab.lens matches it).
-REFUSAL = "cannot run on attnlab"
 
 # Keywords attention_forward applies, each as transformers' eager/sdpa paths do.
 HONOURED_KEYWORDS = (
@@ -98,15 +99,6 @@ HONOURED_KEYWORDS = (
     "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
     "block_indices",  # top-k key blocks per query and key head (MiniMax-M3), (B, Hkv, Tq, k)
     "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
-)
-# Keywords that change nothing in transformers' eager and sdpa attention: positions (already
-# rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
-IGNORED_KEYWORDS = (
-    "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
-    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
-    "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
-    "do_sample", "input_ids",  # a generation option (DiffusionGemma), token ids (GLM-5-Next) let through to layers
-    "logits_to_keep", "decoder_input_ids",  # what to return (LLaVA-OneVision), token ids (Whisper's decoder)
 )
 # Any other keyword with a value other than None is refused, naming the module and the keyword.
 
@@ -360,11 +352,6 @@ def _keep_apart(mask: Tensor | _masks.MaskMod | None, causal: bool, documents: T
     return (apart if mask is None else apart & mask), False
 
 
-def _refusal(subject: str, reason: str) -> ValueError:
-    """The one wording of a refused model or keyword."""
-    return ValueError(f"{subject} {REFUSAL}: {reason}")
-
-
 def _check_keywords(module: nn.Module, kwargs: dict) -> None:
     """Refuse, rather than drop, a keyword attnlab does not apply (one whose value is not None)."""
     for name, value in kwargs.items():
@@ -374,13 +361,6 @@ def _check_keywords(module: nn.Module, kwargs: dict) -> None:
             raise _refusal(type(module).__name__,
                            f"it passes the keyword {name}, which attnlab does not apply (its value: "
                            f"{_describe(value)}); computing without it would give another attention")
-
-
-def _describe(value: object) -> str:
-    """A short description of a keyword's value for a message (a tensor's shape, never its data)."""
-    if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
 
 
 def _score_mod(kwargs: dict, tk: int) -> _scores.ScoreMod | None:
