@@ -264,3 +264,13 @@ def test_a_model_sharing_a_served_config_is_refused_not_wrong():
     served(IDS[:, :10])
     with pytest.raises(ValueError, match="give each model its own config"):
         plain(IDS[:, :10])
+
+
+# ---------------------------------------------------------------------- the bench rows
+def test_bench_rows_measure_a_fraction_of_eagers_peak_with_equal_logits():
+    from attnlab.lab.bench.suites import deepseek_v4_memory
+
+    eager, ours = deepseek_v4_memory(quick=True)  # T=1024
+    assert (eager.name, ours.name, eager.t) == ("eager", NAME, 1024)
+    assert ours.values["peak_mib"] < eager.values["peak_mib"] / 4
+    assert ours.values["logits_max_abs_diff"] <= 1e-4
