@@ -246,6 +246,12 @@ def test_hand_given_positions_are_refused(pair):
         ours(IDS[:, :20], position_ids=torch.arange(5, 25)[None])
 
 
+def test_a_cache_without_v4_layers_is_refused(pair):
+    _, ours = pair
+    with pytest.raises(ValueError, match="cache has no layer 0: give DeepSeek-V4 a DynamicCache"):
+        ours(IDS[:, :8], cache=DynamicCache(), use_cache=True)
+
+
 def test_an_unknown_keyword_is_refused(pair):
     _, ours = pair
     layer = ours.model.layers[0].self_attn

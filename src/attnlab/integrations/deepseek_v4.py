@@ -68,8 +68,8 @@ LAYER_CLASS = "DeepseekV4Attention"
 NAMES: set[str] = set()
 # Configs whose every attention layer was adapted, by id with a weak reference (as _EAGER_CONFIGS).
 _SERVED: dict[int, weakref.ref] = {}
-# Each adapted layer's view (a CompressedAttention sharing its parameters), kept while the layer lives.
-# (the view, the layer's parameters it was built on)
+# Each adapted layer's view (a CompressedAttention sharing its parameters) and the parameters it was
+# built on, kept while the layer lives.
 _VIEWS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _ADAPTED_CLASSES: dict[type, type] = {}
 
@@ -137,7 +137,8 @@ def adapt(model: nn.Module) -> bool:
 
 
 def _adapted_class(base: type) -> type:
-    """The subclass of ``base`` (transformers' ``DeepseekV4Attention``) whose forward is :func:`_forward`."""
+    """The subclass of ``base`` (transformers' ``DeepseekV4Attention``) with
+    :class:`AttnlabDeepseekV4Attention`'s forward, one per class."""
     adapted = _ADAPTED_CLASSES.get(base)
     if adapted is None:
         adapted = type("AttnlabDeepseekV4Attention", (AttnlabDeepseekV4Attention, base), {})
@@ -167,6 +168,9 @@ def _compressed_forward(layer: nn.Module, x: Tensor, position_ids: Tensor | None
             raise refusal(type(layer).__name__, f"it passes the keyword {name}, which attnlab's compressed path "
                                                   f"does not apply (its value: {describe(value)})")
     module = view(layer)
+    if cache is not None and len(getattr(cache, "layers", ())) <= layer.layer_idx:
+        raise ValueError(f"cache has no layer {layer.layer_idx}: give DeepSeek-V4 a DynamicCache(config=model.config) "
+                         f"(its compressed layers' caches), got {type(cache).__name__}")
     cache_layer = None if cache is None else cache.layers[layer.layer_idx]
     ours = None if cache_layer is None else CompressedCache.from_transformers(
         cache_layer, module, batch_size=x.shape[0], dtype=x.dtype, device=x.device)
