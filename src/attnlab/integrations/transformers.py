@@ -25,6 +25,9 @@ call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
 3. A check while a model is built: a model whose layers compute attention outside the
    interface (``attn_implementation`` would never reach attnlab; BLOOM, MPT, GIT, SAM, ...) is
    refused with ``ValueError``.
+4. DeepSeek-V4, whose layers build dense compressed masks before they call the interface: its
+   attention layers run as :class:`attnlab.nn.CompressedAttention` on their own parameters and the
+   mask builder leaves the plain sliding-window mask out (:mod:`attnlab.integrations.deepseek_v4`).
 
 A layer's ``softcap`` (Gemma 2, Gemma 3), ``s_aux`` (gpt-oss's per-head sinks) and
 ``position_bias`` (T5's relative bias, already a dense ``(1, H, Tq, Tk)`` tensor, with its
