@@ -145,8 +145,8 @@ ALLOWED = {
                                                         "entry goes with its config",
     "attnlab.integrations.transformers._SDPA_CONFIGS": "the same for configs given sdpa's masks",
     "attnlab.integrations.transformers._EAGER_CLASSES": "one bool per config class a model was built "
-                                                        "with (the convention a copied config gets)",
-    "attnlab.integrations.deepseek_v4.NAMES": "the implementation names register() registered",
+                                                        "with: all got eager's (what a copied config gets)",
+    "attnlab.integrations.deepseek_v4._NAMES": "the implementation names register() registered",
     "attnlab.integrations.deepseek_v4._SERVED": "one weak reference per live config whose DeepSeek-V4 "
                                                 "layers are all on the compressed path, by id",
     "attnlab.integrations.deepseek_v4._VIEWS": "each live adapted layer's CompressedAttention view "

@@ -61,17 +61,22 @@ from torch import Tensor, nn
 from attnlab.integrations._refusals import IGNORED_KEYWORDS, describe, refusal
 from attnlab.nn.compressed import CompressedAttention, CompressedCache
 
-__all__ = ["AttnlabDeepseekV4Attention", "adapt", "view", "served", "unadapted", "LAYER_CLASS"]
+__all__ = ["AttnlabDeepseekV4Attention", "adapt", "view", "served", "unadapted", "register_name", "LAYER_CLASS"]
 
 LAYER_CLASS = "DeepseekV4Attention"
 # The implementation names register() registered: a layer takes the attnlab path only under them.
-NAMES: set[str] = set()
+_NAMES: set[str] = set()
 # Configs whose every attention layer was adapted, by id with a weak reference (as _EAGER_CONFIGS).
 _SERVED: dict[int, weakref.ref] = {}
 # Each adapted layer's view (a CompressedAttention sharing its parameters) and the parameters it was
 # built on, kept while the layer lives.
 _VIEWS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _ADAPTED_CLASSES: dict[type, type] = {}
+
+
+def register_name(name: str) -> None:
+    """Let layers take the attnlab path under implementation ``name`` (called by ``register``)."""
+    _NAMES.add(name)
 
 
 def served(config: object) -> bool:
@@ -155,7 +160,7 @@ class AttnlabDeepseekV4Attention(nn.Module):
                 attention_mask: Tensor | None = None, cache=None, **kwargs):
         if "past_key_values" in kwargs and cache is None:  # transformers' deprecated name of ``cache``
             cache = kwargs.pop("past_key_values")
-        if attention_mask is not None or self.config._attn_implementation not in NAMES:
+        if attention_mask is not None or self.config._attn_implementation not in _NAMES:
             return super().forward(hidden_states, position_embeddings, position_ids, attention_mask,
                                    cache=cache, **kwargs)
         return _compressed_forward(self, hidden_states, position_ids, cache, kwargs), None

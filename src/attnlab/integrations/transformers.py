@@ -477,8 +477,8 @@ def _recorded_outputs() -> dict | None:
 # WeakKeyDictionary). An entry goes with its config.
 _EAGER_CONFIGS: dict[int, weakref.ref] = {}
 _SDPA_CONFIGS: dict[int, weakref.ref] = {}  # and those given sdpa's
-# The convention last given to each config class: a config no model was checked with (``copy.deepcopy``
-# of a model copies its config) gets its class's, not sdpa's by default.
+# Per config class, whether every model checked with one got eager's masks: a config no model was
+# checked with (``copy.deepcopy`` of a model copies its config) then gets eager's too, not sdpa's.
 _EAGER_CLASSES: dict[type, bool] = {}
 # A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
 _CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
@@ -487,7 +487,7 @@ _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILI
 
 def _eager_masks(config: object) -> bool:
     """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`);
-    a config no model was checked with gets its class's last convention (:data:`_EAGER_CLASSES`)."""
+    a config no model was checked with gets eager's if every model of its class did (:data:`_EAGER_CLASSES`)."""
     if _known(_EAGER_CONFIGS, config):
         return True
     return _EAGER_CLASSES.get(type(config), False) and not _known(_SDPA_CONFIGS, config)
@@ -501,12 +501,16 @@ def _known(table: dict, config: object) -> bool:
 def _remember_masks(config: object, *, eager: bool) -> None:
     """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it),
     and its class's."""
-    _EAGER_CLASSES[type(config)] = eager
+    _EAGER_CLASSES[type(config)] = eager and _EAGER_CLASSES.get(type(config), True)
     key = id(config)
-    table, other = (_EAGER_CONFIGS, _SDPA_CONFIGS) if eager else (_SDPA_CONFIGS, _EAGER_CONFIGS)
-    other.pop(key, None)
-    if not _known(table, config):
-        table[key] = weakref.ref(config, lambda dead, key=key, table=table: _forget(table, key, dead))
+    if eager:
+        _SDPA_CONFIGS.pop(key, None)
+        if not _known(_EAGER_CONFIGS, config):
+            _EAGER_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(_EAGER_CONFIGS, key, dead))
+    else:
+        _EAGER_CONFIGS.pop(key, None)
+        if not _known(_SDPA_CONFIGS, config):
+            _SDPA_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(_SDPA_CONFIGS, key, dead))
 
 
 def _forget(table: dict, key: int, dead: weakref.ref) -> None:
@@ -653,7 +657,7 @@ def register(name: str = DEFAULT_NAME) -> str:
             f"register needs transformers 5.x (tested {', '.join(TESTED_VERSIONS)}): "
             f"pip install 'attnlab[hf]' ({exc})"
         ) from None
-    deepseek_v4.NAMES.add(name)
+    deepseek_v4.register_name(name)
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, _mask_builder(sdpa_mask, eager_mask))
     _install_build_check(PreTrainedModel, {name})

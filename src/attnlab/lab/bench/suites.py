@@ -48,6 +48,7 @@ from attnlab.lab.bench.modules import run_modules_suite
 from attnlab.lab.bench import linear, overhead, padded, variants
 from attnlab.lab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
+from attnlab.integrations.transformers import register
 from attnlab.models import GPT
 
 __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
@@ -187,8 +188,6 @@ def deepseek_v4_memory(*, quick: bool = False) -> list[BenchRow]:
         from transformers import DeepseekV4ForCausalLM
     except ImportError:
         return []
-    from attnlab.integrations.transformers import register
-
     t, name = (1024 if quick else 8192), register()
     ids = torch.randint(0, 256, (1, t), generator=torch.Generator().manual_seed(1))
     rows, logits = [], {}
