@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from attnlab.integrations._refusals import IGNORED_KEYWORDS, describe, refusal
 from attnlab.nn.compressed import CompressedAttention, CompressedCache
 
-__all__ = ["AttnlabDeepseekV4Attention", "adapt", "view", "served", "unadapted", "register_name", "LAYER_CLASS"]
+__all__ = ["AttnlabDeepseekV4Attention", "adapt", "view", "served"]
 
 LAYER_CLASS = "DeepseekV4Attention"
 # The implementation names register() registered: a layer takes the attnlab path only under them.
@@ -80,7 +80,12 @@ def register_name(name: str) -> None:
 
 
 def served(config: object) -> bool:
-    """Whether ``config``'s model has every DeepSeek-V4 attention layer on the attnlab path."""
+    """Whether ``config``'s model has every DeepSeek-V4 attention layer on the attnlab path.
+
+    Example:
+        >>> served(object())                  # no model was adapted with this config
+        False
+    """
     ref = _SERVED.get(id(config))
     return ref is not None and ref() is config
 
@@ -107,6 +112,17 @@ def view(layer: nn.Module) -> CompressedAttention:
 
     Raises:
         ValueError: a layer CompressedAttention does not reproduce (``from_transformers``'s refusals).
+
+    Example:
+        >>> from transformers import DeepseekV4Config
+        >>> from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+        >>> config = DeepseekV4Config(hidden_size=16, num_attention_heads=2, head_dim=8, q_lora_rank=8, o_groups=1,
+        ...                           o_lora_rank=8, sliding_window=4, num_hidden_layers=1, mlp_layer_types=["moe"],
+        ...                           layer_types=["heavily_compressed_attention"])
+        >>> layer = DeepseekV4Attention(config, 0)
+        >>> module = view(layer)
+        >>> module.kind, module.kv_proj.weight is layer.kv_proj.weight, view(layer) is module
+        ('hca', True, True)
     """
     params = tuple(layer.parameters())
     held = _VIEWS.get(layer)
@@ -123,6 +139,10 @@ def adapt(model: nn.Module) -> bool:
     module docstring); returns whether all of them could (then the mask builder leaves the mask out).
 
     Idempotent; a model without such layers is left alone (False).
+
+    Example:
+        >>> adapt(nn.Linear(2, 2))
+        False
     """
     layers = [m for m in model.modules() if any(c.__name__ == LAYER_CLASS for c in type(m).__mro__)]
     if not layers:
@@ -154,7 +174,14 @@ def _adapted_class(base: type) -> type:
 
 class AttnlabDeepseekV4Attention(nn.Module):
     """Mixed into transformers' ``DeepseekV4Attention`` by :func:`adapt`: its own forward unless the
-    implementation is attnlab's and no mask was built; then CompressedAttention's on its parameters."""
+    implementation is attnlab's and no mask was built; then CompressedAttention's on its parameters.
+
+    Example:
+        >>> from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+        >>> adapted = _adapted_class(DeepseekV4Attention)
+        >>> [cls.__name__ for cls in adapted.__mro__[:3]]
+        ['AttnlabDeepseekV4Attention', 'AttnlabDeepseekV4Attention', 'DeepseekV4Attention']
+    """
 
     def forward(self, hidden_states: Tensor, position_embeddings=None, position_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None, cache=None, **kwargs):

@@ -165,7 +165,13 @@ def memory_suite(*, quick: bool = False) -> list[BenchRow]:
 def deepseek_v4_config(t: int, *, index_heads: int = 16):
     """A tiny-width DeepSeek-V4 config of real structure for ``t`` tokens: a CSA and an HCA layer at V4's
     rates (4 and 128), window (128) and top-k (512); width 64, 2 heads of 32, 16 index heads (so index
-    scores do not tie: transformers' ``topk`` breaks ties its own way), vocabulary 256."""
+    scores do not tie: transformers' ``topk`` breaks ties its own way), vocabulary 256.
+
+    Example:
+        >>> config = deepseek_v4_config(8192)
+        >>> config.compress_rates, config.sliding_window, config.index_topk
+        ({'compressed_sparse_attention': 4, 'heavily_compressed_attention': 128}, 128, 512)
+    """
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
