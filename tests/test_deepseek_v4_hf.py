@@ -280,3 +280,21 @@ def test_bench_rows_measure_a_fraction_of_eagers_peak_with_equal_logits():
     assert (eager.name, ours.name, eager.t) == ("eager", NAME, 1024)
     assert ours.values["peak_mib"] < eager.values["peak_mib"] / 4
     assert ours.values["logits_max_abs_diff"] <= 1e-4
+
+
+def test_a_copied_config_gets_eager_masks_only_if_every_model_of_its_class_did():
+    """The regression behind test_a_deep_copy_equals_eager, on the convention tables themselves."""
+    from attnlab.integrations import transformers as integration
+
+    class AllEager:
+        pass
+
+    class Mixed:
+        pass
+
+    kept = [AllEager(), Mixed(), Mixed()]
+    integration._remember_masks(kept[0], eager=True)
+    integration._remember_masks(kept[1], eager=True)
+    integration._remember_masks(kept[2], eager=False)
+    assert integration._eager_masks(AllEager()) and not integration._eager_masks(Mixed())  # configs no model saw
+    assert integration._eager_masks(kept[1]) and not integration._eager_masks(kept[2])  # each seen config its own
