@@ -143,6 +143,15 @@ ALLOWED = {
     "attnlab.integrations.transformers._EAGER_CONFIGS": "one weak reference per live config of a model "
                                                         "built on attnlab with eager's masks, by id; an "
                                                         "entry goes with its config",
+    "attnlab.integrations.transformers._SDPA_CONFIGS": "the same for configs given sdpa's masks",
+    "attnlab.integrations.transformers._EAGER_CLASSES": "one bool per config class a model was built "
+                                                        "with: all got eager's (what a copied config gets)",
+    "attnlab.integrations.deepseek_v4._NAMES": "the implementation names register() registered",
+    "attnlab.integrations.deepseek_v4._SERVED": "one weak reference per live config whose DeepSeek-V4 "
+                                                "layers are all on the compressed path, by id",
+    "attnlab.integrations.deepseek_v4._VIEWS": "each live adapted layer's CompressedAttention view "
+                                               "(its own parameters, no copy), weak keys",
+    "attnlab.integrations.deepseek_v4._ADAPTED_CLASSES": "one subclass per DeepseekV4Attention class",
     "backend flex._compile_error": "a reason per device type; clear_plans()",
     "backend flex._mod_errors": "at most _RECOMPILE_LIMIT reasons, weak keys; clear_plans()",
     "backend flex._variants": "at most _RECOMPILE_LIMIT keys, weak keys; clear_plans()",

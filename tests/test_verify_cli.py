@@ -109,6 +109,7 @@ def test_bench_json_to_stdout_is_one_document(monkeypatch):
     from attnlab.lab.bench.timing import BenchRow
 
     monkeypatch.setattr(suites, "memory_suite", lambda quick: [BenchRow("memory", "T=8", "sdpa", None, note="peak 1 MB")])
+    monkeypatch.setattr(suites, "deepseek_v4_memory", lambda quick: [])
     result = runner.invoke(app, ["bench", "--suite", "memory", "--json", "-"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)

@@ -25,6 +25,9 @@ call ``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``.
 3. A check while a model is built: a model whose layers compute attention outside the
    interface (``attn_implementation`` would never reach attnlab; BLOOM, MPT, GIT, SAM, ...) is
    refused with ``ValueError``.
+4. DeepSeek-V4, whose layers build dense compressed masks before they call the interface: its
+   attention layers run as :class:`attnlab.nn.CompressedAttention` on their own parameters and the
+   mask builder leaves the plain sliding-window mask out (:mod:`attnlab.integrations.deepseek_v4`).
 
 A layer's ``softcap`` (Gemma 2, Gemma 3), ``s_aux`` (gpt-oss's per-head sinks) and
 ``position_bias`` (T5's relative bias, already a dense ``(1, H, Tq, Tk)`` tensor, with its
@@ -77,6 +80,10 @@ from torch import Tensor, nn
 from attnlab import masks as _masks
 from attnlab import scores as _scores
 from attnlab.functional import attention
+from attnlab.integrations import deepseek_v4
+from attnlab.integrations._refusals import IGNORED_KEYWORDS, REFUSAL
+from attnlab.integrations._refusals import describe as _describe
+from attnlab.integrations._refusals import refusal as _refusal
 
 __all__ = ["register", "attention_forward", "recording", "DEFAULT_NAME", "TESTED_VERSIONS", "HONOURED_KEYWORDS",
            "IGNORED_KEYWORDS", "REFUSAL"]
@@ -86,8 +93,6 @@ TESTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 # transformers' built-in names: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
              "flash_attention_4", "paged|eager")
-# The phrase every refusal of a model or a keyword carries (attnlab.lab.lens matches it).
-REFUSAL = "cannot run on attnlab"
 
 # Keywords attention_forward applies, each as transformers' eager/sdpa paths do.
 HONOURED_KEYWORDS = (
@@ -97,15 +102,6 @@ HONOURED_KEYWORDS = (
     "indices",  # sparse attention's top-k keys per query (DeepSeek-V3.2), (B, Tq, k)
     "block_indices",  # top-k key blocks per query and key head (MiniMax-M3), (B, Hkv, Tq, k)
     "sinks",  # per-query sink logits (Inkling2), (B, H, Tq, 1)
-)
-# Keywords that change nothing in transformers' eager and sdpa attention: positions (already
-# rotated into q and k), cache bookkeeping, what the model returns, flash/flex-only kernel options.
-IGNORED_KEYWORDS = (
-    "cache_position", "use_cache", "past_key_values", "past_key_value", "cache",
-    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
-    "max_length_q", "max_length_k", "seq_idx", "deterministic", "kernel_options",
-    "do_sample", "input_ids",  # a generation option (DiffusionGemma), token ids (GLM-5-Next) let through to layers
-    "logits_to_keep", "decoder_input_ids",  # what to return (LLaVA-OneVision), token ids (Whisper's decoder)
 )
 # Any other keyword with a value other than None is refused, naming the module and the keyword.
 
@@ -160,6 +156,11 @@ def attention_forward(
     """
     _check_kinds(module, query, key, value, attention_mask)
     _check_keywords(module, kwargs)
+    if attention_mask is None and deepseek_v4.unadapted(module):
+        raise _refusal(type(module).__name__, "its model's mask was left out for attnlab's compressed path, but this "
+                                              "layer is not on it (its model shares the config of one built with "
+                                              "attnlab?), so its compressed entries would come without their block "
+                                              "mask; give each model its own config")
     tq, tk = query.shape[2], key.shape[2]
     mask = attention_mask
     if mask is not None and mask.shape[-1] > tk:
@@ -354,11 +355,6 @@ def _keep_apart(mask: Tensor | _masks.MaskMod | None, causal: bool, documents: T
     return (apart if mask is None else apart & mask), False
 
 
-def _refusal(subject: str, reason: str) -> ValueError:
-    """The one wording of a refused model or keyword."""
-    return ValueError(f"{subject} {REFUSAL}: {reason}")
-
-
 def _check_keywords(module: nn.Module, kwargs: dict) -> None:
     """Refuse, rather than drop, a keyword attnlab does not apply (one whose value is not None)."""
     for name, value in kwargs.items():
@@ -368,13 +364,6 @@ def _check_keywords(module: nn.Module, kwargs: dict) -> None:
             raise _refusal(type(module).__name__,
                            f"it passes the keyword {name}, which attnlab does not apply (its value: "
                            f"{_describe(value)}); computing without it would give another attention")
-
-
-def _describe(value: object) -> str:
-    """A short description of a keyword's value for a message (a tensor's shape, never its data)."""
-    if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
 
 
 def _score_mod(kwargs: dict, tk: int) -> _scores.ScoreMod | None:
@@ -487,31 +476,47 @@ def _recorded_outputs() -> dict | None:
 # there was written into config.json by save_pretrained (a config is unhashable, so no
 # WeakKeyDictionary). An entry goes with its config.
 _EAGER_CONFIGS: dict[int, weakref.ref] = {}
+_SDPA_CONFIGS: dict[int, weakref.ref] = {}  # and those given sdpa's
+# Per config class, whether every model checked with one got eager's masks: a config no model was
+# checked with (``copy.deepcopy`` of a model copies its config) then gets eager's too, not sdpa's.
+_EAGER_CLASSES: dict[type, bool] = {}
 # A dict of attention classes keyed by implementation name (GIT, SAM, SuperGlue, ...).
 _CLASS_TABLE = re.compile(r"_ATTENTION_CLASSES\s*\[\s*(self\.)?config\._attn_implementation")
 _OWN_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
 
 
 def _eager_masks(config: object) -> bool:
-    """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`)."""
-    ref = _EAGER_CONFIGS.get(id(config))
+    """Whether ``config`` belongs to a model that gets eager's mask convention (see :func:`register`);
+    a config no model was checked with gets eager's if every model of its class did (:data:`_EAGER_CLASSES`)."""
+    if _known(_EAGER_CONFIGS, config):
+        return True
+    return _EAGER_CLASSES.get(type(config), False) and not _known(_SDPA_CONFIGS, config)
+
+
+def _known(table: dict, config: object) -> bool:
+    ref = table.get(id(config))
     return ref is not None and ref() is config
 
 
 def _remember_masks(config: object, *, eager: bool) -> None:
-    """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it)."""
+    """Remember ``config``'s mask convention for as long as ``config`` lives (nothing is written on it),
+    and its class's."""
+    _EAGER_CLASSES[type(config)] = eager and _EAGER_CLASSES.get(type(config), True)
     key = id(config)
-    if not eager:
+    if eager:
+        _SDPA_CONFIGS.pop(key, None)
+        if not _known(_EAGER_CONFIGS, config):
+            _EAGER_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(_EAGER_CONFIGS, key, dead))
+    else:
         _EAGER_CONFIGS.pop(key, None)
-        return
-    if not _eager_masks(config):
-        _EAGER_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(key, dead))
+        if not _known(_SDPA_CONFIGS, config):
+            _SDPA_CONFIGS[key] = weakref.ref(config, lambda dead, key=key: _forget(_SDPA_CONFIGS, key, dead))
 
 
-def _forget(key: int, dead: weakref.ref) -> None:
+def _forget(table: dict, key: int, dead: weakref.ref) -> None:
     """Drop a dead config's entry (unless its id already serves a newer config)."""
-    if _EAGER_CONFIGS.get(key) is dead:
-        del _EAGER_CONFIGS[key]
+    if table.get(key) is dead:
+        del table[key]
 
 
 def _attention_outside_interface(model_class: type) -> str | None:
@@ -548,6 +553,22 @@ def _check_model(model: nn.Module) -> None:
     if reason is not None:
         raise _refusal(type(model).__name__, reason + "; load it with attn_implementation='eager'")
     _remember_masks(model.config, eager=not getattr(model, "_supports_sdpa", False))
+    if type(model).__module__.endswith(".modeling_deepseek_v4"):
+        _compressed_layers(model)
+
+
+def _compressed_layers(model: nn.Module) -> None:
+    """DeepSeek-V4's layers on CompressedAttention (:mod:`attnlab.integrations.deepseek_v4`): now if
+    they exist (``set_attn_implementation``), else on the model's first forward (a hook that then
+    removes itself), since transformers checks the implementation before it builds the layers."""
+    if deepseek_v4.adapt(model) or getattr(model, "_attnlab_adapt_hook", None) is not None:
+        return
+
+    def adapt_once(module: nn.Module, args: tuple) -> None:
+        deepseek_v4.adapt(module)
+        module.__dict__.pop("_attnlab_adapt_hook").remove()
+
+    model.__dict__["_attnlab_adapt_hook"] = model.register_forward_pre_hook(adapt_once)
 
 
 def _install_build_check(pretrained_model: type, names: set) -> None:
@@ -574,11 +595,30 @@ def _install_build_check(pretrained_model: type, names: set) -> None:
 
 def _mask_builder(sdpa_mask, eager_mask):
     """transformers' mask builder for a registered name: eager's for the configs
-    :func:`_check_model` gave eager's convention, sdpa's otherwise."""
+    :func:`_check_model` gave eager's convention, sdpa's otherwise; none at all for a DeepSeek-V4
+    model on attnlab's compressed path when the mask would be the plain sliding-window one
+    (:func:`_plain_compressed_call`)."""
     def attnlab_mask(*args, config=None, **kwargs):
+        if _plain_compressed_call(config, kwargs):
+            return None
         build = eager_mask if _eager_masks(config) else sdpa_mask
         return build(*args, config=config, **kwargs)
     return attnlab_mask
+
+
+def _plain_compressed_call(config: object, kwargs: dict) -> bool:
+    """Whether a mask for ``config`` can be left out because its layers compute it themselves:
+    every DeepSeek-V4 layer is on the compressed path, transformers allows the skip (no packed
+    sequences, no mask overlays), no row is padded and no attention weights are asked for."""
+    if not deepseek_v4.served(config) or not kwargs.get("allow_is_causal_skip", True):
+        return False
+    padding = kwargs.get("attention_mask")
+    if isinstance(padding, Tensor) and not bool(padding.all()):
+        return False
+    recording = _recorded_outputs()
+    if recording is not None:
+        return not any(key.endswith("attentions") for key in recording)
+    return not getattr(config, "output_attentions", False)
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -617,6 +657,7 @@ def register(name: str = DEFAULT_NAME) -> str:
             f"register needs transformers 5.x (tested {', '.join(TESTED_VERSIONS)}): "
             f"pip install 'attnlab[hf]' ({exc})"
         ) from None
+    deepseek_v4.register_name(name)
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, _mask_builder(sdpa_mask, eager_mask))
     _install_build_check(PreTrainedModel, {name})

@@ -299,9 +299,86 @@ class CompressedCache(Cache):
             self._state = state
         return restore
 
+    # ------------------------------------------------------------------ transformers' V4 cache layers
+    @classmethod
+    def from_transformers(cls, cache_layer: object, attn: "CompressedAttention", *, batch_size: int,
+                          dtype: torch.dtype, device) -> "CompressedCache":
+        """The state a transformers DeepSeek-V4 cache layer holds, as this cache (its tensors, not copies).
+
+        ``cache_layer`` is what ``DynamicCache(config=...)`` builds for ``attn``'s kind:
+        ``DeepseekV4CSACache`` (CSA), ``DeepseekV4HCACache`` (HCA) or ``DynamicSlidingWindowLayer``
+        (sliding). Both keep the same things (module docstring): the window's last keys
+        (``keys``), the count (``cumulative_length``) and, per compressor name (``"compressor"``,
+        ``"indexer"``), the open window's projections and gates (``buffer_kv``/``buffer_gate``), the
+        entries (``compressed_kv``) and CSA's overlap (``overlap_kv``/``overlap_gate``, gates with the
+        position bias added, as here). :meth:`to_transformers` writes a state back.
+
+        Raises:
+            ValueError: a cache layer of another kind, or one recording its past (assisted decoding).
+
+        Example:
+            >>> attn = CompressedAttention(16, 2, head_dim=8, rope_dim=4, q_rank=8, o_groups=1, o_rank=8,
+            ...                            window=3, kind="sliding")
+            >>> CompressedCache.from_transformers(object(), attn, batch_size=1, dtype=torch.float32, device="cpu")
+            Traceback (most recent call last):
+            ...
+            ValueError: cache_layer must be a transformers DynamicSlidingWindowLayer for a sliding layer, got object
+        """
+        _check_cache_layer(cache_layer, attn.kind)
+        cache = attn.new_cache(batch_size, dtype=dtype, device=device)
+        keys = cache_layer.keys if getattr(cache_layer, "is_initialized", False) else None
+        window = keys if isinstance(keys, Tensor) and keys.ndim == 4 else None  # (B, 1, <= window - 1, D)
+        state = replace(cache._state, length=int(cache_layer.cumulative_length), window=window)
+        if attn.kind != "sliding":
+            state = replace(state, main=_stream_of(cache_layer, "compressor"))
+        if attn.kind == "csa":
+            state = replace(state, index=_stream_of(cache_layer, "indexer"))
+        cache._state = state
+        return cache
+
+    def to_transformers(self, cache_layer: object) -> None:
+        """Write this cache's state into a transformers DeepSeek-V4 cache layer (:meth:`from_transformers`)."""
+        _check_cache_layer(cache_layer, self.kind)
+        state = self._state
+        if state.window is not None:
+            if not cache_layer.is_initialized:
+                cache_layer.lazy_initialization(state.window, state.window)
+            cache_layer.keys = cache_layer.values = state.window  # keys are values in V4
+        cache_layer.cumulative_length = state.length
+        streams = {"compressor": state.main} if self.kind != "sliding" else {}
+        if state.index is not None:
+            streams["indexer"] = state.index
+        for name, stream in streams.items():
+            cache_layer.buffer_kv[name], cache_layer.buffer_gate[name] = stream.pending_kv, stream.pending_gate
+            cache_layer.compressed_kv[name], cache_layer.entry_count[name] = stream.entries, stream.count
+            if self.kind == "csa":
+                cache_layer.overlap_kv[name], cache_layer.overlap_gate[name] = stream.carry_kv, stream.carry_gate
+
     def __repr__(self) -> str:
         return (f"CompressedCache(kind={self.kind!r}, batch_size={self.batch_size}, length={self._state.length}, "
                 f"entries={self._state.main.count}, nbytes={self.nbytes})")
+
+
+_CACHE_LAYERS = {"csa": "DeepseekV4CSACache", "hca": "DeepseekV4HCACache", "sliding": "DynamicSlidingWindowLayer"}
+
+
+def _check_cache_layer(cache_layer: object, kind: str) -> None:
+    """``ValueError`` unless ``cache_layer`` is the transformers cache layer of a ``kind`` layer (not recording)."""
+    wanted = _CACHE_LAYERS[kind]
+    if type(cache_layer).__name__ != wanted:
+        raise ValueError(f"cache_layer must be a transformers {wanted} for a {kind} layer, "
+                         f"got {type(cache_layer).__name__}")
+    if getattr(cache_layer, "record_past", False):
+        raise ValueError("cache_layer records its past (assisted decoding keeps every key until a crop); "
+                         "a compressed layer's cache holds only its window")
+
+
+def _stream_of(cache_layer: object, name: str) -> _Stream:
+    """One compressor's state (``"compressor"`` or ``"indexer"``) as a transformers V4 cache layer keeps it."""
+    overlap_kv, overlap_gate = getattr(cache_layer, "overlap_kv", {}), getattr(cache_layer, "overlap_gate", {})
+    return _Stream(pending_kv=cache_layer.buffer_kv[name], pending_gate=cache_layer.buffer_gate[name],
+                   carry_kv=overlap_kv.get(name), carry_gate=overlap_gate.get(name),
+                   entries=cache_layer.compressed_kv[name])
 
 
 # ---------------------------------------------------------------------- the layer
@@ -377,14 +454,20 @@ class CompressedAttention(nn.Module):
 
     # ------------------------------------------------------------------ conversion
     @classmethod
-    def from_transformers(cls, layer: nn.Module) -> "CompressedAttention":
+    def from_transformers(cls, layer: nn.Module, *, share: bool = False) -> "CompressedAttention":
         """This module with the weights of a transformers ``DeepseekV4Attention`` (any of its kinds).
 
         The rotary frequencies are the layer's own (its compressor's ``compress`` rotary, so YaRN's
         are kept; a sliding layer's ``main`` rotary must be the default one).
 
+        Args:
+            layer: a ``DeepseekV4Attention`` (or a subclass of it).
+            share: False (default) copies the weights; True makes this module's parameters the
+                layer's own ``Parameter`` objects (no copy, nothing allocated for them): training or
+                editing one changes the other. The rotary frequencies are always a copy.
+
         Raises:
-            TypeError: ``layer`` is not a ``DeepseekV4Attention``.
+            TypeError: ``layer`` is not a ``DeepseekV4Attention``; ``share`` is not a bool.
             ValueError: attention dropout, or a rotary that changes with the sequence length
                 (``dynamic``, ``longrope``), which this module does not reproduce.
 
@@ -394,8 +477,10 @@ class CompressedAttention(nn.Module):
             ...
             TypeError: from_transformers takes a transformers DeepseekV4Attention, got Linear
         """
-        if type(layer).__name__ != "DeepseekV4Attention":
+        if not any(base.__name__ == "DeepseekV4Attention" for base in type(layer).__mro__):
             raise TypeError(f"from_transformers takes a transformers DeepseekV4Attention, got {type(layer).__name__}")
+        if not isinstance(share, bool):
+            raise TypeError(f"share must be a bool, got {type(share).__name__}")
         config, kind = layer.config, _LAYER_KINDS.get(layer.layer_type)
         if kind is None:
             raise ValueError(f"layer_type={layer.layer_type!r} is not one of {tuple(_LAYER_KINDS)}")
@@ -405,13 +490,18 @@ class CompressedAttention(nn.Module):
         options = {} if kind == "sliding" else {"compress_rate": config.compress_rates[layer.layer_type]}
         if kind == "csa":
             options.update(topk=config.index_topk, index_heads=config.index_n_heads, index_dim=config.index_head_dim)
-        module = cls(config.hidden_size, config.num_attention_heads, head_dim=config.head_dim,
-                     rope_dim=2 * inv_freq.numel(), q_rank=config.q_lora_rank, o_groups=config.o_groups,
-                     o_rank=config.o_lora_rank, window=config.sliding_window, kind=kind, rope_scale=scale,
-                     eps=config.rms_norm_eps, **options)
-        module.to(device=layer.kv_proj.weight.device, dtype=layer.kv_proj.weight.dtype)
-        module.load_state_dict({_our_name(name): value for name, value in layer.state_dict().items()})
-        module.inv_freq = inv_freq.detach().clone().float().to(layer.kv_proj.weight.device)
+        weight = layer.kv_proj.weight
+        with torch.device("meta" if share else weight.device):
+            module = cls(config.hidden_size, config.num_attention_heads, head_dim=config.head_dim,
+                         rope_dim=2 * inv_freq.numel(), q_rank=config.q_lora_rank, o_groups=config.o_groups,
+                         o_rank=config.o_lora_rank, window=config.sliding_window, kind=kind, rope_scale=scale,
+                         eps=config.rms_norm_eps, **options)
+        if share:
+            _share_parameters(module, layer)
+        else:
+            module.to(dtype=weight.dtype)
+            module.load_state_dict({_our_name(name): value for name, value in layer.state_dict().items()})
+        module.inv_freq = inv_freq.detach().clone().float().to(weight.device)
         return module
 
     # ------------------------------------------------------------------ the path
@@ -679,3 +769,18 @@ def _our_name(name: str) -> str:
             return "indexer." + rest[len("scorer."):]
         return "indexer." + (rest if rest.startswith("q_b_proj") else "compressor." + rest)
     return name
+
+
+def _share_parameters(module: nn.Module, layer: nn.Module) -> None:
+    """Make each of ``module``'s parameters (built on the meta device) the ``Parameter`` of ``layer``
+    at the matching transformers name; every one must be found."""
+    for name, param in layer.named_parameters():
+        owner, _, leaf = _our_name(name).rpartition(".")
+        target = module.get_submodule(owner)
+        if getattr(target, leaf, None) is None or getattr(target, leaf).shape != param.shape:
+            raise ValueError(f"{type(layer).__name__}'s parameter {name} of shape {tuple(param.shape)} has no "
+                             "counterpart in CompressedAttention")
+        setattr(target, leaf, param)
+    missing = [name for name, param in module.named_parameters() if param.is_meta]
+    if missing:
+        raise ValueError(f"{type(layer).__name__} has no parameter for {missing[0]}")

@@ -48,11 +48,12 @@ from attnlab.lab.bench.modules import run_modules_suite
 from attnlab.lab.bench import linear, overhead, padded, variants
 from attnlab.lab.bench.timing import BenchRow, fill_ratios, compare, machine_line, matmul_candidate, print_rows
 from attnlab.functional import attention
+from attnlab.integrations.transformers import register
 from attnlab.models import GPT
 
 __all__ = ["SUITES", "backend_cases", "backends_suite", "memory_suite", "run_suite",
            "sparse_cases", "sparse_suite", "decode_suite", "GenerationTiming", "decode_model_suite",
-           "plain_generate"]
+           "plain_generate", "deepseek_v4_config", "deepseek_v4_memory"]
 
 SUITES = ("backends", "memory", "modules", "sparse", "decode", "decode-model", "overhead", "variants", "padded",
           "linear")
@@ -158,6 +159,63 @@ def memory_suite(*, quick: bool = False) -> list[BenchRow]:
                 attention(q, k, v, causal=True, backend=name).sum().backward()
             rows.append(BenchRow("memory", f"causal fwd+bwd T={t}", name, None,
                                  note=f"peak {meter.peak_bytes / 2**20:.1f} MiB", t=t))
+    return rows
+
+
+def deepseek_v4_config(t: int, *, index_heads: int = 16):
+    """A tiny-width DeepSeek-V4 config of real structure for ``t`` tokens: a CSA and an HCA layer at V4's
+    rates (4 and 128), window (128) and top-k (512); width 64, 2 heads of 32, 16 index heads (so index
+    scores do not tie: transformers' ``topk`` breaks ties its own way), vocabulary 256.
+
+    Example:
+        >>> config = deepseek_v4_config(8192)
+        >>> config.compress_rates, config.sliding_window, config.index_topk
+        ({'compressed_sparse_attention': 4, 'heavily_compressed_attention': 128}, 128, 512)
+    """
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, head_dim=32, q_lora_rank=32, num_experts_per_tok=2,
+                            n_routed_experts=4, max_position_embeddings=2 * t, o_groups=2, o_lora_rank=16,
+                            index_n_heads=index_heads, index_head_dim=32, mlp_layer_types=["hash_moe", "moe"],
+                            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"])
+
+
+def deepseek_v4_memory(*, quick: bool = False) -> list[BenchRow]:
+    """Peak tensor memory of a DeepSeek-V4 model's forward (:func:`deepseek_v4_config`, B=1, fp32, no
+    grad) with ``attn_implementation="eager"`` and ``"attnlab"`` (CompressedAttention's path, no dense
+    mask), at T=8192 (quick: 1024); the attnlab row's note adds the largest logit difference. Empty
+    without transformers.
+
+    Example:
+        >>> rows = deepseek_v4_memory(quick=True)  # doctest: +SKIP
+    """
+    try:
+        from transformers import DeepseekV4ForCausalLM
+    except ImportError:
+        return []
+    t, name = (1024 if quick else 8192), register()
+    ids = torch.randint(0, 256, (1, t), generator=torch.Generator().manual_seed(1))
+    rows, logits = [], {}
+    for implementation in ("eager", name):
+        torch.manual_seed(0)
+        model = DeepseekV4ForCausalLM._from_config(deepseek_v4_config(t), attn_implementation=implementation).eval()
+        with torch.no_grad():
+            for param_name, p in model.named_parameters():
+                if ".self_attn." in param_name:
+                    p.normal_(0.0, 0.3)  # not the zero init of sinks and biases
+            model(ids[:, :64])  # the first forward adapts attnlab's layers
+            with PeakMemory() as meter:
+                logits[implementation] = model(ids).logits
+        values = {"peak_mib": meter.peak_bytes / 2**20}
+        note = f"peak {values['peak_mib']:.1f} MiB"
+        if implementation == name:
+            values["logits_max_abs_diff"] = (logits[name] - logits["eager"]).abs().max().item()
+            note += (f", {values['peak_mib'] / rows[0].values['peak_mib']:.1%} of eager's; logits max abs diff "
+                     f"{values['logits_max_abs_diff']:.1e}")
+        rows.append(BenchRow("memory", f"DeepSeek-V4 forward T={t}", implementation, None, note=note, t=t,
+                             values=values))
+        del model
     return rows
 
 
@@ -539,6 +597,10 @@ def run_suite(name: str, *, quick: bool = False, console=None, with_flex: bool =
         elif suite == "memory":
             rows += (found := memory_suite(quick=quick))
             print_rows(found, title="peak memory, causal forward+backward, B=1 H=4 D=64", console=console)
+            rows += (found := deepseek_v4_memory(quick=quick))
+            if found:
+                print_rows(found, title="DeepSeek-V4 model forward (tiny width, CSA + HCA), B=1 fp32: eager vs "
+                                        "attn_implementation='attnlab'", console=console)
         elif suite == "sparse":
             rows += (found := sparse_suite(quick=quick, with_flex=with_flex))
             print_rows(found, title="structured masks, B=1 H=8 D=64 fp32 (FLOPs: visible pairs only)",
