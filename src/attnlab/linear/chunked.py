@@ -327,6 +327,13 @@ def _run_scan(A, q_in, k_end, gamma, w_v, w_k, S0, first: int, end: int):
     return part(q_in) @ starts + part(A) @ part(w_v), final
 
 
+def _chunk_for(call: LinearCall, chunk: int) -> int:
+    """``chunk``, or fewer positions when the longest sequence is shorter: the next multiple of :data:`SUB`
+    above it (a 25-token training row is padded to 32, not 64: the within-chunk work grows as ``C²``)."""
+    ends = [call.q.shape[2]] if call.cu_seqlens is None else [e - s for s, e in zip(call.starts[:-1], call.starts[1:])]
+    return min(chunk, SUB * -(-max(ends) // SUB))
+
+
 def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form of a checked call: ``(out (B, Hv, T, Dv) in q's dtype, final state)``.
 
@@ -350,7 +357,7 @@ def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, 
         >>> bool((out - ref).abs().max() < 1e-12 and (state - ref_state).abs().max() < 1e-12)
         True
     """
-    dtype, layout = call.state_dtype, _Layout(call, positive_int("chunk", chunk))
+    dtype, layout = call.state_dtype, _Layout(call, _chunk_for(call, positive_int("chunk", chunk)))
     q, k = (x.to(dtype).repeat_interleave(call.groups, dim=1) if call.groups > 1 else x.to(dtype)
             for x in (call.q, call.k))  # (B, Hv, T, Dk)
     q, k, v = (layout.chunks(x) for x in (q, k, call.v.to(dtype)))  # (B, Hv, N, C, D)
