@@ -328,10 +328,13 @@ def _run_scan(A, q_in, k_end, gamma, w_v, w_k, S0, first: int, end: int):
 
 
 def _chunk_for(call: LinearCall, chunk: int) -> int:
-    """``chunk``, or fewer positions when the longest sequence is shorter: the next multiple of :data:`SUB`
-    above it (a 25-token training row is padded to 32, not 64: the within-chunk work grows as ``C²``)."""
+    """Positions per chunk: as many chunks as ``chunk`` needs for the longest sequence, each the next
+    multiple of :data:`SUB` above an even share (a 25-token row is padded to 32, an 81-token one to
+    2 x 48, not 2 x 64: the within-chunk work grows as ``C²``). Any chunk is exact."""
     ends = [call.q.shape[2]] if call.cu_seqlens is None else [e - s for s, e in zip(call.starts[:-1], call.starts[1:])]
-    return min(chunk, SUB * -(-max(ends) // SUB))
+    longest = max(ends)
+    share = -(-longest // -(-longest // chunk))  # ceil(longest / the number of chunks)
+    return min(chunk, SUB * -(-share // SUB))
 
 
 def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
