@@ -34,10 +34,13 @@ SHORT_STEPS = 100  # the suite's run of the real-model notebook's GPT (the learn
 WARNING_TEXT = re.compile(r"\w*Warning\b|\bwarning:|\bWARNING\b")
 
 
-def test_one_notebook_per_tutorial_and_the_real_model():
+LESSONS = ("Attention in a real model", "From attention to FlashAttention", "Attention in 2026 models")
+
+
+def test_one_notebook_per_tutorial_and_the_lessons():
     titles = [nbformat.read(path, as_version=4).cells[0].source.splitlines()[0].removeprefix("# ")
               for path in NOTEBOOKS]
-    assert titles == [*TUTORIALS, "Attention in a real model"]
+    assert titles == [*TUTORIALS, *LESSONS]
     assert [path.stem.split(" ", 1)[1] for path in NOTEBOOKS] == titles
 
 
@@ -49,10 +52,11 @@ def test_notebooks_are_stored_without_outputs(path):
     assert code and all(cell.outputs == [] and cell.execution_count is None for cell in code)
 
 
-def test_the_learner_gets_the_full_run():
-    """The stored real-model notebook trains its full run: one "parameters" cell, ``steps = None``, and no
+@pytest.mark.parametrize("title", ["real model", "2026 models"])
+def test_the_learner_gets_the_full_run(title):
+    """A stored notebook that trains runs its full run: one "parameters" cell, ``steps = None``, and no
     environment variable that could choose another."""
-    node = nbformat.read(next(path for path in NOTEBOOKS if path.stem.endswith("real model")), as_version=4)
+    node = nbformat.read(next(path for path in NOTEBOOKS if path.stem.endswith(title)), as_version=4)
     tagged = [cell.source for cell in node.cells if "parameters" in cell.metadata.get("tags", [])]
     assert tagged == ["steps = None  # None: the full run"]
     assert not any("environ" in cell.source or "ATTNLAB_" in cell.source for cell in node.cells)
@@ -97,8 +101,13 @@ def test_notebook_runs(path, tmp_path):
     assert seconds <= NOTEBOOK_SECONDS, f"{path.name} took {seconds:.1f} s"
     assert not _dirty_outputs(path, node), "\n".join(_dirty_outputs(path, node))
     texts = [text for cell in node.cells if cell.cell_type == "code" for text in _texts(cell)]
-    compared = [text for text in texts if "max |difference|" in text]
+    # comparisons as printed or displayed; a fast walk's view shows its differences in a table of its own
+    compared = [text for text in texts if "max |difference|" in text and not text.startswith("<Walk:")]
     assert all("matches" in text and "DOES NOT MATCH" not in text for text in compared), compared
+    if path.stem.endswith("FlashAttention"):
+        return _check_the_flash_notebook(texts, compared)
+    if path.stem.endswith("2026 models"):
+        return _check_the_2026_notebook(texts)
     if not path.stem.endswith("real model"):
         assert compared, "a tutorial notebook shows the tutorial's printed numbers next to attnlab's"
         return
@@ -108,6 +117,38 @@ def test_notebook_runs(path, tmp_path):
     assert any(re.match(rf"{SHORT_STEPS} steps in [\d.]+ s, held-out accuracy [\d.]+ %", text) for text in texts)
     assert any(text.startswith("Held-out accuracy") for text in texts), "the analysis' summary"
     _check_the_ablation_summary(texts)
+
+
+def _check_the_flash_notebook(texts: list[str], compared: list[str]) -> None:
+    """The online softmax, the flash walks and the four backends each printed as matching; the tile counts
+    are the causal grid's (6 tokens, tiles of 2: the 3 tiles above the diagonal skipped) and the window's."""
+    joined = "\n".join(texts)
+    assert re.search(r"online softmax vs textbook \(fp64\): max \|difference\| [\d.e-]+ matches", joined)
+    assert "tile 2: 6 tiles computed, 3 skipped of 9" in joined
+    assert "window 3: 5 tiles computed, 4 skipped" in joined
+    backends = re.findall(r"^ *(reference|chunked|blocks|sdpa): +[\d.]+ ms .* matches$", joined, flags=re.M)
+    assert backends == ["reference", "chunked", "blocks", "sdpa"], joined
+    assert sum(text.count(" matches") for text in compared) == 10  # online, 2 walks, 3 backward checks, 4 backends
+
+
+def _check_the_2026_notebook(texts: list[str]) -> None:
+    """The cache table's growth (a global layer's cache x4 from 512 to 2048 tokens; a window's and a linear
+    state's x1; the compressed layers' in between), every decode rate printed, and the three recall runs."""
+    joined = "\n".join(texts)
+    growth = dict(re.findall(r"^(\w+) +[\d.]+ K +[\d.]+ K +([\d.]+)x$", joined, flags=re.M))
+    assert growth["G"] == "4.00" and growth["L"] == "1.00" and growth["R"] == "1.00", growth
+    assert 1.0 < float(growth["VH"]) < 4.0 and 1.0 < float(growth["RG"]) < 4.0, growth
+    rates = re.findall(r"^(G|L|R|RG|VH) +(\d+) +(\d+) +([\d.]+)$", joined, flags=re.M)
+    assert [row[0] for row in rates] == ["G", "L", "R", "RG", "VH"], joined
+    assert all(abs(int(long) / int(short) - float(kept)) < 0.01 + 1 / int(short) for _, short, long, kept in rates)
+    assert list(_recall_runs(texts, SHORT_STEPS)) == ["softmax", "linear", "hybrid"], joined[-2000:]
+
+
+def _recall_runs(texts: list[str], steps: int) -> dict[str, float]:
+    """The 2026 notebook's recall runs: model -> held-out accuracy (%), in the order printed."""
+    found = re.findall(rf"^(softmax|linear|hybrid) \((?:LG|LA|AG)\): {steps} steps in [\d.]+ s, held-out accuracy "
+                       r"([\d.]+) %$", "\n".join(texts), flags=re.M)
+    return {name: float(accuracy) for name, accuracy in found}
 
 
 def _check_the_ablation_summary(texts: list[str]) -> None:
@@ -156,6 +197,24 @@ def test_the_real_model_notebook_forms_the_induction_head_by_default(tmp_path):
                           r"([\d.]+) %\)", summary)
     assert induction and float(induction.group(1)) < 30.0, summary
     _check_the_ablation_summary(texts)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("ATTNLAB_FULL_NOTEBOOK") != "1",
+                    reason="the full run of the 2026 notebook: set ATTNLAB_FULL_NOTEBOOK=1 (about three minutes)")
+def test_the_2026_notebook_shows_linear_attention_failing_recall_by_default(tmp_path):
+    """The learner's run, as stored: softmax recalls (>= 95 %), linear attention of the same size falls
+    clearly below it, and the hybrid (one softmax layer on top of a linear one) recovers part of the gap
+    in the same steps (30 % against 4 % when measured; it climbs further with more steps)."""
+    path = next(path for path in NOTEBOOKS if path.stem.endswith("2026 models"))
+    started = time.perf_counter()
+    node = execute(path, timeout=600, cwd=tmp_path)
+    print(f"{path.name}: {time.perf_counter() - started:.1f} s in all")
+    assert not _dirty_outputs(path, node), "\n".join(_dirty_outputs(path, node))
+    texts = [text for cell in node.cells if cell.cell_type == "code" for text in _texts(cell)]
+    steps = int(re.search(r"^softmax \(LG\): (\d+) steps", "\n".join(texts), flags=re.M).group(1))
+    runs = _recall_runs(texts, steps)
+    assert runs["softmax"] >= 95.0 and runs["linear"] <= runs["softmax"] - 20.0 and runs["hybrid"] >= runs["linear"] + 10.0, runs
 
 
 def test_the_kernel_is_this_python_with_the_attnlab_under_test(tmp_path):

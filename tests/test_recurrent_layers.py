@@ -10,7 +10,7 @@ import torch
 
 from attnlab import linear as _linear
 from attnlab.models import GPT
-from attnlab.nn import GatedDeltaNet, KimiDeltaAttention, KVCache, RecurrentCache
+from attnlab.nn import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention, KVCache, RecurrentCache
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention  # noqa: E402
@@ -324,7 +324,8 @@ def test_packed_documents_equal_each_document_alone(index):
 
 
 # ------------------------------------------------------------------------- GPT letters
-PATTERNS = [dict(layer_pattern="RRRQ", num_kv_heads=2), dict(layer_pattern="KKKM", latent_dim=8)]
+PATTERNS = [dict(layer_pattern="RRRQ", num_kv_heads=2), dict(layer_pattern="KKKM", latent_dim=8),
+            dict(layer_pattern="AAAG", num_kv_heads=2)]
 
 
 def _gpt(**options):
@@ -335,9 +336,11 @@ def _gpt(**options):
 @pytest.mark.parametrize("options", PATTERNS, ids=lambda o: o["layer_pattern"])
 def test_gpt_hybrid_trains_generates_and_round_trips(options):
     model = _gpt(**options)
-    kinds = {"R": GatedDeltaNet, "K": KimiDeltaAttention}
+    kinds = {"R": GatedDeltaNet, "K": KimiDeltaAttention, "A": DecayedLinearAttention}
     letter = options["layer_pattern"][0]
     assert [type(b.attn) for b in model.blocks[:3]] == [kinds[letter]] * 3
+    if letter == "A":  # plain linear attention: no decay (so no A_log to learn), no delta rule
+        assert model.blocks[0].attn.decay == "none" and not hasattr(model.blocks[0].attn, "A_log")
     assert model.blocks[0].attn.num_key_heads == options.get("num_kv_heads", 4)
     assert model.blocks[0].attn.out_proj.bias is not None  # GPT's bias=True reaches every projection
     assert GPT(vocab_size=13, max_len=8, d_model=16, num_layers=4, num_heads=4, bias=False,
@@ -345,7 +348,7 @@ def test_gpt_hybrid_trains_generates_and_round_trips(options):
     ids = torch.randint(0, 13, (2, 6))
     model(ids).logsumexp(-1).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    assert any(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "A_log" in n)
+    assert letter == "A" or any(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "A_log" in n)
     generated = model.generate(ids, 7)
     assert torch.equal(generated, model.generate(ids, 7, use_cache=False))
     # the cached path's logits are the full forward's, step by step (a stronger check than argmax)

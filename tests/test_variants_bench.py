@@ -224,7 +224,7 @@ def test_a_hybrids_cache_is_the_attention_layers_kv_plus_a_constant_state_per_re
     from attnlab.models import GPT
     from attnlab.nn.kv_memory import recurrent_state_bytes
 
-    for pattern in ("RRRG", "KKKG"):
+    for pattern in ("RRRG", "KKKG", "AAAG"):  # regression: kv-memory refused A (plain linear) layers
         gpt = GPT(vocab_size=8, max_len=256, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2,
                   layer_pattern=pattern)
         state = recurrent_state_bytes(value_heads=4, key_heads=2, head_dim=8, dtype_bytes=4)
@@ -232,7 +232,7 @@ def test_a_hybrids_cache_is_the_attention_layers_kv_plus_a_constant_state_per_re
             held = sum(cache.nbytes for cache in gpt.new_cache(1, context))
             assert held == kv_cache_bytes(context=context, layers=4, kv_heads=2, head_dim=8, dtype_bytes=4,
                                           pattern=pattern, linear_state=state), (pattern, context)
-        recurrent = [c.nbytes for c, kind in zip(gpt.new_cache(1, 256), gpt.layer_kinds) if kind in "RK"]
+        recurrent = [c.nbytes for c, kind in zip(gpt.new_cache(1, 256), gpt.layer_kinds) if kind in "RKA"]
         assert recurrent == [state] * 3 and state == sum(c.nbytes for c in gpt.new_cache(1, 64)[:1])
     with pytest.raises(ValueError, match="linear_state must be given"):
         kv_cache_bytes(context=8, layers=2, pattern="RG")
@@ -248,6 +248,10 @@ def test_kv_memory_prints_a_hybrid_row_and_refuses_missing_or_stray_linear_optio
     state = recurrent_state_bytes(value_heads=32, key_heads=16, head_dim=128)  # Qwen3.5-sized, bf16: 2 MiB
     hybrid = 36 * state + 12 * 262144 * 2 * 2 * 256 * 2
     assert _figures(result.output)["pattern RRRG, 32 linear heads of 128, 2 KV heads"] == f"{hybrid / 1e9:,.2f} GB"
+    plain = runner.invoke(app, ["kv-memory", "--layers", "48", "--heads", "16", "--kv-heads", "2", "--head-dim", "256",
+                                "--context", "262144", "--layer-pattern", "AAAG", "--linear-heads", "32",
+                                "--linear-key-heads", "16", "--linear-head-dim", "128"])
+    assert _figures(plain.output)["pattern AAAG, 32 linear heads of 128, 2 KV heads"] == f"{hybrid / 1e9:,.2f} GB"
     base = ["kv-memory", "--layers", "4", "--heads", "4", "--head-dim", "8", "--context", "16"]
     assert_one_error_line(runner.invoke(app, base + ["--layer-pattern", "RG"]), "--linear-heads")
     assert_one_error_line(runner.invoke(app, base + ["--linear-heads", "2"]), "--layer-pattern")

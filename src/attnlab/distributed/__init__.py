@@ -55,14 +55,14 @@ from attnlab.nn.compressed import CompressedAttention
 from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import MultiHeadAttention
 from attnlab.nn.native_sparse import NativeSparseAttention
-from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
+from attnlab.nn.recurrent import _DeltaLayer
 
 # Attention modules that hold their own attention path, not a MultiHeadAttention's part: left
 # alone, each rank would attend over its own shard only (differential, gated, top-k come from
 # _ProjectedAttention), and a recurrent layer would start each shard from a zero state with its
 # convolution blind to the previous rank's tokens (context_parallel_linear_attention is the
 # functional form for these; the layers' own path over shards is not built).
-_NOT_SHARDED = (LatentAttention, _ProjectedAttention, NativeSparseAttention, GatedDeltaNet, KimiDeltaAttention,
+_NOT_SHARDED = (LatentAttention, _ProjectedAttention, NativeSparseAttention, _DeltaLayer,
                 CompressedAttention)
 
 __all__ = ["context_parallel_attention", "context_parallel_linear_attention", "context_parallel", "ContextParallel", "ShardedAttention", "CommStats", "METHODS", "LAYOUTS",

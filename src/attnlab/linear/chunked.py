@@ -327,6 +327,16 @@ def _run_scan(A, q_in, k_end, gamma, w_v, w_k, S0, first: int, end: int):
     return part(q_in) @ starts + part(A) @ part(w_v), final
 
 
+def _chunk_for(call: LinearCall, chunk: int) -> int:
+    """Positions per chunk: as many chunks as ``chunk`` needs for the longest sequence, each the next
+    multiple of :data:`SUB` above an even share (a 25-token row is padded to 32, an 81-token one to
+    2 x 48, not 2 x 64: the within-chunk work grows as ``C²``). Any chunk is exact."""
+    ends = [call.q.shape[2]] if call.cu_seqlens is None else [e - s for s, e in zip(call.starts[:-1], call.starts[1:])]
+    longest = max(ends)
+    share = -(-longest // -(-longest // chunk))  # ceil(longest / the number of chunks)
+    return min(chunk, SUB * -(-share // SUB))
+
+
 def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form of a checked call: ``(out (B, Hv, T, Dv) in q's dtype, final state)``.
 
@@ -350,7 +360,7 @@ def run_chunked(call: LinearCall, *, chunk: int = CHUNK) -> tuple[torch.Tensor, 
         >>> bool((out - ref).abs().max() < 1e-12 and (state - ref_state).abs().max() < 1e-12)
         True
     """
-    dtype, layout = call.state_dtype, _Layout(call, positive_int("chunk", chunk))
+    dtype, layout = call.state_dtype, _Layout(call, _chunk_for(call, positive_int("chunk", chunk)))
     q, k = (x.to(dtype).repeat_interleave(call.groups, dim=1) if call.groups > 1 else x.to(dtype)
             for x in (call.q, call.k))  # (B, Hv, T, Dk)
     q, k, v = (layout.chunks(x) for x in (q, k, call.v.to(dtype)))  # (B, Hv, N, C, D)

@@ -47,7 +47,7 @@ from attnlab.nn.latent import LatentAttention
 from attnlab.nn.multihead import QKNorm, _check_documents, _check_padding_type
 from attnlab.nn.native_sparse import NativeSparseAttention, paper_sizes
 from attnlab.nn.positional import LearnedPositionalEmbedding, QueryTemperature, RotaryEmbedding
-from attnlab.nn.recurrent import GatedDeltaNet, KimiDeltaAttention
+from attnlab.nn.recurrent import DecayedLinearAttention, GatedDeltaNet, KimiDeltaAttention
 from attnlab.nn.topk_attention import TopkAttention
 
 __all__ = ["GPT"]
@@ -90,6 +90,7 @@ LAYER_TABLE = {
     "S": LayerKind("native sparse (NSA)", "nsa_block", module="native_sparse", weights=False, dropout=False),
     "R": LayerKind("Gated DeltaNet (Qwen3.5)", positions=False, module="gated_delta", weights=False, dropout=False),
     "K": LayerKind("Kimi Delta Attention (KDA)", positions=False, module="kda", weights=False, dropout=False),
+    "A": LayerKind("linear attention (additive rule)", positions=False, module="linear", weights=False, dropout=False),
     "V": LayerKind("compressed sparse (DeepSeek-V4 CSA)", "compress_rate", module="csa", weights=False,
                    dropout=False, extra=("window", "topk")),
     "H": LayerKind("heavily compressed (DeepSeek-V4 HCA)", "compress_rate", module="hca", weights=False,
@@ -177,6 +178,9 @@ class GPT(nn.Module):
             (:class:`~attnlab.nn.KimiDeltaAttention`), linear-attention layers: no positions (NoPE), no
             weights, no attention dropout, ``num_heads`` value heads and ``num_kv_heads`` query/key heads
             (the grouped value heads of Qwen3.5), a constant-size :class:`~attnlab.nn.RecurrentCache`.
+            ``A`` is plain causal linear attention (:class:`~attnlab.nn.DecayedLinearAttention` with
+            ``decay="none"``: no decay, no delta rule; the same cache), the baseline that fails
+            associative recall once the pairs outnumber its state's room.
             Llama 4's text model is ``"CCCN"``, Qwen3.5's ``"RRRQ"`` and Kimi Linear's ``"KKKM"``.
             ``V`` compressed sparse (DeepSeek-V4's CSA) and ``H`` heavily compressed (HCA) layers are
             :class:`~attnlab.nn.CompressedAttention` s sized by :func:`~attnlab.nn.compressed.model_sizes`
@@ -804,9 +808,8 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
     if module == "differential":
         return DifferentialAttention(d_model, heads, num_kv_heads=num_kv_heads, layer_idx=layer, positions=rope,
                                      bias=bias, backend=backend)
-    if module in ("gated_delta", "kda"):  # NoPE, no dropout: the table's row says so
-        layer_class = GatedDeltaNet if module == "gated_delta" else KimiDeltaAttention
-        return layer_class(d_model, heads, num_key_heads=num_kv_heads, bias=bias, backend=backend)
+    if module in _RECURRENT_LAYERS:  # NoPE, no dropout: the table's row says so
+        return _RECURRENT_LAYERS[module](d_model, heads, num_key_heads=num_kv_heads, bias=bias, backend=backend)
     if module in ("csa", "hca"):  # one key/value head, their own rotary, no biases: DeepSeek-V4's layer
         return CompressedAttention(d_model, heads, window=sizes["window"], kind=module,
                                    compress_rate=sizes["compress_rate"], **model_sizes(d_model, heads, kind=module),
@@ -817,6 +820,10 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
     return None
 
 
+# The recurrent letters' layers; "linear" is plain causal linear attention ("Transformers are RNNs": no
+# decay, no delta rule), the baseline of the associative-recall studies.
+_RECURRENT_LAYERS = {"gated_delta": GatedDeltaNet, "kda": KimiDeltaAttention,
+                     "linear": lambda *args, **kwargs: DecayedLinearAttention(*args, decay="none", **kwargs)}
 INDEX_LOSS_WEIGHT = 1.0  # the T layers' indexer KL, added to the training loss with this weight
 
 

@@ -184,10 +184,11 @@ LAYER_HELD = {
     "S": lambda context, *, nsa_block, **_: _nsa_held(context, _needs("nsa_block", nsa_block)),
     "R": lambda context, **_: 0,  # Gated DeltaNet: no tokens, a state of constant size (linear_state)
     "K": lambda context, **_: 0,  # Kimi Delta Attention: likewise
+    "A": lambda context, **_: 0,  # plain linear attention: likewise
     "V": lambda context, **_: 0,  # DeepSeek-V4's CSA: its window and entries (compressed_cache_bytes)
     "H": lambda context, **_: 0,  # HCA: likewise, without the indexer
 }
-RECURRENT = ("R", "K")
+RECURRENT = ("R", "K", "A")
 COMPRESSED = ("V", "H")
 
 

@@ -8,7 +8,7 @@ layers (``--window``, in the ``--layer-pattern`` of local ``L`` and global ``G``
 chunked-local ``C`` and NoPE global ``N`` layers (``--chunk``), DSA (``--index-dim``: the lightning
 indexer's fp8 keys beside the model's cache), NSA (``--nsa-block``: its three branches' keys and
 values, sized in the paper's proportions) and hybrids of recurrent layers (``R`` Gated DeltaNet,
-``K`` KDA in ``--layer-pattern``, sized by ``--linear-heads``): a state of constant size each,
+``K`` KDA, ``A`` plain linear attention in ``--layer-pattern``, sized by ``--linear-heads``): a state of constant size each,
 beside the attention layers' caches, and DeepSeek-V4's compressed layers (``V`` CSA, ``H`` HCA in
 ``--layer-pattern``, with ``--compress-rate`` and ``--window``): the window's keys, one entry per
 ``--compress-rate`` tokens and the open window's tokens, plus CSA's indexer keys (``--index-dim``
@@ -55,20 +55,20 @@ def kv_memory(
     layer_pattern: str = typer.Option("L", "--layer-pattern", help="With --window: local (L) and global (G) "
                                                                    "layers; with --chunk: chunked-local (C) and "
                                                                    "NoPE global (N) layers (Llama 4); with "
-                                                                   "--linear-heads: recurrent Gated DeltaNet (R) "
-                                                                   "and KDA (K) layers (RRRG: Qwen3.5's 3:1); "
+                                                                   "--linear-heads: recurrent Gated DeltaNet (R), "
+                                                                   "KDA (K) and linear (A) layers (RRRG: Qwen3.5's 3:1); "
                                                                    "with --compress-rate: DeepSeek-V4's CSA (V) "
                                                                    "and HCA (H) layers (VH), "
                                                                    "repeated over --layers."),
     chunk: int = typer.Option(None, "--chunk", help="Chunk of the chunked-local C layers (tokens)."),
     index_dim: int = typer.Option(None, "--index-dim", help="DSA: lightning-indexer key numbers cached per token "
                                                             "and layer, in fp8 (DeepSeek-V3.2: 128)."),
-    linear_heads: int = typer.Option(None, "--linear-heads", help="R/K layers: value heads, each holding a "
+    linear_heads: int = typer.Option(None, "--linear-heads", help="R/K/A layers: value heads, each holding a "
                                                                   "--linear-head-dim square fp32 state."),
     linear_key_heads: int = typer.Option(None, "--linear-key-heads", show_default=False,
-                                         help="R/K layers: query/key heads (default --linear-heads)."),
+                                         help="R/K/A layers: query/key heads (default --linear-heads)."),
     linear_head_dim: int = typer.Option(None, "--linear-head-dim", show_default=False,
-                                        help="R/K layers: key and value features per head (default --head-dim)."),
+                                        help="R/K/A layers: key and value features per head (default --head-dim)."),
     nsa_block: int = typer.Option(None, "--nsa-block", help="NSA: the selection block (a multiple of 4; the "
                                                             "paper's 64): each branch's keys and values (every "
                                                             "token, a window of 8 blocks, compressed ones)."),
@@ -110,9 +110,9 @@ def kv_memory(
     if latent_rope_dim is not None and latent_dim is None:
         fail(f"--latent-rope-dim {latent_rope_dim} is for MLA: give --latent-dim too")
     latent_rope_dim = latent_rope_dim or 0
-    if not layer_pattern or set(layer_pattern) - set("LGCNRKVH"):
+    if not layer_pattern or set(layer_pattern) - set("LGCNRKAVH"):
         fail(f"--layer-pattern must be letters L (local), G (global), C (chunked-local), N (NoPE global), "
-             f"R (Gated DeltaNet), K (KDA), V (CSA) and H (HCA), got {layer_pattern!r}")
+             f"R (Gated DeltaNet), K (KDA), A (linear), V (CSA) and H (HCA), got {layer_pattern!r}")
     compressed = set(layer_pattern) & {"V", "H"}
     if compressed and (compress_rate is None or window is None):
         fail(f"--layer-pattern {layer_pattern} has DeepSeek-V4's compressed (V/H) layers: give "
@@ -197,18 +197,18 @@ def _pattern_bytes(pattern: str, options: dict, index_dim: int, sizes: dict, sha
 
 def _linear_state(pattern: str, heads: int | None, key_heads: int | None, head_dim: int | None, default_dim: int,
                   dtype: str) -> int | None:
-    """Bytes one R/K layer holds per sequence (None: the pattern has none); refusals on one line."""
-    from attnlab.nn.kv_memory import DTYPE_BYTES, recurrent_state_bytes
+    """Bytes one R/K/A layer holds per sequence (None: the pattern has none); refusals on one line."""
+    from attnlab.nn.kv_memory import DTYPE_BYTES, RECURRENT, recurrent_state_bytes
 
-    recurrent = set(pattern) & {"R", "K"}
+    recurrent = set(pattern) & set(RECURRENT)
     given = [name for name, value in (("--linear-heads", heads), ("--linear-key-heads", key_heads),
                                       ("--linear-head-dim", head_dim)) if value is not None]
     if not recurrent:
         if given:
-            fail(f"{given[0]} is for recurrent layers: give --layer-pattern with R or K (e.g. RRRG)")
+            fail(f"{given[0]} is for recurrent layers: give --layer-pattern with R, K or A (e.g. RRRG)")
         return None
     if heads is None:
-        fail(f"--layer-pattern {pattern} has recurrent (R/K) layers: give --linear-heads")
+        fail(f"--layer-pattern {pattern} has recurrent (R/K/A) layers: give --linear-heads")
     if key_heads is not None and heads % key_heads:
         fail(f"--linear-key-heads {key_heads} must divide --linear-heads {heads} (each query/key head serves "
              f"whole value heads)")

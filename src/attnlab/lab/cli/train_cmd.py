@@ -89,8 +89,8 @@ def train(
                                            "(sliding --window), M latent (MLA, --latent-dim), C chunked local "
                                            "(--chunk), N global without positions (NoPE), D differential, "
                                            "Q gated, T sparse top-k (DSA, --topk), S native sparse (NSA, "
-                                           "--nsa-block), R Gated DeltaNet, K Kimi Delta Attention (linear, "
-                                           "no positions), V compressed sparse (DeepSeek-V4 CSA: "
+                                           "--nsa-block), R Gated DeltaNet, K Kimi Delta Attention, A plain "
+                                           "linear attention (linear, no positions), V compressed sparse (DeepSeek-V4 CSA: "
                                            "--compress-rate, --window, --topk), H heavily compressed "
                                            "(HCA: --compress-rate, --window); e.g. LLG, CCCN or RRRQ "
                                            "(default: all G)."),
