@@ -214,6 +214,7 @@ def test_the_2026_notebook_shows_linear_attention_failing_recall_by_default(tmp_
     texts = [text for cell in node.cells if cell.cell_type == "code" for text in _texts(cell)]
     steps = int(re.search(r"^softmax \(LG\): (\d+) steps", "\n".join(texts), flags=re.M).group(1))
     runs = _recall_runs(texts, steps)
+    print("\n".join(line for text in texts for line in text.splitlines() if " steps in " in line))
     assert runs["softmax"] >= 95.0 and runs["linear"] <= runs["softmax"] - 20.0 and runs["hybrid"] >= runs["linear"] + 10.0, runs
 
 
