@@ -129,7 +129,8 @@ class Browser:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"chromium exited with status {self.proc.returncode}")
             if os.path.exists(port_file):
-                lines = open(port_file).read().split()
+                with open(port_file) as handle:  # closed at once: an open file warns under -W error
+                    lines = handle.read().split()
                 if lines:
                     try:
                         with urllib.request.urlopen(f"http://127.0.0.1:{lines[0]}/json/list", timeout=5) as r:
