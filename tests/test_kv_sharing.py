@@ -183,34 +183,16 @@ def test_shared_layer_is_attention_over_its_source_keys(pattern):
                 torch.testing.assert_close(weights[layer].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_no_sharing_model_with_copied_projections_matches_when_inputs_match():
-    """The same weights without sharing: a shared layer's own projections set to its source's give
-    the same output when it attends over the same input (the source's), layer for layer."""
-    shared = tiny("G", num_layers=3, shared=1)
-    plain = tiny("G", num_layers=3, shared=0)
-    state = plain.state_dict()
-    state.update({k: v for k, v in shared.state_dict().items() if not k.startswith("blocks.2.attn.in_proj")})
-    q_rows = shared.blocks[2].attn.in_proj_weight
-    kv_rows = shared.blocks[1].attn.in_proj_weight[16:]
-    state["blocks.2.attn.in_proj_weight"] = torch.cat([q_rows, kv_rows])
-    state["blocks.2.attn.in_proj_bias"] = torch.cat([shared.blocks[2].attn.in_proj_bias,
-                                                     shared.blocks[1].attn.in_proj_bias[16:]])
-    plain.load_state_dict(state)
-    x = torch.randn(2, 6, 16)
-    share = KVShare()
-    with torch.no_grad():
-        shared.blocks[1].attn(x, kv=share)
-        torch.testing.assert_close(shared.blocks[2].attn(x, kv=share), plain.blocks[2].attn(x), atol=1e-6, rtol=1e-6)
-
-
-# Regression (the merge of sharing with the head options): a shared layer's query rows were d_out wide
-# whatever its head width, and a shared NoPE layer skipped Llama 4's temperature.
+# With head options too. Regression (the merge of sharing with the head options): a shared layer's query
+# rows were d_out wide whatever its head width, and a shared NoPE layer skipped Llama 4's temperature.
 @pytest.mark.parametrize("pattern, options", [
-    ("G", dict(head_dim=6)), ("G", dict(qk_norm="olmo2")), ("N", dict(nope_temperature=(2, 0.5)))])
-def test_a_shared_layer_keeps_the_head_options_of_its_letter(pattern, options):
+    ("G", {}), ("G", dict(head_dim=6)), ("G", dict(qk_norm="olmo2")), ("N", dict(nope_temperature=(2, 0.5)))])
+def test_no_sharing_model_with_copied_projections_matches_when_inputs_match(pattern, options):
+    """The same weights without sharing: a shared layer's own projections set to its source's give
+    the same output when it attends over the same input (the source's), with its letter's options."""
     shared = tiny(pattern, num_layers=3, shared=1, **options)
     plain = tiny(pattern, num_layers=3, shared=0, **options)
-    width = shared.blocks[2].attn.d_q
+    width = shared.blocks[2].attn.d_q  # the query rows; the source's key/value rows follow them
     state = {k: v for k, v in shared.state_dict().items() if not k.startswith("blocks.2.attn.in_proj")}
     state["blocks.2.attn.in_proj_weight"] = torch.cat([shared.blocks[2].attn.in_proj_weight,
                                                        shared.blocks[1].attn.in_proj_weight[width:]])
