@@ -179,17 +179,23 @@ def _accuracy(texts: list[str]) -> float:
     return float(next(re.search(r"held-out accuracy ([\d.]+) %", t).group(1) for t in texts if " steps in " in t))
 
 
+def _full_run(title: str, cwd: Path, *, timeout: int) -> list[str]:
+    """The learner's run of the notebook whose title ends with ``title``, as stored: its outputs as text,
+    after checking that none went to stderr or holds warning text."""
+    path = next(path for path in NOTEBOOKS if path.stem.endswith(title))
+    started = time.perf_counter()
+    node = execute(path, timeout=timeout, cwd=cwd)
+    print(f"{path.name}: {time.perf_counter() - started:.1f} s in all")
+    assert not _dirty_outputs(path, node), "\n".join(_dirty_outputs(path, node))
+    return [text for cell in node.cells if cell.cell_type == "code" for text in _texts(cell)]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("ATTNLAB_FULL_NOTEBOOK") != "1",
                     reason="the full run of the real-model notebook: set ATTNLAB_FULL_NOTEBOOK=1 (about a minute)")
 def test_the_real_model_notebook_forms_the_induction_head_by_default(tmp_path):
     """The learner's run, as stored: the accuracy, both heads named, and the ablation's drop."""
-    path = next(path for path in NOTEBOOKS if path.stem.endswith("real model"))
-    started = time.perf_counter()
-    node = execute(path, timeout=180, cwd=tmp_path)
-    print(f"{path.name}: {time.perf_counter() - started:.1f} s in all")
-    assert not _dirty_outputs(path, node), "\n".join(_dirty_outputs(path, node))
-    texts = [text for cell in node.cells if cell.cell_type == "code" for text in _texts(cell)]
+    texts = _full_run("real model", tmp_path, timeout=180)
     assert _accuracy(texts) >= 90.0
     summary = next(text for text in texts if text.startswith("Held-out accuracy"))
     assert re.search(r"Layer 0 head \d is a previous-token head", summary), summary
@@ -206,12 +212,7 @@ def test_the_2026_notebook_shows_linear_attention_failing_recall_by_default(tmp_
     """The learner's run, as stored: softmax recalls (>= 95 %), linear attention of the same size falls
     clearly below it, and the hybrid (one softmax layer on top of a linear one) recovers part of the gap
     in the same steps (30 % against 4 % when measured; it climbs further with more steps)."""
-    path = next(path for path in NOTEBOOKS if path.stem.endswith("2026 models"))
-    started = time.perf_counter()
-    node = execute(path, timeout=600, cwd=tmp_path)
-    print(f"{path.name}: {time.perf_counter() - started:.1f} s in all")
-    assert not _dirty_outputs(path, node), "\n".join(_dirty_outputs(path, node))
-    texts = [text for cell in node.cells if cell.cell_type == "code" for text in _texts(cell)]
+    texts = _full_run("2026 models", tmp_path, timeout=600)
     steps = int(re.search(r"^softmax \(LG\): (\d+) steps", "\n".join(texts), flags=re.M).group(1))
     runs = _recall_runs(texts, steps)
     print("\n".join(line for text in texts for line in text.splitlines() if " steps in " in line))

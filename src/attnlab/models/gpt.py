@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -823,7 +824,7 @@ def _attention_module(letter: str, d_model: int, heads: int, *, layer: int, num_
 # The recurrent letters' layers; "linear" is plain causal linear attention ("Transformers are RNNs": no
 # decay, no delta rule), the baseline of the associative-recall studies.
 _RECURRENT_LAYERS = {"gated_delta": GatedDeltaNet, "kda": KimiDeltaAttention,
-                     "linear": lambda *args, **kwargs: DecayedLinearAttention(*args, decay="none", **kwargs)}
+                     "linear": functools.partial(DecayedLinearAttention, decay="none")}
 INDEX_LOSS_WEIGHT = 1.0  # the T layers' indexer KL, added to the training loss with this weight
 
 
